@@ -1,0 +1,380 @@
+"""Quantization to FP8 at any granularity, and the error statistics of doing so.
+
+Convention (as in ``torch._scaled_mm``): a scale is the DEQUANTIZATION scale, ``x ~= data.float() * scale``.
+Quantizing is ``cast(clamp(x / scale, -max, max))``; current scaling picks ``scale = amax / max * 2**margin``.
+
+Granularities, for a tensor ``x``:
+
+- ``tensor``: one scale, shape ``()``.
+- ``row``: one scale per row along ``axis`` (the dim a scale is shared along). ``x`` (M, K) with ``axis=-1`` has
+  per-token scales of shape (M, 1); ``axis=0`` gives per-column scales of shape (1, K).
+- ``block``: one scale per (br, bc) tile of the last two dims, shape (*lead, ceil(R/br), ceil(C/bc)). Dims that
+  are not a multiple of the block are zero-padded for the amax, which leaves the amax unchanged.
+
+Why the cast is written with integer ops: torch's float32 -> float8 conversion is a scalar software routine on
+CPU (about 0.2 G elements/s here), so the fused kernel rounds to the FP8 grid in fp32 (round-to-nearest-even on
+the mantissa bits) and assembles the FP8 byte with integer arithmetic, all of which torch.compile vectorizes. The
+same function runs eagerly when compilation is off and gives the same bits; tests check both against ml_dtypes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .formats import Fp8Format, get_format
+
+__all__ = [
+    "Fp8Tensor", "quantize", "compute_amax", "scale_from_amax", "expand_scale", "cast_to_fp8", "decode_fp8",
+    "quant_error", "convert_dialect", "GRANULARITIES",
+]
+
+GRANULARITIES = ("tensor", "row", "block")
+_FP32_TINY = torch.finfo(torch.float32).tiny  # 2^-126: scales never go below it, so x / scale stays finite
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The quantized tensor
+# ------------------------------------------------------------------------------------------------------------
+@dataclass
+class Fp8Tensor:
+    data: torch.Tensor  # float8, shaped like the source tensor
+    scale: torch.Tensor  # fp32 dequantization scale (shape: see the module docstring)
+    fmt: Fp8Format
+    granularity: str = "tensor"
+    block: tuple[int, int] = (1, 128)
+    axis: int = -1
+    amax: Optional[torch.Tensor] = None  # the amax the scale was made from (None when the scale was given)
+    values: Optional[torch.Tensor] = field(default=None, repr=False)  # data as fp32, when the kernel kept it
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def unscaled(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The FP8 values without the scale, exactly, in ``dtype`` (FP8 values are exact in bf16 and fp32)."""
+        values = self.values if self.values is not None else decode_fp8(self.data, self.fmt)
+        return values if values.dtype == dtype else values.to(dtype)
+
+    def expanded_scale(self) -> torch.Tensor:
+        return expand_scale(self.scale, self.data.shape, self.granularity, self.block, self.axis)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.unscaled(torch.float32) * self.expanded_scale()).to(dtype)
+
+    def without_values(self) -> "Fp8Tensor":
+        """The same tensor minus the fp32 copy of its values (what to keep around, e.g. for backward)."""
+        return Fp8Tensor(self.data, self.scale, self.fmt, self.granularity, self.block, self.axis, self.amax)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Argument checks (user-facing errors name the argument and what is allowed)
+# ------------------------------------------------------------------------------------------------------------
+def _check_input(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
+        raise ValueError(f"x must be a float32/float16/bfloat16/float64 tensor, got dtype {x.dtype}")
+
+
+def _check_layout(granularity: str, block, axis: int, ndim: int) -> tuple[int, int]:
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if granularity == "row" and not -max(ndim, 1) <= axis < max(ndim, 1):
+        raise ValueError(f"axis={axis} is out of range for a {ndim}-d tensor")
+    try:
+        br, bc = (int(b) for b in block)
+    except (TypeError, ValueError):
+        raise ValueError(f"block must be two positive ints like (1, 128), got {block!r}") from None
+    if br <= 0 or bc <= 0:
+        raise ValueError(f"block sizes must be positive, got {block!r}")
+    return br, bc
+
+
+# ------------------------------------------------------------------------------------------------------------
+# amax and scales
+# ------------------------------------------------------------------------------------------------------------
+def _as_blocks(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
+    """View the last two dims as (Rb, br, Cb, bc) tiles, zero-padding ragged edges."""
+    if x.dim() == 1:
+        x = x.unsqueeze(0)
+    rows, cols = x.shape[-2:]
+    pad_r, pad_c = -rows % br, -cols % bc
+    if pad_r or pad_c:
+        x = F.pad(x, (0, pad_c, 0, pad_r))
+    return x.reshape(*x.shape[:-2], (rows + pad_r) // br, br, (cols + pad_c) // bc, bc)
+
+
+def _amax(x: torch.Tensor, granularity: str, br: int, bc: int, axis: int) -> torch.Tensor:
+    if granularity == "tensor":
+        return x.abs().amax().float()
+    if granularity == "row":
+        return x.abs().amax(dim=axis, keepdim=True).float()
+    return _as_blocks(x.abs(), br, bc).amax(dim=(-3, -1)).float()
+
+
+def _scale(amax: torch.Tensor, fmt_max: float, margin: int, pow2: bool) -> torch.Tensor:
+    # Scale arithmetic in float64, then one rounding to fp32: keeps eager and compiled code in agreement and
+    # makes power-of-2 rounding exact.
+    scale = amax.double() / fmt_max * (2.0 ** margin)
+    if pow2:  # round UP to a power of two, so amax / scale <= max and nothing clips
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    usable = torch.isfinite(amax) & (amax > 0)  # amax 0 / inf / NaN never becomes a scale
+    scale = torch.where(usable, scale, torch.ones_like(scale))
+    return scale.clamp(_FP32_TINY, torch.finfo(torch.float32).max).float()
+
+
+def compute_amax(x, granularity: str = "tensor", block=(1, 128), axis: int = -1) -> torch.Tensor:
+    """max |x| per tensor, row or block (fp32, shaped like the scale). NaN propagates into the amax."""
+    _check_input(x)
+    br, bc = _check_layout(granularity, block, axis, x.dim())
+    return _amax(x.detach(), granularity, br, bc, axis)
+
+
+def scale_from_amax(amax: torch.Tensor, fmt, margin: int = 0, pow2: bool = False) -> torch.Tensor:
+    """Dequantization scale ``amax / max * 2**margin`` (fp32). amax 0 or non-finite gives 1.0, never 0/inf/NaN."""
+    fmt = get_format(fmt)
+    amax = torch.as_tensor(amax, dtype=torch.float32)
+    return _scale(amax, fmt.max, int(margin), bool(pow2))
+
+
+def expand_scale(scale: torch.Tensor, shape, granularity: str = "tensor", block=(1, 128), axis: int = -1):
+    """Broadcast a compact scale back to ``shape`` (tensor and row scales broadcast as they are)."""
+    if granularity != "block":
+        return scale
+    br, bc = int(block[0]), int(block[1])
+    rows, cols = (1, shape[0]) if len(shape) == 1 else tuple(shape[-2:])
+    full = scale.repeat_interleave(br, dim=-2).repeat_interleave(bc, dim=-1)[..., :rows, :cols]
+    return full.reshape(shape)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The cast: scale, clamp, round to the FP8 grid, assemble the byte
+# ------------------------------------------------------------------------------------------------------------
+def _round_to_grid(y: torch.Tensor, m_bits: int, bias: int) -> torch.Tensor:
+    """Round finite fp32 values to the nearest FP8 value (ties to even), staying in fp32.
+
+    Normal range: round the fp32 mantissa to ``m_bits`` bits with the integer RNE trick (add half an ulp of the
+    target minus one, plus the target's lowest kept bit, then truncate). Below the smallest FP8 normal the grid is
+    uniform (multiples of the smallest subnormal), so scale up, torch.round (ties to even), scale back: exact.
+    """
+    drop = 23 - m_bits
+    bits = y.view(torch.int32)
+    kept_lsb = (bits >> drop) & 1
+    normal = ((bits + ((1 << (drop - 1)) - 1) + kept_lsb) & ~((1 << drop) - 1)).view(torch.float32)
+    sub_exp = bias - 1 + m_bits  # 1 / min_subnormal = 2^sub_exp
+    subnormal = torch.round(y * (2.0 ** sub_exp)) * (2.0 ** -sub_exp)
+    return torch.where(y.abs() < 2.0 ** (1 - bias), subnormal, normal)
+
+
+def _encode(grid: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """FP8 bytes of fp32 values already on the FP8 grid (NaN/inf handled by the caller's masks)."""
+    m_bits, bias = fmt.mantissa_bits, fmt.bias
+    bits = grid.view(torch.int32)
+    sign = (bits >> 24) & 0x80  # fp32 bit 31 -> FP8 bit 7
+    exp8 = ((bits >> 23) & 0xFF) - 127 + bias
+    normal = (exp8 << m_bits) | ((bits & 0x7FFFFF) >> (23 - m_bits))
+    subnormal = (grid.abs() * (2.0 ** (bias - 1 + m_bits))).to(torch.int32)
+    magnitude = torch.where(exp8 > 0, normal, subnormal)
+    if not fmt.has_negative_zero:  # FNUZ: -0 would be 0x80, which is NaN there
+        sign = torch.where(magnitude == 0, torch.zeros_like(sign), sign)
+    return sign | magnitude
+
+
+def _cast_kernel(x, scale_full, fmt: Fp8Format, saturate: bool):
+    """(float8 data, fp32 grid values) for x / scale. NaN stays NaN. Out-of-range: clip (saturate) or
+    inf/NaN by the format's rule; an input inf saturates to max, like the OCP saturating conversion."""
+    y = x.float() / scale_full
+    nan = torch.isnan(y)
+    if saturate:
+        y = y.clamp(-fmt.max, fmt.max)
+        overflow = torch.zeros_like(nan)
+    else:  # past max + half the top spacing the value rounds beyond max
+        overflow = y.abs() >= fmt.max + fmt.step_at_max / 2
+        y = y.clamp(-fmt.max, fmt.max)
+    y = torch.where(nan, torch.zeros_like(y), y)
+    grid = _round_to_grid(y, fmt.mantissa_bits, fmt.bias)
+    codes = _encode(grid, fmt)
+    if fmt.has_inf:
+        inf_code = (0x7F >> fmt.mantissa_bits) << fmt.mantissa_bits  # exponent all ones, mantissa 0
+        codes = torch.where(overflow, (codes & 0x80) | inf_code, codes)
+        grid = torch.where(overflow, grid.sign() * math.inf, grid)
+    else:
+        codes = torch.where(overflow, torch.full_like(codes, fmt.nan_codes[0]), codes)
+        grid = torch.where(overflow, torch.full_like(grid, math.nan), grid)
+    codes = torch.where(nan, torch.full_like(codes, fmt.nan_codes[0]), codes)
+    grid = torch.where(nan, torch.full_like(grid, math.nan), grid)
+    return codes.to(torch.uint8), grid  # bytes; viewed as float8 outside the compiled region
+
+
+def _quantize_impl(x, scale, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, margin: int,
+                   pow2: bool, saturate: bool, keep_values: bool):
+    """amax -> scale -> cast in one function, so torch.compile fuses it into a couple of passes."""
+    amax = None
+    if scale is None:
+        amax = _amax(x, granularity, br, bc, axis)
+        scale = _scale(amax, fmt.max, margin, pow2)
+    if granularity == "block":
+        shape = x.shape
+        tiles = _as_blocks(x, br, bc)
+        data, grid = _cast_kernel(tiles, scale.unsqueeze(-1).unsqueeze(-3), fmt, saturate)
+        rows, cols = (1, shape[0]) if x.dim() == 1 else shape[-2:]
+        lead = tiles.shape[:-4]
+        data = data.reshape(*lead, tiles.shape[-4] * br, -1)[..., :rows, :cols].reshape(shape)
+        grid = grid.reshape(*lead, tiles.shape[-4] * br, -1)[..., :rows, :cols].reshape(shape)
+    else:
+        data, grid = _cast_kernel(x, scale, fmt, saturate)
+    # Returning the fp32 grid only when asked lets the compiler drop its 4-byte-per-element write.
+    return data.contiguous(), scale, amax, grid.contiguous() if keep_values else None
+
+
+
+def _decode_impl(codes: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """fp32 values of FP8 bytes, with integer ops (torch's own float8 -> fp32 cast is slow on CPU)."""
+    u = codes.view(torch.uint8).to(torch.int32)
+    m_bits = fmt.mantissa_bits
+    exp_field = (u >> m_bits) & ((0xFF >> (m_bits + 1)))
+    man_field = u & ((1 << m_bits) - 1)
+    sign = torch.where(u >= 0x80, -1.0, 1.0)
+    normal = ((exp_field - fmt.bias + 127) << 23 | man_field << (23 - m_bits)).view(torch.float32)
+    subnormal = man_field.float() * fmt.min_subnormal
+    value = sign * torch.where(exp_field == 0, subnormal, normal)
+    if fmt.special == "ieee":  # all-ones exponent: inf (mantissa 0) or NaN
+        top = exp_field == (0xFF >> (m_bits + 1))
+        value = torch.where(top & (man_field == 0), sign * math.inf, value)
+        value = torch.where(top & (man_field != 0), math.nan, value)
+    else:
+        for nan_code in fmt.nan_codes:
+            value = torch.where(u == nan_code, math.nan, value)
+    return value
+
+
+# Compiled variants, one per static configuration; eager when FP8TRAIN_COMPILE=0 or compilation is unavailable.
+_compiled: dict = {}
+
+
+def _compile_enabled() -> bool:
+    return os.environ.get("FP8TRAIN_COMPILE", "1") != "0"
+
+
+def _run(fn, key, *args):
+    if not _compile_enabled():
+        return fn(*args)
+    compiled = _compiled.get((fn.__name__, key))
+    if compiled is None:
+        import torch._dynamo
+
+        # Each static configuration (format, granularity, options) is one graph; allow enough of them.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        compiled = _compiled[(fn.__name__, key)] = torch.compile(fn, dynamic=None)
+    return compiled(*args)
+
+
+def decode_fp8(data: torch.Tensor, fmt=None) -> torch.Tensor:
+    """FP8 tensor -> fp32 values (exact)."""
+    fmt = get_format(fmt) if fmt is not None else _format_of(data.dtype)
+    return _run(_decode_impl, fmt.name, data, fmt)
+
+
+def _format_of(dtype: torch.dtype) -> Fp8Format:
+    from .formats import FORMATS
+
+    for fmt in FORMATS.values():
+        if fmt.torch_dtype == dtype:
+            return fmt
+    raise ValueError(f"not an FP8 dtype: {dtype}")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Public entry points
+# ------------------------------------------------------------------------------------------------------------
+def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", block=(1, 128), axis: int = -1,
+             margin: int = 0, pow2: bool = False, saturate: bool = True, scale=None,
+             keep_values: bool = False) -> Fp8Tensor:
+    """Quantize ``x`` to FP8. ``scale`` (a dequant scale, shaped per the granularity) skips the amax.
+
+    ``keep_values`` also keeps the fp32 copy of the FP8 values the kernel produced (saves a decode when the
+    caller feeds them straight into a GEMM).
+    """
+    _check_input(x)
+    fmt = get_format(fmt)
+    br, bc = _check_layout(granularity, block, axis, x.dim())
+    if granularity == "row":
+        axis = axis % max(x.dim(), 1)
+    if scale is not None:
+        scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+        if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+            raise ValueError("scale must be finite and > 0 everywhere (it is a dequantization scale)")
+    key = (fmt.name, granularity, br, bc, axis, int(margin), bool(pow2), bool(saturate), scale is None,
+           bool(keep_values))
+    data, scale, amax, grid = _run(_quantize_impl, key, x.detach(), scale, fmt, granularity, br, bc, axis,
+                                   int(margin), bool(pow2), bool(saturate), bool(keep_values))
+    return Fp8Tensor(data.view(fmt.torch_dtype), scale, fmt, granularity, (br, bc), axis, amax, grid)
+
+
+def cast_to_fp8(x: torch.Tensor, scale, fmt="e4m3fn", saturate: bool = True, granularity: str = "tensor",
+                block=(1, 128), axis: int = -1) -> torch.Tensor:
+    """The float8 bytes of ``x / scale`` (clamped or not): ``quantize`` with a given scale, data only."""
+    return quantize(x, fmt, granularity=granularity, block=block, axis=axis, saturate=saturate,
+                    scale=scale).data
+
+
+def quant_error(x: torch.Tensor, q: Fp8Tensor) -> dict:
+    """How much quantizing ``x`` into ``q`` cost.
+
+    overflow_frac: finite elements whose |x / scale| lies past max + half the top spacing (they were clipped);
+    underflow_frac: finite nonzero elements that became 0; rel_l2 and sqnr_db over finite elements;
+    nonfinite_frac: NaN/inf elements of x.
+    """
+    x = x.detach().float()
+    deq = q.dequantize(torch.float32)
+    scale = q.expanded_scale()
+    finite = torch.isfinite(x)
+    n = max(x.numel(), 1)
+    limit = (q.fmt.max + q.fmt.step_at_max / 2) * scale
+    overflow = (x.abs() > limit) & finite
+    underflow = (x != 0) & (deq == 0) & finite
+    xf = torch.where(finite, x, torch.zeros_like(x))
+    err = torch.where(finite, x - torch.nan_to_num(deq, nan=0.0, posinf=0.0, neginf=0.0), torch.zeros_like(x))
+    signal, noise = float(xf.double().pow(2).sum()), float(err.double().pow(2).sum())
+    return {
+        "overflow_frac": float(overflow.sum()) / n,
+        "underflow_frac": float(underflow.sum()) / n,
+        "nonfinite_frac": float((~finite).sum()) / n,
+        "rel_l2": math.sqrt(noise / signal) if signal > 0 else 0.0,
+        "sqnr_db": 10 * math.log10(signal / noise) if noise > 0 and signal > 0 else math.inf,
+        "numel": x.numel(),
+    }
+
+
+def convert_dialect(q: Fp8Tensor, fmt) -> Fp8Tensor:
+    """Re-encode between the OCP and FNUZ dialects (or any two FP8 formats), adjusting the scale so the
+    dequantized values are kept.
+
+    OCP e4m3fn -> e4m3fnuz is always exact with the scale doubled: FNUZ is OCP shifted down one binade and
+    448 / 2 = 224 < 240. For the other directions the power-of-two factors 1, 2 and 1/2 are tried and the first
+    under which every value is representable wins; if none is exact, the first that clips nothing is used and
+    the few values that must round do so to nearest-even (then ``exact`` is False on the result's check).
+    """
+    target = get_format(fmt)
+    values = q.unscaled(torch.float32)
+    finite = torch.isfinite(values)
+    amax = float(values[finite].abs().max()) if bool(finite.any()) else 0.0
+    factors = (1.0, 2.0, 0.5) if target.max < q.fmt.max else (1.0, 0.5, 2.0)
+    fitting = [f for f in factors if amax / f <= target.max]
+    if not fitting:  # only possible between formats of very different range
+        fitting = [2.0 ** math.ceil(math.log2(amax / target.max))]
+    chosen = None
+    for factor in fitting:
+        moved = quantize(values / factor, target, scale=torch.ones(()), keep_values=True)
+        if torch.equal(moved.values[finite], (values / factor)[finite]):
+            chosen = (factor, moved)
+            break
+        chosen = chosen or (factor, moved)
+    factor, moved = chosen
+    return Fp8Tensor(moved.data, (q.scale * factor).float(), target, q.granularity, q.block, q.axis, q.amax)
