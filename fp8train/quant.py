@@ -186,25 +186,36 @@ def _encode(grid: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     return sign | magnitude
 
 
-def _cast_kernel(x, scale_full, fmt: Fp8Format, saturate: bool):
-    """(float8 data, fp32 grid values) for x / scale. NaN stays NaN. Out-of-range: clip (saturate) or
-    inf/NaN by the format's rule; an input inf saturates to max, like the OCP saturating conversion."""
+def _cast_kernel(x, scale_full, fmt: Fp8Format, saturate: bool, native: bool):
+    """(FP8 bytes as uint8, fp32 grid values) for x / scale. NaN stays NaN. Out-of-range: clip (saturate) or
+    inf/NaN by the format's rule; an input inf saturates to max, like the OCP saturating conversion.
+
+    ``native`` uses torch's own float8 cast (one op: best when running eagerly); otherwise the grid rounding and
+    byte assembly are written out so torch.compile can vectorize them. Both give the same bits.
+    """
     y = x.float() / scale_full
     nan = torch.isnan(y)
-    if saturate:
-        y = y.clamp(-fmt.max, fmt.max)
-        overflow = torch.zeros_like(nan)
-    else:  # past max + half the top spacing the value rounds beyond max
-        overflow = y.abs() >= fmt.max + fmt.step_at_max / 2
-        y = y.clamp(-fmt.max, fmt.max)
+    # past max + half the top spacing a value rounds beyond max: clipped, or inf/NaN when not saturating.
+    # Exactly at it is a tie, and ties go to even: down to max when max's last mantissa bit is 0 (e4m3fn's
+    # 1.110b * 2^8: 464 -> 448), up past max otherwise (e5m2, the fnuz formats).
+    limit = fmt.max + fmt.step_at_max / 2
+    max_is_even = (fmt.max / fmt.step_at_max) % 2 == 0
+    overflow = None if saturate else (y.abs() > limit if max_is_even else y.abs() >= limit)
+    y = y.clamp(-fmt.max, fmt.max)
+    if native:
+        data = y.to(fmt.torch_dtype)
+        if overflow is not None:
+            special = math.inf if fmt.has_inf else math.nan
+            data = torch.where(overflow, (y.sign() * special).to(fmt.torch_dtype), data)
+        return data.view(torch.uint8), None
     y = torch.where(nan, torch.zeros_like(y), y)
     grid = _round_to_grid(y, fmt.mantissa_bits, fmt.bias)
     codes = _encode(grid, fmt)
-    if fmt.has_inf:
+    if overflow is not None and fmt.has_inf:
         inf_code = (0x7F >> fmt.mantissa_bits) << fmt.mantissa_bits  # exponent all ones, mantissa 0
         codes = torch.where(overflow, (codes & 0x80) | inf_code, codes)
         grid = torch.where(overflow, grid.sign() * math.inf, grid)
-    else:
+    elif overflow is not None:
         codes = torch.where(overflow, torch.full_like(codes, fmt.nan_codes[0]), codes)
         grid = torch.where(overflow, torch.full_like(grid, math.nan), grid)
     codes = torch.where(nan, torch.full_like(codes, fmt.nan_codes[0]), codes)
@@ -213,7 +224,7 @@ def _cast_kernel(x, scale_full, fmt: Fp8Format, saturate: bool):
 
 
 def _quantize_impl(x, scale, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, margin: int,
-                   pow2: bool, saturate: bool, keep_values: bool):
+                   pow2: bool, saturate: bool, keep_values: bool, native: bool):
     """amax -> scale -> cast in one function, so torch.compile fuses it into a couple of passes."""
     amax = None
     if scale is None:
@@ -222,14 +233,17 @@ def _quantize_impl(x, scale, fmt: Fp8Format, granularity: str, br: int, bc: int,
     if granularity == "block":
         shape = x.shape
         tiles = _as_blocks(x, br, bc)
-        data, grid = _cast_kernel(tiles, scale.unsqueeze(-1).unsqueeze(-3), fmt, saturate)
+        data, grid = _cast_kernel(tiles, scale.unsqueeze(-1).unsqueeze(-3), fmt, saturate, native)
         rows, cols = (1, shape[0]) if x.dim() == 1 else shape[-2:]
         lead = tiles.shape[:-4]
         data = data.reshape(*lead, tiles.shape[-4] * br, -1)[..., :rows, :cols].reshape(shape)
-        grid = grid.reshape(*lead, tiles.shape[-4] * br, -1)[..., :rows, :cols].reshape(shape)
+        if grid is not None:
+            grid = grid.reshape(*lead, tiles.shape[-4] * br, -1)[..., :rows, :cols].reshape(shape)
     else:
-        data, grid = _cast_kernel(x, scale, fmt, saturate)
+        data, grid = _cast_kernel(x, scale, fmt, saturate, native)
     # Returning the fp32 grid only when asked lets the compiler drop its 4-byte-per-element write.
+    if keep_values and grid is None:  # the native cast made no fp32 copy: decode the bytes
+        grid = data.view(fmt.torch_dtype).float()
     return data.contiguous(), scale, amax, grid.contiguous() if keep_values else None
 
 
@@ -278,6 +292,8 @@ def _run(fn, key, *args):
 def decode_fp8(data: torch.Tensor, fmt=None) -> torch.Tensor:
     """FP8 tensor -> fp32 values (exact)."""
     fmt = get_format(fmt) if fmt is not None else _format_of(data.dtype)
+    if not _compile_enabled():
+        return data.view(fmt.torch_dtype).float()  # torch's cast: exact, and one op when running eagerly
     return _run(_decode_impl, fmt.name, data, fmt)
 
 
@@ -312,8 +328,9 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
             raise ValueError("scale must be finite and > 0 everywhere (it is a dequantization scale)")
     key = (fmt.name, granularity, br, bc, axis, int(margin), bool(pow2), bool(saturate), scale is None,
            bool(keep_values))
+    native = not _compile_enabled()
     data, scale, amax, grid = _run(_quantize_impl, key, x.detach(), scale, fmt, granularity, br, bc, axis,
-                                   int(margin), bool(pow2), bool(saturate), bool(keep_values))
+                                   int(margin), bool(pow2), bool(saturate), bool(keep_values), native)
     return Fp8Tensor(data.view(fmt.torch_dtype), scale, fmt, granularity, (br, bc), axis, amax, grid)
 
 

@@ -1,0 +1,36 @@
+"""fp8train: FP8 mixed-precision training recipes for PyTorch, with paired bf16 validation.
+
+The numerics core is imported eagerly; the training-side names are imported on first use so that
+``import fp8train`` stays light.
+"""
+
+from .formats import FORMATS, Fp8Format, get_format
+from .quant import Fp8Tensor, compute_amax, convert_dialect, quant_error, quantize, scale_from_amax
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "recipe": "fp8train.recipes",
+    "Fp8Recipe": "fp8train.recipes",
+    "RECIPE_NAMES": "fp8train.recipes",
+    "Fp8Linear": "fp8train.linear",
+    "convert_to_fp8": "fp8train.convert",
+    "LayerPolicy": "fp8train.convert",
+    "update_fp8_scales": "fp8train.linear",
+    "fp8_layers": "fp8train.convert",
+}
+
+__all__ = [
+    "FORMATS", "Fp8Format", "get_format", "Fp8Tensor", "quantize", "quant_error", "compute_amax",
+    "scale_from_amax", "convert_dialect", *_LAZY,
+]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fp8train' has no attribute {name!r}")

@@ -1,0 +1,112 @@
+"""Per-layer FP8 health: what each Fp8Linear's operands lose to quantization.
+
+Every ``log.telemetry_every`` steps the loop turns ``layer.telemetry`` on for one step; each Fp8Linear then
+records, per operand role (input, weight, grad_output): amax, scale, overflow (clipped) fraction, underflow
+(flushed-to-zero) fraction, SQNR against the unquantized tensor and, for delayed scaling, staleness (this
+step's amax over the amax its scale was made from: > 1 means the tensor grew past what its scale expected).
+Sampling keeps the cost off the other steps. Records go to ``telemetry.jsonl`` (one line per sampled step,
+every layer and role) and a few worst-case numbers go into metrics.jsonl and wandb.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+ROLES = ("input", "weight", "grad_output")
+STAT_KEYS = ("amax", "scale", "overflow_frac", "underflow_frac", "sqnr_db", "staleness", "nonfinite")
+
+
+def enable(layers, on: bool) -> None:
+    for _, layer in layers:
+        layer.telemetry = on
+        if on:
+            layer.last_stats = {}
+
+
+def collect(layers) -> dict:
+    """{layer name: {role: stats}} from the last sampled forward/backward; turns sampling off."""
+    stats = {}
+    for name, layer in layers:
+        stats[name] = {role: _plain(s) for role, s in getattr(layer, "last_stats", {}).items()}
+        layer.telemetry = False
+    return stats
+
+
+def _plain(stats: dict) -> dict:
+    out = {}
+    for key, value in stats.items():
+        if isinstance(value, torch.Tensor):
+            value = value.item() if value.numel() == 1 else value.float().mean().item()
+        out[key] = value
+    return out
+
+
+def summarize(stats: dict) -> dict:
+    """Worst cases across layers for the metrics line: max overflow/underflow per role, min SQNR per role."""
+    out = {}
+    for role in ROLES:
+        rows = [s[role] for s in stats.values() if role in s]
+        if not rows:
+            continue
+        out[f"fp8/{role}/overflow_max"] = max(r.get("overflow_frac", 0.0) or 0.0 for r in rows)
+        out[f"fp8/{role}/underflow_max"] = max(r.get("underflow_frac", 0.0) or 0.0 for r in rows)
+        sqnrs = [r["sqnr_db"] for r in rows if r.get("sqnr_db") is not None and math.isfinite(r["sqnr_db"])]
+        if sqnrs:
+            out[f"fp8/{role}/sqnr_min_db"] = min(sqnrs)
+        stale = [r["staleness"] for r in rows if r.get("staleness") is not None]
+        if stale:
+            out[f"fp8/{role}/staleness_max"] = max(stale)
+    return out
+
+
+def counters(layers) -> dict:
+    """Running event counts over all layers (non-finite amaxes that were kept out of the scales)."""
+    out = {}
+    for role in ROLES:
+        total = 0
+        for _, layer in layers:
+            buf = getattr(layer, f"{role}_nonfinite_amax_count", None)
+            if buf is not None:
+                total += int(buf)
+        out[f"fp8/{role}/nonfinite_amax_events"] = total
+    return out
+
+
+def append(path: Path, step: int, stats: dict, enabled: bool = True) -> None:
+    if enabled:
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": step, "layers": stats}, default=_json_default) + "\n")
+
+
+def _json_default(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return str(value)
+
+
+def capture_step(model, layers, x, y, autocast) -> dict:
+    """Re-run one micro-batch with telemetry on (used when a step diverges, to say which layer broke)."""
+    enable(layers, True)
+    was_training = model.training
+    try:
+        with autocast():
+            _, loss = model(x, y)
+        if torch.isfinite(loss):
+            loss.backward()
+    except RuntimeError:  # the point is to capture what we can
+        pass
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    return collect(layers)
+
+
+def load(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
