@@ -230,21 +230,27 @@ def _quantize_impl(x, scale, fmt: Fp8Format, granularity: str, br: int, bc: int,
     if scale is None:
         amax = _amax(x, granularity, br, bc, axis)
         scale = _scale(amax, fmt.max, margin, pow2)
-    if granularity == "block":
-        shape = x.shape
+    if granularity == "block":  # data and grid stay in the padded tile layout; quantize() crops them
         tiles = _as_blocks(x, br, bc)
         data, grid = _cast_kernel(tiles, scale.unsqueeze(-1).unsqueeze(-3), fmt, saturate, native)
-        rows, cols = (1, shape[0]) if x.dim() == 1 else shape[-2:]
-        lead = tiles.shape[:-4]
-        data = data.reshape(*lead, tiles.shape[-4] * br, -1)[..., :rows, :cols].reshape(shape)
-        if grid is not None:
-            grid = grid.reshape(*lead, tiles.shape[-4] * br, -1)[..., :rows, :cols].reshape(shape)
     else:
         data, grid = _cast_kernel(x, scale, fmt, saturate, native)
     # Returning the fp32 grid only when asked lets the compiler drop its 4-byte-per-element write.
     if keep_values and grid is None:  # the native cast made no fp32 copy: decode the bytes
         grid = data.view(fmt.torch_dtype).float()
     return data.contiguous(), scale, amax, grid.contiguous() if keep_values else None
+
+
+def _untile(tiles: torch.Tensor, shape, br: int, bc: int) -> torch.Tensor:
+    """(*lead, Rb, br, Cb, bc) padded tiles -> ``shape``, dropping the padding.
+
+    Done outside the compiled region on purpose: with the crop fused into the kernel, inductor (torch 2.13, CPU)
+    generated the output loop over full blocks only and never wrote the ragged last block (garbage bytes for
+    e.g. a (96, 300) tensor with 1x128 blocks)."""
+    rows, cols = (1, shape[0]) if len(shape) == 1 else shape[-2:]
+    lead = tiles.shape[:-4]
+    flat = tiles.reshape(*lead, tiles.shape[-4] * br, tiles.shape[-2] * bc)
+    return flat[..., :rows, :cols].reshape(shape).contiguous()
 
 
 
@@ -331,6 +337,9 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
     native = not _compile_enabled()
     data, scale, amax, grid = _run(_quantize_impl, key, x.detach(), scale, fmt, granularity, br, bc, axis,
                                    int(margin), bool(pow2), bool(saturate), bool(keep_values), native)
+    if granularity == "block":
+        data = _untile(data, x.shape, br, bc)
+        grid = _untile(grid, x.shape, br, bc) if grid is not None else None
     return Fp8Tensor(data.view(fmt.torch_dtype), scale, fmt, granularity, (br, bc), axis, amax, grid)
 
 
