@@ -1,0 +1,171 @@
+"""Swap a model's eligible `nn.Linear` layers for `Fp8Linear`, following a `LayerPolicy`, and say what was done.
+
+    report = convert_to_fp8(model, recipe("current"))
+    print(report)             # every Linear: converted, or skipped with the reason
+
+The swap is in place and reuses the Linear's Parameter objects, so an optimizer built before the swap still
+updates the right tensors and the model's parameter count does not change.
+
+The default policy keeps out of FP8 what usually hurts or does not pay (DESIGN.md): embeddings, the output head
+(its logits feed a softmax over the vocabulary), MoE routers (a small top-k decision that flips under rounding)
+and layers too small or oddly shaped for FP8 tensor cores (dims must be multiples of 16).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from fp8train.linear import Fp8Linear, update_fp8_scales  # noqa: F401  (update_fp8_scales re-exported)
+from fp8train.recipes import Fp8Recipe, recipe as make_recipe
+
+__all__ = ["LayerPolicy", "ConversionReport", "convert_to_fp8", "fp8_layers", "update_fp8_scales",
+           "DEFAULT_EXCLUDE", "block_index"]
+
+# Regexes searched in the module's dotted name. Anchored on a whole name component ((^|\.) ... $) so that
+# `mlp.gate` (an MoE router) is excluded while `mlp.gate_proj` (a SwiGLU projection) is not.
+DEFAULT_EXCLUDE: tuple[str, ...] = (
+    r"(^|\.)(embed|embed_tokens|embeddings|wte|wpe|tok_embeddings)$",  # embeddings (when wrapped as Linear)
+    r"(^|\.)(lm_head|output|head|output_proj|classifier|score)$",    # output heads
+    r"(^|\.)(gate|router|shared_expert_gate)$",                       # MoE routers
+)
+
+_BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class LayerPolicy:
+    """Which nn.Linear layers become FP8."""
+
+    min_features: int = 64
+    """Skip layers whose in_features or out_features is smaller: too little work to gain from FP8."""
+    divisible_by: int = 16
+    """Skip layers whose in_features or out_features is not a multiple (FP8 tensor-core GEMMs need 16)."""
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    """Regexes (re.search on the dotted module name); a match keeps the layer in high precision."""
+    skip_first_blocks: int = 0
+    """Keep the first N transformer blocks (names matching r'layers\\.(\\d+)\\.') in high precision."""
+    skip_last_blocks: int = 0
+    """Keep the last N transformer blocks in high precision."""
+
+    def __post_init__(self) -> None:
+        for key in ("min_features", "divisible_by", "skip_first_blocks", "skip_last_blocks"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"LayerPolicy.{key} must be an int >= 0, got {value!r}")
+        if self.divisible_by == 0:
+            raise ValueError("LayerPolicy.divisible_by must be >= 1 (use 1 to accept any size)")
+        exclude = (self.exclude,) if isinstance(self.exclude, str) else tuple(self.exclude)
+        for pattern in exclude:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"LayerPolicy.exclude: invalid regex {pattern!r}: {exc}") from None
+        object.__setattr__(self, "exclude", exclude)
+
+    def skip_reason(self, name: str, linear: nn.Linear, n_blocks: int) -> str | None:
+        """Why `linear` (called `name`) stays in high precision, or None when it converts."""
+        for pattern in self.exclude:
+            if re.search(pattern, name):
+                return f"excluded by pattern {pattern!r}"
+        idx = block_index(name)
+        if idx is not None and idx < self.skip_first_blocks:
+            return f"block {idx} is in the first {self.skip_first_blocks} (skip_first_blocks)"
+        if idx is not None and idx >= n_blocks - self.skip_last_blocks:
+            return f"block {idx} is in the last {self.skip_last_blocks} of {n_blocks} (skip_last_blocks)"
+        dims = {"in_features": linear.in_features, "out_features": linear.out_features}
+        for dim_name, size in dims.items():
+            if size < self.min_features:
+                return f"{dim_name}={size} < min_features={self.min_features}"
+        for dim_name, size in dims.items():
+            if size % self.divisible_by:
+                return f"{dim_name}={size} is not a multiple of {self.divisible_by}"
+        return None
+
+
+@dataclass
+class ConversionReport:
+    """What `convert_to_fp8` did: (name, reason) for every nn.Linear it saw."""
+
+    recipe: Fp8Recipe
+    converted: list[tuple[str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    converted_params: int = 0
+    skipped_params: int = 0
+
+    @property
+    def converted_frac(self) -> float:
+        """Fraction of the nn.Linear weight elements that now run in FP8."""
+        total = self.converted_params + self.skipped_params
+        return self.converted_params / total if total else 0.0
+
+    def to_dict(self) -> dict:
+        return dict(recipe=self.recipe.code(), converted=[list(x) for x in self.converted],
+                    skipped=[list(x) for x in self.skipped], converted_frac=self.converted_frac)
+
+    def __str__(self) -> str:
+        rows = [(n, "fp8", r) for n, r in self.converted] + [(n, "skip", r) for n, r in self.skipped]
+        width = max([len(n) for n, _, _ in rows] + [len("layer")])
+        lines = [f"FP8 conversion ({self.recipe.code()}): {len(self.converted)} converted, "
+                 f"{len(self.skipped)} skipped, {100 * self.converted_frac:.1f}% of linear weights in FP8",
+                 f"{'layer':<{width}}  {'':4}  reason"]
+        lines += [f"{n:<{width}}  {kind:4}  {r}" for n, kind, r in rows]
+        return "\n".join(lines)
+
+
+def block_index(name: str) -> int | None:
+    """Transformer block index of a dotted module name ('layers.3.mlp.up_proj' -> 3), or None."""
+    match = _BLOCK_RE.search(name + ".")
+    return int(match.group(1)) if match else None
+
+
+def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolicy | None = None
+                   ) -> ConversionReport:
+    """Replace, in place, every nn.Linear of `model` that `policy` allows by an Fp8Linear using `recipe`."""
+    recipe = make_recipe(recipe) if isinstance(recipe, str) else recipe
+    policy = policy or LayerPolicy()
+    names = [name for name, _ in model.named_modules()]
+    block_ids = [i for i in map(block_index, names) if i is not None]
+    n_blocks = max(block_ids) + 1 if block_ids else 0
+    report = ConversionReport(recipe=recipe)
+
+    # Collect first, swap after: named_modules must not see a half-modified tree.
+    swaps = []
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear):
+            report.skipped.append((name, "already Fp8Linear"))
+            continue
+        if not isinstance(module, nn.Linear):
+            continue
+        numel = module.weight.numel()
+        if name == "":
+            reason = "the model itself is an nn.Linear: wrap it in a container to swap it in place"
+        elif type(module) is not nn.Linear:
+            reason = f"{type(module).__name__} is a subclass of nn.Linear; only plain nn.Linear is swapped"
+        else:
+            reason = policy.skip_reason(name, module, n_blocks)
+        if reason is None:
+            swaps.append((name, module))
+            report.converted.append((name, f"{module.in_features}->{module.out_features}"))
+            report.converted_params += numel
+        else:
+            report.skipped.append((name, reason))
+            report.skipped_params += numel
+
+    for name, linear in swaps:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Fp8Linear.from_linear(linear, recipe))
+
+    if not report.converted:
+        warnings.warn(f"convert_to_fp8: no nn.Linear was eligible for FP8 ({len(report.skipped)} skipped); "
+                      f"the model runs in high precision. Skip reasons:\n{report}", stacklevel=2)
+    return report
+
+
+def fp8_layers(model: nn.Module) -> list[tuple[str, Fp8Linear]]:
+    """(name, layer) for every Fp8Linear in `model`, in module order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Fp8Linear)]

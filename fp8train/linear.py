@@ -1,0 +1,245 @@
+"""Fp8Linear: an nn.Linear whose three GEMMs run on FP8 operands, with fp32 master weights.
+
+For y = x W^T + b with input x (M, K) (leading dims flattened), weight W (N, K) and grad_output dy (M, N):
+
+    output      = input         @ weight.T     (M, K) @ (K, N) -> (M, N)    forward
+    grad_input  = grad_output   @ weight       (M, N) @ (N, K) -> (M, K)    backward
+    grad_weight = grad_output.T @ input        (N, M) @ (M, K) -> (N, K)    backward
+
+Every operand is FP8 (input and weight in E4M3; grad_output in E5M2 for the hybrid delayed/current recipes, E4M3
+for rowwise/block), each with its dequantization scale, and every GEMM accumulates in fp32 (gemm.fp8_mm).
+grad_bias = sum of grad_output over rows, in fp32 from the unquantized gradient, as in every FP8 recipe.
+The input is saved for backward as FP8 bytes + scale (1 byte per element), never in high precision; the weight's
+FP8 copy is saved too, so backward reuses exactly the operands the forward used.
+
+Scaling state (module buffers, hence in state_dict and checkpoints):
+- every recipe: `{role}_nonfinite_amax_count` (int64), incremented whenever a tensor of that role (any row or
+  block of it, for rowwise/block) has a NaN/inf amax. Such a tensor is still quantized (NaN stays NaN, inf
+  saturates), but its amax never becomes a scale: current scaling uses 1.0 for it (quant.scale_from_amax).
+- delayed scaling, per role (input, weight, grad_output):
+    `{role}_amax_history` (L,) fp32, newest at index 0, zeros before any step;
+    `{role}_scale` () fp32, the dequant scale used by the NEXT steps' forward/backward;
+    `{role}_scale_amax` () fp32, the amax that `scale` was computed from (for staleness telemetry);
+    `{role}_pending_amax` () fp32, max |x| over this optimizer step's micro-batches, -1 when none seen yet;
+    `{role}_initialized` () bool, True once a usable (finite, > 0) amax has produced `scale`.
+
+Delayed scaling, exactly:
+1. Every training-mode quantization of a role records max(pending_amax, amax) into pending_amax (so with
+   gradient accumulation the step's amax is the max over its micro-batches, not the last one). A NaN/inf amax is
+   not recorded; it increments the nonfinite counter instead. Eval-mode forwards do not record.
+2. It quantizes with `scale` when initialized; before that (the first step, no history) with its own amax
+   (current scaling).
+3. `update_fp8_scales(model)`, once per optimizer step after optimizer.step(), all-reduces every pending amax of
+   every layer with MAX in one collective (when torch.distributed is initialized), then per role, if anything was
+   recorded (pending >= 0): rolls the history (newest at index 0, the oldest drops off), takes
+   amax = history.max() ("max") or history[0] ("most_recent"), and if that amax is > 0 sets
+   scale = quant.scale_from_amax(amax, fmt, margin, pow2) and initialized = True. An amax of 0 (e.g. an all-zero
+   gradient) enters the history but keeps the previous scale, and leaves an uninitialized role on current
+   scaling. pending_amax goes back to -1. A role that recorded nothing this step is left untouched.
+
+Telemetry: set `layer.telemetry = True` and every following forward (input, weight) and backward (grad_output)
+overwrites `layer.last_stats[role]` with amax, scale (mean over rows/blocks when not tensorwise), overflow_frac,
+underflow_frac, sqnr_db (quant.quant_error), staleness (delayed only: this tensor's amax / the amax its scale was
+computed from, 1.0 while on current scaling; None for other recipes) and nonfinite. Off by default: it costs
+host syncs and an extra pass over each tensor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fp8train.gemm import Fp8Operand, fp8_mm, resolve_backend
+from fp8train.quant import Fp8Tensor, compute_amax, quant_error, quantize, scale_from_amax
+from fp8train.recipes import ROLES, Fp8Recipe, recipe as make_recipe
+
+__all__ = ["Fp8Linear", "update_fp8_scales"]
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    """output = input @ weight.T (+ bias) from FP8 operands; backward quantizes grad_output and runs the two
+    backward GEMMs from the saved FP8 input and weight."""
+
+    @staticmethod
+    def forward(ctx, input_hp, weight, bias, input_fp8: Fp8Tensor, weight_fp8: Fp8Tensor, layer, backend,
+                out_dtype):
+        input_op = Fp8Operand.from_fp8_tensor(input_fp8)
+        weight_op = Fp8Operand.from_fp8_tensor(weight_fp8)
+        output = fp8_mm(input_op, weight_op.t(), backend, **layer._gemm_kwargs)  # (M, N) fp32
+        if bias is not None:
+            output += bias.float()  # bias in fp32, one rounding to the output dtype below
+        # Saved in FP8: bytes + scales only (not the fp32 copies of the values the quantizer returned).
+        ctx.save_for_backward(input_fp8.data, input_fp8.scale, weight_fp8.data, weight_fp8.scale)
+        ctx.input_block = input_op.block
+        ctx.weight_block = weight_op.block
+        ctx.layer, ctx.backend = layer, backend
+        ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return output.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_data, input_scale, weight_data, weight_scale = ctx.saved_tensors
+        layer, backend = ctx.layer, ctx.backend
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_input = grad_weight = grad_bias = None
+        with torch.autocast(grad_output.device.type, enabled=False):
+            grad_output_fp8 = layer._quantize("grad_output", grad_output)
+            grad_output_op = Fp8Operand.from_fp8_tensor(grad_output_fp8)            # (M, N)
+            input_op = Fp8Operand(input_data, input_scale, ctx.input_block)          # (M, K)
+            weight_op = Fp8Operand(weight_data, weight_scale, ctx.weight_block)      # (N, K)
+            if need_input:    # grad_input = grad_output @ weight          (M, N) @ (N, K)
+                grad_input = fp8_mm(grad_output_op, weight_op, backend, **layer._gemm_kwargs)
+                grad_input = grad_input.to(ctx.input_dtype)
+            if need_weight:   # grad_weight = grad_output.T @ input        (N, M) @ (M, K)
+                grad_weight = fp8_mm(grad_output_op.t(), input_op, backend, **layer._gemm_kwargs)
+                grad_weight = grad_weight.to(ctx.weight_dtype)
+            if need_bias:     # grad_bias = sum over rows, fp32, from the unquantized gradient
+                grad_bias = grad_output.float().sum(0).to(ctx.bias_dtype)
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+class Fp8Linear(nn.Linear):
+    """nn.Linear with FP8 GEMMs (see the module docstring). The weight/bias stay fp32 master Parameters."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 recipe: Fp8Recipe | str = "current", device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = make_recipe(recipe) if isinstance(recipe, str) else recipe
+        if self.recipe.backend == "te":
+            resolve_backend("te", "cpu")  # raises: TE replaces the layer instead (backends.te.make_te_linear)
+        self.telemetry = False
+        self.last_stats: dict[str, dict] = {}
+        # Extra keyword arguments for gemm.fp8_mm (tests use {"_allow_cpu_scaled_mm": True}).
+        self._gemm_kwargs: dict = {}
+        self._init_scaling_state(self.weight.device)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe | str = "current") -> "Fp8Linear":
+        """An Fp8Linear that reuses `linear`'s weight and bias Parameter objects (no copy)."""
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, recipe=recipe,
+                  device="meta")
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new._init_scaling_state(linear.weight.device)
+        new.train(linear.training)
+        return new
+
+    def _init_scaling_state(self, device) -> None:
+        for role in ROLES:
+            self.register_buffer(f"{role}_nonfinite_amax_count", torch.zeros((), dtype=torch.int64, device=device))
+            if self.recipe.is_delayed:
+                self.register_buffer(f"{role}_amax_history",
+                                     torch.zeros(self.recipe.amax_history_len, dtype=torch.float32, device=device))
+                self.register_buffer(f"{role}_scale", torch.ones((), dtype=torch.float32, device=device))
+                self.register_buffer(f"{role}_scale_amax", torch.zeros((), dtype=torch.float32, device=device))
+                self.register_buffer(f"{role}_pending_amax", torch.full((), -1.0, device=device))
+                self.register_buffer(f"{role}_initialized", torch.zeros((), dtype=torch.bool, device=device))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe.code()}"
+
+    # ------------------------------------------------------------------------------------------------------
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        device_type = input.device.type
+        # Output dtype follows autocast (bf16 under torch.autocast), else the input's dtype.
+        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
+            else input.dtype
+        lead_shape = input.shape[:-1]
+        input_2d = input.reshape(-1, self.in_features)  # (M, K)
+        if input_2d.shape[0] == 0:
+            return F.linear(input, self.weight.to(out_dtype), None if self.bias is None else self.bias.to(out_dtype))
+        backend = resolve_backend(self.recipe.backend, input.device)
+        # Our GEMMs pick their own precision; autocast must not recast them to bf16.
+        with torch.autocast(device_type, enabled=False):
+            input_fp8 = self._quantize("input", input_2d)
+            weight_fp8 = self._quantize("weight", self.weight)
+            output = _Fp8LinearFunction.apply(input_2d, self.weight, self.bias, input_fp8, weight_fp8, self,
+                                              backend, out_dtype)
+        return output.reshape(*lead_shape, self.out_features)
+
+    def _quantize(self, role: str, tensor: torch.Tensor) -> Fp8Tensor:
+        """FP8 copy of a 2-D operand with the recipe's format/granularity for `role`; updates scaling state."""
+        r = self.recipe
+        fmt = r.format_of(role)
+        nonfinite_count = getattr(self, f"{role}_nonfinite_amax_count")
+        tensor = tensor.detach()
+        if r.is_delayed:
+            amax = compute_amax(tensor)
+            finite = torch.isfinite(amax)
+            nonfinite_count.add_((~finite).long())
+            if self.training:
+                pending = getattr(self, f"{role}_pending_amax")
+                pending.copy_(torch.where(finite, torch.maximum(pending, amax), pending))
+            own_scale = scale_from_amax(amax, fmt, r.margin, r.pow2_scales)  # first step: current scaling
+            scale = torch.where(getattr(self, f"{role}_initialized"), getattr(self, f"{role}_scale"), own_scale)
+            quantized = quantize(tensor, fmt, scale=scale, keep_values=True)
+            quantized.amax = amax
+        else:
+            quantized = quantize(tensor, fmt, granularity=r.granularity_of(role), block=r.block_of(role),
+                                 axis=-1, margin=r.margin, pow2=r.pow2_scales, keep_values=True)
+            nonfinite_count.add_((~torch.isfinite(quantized.amax)).any().long())
+        if self.telemetry:
+            self._record_stats(role, tensor, quantized)
+        return quantized
+
+    def _record_stats(self, role: str, tensor: torch.Tensor, quantized: Fp8Tensor) -> None:
+        stats = quant_error(tensor, quantized)
+        amax_now = float(quantized.amax.max()) if not torch.isnan(quantized.amax).any() else math.nan
+        staleness = None
+        if self.recipe.is_delayed:
+            if bool(getattr(self, f"{role}_initialized")):
+                source_amax = float(getattr(self, f"{role}_scale_amax"))
+                staleness = amax_now / source_amax if source_amax > 0 else math.inf
+            else:
+                staleness = 1.0  # still on current scaling: the scale came from this very tensor
+        self.last_stats[role] = dict(
+            amax=amax_now,
+            scale=float(quantized.scale.float().mean()),
+            overflow_frac=stats["overflow_frac"],
+            underflow_frac=stats["underflow_frac"],
+            sqnr_db=stats["sqnr_db"],
+            staleness=staleness,
+            nonfinite=not math.isfinite(amax_now),
+        )
+
+    # ------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _update_role(self, role: str, step_amax: torch.Tensor) -> None:
+        """Delayed scaling: fold this step's (all-reduced) amax into `role`'s history and scale."""
+        r = self.recipe
+        history = getattr(self, f"{role}_amax_history")
+        recorded = step_amax >= 0  # pending stays at -1 when no micro-batch recorded an amax
+        rolled = torch.cat([step_amax.reshape(1).to(history.dtype), history[:-1]])
+        history.copy_(torch.where(recorded, rolled, history))
+        amax = history.max() if r.amax_compute_algo == "max" else history[0]
+        usable = recorded & (amax > 0)
+        scale, scale_amax = getattr(self, f"{role}_scale"), getattr(self, f"{role}_scale_amax")
+        scale.copy_(torch.where(usable, scale_from_amax(amax, r.format_of(role), r.margin, r.pow2_scales), scale))
+        scale_amax.copy_(torch.where(usable, amax, scale_amax))
+        initialized = getattr(self, f"{role}_initialized")
+        initialized.copy_(initialized | usable)
+        getattr(self, f"{role}_pending_amax").fill_(-1.0)
+
+
+@torch.no_grad()
+def update_fp8_scales(model: nn.Module, process_group=None) -> None:
+    """Roll delayed-scaling histories once per optimizer step (after optimizer.step()). No-op for other recipes.
+
+    All pending amaxes of all layers go through ONE all_reduce(MAX) when torch.distributed is initialized, so
+    every data-parallel rank ends the step with identical scales.
+    """
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.recipe.is_delayed]
+    if not layers:
+        return
+    pending = torch.stack([getattr(m, f"{role}_pending_amax") for m in layers for role in ROLES])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        dist.all_reduce(pending, op=dist.ReduceOp.MAX, group=process_group)
+    step_amaxes = iter(pending.unbind(0))
+    for layer in layers:
+        for role in ROLES:
+            layer._update_role(role, next(step_amaxes))

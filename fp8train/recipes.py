@@ -1,0 +1,176 @@
+"""FP8 training recipes: one general, validated `Fp8Recipe` and the named presets built over it.
+
+A recipe says, for each operand role of a linear layer (input, weight, grad_output), which FP8 format it is
+cast to and at which granularity its scale is taken, plus how scales are computed:
+
+| preset    | scaling                               | input  / weight / grad_output   | scales           |
+|-----------|---------------------------------------|---------------------------------|------------------|
+| delayed   | per tensor, from an amax history      | e4m3fn / e4m3fn / e5m2 (hybrid) | fp32             |
+| current   | per tensor, from the tensor itself    | e4m3fn / e4m3fn / e5m2 (hybrid) | fp32             |
+| rowwise   | per token (input, grad_output),       | e4m3fn / e4m3fn / e4m3fn        | powers of two    |
+|           | per output channel (weight)           |                                 |                  |
+| block     | 1x128 tiles (input, grad_output),     | e4m3fn / e4m3fn / e4m3fn        | powers of two    |
+|           | 128x128 tiles (weight); DeepSeek-V3   |                                 |                  |
+
+`recipe("delayed", amax_history_len=16)` builds a preset with overrides; unknown names and invalid values raise a
+`ValueError` that says what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = ["Fp8Recipe", "recipe", "RECIPE_NAMES", "SCALINGS", "BACKENDS", "ROLES"]
+
+SCALINGS = ("delayed", "current", "rowwise", "block")
+RECIPE_NAMES = SCALINGS  # one preset per scaling kind
+BACKENDS = ("auto", "emulated", "scaled_mm", "te")
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+ROLES = ("input", "weight", "grad_output")
+# Names accepted for formats (fp8train.formats.get_format accepts the same; "e4m3" is an alias of "e4m3fn").
+FORMAT_NAMES = ("e4m3fn", "e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz")
+_CANONICAL_FORMAT = {"e4m3": "e4m3fn"}
+_SHORT_FORMAT = {"e4m3fn": "e4m3", "e5m2": "e5m2", "e4m3fnuz": "e4m3fnuz", "e5m2fnuz": "e5m2fnuz"}
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How an `Fp8Linear` quantizes its three operands. Build one with `recipe(name, **overrides)`."""
+
+    name: str = "current"
+    """Preset this recipe came from (free text, shown in logs)."""
+    scaling: str = "current"
+    """'delayed' (per tensor, amax history of earlier steps), 'current' (per tensor, own amax),
+    'rowwise' (per token / per output channel) or 'block' (tiles given by the *_block fields)."""
+    input_format: str = "e4m3fn"
+    """FP8 format of the layer input (forward activations)."""
+    weight_format: str = "e4m3fn"
+    """FP8 format of the weight."""
+    grad_output_format: str = "e5m2"
+    """FP8 format of the gradient flowing into the layer's output (backward)."""
+    margin: int = 0
+    """Scale headroom in powers of two: scale = amax / fmt.max * 2**margin."""
+    pow2_scales: bool = False
+    """Round every scale up to a power of two (exact rescaling, nothing clips)."""
+    amax_history_len: int = 1024
+    """Delayed scaling only: number of earlier steps whose amax is kept."""
+    amax_compute_algo: str = "max"
+    """Delayed scaling only: 'max' of the history or its 'most_recent' entry."""
+    input_block: tuple[int, int] = (1, 128)
+    """Block scaling only: tile (rows, cols) of the input (M, K) sharing one scale."""
+    weight_block: tuple[int, int] = (128, 128)
+    """Block scaling only: tile (rows, cols) of the weight (N, K) sharing one scale."""
+    grad_output_block: tuple[int, int] = (1, 128)
+    """Block scaling only: tile (rows, cols) of grad_output (M, N) sharing one scale."""
+    backend: str = "auto"
+    """GEMM backend: 'auto' (scaled_mm on a capable CUDA GPU, else emulated), 'emulated', 'scaled_mm', 'te'."""
+
+    def __post_init__(self) -> None:
+        _check_choice("scaling", self.scaling, SCALINGS)
+        _check_choice("amax_compute_algo", self.amax_compute_algo, AMAX_COMPUTE_ALGOS)
+        _check_choice("backend", self.backend, BACKENDS)
+        for role in ROLES:
+            key = f"{role}_format"
+            value = getattr(self, key)
+            _check_choice(key, value, FORMAT_NAMES)
+            object.__setattr__(self, key, _CANONICAL_FORMAT.get(value, value))
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int):
+            raise ValueError(f"margin must be an int (powers of two of headroom), got {self.margin!r}")
+        if not isinstance(self.pow2_scales, bool):
+            raise ValueError(f"pow2_scales must be a bool, got {self.pow2_scales!r}")
+        if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
+                or self.amax_history_len < 1:
+            raise ValueError(f"amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
+        for role in ROLES:
+            key = f"{role}_block"
+            block = getattr(self, key)
+            ok = isinstance(block, (tuple, list)) and len(block) == 2 and all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)
+            if not ok:
+                raise ValueError(f"{key} must be two positive ints (rows, cols), got {block!r}")
+            object.__setattr__(self, key, tuple(block))
+        # Multi-field rule: FNUZ (MI300) and OCP formats cannot be mixed inside one GEMM.
+        dialects = {self.format_of(r).endswith("fnuz") for r in ROLES}
+        if len(dialects) > 1:
+            raise ValueError("input_format, weight_format and grad_output_format must all be OCP (e4m3fn, e5m2) "
+                             "or all FNUZ (e4m3fnuz, e5m2fnuz); got "
+                             + ", ".join(self.format_of(r) for r in ROLES))
+
+    # --- per-role views used by Fp8Linear -------------------------------------------------------------------
+    def format_of(self, role: str) -> str:
+        """Format name of operand `role` ('input', 'weight' or 'grad_output')."""
+        return getattr(self, f"{role}_format")
+
+    def granularity_of(self, role: str) -> str:
+        """quant.quantize granularity of `role`: 'tensor', 'row' or 'block'."""
+        return {"delayed": "tensor", "current": "tensor", "rowwise": "row", "block": "block"}[self.scaling]
+
+    def block_of(self, role: str) -> tuple[int, int]:
+        """Tile of `role` for block scaling (ignored otherwise)."""
+        return getattr(self, f"{role}_block")
+
+    @property
+    def is_delayed(self) -> bool:
+        return self.scaling == "delayed"
+
+    @property
+    def is_tensorwise(self) -> bool:
+        return self.scaling in ("delayed", "current")
+
+    def code(self) -> str:
+        """Compact code for extra_repr and logs, e.g. 'delayed:e4m3/e4m3/e5m2:h1024max:m0'."""
+        fmts = "/".join(_SHORT_FORMAT[self.format_of(r)] for r in ROLES)
+        parts = [self.scaling, fmts]
+        if self.scaling == "delayed":
+            parts.append(f"h{self.amax_history_len}{'max' if self.amax_compute_algo == 'max' else 'recent'}")
+        if self.scaling == "block":
+            parts.append("b" + ",".join(f"{r}x{c}" for r, c in (self.block_of(x) for x in ROLES)))
+        parts.append(f"m{self.margin}")
+        if self.pow2_scales:
+            parts.append("pow2")
+        if self.backend != "auto":
+            parts.append(self.backend)
+        return ":".join(parts)
+
+    def replace(self, **overrides) -> "Fp8Recipe":
+        """A copy with some fields changed (validated like `recipe`)."""
+        _check_fields(overrides)
+        return dataclasses.replace(self, **overrides)
+
+
+_PRESETS: dict[str, dict] = {
+    # TE's DelayedScaling defaults: HYBRID formats, 1024-step history, max.
+    "delayed": dict(scaling="delayed", grad_output_format="e5m2", amax_history_len=1024, amax_compute_algo="max"),
+    # torchao's default float8 recipe: dynamic tensorwise, E4M3 forward, E5M2 backward.
+    "current": dict(scaling="current", grad_output_format="e5m2"),
+    # torchao's "rowwise": per-row scales are narrow enough that E4M3 suffices for gradients too.
+    "rowwise": dict(scaling="rowwise", grad_output_format="e4m3fn", pow2_scales=True),
+    # DeepSeek-V3: 1x128 activation/gradient tiles, 128x128 weight tiles, all E4M3, pow2 scales.
+    "block": dict(scaling="block", grad_output_format="e4m3fn", pow2_scales=True,
+                  input_block=(1, 128), weight_block=(128, 128), grad_output_block=(1, 128)),
+}
+
+
+def recipe(name: str, **overrides) -> Fp8Recipe:
+    """The preset `name` (one of RECIPE_NAMES) with `overrides` applied; validated."""
+    if isinstance(name, Fp8Recipe):
+        return name.replace(**overrides) if overrides else name
+    if name not in _PRESETS:
+        raise ValueError(f"unknown FP8 recipe {name!r}; allowed: {', '.join(RECIPE_NAMES)}")
+    _check_fields(overrides)
+    return Fp8Recipe(**{"name": name, **_PRESETS[name], **overrides})
+
+
+def _check_fields(overrides: dict) -> None:
+    valid = [f.name for f in dataclasses.fields(Fp8Recipe)]
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown Fp8Recipe field(s) {', '.join(unknown)}; valid fields: {', '.join(valid)}")
+
+
+def _check_choice(key: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key} must be one of {', '.join(allowed)}; got {value!r}")

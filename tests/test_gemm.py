@@ -1,0 +1,126 @@
+"""GEMM backends: the emulated backend against an fp64 reference, and against torch._scaled_mm (CPU) for
+tensorwise and rowwise scales, in the layouts of all three linear-layer GEMMs."""
+
+import pytest
+import torch
+
+from fp8train.gemm import Fp8Operand, emulated_compute_dtype, fp8_mm, resolve_backend
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These tensors are tiny: a second OpenMP thread only adds synchronization (10x slower on a busy box)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _fp8(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 8).to(dtype)  # torch's own cast: independent of quant.py
+
+
+def _pow2(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.exp2(torch.randint(-6, 6, shape, generator=g).float())
+
+
+def _reference(a_data, a_scale_full, b_data, b_scale_full):
+    """fp64 GEMM of the dequantized operands (FP8 values and pow2 scales are exact in fp64)."""
+    return (a_data.double() * a_scale_full.double()) @ (b_data.double() * b_scale_full.double())
+
+
+def _check_close(out, ref):
+    assert out.dtype == torch.float32
+    # fp32 accumulation over K <= 256 terms of exact products: relative error ~ K * 2^-24 of the row norm.
+    tol = 1e-5 * ref.abs().max().item() + 1e-30
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=tol)
+
+
+M, K, N = 48, 256, 80
+
+
+@pytest.mark.parametrize("kind", ["tensor", "row_outer", "row_contracted", "block"])
+@pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)])
+def test_emulated_matches_fp64_reference(kind, dtypes):
+    a_data, b_data = _fp8((M, K), dtypes[0], 1), _fp8((K, N), dtypes[1], 2)
+    if kind == "tensor":
+        sa, sb = _pow2((), 3) * 0.7, _pow2((), 4) * 1.3  # non-pow2 tensor scales factor out exactly enough
+        a, b = Fp8Operand(a_data, sa), Fp8Operand(b_data, sb)
+        fa, fb = sa, sb
+    elif kind == "row_outer":  # a per row, b per column: both along non-contracted dims
+        sa, sb = _pow2((M, 1), 3), _pow2((1, N), 4)
+        a, b = Fp8Operand(a_data, sa), Fp8Operand(b_data, sb)
+        fa, fb = sa, sb
+    elif kind == "row_contracted":  # a per column, b per row: both vary along K (backward GEMM layouts)
+        sa, sb = _pow2((1, K), 3), _pow2((K, 1), 4)
+        a, b = Fp8Operand(a_data, sa), Fp8Operand(b_data, sb)
+        fa, fb = sa, sb
+    else:  # 1x128 tiles for a, 128x128 tiles for b (ragged N=80 < 128)
+        sa, sb = _pow2((M, K // 128), 3), _pow2((K // 128, 1), 4)
+        a, b = Fp8Operand(a_data, sa, (1, 128)), Fp8Operand(b_data, sb, (128, 128))
+        fa = sa.repeat_interleave(128, 1)
+        fb = sb.repeat_interleave(128, 0).expand(K, N)
+    _check_close(fp8_mm(a, b, "emulated"), _reference(a_data, fa, b_data, fb))
+
+
+def test_transposed_operand_shares_values():
+    a_data = _fp8((M, K), E4M3, 5)
+    a = Fp8Operand(a_data, _pow2((M, 1), 6))
+    at = a.t()
+    assert at.shape == (K, M) and at.scale.shape == (1, M)
+    torch.testing.assert_close(at.dequantize(), a.dequantize().t())
+    blocked = Fp8Operand(a_data, _pow2((M, K // 128), 7), (1, 128)).t()
+    assert blocked.block == (128, 1)
+    torch.testing.assert_close(blocked.dequantize(), (a_data.float() * _pow2((M, K // 128), 7)
+                                                      .repeat_interleave(128, 1)).t())
+
+
+# The three GEMMs of Fp8Linear, as (a, b) operand builders over x (M, K), w (N, K), dy (M, N).
+def _linear_gemms(x, w, dy):
+    return {
+        "output": (x, w.t()),        # input @ weight.T
+        "grad_input": (dy, w),       # grad_output @ weight
+        "grad_weight": (dy.t(), x),  # grad_output.T @ input
+    }
+
+
+@pytest.mark.parametrize("gemm", ["output", "grad_input", "grad_weight"])
+def test_scaled_mm_cpu_matches_emulated_tensorwise(gemm):
+    x = Fp8Operand(_fp8((64, 128), E4M3, 1), torch.tensor(0.03125))
+    w = Fp8Operand(_fp8((96, 128), E4M3, 2), torch.tensor(0.0078125))
+    dy = Fp8Operand(_fp8((64, 96), E5M2, 3), torch.tensor(0.25))
+    a, b = _linear_gemms(x, w, dy)[gemm]
+    emulated = fp8_mm(a, b, "emulated")
+    scaled = fp8_mm(a, b, "scaled_mm", _allow_cpu_scaled_mm=True)
+    torch.testing.assert_close(scaled, emulated, rtol=1e-5, atol=1e-5 * emulated.abs().max().item())
+
+
+def test_scaled_mm_cpu_rowwise_forward():
+    x = Fp8Operand(_fp8((64, 128), E4M3, 1), _pow2((64, 1), 4))
+    w = Fp8Operand(_fp8((96, 128), E4M3, 2), _pow2((96, 1), 5))
+    emulated = fp8_mm(x, w.t(), "emulated")
+    scaled = fp8_mm(x, w.t(), "scaled_mm", _allow_cpu_scaled_mm=True)  # bf16 output in torch's rowwise kernel
+    torch.testing.assert_close(scaled, emulated, rtol=2 ** -8, atol=1e-6 * emulated.abs().max().item())
+
+
+def test_scaled_mm_refused_without_capable_gpu():
+    a = Fp8Operand(_fp8((16, 16), E4M3, 1), torch.tensor(1.0))
+    with pytest.raises(RuntimeError, match="backend='emulated'"):
+        fp8_mm(a, a, "scaled_mm")
+    with pytest.raises(RuntimeError, match="compute capability 8.9"):
+        resolve_backend("scaled_mm", "cpu")
+
+
+def test_backend_resolution_on_cpu():
+    assert resolve_backend("auto", "cpu") == "emulated"
+    assert resolve_backend("emulated", "cpu") == "emulated"
+    assert emulated_compute_dtype("cpu") == torch.float32
+    assert emulated_compute_dtype("cuda") == torch.bfloat16
+    with pytest.raises(ValueError, match="make_te_linear"):
+        resolve_backend("te", "cpu")
+    with pytest.raises(ValueError, match="allowed"):
+        resolve_backend("cublas", "cpu")

@@ -1,0 +1,325 @@
+"""Fp8Linear: accuracy against nn.Linear and against an independent ml_dtypes reference, delayed-scaling state
+(hand-computed scale sequences), gradient accumulation, non-finite handling, state_dict, autocast, telemetry."""
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from fp8train.linear import Fp8Linear, update_fp8_scales
+from fp8train.recipes import recipe
+
+RECIPES = ("delayed", "current", "rowwise", "block")
+ROLES = ("input", "weight", "grad_output")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These tensors are tiny: a second OpenMP thread only adds synchronization (10x slower on a busy box)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+# SQNR thresholds (dB) against fp32 nn.Linear on Gaussian data. One E4M3 cast of a Gaussian gives ~31 dB;
+# a GEMM of two such operands ~28 dB. E5M2 (2 mantissa bits) costs ~6 dB more on the gradients.
+OUTPUT_DB = 25.0
+GRAD_DB = {"delayed": 20.0, "current": 20.0, "rowwise": 25.0, "block": 25.0}
+
+
+def sqnr_db(actual, expected):
+    expected, actual = expected.double(), actual.double()
+    return 10 * math.log10(expected.pow(2).sum().item() / (actual - expected).pow(2).sum().item())
+
+
+def _pair(recipe_name, in_features, out_features, bias=True, seed=0):
+    torch.manual_seed(seed)
+    ref = nn.Linear(in_features, out_features, bias=bias)
+    fp8 = Fp8Linear(in_features, out_features, bias=bias, recipe=recipe_name)
+    fp8.load_state_dict(ref.state_dict(), strict=False)
+    return ref, fp8
+
+
+def _fwd_bwd(layer, x, grad):
+    x = x.clone().requires_grad_(True)
+    y = layer(x)
+    y.backward(grad)
+    return y.detach(), x.grad, layer.weight.grad, None if layer.bias is None else layer.bias.grad
+
+
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("shape", [(4, 64, 256, 384), (3, 37, 192, 160)])  # (B, T, K, N); 2nd is ragged
+def test_sqnr_against_nn_linear(name, shape):
+    b, t, k, n = shape
+    ref, fp8 = _pair(name, k, n)
+    x, grad = torch.randn(b, t, k), torch.randn(b, t, n)
+    expected, got = _fwd_bwd(ref, x, grad), _fwd_bwd(fp8, x, grad)
+    assert got[0].shape == (b, t, n)
+    assert sqnr_db(got[0], expected[0]) > OUTPUT_DB
+    assert sqnr_db(got[1], expected[1]) > GRAD_DB[name]  # grad_input
+    assert sqnr_db(got[2], expected[2]) > GRAD_DB[name]  # grad_weight
+    torch.testing.assert_close(got[3], expected[3])      # grad_bias comes from the unquantized gradient
+
+
+# ---- independent reference for current scaling: ml_dtypes casts + fp64 GEMMs ---------------------------------
+def _np_quantize(t, np_dtype, fmt_max):
+    """Per-tensor current scaling done with numpy: scale = fp32(amax / max) (computed in fp64), fp32 divide,
+    clip, then ml_dtypes' round-to-nearest-even cast. Returns (fp8 array, fp64 dequantized values)."""
+    t32 = t.detach().float().numpy()
+    scale = np.float32(np.float64(np.abs(t32).max()) / fmt_max)
+    q = np.clip(t32 / scale, -fmt_max, fmt_max).astype(np_dtype)
+    return q, q.astype(np.float64) * np.float64(scale)
+
+
+def test_current_scaling_matches_ml_dtypes_reference():
+    torch.manual_seed(1)
+    m, k, n = 96, 256, 160
+    layer = Fp8Linear(k, n, bias=True, recipe="current")
+    x = (torch.randn(m, k) * 3).requires_grad_(True)
+    grad = torch.randn(m, n) * 1e-3
+
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = layer(x)
+    y.backward(grad)
+
+    x_q, x_ref = _np_quantize(x, ml_dtypes.float8_e4m3fn, 448.0)
+    w_q, w_ref = _np_quantize(layer.weight, ml_dtypes.float8_e4m3fn, 448.0)
+    g_q, g_ref = _np_quantize(grad, ml_dtypes.float8_e5m2, 57344.0)
+    bias = layer.bias.detach().double().numpy()
+
+    # The bytes saved for backward are exactly ml_dtypes' FP8 encodings of input and weight.
+    saved_fp8 = [t for t in saved if t.dtype == torch.float8_e4m3fn]
+    assert len(saved_fp8) == 2
+    assert np.array_equal(saved_fp8[0].view(torch.uint8).numpy(), x_q.view(np.uint8))
+    assert np.array_equal(saved_fp8[1].view(torch.uint8).numpy(), w_q.view(np.uint8))
+
+    def close(actual, expected):  # fp32 accumulation and one fp32 output rounding
+        np.testing.assert_allclose(actual.detach().double().numpy(), expected, rtol=0,
+                                   atol=2e-6 * np.abs(expected).max())
+
+    close(y, x_ref @ w_ref.T + bias)                 # output = input @ weight.T
+    close(x.grad, g_ref @ w_ref)                      # grad_input = grad_output @ weight
+    close(layer.weight.grad, g_ref.T @ x_ref)         # grad_weight = grad_output.T @ input
+    close(layer.bias.grad, grad.double().sum(0).numpy())
+
+
+def test_input_saved_in_fp8_not_high_precision():
+    layer = Fp8Linear(128, 64, recipe="current")
+    x = torch.randn(32, 128, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer(x).sum().backward()
+    big = [t for t in saved if t.numel() >= 64]
+    assert big and all(t.dtype == torch.float8_e4m3fn for t in big), [(t.dtype, t.shape) for t in saved]
+
+
+# ---- delayed scaling: hand-computed sequences ----------------------------------------------------------------
+def _delayed_probe(**overrides):
+    """16x16 layer with weight 448 * I: the weight quantizes exactly with scale 1, so y[0, 0] = 448 * x_deq."""
+    layer = Fp8Linear(16, 16, bias=False, recipe=recipe("delayed", **overrides))
+    with torch.no_grad():
+        layer.weight.copy_(448 * torch.eye(16))
+    return layer
+
+
+def _step(layer, amax):
+    x = torch.zeros(2, 16)
+    x[0, 0] = amax
+    x[1, 1] = -amax / 4
+    y = layer(x)
+    update_fp8_scales(layer)
+    return y[0, 0].item() / 448  # the dequantized input value the forward used
+
+
+AMAXES = [448, 896, 224, 112, 112, 1792]
+
+
+@pytest.mark.parametrize("overrides, scales_after, x_used", [
+    # history of 3, max: step 5 drops 896 out of the window (rollover)
+    (dict(amax_history_len=3, amax_compute_algo="max"), [1, 2, 2, 2, 0.5, 4], [448, 448, 224, 112, 112, 224]),
+    (dict(amax_history_len=3, amax_compute_algo="most_recent"), [1, 2, 0.5, 0.25, 0.25, 4],
+     [448, 448, 224, 112, 112, 112]),
+    # margin 1 doubles every scale; the first step (own amax, 448 -> scale 2) does not clip
+    (dict(amax_history_len=3, amax_compute_algo="most_recent", margin=1), [2, 4, 1, 0.5, 0.5, 8],
+     [448, 896, 224, 112, 112, 224]),
+    (dict(amax_history_len=1024, amax_compute_algo="max"), [1, 2, 2, 2, 2, 4], [448, 448, 224, 112, 112, 896]),
+])
+def test_delayed_scale_sequence(overrides, scales_after, x_used):
+    layer = _delayed_probe(**overrides)
+    for amax, scale, used in zip(AMAXES, scales_after, x_used):
+        assert _step(layer, amax) == used
+        assert layer.input_scale.item() == scale
+        assert layer.weight_scale.item() == 2.0 ** overrides.get("margin", 0)  # weight amax 448
+    history = layer.input_amax_history
+    if len(history) == 3:
+        assert history.tolist() == [1792, 112, 112]  # newest first
+    else:
+        assert history[:6].tolist() == AMAXES[::-1] and history[6:].abs().sum() == 0
+
+
+def test_delayed_first_step_uses_own_amax_and_non_pow2_scale():
+    layer = _delayed_probe(amax_history_len=4)
+    assert _step(layer, 896) == 896  # no history yet: scaled from its own amax, nothing clips
+    assert layer.input_scale.item() == 2.0
+    _step(layer, 300)
+    assert layer.input_scale.item() == 2.0  # max(300, 896) / 448
+    layer = _delayed_probe(amax_history_len=4, amax_compute_algo="most_recent")
+    _step(layer, 300)
+    assert layer.input_scale.item() == pytest.approx(0.6696428571428571, rel=1e-7)  # 300 / 448
+    layer = _delayed_probe(amax_history_len=4, pow2_scales=True)
+    _step(layer, 300)
+    assert layer.input_scale.item() == 1.0  # 0.6696 rounded up to a power of two
+
+
+def test_delayed_zero_amax_keeps_previous_scale():
+    layer = _delayed_probe(amax_history_len=4, amax_compute_algo="most_recent")
+    _step(layer, 0.0)
+    assert layer.input_scale.item() == 1.0 and not layer.input_initialized.item()
+    _step(layer, 896)
+    _step(layer, 0.0)
+    assert layer.input_scale.item() == 2.0 and layer.input_amax_history[:3].tolist() == [0, 896, 0]
+
+
+def test_grad_accumulation_amax_is_max_over_micro_batches():
+    layer = _delayed_probe(amax_history_len=4, amax_compute_algo="most_recent")
+    for amax in (896, 224):  # two micro-batches of one optimizer step: the big one first
+        x = torch.zeros(2, 16, requires_grad=True)
+        with torch.no_grad():
+            x[0, 0] = amax
+        grad = torch.zeros(2, 16)
+        grad[0, 0] = amax * 128  # e5m2 max is 57344 = 448 * 128
+        layer(x).backward(grad)
+    update_fp8_scales(layer)
+    assert layer.input_scale.item() == 2.0        # 896 / 448, not 224 / 448
+    assert layer.grad_output_scale.item() == 2.0  # 114688 / 57344, not 28672 / 57344
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_nonfinite_does_not_poison_delayed_state(bad):
+    layer = _delayed_probe(amax_history_len=4)
+    _step(layer, 896)
+    x = torch.ones(4, 16)
+    x[2, 3] = bad
+    layer(x)  # NaN/inf input: counted, not recorded
+    assert layer.input_nonfinite_amax_count.item() == 1
+    assert layer.input_pending_amax.item() == -1.0
+    update_fp8_scales(layer)
+    assert layer.input_scale.item() == 2.0 and layer.input_amax_history.tolist() == [896, 0, 0, 0]
+
+    x = torch.ones(4, 16, requires_grad=True)
+    grad = torch.ones(4, 16)
+    grad[1, 1] = bad
+    layer(x).backward(grad)  # NaN/inf gradient: counted, the input's amax still recorded
+    update_fp8_scales(layer)
+    assert layer.grad_output_nonfinite_amax_count.item() == 1
+    assert torch.isfinite(layer.grad_output_amax_history).all() and torch.isfinite(layer.grad_output_scale)
+    assert layer.input_amax_history.tolist() == [1, 896, 0, 0]
+
+
+@pytest.mark.parametrize("name", ["current", "rowwise", "block"])
+def test_nonfinite_counted_for_dynamic_recipes(name):
+    layer = Fp8Linear(128, 128, recipe=name)
+    x = torch.randn(8, 128)
+    x[3, 5] = math.inf
+    x = x.requires_grad_(True)
+    grad = torch.randn(8, 128)
+    grad[0, 0] = math.nan
+    layer(x).backward(grad)
+    assert layer.input_nonfinite_amax_count.item() == 1
+    assert layer.grad_output_nonfinite_amax_count.item() == 1
+    assert layer.weight_nonfinite_amax_count.item() == 0
+
+
+def test_update_is_noop_without_delayed_layers():
+    layer = Fp8Linear(64, 64, recipe="current")
+    update_fp8_scales(nn.Sequential(layer))
+    assert "input_scale" not in layer.state_dict()
+
+
+# ---- state, autocast, shapes ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", RECIPES)
+def test_state_dict_round_trip_is_bit_identical(name):
+    torch.manual_seed(2)
+    layer = Fp8Linear(128, 96, recipe=recipe(name, amax_history_len=8))
+    for step in range(3):
+        x = torch.randn(16, 128) * (step + 1)
+        layer(x).sum().backward()
+        update_fp8_scales(layer)
+    state = layer.state_dict()
+    fresh = Fp8Linear(128, 96, recipe=recipe(name, amax_history_len=8))
+    fresh.load_state_dict(state)
+    for key, value in state.items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+    x, grad = torch.randn(16, 128) * 5, torch.randn(16, 96)
+    layer.zero_grad(set_to_none=True)
+    a, b = _fwd_bwd(layer, x, grad), _fwd_bwd(fresh, x, grad)
+    for got, expected in zip(b, a):
+        assert torch.equal(got, expected)
+
+
+def test_from_linear_reuses_parameters_and_repr():
+    linear = nn.Linear(64, 32)
+    layer = Fp8Linear.from_linear(linear, recipe("delayed", amax_history_len=16))
+    assert layer.weight is linear.weight and layer.bias is linear.bias
+    assert "recipe=delayed:e4m3/e4m3/e5m2:h16max:m0" in repr(layer)
+    assert layer.input_amax_history.device == linear.weight.device and layer.input_amax_history.shape == (16,)
+    assert isinstance(layer, nn.Linear)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_output_dtype_follows_autocast(name):
+    layer = Fp8Linear(128, 64, recipe=name)
+    x = torch.randn(2, 8, 128, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 8, 64)
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
+    assert layer(x).dtype == torch.float32
+    xb = x.detach().bfloat16().requires_grad_(True)
+    yb = layer(xb)
+    yb.sum().backward()
+    assert yb.dtype == torch.bfloat16 and xb.grad.dtype == torch.bfloat16
+
+
+def test_bias_added_in_fp32():
+    layer = Fp8Linear(64, 64, recipe="current")
+    with torch.no_grad():
+        layer.weight.zero_()
+        layer.bias.fill_(1 + 2 ** -20)  # not representable in bf16; survives an fp32 add
+    y = layer(torch.randn(4, 64))
+    assert torch.all(y == 1 + 2 ** -20)
+
+
+def test_telemetry_records_every_role():
+    torch.manual_seed(3)
+    for name in RECIPES:
+        layer = Fp8Linear(128, 128, recipe=recipe(name, amax_history_len=4))
+        layer(torch.randn(8, 128)).sum().backward()
+        assert layer.last_stats == {}  # off by default
+        layer.telemetry = True
+        x = torch.randn(8, 128)
+        layer(x).sum().backward()
+        assert set(layer.last_stats) == set(ROLES)
+        stats = layer.last_stats["input"]
+        assert stats["amax"] == pytest.approx(x.abs().max().item())
+        assert stats["sqnr_db"] > 25 and stats["overflow_frac"] == 0.0 and not stats["nonfinite"]
+        assert set(stats) == {"amax", "scale", "overflow_frac", "underflow_frac", "sqnr_db", "staleness",
+                              "nonfinite"}
+        if name == "delayed":
+            assert stats["staleness"] == 1.0  # before any update: scaled from its own amax
+            update_fp8_scales(layer)
+            layer(x * 4).sum().backward()
+            assert layer.last_stats["input"]["staleness"] == pytest.approx(4.0)
+            assert layer.last_stats["input"]["overflow_frac"] > 0  # 4x the amax of the scale: clipped
+        else:
+            assert stats["staleness"] is None
+
+
+def test_te_backend_is_not_an_fp8linear_backend():
+    with pytest.raises(ValueError, match="make_te_linear"):
+        Fp8Linear(64, 64, recipe=recipe("current", backend="te"))

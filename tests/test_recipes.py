@@ -1,0 +1,96 @@
+"""Fp8Recipe presets, overrides and validation errors."""
+
+import dataclasses
+
+import pytest
+
+from fp8train.recipes import RECIPE_NAMES, Fp8Recipe, recipe
+
+# Expected preset fields, written out (not read back from the code).
+PRESETS = {
+    "delayed": dict(scaling="delayed", input_format="e4m3fn", weight_format="e4m3fn", grad_output_format="e5m2",
+                    amax_history_len=1024, amax_compute_algo="max", margin=0, pow2_scales=False),
+    "current": dict(scaling="current", input_format="e4m3fn", weight_format="e4m3fn", grad_output_format="e5m2",
+                    margin=0, pow2_scales=False),
+    "rowwise": dict(scaling="rowwise", input_format="e4m3fn", weight_format="e4m3fn",
+                    grad_output_format="e4m3fn", pow2_scales=True),
+    "block": dict(scaling="block", input_format="e4m3fn", weight_format="e4m3fn", grad_output_format="e4m3fn",
+                  pow2_scales=True, input_block=(1, 128), weight_block=(128, 128), grad_output_block=(1, 128)),
+}
+
+
+def test_recipe_names():
+    assert set(RECIPE_NAMES) == set(PRESETS)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_fields(name):
+    r = recipe(name)
+    assert r.name == name
+    for key, value in PRESETS[name].items():
+        assert getattr(r, key) == value, key
+
+
+@pytest.mark.parametrize("name, granularity", [("delayed", "tensor"), ("current", "tensor"), ("rowwise", "row"),
+                                               ("block", "block")])
+def test_granularity_per_role(name, granularity):
+    r = recipe(name)
+    assert all(r.granularity_of(role) == granularity for role in ("input", "weight", "grad_output"))
+
+
+def test_code_strings():
+    assert recipe("delayed").code() == "delayed:e4m3/e4m3/e5m2:h1024max:m0"
+    assert recipe("delayed", amax_history_len=16, amax_compute_algo="most_recent", margin=1).code() == \
+        "delayed:e4m3/e4m3/e5m2:h16recent:m1"
+    assert recipe("current").code() == "current:e4m3/e4m3/e5m2:m0"
+    assert recipe("rowwise").code() == "rowwise:e4m3/e4m3/e4m3:m0:pow2"
+    assert recipe("block", backend="emulated").code() == "block:e4m3/e4m3/e4m3:b1x128,128x128,1x128:m0:pow2:emulated"
+
+
+def test_overrides_and_alias():
+    r = recipe("delayed", amax_history_len=16, margin=2, input_format="e4m3")
+    assert (r.amax_history_len, r.margin, r.input_format) == (16, 2, "e4m3fn")
+    assert r.replace(margin=0).margin == 0
+
+
+def test_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        recipe("current").margin = 3
+
+
+def test_unknown_recipe_name_lists_allowed():
+    with pytest.raises(ValueError, match="allowed: delayed, current, rowwise, block"):
+        recipe("tensorwise")
+
+
+def test_unknown_override_lists_fields():
+    with pytest.raises(ValueError, match=r"unknown Fp8Recipe field\(s\) history_len; valid fields: .*amax_history_len"):
+        recipe("delayed", history_len=4)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(scaling="stochastic"), "scaling"),
+    (dict(amax_compute_algo="mean"), "amax_compute_algo"),
+    (dict(backend="cuda"), "backend"),
+    (dict(grad_output_format="e3m4"), "grad_output_format"),
+    (dict(amax_history_len=0), "amax_history_len"),
+    (dict(margin=0.5), "margin"),
+    (dict(pow2_scales="yes"), "pow2_scales"),
+    (dict(weight_block=(128,)), "weight_block"),
+    (dict(input_block=(0, 128)), "input_block"),
+])
+def test_invalid_values_name_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        recipe("delayed", **overrides)
+
+
+def test_mixed_dialects_rejected():
+    with pytest.raises(ValueError, match=r"must all be OCP .* or all FNUZ"):
+        recipe("current", grad_output_format="e5m2fnuz")
+    r = recipe("current", input_format="e4m3fnuz", weight_format="e4m3fnuz", grad_output_format="e5m2fnuz")
+    assert r.code().startswith("current:e4m3fnuz/e4m3fnuz/e5m2fnuz")
+
+
+def test_direct_construction_validates():
+    with pytest.raises(ValueError, match="scaling"):
+        Fp8Recipe(scaling="rowwize")

@@ -1,0 +1,55 @@
+"""The fp8train -> Transformer Engine recipe mapping (pure; runs without TE or a GPU)."""
+
+import importlib.util
+
+import pytest
+import torch.nn as nn
+
+from fp8train.backends.te import make_te_linear, te_recipe_kwargs
+from fp8train.recipes import recipe
+
+EXPECTED = {
+    "delayed": ("DelayedScaling", dict(fp8_format="HYBRID", margin=0, amax_history_len=1024,
+                                       amax_compute_algo="max"), True),
+    "current": ("Float8CurrentScaling", dict(fp8_format="HYBRID"), True),
+    "rowwise": ("MXFP8BlockScaling", dict(fp8_format="E4M3"), False),
+    "block": ("Float8BlockScaling", dict(fp8_format="E4M3"), True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_preset_mapping(name):
+    cls, kwargs, exact = EXPECTED[name]
+    spec = te_recipe_kwargs(recipe(name))
+    assert spec["recipe_class"] == cls
+    assert spec["kwargs"] == kwargs
+    assert spec["exact"] is exact
+    assert exact or spec["note"]  # an inexact mapping says why
+
+
+def test_delayed_carries_history_algo_margin():
+    spec = te_recipe_kwargs(recipe("delayed", amax_history_len=16, amax_compute_algo="most_recent", margin=2))
+    assert spec["kwargs"] == dict(fp8_format="HYBRID", margin=2, amax_history_len=16,
+                                  amax_compute_algo="most_recent")
+
+
+def test_all_e4m3_delayed_is_format_e4m3():
+    assert te_recipe_kwargs(recipe("delayed", grad_output_format="e4m3fn"))["kwargs"]["fp8_format"] == "E4M3"
+
+
+@pytest.mark.parametrize("r, match", [
+    (recipe("current", margin=1), "margin"),
+    (recipe("current", input_format="e5m2"), "HYBRID"),
+    (recipe("block", grad_output_format="e5m2"), "e4m3fn"),
+    (recipe("block", weight_block=(1, 128)), "128x128"),
+    (recipe("current", input_format="e4m3fnuz", weight_format="e4m3fnuz", grad_output_format="e5m2fnuz"), "HYBRID"),
+])
+def test_unsupported_recipes_raise(r, match):
+    with pytest.raises(ValueError, match=match):
+        te_recipe_kwargs(r)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="TE is installed")
+def test_make_te_linear_without_te_says_what_to_install():
+    with pytest.raises(ImportError, match=r"pip install fp8train\[te\]"):
+        make_te_linear(nn.Linear(64, 64), recipe("delayed"))
