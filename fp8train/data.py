@@ -1,0 +1,218 @@
+"""Real text, byte-level tokens, deterministic batches.
+
+Corpora (`data.path`):
+- "" (default): the running Python's own standard library .py sources (site-packages and test folders left
+  out), read in sorted path order up to `data.max_bytes`. Real, varied text that every machine has; note that
+  it differs between Python versions, so compare runs made on the same interpreter.
+- a text file: byte-level tokens; the last `val_fraction` of them is the validation split.
+- a folder: every non-hidden text file below it (recursive, sorted; files with NUL bytes are skipped as
+  binary), up to `data.max_bytes`; if the folder holds a nanoGPT `train.bin`, that is used instead.
+- a nanoGPT uint16 `.bin`: token ids from some other tokenizer (model.vocab_size must exceed them all);
+  a `val.bin` beside a `train.bin` is the validation split, otherwise the tail of the file.
+
+Folders and the built-in corpus are split into train and validation BY FILE, on a hash of each file's
+relative path (salted with `data.split_seed`): the split does not move when files are added elsewhere, and
+no validation text is ever trained on.
+
+`train_batch(step)` is the GLOBAL batch of an optimizer step, a pure function of (train.seed, step): resumed
+runs and any number of processes see the same sequences. `val_batches()` is a fixed list that does not depend
+on train.seed, so paired runs are evaluated on identical tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["TextData", "build_data", "stdlib_files"]
+
+BYTE_VOCAB = 256
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+@dataclass
+class TextData:
+    """Token streams plus the batching rules. Token arrays are uint8 (bytes) or uint16 (.bin) numpy arrays."""
+
+    train_tokens: np.ndarray
+    val_tokens: np.ndarray
+    vocab_size: int
+    seq_len: int
+    batch_size: int
+    seed: int
+    eval_batches: int
+    byte_level: bool = True
+    source: str = ""
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    _val_cache: list | None = field(default=None, repr=False)
+
+    def _windows(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]  # (B, T+1)
+        chunk = torch.from_numpy(tokens[idx].astype(np.int64))
+        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()  # x, y: (B, T)
+
+    def train_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y), each (train.batch_size, seq_len) int64: random windows drawn from a generator seeded by
+        hash(seed, step) alone, so the batch of a step never depends on what ran before it."""
+        digest = hashlib.sha256(f"fp8train-batch:{self.seed}:{step}".encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        high = len(self.train_tokens) - self.seq_len  # last valid start + 1 (a window needs T+1 tokens)
+        starts = torch.randint(0, high, (self.batch_size,), generator=gen).numpy()
+        return self._windows(self.train_tokens, starts)
+
+    def val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """eval_batches fixed batches of windows spread evenly over the validation tokens (no randomness)."""
+        if self._val_cache is None:
+            n_windows = self.eval_batches * self.batch_size
+            last = len(self.val_tokens) - self.seq_len - 1
+            starts = np.linspace(0, last, n_windows).round().astype(np.int64)
+            self._val_cache = [
+                self._windows(self.val_tokens, starts[i * self.batch_size:(i + 1) * self.batch_size])
+                for i in range(self.eval_batches)
+            ]
+        return self._val_cache
+
+    def encode(self, text: str) -> list[int]:
+        if not self.byte_level:
+            raise ValueError(f"encode: {self.source} holds ids of an external tokenizer; only byte-level text "
+                             "corpora can encode strings")
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        if not self.byte_level:
+            raise ValueError(f"decode: {self.source} holds ids of an external tokenizer; only byte-level text "
+                             "corpora can decode")
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Corpus readers
+
+
+def stdlib_files() -> tuple[Path, list[Path]]:
+    """The standard library root and its .py files, sorted, without site-packages and test folders."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+        files += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
+    return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _text_files(folder: Path) -> list[Path]:
+    files = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        files += [Path(dirpath) / f for f in filenames if not f.startswith(".")]
+    return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
+
+
+def _is_val_file(rel: str, val_fraction: float, split_seed: int) -> bool:
+    h = hashlib.sha256(f"{split_seed}:{rel}".encode()).digest()
+    return int.from_bytes(h[:8], "little") / 2**64 < val_fraction
+
+
+def _read_files(root: Path, files: list[Path], max_bytes: int, check_binary: bool):
+    """Read files in order up to max_bytes; returns [(relative path, bytes)]."""
+    out, total = [], 0
+    for path in files:
+        raw = path.read_bytes()
+        if not raw or (check_binary and b"\x00" in raw[:8192]):
+            continue
+        if max_bytes and total + len(raw) > max_bytes:
+            if total:
+                break
+            raw = raw[:max_bytes]  # a single huge first file: take its head
+        out.append((path.relative_to(root).as_posix(), raw))
+        total += len(raw)
+    return out
+
+
+def _split_by_file(docs, val_fraction: float, split_seed: int):
+    train = [(r, b) for r, b in docs if not _is_val_file(r, val_fraction, split_seed)]
+    val = [(r, b) for r, b in docs if _is_val_file(r, val_fraction, split_seed)]
+    return train, val
+
+
+def _join(docs) -> np.ndarray:
+    return np.frombuffer(b"".join(b for _, b in docs), dtype=np.uint8)
+
+
+def _tail_split(tokens: np.ndarray, val_fraction: float, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    n_val = max(int(len(tokens) * val_fraction), seq_len + 1)
+    return tokens[:-n_val], tokens[-n_val:]
+
+
+def _load_bin(path: Path, vocab_size: int, val_fraction: float, seq_len: int):
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    val_path = path.with_name("val.bin")
+    if path.name == "train.bin" and val_path.exists():
+        val = np.memmap(val_path, dtype=np.uint16, mode="r")
+        train = tokens
+    else:
+        train, val = _tail_split(tokens, val_fraction, seq_len)
+    for name, arr in ((str(path), tokens), (str(val_path), val)):
+        top = int(arr.max()) if len(arr) else 0
+        if top >= vocab_size:
+            raise ValueError(f"data.path {name}: token id {top} >= model.vocab_size {vocab_size}; set "
+                             f"model.vocab_size above the largest id (e.g. {top + 1}, or 50304 for GPT-2 ids)")
+    return train, val
+
+
+def build_data(cfg) -> TextData:
+    """The corpus of `cfg.data` batched per `cfg.train` and `cfg.model` (see the module docstring)."""
+    d, T = cfg.data, cfg.model.seq_len
+    byte_level, train_files, val_files = True, [], []
+    if not d.path:
+        root, files = stdlib_files()
+        source = f"built-in corpus (Python stdlib at {root})"
+        docs = _read_files(root, files, d.max_bytes, check_binary=False)
+    else:
+        path = Path(os.path.expanduser(d.path))
+        source = f"data.path {d.path!r}"
+        if not path.exists():
+            raise ValueError(f"{source} does not exist; give a text file, a folder of text files or a .bin "
+                             "(empty string = built-in corpus)")
+        if path.is_dir() and (path / "train.bin").exists():
+            path = path / "train.bin"
+        if path.suffix == ".bin":
+            byte_level, docs = False, None
+            if path.stat().st_size < 2:
+                raise ValueError(f"{source} is empty; a .bin needs uint16 token ids")
+            train, val = _load_bin(path, cfg.model.vocab_size, d.val_fraction, T)
+        elif path.is_dir():
+            docs = _read_files(path, _text_files(path), d.max_bytes, check_binary=True)
+            if not docs:
+                raise ValueError(f"{source} is a folder with no non-empty text files")
+        else:
+            docs = _read_files(path.parent, [path], d.max_bytes, check_binary=False)
+            if not docs:
+                raise ValueError(f"{source} is an empty file")
+            train, val = _tail_split(_join(docs), d.val_fraction, T)
+            docs = None
+    if docs is not None:
+        train_docs, val_docs = _split_by_file(docs, d.val_fraction, d.split_seed)
+        train, val = _join(train_docs), _join(val_docs)
+        if len(train) <= T or len(val) <= T:  # too few files for a by-file split: fall back to the tail
+            train, val = _tail_split(_join(docs), d.val_fraction, T)
+        else:
+            train_files, val_files = [r for r, _ in train_docs], [r for r, _ in val_docs]
+    if byte_level and cfg.model.vocab_size < BYTE_VOCAB:
+        raise ValueError(f"model.vocab_size {cfg.model.vocab_size} is too small for byte-level text from {source}: "
+                         f"needs >= {BYTE_VOCAB}")
+    if len(train) <= T or len(val) <= T:
+        raise ValueError(f"{source} is too short: {len(train)} train and {len(val)} validation tokens, but each "
+                         f"split needs at least model.seq_len + 1 = {T + 1}")
+    return TextData(
+        train_tokens=train, val_tokens=val, vocab_size=cfg.model.vocab_size if not byte_level else BYTE_VOCAB,
+        seq_len=T, batch_size=cfg.train.batch_size, seed=cfg.train.seed, eval_batches=cfg.train.eval_batches,
+        byte_level=byte_level, source=source, train_files=train_files, val_files=val_files,
+    )

@@ -1,0 +1,226 @@
+"""A compact Llama-style decoder, in the nanoGPT spirit.
+
+RMSNorm -> grouped-query causal attention with RoPE -> RMSNorm -> SwiGLU MLP, pre-norm residual blocks, an
+optional tied output head. Every large matmul is a plain `nn.Linear` so `convert_to_fp8` can swap it; the
+attention product itself goes through `F.scaled_dot_product_attention` and stays in bf16 under autocast.
+
+Module names are a contract (the layer policy, telemetry and the KV-cache evaluation rely on them):
+`embed`, `layers.{i}.attn_norm`, `layers.{i}.attn.{q,k,v,o}_proj`, `layers.{i}.mlp_norm`,
+`layers.{i}.mlp.{gate,up,down}_proj`, `norm`, `lm_head`.
+
+`build_model(model_cfg)` also builds a Hugging Face causal LM from a local `config.json` when
+`model.hf_config` is set, wrapped so that it has the same `forward(idx, targets) -> (logits, loss)`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["Decoder", "HFCausalLM", "build_model", "count_params"]
+
+# callable(k, v, layer_idx) -> (k, v); k and v are (B, n_kv_heads, T, head_dim)
+KVTransform = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm. Computes in fp32 whatever the input dtype: the mean of squares of a bf16
+    activation loses most of its mantissa otherwise."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.float()
+        x_fp32 = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x_fp32 * self.weight.float()).to(x.dtype)
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, (T, head_dim), fp32, in the "rotate half" layout used by Llama / HF."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), inv_freq)  # (T, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (i, i + hd/2) of x (B, nh, T, hd) by position-dependent angles, in fp32."""
+    x_fp32 = x.float()
+    x1, x2 = x_fp32.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x_fp32 * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, layer_idx: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.head_dim = d_model // n_heads
+        self.layer_idx = layer_idx
+        self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
+        # Hook for the FP8 KV-cache evaluation: sees K (after RoPE) and V exactly as attention would read them.
+        self.kv_transform: Optional[KVTransform] = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_transform is not None:
+            k, v = self.kv_transform(k, v, self.layer_idx)
+        # Attention stays in the autocast dtype (bf16); FP8 is only for the projections around it.
+        y = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )  # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        return self.o_proj(y)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
+        self.up_proj = nn.Linear(d_model, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads(), layer_idx)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim())
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    """Token embedding -> n_layers blocks -> final norm -> lm_head. `cfg` is a `ModelConfig`."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rope_cos_sin(cfg.seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
+        # Not persistent: derived from the config, so checkpoints do not carry (or disagree about) them.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # GPT-2 / Llama-style init; residual projections scaled by 1/sqrt(2 n_layers) so the residual stream's
+        # variance does not grow with depth (2 residual adds per block).
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if name.endswith(("o_proj", "down_proj")) else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def _rope(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if T > self.rope_cos.shape[0]:  # longer than model.seq_len (e.g. a long-context eval): extend
+            cos, sin = rope_cos_sin(T, self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta, device)
+            self.rope_cos, self.rope_sin = cos, sin
+        return self.rope_cos[:T], self.rope_sin[:T]
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
+        """idx (B, T) int64 -> logits (B, T, vocab); loss = mean cross entropy in fp32 if targets given."""
+        B, T = idx.shape
+        cos, sin = self._rope(T, idx.device)
+        x = self.embed(idx)  # (B, T, C)
+        for block in self.layers:
+            x = block(x, cos, sin)
+        logits = self.lm_head(self.norm(x))  # (B, T, V)
+        return logits, lm_loss(logits, targets)
+
+
+def lm_loss(logits: torch.Tensor, targets: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if targets is None:
+        return None
+    # fp32 softmax: a bf16 log-sum-exp over the vocabulary visibly biases the loss we compare runs by.
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal LM with fp8train's `forward(idx, targets) -> (logits, loss)`."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
+        logits = self.hf(input_ids=idx, use_cache=False).logits  # (B, T, V)
+        return logits, lm_loss(logits, targets)
+
+
+def build_hf_model(model_cfg) -> HFCausalLM:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as e:
+        raise ImportError(
+            "model.hf_config needs Hugging Face transformers: pip install transformers  (or fp8train[hf])"
+        ) from e
+    path = os.path.expanduser(model_cfg.hf_config)
+    if not os.path.exists(path):
+        raise ValueError(f"model.hf_config: {path!r} does not exist; give a local config.json or a folder holding one")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model.hf_config: folder {path!r} has no config.json")
+    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    vocab = getattr(hf_config, "vocab_size", None)
+    if vocab is not None and vocab < model_cfg.vocab_size:
+        raise ValueError(
+            f"model.hf_config: its vocab_size {vocab} is smaller than model.vocab_size {model_cfg.vocab_size} "
+            "(the data's token ids); raise vocab_size in the HF config"
+        )
+    max_pos = getattr(hf_config, "max_position_embeddings", None)
+    if max_pos is not None and max_pos < model_cfg.seq_len:
+        raise ValueError(
+            f"model.seq_len {model_cfg.seq_len} exceeds max_position_embeddings {max_pos} of model.hf_config"
+        )
+    return HFCausalLM(AutoModelForCausalLM.from_config(hf_config))
+
+
+def build_model(model_cfg) -> nn.Module:
+    """Our Decoder, or a Hugging Face causal LM when model.hf_config is set (architecture fields then come from
+    that config; model.seq_len and model.vocab_size still describe the data)."""
+    if model_cfg.hf_config:
+        return build_hf_model(model_cfg)
+    return Decoder(model_cfg)
+
+
+def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Number of parameters, each shared tensor counted once (tied embeddings)."""
+    seen, total = set(), 0
+    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for p in model.parameters():
+        if id(p) in seen or (exclude_embeddings and id(p) in embedding_ids):
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    return total
