@@ -274,16 +274,29 @@ def _decode_impl(codes: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     return value
 
 
-# Compiled variants, one per static configuration; eager when FP8TRAIN_COMPILE=0 or compilation is unavailable.
+# When to use torch.compile (FP8TRAIN_COMPILE): "auto" (default) compiles tensors of at least COMPILE_MIN_NUMEL
+# elements and runs smaller ones eagerly; "1" always compiles; "0" never does. Both paths give the same bits.
+# Why a size rule: a cold compile costs 15-45 s on 2 cores and each compiled call ~50 us of overhead, while for
+# small tensors the eager path (torch's own cast, a handful of ops) is already fast; a small model would pay the
+# compile time in every process and never win it back.
+COMPILE_MIN_NUMEL = 1 << 20
 _compiled: dict = {}
 
 
-def _compile_enabled() -> bool:
-    return os.environ.get("FP8TRAIN_COMPILE", "1") != "0"
+def _compile_mode() -> str:
+    mode = os.environ.get("FP8TRAIN_COMPILE", "auto").strip().lower()
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"FP8TRAIN_COMPILE must be auto, 0 or 1, got {mode!r}")
+    return mode
 
 
-def _run(fn, key, *args):
-    if not _compile_enabled():
+def _use_compile(numel: int) -> bool:
+    mode = _compile_mode()
+    return mode == "1" or (mode == "auto" and numel >= COMPILE_MIN_NUMEL)
+
+
+def _run(fn, key, *args, compiled_ok: bool = True):
+    if not compiled_ok:
         return fn(*args)
     compiled = _compiled.get((fn.__name__, key))
     if compiled is None:
@@ -298,7 +311,7 @@ def _run(fn, key, *args):
 def decode_fp8(data: torch.Tensor, fmt=None) -> torch.Tensor:
     """FP8 tensor -> fp32 values (exact)."""
     fmt = get_format(fmt) if fmt is not None else _format_of(data.dtype)
-    if not _compile_enabled():
+    if not _use_compile(data.numel()):
         return data.view(fmt.torch_dtype).float()  # torch's cast: exact, and one op when running eagerly
     return _run(_decode_impl, fmt.name, data, fmt)
 
@@ -334,9 +347,10 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
             raise ValueError("scale must be finite and > 0 everywhere (it is a dequantization scale)")
     key = (fmt.name, granularity, br, bc, axis, int(margin), bool(pow2), bool(saturate), scale is None,
            bool(keep_values))
-    native = not _compile_enabled()
+    native = not _use_compile(x.numel())
     data, scale, amax, grid = _run(_quantize_impl, key, x.detach(), scale, fmt, granularity, br, bc, axis,
-                                   int(margin), bool(pow2), bool(saturate), bool(keep_values), native)
+                                   int(margin), bool(pow2), bool(saturate), bool(keep_values), native,
+                                   compiled_ok=not native)
     if granularity == "block":
         data = _untile(data, x.shape, br, bc)
         grid = _untile(grid, x.shape, br, bc) if grid is not None else None

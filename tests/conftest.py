@@ -1,7 +1,7 @@
 """Shared fixtures for the fp8train test suite.
 
-Compilation: fp8train.quant runs its fused kernels through torch.compile unless FP8TRAIN_COMPILE=0. A compile
-costs seconds to tens of seconds on CPU per configuration, and eager mode gives the same bits, so tests run
+Compilation: fp8train.quant runs its fused kernels through torch.compile for large tensors (FP8TRAIN_COMPILE=auto,
+the default), always (1) or never (0). A compile costs seconds to tens of seconds on CPU per configuration, and eager mode gives the same bits, so tests run
 eagerly by default. The default is set here, at import, before any test module imports fp8train (setdefault: a
 caller who exports FP8TRAIN_COMPILE=1 runs the whole suite compiled). A test that must exercise the compiled
 path takes the ``compiled`` fixture and carries the ``compiled`` marker (``pytest -m compiled`` runs just those,
