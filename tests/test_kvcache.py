@@ -1,0 +1,262 @@
+"""FP8 KV-cache evaluation: memory arithmetic, the cache transform against an ml_dtypes reference, the clipping
+and underflow counters, the identity check, and kv-eval end to end on a short CPU-trained run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from fp8train.formats import get_format
+from fp8train.kvcache import (Fp8KvCache, KvCacheConfig, KvEvalOptions, add_cli_arguments, bf16_cache, cli_main,
+                              kv_bytes_per_token, kv_eval, kv_transforms, position_buckets, score_caches)
+
+KIB = 1024
+ML_DTYPES = {"e4m3fn": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2,
+             "e4m3fnuz": ml_dtypes.float8_e4m3fnuz, "e5m2fnuz": ml_dtypes.float8_e5m2fnuz}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A tiny trained run (module-scoped: trained once for this file)
+# ------------------------------------------------------------------------------------------------------------
+TINY_RUN = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.seq_len=64", "train.max_steps=30",
+            "train.batch_size=4", "train.eval_every=30", "train.eval_batches=2", "train.lr=1e-2",
+            "optim.warmup_steps=5", "log.wandb=disabled", "log.telemetry_every=0", "data.max_bytes=1000000",
+            # FP8 training (so loading maps an FP8 checkpoint onto the plain model); fp32 activations: bf16 matmuls
+            # are slow on CPUs without native bf16, and the cache reference is bf16-rounded K/V either way.
+            "fp8.recipe=current", "policy.min_features=16", "train.autocast=none"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from fp8train.config import load_config
+    from fp8train.train import train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: one thread is faster on a shared CPU
+    root = tmp_path_factory.mktemp("kvrun")
+    cfg = load_config(None, [f"run.dir={root}", "run.name=tiny", *TINY_RUN])
+    summary = train(cfg, show_progress=False)
+    assert summary["status"] == "completed"
+    yield root / "tiny"
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_run):
+    from fp8train.data import build_data
+    from fp8train.export import load_run
+
+    run = load_run(tiny_run)
+    return run.model, build_data(run.cfg).val_batches()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Memory arithmetic
+# ------------------------------------------------------------------------------------------------------------
+def test_kv_bytes_worked_example():
+    # 80 layers x 8 KV heads x head_dim 128: K and V, 2 bytes each in bf16.
+    assert kv_bytes_per_token(80, 8, 128, 2, 2) == 320 * KIB
+    assert kv_bytes_per_token(80, 8, 128, 1, 1) == 160 * KIB
+    assert kv_bytes_per_token(80, 8, 128, 2, 1) == 240 * KIB
+    assert kv_bytes_per_token(80, 8, 128, "bf16", "bf16") == 320 * KIB
+    assert kv_bytes_per_token(80, 8, 128, "fp8", "e4m3fn") == 160 * KIB
+    assert kv_bytes_per_token(80, 8, 128, "bfloat16", "e5m2") == 240 * KIB
+
+
+@pytest.mark.parametrize("bad", [dict(k_dtype_bytes="int3"), dict(n_layers=0), dict(head_dim=1.5)])
+def test_kv_bytes_bad_arguments(bad):
+    args = dict(n_layers=80, n_kv_heads=8, head_dim=128, k_dtype_bytes=2, v_dtype_bytes=2) | bad
+    with pytest.raises(ValueError):
+        kv_bytes_per_token(**args)
+
+
+def test_position_buckets():
+    assert position_buckets(64) == [(0, 8), (8, 16), (16, 32), (32, 64)]
+    assert position_buckets(2048)[-1] == (1024, 2048)
+    assert position_buckets(6) == [(0, 6)]
+    with pytest.raises(ValueError):
+        position_buckets(64, (4, 64))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The cache transform against an independent reference
+# ------------------------------------------------------------------------------------------------------------
+def _reference_cache(x: np.ndarray, scale: np.ndarray, fmt_name: str):
+    """(dequantized, clipped count per head, underflow count per head) with numpy + ml_dtypes. The cache is fed
+    the bf16 K/V (the reference cache's values), so x is rounded to bf16 first."""
+    fmt = get_format(fmt_name)
+    x = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    y = (x / scale).astype(np.float32)
+    q = np.clip(y, -fmt.max, fmt.max).astype(ML_DTYPES[fmt_name]).astype(np.float32)
+    deq = (q * scale).astype(np.float32)
+    clipped = (np.abs(y) > fmt.max + fmt.step_at_max / 2).sum(axis=(0, 2, 3))
+    underflow = ((x != 0) & (deq == 0)).sum(axis=(0, 2, 3))
+    return deq, clipped, underflow
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz"])
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+def test_fp8_cache_matches_ml_dtypes(fmt, granularity, rng):
+    B, H, T, D = 2, 3, 5, 8
+    f = get_format(fmt)
+    scale = np.array([2e-5, 3e-3, 0.4], dtype=np.float32) if granularity == "head" else np.float32(3e-3)
+    head_scale = np.broadcast_to(scale, (H,))
+    x = (rng.standard_normal((B, H, T, D)) * head_scale[None, :, None, None] * f.max / 4).astype(np.float32)
+    for h in range(H):  # in every head, one value past the range and one below half the smallest subnormal
+        x[0, h, 0, 0] = head_scale[h] * f.max * 4
+        x[1, h, 0, 0] = -head_scale[h] * f.min_subnormal / 4
+    scales = {(0, "k"): torch.tensor(scale), (0, "v"): torch.ones(H if granularity == "head" else ())}
+    cache = Fp8KvCache(KvCacheConfig(fmt, "k", granularity, "calibrated"), n_layers=1, n_kv_heads=H, scales=scales)
+    x_t = torch.from_numpy(x)
+    k_out, v_out = cache(x_t, x_t.clone(), 0)
+    ref, clipped, underflow = _reference_cache(x, np.reshape(scale, (1, -1, 1, 1)), fmt)
+    np.testing.assert_array_equal(k_out.numpy(), ref)
+    assert torch.equal(v_out, x_t.to(torch.bfloat16).float())  # --kv k: V stays in the bf16 reference
+    np.testing.assert_array_equal(cache.overflow[(0, "k")].numpy(), clipped)
+    np.testing.assert_array_equal(cache.underflow[(0, "k")].numpy(), underflow)
+    assert (clipped > 0).all() and (underflow > 0).all()  # the data exercises both counters in every head
+    assert cache.health()["overall"]["k"]["clip_frac"] == clipped.sum() / x.size
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Counters on the trained model
+# ------------------------------------------------------------------------------------------------------------
+def _health(model, batch, config, scales=None):
+    cfg = model.cfg
+    cache = Fp8KvCache(config, cfg.n_layers, cfg.kv_heads(), scales)
+    with torch.no_grad(), kv_transforms(model, cache):
+        model(batch[0])
+    return cache.health()["overall"]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+def test_margin_moves_underflow_and_forced_scale_clips(tiny_model, fmt):
+    model, val = tiny_model
+    batch = val[0]
+    f = get_format(fmt)
+    plain = _health(model, batch, KvCacheConfig(fmt, "kv", "tensor", "dynamic", margin=0))
+    # A margin so large that max / 2**margin lies below half the smallest subnormal: everything flushes to 0.
+    huge = math.ceil(math.log2(f.max / f.min_subnormal)) + 2
+    wide = _health(model, batch, KvCacheConfig(fmt, "kv", "tensor", "dynamic", margin=huge))
+    for t in "kv":
+        assert plain[t]["clip_frac"] == 0  # dynamic scale from the tensor's own amax: nothing clips
+        assert plain[t]["underflow_frac"] < 0.01
+        assert wide[t]["clip_frac"] == 0
+        assert wide[t]["underflow_frac"] > 0.99
+    tiny_scales = {(i, t): torch.tensor(1e-6) for i in range(model.cfg.n_layers) for t in "kv"}
+    forced = _health(model, batch, KvCacheConfig(fmt, "kv", "tensor", "calibrated"), tiny_scales)
+    for t in "kv":
+        assert forced[t]["clip_frac"] > 0.9
+
+
+def test_identity_transform_gives_exactly_zero_delta(tiny_model):
+    model, val = tiny_model
+    caches = {"none": None, "identity": lambda k, v, i: (k, v)}
+    cells = score_caches({"bf16": model}, val[:1], caches, autocast=True, reference=("bf16", "none"))
+    ref, same = cells[("bf16", "none")], cells[("bf16", "identity")]
+    assert torch.equal(same["loss"], ref["loss"])
+    assert torch.equal(same["kl"], torch.zeros_like(same["kl"]))
+    assert torch.equal(same["correct"], ref["correct"])
+    # The bf16 reference cache is itself a no-op under bf16 autocast.
+    cells = score_caches({"bf16": model}, val[:1], {"none": None, "bf16": bf16_cache}, autocast=True,
+                         reference=("bf16", "none"))
+    assert torch.equal(cells[("bf16", "bf16")]["loss"], cells[("bf16", "none")]["loss"])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# kv-eval end to end
+# ------------------------------------------------------------------------------------------------------------
+def _cli(argv):
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    return cli_main(parser.parse_args(argv))
+
+
+def test_kv_eval_report(tiny_run, tmp_path, capsys):
+    out = tmp_path / "kv"
+    rc = _cli([str(tiny_run), "--out", str(out), "--format", "e4m3fn,e5m2", "--batches", "2",
+               "--calib-batches", "1", "--gen-prompts", "4", "--gen-tokens", "8"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "per token" in printed and "64-token context" in printed
+    for name in ("kv_eval.md", "kv_eval.json", "kv_eval.png"):
+        assert (out / name).stat().st_size > 0
+    assert (out / "kv_eval.png").read_bytes()[:4] == b"\x89PNG"
+    result = json.loads((out / "kv_eval.json").read_text())
+    m = result["manifest"]
+    assert m["backend"] == "emulated" and m["checkpoint_step"] == 30 and m["seed"] == 1337
+    assert m["formats"] == ["e4m3fn", "e5m2"] and m["scale_source"] == "calibrated" and m["margin"] == 0
+    assert m["calibration"]["split"] == "train" and m["calibration"]["sequences"] == 4
+    cells = {(c["weights"], c["cache"]): c for c in result["cells"]}
+    assert len(cells) == 3  # bf16 weights x {bf16, e4m3fn, e5m2} caches
+    e4m3 = cells[("bf16", "e4m3fn:kv:tensor:calibrated:m0")]
+    e5m2 = cells[("bf16", "e5m2:kv:tensor:calibrated:m0")]
+    assert cells[("bf16", "bf16")]["overall"]["loss_delta"]["mean"] == 0
+    assert 0 < e4m3["overall"]["kl"]["mean"] < 1e-3
+    assert abs(e4m3["overall"]["loss_delta"]["mean"]) < 0.01
+    assert e5m2["overall"]["kl"]["mean"] > e4m3["overall"]["kl"]["mean"]  # 2 mantissa bits vs 3
+    assert [b["positions"] for b in e4m3["by_position"]] == [[0, 7], [8, 15], [16, 31], [32, 63]]
+    assert all(math.isfinite(b["kl"]["ci95"]) for b in e4m3["by_position"])
+    assert e4m3["generation"]["exact_match"] >= 0.5 and e4m3["generation"]["tokens"] == 8
+    layers = e4m3["health"]["layers"]
+    assert len(layers) == 2 * 2 and all(len(row["clip_frac_per_head"]) == 2 for row in layers)
+    assert "## By context position" in (out / "kv_eval.md").read_text()
+
+
+def test_kv_eval_matrix_head_dynamic_k_or_v(tiny_run):
+    opts = KvEvalOptions(formats=("e4m3fn",), kv=("k", "v"), granularity="head", scale_source="dynamic",
+                         batches=1, gen_prompts=0, max_positions=32, matrix=True)
+    result = kv_eval(tiny_run, opts, log=lambda m: None)
+    assert result["manifest"]["calibration"] is None and result["buckets"] == [[0, 7], [8, 15], [16, 31]]
+    cells = {(c["weights"], c["cache"]): c for c in result["cells"]}
+    assert set(cells) == {(w, c) for w in ("bf16", "fp8") for c in
+                          ("bf16", "e4m3fn:k:head:dynamic:m0", "e4m3fn:v:head:dynamic:m0")}
+    for (weights, cache), cell in cells.items():
+        if cache != "bf16":
+            kind = cell["cache_config"]["kv"]
+            assert cell["health"]["overall"].keys() == {kind}
+            assert cell["health"]["overall"][kind]["clip_frac"] == 0  # per-head dynamic scales never clip
+            assert cell["overall"]["kl"]["mean"] < 1e-3
+    # FP8 weights cost something against bf16 weights with the same bf16 cache; the delta is paired per sequence.
+    fp8_weights = cells[("fp8", "bf16")]["overall"]
+    assert fp8_weights["kl_vs_bf16_bf16"]["mean"] > 0 and fp8_weights["loss_delta"]["mean"] == 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------------------------
+def test_bad_run_dirs(tiny_run, tmp_path):
+    no_ckpt = tmp_path / "no_ckpt"
+    no_ckpt.mkdir()
+    shutil.copy(tiny_run / "config.yaml", no_ckpt / "config.yaml")
+    with pytest.raises(ValueError, match="no valid checkpoint"):
+        kv_eval(no_ckpt, KvEvalOptions(), log=lambda m: None)
+    no_config = tmp_path / "no_config"
+    shutil.copytree(tiny_run / "checkpoints", no_config / "checkpoints")
+    with pytest.raises(ValueError, match="config.yaml"):
+        kv_eval(no_config, KvEvalOptions(), log=lambda m: None)
+    with pytest.raises(ValueError, match="does not exist"):
+        kv_eval(tmp_path / "missing", KvEvalOptions(), log=lambda m: None)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(formats=("e4m4",)), "e4m4"),
+    (dict(kv=("q",)), "--kv"),
+    (dict(granularity="block"), "--granularity"),
+])
+def test_bad_options(tiny_run, bad, match):
+    with pytest.raises(ValueError, match=match):
+        kv_eval(tiny_run, KvEvalOptions(**bad), log=lambda m: None)
+
+
+def test_empty_calibration_split(tiny_run, tmp_path):
+    with pytest.raises(ValueError, match="calibration split is empty"):
+        _cli([str(tiny_run), "--out", str(tmp_path / "x"), "--calib-batches", "0"])
+    assert not (tmp_path / "x").exists()
