@@ -46,19 +46,29 @@ def _version() -> str:
         return "unknown"
 
 
+def _parse_command(command: str, argv: list[str]) -> argparse.Namespace:
+    module_name, help_text = COMMANDS[command]
+    parser = argparse.ArgumentParser(prog=f"fp8train {command}", description=help_text)
+    importlib.import_module(module_name).add_cli_arguments(parser)
+    try:  # options may sit anywhere between key=value overrides (`train CFG --quiet a=1 b=2`)
+        args = parser.parse_intermixed_args(argv)
+    except TypeError:  # argparse cannot intermix some layouts; fall back to the plain parser
+        args = parser.parse_args(argv)
+    args.command = command
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _top_parser()
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    chosen = next((a for a in argv if not a.startswith("-")), None)
-    for name, (module_name, help_text) in COMMANDS.items():
-        sub = subparsers.add_parser(name, help=help_text, description=help_text)
-        if name == chosen:
-            importlib.import_module(module_name).add_cli_arguments(sub)
-    args = parser.parse_args(argv)
-    if args.command is None:
+    for name, (_, help_text) in COMMANDS.items():
+        subparsers.add_parser(name, help=help_text)
+    if not argv or argv[0] not in COMMANDS:
+        parser.parse_args(argv)  # prints help/version, or the error for an unknown command
         parser.print_help()
         return 2
+    args = _parse_command(argv[0], argv[1:])
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         return int(module.cli_main(args) or 0)
@@ -68,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"fp8train {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `fp8train formats --json | head`
+        return 0
 
 
 if __name__ == "__main__":
