@@ -8,8 +8,13 @@ Layout of one checkpoint, ``<run>/checkpoints/step_000120/``:
                            each file: a checkpoint whose files do not match its manifest is not loaded
 
 A checkpoint is written into a hidden ``.tmp-*`` folder and renamed into place, so a job killed mid-write
-leaves either the whole checkpoint or none of it; loading walks from the newest to the oldest and skips (with
-a message naming it) any that is incomplete, truncated or corrupt.
+leaves either the whole checkpoint or none of it (the leftover ``.tmp-*`` folder is removed by the next save);
+loading walks from the newest to the oldest and skips (with a message naming it) any that is incomplete,
+truncated or corrupt.
+
+Test hook: ``FP8TRAIN_TEST_PAUSE_IN_CHECKPOINT=<seconds>`` makes ``save_checkpoint`` print
+``fp8train: checkpoint paused in <tmp folder>`` to stderr and sleep between writing the model and the optimizer
+files, so a test can kill the process with certainty while a checkpoint is half written. Unset it otherwise.
 """
 
 from __future__ import annotations
@@ -18,14 +23,17 @@ import hashlib
 import json
 import os
 import shutil
-import warnings
+import sys
+import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 MANIFEST = "manifest.json"
+FILES = ("model.safetensors", "optimizer.safetensors")
 _PREFIX = "step_"
+_TEST_PAUSE_ENV = "FP8TRAIN_TEST_PAUSE_IN_CHECKPOINT"
 
 
 def _sha256(path: Path) -> str:
@@ -66,13 +74,14 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, opt
     """Write checkpoint ``step`` atomically and prune all but the newest ``keep_last``."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(ckpt_dir)  # half-written folders of a writer that was killed
     final = ckpt_dir / f"{_PREFIX}{step:06d}"
     tmp = ckpt_dir / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
 
     # save_model handles tied (shared) weights, which plain save_file refuses.
     save_model(model, str(tmp / "model.safetensors"))
+    _test_pause(tmp)
     opt_tensors, param_groups = _optimizer_tensors(optimizer)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     manifest = {
@@ -83,20 +92,37 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, opt
         "extra": extra or {},
         "files": {},
     }
-    for name in ("model.safetensors", "optimizer.safetensors"):
+    for name in FILES:
         path = tmp / name
         manifest["files"][name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     for path in tmp.iterdir():  # data on disk before the rename makes the checkpoint visible
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-    if final.exists():  # re-saving the same step (e.g. after a resume) replaces it whole
-        shutil.rmtree(final)
+    old = None
+    if final.exists():  # re-saving a step (after a resume): move the old one aside, never delete before the swap
+        old = ckpt_dir / f".old-{final.name}-{os.getpid()}"
+        os.rename(final, old)
     os.rename(tmp, final)
     _fsync_dir(ckpt_dir)
-    for old in list_checkpoints(ckpt_dir)[:-keep_last] if keep_last > 0 else []:
+    if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    for stale in list_checkpoints(ckpt_dir)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _remove_leftovers(ckpt_dir: Path) -> None:
+    for path in ckpt_dir.iterdir():
+        if path.is_dir() and path.name.startswith((".tmp-", ".old-")):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _test_pause(tmp: Path) -> None:
+    seconds = os.environ.get(_TEST_PAUSE_ENV)
+    if seconds:
+        print(f"fp8train: checkpoint paused in {tmp}", file=sys.stderr, flush=True)
+        time.sleep(float(seconds))
 
 
 def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
@@ -104,7 +130,8 @@ def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return []
-    found = [p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)]
+    found = [p for p in ckpt_dir.iterdir()
+             if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit()]
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
@@ -116,15 +143,18 @@ def verify_checkpoint(path: str | Path) -> str | None:
         return "no manifest.json (incomplete write)"
     try:
         manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        return f"unreadable manifest.json ({err})"
-    for name, expected in manifest.get("files", {}).items():
+        files = manifest["files"]
+        expected = {name: (int(files[name]["bytes"]), str(files[name]["sha256"])) for name in FILES}
+        int(manifest["step"])
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
+        return f"unreadable manifest.json ({type(err).__name__}: {err})"
+    for name, (size, sha256) in expected.items():
         file = path / name
         if not file.is_file():
             return f"missing {name}"
-        if file.stat().st_size != expected["bytes"]:
-            return f"{name} is {file.stat().st_size} bytes, manifest says {expected['bytes']} (truncated?)"
-        if _sha256(file) != expected["sha256"]:
+        if file.stat().st_size != size:
+            return f"{name} is {file.stat().st_size} bytes, manifest says {size} (truncated?)"
+        if _sha256(file) != sha256:
             return f"{name} checksum mismatch (corrupt)"
     return None
 
@@ -152,7 +182,12 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, sc
                          " (was it made with another model size or FP8 recipe?)")
     if optimizer is not None:
         tensors = load_file(str(path / "optimizer.safetensors"))
-        optimizer.load_state_dict(_optimizer_state(tensors, manifest["optimizer_param_groups"]))
+        groups = manifest["optimizer_param_groups"]
+        for saved, current in zip(groups, optimizer.param_groups):  # JSON turned tuples (betas) into lists
+            for key, value in saved.items():
+                if isinstance(current.get(key), tuple) and isinstance(value, list):
+                    saved[key] = tuple(value)
+        optimizer.load_state_dict(_optimizer_state(tensors, groups))
     if scheduler is not None and manifest.get("scheduler") is not None:
         scheduler.load_state_dict(manifest["scheduler"])
     if manifest.get("torch_rng_state") is not None:

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
 import re
 import typing
@@ -63,6 +64,10 @@ class _Section:
     _section = ""
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # inf/nan pass every `>= low` check below, so refuse them first
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"config {self._key(f.name)}={value!r} is invalid: must be a finite number")
         self._check()
 
     def _key(self, name: str) -> str:
@@ -193,6 +198,7 @@ class TrainConfig(_Section):
         for name in ("max_steps", "batch_size", "grad_accum", "eval_batches"):
             self._at_least(name, 1)
         self._at_least("seed", 0)
+        _require(self.seed < 2**63, "train.seed", self.seed, "must be < 2**63 (torch.manual_seed's range)")
         self._at_least("eval_every", 0, "must be >= 0 (0 = only at the end)")
         self._at_least("grad_clip", 0, "must be >= 0 (0 = no clipping)")
         _require(self.lr > 0, "train.lr", self.lr, "must be > 0")
@@ -416,6 +422,9 @@ def _check_keys(given: Any, schema: type, prefix: str = "") -> None:
             raise ValueError(f"unknown config key '{path}': {hint}valid keys in {where}: {', '.join(names)}")
         if dataclasses.is_dataclass(types[key]):
             _check_keys(value, types[key], path + ".")
+        elif isinstance(value, dict):  # OmegaConf answers a mapping given to a list field with a bare TypeError
+            raise ValueError(f"config {path}={value!r} is invalid: {path} is a single setting, not a section "
+                             "(give a value, or a list in [brackets])")
 
 
 def _read_yaml(path: str) -> dict:
@@ -425,8 +434,8 @@ def _read_yaml(path: str) -> dict:
         raise ValueError(f"config file {path!r} is a directory; give a YAML file")
     try:
         loaded = OmegaConf.load(path)
-    except Exception as e:  # yaml.YAMLError and friends
-        raise ValueError(f"config file {path!r} is not valid YAML: {e}") from None
+    except Exception as e:  # yaml.YAMLError and friends; their messages span lines, the CLI prints one
+        raise ValueError(f"config file {path!r} is not valid YAML: {' '.join(str(e).split())}") from None
     container = OmegaConf.to_container(loaded) if loaded is not None else {}
     if container is None:  # an empty file
         return {}
@@ -444,8 +453,8 @@ def _parse_overrides(overrides: Iterable[str]) -> dict:
             item = item.strip() + "''"
         try:
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item.strip()]))
-        except OmegaConfBaseException as e:
-            raise ValueError(f"override {item!r} could not be parsed: {str(e).splitlines()[0]}") from None
+        except Exception as e:  # OmegaConf's errors, and yaml's for a value like `[1,`
+            raise ValueError(f"override {item!r} could not be parsed: {' '.join(str(e).split())}") from None
     return OmegaConf.to_container(merged)
 
 

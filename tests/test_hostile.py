@@ -1,0 +1,305 @@
+"""Hostile numerics: NaN, +-inf, values far beyond every FP8 max, all zeros and fp32 subnormals, in inputs and in
+gradients. Whatever comes in, the scales and amax histories stay finite and positive, every non-finite amax is
+counted (the `{role}_nonfinite_amax_count` buffers) and reported by telemetry, delayed scaling follows a hand-written
+reference that simply leaves non-finite amaxes out, and the training loop's guard (train.skip_nonfinite_grads) skips
+an optimizer step whose gradients are non-finite, counts it and logs it as skipped_steps.
+
+Property-based (hypothesis, bounded examples, no deadline) over quantize and Fp8Linear; one short real training run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+from safetensors.torch import load_file
+
+from fp8train import telemetry
+from fp8train.config import load_config
+from fp8train.formats import get_format
+from fp8train.linear import Fp8Linear, update_fp8_scales
+from fp8train.quant import compute_amax, expand_scale, quantize
+from fp8train.recipes import recipe
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+FORMATS = ["e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz"]
+RECIPES = ["delayed", "current", "rowwise", "block"]
+NAN, INF = float("nan"), float("inf")
+SPECIALS = [NAN, INF, -INF, 0.0, -0.0, 1e30, -1e30, 3e38, -3.4e38, 1e-40, -1e-45, 1.2e-38, 448.0, 57344.0, 6e4]
+# Deterministic and bounded for the suite (derandomize: the same examples every run; database=None: no
+# .hypothesis/ folder). FP8TRAIN_HYPOTHESIS_EXAMPLES=500 explores further with fresh random examples.
+_EXPLORE = int(os.environ.get("FP8TRAIN_HYPOTHESIS_EXAMPLES", "0"))
+HOSTILE = settings(max_examples=_EXPLORE or 30, derandomize=not _EXPLORE, deadline=None, database=None,
+                   suppress_health_check=[HealthCheck.too_slow])
+
+element = st.one_of(st.sampled_from(SPECIALS),
+                    st.floats(-1e4, 1e4, width=32, allow_nan=False, allow_infinity=False))
+hostile_matrix = st.tuples(st.integers(1, 6), st.integers(1, 40)).flatmap(
+    lambda shape: arrays(np.float32, shape, elements=element))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# quantize
+# ------------------------------------------------------------------------------------------------------------
+@HOSTILE
+@given(x=hostile_matrix, fmt_name=st.sampled_from(FORMATS), granularity=st.sampled_from(["tensor", "row", "block"]))
+def test_quantize_survives_anything(x, fmt_name, granularity):
+    fmt = get_format(fmt_name)
+    xt = torch.from_numpy(x)
+    block = (2, 16)
+    q = quantize(xt, fmt, granularity=granularity, block=block)
+    assert q.data.dtype == fmt.torch_dtype and q.data.shape == xt.shape
+    assert torch.isfinite(q.scale).all() and (q.scale > 0).all()  # a scale is never 0, inf or NaN
+    d = q.dequantize()
+    finite = torch.isfinite(xt)
+    assert torch.isnan(d[torch.isnan(xt)]).all()  # NaN stays NaN (every format has a NaN code)
+    assert torch.isfinite(d[~torch.isnan(xt)]).all()  # inf saturates, nothing else becomes non-finite
+    assert (torch.sign(d[torch.isinf(xt)]) == torch.sign(xt[torch.isinf(xt)])).all()
+    # Nothing grows: |dequantized| <= max * scale of its group, and <= |x| up to one rounding step.
+    s = expand_scale(q.scale, xt.shape, granularity, block, -1).expand_as(xt)
+    assert (d.abs()[finite] <= fmt.max * s[finite] * (1 + 1e-6)).all()
+    if bool(finite.all()):  # every group's amax is finite: nothing clips, the usual error bound holds
+        err = (d - xt).abs()
+        bound = xt.abs() * fmt.max_rel_error + 0.5 * fmt.min_subnormal * s
+        assert (err <= bound * (1 + 1e-5) + 1e-45).all()
+    amax = compute_amax(xt, "tensor")  # NaN propagates into the amax; inf and everything else is max |x|
+    if bool(torch.isnan(xt).any()):
+        assert torch.isnan(amax)
+    else:
+        assert float(amax) == float(xt.abs().max())
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("value", [0.0, 1e-45, 1e-40, 1.1754944e-38])
+def test_all_zero_and_subnormal_tensors_get_a_usable_scale(fmt_name, value):
+    fmt = get_format(fmt_name)
+    q = quantize(torch.full((4, 8), value), fmt)
+    assert math.isfinite(float(q.scale)) and float(q.scale) >= torch.finfo(torch.float32).tiny
+    assert torch.isfinite(q.dequantize()).all() and (q.dequantize() >= 0).all()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Fp8Linear
+# ------------------------------------------------------------------------------------------------------------
+KINDS = ["normal", "nan", "inf", "-inf", "huge", "zeros", "subnormal", "mixed"]
+NONFINITE_KINDS = {"nan", "inf", "-inf", "mixed"}
+
+
+def hostile_tensor(kind: str, shape, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    if kind == "nan":
+        x.view(-1)[seed % x.numel()] = NAN
+    elif kind == "inf":
+        x.view(-1)[seed % x.numel()] = INF
+    elif kind == "-inf":
+        x[..., 0] = -INF
+    elif kind == "huge":
+        x = x * 1e30  # far beyond every FP8 max, still finite in fp32
+    elif kind == "zeros":
+        x = torch.zeros(shape)
+    elif kind == "subnormal":
+        x = x * 1e-41  # fp32 subnormals
+    elif kind == "mixed":
+        x.view(-1)[:4] = torch.tensor([NAN, INF, -INF, 1e-42])
+    return x
+
+
+class DelayedReference:
+    """Delayed scaling for one role, written from DESIGN.md: a step's amax enters the history only if finite; the
+    scale is max(history) / fmt.max once that is > 0, else the previous scale."""
+
+    def __init__(self, fmt, length: int):
+        self.fmt, self.length, self.history, self.scale = fmt, length, [], None
+
+    def step(self, amax: float) -> None:
+        if not math.isfinite(amax):
+            return
+        self.history = ([amax] + self.history)[: self.length]
+        if max(self.history) > 0:
+            self.scale = max(self.history) / self.fmt.max
+
+
+def _check_state(layer: Fp8Linear) -> None:
+    for name, buf in layer.named_buffers():
+        if name.endswith(("_scale", "_scale_amax", "_amax_history")):
+            assert torch.isfinite(buf).all(), name
+        if name.endswith("_scale"):
+            assert (buf > 0).all(), name
+        if name.endswith("_amax_history"):
+            assert (buf >= 0).all(), name
+        if name.endswith("_pending_amax"):
+            assert float(buf) == -1.0, name  # consumed by update_fp8_scales
+
+
+@pytest.mark.parametrize("recipe_name", RECIPES)
+@HOSTILE
+@given(steps=st.lists(st.tuples(st.sampled_from(KINDS), st.sampled_from(KINDS)), min_size=1, max_size=5),
+       seed=st.integers(0, 2**16))
+def test_fp8_linear_state_stays_sane_under_hostile_inputs_and_gradients(recipe_name, steps, seed):
+    overrides = {"amax_history_len": 3} if recipe_name == "delayed" else {}
+    if recipe_name == "block":
+        overrides = {"input_block": (1, 16), "weight_block": (16, 16), "grad_output_block": (1, 16)}
+    r = recipe(recipe_name, **overrides)
+    torch.manual_seed(seed)
+    layer = Fp8Linear(32, 48, recipe=r)
+    refs = {role: DelayedReference(get_format(r.format_of(role)), 3) for role in ("input", "grad_output")}
+    expected_counts = {"input": 0, "grad_output": 0}
+    layer.telemetry = True  # records the scale each operand was quantized with
+    for i, (input_kind, grad_kind) in enumerate(steps):
+        x = hostile_tensor(input_kind, (2, 5, 32), seed + i).requires_grad_()
+        out = layer(x)
+        grad_output = hostile_tensor(grad_kind, out.shape, seed + 100 + i)
+        out.backward(grad_output)
+        update_fp8_scales(layer)
+        expected_counts["input"] += input_kind in NONFINITE_KINDS
+        expected_counts["grad_output"] += grad_kind in NONFINITE_KINDS
+        if input_kind not in NONFINITE_KINDS:
+            assert torch.isfinite(out).all(), (input_kind, "forward output")
+            # Finite operands give finite gradients unless the two operand scales multiply past the fp32 max:
+            # 1e30 inputs times 1e30 gradients (a real overflow), or, with delayed scaling, scales that a 1e30
+            # step left in the history (see test_scale_product_overflow_known_issue).
+            if grad_kind not in NONFINITE_KINDS and not _scale_product_overflows(layer, input_kind, grad_kind):
+                assert torch.isfinite(x.grad).all() and torch.isfinite(layer.weight.grad).all()
+        for role, tensor in (("input", x), ("grad_output", grad_output)):
+            refs[role].step(float(tensor.detach().abs().amax()))
+        _check_state(layer)
+        layer.weight.grad = None
+        if layer.bias is not None:
+            layer.bias.grad = None
+    for role, count in expected_counts.items():
+        assert int(getattr(layer, f"{role}_nonfinite_amax_count")) == count, role
+    assert int(layer.weight_nonfinite_amax_count) == 0
+    if r.is_delayed:
+        for role, ref in refs.items():
+            history = getattr(layer, f"{role}_amax_history").tolist()
+            assert history[: len(ref.history)] == pytest.approx(ref.history, rel=1e-6)
+            assert all(h == 0 for h in history[len(ref.history):])
+            assert bool(getattr(layer, f"{role}_initialized")) == (ref.scale is not None)
+            if ref.scale is not None:
+                assert float(getattr(layer, f"{role}_scale")) == pytest.approx(ref.scale, rel=1e-6)
+
+
+def _scale_product_overflows(layer: Fp8Linear, input_kind: str, grad_kind: str) -> bool:
+    if layer.recipe.scaling in ("rowwise", "block"):  # per-row/block scales, no history: only this step counts
+        return input_kind == grad_kind == "huge"
+    product = torch.tensor(layer.last_stats["input"]["scale"]) * torch.tensor(layer.last_stats["grad_output"]["scale"])
+    return not bool(torch.isfinite(product))
+
+
+@pytest.mark.xfail(strict=False, reason="gemm._apply_outer_scales multiplies the two tensorwise scales first "
+                   "(out.mul_(scale_a * scale_b)): when that product passes the fp32 max, exact zeros become "
+                   "0 * inf = NaN; multiplying one scale after the other keeps them 0")
+def test_scale_product_overflow_known_issue():
+    """After one 1e30 step, delayed scaling keeps huge scales for amax_history_len steps: normal tensors underflow
+    to zero (expected) but grad_weight = 0 * (input_scale * grad_output_scale) = 0 * inf = NaN (not expected)."""
+    torch.manual_seed(0)
+    layer = Fp8Linear(32, 48, recipe=recipe("delayed", amax_history_len=3))
+    for kind in ("huge", "normal"):
+        x = hostile_tensor(kind, (2, 5, 32), 0).requires_grad_()
+        out = layer(x)
+        out.backward(hostile_tensor(kind, out.shape, 1))
+        update_fp8_scales(layer)
+    assert torch.isfinite(layer.weight.grad).all()
+
+
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_telemetry_reports_nonfinite_events(recipe_name):
+    layer = Fp8Linear(32, 32, recipe=recipe_name)
+    layers = [("fc", layer)]
+    telemetry.enable(layers, True)
+    x = torch.randn(4, 32)
+    x[0, 0] = NAN
+    (layer(x) ** 2).sum().backward()  # grad_output = 2 * output: its NaN row flows back
+    update_fp8_scales(layer)
+    stats = telemetry.collect(layers)
+    assert stats["fc"]["input"]["nonfinite"] is True and stats["fc"]["weight"]["nonfinite"] is False
+    assert telemetry.counters(layers)["fp8/input/nonfinite_amax_events"] == 1
+    assert telemetry.counters(layers)["fp8/grad_output/nonfinite_amax_events"] == 1
+    assert stats["fc"]["grad_output"]["nonfinite"] is True
+    summary = telemetry.summarize(stats)  # NaN statistics must not break the summary
+    assert all(isinstance(v, float) for v in summary.values())
+    _check_state(layer)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The loop's guard
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_skip_guard_skips_a_nonfinite_step_counts_and_logs_it(tmp_path, monkeypatch):
+    """One NaN in one block's output gradient at step 2 (a tensor hook): the gradients are NaN, the guard skips
+    that optimizer step (weights and AdamW state unchanged), the events are counted and reported, the scales stay
+    finite, and training goes on."""
+    import fp8train.train as train_module
+    from fp8train.data import stdlib_files
+
+    (tmp_path / "corpus.txt").write_text("".join(p.read_text(errors="replace") for p in stdlib_files()[1][:30]))
+    config = {"run": {"dir": str(tmp_path / "runs"), "name": "guard"}, "data": {"path": str(tmp_path / "corpus.txt")},
+              "model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "seq_len": 32},
+              "train": {"max_steps": 4, "batch_size": 8, "eval_every": 0, "eval_batches": 1, "device": "cpu"},
+              "optim": {"warmup_steps": 1}, "fp8": {"recipe": "delayed"}, "policy": {"min_features": 16},
+              "log": {"wandb": "disabled", "every": 1, "telemetry_every": 0},
+              "checkpoint": {"every": 1, "keep_last": 0}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    real_build = train_module.build_model
+
+    def build_with_nan_gradient(model_cfg):
+        model = real_build(model_cfg)
+        calls = {"n": 0}
+
+        def poison(grad):
+            grad = grad.clone()
+            grad.view(-1)[7] = NAN
+            return grad
+
+        def hook(module, args, output):
+            if module.training:
+                calls["n"] += 1
+                if calls["n"] == 2:
+                    output.register_hook(poison)
+
+        model.layers[1].mlp.register_forward_hook(hook)
+        return model
+
+    monkeypatch.setattr(train_module, "build_model", build_with_nan_gradient)
+    summary = train_module.train(load_config(str(tmp_path / "c.yaml")), show_progress=False)
+    assert summary["status"] == "completed" and summary["skipped_steps"] == 1 and summary["steps"] == 4
+    run_dir = tmp_path / "runs" / "guard"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["skipped_steps"] for r in records] == [0, 1, 1, 1]
+    assert math.isnan(records[1]["grad_norm"]) and all(math.isfinite(r["grad_norm"]) for r in records[2:])
+    events = [r["fp8/grad_output/nonfinite_amax_events"] for r in records]
+    assert events[0] == 0 and events[1] > 0
+    assert events[1] == events[3] == summary["fp8/grad_output/nonfinite_amax_events"]
+    assert all(math.isfinite(r["loss"]) for r in records)
+    # The skipped step changed no weight and no optimizer state; the FP8 state moved on and stayed finite.
+    ckpt = run_dir / "checkpoints"
+    weights1, weights2 = (load_file(str(ckpt / f"step_00000{s}" / "model.safetensors")) for s in (1, 2))
+    params = [k for k in weights1 if not any(k.endswith(b) for b in ("_count", "_history", "_scale", "_scale_amax",
+                                                                      "_pending_amax", "_initialized"))]
+    assert params and all(torch.equal(weights1[k], weights2[k]) for k in params)
+    opt1, opt2 = (load_file(str(ckpt / f"step_00000{s}" / "optimizer.safetensors")) for s in (1, 2))
+    assert all(torch.equal(opt1[k], opt2[k]) for k in opt1)
+    final = load_file(str(ckpt / "step_000004" / "model.safetensors"))
+    for key, value in final.items():
+        if key.endswith(("_scale", "_amax_history", "_scale_amax")):
+            assert torch.isfinite(value).all() and (value >= 0).all(), key
+    # A run resumed after the skip counts on from where it stopped (the counters ride in the checkpoint).
+    shutil.copytree(run_dir, tmp_path / "runs" / "guard2")
+    shutil.rmtree(tmp_path / "runs" / "guard2" / "checkpoints" / "step_000004")
+    resumed = train_module.train(load_config(str(tmp_path / "c.yaml"), ["run.name=guard2", "train.resume=true"]),
+                                 show_progress=False)
+    assert resumed["resumed_from"].endswith("step_000003") and resumed["skipped_steps"] == 1
+    again = [json.loads(line) for line in (tmp_path / "runs" / "guard2" / "metrics.jsonl").read_text().splitlines()]
+    keep = ("step", "loss", "grad_norm", "skipped_steps", "fp8/grad_output/nonfinite_amax_events")
+    assert [{k: r[k] for k in keep} for r in again[1:]] == [{k: r[k] for k in keep} for r in records]
