@@ -183,9 +183,8 @@ def _emulated_gemm(a: Fp8Operand, b: Fp8Operand, compute_dtype: torch.dtype) -> 
 
 
 def _apply_outer_scales(out: torch.Tensor, scale_a: torch.Tensor | None, scale_b: torch.Tensor | None):
-    # In place on the fresh fp32 GEMM result: one pass per non-scalar scale, one for both scalars.
-    if scale_a is not None and scale_b is not None and scale_a.dim() == 0 and scale_b.dim() == 0:
-        return out.mul_(scale_a * scale_b)
+    # In place on the fresh fp32 GEMM result, one scale after the other: multiplying the two scales first can
+    # overflow fp32 (huge scales left by an outlier step), turning exact zeros into 0 * inf = NaN.
     for scale in (scale_a, scale_b):
         if scale is not None:
             out.mul_(scale)
