@@ -201,7 +201,9 @@ def test_kv_eval_report(tiny_run, tmp_path, capsys):
     assert cells[("bf16", "bf16")]["overall"]["loss_delta"]["mean"] == 0
     assert 0 < e4m3["overall"]["kl"]["mean"] < 1e-3
     assert abs(e4m3["overall"]["loss_delta"]["mean"]) < 0.01
-    assert e5m2["overall"]["kl"]["mean"] > e4m3["overall"]["kl"]["mean"]  # 2 mantissa bits vs 3
+    # On a 30-step model both KLs are ~1e-5 and too close to order reliably; the mantissa-bit comparison is
+    # test_e5m2_cache_error_is_twice_e4m3's, on tensors where it is exact.
+    assert e5m2["overall"]["kl"]["mean"] > 0
     assert [b["positions"] for b in e4m3["by_position"]] == [[0, 7], [8, 15], [16, 31], [32, 63]]
     assert all(math.isfinite(b["kl"]["ci95"]) for b in e4m3["by_position"])
     assert e4m3["generation"]["exact_match"] >= 0.5 and e4m3["generation"]["tokens"] == 8
@@ -260,3 +262,18 @@ def test_empty_calibration_split(tiny_run, tmp_path):
     with pytest.raises(ValueError, match="calibration split is empty"):
         _cli([str(tiny_run), "--out", str(tmp_path / "x"), "--calib-batches", "0"])
     assert not (tmp_path / "x").exists()
+
+
+def test_e5m2_cache_error_is_twice_e4m3():
+    """One mantissa bit fewer doubles the rounding error: the cache's RMS relative error, e5m2 over e4m3fn."""
+    from fp8train.kvcache import Fp8KvCache, KvCacheConfig
+
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 2, 64, 32), torch.randn(2, 2, 64, 32)
+    errors = {}
+    for fmt in ("e4m3fn", "e5m2"):
+        cache = Fp8KvCache(KvCacheConfig(fmt=fmt, scale_source="dynamic"), n_layers=1, n_kv_heads=2)
+        k_out, _ = cache(k, v, 0)
+        k_ref = k.to(torch.bfloat16).float()
+        errors[fmt] = float(((k_out - k_ref).norm() / k_ref.norm()))
+    assert 1.6 < errors["e5m2"] / errors["e4m3fn"] < 2.6, errors
