@@ -1,0 +1,197 @@
+"""The CPU-runnable parts of ``fp8train bench`` and the prepared GPU check script.
+
+A tiny eager run (FP8TRAIN_COMPILE=0, a few thousand elements, one repeat) checks the JSON schema; the numbers
+themselves are not asserted (timings on a shared machine), only their structure and the ratios' definition.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8train import bench
+from fp8train.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("4096x1024x1024", [(4096, 1024, 1024)]),
+    ("1024x256x256, 64X128x32", [(1024, 256, 256), (64, 128, 32)]),
+])
+def test_parse_shapes(text, expected):
+    assert bench.parse_shapes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["12x", "axbxc", "1x2x3x4", "0x128x128", "128x-1x128", "", "64x64x64,,"])
+def test_parse_shapes_names_the_bad_item(bad):
+    with pytest.raises(ValueError, match="cannot parse") as err:
+        bench.parse_shapes(bad)
+    assert "MxKxN" in str(err.value)
+
+
+def test_cli_bad_shape_exits_2_naming_it(capsys):
+    assert main(["bench", "--shapes", "1024x256x256,12x"]) == 2
+    err = capsys.readouterr().err
+    assert "'12x'" in err and "MxKxN" in err
+
+
+@pytest.mark.parametrize("args, word", [(["--recipes", "current,nope"], "nope"),
+                                        (["--sections", "quant,gpu"], "gpu"),
+                                        (["--repeats", "0"], "--repeats")])
+def test_cli_bad_lists_exit_2(capsys, args, word):
+    assert main(["bench", *args]) == 2
+    assert word in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown when no GPU is present")
+def test_cli_cuda_without_gpu_exits_2(capsys):
+    assert main(["bench", "--device", "cuda", "--quick"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_torchao_missing_is_a_note_not_an_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # makes `import torchao...` raise ImportError
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    module, why = bench._torchao_linear(torch.nn.Linear(32, 32), "cpu")
+    assert module is None and "pip install torchao" in why
+
+
+def test_ratio_is_median_over_baseline_with_paired_spread():
+    base, other = bench.Timing([1.0, 2.0, 4.0]), bench.Timing([2.0, 2.0, 2.0])
+    r = bench._ratio(other, base)
+    assert r["ratio"] == pytest.approx(1.0)  # median 2 / median 2
+    assert r["ratio_q1"] <= 1.0 <= r["ratio_q3"]  # paired ratios 2, 1, 0.5
+
+
+def test_saved_tensor_bytes_counts_fp8_inputs_as_one_byte():
+    from fp8train.linear import Fp8Linear
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 128, requires_grad=True)
+
+    class Wrap(torch.nn.Module):  # saved_tensor_bytes calls model(x, y) -> (logits, loss)
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, y):
+            out = self.inner(x)
+            return out, out.float().pow(2).mean()
+
+    linear = torch.nn.Linear(128, 128, bias=False)
+    bf16 = bench.saved_tensor_bytes(Wrap(linear), x, None, "cpu")
+    fp8 = bench.saved_tensor_bytes(Wrap(Fp8Linear.from_linear(linear, "current")), x, None, "cpu")
+    # bf16 autocast saves the bf16 input and the bf16 weight copy; FP8 saves 1-byte input and weight.
+    assert bf16["by_dtype"]["bfloat16"] == 2 * (64 * 128 + 128 * 128)
+    assert fp8["by_dtype"]["float8_e4m3fn"] == 64 * 128 + 128 * 128
+    assert "bfloat16" not in fp8["by_dtype"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One tiny eager run of every section through the CLI, JSON to stdout and to --out."""
+    root = tmp_path_factory.mktemp("bench")
+    out = root / "bench.json"
+    (root / "corpus.txt").write_text("def f(x):\n    return x * 2  # a tiny corpus\n" * 400)
+    (root / "tiny.yaml").write_text(
+        "model: {n_layers: 1, d_model: 64, n_heads: 2, seq_len: 32}\n"
+        f"data: {{path: {root / 'corpus.txt'}}}\n"
+        "train: {batch_size: 4}\n"
+        "policy: {min_features: 64}\n"
+        "fp8: {input_block: [1, 32], weight_block: [32, 32], grad_output_block: [1, 32]}\n")
+    previous = os.environ.get("FP8TRAIN_COMPILE")
+    os.environ["FP8TRAIN_COMPILE"] = "0"
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    try:
+        with redirect_stdout(stdout), redirect_stderr(stderr):
+            rc = main(["bench", "--json", "--out", str(out), "--quick", "--compile", "off", "--no-torchao",
+                       "--no-malloc-tuning", "--quant-numel", "16384", "--shapes", "64x128x128",
+                       "--recipes", "current,block", "--warmup", "1", "--repeats", "2", "--threads", "1",
+                       "--train-config", str(root / "tiny.yaml")])
+    finally:
+        if previous is None:
+            os.environ.pop("FP8TRAIN_COMPILE", None)
+        else:
+            os.environ["FP8TRAIN_COMPILE"] = previous
+    return rc, stdout.getvalue(), stderr.getvalue(), out
+
+
+def test_tiny_run_json_schema(tiny_run):
+    rc, stdout, stderr, out = tiny_run
+    assert rc == 0, stderr
+    results = json.loads(stdout)
+    assert json.loads(out.read_text()) == results
+    assert {"machine", "settings", "sections", "notes", "errors", "targets"} <= set(results)
+    assert results["errors"] == {}
+    assert {"cpu", "cores", "torch", "load_average"} <= set(results["machine"])
+    assert "eager" in results["settings"]["fp8_path"]
+    sections = results["sections"]
+    assert set(sections) == set(bench.SECTIONS)
+    timing_keys = {"median_s", "min_s", "max_s", "q1_s", "q3_s", "repeats", "ratio", "ratio_q1", "ratio_q3"}
+    quant = sections["quant"]["rows"]
+    paths = {r["path"] for r in quant}
+    assert {"naive eager", "fp8train eager"} <= paths and "fp8train compiled" not in paths  # --compile off
+    assert all(timing_keys <= set(r) and r["gelem_per_s"] > 0 for r in quant)
+    linear = sections["linear"]["rows"]
+    assert [r["contender"] for r in linear] == ["bf16", "fp32", "current", "block"]
+    for r in linear:
+        assert timing_keys | {"ratio_fp32", "tflops", "shape"} <= set(r) and r["shape"] == [64, 128, 128]
+        assert r["min_s"] <= r["median_s"] <= r["max_s"] and r["repeats"] == 2
+    assert linear[0]["ratio"] == pytest.approx(1.0) and linear[1]["ratio_fp32"] == pytest.approx(1.0)
+    train = {r["contender"]: r for r in sections["train"]["rows"]}
+    assert set(train) == {"bf16", "current", "block"} and train["bf16"]["fp8_layers"] == 0
+    assert train["current"]["fp8_layers"] > 0
+    assert all(r["tokens_per_s"] > 0 and r["step_peak_mb"] > 0 and r["resident_mb"] > 0 for r in train.values())
+    memory = {r["contender"]: r for r in sections["memory"]["rows"]}
+    assert memory["current"]["saved_mb"] < memory["bf16"]["saved_mb"]  # FP8 inputs kept for backward
+    assert any("torchao" in n for n in results["notes"])
+    statuses = {t["target"]: t["met"] for t in results["targets"]}
+    assert statuses["train step current (x bf16)"] in (True, False)
+    assert statuses["Fp8Linear current fwd+bwd 4096x1024x1024 (x bf16)"] is None  # shape not measured
+
+
+def test_tiny_run_prints_the_tables(tiny_run):
+    _, _, stderr, _ = tiny_run
+    for heading in ("machine:", "quantize,", "linear forward+backward", "train step", "activation memory",
+                    "targets"):
+        assert heading in stderr
+
+
+def test_gpu_check_script_syntax():
+    assert subprocess.run(["bash", "-n", str(GPU_CHECK)], capture_output=True).returncode == 0
+
+
+def test_gpu_check_usage():
+    proc = subprocess.run(["bash", str(GPU_CHECK)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_gpu_check_explains_when_no_gpu(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(GPU_CHECK), str(tmp_path / "out")], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 2
+    assert "no CUDA GPU" in proc.stdout
+    assert "no CUDA GPU" in (tmp_path / "out" / "summary.txt").read_text()
+    assert (tmp_path / "out" / "env.txt").exists()
+    assert not (tmp_path / "out" / "pytest_cuda.log").exists()  # nothing else was attempted
+
+
+def test_bench_wrapper_script_runs(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--shapes", "12x"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(ROOT / "scripts" / "bench.py"), run_name="__main__")
+    assert exit_.value.code == 2 and "'12x'" in capsys.readouterr().err
