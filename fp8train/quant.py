@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import types
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -302,9 +303,14 @@ def _run(fn, key, *args, compiled_ok: bool = True):
     if compiled is None:
         import torch._dynamo
 
-        # Each static configuration (format, granularity, options) is one graph; allow enough of them.
+        # One compiled function per static configuration (format, granularity, options), each on its OWN copy
+        # of the code object: dynamo keeps its cache per code object, and sharing one across formats made it
+        # treat the format's integer fields (bias, mantissa bits) as symbolic after the second format, which
+        # broke the graph into slow pieces. Shapes may still go dynamic within one configuration.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        compiled = _compiled[(fn.__name__, key)] = torch.compile(fn, dynamic=None)
+        code = fn.__code__.replace(co_name=f"{fn.__name__}_{len(_compiled)}")
+        clone = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+        compiled = _compiled[(fn.__name__, key)] = torch.compile(clone, dynamic=None)
     return compiled(*args)
 
 
