@@ -189,6 +189,8 @@ class TrainConfig(_Section):
     """Skip the optimizer step (and count it) when the gradient norm is inf/NaN."""
     device: str = "auto"
     """auto (cuda if available) | cpu | cuda."""
+    threads: int = 0
+    """CPU threads per process; 0 = torch's default (split between processes). Small models: 1 is often fastest."""
     autocast: str = "bf16"
     """Activation precision outside FP8 layers: bf16 autocast, or none (fp32)."""
     resume: bool = False
@@ -200,6 +202,7 @@ class TrainConfig(_Section):
         self._at_least("seed", 0)
         _require(self.seed < 2**63, "train.seed", self.seed, "must be < 2**63 (torch.manual_seed's range)")
         self._at_least("eval_every", 0, "must be >= 0 (0 = only at the end)")
+        self._at_least("threads", 0, "must be >= 0 (0 = torch's default)")
         self._at_least("grad_clip", 0, "must be >= 0 (0 = no clipping)")
         _require(self.lr > 0, "train.lr", self.lr, "must be > 0")
         _require(self.batch_size % self.grad_accum == 0, "train.batch_size", self.batch_size,

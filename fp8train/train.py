@@ -279,7 +279,9 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
     _check_distributed_type(accelerator)
     is_main, world = accelerator.is_main_process, accelerator.num_processes
     device = accelerator.device
-    if device.type == "cpu" and world > 1:  # several processes on one CPU: share the cores, don't oversubscribe
+    if device.type == "cpu" and cfg.train.threads > 0:  # tiny GEMMs: OpenMP threads cost more than they give
+        torch.set_num_threads(cfg.train.threads)
+    elif device.type == "cpu" and world > 1:  # several processes on one CPU: share the cores, don't oversubscribe
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if cfg.train.batch_size % (world * cfg.train.grad_accum):
         raise ValueError(f"train.batch_size={cfg.train.batch_size} must be divisible by processes x "

@@ -79,6 +79,7 @@ OUT_OF_RANGE = {
     "train.eval_batches": ["0"],
     "train.grad_clip": ["-1"],
     "train.device": ["tpu", "gpu"],
+    "train.threads": ["-1", "two"],
     "train.autocast": ["fp16"],
     "optim.weight_decay": ["-0.1"],
     "optim.betas": ["[0.9]", "[0.9, 1.0]", "[-0.1, 0.9]", "[0.9, 0.95, 0.99]", "[a, b]"],
