@@ -18,18 +18,7 @@ from fp8train.quant import Fp8Tensor, convert_dialect, quantize
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-ML_DTYPES = {
-    "e4m3fn": ml_dtypes.float8_e4m3fn,
-    "e5m2": ml_dtypes.float8_e5m2,
-    "e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
-    "e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
-}
-TORCH_DTYPES = {
-    "e4m3fn": torch.float8_e4m3fn,
-    "e5m2": torch.float8_e5m2,
-    "e4m3fnuz": torch.float8_e4m3fnuz,
-    "e5m2fnuz": torch.float8_e5m2fnuz,
-}
+from refs import ML_DTYPES, TORCH_DTYPES  # noqa: E402
 PAIRS = [("e4m3fn", "e4m3fnuz"), ("e5m2", "e5m2fnuz")]
 CODES = np.arange(256, dtype=np.uint8)
 

@@ -19,19 +19,7 @@ from fp8train.quant import quantize
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-ALL_FORMATS = ["e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz"]
-ML_DTYPES = {
-    "e4m3fn": ml_dtypes.float8_e4m3fn,
-    "e5m2": ml_dtypes.float8_e5m2,
-    "e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
-    "e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
-}
-TORCH_DTYPES = {
-    "e4m3fn": torch.float8_e4m3fn,
-    "e5m2": torch.float8_e5m2,
-    "e4m3fnuz": torch.float8_e4m3fnuz,
-    "e5m2fnuz": torch.float8_e5m2fnuz,
-}
+from refs import ALL_FORMATS, ML_DTYPES, TORCH_DTYPES  # noqa: E402
 
 # The DESIGN.md table, written out by hand. Max values as hex floats read off the bit layout:
 #   e4m3fn   S.1111.110 = 1.75  * 2^8  = 0x1.cp8  = 448   (S.1111.111 is NaN)

@@ -35,19 +35,7 @@ from fp8train.quant import (
     scale_from_amax,
 )
 
-ALL_FORMATS = ["e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz"]
-ML_DTYPES = {
-    "e4m3fn": ml_dtypes.float8_e4m3fn,
-    "e5m2": ml_dtypes.float8_e5m2,
-    "e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
-    "e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
-}
-TORCH_DTYPES = {
-    "e4m3fn": torch.float8_e4m3fn,
-    "e5m2": torch.float8_e5m2,
-    "e4m3fnuz": torch.float8_e4m3fnuz,
-    "e5m2fnuz": torch.float8_e5m2fnuz,
-}
+from refs import ALL_FORMATS, ML_DTYPES, TORCH_DTYPES  # noqa: E402
 FP32_TINY = float(np.finfo(np.float32).tiny)
 FP32_MAX = float(np.finfo(np.float32).max)
 
