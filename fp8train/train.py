@@ -328,6 +328,7 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
     elif is_main and (run_dir / "telemetry.jsonl").exists():
         (run_dir / "telemetry.jsonl").write_text("")
     if cfg.log.wandb != "disabled":
+        os.environ.setdefault("WANDB_SILENT", "true")  # our progress bar and summary line say what matters
         accelerator.init_trackers(cfg.log.wandb_project, config=json.loads(json.dumps(
             _plain(cfg), default=str)), init_kwargs={"wandb": {"mode": cfg.log.wandb, "dir": str(run_dir),
                                                               "name": cfg.run.name, "resume": "allow"}})

@@ -8,7 +8,6 @@ never with fp8train's own dequantize.
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch

@@ -6,7 +6,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fp8train.config import ModelConfig
 from fp8train.model import Decoder, RMSNorm, apply_rope, build_model, count_params, rope_cos_sin

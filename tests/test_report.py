@@ -136,7 +136,7 @@ def validation_dir(tmp_path):
     _write_run(vdir, "good", (5.5, 4.02, 3.51, 3.22, 3.02), health=healthy)  # +0.65% <= max(0.97%, 2%)
     crash = {"layers.1.mlp.up_proj": {"input": dict(_stats(), amax="nan", nonfinite=True, sqnr_db="nan")},
              "layers.0.attn.q_proj": {"input": _stats(sqnr=29.0)}}
-    run = _write_run(vdir, "broken", (5.5, 4.0, 3.6), status="diverged", reason="loss became nan at step 23",
+    _write_run(vdir, "broken", (5.5, 4.0, 3.6), status="diverged", reason="loss became nan at step 23",
                      extra={"divergence_telemetry": crash})
     return vdir
 
