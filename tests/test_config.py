@@ -242,7 +242,6 @@ def test_fp8_recipe_none_needs_no_fp8_stack():
 
 
 def test_fp8_recipe_from_config_applies_overrides():
-    pytest.importorskip("fp8train.recipes", reason="fp8train.recipes not present yet")
     cfg = load_config(None, ["fp8.recipe=delayed", "fp8.margin=1", "fp8.amax_history_len=16", "fp8.backend=emulated"])
     r = fp8_recipe_from_config(cfg)
     assert (r.scaling, r.margin, r.amax_history_len, r.backend) == ("delayed", 1, 16, "emulated")
@@ -251,7 +250,6 @@ def test_fp8_recipe_from_config_applies_overrides():
 
 
 def test_layer_policy_from_config():
-    pytest.importorskip("fp8train.convert", reason="fp8train.convert not present yet")
     cfg = load_config(None, ["policy.min_features=32", "policy.skip_first_blocks=1"])
     policy = layer_policy_from_config(cfg)
     assert policy.min_features == 32 and policy.skip_first_blocks == 1 and policy.divisible_by == 16

@@ -145,8 +145,9 @@ def test_policy_validation(kwargs, key):
 
 
 def test_report_on_fp8train_decoder():
-    config = pytest.importorskip("fp8train.config")
-    model_mod = pytest.importorskip("fp8train.model")
+    from fp8train import config
+    from fp8train import model as model_mod
+
     model = model_mod.Decoder(config.ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=16, vocab_size=64))
     report = convert_to_fp8(model, "current")
     names = {n for n, _ in report.converted}
