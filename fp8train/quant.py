@@ -335,11 +335,12 @@ def _format_of(dtype: torch.dtype) -> Fp8Format:
 # ------------------------------------------------------------------------------------------------------------
 def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", block=(1, 128), axis: int = -1,
              margin: int = 0, pow2: bool = False, saturate: bool = True, scale=None,
-             keep_values: bool = False) -> Fp8Tensor:
+             keep_values: bool = False, validate_scale: bool = True) -> Fp8Tensor:
     """Quantize ``x`` to FP8. ``scale`` (a dequant scale, shaped per the granularity) skips the amax.
 
     ``keep_values`` also keeps the fp32 copy of the FP8 values the kernel produced (saves a decode when the
-    caller feeds them straight into a GEMM).
+    caller feeds them straight into a GEMM). ``validate_scale=False`` skips checking that a given scale is finite
+    and positive, a host sync per call on a GPU: for scales from ``scale_from_amax``, which guarantees both.
     """
     _check_input(x)
     fmt = get_format(fmt)
@@ -348,7 +349,7 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
         axis = axis % max(x.dim(), 1)
     if scale is not None:
         scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-        if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+        if validate_scale and not bool((torch.isfinite(scale) & (scale > 0)).all()):
             raise ValueError("scale must be finite and > 0 everywhere (it is a dequantization scale)")
     key = (fmt.name, granularity, br, bc, axis, int(margin), bool(pow2), bool(saturate), scale is None,
            bool(keep_values))

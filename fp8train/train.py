@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 from .checkpoint import latest_valid_checkpoint, load_checkpoint, save_checkpoint
-from .config import (FullConfig, config_hash, config_to_yaml, fp8_recipe_from_config, layer_policy_from_config,
-                     load_config)
+from .config import (FullConfig, add_config_arguments, config_hash, config_to_yaml, fp8_recipe_from_config,
+                     layer_policy_from_config, load_config)
 from .data import build_data
 from .model import build_model, count_params
 
@@ -529,9 +529,7 @@ def _progress(cfg: FullConfig, start: int, enabled: bool):
 # Command line
 # ------------------------------------------------------------------------------------------------------------
 def add_cli_arguments(parser) -> None:
-    parser.add_argument("config", help="recipe YAML, e.g. recipes/cpu_delayed.yaml")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=100")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar or conversion table")
+    add_config_arguments(parser, "recipes/cpu_delayed.yaml", "train.max_steps=100", "progress bar or conversion table")
 
 
 def cli_main(args) -> int:

@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import FullConfig, config_hash, config_to_yaml, load_config
+from .config import FullConfig, add_config_arguments, config_hash, config_to_yaml, load_config
 
 __all__ = [
     "Candidate", "parse_candidate", "plan_runs", "run_validation", "load_curve", "compare", "first_out_of_band",
@@ -444,9 +444,8 @@ def run_validation(cfg: FullConfig, candidates=None, accelerator=None, show_prog
 # Command line
 # ------------------------------------------------------------------------------------------------------------
 def add_cli_arguments(parser) -> None:
-    parser.add_argument("config", help="recipe YAML, e.g. recipes/cpu_validate.yaml")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. validate.candidates=[delayed]")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars or conversion tables")
+    add_config_arguments(parser, "recipes/cpu_validate.yaml", "validate.candidates=[delayed]",
+                         "progress bars or conversion tables")
 
 
 def cli_main(args) -> int:

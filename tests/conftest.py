@@ -60,3 +60,25 @@ def compiled(monkeypatch):
     """Opt in to fp8train's torch.compile path for one test (restored afterwards)."""
     monkeypatch.setenv("FP8TRAIN_COMPILE", "1")
     yield
+
+
+# A tiny FP8-trained run (current scaling, fp32 activations: bf16 GEMMs are slow on CPUs without bf16 hardware),
+# trained once per session for the tests that read a finished run (export, kv-eval).
+TINY_FP8_RUN = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.seq_len=64", "train.max_steps=30",
+                "train.batch_size=4", "train.eval_every=30", "train.eval_batches=2", "train.lr=1e-2",
+                "optim.warmup_steps=5", "log.wandb=disabled", "log.telemetry_every=0", "data.max_bytes=1000000",
+                "fp8.recipe=current", "policy.min_features=16", "train.autocast=none"]
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8_run(tmp_path_factory):
+    from fp8train.config import load_config
+    from fp8train.train import train
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("tiny_fp8_run")
+    cfg = load_config(None, [f"run.dir={root}", "run.name=tiny", *TINY_FP8_RUN])
+    assert train(cfg, show_progress=False)["status"] == "completed"
+    torch.set_num_threads(previous)
+    return root / "tiny"

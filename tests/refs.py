@@ -1,4 +1,7 @@
-"""Independent references shared by the tests: the ml_dtypes and torch dtypes of each FP8 format, by name."""
+"""Shared by the tests: the ml_dtypes and torch dtypes of each FP8 format (independent references), and a small
+real-text corpus writer."""
+
+from pathlib import Path
 
 import ml_dtypes
 import torch
@@ -16,3 +19,17 @@ TORCH_DTYPES = {
     "e4m3fnuz": torch.float8_e4m3fnuz,
     "e5m2fnuz": torch.float8_e5m2fnuz,
 }
+
+
+def write_stdlib_corpus(path: Path, n_chars: int = 200_000) -> None:
+    """The first ``n_chars`` characters of the standard library sources (the built-in corpus's files, in order)."""
+    from fp8train.data import stdlib_files
+
+    _, files = stdlib_files()
+    chunks, size = [], 0
+    for file in files:
+        chunks.append(file.read_text(errors="replace"))
+        size += len(chunks[-1])
+        if size > n_chars:
+            break
+    Path(path).write_text("".join(chunks)[:n_chars])

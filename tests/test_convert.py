@@ -14,13 +14,7 @@ from fp8train.recipes import recipe
 RECIPES = ("delayed", "current", "rowwise", "block")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tensors are tiny: a second OpenMP thread only adds synchronization (10x slower on a busy box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny tensors: a second OpenMP thread only adds sync
 
 
 class TinyLM(nn.Module):

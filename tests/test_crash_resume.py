@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from fp8train.checkpoint import latest_valid_checkpoint, list_checkpoints, load_checkpoint, verify_checkpoint
 from fp8train.config import fp8_recipe_from_config, layer_policy_from_config, load_config
 from fp8train.convert import convert_to_fp8
-from fp8train.data import stdlib_files
+from refs import write_stdlib_corpus
 from fp8train.model import build_model
 from fp8train.train import train
 
@@ -103,14 +103,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("crash")
-    _, files = stdlib_files()
-    chunks, size = [], 0
-    for file in files:
-        chunks.append(file.read_text(errors="replace"))
-        size += len(chunks[-1])
-        if size > 200_000:
-            break
-    (root / "corpus.txt").write_text("".join(chunks)[:200_000])
+    write_stdlib_corpus(root / "corpus.txt")
     config = {**TINY, "run": {"dir": str(root / "runs"), "name": "x"}, "data": {"path": str(root / "corpus.txt")}}
     (root / "tiny.yaml").write_text(yaml.safe_dump(config))
     return root

@@ -17,27 +17,14 @@ from safetensors.torch import load_file, save_file
 
 from fp8train.export import (SCALE_CONVENTION, compare_logits, convert_export, export_run, load_export, load_run,
                              read_export_metadata)
+from refs import ML_DTYPES
 
-ML_DTYPES = {"e4m3fn": ml_dtypes.float8_e4m3fn, "e4m3fnuz": ml_dtypes.float8_e4m3fnuz}
 FMT_MAX = {"e4m3fn": 448.0, "e4m3fnuz": 240.0}
-TINY_RUN = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.seq_len=64", "train.max_steps=30",
-            "train.batch_size=4", "train.eval_every=30", "train.eval_batches=2", "train.lr=1e-2",
-            "optim.warmup_steps=5", "log.wandb=disabled", "log.telemetry_every=0", "data.max_bytes=1000000",
-            "fp8.recipe=current", "policy.min_features=16", "train.autocast=none"]
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    from fp8train.config import load_config
-    from fp8train.train import train
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("exportrun")
-    cfg = load_config(None, [f"run.dir={root}", "run.name=tiny", *TINY_RUN])
-    assert train(cfg, show_progress=False)["status"] == "completed"
-    yield root / "tiny"
-    torch.set_num_threads(threads)
+def tiny_run(tiny_fp8_run):
+    return tiny_fp8_run  # conftest: a 30-step FP8 (current) run of a 2-layer, 64-wide model
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,7 @@ from fp8train.gemm import Fp8Operand, emulated_compute_dtype, fp8_mm, resolve_ba
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tensors are tiny: a second OpenMP thread only adds synchronization (10x slower on a busy box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny tensors: a second OpenMP thread only adds sync
 
 
 def _fp8(shape, dtype, seed):

@@ -16,36 +16,17 @@ import torch
 from fp8train.formats import get_format
 from fp8train.kvcache import (Fp8KvCache, KvCacheConfig, KvEvalOptions, add_cli_arguments, bf16_cache, cli_main,
                               kv_bytes_per_token, kv_eval, kv_transforms, position_buckets, score_caches)
+from refs import ML_DTYPES
 
 KIB = 1024
-ML_DTYPES = {"e4m3fn": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2,
-             "e4m3fnuz": ml_dtypes.float8_e4m3fnuz, "e5m2fnuz": ml_dtypes.float8_e5m2fnuz}
 
 
 # ------------------------------------------------------------------------------------------------------------
-# A tiny trained run (module-scoped: trained once for this file)
+# A tiny trained run (trained once per session: conftest.tiny_fp8_run)
 # ------------------------------------------------------------------------------------------------------------
-TINY_RUN = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.seq_len=64", "train.max_steps=30",
-            "train.batch_size=4", "train.eval_every=30", "train.eval_batches=2", "train.lr=1e-2",
-            "optim.warmup_steps=5", "log.wandb=disabled", "log.telemetry_every=0", "data.max_bytes=1000000",
-            # FP8 training (so loading maps an FP8 checkpoint onto the plain model); fp32 activations: bf16 matmuls
-            # are slow on CPUs without native bf16, and the cache reference is bf16-rounded K/V either way.
-            "fp8.recipe=current", "policy.min_features=16", "train.autocast=none"]
-
-
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    from fp8train.config import load_config
-    from fp8train.train import train
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: one thread is faster on a shared CPU
-    root = tmp_path_factory.mktemp("kvrun")
-    cfg = load_config(None, [f"run.dir={root}", "run.name=tiny", *TINY_RUN])
-    summary = train(cfg, show_progress=False)
-    assert summary["status"] == "completed"
-    yield root / "tiny"
-    torch.set_num_threads(threads)
+def tiny_run(tiny_fp8_run):
+    return tiny_fp8_run  # conftest: a 30-step FP8 (current) run of a 2-layer, 64-wide model
 
 
 @pytest.fixture(scope="module")

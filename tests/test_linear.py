@@ -16,13 +16,7 @@ RECIPES = ("delayed", "current", "rowwise", "block")
 ROLES = ("input", "weight", "grad_output")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tensors are tiny: a second OpenMP thread only adds synchronization (10x slower on a busy box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny tensors: a second OpenMP thread only adds sync
 
 # SQNR thresholds (dB) against fp32 nn.Linear on Gaussian data. One E4M3 cast of a Gaussian gives ~31 dB;
 # a GEMM of two such operands ~28 dB. E5M2 (2 mantissa bits) costs ~6 dB more on the gradients.

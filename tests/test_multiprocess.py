@@ -43,7 +43,7 @@ from safetensors.torch import load_file
 
 import fp8train.linear as linear_module
 from fp8train.config import load_config
-from fp8train.data import stdlib_files
+from refs import write_stdlib_corpus
 from fp8train.train import train
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.slow]
@@ -193,22 +193,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _write_corpus(path: Path) -> None:
-    _, files = stdlib_files()
-    chunks, size = [], 0
-    for file in files:
-        chunks.append(file.read_text(errors="replace"))
-        size += len(chunks[-1])
-        if size > 200_000:
-            break
-    path.write_text("".join(chunks)[:200_000])
-
-
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, single_thread):
     """Run the harness under accelerate launch (2 processes), then the single-process references in-process."""
     root = tmp_path_factory.mktemp("multiprocess")
-    _write_corpus(root / "corpus.txt")
+    write_stdlib_corpus(root / "corpus.txt")
     config = {**TINY, "run": {"dir": str(root / "runs"), "name": "x"}, "data": {"path": str(root / "corpus.txt")}}
     (root / "tiny.yaml").write_text(yaml.safe_dump(config))
     (root / "harness.py").write_text(HARNESS)

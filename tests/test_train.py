@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from fp8train import cli
 from fp8train.checkpoint import list_checkpoints, verify_checkpoint
 from fp8train.config import config_hash, load_config
-from fp8train.data import stdlib_files
+from refs import write_stdlib_corpus
 from fp8train.train import MAX_CONSECUTIVE_SKIPS, train
 
 # One intra-op thread: these models are so small that a second OpenMP thread only adds synchronization, and on a
@@ -46,15 +46,7 @@ EXACT_KEYS = ("step", "loss", "val_loss", "lr", "grad_norm", "skipped_steps", "f
 def workdir(tmp_path_factory) -> Path:
     """A config file and a ~200 KB corpus (standard library sources) shared by the module's runs."""
     root = tmp_path_factory.mktemp("train")
-    stdlib_root, files = stdlib_files()
-    chunks, size = [], 0
-    for path in files:
-        text = path.read_text(errors="replace")
-        chunks.append(text)
-        size += len(text)
-        if size > 200_000:
-            break
-    (root / "corpus.txt").write_text("".join(chunks)[:200_000])
+    write_stdlib_corpus(root / "corpus.txt")
     config = {**TINY, "run": {"dir": str(root / "runs"), "name": "base"}, "data": {"path": str(root / "corpus.txt")}}
     (root / "tiny.yaml").write_text(yaml.safe_dump(config))
     return root
