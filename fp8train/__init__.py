@@ -4,20 +4,20 @@ The numerics core is imported eagerly; the training-side names are imported on f
 ``import fp8train`` stays light.
 """
 
-from .formats import FORMATS, Fp8Format, get_format
-from .quant import Fp8Tensor, compute_amax, convert_dialect, quant_error, quantize, scale_from_amax
+from fp8train.numerics.formats import FORMATS, Fp8Format, get_format
+from fp8train.numerics.quant import Fp8Tensor, compute_amax, convert_dialect, quant_error, quantize, scale_from_amax
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "recipe": "fp8train.recipes",
-    "Fp8Recipe": "fp8train.recipes",
-    "RECIPE_NAMES": "fp8train.recipes",
-    "Fp8Linear": "fp8train.linear",
-    "convert_to_fp8": "fp8train.convert",
-    "LayerPolicy": "fp8train.convert",
-    "update_fp8_scales": "fp8train.linear",
-    "fp8_layers": "fp8train.convert",
+    "recipe": "fp8train.nn.recipes",
+    "Fp8Recipe": "fp8train.nn.recipes",
+    "RECIPE_NAMES": "fp8train.nn.recipes",
+    "Fp8Linear": "fp8train.nn.linear",
+    "convert_to_fp8": "fp8train.nn.convert",
+    "LayerPolicy": "fp8train.nn.convert",
+    "update_fp8_scales": "fp8train.nn.linear",
+    "fp8_layers": "fp8train.nn.convert",
 }
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Shared fixtures for the fp8train test suite.
 
-Compilation: fp8train.quant runs its fused kernels through torch.compile for large tensors (FP8TRAIN_COMPILE=auto,
+Compilation: fp8train.numerics.quant runs its fused kernels through torch.compile for large tensors (FP8TRAIN_COMPILE=auto,
 the default), always (1) or never (0). A compile costs seconds to tens of seconds on CPU per configuration, and eager mode gives the same bits, so tests run
 eagerly by default. The default is set here, at import, before any test module imports fp8train (setdefault: a
 caller who exports FP8TRAIN_COMPILE=1 runs the whole suite compiled). A test that must exercise the compiled
@@ -72,8 +72,8 @@ TINY_FP8_RUN = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "mode
 
 @pytest.fixture(scope="session")
 def tiny_fp8_run(tmp_path_factory):
-    from fp8train.config import load_config
-    from fp8train.train import train
+    from fp8train.training.config import load_config
+    from fp8train.training.loop import train
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8train import bench
+from fp8train.bench import suite as bench
 from fp8train.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,7 +73,7 @@ def test_ratio_is_median_over_baseline_with_paired_spread():
 
 
 def test_saved_tensor_bytes_counts_fp8_inputs_as_one_byte():
-    from fp8train.linear import Fp8Linear
+    from fp8train.nn.linear import Fp8Linear
 
     torch.manual_seed(0)
     x = torch.randn(64, 128, requires_grad=True)

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fp8train.checkpoint import (MANIFEST, latest_valid_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint,
+from fp8train.training.checkpoint import (MANIFEST, latest_valid_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint,
                                  verify_checkpoint)
-from fp8train.linear import Fp8Linear, update_fp8_scales
+from fp8train.nn.linear import Fp8Linear, update_fp8_scales
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -169,7 +169,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
 
 def test_pause_hook_holds_the_writer_inside_the_checkpoint(tmp_path, monkeypatch, capfd):
     """FP8TRAIN_TEST_PAUSE_IN_CHECKPOINT: the tests' way to land a kill inside save_checkpoint."""
-    import fp8train.checkpoint as checkpoint
+    import fp8train.training.checkpoint as checkpoint
 
     seen = {}
 

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from fp8train import cli
-from fp8train.config import FullConfig, load_config
+from fp8train.training.config import FullConfig, load_config
 
 
 def _leaf_types(schema=FullConfig, prefix="") -> dict[str, object]:

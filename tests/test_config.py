@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8train.config import (
+from fp8train.training.config import (
     DEFAULT_EXCLUDE, FullConfig, ModelConfig, config_hash, config_to_yaml, fp8_recipe_from_config,
     layer_policy_from_config, load_config,
 )

@@ -7,9 +7,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fp8train.convert import ConversionReport, LayerPolicy, block_index, convert_to_fp8, fp8_layers
-from fp8train.linear import Fp8Linear, update_fp8_scales
-from fp8train.recipes import recipe
+from fp8train.nn.convert import ConversionReport, LayerPolicy, block_index, convert_to_fp8, fp8_layers
+from fp8train.nn.linear import Fp8Linear, update_fp8_scales
+from fp8train.nn.recipes import recipe
 
 RECIPES = ("delayed", "current", "rowwise", "block")
 
@@ -139,8 +139,8 @@ def test_policy_validation(kwargs, key):
 
 
 def test_report_on_fp8train_decoder():
-    from fp8train import config
-    from fp8train import model as model_mod
+    from fp8train.training import config
+    from fp8train.training import model as model_mod
 
     model = model_mod.Decoder(config.ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=16, vocab_size=64))
     report = convert_to_fp8(model, "current")

@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
-from fp8train.gemm import Fp8Operand, fp8_mm, scaled_mm_available
-from fp8train.quant import quantize
-from fp8train.recipes import RECIPE_NAMES
+from fp8train.nn.gemm import Fp8Operand, fp8_mm, scaled_mm_available
+from fp8train.numerics.quant import quantize
+from fp8train.nn.recipes import RECIPE_NAMES
 
 
 def _fp8_gpu() -> bool:
@@ -92,8 +92,8 @@ def test_scaled_mm_block_layout_matches_emulated(operands, blocks):
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)
 def test_fp8_linear_on_cuda_matches_emulated_and_nn_linear(name):
-    from fp8train.linear import Fp8Linear
-    from fp8train.recipes import recipe
+    from fp8train.nn.linear import Fp8Linear
+    from fp8train.nn.recipes import recipe
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(K, N, device="cuda")
@@ -117,8 +117,8 @@ def test_fp8_linear_on_cuda_matches_emulated_and_nn_linear(name):
 
 
 def test_delayed_scaling_state_on_gpu():
-    from fp8train.linear import Fp8Linear, update_fp8_scales
-    from fp8train.formats import get_format
+    from fp8train.nn.linear import Fp8Linear, update_fp8_scales
+    from fp8train.numerics.formats import get_format
 
     layer = Fp8Linear(K, N, bias=False, recipe="delayed").cuda()
     assert all(b.is_cuda for b in layer.buffers())
@@ -144,9 +144,9 @@ def test_delayed_scaling_state_on_gpu():
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)
 def test_short_train_on_cuda(tmp_path, name):
-    from fp8train.config import load_config
-    from fp8train.data import stdlib_files
-    from fp8train.train import train
+    from fp8train.training.config import load_config
+    from fp8train.training.data import stdlib_files
+    from fp8train.training.loop import train
 
     _, files = stdlib_files()
     corpus = tmp_path / "corpus.txt"

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from fp8train.config import load_config
-from fp8train.data import build_data, stdlib_files
+from fp8train.training.config import load_config
+from fp8train.training.data import build_data, stdlib_files
 
 T = 32
 

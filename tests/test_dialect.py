@@ -1,4 +1,4 @@
-"""OCP <-> FNUZ dialect conversion (fp8train.quant.convert_dialect).
+"""OCP <-> FNUZ dialect conversion (fp8train.numerics.quant.convert_dialect).
 
 FNUZ (AMD MI300) formats have the same bit layout as the OCP ones with the exponent bias one higher, no negative
 zero and NaN at 0x80. So the same byte means half as much in FNUZ, and a correct conversion re-encodes (and
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from fp8train.formats import FORMATS
-from fp8train.quant import Fp8Tensor, convert_dialect, quantize
+from fp8train.numerics.formats import FORMATS
+from fp8train.numerics.quant import Fp8Tensor, convert_dialect, quantize
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

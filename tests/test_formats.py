@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from fp8train.formats import ALIASES, FORMATS, Fp8Format, format_table, get_format
-from fp8train.quant import quantize
+from fp8train.numerics.formats import ALIASES, FORMATS, Fp8Format, format_table, get_format
+from fp8train.numerics.quant import quantize
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

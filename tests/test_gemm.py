@@ -4,7 +4,7 @@ tensorwise and rowwise scales, in the layouts of all three linear-layer GEMMs.""
 import pytest
 import torch
 
-from fp8train.gemm import Fp8Operand, emulated_compute_dtype, fp8_mm, resolve_backend
+from fp8train.nn.gemm import Fp8Operand, emulated_compute_dtype, fp8_mm, resolve_backend
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 

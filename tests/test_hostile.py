@@ -23,12 +23,12 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from safetensors.torch import load_file
 
-from fp8train import telemetry
-from fp8train.config import load_config
-from fp8train.formats import get_format
-from fp8train.linear import Fp8Linear, update_fp8_scales
-from fp8train.quant import compute_amax, expand_scale, quantize
-from fp8train.recipes import recipe
+from fp8train.training import telemetry
+from fp8train.training.config import load_config
+from fp8train.numerics.formats import get_format
+from fp8train.nn.linear import Fp8Linear, update_fp8_scales
+from fp8train.numerics.quant import compute_amax, expand_scale, quantize
+from fp8train.nn.recipes import recipe
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -238,8 +238,8 @@ def test_skip_guard_skips_a_nonfinite_step_counts_and_logs_it(tmp_path, monkeypa
     """One NaN in one block's output gradient at step 2 (a tensor hook): the gradients are NaN, the guard skips
     that optimizer step (weights and AdamW state unchanged), the events are counted and reported, the scales stay
     finite, and training goes on."""
-    import fp8train.train as train_module
-    from fp8train.data import stdlib_files
+    import fp8train.training.loop as train_module
+    from fp8train.training.data import stdlib_files
 
     (tmp_path / "corpus.txt").write_text("".join(p.read_text(errors="replace") for p in stdlib_files()[1][:30]))
     config = {"run": {"dir": str(tmp_path / "runs"), "name": "guard"}, "data": {"path": str(tmp_path / "corpus.txt")},

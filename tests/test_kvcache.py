@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from fp8train.formats import get_format
-from fp8train.kvcache import (Fp8KvCache, KvCacheConfig, KvEvalOptions, add_cli_arguments, bf16_cache, cli_main,
+from fp8train.numerics.formats import get_format
+from fp8train.serving.kvcache import (Fp8KvCache, KvCacheConfig, KvEvalOptions, add_cli_arguments, bf16_cache, cli_main,
                               kv_bytes_per_token, kv_eval, kv_transforms, position_buckets, score_caches)
 from refs import ML_DTYPES
 
@@ -31,8 +31,8 @@ def tiny_run(tiny_fp8_run):
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_run):
-    from fp8train.data import build_data
-    from fp8train.export import load_run
+    from fp8train.training.data import build_data
+    from fp8train.serving.export import load_run
 
     run = load_run(tiny_run)
     return run.model, build_data(run.cfg).val_batches()
@@ -247,7 +247,7 @@ def test_empty_calibration_split(tiny_run, tmp_path):
 
 def test_e5m2_cache_error_is_twice_e4m3():
     """One mantissa bit fewer doubles the rounding error: the cache's RMS relative error, e5m2 over e4m3fn."""
-    from fp8train.kvcache import Fp8KvCache, KvCacheConfig
+    from fp8train.serving.kvcache import Fp8KvCache, KvCacheConfig
 
     torch.manual_seed(0)
     k, v = torch.randn(2, 2, 64, 32), torch.randn(2, 2, 64, 32)

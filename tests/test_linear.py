@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fp8train.linear import Fp8Linear, update_fp8_scales
-from fp8train.recipes import recipe
+from fp8train.nn.linear import Fp8Linear, update_fp8_scales
+from fp8train.nn.recipes import recipe
 
 RECIPES = ("delayed", "current", "rowwise", "block")
 ROLES = ("input", "weight", "grad_output")

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from fp8train.config import ModelConfig
-from fp8train.model import Decoder, RMSNorm, apply_rope, build_model, count_params, rope_cos_sin
+from fp8train.training.config import ModelConfig
+from fp8train.training.model import Decoder, RMSNorm, apply_rope, build_model, count_params, rope_cos_sin
 
 V, B, T = 256, 2, 16
 

@@ -41,10 +41,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-import fp8train.linear as linear_module
-from fp8train.config import load_config
+import fp8train.nn.linear as linear_module
+from fp8train.training.config import load_config
 from refs import write_stdlib_corpus
-from fp8train.train import train
+from fp8train.training.loop import train
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.slow]
 
@@ -72,12 +72,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-import fp8train.linear as linear
-import fp8train.train as train_module
-from fp8train.config import fp8_recipe_from_config, layer_policy_from_config, load_config
-from fp8train.convert import convert_to_fp8, fp8_layers
-from fp8train.data import build_data
-from fp8train.model import build_model
+import fp8train.nn.linear as linear
+import fp8train.training.loop as train_module
+from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
+from fp8train.nn.convert import convert_to_fp8, fp8_layers
+from fp8train.training.data import build_data
+from fp8train.training.model import build_model
 
 out, cfg_path, hostile_step, hostile_module = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 real_update, real_build = linear.update_fp8_scales, train_module.build_model

@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-import fp8train.quant as fp8quant
-from fp8train.formats import FORMATS
-from fp8train.quant import (
+import fp8train.numerics.quant as fp8quant
+from fp8train.numerics.formats import FORMATS
+from fp8train.numerics.quant import (
     Fp8Tensor,
     cast_to_fp8,
     compute_amax,

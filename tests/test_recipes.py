@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from fp8train.recipes import RECIPE_NAMES, Fp8Recipe, recipe
+from fp8train.nn.recipes import RECIPE_NAMES, Fp8Recipe, recipe
 
 # Expected preset fields, written out (not read back from the code).
 PRESETS = {

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from fp8train import telemetry
-from fp8train.report import write_report
+from fp8train.training import telemetry
+from fp8train.evidence.report import write_report
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -22,8 +22,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Telemetry
 # ------------------------------------------------------------------------------------------------------------
 def test_fp8linear_telemetry_counts_known_clipping_and_underflow():
-    from fp8train.linear import Fp8Linear
-    from fp8train.recipes import recipe
+    from fp8train.nn.linear import Fp8Linear
+    from fp8train.nn.recipes import recipe
 
     layer = Fp8Linear(16, 16, bias=False, recipe=recipe("delayed"))
     # Delayed scaling with a fixed dequant scale of 1: E4M3 holds [2**-9, 448]. Of 256 input values, 32 are

@@ -5,8 +5,8 @@ import importlib.util
 import pytest
 import torch.nn as nn
 
-from fp8train.backends.te import make_te_linear, te_recipe_kwargs
-from fp8train.recipes import recipe
+from fp8train.nn.te import make_te_linear, te_recipe_kwargs
+from fp8train.nn.recipes import recipe
 
 EXPECTED = {
     "delayed": ("DelayedScaling", dict(fp8_format="HYBRID", margin=0, amax_history_len=1024,

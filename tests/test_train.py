@@ -19,10 +19,10 @@ import yaml
 from safetensors.torch import load_file
 
 from fp8train import cli
-from fp8train.checkpoint import list_checkpoints, verify_checkpoint
-from fp8train.config import config_hash, load_config
+from fp8train.training.checkpoint import list_checkpoints, verify_checkpoint
+from fp8train.training.config import config_hash, load_config
 from refs import write_stdlib_corpus
-from fp8train.train import MAX_CONSECUTIVE_SKIPS, train
+from fp8train.training.loop import MAX_CONSECUTIVE_SKIPS, train
 
 # One intra-op thread: these models are so small that a second OpenMP thread only adds synchronization, and on a
 # loaded 2-core machine it makes every step several times slower (conftest's `single_thread` fixture).
@@ -252,7 +252,7 @@ def _assert_last_good_checkpoint(run_dir: Path, summary: dict, expected_step: in
 def test_nan_loss_stops_with_step_telemetry_and_last_good_checkpoint(workdir, monkeypatch):
     """From step 4 on, the first block's MLP outputs NaN (a test hook standing in for a model that blows up):
     the run stops at step 4, before applying it, with the layer telemetry of that step."""
-    import fp8train.train as train_module
+    import fp8train.training.loop as train_module
 
     real_build = train_module.build_model
 

@@ -15,8 +15,8 @@ import os
 
 import pytest
 
-from fp8train.config import load_config
-from fp8train.validate import (BASELINE, Candidate, DivergenceGuard, compare, first_out_of_band, load_curve,
+from fp8train.training.config import load_config
+from fp8train.evidence.validate import (BASELINE, Candidate, DivergenceGuard, compare, first_out_of_band, load_curve,
                                parse_candidate, per_step, plan_runs, run_validation)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -91,7 +91,7 @@ def test_per_step_band_and_threshold():
 
 
 def test_divergence_guard():
-    from fp8train.validate import Curve
+    from fp8train.evidence.validate import Curve
 
     base = Curve(val={10: 3.0}, train={5: 4.0, 10: 3.1})
     guard = DivergenceGuard(base, factor=1.5, enabled=True)
@@ -159,7 +159,7 @@ class _Interrupt(Exception):
 
 
 def test_real_validation_sound_passes_bad_fails_and_resumes(tmp_path, monkeypatch):
-    import fp8train.train as train_module
+    import fp8train.training.loop as train_module
 
     cfg = load_config(None, TINY + [f"run.dir={tmp_path}", "run.name=val", "checkpoint.every=20"])
     candidates = ["current", "bad=current:margin=20,policy.exclude=[]"]

@@ -53,9 +53,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fp8train.gemm import Fp8Operand, fp8_mm, resolve_backend
-from fp8train.quant import Fp8Tensor, compute_amax, quant_error, quantize, scale_from_amax
-from fp8train.recipes import ROLES, Fp8Recipe, recipe as make_recipe
+from fp8train.nn.gemm import Fp8Operand, fp8_mm, resolve_backend
+from fp8train.numerics.quant import Fp8Tensor, compute_amax, quant_error, quantize, scale_from_amax
+from fp8train.nn.recipes import ROLES, Fp8Recipe, recipe as make_recipe
 
 __all__ = ["Fp8Linear", "update_fp8_scales"]
 

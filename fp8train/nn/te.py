@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from fp8train.recipes import Fp8Recipe
+from fp8train.nn.recipes import Fp8Recipe
 
 __all__ = ["te_recipe_kwargs", "make_te_recipe", "make_te_linear"]
 

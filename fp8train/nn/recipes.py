@@ -28,7 +28,7 @@ RECIPE_NAMES = SCALINGS  # one preset per scaling kind
 BACKENDS = ("auto", "emulated", "scaled_mm", "te")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 ROLES = ("input", "weight", "grad_output")
-# Names accepted for formats (fp8train.formats.get_format accepts the same; "e4m3" is an alias of "e4m3fn").
+# Names accepted for formats (fp8train.numerics.formats.get_format accepts the same; "e4m3" is an alias of "e4m3fn").
 FORMAT_NAMES = ("e4m3fn", "e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz")
 _CANONICAL_FORMAT = {"e4m3": "e4m3fn"}
 _SHORT_FORMAT = {"e4m3fn": "e4m3", "e5m2": "e5m2", "e4m3fnuz": "e4m3fnuz", "e5m2fnuz": "e5m2fnuz"}

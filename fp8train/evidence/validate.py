@@ -13,7 +13,7 @@ Layout of the validation directory <run.dir>/<run.name>/:
 
     plan.json              written BEFORE any run: declared margin, candidates, seeds, config hash
     runs/<label>/          one normal run directory per run (config.yaml, metrics.jsonl, summary.json, ...)
-    report.md, loss_curves.png, gap.png, health.png, summary.json     written at the end (fp8train.report)
+    report.md, loss_curves.png, gap.png, health.png, summary.json     written at the end (fp8train.evidence.report)
 
 Re-running the command skips finished runs (summary.json with a final status and the expected config hash) and
 resumes unfinished ones from their newest checkpoint. A directory planned from another config, or with another
@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import FullConfig, add_config_arguments, config_hash, config_to_yaml, load_config
+from fp8train.training.config import FullConfig, add_config_arguments, config_hash, config_to_yaml, load_config
 
 __all__ = [
     "Candidate", "parse_candidate", "plan_runs", "run_validation", "load_curve", "compare", "first_out_of_band",
@@ -79,7 +79,7 @@ class Candidate:
 
 def parse_candidate(spec: str | Candidate) -> Candidate:
     """``current`` or ``[LABEL=]RECIPE[:KEY=VALUE,...]`` -> Candidate; bare keys are fp8.* fields."""
-    from .config import RECIPE_NAMES
+    from fp8train.training.config import RECIPE_NAMES
 
     if isinstance(spec, Candidate):
         return spec
@@ -222,7 +222,7 @@ def _describe_diff(key: str, old, new) -> str:
 
 
 def _recipe_code(cfg: FullConfig) -> str:
-    from .config import fp8_recipe_from_config
+    from fp8train.training.config import fp8_recipe_from_config
 
     r = fp8_recipe_from_config(cfg)
     return r.code() if r is not None else "none"
@@ -383,7 +383,7 @@ def _reusable_accelerator(accelerator):
 def run_validation(cfg: FullConfig, candidates=None, accelerator=None, show_progress: bool = True,
                    log=None, write_report: bool = True) -> dict:
     """Run (or finish) the validation of ``cfg``; returns the validation summary (also summary.json)."""
-    from .train import make_accelerator, train
+    from fp8train.training.loop import make_accelerator, train
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     runs = plan_runs(cfg, candidates)
@@ -432,7 +432,7 @@ def run_validation(cfg: FullConfig, candidates=None, accelerator=None, show_prog
 
     summary = {}
     if is_main and write_report:
-        from .report import write_validation_report
+        from fp8train.evidence.report import write_validation_report
 
         summary = write_validation_report(vdir)
         log(f"[validate] verdict: {summary['verdict'].upper()} -> {vdir / 'report.md'}")

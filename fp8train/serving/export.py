@@ -19,7 +19,7 @@ Layout of an export (one safetensors file, the serving-engine convention for per
 
 for every Linear `<name>` that the run's layer policy puts in FP8 (the same rule whether the run trained in FP8 or
 bf16). Tensor names are the model's state_dict names (no prefix). A tied lm_head is stored once, as
-`embed.weight`. Metadata (all strings): see `_metadata`; `fp8train.export` marks the file, `fp8_format` and
+`embed.weight`. Metadata (all strings): see `_metadata`; `fp8train.serving.export` marks the file, `fp8_format` and
 `fp8_dialect` say how to read the bytes, and a loader never reads one dialect's bytes as the other's: the float8
 dtype of every weight must match `fp8_format`, and `load_export(expect_format=...)` refuses a mismatch.
 
@@ -42,8 +42,8 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .formats import get_format
-from .quant import Fp8Tensor, convert_dialect, decode_fp8, quantize
+from fp8train.numerics.formats import get_format
+from fp8train.numerics.quant import Fp8Tensor, convert_dialect, decode_fp8, quantize
 
 __all__ = [
     "EXPORT_FORMATS", "SCALE_CONVENTION", "LoadedRun", "load_run", "fp8_policy_names", "quantize_weight_per_channel",
@@ -96,10 +96,10 @@ class LoadedRun:
 def fp8_policy_names(cfg) -> list[str]:
     """Names of the Linears that the run's recipe and layer policy convert to FP8 (for a bf16 run: those its
     policy would convert). Found by running the same `convert_to_fp8` on a meta-device copy of the model."""
-    from .config import fp8_recipe_from_config, layer_policy_from_config
-    from .convert import convert_to_fp8
-    from .model import build_model
-    from .recipes import recipe
+    from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config
+    from fp8train.nn.convert import convert_to_fp8
+    from fp8train.training.model import build_model
+    from fp8train.nn.recipes import recipe
 
     run_recipe = fp8_recipe_from_config(cfg) or recipe("current")
     with torch.device("meta"), warnings.catch_warnings():
@@ -112,9 +112,9 @@ def fp8_policy_names(cfg) -> list[str]:
 def load_run(run_dir, log=None) -> LoadedRun:
     """The newest valid checkpoint of ``run_dir`` in the plain model rebuilt from its config.yaml (see the module
     docstring for how an FP8 run's checkpoint maps onto it)."""
-    from .checkpoint import MANIFEST, latest_valid_checkpoint
-    from .config import load_config
-    from .model import build_model
+    from fp8train.training.checkpoint import MANIFEST, latest_valid_checkpoint
+    from fp8train.training.config import load_config
+    from fp8train.training.model import build_model
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -256,7 +256,7 @@ def _write_atomically(tensors: dict, metadata: dict, out: Path) -> None:
 
 def _metadata(fmt, run: LoadedRun, fp8_names: list) -> dict:
     return {
-        "fp8train.export": EXPORT_MARK,
+        "fp8train.serving.export": EXPORT_MARK,
         "fp8_format": fmt.name,  # how to read the float8 bytes
         "fp8_dialect": _dialect(fmt.name),  # ocp | fnuz
         "fp8train_version": _version(),
@@ -317,9 +317,9 @@ def read_export_metadata(path) -> dict:
             meta = dict(f.metadata() or {})
     except Exception as err:  # safetensors raises its own error types for non-safetensors files
         raise ValueError(f"{str(path)!r} is not a readable safetensors file: {err}") from None
-    if meta.get("fp8train.export") != EXPORT_MARK:
-        raise ValueError(f"{str(path)!r} is not an fp8train FP8 export (metadata 'fp8train.export' is "
-                         f"{meta.get('fp8train.export')!r}, expected {EXPORT_MARK!r})")
+    if meta.get("fp8train.serving.export") != EXPORT_MARK:
+        raise ValueError(f"{str(path)!r} is not an fp8train FP8 export (metadata 'fp8train.serving.export' is "
+                         f"{meta.get('fp8train.serving.export')!r}, expected {EXPORT_MARK!r})")
     return meta
 
 
@@ -329,8 +329,8 @@ def load_export(path, expect_format=None, device="cpu") -> nn.Module:
     ``expect_format`` (e.g. "e4m3fnuz" on an MI300 path): refuse an export of another format. Bytes are never
     reinterpreted: every FP8 weight's dtype must be the one its metadata names.
     """
-    from .config import ModelConfig
-    from .model import build_model
+    from fp8train.training.config import ModelConfig
+    from fp8train.training.model import build_model
 
     meta = read_export_metadata(path)
     fmt = get_format(meta["fp8_format"])
@@ -445,7 +445,7 @@ def compare_logits(model_a: nn.Module, model_b: nn.Module, batches, autocast: bo
 def check_export(path, run_dir, batches: int = 2) -> dict:
     """Logits of the reloaded export against the source model (bf16 weights) and against the source model with
     the same per-channel FP8 weights (which must agree up to bf16 rounding), on the run's validation batches."""
-    from .data import build_data
+    from fp8train.training.data import build_data
 
     run = load_run(run_dir)
     exported = load_export(path)

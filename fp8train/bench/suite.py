@@ -62,7 +62,7 @@ QUANT_FORMATS = ("e4m3fn", "e5m2")
 # Dense (no sparsity) tensor-core peaks in TFLOP/s from vendor datasheets: (bf16, fp8). Matched by substring.
 GPU_PEAKS = {"H100": (989.0, 1979.0), "H200": (989.0, 1979.0), "H800": (989.0, 1979.0), "GH200": (989.0, 1979.0),
              "B200": (2250.0, 4500.0), "L40S": (362.0, 733.0), "L4": (121.0, 242.5)}
-REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+REPO_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -246,7 +246,7 @@ def _ratio(timing: Timing, base: Optional[Timing]) -> dict:
 
 @contextlib.contextmanager
 def _compile_mode(enabled: bool):
-    """FP8TRAIN_COMPILE for the duration (fp8train.quant reads it at every call)."""
+    """FP8TRAIN_COMPILE for the duration (fp8train.numerics.quant reads it at every call)."""
     previous = os.environ.get("FP8TRAIN_COMPILE")
     os.environ["FP8TRAIN_COMPILE"] = "1" if enabled else "0"
     try:
@@ -293,8 +293,8 @@ def _naive_quantize(x: torch.Tensor, fmt, granularity: str, block: tuple[int, in
 
 
 def bench_quant(opts: BenchOptions, warmup: int, repeats: int) -> dict:
-    from fp8train.formats import get_format
-    from fp8train.quant import quantize
+    from fp8train.numerics.formats import get_format
+    from fp8train.numerics.quant import quantize
 
     numel = opts.quant_numel or ((1 << 22) if opts.quick else (1 << 24))
     cols = 4096 if numel >= 4096 * 128 else 1024
@@ -369,7 +369,7 @@ def _fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, autocast: b
 
 
 def bench_linear(opts: BenchOptions, warmup: int, repeats: int, notes: list) -> dict:
-    from fp8train.linear import Fp8Linear
+    from fp8train.nn.linear import Fp8Linear
 
     shapes = opts.shapes or SHAPES[(opts.device, opts.quick)]
     rows_out, torchao_note = [], None
@@ -426,7 +426,7 @@ def _gpu_efficiency(row: dict, timings: dict) -> dict:
 # Sections: end-to-end train step and activation memory
 # ------------------------------------------------------------------------------------------------------------
 def _train_cfg(opts: BenchOptions, recipe_name: str):
-    from fp8train.config import load_config
+    from fp8train.training.config import load_config
 
     overrides = [f"fp8.recipe={recipe_name}", "data.max_bytes=2000000", "log.wandb=disabled"]
     path = opts.train_config
@@ -443,9 +443,9 @@ def _train_cfg(opts: BenchOptions, recipe_name: str):
 
 
 def _build(cfg, device: str):
-    from fp8train.config import fp8_recipe_from_config, layer_policy_from_config
-    from fp8train.convert import convert_to_fp8
-    from fp8train.model import build_model
+    from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config
+    from fp8train.nn.convert import convert_to_fp8
+    from fp8train.training.model import build_model
 
     torch.manual_seed(cfg.train.seed)  # same initial weights for every contender
     with torch.device(device):  # initialize in place (a ~1B model is slow to initialize on the CPU)
@@ -459,9 +459,9 @@ def _build(cfg, device: str):
 
 
 def _train_step_fn(model, cfg, batches, device: str):
-    """One optimizer step as fp8train.train does it (bf16 autocast, clip, AdamW, FP8 scale update), minus
+    """One optimizer step as fp8train.training.loop does it (bf16 autocast, clip, AdamW, FP8 scale update), minus
     logging and evaluation. Cycles through ``batches`` so every contender sees the same data in the same order."""
-    from fp8train.linear import update_fp8_scales
+    from fp8train.nn.linear import update_fp8_scales
 
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -519,7 +519,7 @@ def _step_peak_bytes(step: Callable, device: str) -> int:
 
 
 def bench_train(opts: BenchOptions, warmup: int, repeats: int) -> dict:
-    from fp8train.data import build_data
+    from fp8train.training.data import build_data
 
     cfg, path = _train_cfg(opts, "none")
     data = build_data(cfg)
@@ -584,7 +584,7 @@ def saved_tensor_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, devic
 
 
 def bench_memory(opts: BenchOptions) -> dict:
-    from fp8train.data import build_data
+    from fp8train.training.data import build_data
 
     cfg, _ = _train_cfg(opts, "none")
     x, y = (t.to(opts.device) for t in build_data(cfg).train_batch(0))

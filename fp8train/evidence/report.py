@@ -5,7 +5,7 @@
 
 Everything is recomputed from the files (plan.json, each run's metrics.jsonl, summary.json, telemetry.jsonl),
 so a report can be rewritten at any time, e.g. while runs are still missing. The verdict arithmetic lives in
-fp8train.validate; the health tables and the advisor's thresholds in fp8train.telemetry. A plain run's own
+fp8train.evidence.validate; the health tables and the advisor's thresholds in fp8train.training.telemetry. A plain run's own
 summary.json is never touched.
 """
 
@@ -16,8 +16,8 @@ import math
 import statistics
 from pathlib import Path
 
-from . import telemetry
-from .validate import BASELINE, PLAN_FILE, Curve, compare, load_curve
+from fp8train.training import telemetry
+from fp8train.evidence.validate import BASELINE, PLAN_FILE, Curve, compare, load_curve
 
 __all__ = ["write_report", "write_validation_report", "write_run_report", "add_cli_arguments", "cli_main"]
 
@@ -118,7 +118,7 @@ def write_validation_report(vdir: str | Path) -> dict:
 
 
 def _final(curve: Curve, window: int) -> float | None:
-    from .validate import final_window_mean
+    from fp8train.evidence.validate import final_window_mean
 
     value = final_window_mean(curve.val, window)
     return value if not math.isnan(value) else None

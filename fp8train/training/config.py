@@ -30,7 +30,7 @@ __all__ = [
     "RECIPE_NAMES", "FP8_RECIPE_CHOICES",
 ]
 
-# Validated here by name so the config works before (and independently of) fp8train.recipes.
+# Validated here by name so the config works before (and independently of) fp8train.nn.recipes.
 RECIPE_NAMES = ("delayed", "current", "rowwise", "block")
 FP8_RECIPE_CHOICES = ("none",) + RECIPE_NAMES
 FP8_BACKENDS = ("auto", "emulated", "scaled_mm", "te")
@@ -518,7 +518,7 @@ def fp8_recipe_from_config(cfg: FullConfig):
     fp8 = cfg.fp8
     if fp8.recipe == "none":
         return None
-    from fp8train.recipes import recipe  # lazy: the config must load without the FP8 stack
+    from fp8train.nn.recipes import recipe  # lazy: the config must load without the FP8 stack
 
     overrides: dict[str, Any] = {"backend": fp8.backend}
     for f in dataclasses.fields(Fp8Config):
@@ -534,7 +534,7 @@ def fp8_recipe_from_config(cfg: FullConfig):
 
 def layer_policy_from_config(cfg: FullConfig):
     """The `LayerPolicy` of `cfg.policy`."""
-    from fp8train.convert import LayerPolicy  # lazy, as above
+    from fp8train.nn.convert import LayerPolicy  # lazy, as above
 
     p = cfg.policy
     return LayerPolicy(

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from fp8train.linear import Fp8Linear, update_fp8_scales  # noqa: F401  (update_fp8_scales re-exported)
-from fp8train.recipes import Fp8Recipe, recipe as make_recipe
+from fp8train.nn.linear import Fp8Linear, update_fp8_scales  # noqa: F401  (update_fp8_scales re-exported)
+from fp8train.nn.recipes import Fp8Recipe, recipe as make_recipe
 
 __all__ = ["LayerPolicy", "ConversionReport", "convert_to_fp8", "fp8_layers", "update_fp8_scales",
            "DEFAULT_EXCLUDE", "block_index"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .formats import FORMATS, format_table
+from fp8train.numerics.formats import FORMATS, format_table
 
 
 def add_cli_arguments(parser) -> None:

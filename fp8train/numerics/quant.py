@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .formats import Fp8Format, get_format
+from fp8train.numerics.formats import Fp8Format, get_format
 
 __all__ = [
     "Fp8Tensor", "quantize", "compute_amax", "scale_from_amax", "expand_scale", "cast_to_fp8", "decode_fp8",
@@ -322,7 +322,7 @@ def decode_fp8(data: torch.Tensor, fmt=None) -> torch.Tensor:
 
 
 def _format_of(dtype: torch.dtype) -> Fp8Format:
-    from .formats import FORMATS
+    from fp8train.numerics.formats import FORMATS
 
     for fmt in FORMATS.values():
         if fmt.torch_dtype == dtype:

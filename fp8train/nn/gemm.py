@@ -18,7 +18,7 @@ Backends
   where torch supports them. Anything else (block tiles, contracted-dim scales, odd shapes) falls back to
   dequantize + bf16 GEMM with fp32 accumulation (`_dequant_gemm`), which is what the tensor core would compute
   up to accumulation order.
-- `te` is not a GEMM here: Transformer Engine replaces the whole layer (fp8train.backends.te).
+- `te` is not a GEMM here: Transformer Engine replaces the whole layer (fp8train.nn.te).
 - `auto`: scaled_mm on a capable CUDA GPU, else emulated.
 """
 
@@ -28,7 +28,7 @@ import functools
 
 import torch
 
-from fp8train.quant import decode_fp8
+from fp8train.numerics.quant import decode_fp8
 
 __all__ = ["Fp8Operand", "fp8_mm", "resolve_backend", "scaled_mm_available", "emulated_compute_dtype",
            "GEMM_BACKENDS"]
@@ -148,7 +148,7 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
         return backend
     if backend == "te":
         raise ValueError("backend='te' replaces the layer with Transformer Engine's Linear: use "
-                         "fp8train.backends.te.make_te_linear(linear, recipe); Fp8Linear runs "
+                         "fp8train.nn.te.make_te_linear(linear, recipe); Fp8Linear runs "
                          "'auto', 'emulated' or 'scaled_mm'")
     raise ValueError(f"unknown GEMM backend {backend!r}; allowed: {', '.join(GEMM_BACKENDS)}, te")
 

@@ -5,7 +5,7 @@
 
 What is compared. The newest valid checkpoint of RUN_DIR is rebuilt from RUN_DIR/config.yaml with its fp32
 master weights in the plain model (an FP8-trained run is loaded by parameter name, its FP8 scaling buffers are
-dropped: see fp8train.export.load_run), weights fixed, run under the run's autocast (bf16, as in training). Every
+dropped: see fp8train.serving.export.load_run), weights fixed, run under the run's autocast (bf16, as in training). Every
 attention layer's `kv_transform` hook then sees K (after RoPE) and V, (B, n_kv_heads, T, head_dim), and returns
 what the cache would hold:
 
@@ -48,8 +48,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from .formats import get_format
-from .quant import quantize, scale_from_amax
+from fp8train.numerics.formats import get_format
+from fp8train.numerics.quant import quantize, scale_from_amax
 
 __all__ = [
     "kv_bytes_per_token", "kv_scale_bytes", "memory_report", "KvCacheConfig", "Fp8KvCache", "bf16_cache",
@@ -437,8 +437,8 @@ def kv_eval(run_dir, opts: KvEvalOptions = KvEvalOptions(), log=print) -> dict:
     """Run the whole evaluation of ``run_dir`` (see the module docstring); returns the report as a dict."""
     import platform
 
-    from .data import build_data
-    from .export import _version, fp8_weight_model, load_run
+    from fp8train.training.data import build_data
+    from fp8train.serving.export import _version, fp8_weight_model, load_run
 
     configs = _cache_configs(opts)  # bad options fail before anything is loaded
     if opts.matrix:

@@ -37,11 +37,11 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import latest_valid_checkpoint, load_checkpoint, save_checkpoint
-from .config import (FullConfig, add_config_arguments, config_hash, config_to_yaml, fp8_recipe_from_config,
+from fp8train.training.checkpoint import latest_valid_checkpoint, load_checkpoint, save_checkpoint
+from fp8train.training.config import (FullConfig, add_config_arguments, config_hash, config_to_yaml, fp8_recipe_from_config,
                      layer_policy_from_config, load_config)
-from .data import build_data
-from .model import build_model, count_params
+from fp8train.training.data import build_data
+from fp8train.training.model import build_model, count_params
 
 __all__ = ["train", "run_dir_of", "cli_main", "add_cli_arguments", "fp8_state_digest"]
 
@@ -229,7 +229,7 @@ class Fp8StateSync:
     afterwards every rank (and every checkpoint) holds the totals of all ranks. One process: nothing to do."""
 
     def __init__(self, layers, accelerator):
-        from .recipes import ROLES
+        from fp8train.nn.recipes import ROLES
 
         self.layers, self.accelerator = layers, accelerator
         self.active = accelerator.num_processes > 1 and bool(layers)
@@ -270,9 +270,9 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
     ``should_stop(record) -> str | None`` is asked after every logged step (record = the metrics line); a
     reason string stops the run there with status "stopped" (validate uses it to cut a diverging candidate).
     """
-    from . import telemetry
-    from .convert import convert_to_fp8, fp8_layers
-    from .linear import update_fp8_scales
+    from fp8train.training import telemetry
+    from fp8train.nn.convert import convert_to_fp8, fp8_layers
+    from fp8train.nn.linear import update_fp8_scales
 
     started = time.time()
     accelerator = accelerator or make_accelerator(cfg)
