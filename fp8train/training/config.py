@@ -500,9 +500,14 @@ def config_to_yaml(cfg: FullConfig | DictConfig) -> str:
 HASH_EXCLUDE = ("run", "train.resume", "log", "checkpoint", "validate")
 
 
-def config_hash(cfg: FullConfig | DictConfig, exclude: Iterable[str] = HASH_EXCLUDE) -> str:
-    """sha256 of the resolved config without the `exclude` dotted keys (whole sections or single fields)."""
+def config_hash(cfg: FullConfig | DictConfig, exclude: Iterable[str] = HASH_EXCLUDE,
+                data_fingerprint: dict | None = None) -> str:
+    """sha256 of the resolved config without the `exclude` dotted keys (whole sections or single fields), and of
+    `data_fingerprint` (data.TextData.fingerprint: what the tokens are) when given: a run's hash changes when the
+    file at data.path is rewritten, not only when data.path does."""
     container = OmegaConf.to_container(_to_dictconfig(cfg), resolve=True)
+    if data_fingerprint is not None:
+        container["data_fingerprint"] = data_fingerprint
     for dotted in exclude:
         *parents, last = dotted.split(".")
         node = container
