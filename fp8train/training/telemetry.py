@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from fp8train.nn.recipes import ROLES
 from fp8train.training.rundir import append_jsonl, read_jsonl
 
-ROLES = ("input", "weight", "grad_output")
 STAT_KEYS = ("amax", "scale", "overflow_frac", "underflow_frac", "sqnr_db", "staleness", "nonfinite")
 
 
