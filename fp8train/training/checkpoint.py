@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from fp8train.training.data import describe_fingerprint_change
-from fp8train.training.rundir import dumps
+from fp8train.training.rundir import dumps, give_default_mode
 
 MANIFEST = "manifest.json"
 MANIFEST_CHECKSUM = "manifest_sha256"
@@ -122,6 +122,7 @@ def _write_files(tmp: Path, step: int, model, optimizer, scheduler, extra: dict 
     }
     for name in FILES:
         path = tmp / name
+        give_default_mode(path)
         manifest["files"][name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
     manifest[MANIFEST_CHECKSUM] = _manifest_digest(manifest)
     (tmp / MANIFEST).write_text(dumps(manifest, indent=1))

@@ -33,7 +33,7 @@ __all__ = [
     "CONFIG_FILE", "METRICS_FILE", "TELEMETRY_FILE", "SUMMARY_FILE", "CHECKPOINTS_DIR",
     "run_dir_path", "json_safe", "write_text_atomic", "write_json_atomic", "read_json", "read_jsonl",
     "append_jsonl", "refuse_symlink", "refuse_symlinks_in", "dumps", "nonfinite_fields", "restore_nonfinite",
-    "dir_state", "DirLock", "LOCK_FILE", "WRITE_ERRNOS", "write_error",
+    "dir_state", "DirLock", "LOCK_FILE", "WRITE_ERRNOS", "write_error", "record_write_failure", "give_default_mode",
 ]
 
 CONFIG_FILE = "config.yaml"
@@ -282,3 +282,26 @@ def write_error(err: BaseException) -> str | None:
         return None
     where = f" {err.filename}" if err.filename else ""
     return f"cannot write{where}: {os.strerror(err.errno)} (errno {errno.errorcode[err.errno]})"
+
+
+def record_write_failure(run_dir: str | os.PathLike, err: OSError, summary: dict | None = None) -> bool:
+    """After a write failure of the environment, leave summary.json with status "failed" and the one-line reason
+    if the run directory still takes it (a full disk often does once the failed write's temp files are gone).
+    Returns whether it was written."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return False
+    record = {**(summary or {}), "status": "failed", "reason": write_error(err) or str(err)}
+    try:
+        write_json_atomic(run_dir / SUMMARY_FILE, record)
+    except OSError:
+        return False
+    return True
+
+
+def give_default_mode(path: str | os.PathLike) -> None:
+    """The permissions an ordinary new file gets (0666 minus the umask). safetensors creates its files 0600,
+    which leaves checkpoints and exports unreadable to the group that shares a run or serves a model."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
