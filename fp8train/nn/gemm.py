@@ -28,12 +28,13 @@ import functools
 
 import torch
 
+from fp8train.nn.recipes import BACKENDS
 from fp8train.numerics.quant import decode_fp8
 
 __all__ = ["Fp8Operand", "fp8_mm", "resolve_backend", "scaled_mm_available", "emulated_compute_dtype",
            "GEMM_BACKENDS"]
 
-GEMM_BACKENDS = ("auto", "emulated", "scaled_mm")
+GEMM_BACKENDS = tuple(b for b in BACKENDS if b != "te")  # te runs through nn/te.py, not a GEMM here
 
 
 class Fp8Operand:
