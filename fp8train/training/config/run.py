@@ -10,11 +10,11 @@ from fp8train.training.config.base import _Section, _require
 
 WANDB_MODES = ("disabled", "offline", "online")
 # Upper bounds of values that would otherwise fail late, after the run directory was written: a folder name
-# longer than NAME_MAX is an OSError at mkdir; torch.set_num_threads(100000) segfaults; AdamW rejects lr >= 1e38
-# and any lr above 1 moves weights of order one by more than themselves each step.
+# longer than NAME_MAX is an OSError at mkdir; torch.set_num_threads(100000) segfaults; AdamW fails inside its
+# fp32 arithmetic for lr near 1e38, and moves every weight by ~lr per step, so beyond 1e3 nothing can train.
 MAX_NAME_BYTES = 255
 MAX_THREADS = 512
-MAX_LR = 1.0
+MAX_LR = 1e3
 DEVICES = ("auto", "cpu", "cuda")
 AUTOCAST_MODES = ("bf16", "none")
 
