@@ -28,12 +28,13 @@ import functools
 
 import torch
 
+from fp8train.nn.recipes import BACKENDS
 from fp8train.numerics.quant import decode_fp8
 
 __all__ = ["Fp8Operand", "fp8_mm", "resolve_backend", "scaled_mm_available", "emulated_compute_dtype",
            "GEMM_BACKENDS"]
 
-GEMM_BACKENDS = ("auto", "emulated", "scaled_mm")
+GEMM_BACKENDS = tuple(b for b in BACKENDS if b != "te")  # te runs through nn/te.py, not a GEMM here
 
 
 class Fp8Operand:
@@ -159,10 +160,10 @@ def emulated_compute_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
-           compute_dtype: torch.dtype | None = None, _allow_cpu_scaled_mm: bool = False) -> torch.Tensor:
+           compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """fp32 `dequant(a) @ dequant(b)` for a (M, K), b (K, N), computed by `backend` ('emulated'|'scaled_mm')."""
     if backend == "scaled_mm":
-        if not (_allow_cpu_scaled_mm or scaled_mm_available(a.data.device)):
+        if not scaled_mm_available(a.data.device):
             resolve_backend("scaled_mm", a.data.device)  # raises with the explanation
         return _scaled_mm_gemm(a, b)
     if compute_dtype is None:

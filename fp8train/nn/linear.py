@@ -70,7 +70,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 out_dtype):
         input_op = Fp8Operand.from_fp8_tensor(input_fp8)
         weight_op = Fp8Operand.from_fp8_tensor(weight_fp8)
-        output = fp8_mm(input_op, weight_op.t(), backend, **layer._gemm_kwargs)  # (M, N) fp32
+        output = fp8_mm(input_op, weight_op.t(), backend)  # (M, N) fp32
         if bias is not None:
             output += bias.float()  # bias in fp32, one rounding to the output dtype below
         # Saved in FP8: bytes + scales only (not the fp32 copies of the values the quantizer returned).
@@ -94,10 +94,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             input_op = Fp8Operand(input_data, input_scale, ctx.input_block)          # (M, K)
             weight_op = Fp8Operand(weight_data, weight_scale, ctx.weight_block)      # (N, K)
             if need_input:    # grad_input = grad_output @ weight          (M, N) @ (N, K)
-                grad_input = fp8_mm(grad_output_op, weight_op, backend, **layer._gemm_kwargs)
+                grad_input = fp8_mm(grad_output_op, weight_op, backend)
                 grad_input = grad_input.to(ctx.input_dtype)
             if need_weight:   # grad_weight = grad_output.T @ input        (N, M) @ (M, K)
-                grad_weight = fp8_mm(grad_output_op.t(), input_op, backend, **layer._gemm_kwargs)
+                grad_weight = fp8_mm(grad_output_op.t(), input_op, backend)
                 grad_weight = grad_weight.to(ctx.weight_dtype)
             if need_bias:     # grad_bias = sum over rows, fp32, from the unquantized gradient
                 grad_bias = grad_output.float().sum(0).to(ctx.bias_dtype)
@@ -115,8 +115,6 @@ class Fp8Linear(nn.Linear):
             resolve_backend("te", "cpu")  # raises: TE replaces the layer instead (backends.te.make_te_linear)
         self.telemetry = False
         self.last_stats: dict[str, dict] = {}
-        # Extra keyword arguments for gemm.fp8_mm (tests use {"_allow_cpu_scaled_mm": True}).
-        self._gemm_kwargs: dict = {}
         self._init_scaling_state(self.weight.device)
 
     @classmethod
