@@ -1,4 +1,4 @@
-"""Data parallelism past one replica: FSDP2 (torch's `fully_shard`) applied by fp8train itself.
+"""FSDP2 sharding for `train.parallel: fsdp2`: torch's `fully_shard` applied by fp8train itself.
 
 `train.parallel: fsdp2` shards every decoder block, then the root (embeddings, final norm, head), over one
 data-parallel mesh of all ranks. The same code runs on CPU processes (gloo) and on GPUs (NCCL), so what CI proves
@@ -27,13 +27,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # set_custom_all_gather's interface
 from torch.distributed.tensor import DTensor
 
 from fp8train.nn.convert import fp8_layers
 from fp8train.nn.fp8_all_gather import check_fp8_all_gather_recipe, wrap_weight_for_fp8_all_gather
 
 __all__ = ["ensure_process_group", "release_process_group", "decoder_blocks", "apply_fsdp2", "is_fsdp2",
-           "no_gradient_sync", "clip_grad_norm", "grad_norm", "all_finite", "per_rank_state_bytes", "local_tensor"]
+           "no_gradient_sync", "clip_grad_norm", "grad_norm", "all_finite", "per_rank_state_bytes", "local_tensor",
+           "AllGatherByteCounter", "count_all_gather_bytes"]
 
 
 def ensure_process_group(device: torch.device) -> bool:
@@ -157,3 +159,30 @@ def per_rank_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
                             if isinstance(v, torch.Tensor))}
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
+
+
+class AllGatherByteCounter(AllGather):
+    """FSDP2's all-gather (`set_custom_all_gather`, its documented extension point), counting the bytes each
+    rank receives: the size of every gathered output buffer. For measurements (fp8train bench); install with
+    `count_all_gather_bytes(model)`."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.bytes += output_tensor.numel() * output_tensor.element_size()
+        self.calls += 1
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def count_all_gather_bytes(model: nn.Module) -> AllGatherByteCounter:
+    """One counter on every FSDP2 module of `model` (each block and the root)."""
+    counter = AllGatherByteCounter()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(counter)
+    return counter
