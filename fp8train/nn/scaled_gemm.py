@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["scaled_mm_kind", "scaled_mm_arguments", "scaled_mm_gemm", "scaled_mm_available", "fp8_dialect_of",
-           "HAS_SCALED_MM_V2", "SCALED_MM_KINDS", "check_dialect"]
+           "HAS_SCALED_MM_V2", "SCALED_MM_KINDS", "check_dialect", "call_scaled_mm"]
 
 HAS_SCALED_MM_V2 = hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
 SCALED_MM_KINDS = ("tensorwise", "rowwise", "blockwise_1x128_128x128", "blockwise_1x128_1x128",
@@ -165,7 +165,7 @@ def scaled_mm_arguments(a, b, kind: str) -> dict:
     return args
 
 
-def _call_kernel(args: dict, out_dtype: torch.dtype, bias: torch.Tensor | None, fast_accum: bool):
+def call_scaled_mm(args: dict, out_dtype: torch.dtype, bias: torch.Tensor | None, fast_accum: bool):
     if HAS_SCALED_MM_V2:
         return F.scaled_mm(args["mat_a"], args["mat_b"], args["scale_a"], getattr(F.ScalingType, args["recipe_a"]),
                            args["scale_b"], getattr(F.ScalingType, args["recipe_b"]), bias=bias,
@@ -192,7 +192,7 @@ def scaled_mm_gemm(a, b, *, out_dtype: torch.dtype = torch.float32, bias: torch.
                 reason = _kernel_answers[key]
                 continue
             try:
-                out = _call_kernel(args, request_dtype, fused_bias, bool(use_fast_accum))
+                out = call_scaled_mm(args, request_dtype, fused_bias, bool(use_fast_accum))
             except torch.OutOfMemoryError:
                 raise
             except _KERNEL_ERRORS as err:  # remember, so later steps do not pay for the exception
