@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8train.nn import scaled_gemm
 from fp8train.nn.gemm import Fp8Operand, fp8_mm, resolve_backend
-from fp8train.nn import linear as linear_module
+from fp8train.nn import gemm
 from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.recipes import recipe
 from fp8train.nn.scaled_gemm import check_dialect, scaled_mm_arguments, scaled_mm_kind
@@ -50,18 +50,14 @@ class KernelTrace(TorchDispatchMode):
 
 @pytest.fixture(autouse=True)
 def scaled_mm_on_cpu(monkeypatch):
-    """Let Fp8Linear resolve backend='scaled_mm' on this CPU (resolution refuses it for users without a GPU)."""
-    original = linear_module.resolve_backend
-    monkeypatch.setattr(linear_module, "resolve_backend",
-                        lambda backend, device, formats=(): "scaled_mm" if backend == "scaled_mm"
-                        else original(backend, device, formats))
+    """torch._scaled_mm runs on CPU in this torch: let backend='scaled_mm' resolve here (users get a refusal)."""
+    monkeypatch.setattr(gemm, "scaled_mm_available", lambda device: True)
 
 
 def _layer_fwd_bwd(name, bias=True, **overrides):
     torch.manual_seed(0)
     linear = torch.nn.Linear(K, N, bias=bias)
     layer = Fp8Linear.from_linear(copy.deepcopy(linear), recipe(name, backend="scaled_mm", **overrides))
-    layer._gemm_kwargs = {"_allow_cpu_scaled_mm": True}
     x = torch.randn(M, K, requires_grad=True)
     dy = torch.randn(M, N)
     trace = KernelTrace()
@@ -162,7 +158,7 @@ def test_gemm_returns_the_callers_dtype_with_bias(out_dtype):
     bias = torch.randn(32, generator=g)
     trace = KernelTrace()
     with trace:
-        out = fp8_mm(a, b, "scaled_mm", out_dtype=out_dtype, bias=bias, _allow_cpu_scaled_mm=True)
+        out = fp8_mm(a, b, "scaled_mm", out_dtype=out_dtype, bias=bias)
     assert out.dtype == out_dtype
     reference = (a.data.double() * 0.5) @ (b.data.double() * 0.25) + bias.double()
     tol = (2 ** -7 if out_dtype == torch.bfloat16 else 1e-5) * reference.abs().max().item()
@@ -197,8 +193,15 @@ def test_blockwise_scale_layouts_are_outer_dim_major():
     torch.testing.assert_close(args["scale_a"], a.scale)
 
 
-def test_fnuz_refused_on_ocp_gpus_and_allowed_emulated():
+def test_fnuz_refused_on_ocp_gpus_and_allowed_emulated(monkeypatch):
+    fnuz = ("e4m3fnuz", "e4m3fnuz", "e5m2fnuz")
     with pytest.raises(ValueError, match="FNUZ"):
-        check_dialect(("e4m3fnuz", "e4m3fnuz", "e5m2fnuz"), "cuda")
+        check_dialect(fnuz, "cuda")
     check_dialect(("e4m3fn", "e4m3fn", "e5m2"), "cuda")  # OCP on an OCP GPU: fine
-    assert resolve_backend("auto", "cpu", ("e4m3fnuz", "e4m3fnuz", "e5m2fnuz")) == "emulated"
+    with pytest.raises(ValueError, match="FNUZ"):  # auto on a (pretended) capable OCP device: refused clearly
+        resolve_backend("auto", "cpu", fnuz)
+    monkeypatch.setattr(gemm, "scaled_mm_available", lambda device: False)
+    assert resolve_backend("auto", "cpu", fnuz) == "emulated"
+    layer = Fp8Linear(64, 64, recipe=recipe("current", input_format="e4m3fnuz", weight_format="e4m3fnuz",
+                                            grad_output_format="e5m2fnuz"))
+    assert layer(torch.randn(4, 64)).shape == (4, 64)  # FNUZ numerics stay available emulated

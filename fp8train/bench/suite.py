@@ -44,11 +44,13 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from fp8train.nn.recipes import RECIPE_NAMES
+
 __all__ = ["parse_shapes", "run_bench", "machine_info", "format_report", "SECTIONS", "add_cli_arguments",
            "cli_main"]
 
 SECTIONS = ("quant", "linear", "train", "memory")
-RECIPES = ("delayed", "current", "rowwise", "block")
+RECIPES = RECIPE_NAMES
 # (M, K, N): input (M, K), weight (N, K). The full CPU list stops at 4096x1024x1024 (the target shape): a bf16
 # nn.Linear fwd+bwd already takes ~20 s there on the reference box (see the module docstring).
 SHAPES = {

@@ -26,12 +26,13 @@ import torch
 
 from fp8train.nn.accumulation import hopper_accumulated_mm
 from fp8train.nn.scaled_gemm import check_dialect, scaled_mm_available, scaled_mm_gemm
+from fp8train.nn.recipes import BACKENDS
 from fp8train.numerics.quant import decode_fp8
 
 __all__ = ["Fp8Operand", "fp8_mm", "resolve_backend", "scaled_mm_available", "emulated_compute_dtype",
            "GEMM_BACKENDS"]
 
-GEMM_BACKENDS = ("auto", "emulated", "scaled_mm")
+GEMM_BACKENDS = tuple(b for b in BACKENDS if b != "te")  # te runs through nn/te.py, not a GEMM here
 
 
 class Fp8Operand:
@@ -151,14 +152,14 @@ def emulated_compute_dtype(device: torch.device | str) -> torch.dtype:
 def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
            compute_dtype: torch.dtype | None = None, out_dtype: torch.dtype = torch.float32,
            bias: torch.Tensor | None = None, use_fast_accum: bool = False, accumulation=None,
-           record: dict | None = None, gemm: str = "", _allow_cpu_scaled_mm: bool = False) -> torch.Tensor:
+           record: dict | None = None, gemm: str = "") -> torch.Tensor:
     """`dequant(a) @ dequant(b) (+ bias)` for a (M, K), b (K, N), accumulated in fp32, returned in `out_dtype`.
 
     backend 'scaled_mm': the FP8 kernel (`use_fast_accum` is its fast-accumulation switch; `record[gemm]` says
     which kernel or fallback ran). backend 'emulated': exact FP8 products in `compute_dtype`, bias added in fp32;
     `accumulation` (an `accumulation.HopperAccumulation`) models a tensor core's narrow accumulator instead."""
     if backend == "scaled_mm":
-        if not (_allow_cpu_scaled_mm or scaled_mm_available(a.data.device)):
+        if not scaled_mm_available(a.data.device):
             resolve_backend("scaled_mm", a.data.device)  # raises with the explanation
         return scaled_mm_gemm(a, b, out_dtype=out_dtype, bias=bias, use_fast_accum=use_fast_accum,
                               record=record, gemm=gemm)

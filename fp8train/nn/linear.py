@@ -134,8 +134,6 @@ class Fp8Linear(nn.Linear):
             resolve_backend("te", "cpu")  # raises: TE replaces the layer instead (backends.te.make_te_linear)
         self.telemetry = False
         self.last_stats: dict[str, dict] = {}
-        # Extra keyword arguments for gemm.fp8_mm (tests use {"_allow_cpu_scaled_mm": True}).
-        self._gemm_kwargs: dict = {}
         # Which kernel each GEMM ran last: {"output" | "grad_input" | "grad_weight": "scaled_mm:<kind>" |
         # "fallback:<reason>" | "emulated"} (plain Python, written every call: no device sync).
         self.gemm_paths: dict[str, str] = {}
@@ -166,7 +164,7 @@ class Fp8Linear(nn.Linear):
                 self.register_buffer(f"{role}_initialized", torch.zeros((), dtype=torch.bool, device=device))
 
     def _gemm_options(self) -> dict:
-        return dict(record=self.gemm_paths, accumulation=self._accumulation, **self._gemm_kwargs)
+        return dict(record=self.gemm_paths, accumulation=self._accumulation)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.code()}"

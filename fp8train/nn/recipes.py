@@ -29,7 +29,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["Fp8Recipe", "recipe", "RECIPE_NAMES", "SCALINGS", "BACKENDS", "ROLES"]
+from fp8train.numerics.formats import ALIASES, FORMAT_NAMES
+
+__all__ = ["Fp8Recipe", "recipe", "RECIPE_NAMES", "SCALINGS", "BACKENDS", "ROLES", "AMAX_COMPUTE_ALGOS", "FORMAT_NAMES"]
 
 SCALINGS = ("delayed", "current", "rowwise", "block", "mxfp8")
 RECIPE_NAMES = SCALINGS  # one preset per scaling kind
@@ -37,9 +39,9 @@ BACKENDS = ("auto", "emulated", "scaled_mm", "te")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 MX_BLOCK = (1, 32)  # OCP MX: 32 elements along the contracted dim share one E8M0 scale
 ROLES = ("input", "weight", "grad_output")
-# Names accepted for formats (fp8train.numerics.formats.get_format accepts the same; "e4m3" is an alias of "e4m3fn").
-FORMAT_NAMES = ("e4m3fn", "e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz")
-_CANONICAL_FORMAT = {"e4m3": "e4m3fn"}
+# The one list of each kind of name: config, bench, telemetry, GEMM and serving import these. Format names are
+# those of fp8train.numerics.formats (FORMAT_NAMES, re-exported here; "e4m3" is an alias of "e4m3fn").
+_CANONICAL_FORMAT = ALIASES
 _SHORT_FORMAT = {"e4m3fn": "e4m3", "e5m2": "e5m2", "e4m3fnuz": "e4m3fnuz", "e5m2fnuz": "e5m2fnuz"}
 
 

@@ -42,6 +42,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from fp8train.nn.recipes import ROLES
 from fp8train.numerics.formats import get_format
 from fp8train.numerics.quant import Fp8Tensor, convert_dialect, decode_fp8, quantize
 
@@ -56,7 +57,7 @@ EXPORT_MARK = "fp8train-fp8-weights-v1"
 SCALE_CONVENTION = "dequant: w = weight.float() * weight_scale"
 SCALE_LAYOUT = "per-output-channel: weight_scale float32 shape (out_features, 1), amax(|row|) / fmt.max"
 # Buffers an Fp8Linear adds to its state_dict (training-time scaling state, see linear.py).
-_FP8_ROLES = ("input_", "weight_", "grad_output_")
+_FP8_ROLES = tuple(f"{role}_" for role in ROLES)  # prefixes of Fp8Linear's per-role buffers
 
 
 def _dialect(fmt_name: str) -> str:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-ROLES = ("input", "weight", "grad_output")
+from fp8train.nn.recipes import ROLES
+
 STAT_KEYS = ("amax", "scale", "overflow_frac", "underflow_frac", "sqnr_db", "staleness", "nonfinite")
 
 
