@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fp8train.nn.gemm import scaled_mm_available
+from fp8train.nn.gemm import resolve_backend
+from fp8train.nn.recipes import ROLES
 from fp8train.training.checkpoint import check_checkpoint_origin
 from fp8train.training.rank0 import on_main_process
 from fp8train.training.rundir import CONFIG_FILE, DirLock, dir_state, refuse_symlinks_in
@@ -42,9 +43,14 @@ def check_resume_origin(checkpoint: Path, manifest: dict, resume_hash: str, data
 
 
 def check_backend_device(fp8_recipe, device) -> None:
-    if fp8_recipe is not None and fp8_recipe.backend == "scaled_mm" and not scaled_mm_available(device):
-        raise ValueError(f"config fp8.backend='scaled_mm' is invalid on device {device}: it needs a CUDA GPU with "
-                         "compute capability 8.9+; use fp8.backend=auto or emulated (exact FP8 numerics anywhere)")
+    """The GEMM backend resolves on `device` (nn.gemm's rule), as a config error naming fp8.backend."""
+    if fp8_recipe is None or fp8_recipe.backend == "te":  # te: the layer swap itself checks (and refuses)
+        return
+    formats = tuple(fp8_recipe.format_of(role) for role in ROLES)
+    try:
+        resolve_backend(fp8_recipe.backend, device, formats)
+    except (RuntimeError, ValueError) as err:
+        raise ValueError(f"config fp8.backend={fp8_recipe.backend!r} cannot run on {device}: {err}") from None
 
 
 def claim_run_dir(run_dir: Path, accelerator, expected_state: str, log) -> DirLock | None:
