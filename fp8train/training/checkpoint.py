@@ -11,10 +11,6 @@ A checkpoint is written into a hidden ``.tmp-*`` folder and renamed into place, 
 leaves either the whole checkpoint or none of it (the leftover ``.tmp-*`` folder is removed by the next save);
 loading walks from the newest to the oldest and skips (with a message naming it) any that is incomplete,
 truncated or corrupt.
-
-Test hook: ``FP8TRAIN_TEST_PAUSE_IN_CHECKPOINT=<seconds>`` makes ``save_checkpoint`` print
-``fp8train: checkpoint paused in <tmp folder>`` to stderr and sleep between writing the model and the optimizer
-files, so a test can kill the process with certainty while a checkpoint is half written. Unset it otherwise.
 """
 
 from __future__ import annotations
@@ -23,8 +19,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,7 +27,6 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 MANIFEST = "manifest.json"
 FILES = ("model.safetensors", "optimizer.safetensors")
 _PREFIX = "step_"
-_TEST_PAUSE_ENV = "FP8TRAIN_TEST_PAUSE_IN_CHECKPOINT"
 
 
 def _sha256(path: Path) -> str:
@@ -81,7 +74,6 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, opt
 
     # save_model handles tied (shared) weights, which plain save_file refuses.
     save_model(model, str(tmp / "model.safetensors"))
-    _test_pause(tmp)
     opt_tensors, param_groups = _optimizer_tensors(optimizer)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     manifest = {
@@ -116,13 +108,6 @@ def _remove_leftovers(ckpt_dir: Path) -> None:
     for path in ckpt_dir.iterdir():
         if path.is_dir() and path.name.startswith((".tmp-", ".old-")):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _test_pause(tmp: Path) -> None:
-    seconds = os.environ.get(_TEST_PAUSE_ENV)
-    if seconds:
-        print(f"fp8train: checkpoint paused in {tmp}", file=sys.stderr, flush=True)
-        time.sleep(float(seconds))
 
 
 def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
