@@ -60,6 +60,25 @@ from fp8train.nn.recipes import ROLES, Fp8Recipe, recipe as make_recipe
 __all__ = ["Fp8Linear", "update_fp8_scales"]
 
 
+# Loaded scaling state must be state this module could have produced: a NaN/inf/0/negative scale would quantize
+# every later step wrongly (NaN loss many steps on, or a silently different curve) with nothing pointing at the
+# checkpoint it came from. So a bad value is refused at load time, naming the buffer.
+_LOADED_STATE_RULES = (("scale", "finite and > 0", lambda t: torch.isfinite(t) & (t > 0)),
+                       ("scale_amax", "finite and >= 0", lambda t: torch.isfinite(t) & (t >= 0)),
+                       ("amax_history", "finite and >= 0", lambda t: torch.isfinite(t) & (t >= 0)))
+
+
+def _refuse_bad_fp8_state(module, state_dict, prefix, *args) -> None:
+    for role in ROLES:
+        for suffix, allowed, ok in _LOADED_STATE_RULES:
+            key = f"{prefix}{role}_{suffix}"
+            value = state_dict.get(key)
+            if value is not None and not bool(ok(value.float()).all()):
+                shown = value.float()[~ok(value.float())].reshape(-1)[:3].tolist()
+                raise ValueError(f"FP8 scaling state {key} holds {shown}; it must be {allowed} (a damaged or "
+                                 "hand-edited state; nothing was loaded into this layer)")
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     """output = input @ weight.T (+ bias) from FP8 operands; backward quantizes grad_output and runs the two
     backward GEMMs from the saved FP8 input and weight."""
@@ -115,6 +134,7 @@ class Fp8Linear(nn.Linear):
         self.telemetry = False
         self.last_stats: dict[str, dict] = {}
         self._init_scaling_state(self.weight.device)
+        self.register_load_state_dict_pre_hook(_refuse_bad_fp8_state)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe | str = "current") -> "Fp8Linear":
