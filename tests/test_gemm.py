@@ -118,8 +118,10 @@ def test_scaled_mm_cpu_rowwise_forward(cpu_scaled_mm):
     w = Fp8Operand(_int_fp8((96, 128), E4M3, 2), _pow2((96, 1), 5))
     reference = _reference(x.data, x.scale, w.data.t(), w.scale.t())  # fp64, exact
     assert torch.equal(fp8_mm(x, w.t(), "emulated").double(), reference)
-    # torch's rowwise kernel returns bf16: the exact result rounded once to bf16.
-    assert torch.equal(fp8_mm(x, w.t(), "scaled_mm"), reference.to(torch.bfloat16).float())
+    # the result in the dtype asked for, straight from the kernel: exact in fp32, rounded once in bf16
+    assert torch.equal(fp8_mm(x, w.t(), "scaled_mm").double(), reference)
+    bf16 = fp8_mm(x, w.t(), "scaled_mm", out_dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, reference.to(torch.bfloat16))
 
 
 def test_scaled_mm_refused_without_capable_gpu():
