@@ -12,6 +12,11 @@ grad_bias = sum of grad_output over rows, in fp32 from the unquantized gradient,
 The input is saved for backward as FP8 bytes + scale (1 byte per element), never in high precision; the weight's
 FP8 copy is saved too, so backward reuses exactly the operands the forward used.
 
+The weight's FP8 copy (bytes, scale, and its values in the GEMM's compute dtype) is made once per weight version
+and reused by every micro-batch and by backward: it is remade when the weight changes in place (optimizer step,
+checkpoint load: tensor._version), when it is replaced, when delayed scales are updated, and when the layer
+switches between train and eval. An fp32 (or bf16) copy of FP8 values exists only where a GEMM reads it.
+
 Scaling state (module buffers, hence in state_dict and checkpoints):
 - every recipe: `{role}_nonfinite_amax_count` (int64), incremented whenever a tensor of that role (any row or
   block of it, for rowwise/block) has a NaN/inf amax. Such a tensor is still quantized (NaN stays NaN, inf
@@ -37,6 +42,18 @@ Delayed scaling, exactly:
    gradient) enters the history but keeps the previous scale, and leaves an uninitialized role on current
    scaling. pending_amax goes back to -1. A role that recorded nothing this step is left untouched.
 
+- delayed scaling, per role: `{role}_stale_scale_steps` (int64), the number of optimizer steps whose amax was
+  above 0 but below `scale * fmt.min_normal`: the step's largest value, and so all of it, quantized below the
+  smallest normal (mostly to zero) because an earlier, much larger amax (an outlier) still set the scale.
+  `recipe.amax_outlier_factor` (opt-in; 0 = off) keeps such a single outlier from setting the scale: with "max",
+  when the largest history entry exceeds the factor times the second largest (and that is > 0), the scale comes
+  from the second largest. Two outliers in the window are trusted.
+
+Execution options (same results, different speed): `layer.quantize_kernel` (quant.QUANT_KERNELS; tensors under
+`quant_kernel_min_numel` elements always run eagerly, where a compiled call costs more than it saves) and
+`layer.emulated_dtype` ('auto' | 'fp32' | 'bf16', gemm.emulated_compute_dtype). `configure_execution(model, ...)`
+sets both on every Fp8Linear.
+
 Telemetry: set `layer.telemetry = True` and every following forward (input, weight) and backward (grad_output)
 overwrites `layer.last_stats[role]` with amax, scale (mean over rows/blocks when not tensorwise), overflow_frac,
 underflow_frac, sqnr_db (quant.quant_error), staleness (delayed only: this tensor's amax / the amax its scale was
@@ -53,54 +70,64 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fp8train.nn.gemm import Fp8Operand, fp8_mm, resolve_backend
-from fp8train.numerics.quant import Fp8Tensor, compute_amax, quant_error, quantize, scale_from_amax
+from fp8train.nn.gemm import EMULATED_DTYPES, Fp8Operand, emulated_compute_dtype, fp8_mm, resolve_backend
 from fp8train.nn.recipes import ROLES, Fp8Recipe, recipe as make_recipe
+from fp8train.numerics.formats import get_format
+from fp8train.numerics.quant import (QUANT_KERNELS, Fp8Tensor, compute_amax, decode_fp8, max_scale, quant_error,
+                                     quantize, scale_from_amax, scale_rule)
 
-__all__ = ["Fp8Linear", "update_fp8_scales"]
+__all__ = ["Fp8Linear", "update_fp8_scales", "configure_execution"]
+
+QUANT_KERNEL_MIN_NUMEL = 1 << 16  # below this a compiled call (~50 us) costs more than the eager ops it saves
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
     """output = input @ weight.T (+ bias) from FP8 operands; backward quantizes grad_output and runs the two
-    backward GEMMs from the saved FP8 input and weight."""
+    backward GEMMs from the saved FP8 input and the (cached) FP8 weight."""
 
     @staticmethod
-    def forward(ctx, input_hp, weight, bias, input_fp8: Fp8Tensor, weight_fp8: Fp8Tensor, layer, backend,
-                out_dtype):
+    def forward(ctx, input_2d, weight, bias, weight_fp8: Fp8Tensor, weight_op: Fp8Operand, weight_op_t: Fp8Operand,
+                layer, backend, out_dtype):
+        input_fp8 = layer._quantize("input", input_2d, keep_values=backend == "emulated")
+        compute_dtype = layer._compute_dtype(input_2d.device)
         input_op = Fp8Operand.from_fp8_tensor(input_fp8)
-        weight_op = Fp8Operand.from_fp8_tensor(weight_fp8)
-        output = fp8_mm(input_op, weight_op.t(), backend, **layer._gemm_kwargs)  # (M, N) fp32
+        output = fp8_mm(input_op, weight_op_t, backend, compute_dtype=compute_dtype)  # (M, N) fp32
         if bias is not None:
-            output += bias.float()  # bias in fp32, one rounding to the output dtype below
-        # Saved in FP8: bytes + scales only (not the fp32 copies of the values the quantizer returned).
+            output.add_(bias)  # bias in fp32, one rounding to the output dtype below
+        # Saved in FP8: bytes + scales only (the weight's values live in the layer's cache, not per step).
         ctx.save_for_backward(input_fp8.data, input_fp8.scale, weight_fp8.data, weight_fp8.scale)
         ctx.input_block = input_op.block
-        ctx.weight_block = weight_op.block
-        ctx.layer, ctx.backend = layer, backend
-        ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight.dtype
+        ctx.weight_op = weight_op  # (N, K): the cached operand, values already in the compute dtype
+        ctx.layer, ctx.backend, ctx.compute_dtype = layer, backend, compute_dtype
+        ctx.input_dtype, ctx.weight_dtype = input_2d.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return output.to(out_dtype)
+        return output if output.dtype == out_dtype else output.to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
-        input_data, input_scale, weight_data, weight_scale = ctx.saved_tensors
-        layer, backend = ctx.layer, ctx.backend
+        input_data, input_scale, _, _ = ctx.saved_tensors
+        layer, backend, compute_dtype = ctx.layer, ctx.backend, ctx.compute_dtype
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_input = grad_weight = grad_bias = None
         with torch.autocast(grad_output.device.type, enabled=False):
-            grad_output_fp8 = layer._quantize("grad_output", grad_output)
+            grad_output_fp8 = layer._quantize("grad_output", grad_output, keep_values=backend == "emulated")
             grad_output_op = Fp8Operand.from_fp8_tensor(grad_output_fp8)            # (M, N)
-            input_op = Fp8Operand(input_data, input_scale, ctx.input_block)          # (M, K)
-            weight_op = Fp8Operand(weight_data, weight_scale, ctx.weight_block)      # (N, K)
+            weight_op = ctx.weight_op                                                # (N, K)
             if need_input:    # grad_input = grad_output @ weight          (M, N) @ (N, K)
-                grad_input = fp8_mm(grad_output_op, weight_op, backend, **layer._gemm_kwargs)
-                grad_input = grad_input.to(ctx.input_dtype)
+                grad_input = fp8_mm(grad_output_op, weight_op, backend, compute_dtype=compute_dtype)
+                grad_input = _to(grad_input, ctx.input_dtype)
             if need_weight:   # grad_weight = grad_output.T @ input        (N, M) @ (M, K)
-                grad_weight = fp8_mm(grad_output_op.t(), input_op, backend, **layer._gemm_kwargs)
-                grad_weight = grad_weight.to(ctx.weight_dtype)
+                input_values = layer._decode("input", input_data) if backend == "emulated" else None
+                input_op = Fp8Operand(input_data, input_scale, ctx.input_block, input_values)
+                grad_weight = fp8_mm(grad_output_op.t(), input_op, backend, compute_dtype=compute_dtype)
+                grad_weight = _to(grad_weight, ctx.weight_dtype)
             if need_bias:     # grad_bias = sum over rows, fp32, from the unquantized gradient
-                grad_bias = grad_output.float().sum(0).to(ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+                grad_bias = _to(grad_output.sum(0, dtype=torch.float32), ctx.bias_dtype)
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _to(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)  # a no-op .to() is still a dispatched op
 
 
 class Fp8Linear(nn.Linear):
@@ -114,8 +141,9 @@ class Fp8Linear(nn.Linear):
             resolve_backend("te", "cpu")  # raises: TE replaces the layer instead (backends.te.make_te_linear)
         self.telemetry = False
         self.last_stats: dict[str, dict] = {}
-        # Extra keyword arguments for gemm.fp8_mm (tests use {"_allow_cpu_scaled_mm": True}).
-        self._gemm_kwargs: dict = {}
+        self.quantize_kernel = "eager"
+        self.emulated_dtype = "auto"
+        self._formats = {role: get_format(self.recipe.format_of(role)) for role in ROLES}
         self._init_scaling_state(self.weight.device)
 
     @classmethod
@@ -139,6 +167,23 @@ class Fp8Linear(nn.Linear):
                 self.register_buffer(f"{role}_scale_amax", torch.zeros((), dtype=torch.float32, device=device))
                 self.register_buffer(f"{role}_pending_amax", torch.full((), -1.0, device=device))
                 self.register_buffer(f"{role}_initialized", torch.zeros((), dtype=torch.bool, device=device))
+                self.register_buffer(f"{role}_stale_scale_steps", torch.zeros((), dtype=torch.int64, device=device))
+        self._reset_caches()
+
+    def _reset_caches(self) -> None:
+        # Host-side mirror of `{role}_initialized` (it only ever turns True between loads): once True the forward
+        # uses the stored scale without computing its own amax-based fallback.
+        self._initialized_on_host = {role: False for role in ROLES}
+        self._scale_generation = 0  # bumped by every delayed-scale update: part of the weight cache's key
+        self._weight_cache = None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._reset_caches()
+        for role in ROLES:  # checkpoints from before the stale-scale counter load with it at 0
+            key = f"{prefix}{role}_stale_scale_steps"
+            if self.recipe.is_delayed and key not in state_dict:
+                state_dict[key] = torch.zeros((), dtype=torch.int64)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.code()}"
@@ -149,41 +194,75 @@ class Fp8Linear(nn.Linear):
         # Output dtype follows autocast (bf16 under torch.autocast), else the input's dtype.
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
             else input.dtype
-        lead_shape = input.shape[:-1]
-        input_2d = input.reshape(-1, self.in_features)  # (M, K)
+        input_2d = input if input.dim() == 2 else input.reshape(-1, self.in_features)  # (M, K)
         if input_2d.shape[0] == 0:
             return F.linear(input, self.weight.to(out_dtype), None if self.bias is None else self.bias.to(out_dtype))
         backend = resolve_backend(self.recipe.backend, input.device)
         # Our GEMMs pick their own precision; autocast must not recast them to bf16.
         with torch.autocast(device_type, enabled=False):
-            input_fp8 = self._quantize("input", input_2d)
-            weight_fp8 = self._quantize("weight", self.weight)
-            output = _Fp8LinearFunction.apply(input_2d, self.weight, self.bias, input_fp8, weight_fp8, self,
-                                              backend, out_dtype)
-        return output.reshape(*lead_shape, self.out_features)
+            weight_fp8, weight_op, weight_op_t = self._weight_fp8(backend)
+            output = _Fp8LinearFunction.apply(input_2d, self.weight, self.bias, weight_fp8, weight_op, weight_op_t,
+                                              self, backend, out_dtype)
+        return output if input.dim() == 2 else output.reshape(*input.shape[:-1], self.out_features)
 
-    def _quantize(self, role: str, tensor: torch.Tensor) -> Fp8Tensor:
+    def _compute_dtype(self, device) -> torch.dtype:
+        return emulated_compute_dtype(device, self.emulated_dtype)
+
+    def _kernel(self, numel: int) -> str:
+        return self.quantize_kernel if numel >= QUANT_KERNEL_MIN_NUMEL else "eager"
+
+    def _weight_fp8(self, backend: str) -> tuple[Fp8Tensor, Fp8Operand, Fp8Operand]:
+        """The weight's FP8 copy and its GEMM operands, W (N, K) and W.T (K, N), made once per weight version."""
+        weight = self.weight
+        key = (weight._version, weight.data_ptr(), self.training, self._scale_generation, backend,
+               self.emulated_dtype, self.quantize_kernel)
+        cached = self._weight_cache
+        if cached is not None and cached[0] == key and not self.telemetry:
+            return cached[1:]
+        with torch.no_grad():
+            weight_fp8 = self._quantize("weight", weight, keep_values=backend == "emulated")
+            dtype = self._compute_dtype(weight.device)
+            if weight_fp8.values is not None and weight_fp8.granularity != "block":
+                # Only the dtype the GEMM reads is kept (block-scaled weights are dequantized in fp32).
+                weight_fp8.values = _to(weight_fp8.values, dtype)
+            weight_op = Fp8Operand.from_fp8_tensor(weight_fp8)
+            if weight_fp8.granularity == "block" and backend == "emulated":
+                weight_op.dequantize(torch.float32)  # tiles vary along K: the GEMMs read the dequantized weight
+            operands = (weight_fp8, weight_op, weight_op.t())
+        if not torch.compiler.is_compiling():  # a compiled graph re-derives it (and fuses it) instead
+            self._weight_cache = (key, *operands)
+        return operands
+
+    def _decode(self, role: str, data: torch.Tensor) -> torch.Tensor:
+        return decode_fp8(data, self._formats[role], self._kernel(data.numel()))
+
+    def _quantize(self, role: str, tensor: torch.Tensor, keep_values: bool = True) -> Fp8Tensor:
         """FP8 copy of a 2-D operand with the recipe's format/granularity for `role`; updates scaling state."""
         r = self.recipe
-        fmt = r.format_of(role)
+        fmt = self._formats[role]
         nonfinite_count = getattr(self, f"{role}_nonfinite_amax_count")
-        tensor = tensor.detach()
+        kernel = self._kernel(tensor.numel())
         if r.is_delayed:
             amax = compute_amax(tensor)
-            finite = torch.isfinite(amax)
-            nonfinite_count.add_((~finite).long())
+            recorded = amax.nan_to_num(nan=-1.0, posinf=-1.0)  # NaN/inf amaxes are counted, never recorded
+            nonfinite_count.add_(recorded < 0)
             if self.training:
                 pending = getattr(self, f"{role}_pending_amax")
-                pending.copy_(torch.where(finite, torch.maximum(pending, amax), pending))
-            own_scale = scale_from_amax(amax, fmt, r.margin, r.pow2_scales)  # first step: current scaling
-            scale = torch.where(getattr(self, f"{role}_initialized"), getattr(self, f"{role}_scale"), own_scale)
+                torch.maximum(pending, recorded, out=pending)
+            scale = getattr(self, f"{role}_scale")
+            if not self._initialized_on_host[role]:  # first step: current scaling from its own amax
+                own_scale = scale_from_amax(amax, fmt, r.margin, r.pow2_scales)
+                scale = torch.where(getattr(self, f"{role}_initialized"), scale, own_scale)
             # scale_from_amax and the stored scale are finite and > 0 by construction: no per-call host sync
-            quantized = quantize(tensor, fmt, scale=scale, keep_values=True, validate_scale=False)
+            quantized = quantize(tensor, fmt, scale=scale, keep_values=keep_values, validate_scale=False,
+                                 kernel=kernel)
             quantized.amax = amax
         else:
             quantized = quantize(tensor, fmt, granularity=r.granularity_of(role), block=r.block_of(role),
-                                 axis=-1, margin=r.margin, pow2=r.pow2_scales, keep_values=True)
-            nonfinite_count.add_((~torch.isfinite(quantized.amax)).any().long())
+                                 axis=-1, margin=r.margin, pow2=r.pow2_scales, keep_values=keep_values,
+                                 kernel=kernel)
+            nonfinite = quantized.amax.isfinite().logical_not()
+            nonfinite_count.add_(nonfinite if r.is_tensorwise else nonfinite.any())
         if self.telemetry:
             self._record_stats(role, tensor, quantized)
         return quantized
@@ -208,23 +287,26 @@ class Fp8Linear(nn.Linear):
             nonfinite=not math.isfinite(amax_now),
         )
 
-    # ------------------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _update_role(self, role: str, step_amax: torch.Tensor) -> None:
-        """Delayed scaling: fold this step's (all-reduced) amax into `role`'s history and scale."""
-        r = self.recipe
-        history = getattr(self, f"{role}_amax_history")
-        recorded = step_amax >= 0  # pending stays at -1 when no micro-batch recorded an amax
-        rolled = torch.cat([step_amax.reshape(1).to(history.dtype), history[:-1]])
-        history.copy_(torch.where(recorded, rolled, history))
-        amax = history.max() if r.amax_compute_algo == "max" else history[0]
-        usable = recorded & (amax > 0)
-        scale, scale_amax = getattr(self, f"{role}_scale"), getattr(self, f"{role}_scale_amax")
-        scale.copy_(torch.where(usable, scale_from_amax(amax, r.format_of(role), r.margin, r.pow2_scales), scale))
-        scale_amax.copy_(torch.where(usable, amax, scale_amax))
-        initialized = getattr(self, f"{role}_initialized")
-        initialized.copy_(initialized | usable)
-        getattr(self, f"{role}_pending_amax").fill_(-1.0)
+
+def configure_execution(model: nn.Module, *, quantize_kernel: str = "eager", emulated_dtype: str = "auto") -> int:
+    """Set how every Fp8Linear in `model` runs (not what it computes): the quantize kernel (one of
+    quant.QUANT_KERNELS; resolve 'auto' first with kernel_probe.resolve_kernel) and the emulated GEMMs' input
+    dtype ('auto', 'fp32', 'bf16'). Returns the number of layers set. Read once, at set-up."""
+    if quantize_kernel not in QUANT_KERNELS:
+        raise ValueError(f"quantize_kernel must be one of {', '.join(QUANT_KERNELS)}; got {quantize_kernel!r}")
+    if emulated_dtype != "auto" and emulated_dtype not in EMULATED_DTYPES:
+        raise ValueError(f"emulated_dtype must be one of auto, {', '.join(EMULATED_DTYPES)}; got {emulated_dtype!r}")
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for layer in layers:
+        layer.quantize_kernel, layer.emulated_dtype = quantize_kernel, emulated_dtype
+        layer._weight_cache = None
+    return len(layers)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Delayed scaling: one update for all layers, on stacked buffers
+# ------------------------------------------------------------------------------------------------------------
+_STATE = ("amax_history", "scale", "scale_amax", "initialized", "stale_scale_steps")
 
 
 @torch.no_grad()
@@ -232,15 +314,70 @@ def update_fp8_scales(model: nn.Module, process_group=None) -> None:
     """Roll delayed-scaling histories once per optimizer step (after optimizer.step()). No-op for other recipes.
 
     All pending amaxes of all layers go through ONE all_reduce(MAX) when torch.distributed is initialized, so
-    every data-parallel rank ends the step with identical scales.
+    every data-parallel rank ends the step with identical scales. The update itself runs on stacked buffers:
+    a fixed number of tensor ops per group of layers sharing history length and scale options (usually one
+    group), however many layers there are.
     """
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.recipe.is_delayed]
     if not layers:
         return
-    pending = torch.stack([getattr(m, f"{role}_pending_amax") for m in layers for role in ROLES])
+    pendings = [getattr(m, f"{role}_pending_amax") for m in layers for role in ROLES]
+    step_amax = torch.stack(pendings)  # (3 * layers,)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
-        dist.all_reduce(pending, op=dist.ReduceOp.MAX, group=process_group)
-    step_amaxes = iter(pending.unbind(0))
+        dist.all_reduce(step_amax, op=dist.ReduceOp.MAX, group=process_group)
+    groups: dict[tuple, list[int]] = {}
+    for index, layer in enumerate(layers):
+        r = layer.recipe
+        key = (r.amax_history_len, r.amax_compute_algo, r.margin, r.pow2_scales, r.amax_outlier_factor,
+               tuple(r.format_of(role) for role in ROLES), layer.weight.device)
+        groups.setdefault(key, []).append(index)
+    for indices in groups.values():
+        rows = step_amax if len(indices) == len(layers) else \
+            step_amax.view(-1, len(ROLES))[indices].reshape(-1)
+        _update_group([layers[i] for i in indices], rows)
+    torch._foreach_copy_(pendings, [torch.full_like(step_amax[0], -1.0)] * len(pendings))
     for layer in layers:
-        for role in ROLES:
-            layer._update_role(role, next(step_amaxes))
+        layer._scale_generation += 1
+
+
+def _update_group(layers: list, step_amax: torch.Tensor) -> None:
+    """The documented delayed-scaling step for `layers` (same recipe options), rows = (layer, role)."""
+    r = layers[0].recipe
+    state = {name: [getattr(m, f"{role}_{name}") for m in layers for role in ROLES] for name in _STATE}
+    history, scale, scale_amax, initialized, stale = (torch.stack(state[name]) for name in _STATE)
+    formats = [m._formats[role] for m in layers for role in ROLES]
+    fmt_max, min_normal, cap = (torch.tensor(values, dtype=torch.float64, device=step_amax.device) for values in (
+        [f.max for f in formats], [f.min_normal for f in formats], [max_scale(f.max, r.pow2_scales) for f in formats]))
+    recorded = step_amax >= 0  # pending stays at -1 when no micro-batch recorded an amax
+    # A step whose amax lands below the smallest normal under the scale in force: an outlier blinds the layer.
+    stale.add_(recorded & initialized & (step_amax > 0) & (step_amax.double() < scale.double() * min_normal))
+    rolled = torch.cat([step_amax.unsqueeze(1), history[:, :-1]], dim=1)
+    history = torch.where(recorded.unsqueeze(1), rolled, history)
+    amax = _history_amax(history, r)
+    usable = recorded & (amax > 0)
+    new_scale = scale_rule(amax, fmt_max, cap, r.margin, r.pow2_scales)
+    scale = torch.where(usable, new_scale, scale)
+    scale_amax = torch.where(usable, amax, scale_amax)
+    initialized = initialized | usable
+    new = {"amax_history": history, "scale": scale, "scale_amax": scale_amax, "initialized": initialized,
+           "stale_scale_steps": stale}
+    torch._foreach_copy_([b for name in _STATE for b in state[name]],
+                         [row for name in _STATE for row in new[name].unbind(0)])
+    if not all(all(m._initialized_on_host.values()) for m in layers):  # one host sync, only until all are set
+        flags = iter(initialized.tolist())
+        for m in layers:
+            for role in ROLES:
+                m._initialized_on_host[role] = next(flags)
+
+
+def _history_amax(history: torch.Tensor, r: Fp8Recipe) -> torch.Tensor:
+    """Per row: max of the history ('max') or its newest entry ('most_recent'); with amax_outlier_factor, a
+    single entry above factor x the second largest (> 0) is passed over for that second largest."""
+    if r.amax_compute_algo == "most_recent":
+        return history[:, 0]
+    if not r.amax_outlier_factor or history.shape[1] < 2:
+        return history.amax(dim=1)
+    top2 = history.topk(2, dim=1).values
+    largest, second = top2[:, 0], top2[:, 1]
+    outlier = (second > 0) & (largest > second * r.amax_outlier_factor)
+    return torch.where(outlier, second, largest)
