@@ -70,9 +70,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fp8train.nn.accumulation import HopperAccumulation
 from fp8train.nn.gemm import EMULATED_DTYPES, Fp8Operand, emulated_compute_dtype, fp8_mm, resolve_backend
 from fp8train.nn.recipes import ROLES, Fp8Recipe, recipe as make_recipe
 from fp8train.numerics.formats import get_format
+from fp8train.numerics.mx import quantize_mx
 from fp8train.numerics.quant import (QUANT_KERNELS, Fp8Tensor, compute_amax, decode_fp8, max_scale, quant_error,
                                      quantize, scale_from_amax, scale_rule)
 
@@ -81,49 +83,90 @@ __all__ = ["Fp8Linear", "update_fp8_scales", "configure_execution"]
 QUANT_KERNEL_MIN_NUMEL = 1 << 16  # below this a compiled call (~50 us) costs more than the eager ops it saves
 
 
+# Loaded scaling state must be state this module could have produced: a NaN/inf/0/negative scale would quantize
+# every later step wrongly (NaN loss many steps on, or a silently different curve) with nothing pointing at the
+# checkpoint it came from. So a bad value is refused at load time, naming the buffer.
+_LOADED_STATE_RULES = (("scale", "finite and > 0", lambda t: torch.isfinite(t) & (t > 0)),
+                       ("scale_amax", "finite and >= 0", lambda t: torch.isfinite(t) & (t >= 0)),
+                       ("amax_history", "finite and >= 0", lambda t: torch.isfinite(t) & (t >= 0)))
+
+
+def _refuse_bad_fp8_state(module, state_dict, prefix, *args) -> None:
+    for role in ROLES:
+        for suffix, allowed, ok in _LOADED_STATE_RULES:
+            key = f"{prefix}{role}_{suffix}"
+            value = state_dict.get(key)
+            if value is not None and not bool(ok(value.float()).all()):
+                shown = value.float()[~ok(value.float())].reshape(-1)[:3].tolist()
+                raise ValueError(f"FP8 scaling state {key} holds {shown}; it must be {allowed} (a damaged or "
+                                 "hand-edited state; nothing was loaded into this layer)")
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     """output = input @ weight.T (+ bias) from FP8 operands; backward quantizes grad_output and runs the two
     backward GEMMs from the saved FP8 input and the (cached) FP8 weight."""
 
     @staticmethod
-    def forward(ctx, input_2d, weight, bias, weight_fp8: Fp8Tensor, weight_op: Fp8Operand, weight_op_t: Fp8Operand,
-                layer, backend, out_dtype):
+    def forward(ctx, input_2d, weight, bias, weights: "_WeightFp8", layer, backend, out_dtype):
+        r = layer.recipe
         input_fp8 = layer._quantize("input", input_2d, keep_values=backend == "emulated")
-        compute_dtype = layer._compute_dtype(input_2d.device)
         input_op = Fp8Operand.from_fp8_tensor(input_fp8)
-        output = fp8_mm(input_op, weight_op_t, backend, compute_dtype=compute_dtype)  # (M, N) fp32
-        if bias is not None:
-            output.add_(bias)  # bias in fp32, one rounding to the output dtype below
-        # Saved in FP8: bytes + scales only (the weight's values live in the layer's cache, not per step).
-        ctx.save_for_backward(input_fp8.data, input_fp8.scale, weight_fp8.data, weight_fp8.scale)
-        ctx.input_block = input_op.block
-        ctx.weight_op = weight_op  # (N, K): the cached operand, values already in the compute dtype
-        ctx.layer, ctx.backend, ctx.compute_dtype = layer, backend, compute_dtype
+        # (M, N) in out_dtype straight from the GEMM; bias fused into it where the kernel can
+        output = fp8_mm(input_op, weights.op_t, backend, out_dtype=out_dtype, bias=bias, gemm="output",
+                        use_fast_accum=r.fast_accum_forward, **layer._gemm_options(input_2d.device))
+        # Saved in FP8: bytes + scales only (the weight's operands live in the layer's cache, made once per
+        # weight version). When grad_weight contracts the input's first dim across its scale layout, the saved
+        # copy is the input quantized along that dim instead (recipes.requantize_transposed): one byte per element.
+        input_saved = input_fp8
+        ctx.input_transposed = r.requantize_transposed("input") and weight.requires_grad
+        if ctx.input_transposed:
+            input_saved = layer._quantize_transposed("input", input_2d)   # (K, M)
+        ctx.save_for_backward(input_saved.data, input_saved.scale, weights.fp8.data, weights.fp8.scale)
+        ctx.input_block = input_saved.block if input_saved.granularity == "block" else None
+        ctx.weights, ctx.layer, ctx.backend = weights, layer, backend
         ctx.input_dtype, ctx.weight_dtype = input_2d.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return output if output.dtype == out_dtype else output.to(out_dtype)
+        return output
 
     @staticmethod
     def backward(ctx, grad_output):
         input_data, input_scale, _, _ = ctx.saved_tensors
-        layer, backend, compute_dtype = ctx.layer, ctx.backend, ctx.compute_dtype
+        layer, backend, r, weights = ctx.layer, ctx.backend, ctx.layer.recipe, ctx.weights
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_input = grad_weight = grad_bias = None
+        options = layer._gemm_options(grad_output.device)
+        keep_values = backend == "emulated"
         with torch.autocast(grad_output.device.type, enabled=False):
-            grad_output_fp8 = layer._quantize("grad_output", grad_output, keep_values=backend == "emulated")
+            grad_output_fp8 = layer._quantize("grad_output", grad_output, keep_values=keep_values)
             grad_output_op = Fp8Operand.from_fp8_tensor(grad_output_fp8)            # (M, N)
-            weight_op = ctx.weight_op                                                # (N, K)
             if need_input:    # grad_input = grad_output @ weight          (M, N) @ (N, K)
-                grad_input = fp8_mm(grad_output_op, weight_op, backend, compute_dtype=compute_dtype)
-                grad_input = _to(grad_input, ctx.input_dtype)
+                grad_input = fp8_mm(grad_output_op, weights.op_for_grad_input, backend, out_dtype=ctx.input_dtype,
+                                    gemm="grad_input", **options)
             if need_weight:   # grad_weight = grad_output.T @ input        (N, M) @ (M, K)
-                input_values = layer._decode("input", input_data) if backend == "emulated" else None
-                input_op = Fp8Operand(input_data, input_scale, ctx.input_block, input_values)
-                grad_weight = fp8_mm(grad_output_op.t(), input_op, backend, compute_dtype=compute_dtype)
-                grad_weight = _to(grad_weight, ctx.weight_dtype)
+                grad_output_t_op = grad_output_op.t()
+                if r.requantize_transposed("grad_output"):
+                    grad_output_t_op = Fp8Operand.from_fp8_tensor(
+                        layer._quantize_transposed("grad_output", grad_output))   # (N, M), scales along N
+                input_values = layer._decode("input", input_data) if keep_values else None
+                input_op = Fp8Operand(input_data, input_scale, ctx.input_block, input_values)  # (M, K), or (K, M)
+                if ctx.input_transposed:
+                    input_op = input_op.t()
+                grad_weight = fp8_mm(grad_output_t_op, input_op, backend, out_dtype=ctx.weight_dtype,
+                                     gemm="grad_weight", **options)
             if need_bias:     # grad_bias = sum over rows, fp32, from the unquantized gradient
                 grad_bias = _to(grad_output.sum(0, dtype=torch.float32), ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+class _WeightFp8:
+    """The weight's FP8 copy and the operands its GEMMs read, made once per weight version: `op_t` (K, N) for
+    output = input @ weight.T, `op_for_grad_input` (N, K) for grad_input = grad_output @ weight (requantized along
+    K when the recipe's scales would otherwise vary along that GEMM's contracted dim)."""
+
+    __slots__ = ("key", "fp8", "op_t", "op_for_grad_input")
+
+    def __init__(self, key, fp8: Fp8Tensor, op_t: Fp8Operand, op_for_grad_input: Fp8Operand):
+        self.key, self.fp8, self.op_t, self.op_for_grad_input = key, fp8, op_t, op_for_grad_input
 
 
 def _to(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -141,10 +184,16 @@ class Fp8Linear(nn.Linear):
             resolve_backend("te", "cpu")  # raises: TE replaces the layer instead (backends.te.make_te_linear)
         self.telemetry = False
         self.last_stats: dict[str, dict] = {}
+        # Which kernel each GEMM ran last: {"output" | "grad_input" | "grad_weight": "scaled_mm:<kind>" |
+        # "fallback:<reason>" | "emulated"} (plain Python, written every call: no device sync).
+        self.gemm_paths: dict[str, str] = {}
+        self._accumulation = None if not self.recipe.accumulator_bits else HopperAccumulation(
+            self.recipe.accumulator_bits, self.recipe.accumulator_promotion)
         self.quantize_kernel = "eager"
         self.emulated_dtype = "auto"
         self._formats = {role: get_format(self.recipe.format_of(role)) for role in ROLES}
         self._init_scaling_state(self.weight.device)
+        self.register_load_state_dict_pre_hook(_refuse_bad_fp8_state)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe | str = "current") -> "Fp8Linear":
@@ -188,6 +237,10 @@ class Fp8Linear(nn.Linear):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.code()}"
 
+    def _gemm_options(self, device) -> dict:
+        return dict(record=self.gemm_paths, accumulation=self._accumulation,
+                    compute_dtype=emulated_compute_dtype(device, self.emulated_dtype))
+
     # ------------------------------------------------------------------------------------------------------
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         device_type = input.device.type
@@ -197,41 +250,42 @@ class Fp8Linear(nn.Linear):
         input_2d = input if input.dim() == 2 else input.reshape(-1, self.in_features)  # (M, K)
         if input_2d.shape[0] == 0:
             return F.linear(input, self.weight.to(out_dtype), None if self.bias is None else self.bias.to(out_dtype))
-        backend = resolve_backend(self.recipe.backend, input.device)
+        backend = resolve_backend(self.recipe.backend, input.device, tuple(map(self.recipe.format_of, ROLES)))
         # Our GEMMs pick their own precision; autocast must not recast them to bf16.
         with torch.autocast(device_type, enabled=False):
-            weight_fp8, weight_op, weight_op_t = self._weight_fp8(backend)
-            output = _Fp8LinearFunction.apply(input_2d, self.weight, self.bias, weight_fp8, weight_op, weight_op_t,
-                                              self, backend, out_dtype)
+            weights = self._weight_fp8(backend)
+            output = _Fp8LinearFunction.apply(input_2d, self.weight, self.bias, weights, self, backend, out_dtype)
         return output if input.dim() == 2 else output.reshape(*input.shape[:-1], self.out_features)
-
-    def _compute_dtype(self, device) -> torch.dtype:
-        return emulated_compute_dtype(device, self.emulated_dtype)
 
     def _kernel(self, numel: int) -> str:
         return self.quantize_kernel if numel >= QUANT_KERNEL_MIN_NUMEL else "eager"
 
-    def _weight_fp8(self, backend: str) -> tuple[Fp8Tensor, Fp8Operand, Fp8Operand]:
-        """The weight's FP8 copy and its GEMM operands, W (N, K) and W.T (K, N), made once per weight version."""
+    def _weight_fp8(self, backend: str) -> _WeightFp8:
+        """The weight's FP8 copy and its GEMM operands, made once per weight version (see the module docstring)."""
         weight = self.weight
         key = (weight._version, weight.data_ptr(), self.training, self._scale_generation, backend,
                self.emulated_dtype, self.quantize_kernel)
         cached = self._weight_cache
-        if cached is not None and cached[0] == key and not self.telemetry:
-            return cached[1:]
+        if cached is not None and cached.key == key and not self.telemetry:
+            return cached
+        emulated = backend == "emulated"
         with torch.no_grad():
-            weight_fp8 = self._quantize("weight", weight, keep_values=backend == "emulated")
-            dtype = self._compute_dtype(weight.device)
+            weight_fp8 = self._quantize("weight", weight, keep_values=emulated)
             if weight_fp8.values is not None and weight_fp8.granularity != "block":
                 # Only the dtype the GEMM reads is kept (block-scaled weights are dequantized in fp32).
-                weight_fp8.values = _to(weight_fp8.values, dtype)
+                weight_fp8.values = _to(weight_fp8.values, emulated_compute_dtype(weight.device, self.emulated_dtype))
             weight_op = Fp8Operand.from_fp8_tensor(weight_fp8)
-            if weight_fp8.granularity == "block" and backend == "emulated":
-                weight_op.dequantize(torch.float32)  # tiles vary along K: the GEMMs read the dequantized weight
-            operands = (weight_fp8, weight_op, weight_op.t())
+            if self.recipe.requantize_transposed("weight"):  # scales along K, constant along the contracted N
+                weight_op_grad = Fp8Operand.from_fp8_tensor(self._quantize_transposed("weight", weight)).t()
+            else:
+                weight_op_grad = weight_op
+            for op in {id(weight_op): weight_op, id(weight_op_grad): weight_op_grad}.values():
+                if emulated and op.block is not None:
+                    op.dequantize(torch.float32)  # tiles vary along K: the GEMMs read the dequantized weight
+            weights = _WeightFp8(key, weight_fp8, weight_op.t(), weight_op_grad)
         if not torch.compiler.is_compiling():  # a compiled graph re-derives it (and fuses it) instead
-            self._weight_cache = (key, *operands)
-        return operands
+            self._weight_cache = weights
+        return weights
 
     def _decode(self, role: str, data: torch.Tensor) -> torch.Tensor:
         return decode_fp8(data, self._formats[role], self._kernel(data.numel()))
@@ -257,15 +311,32 @@ class Fp8Linear(nn.Linear):
             quantized = quantize(tensor, fmt, scale=scale, keep_values=keep_values, validate_scale=False,
                                  kernel=kernel)
             quantized.amax = amax
+        elif r.scaling == "mxfp8":
+            quantized = quantize_mx(tensor, fmt, keep_values=True)
+            nonfinite_count.add_((~torch.isfinite(quantized.amax)).any().long())
         else:
             quantized = quantize(tensor, fmt, granularity=r.granularity_of(role), block=r.block_of(role),
                                  axis=-1, margin=r.margin, pow2=r.pow2_scales, keep_values=keep_values,
                                  kernel=kernel)
+        if r.scaling in ("current", "rowwise", "block"):
             nonfinite = quantized.amax.isfinite().logical_not()
             nonfinite_count.add_(nonfinite if r.is_tensorwise else nonfinite.any())
         if self.telemetry:
             self._record_stats(role, tensor, quantized)
         return quantized
+
+    def _quantize_transposed(self, role: str, tensor: torch.Tensor) -> Fp8Tensor:
+        """`role`'s recipe applied to tensor.T: (C, R) FP8 bytes whose scales run along the original first
+        dim, written straight in the layout its backward GEMM reads (no separate FP8 transpose). Counters and
+        telemetry come from the primary quantization of the same tensor."""
+        r = self.recipe
+        with torch.no_grad():
+            tensor_t = tensor.t()
+            if r.scaling == "mxfp8":
+                return quantize_mx(tensor_t, r.format_of(role))
+            return quantize(tensor_t, self._formats[role], granularity=r.granularity_of(role),
+                            block=r.block_of(role), axis=-1, margin=r.margin, pow2=r.pow2_scales,
+                            keep_values=True, kernel=self._kernel(tensor.numel()))
 
     def _record_stats(self, role: str, tensor: torch.Tensor, quantized: Fp8Tensor) -> None:
         stats = quant_error(tensor, quantized)

@@ -89,7 +89,10 @@ class Fp8Tensor:
         return expand_scale(self.scale, self.data.shape, self.granularity, self.block, self.axis)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.unscaled(torch.float32) * self.expanded_scale()).to(dtype)
+        """``data * scale`` in ``dtype``. The product is taken in float64 when that is asked for (exact: an FP8
+        value has at most 4 significant bits, a scale 24), else in float32 and then rounded to ``dtype``."""
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        return (self.unscaled(compute) * self.expanded_scale().to(compute)).to(dtype)
 
     def without_values(self) -> "Fp8Tensor":
         """The same tensor minus the fp32 copy of its values (what to keep around, e.g. for backward)."""
@@ -181,7 +184,8 @@ def scale_rule(amax: torch.Tensor, fmt_max, cap, margin: int, pow2: bool) -> tor
     2 * 24 + 2 bits). Power-of-2 rounding runs in float64, where log2 of a value just above a power of two
     stays above it (in fp32 it can round down onto it, and the scale would then clip amax)."""
     divisor = fmt_max * 2.0 ** -margin
-    if pow2 or amax.dtype != torch.float32 or not _fp32_exact(divisor):
+    # fp32 only where the quotient cannot overflow fp32 (divisor >= 1): an overflow would read as an inf amax
+    if pow2 or amax.dtype != torch.float32 or not _fp32_exact(divisor) or divisor < 1:
         scale = amax.double() / divisor
     else:
         scale = amax / divisor
@@ -198,7 +202,7 @@ def scale_rule(amax: torch.Tensor, fmt_max, cap, margin: int, pow2: bool) -> tor
 
 
 def _fp32_exact(value) -> bool:
-    """A float (or a float64 tensor of them: then no) that fp32 holds exactly, in its normal range."""
+    """A float that fp32 holds exactly, in its normal range (a tensor of them: answered no)."""
     if isinstance(value, torch.Tensor):
         return False
     return _FP32_TINY <= abs(value) <= _FP32_MAX and struct.unpack("f", struct.pack("f", value))[0] == value

@@ -42,8 +42,10 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from fp8train.nn.recipes import ROLES
 from fp8train.numerics.formats import get_format
 from fp8train.numerics.quant import Fp8Tensor, convert_dialect, decode_fp8, quantize
+from fp8train.training.rundir import CHECKPOINTS_DIR, give_default_mode
 
 __all__ = [
     "EXPORT_FORMATS", "SCALE_CONVENTION", "LoadedRun", "load_run", "fp8_policy_names", "quantize_weight_per_channel",
@@ -56,7 +58,7 @@ EXPORT_MARK = "fp8train-fp8-weights-v1"
 SCALE_CONVENTION = "dequant: w = weight.float() * weight_scale"
 SCALE_LAYOUT = "per-output-channel: weight_scale float32 shape (out_features, 1), amax(|row|) / fmt.max"
 # Buffers an Fp8Linear adds to its state_dict (training-time scaling state, see linear.py).
-_FP8_ROLES = ("input_", "weight_", "grad_output_")
+_FP8_ROLES = tuple(f"{role}_" for role in ROLES)  # prefixes of Fp8Linear's per-role buffers
 
 
 def _dialect(fmt_name: str) -> str:
@@ -248,6 +250,7 @@ def _write_atomically(tensors: dict, metadata: dict, out: Path) -> None:
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     try:
         save_file(tensors, str(tmp), metadata=metadata)
+        give_default_mode(tmp)  # safetensors writes 0600
         os.replace(tmp, out)
     finally:
         if tmp.exists():
@@ -285,6 +288,9 @@ def export_run(run_dir, out, fmt="e4m3fn", force: bool = False) -> dict:
     fmt = _export_format(fmt)
     out = Path(out)
     _refuse_existing(out, force)
+    if out.resolve().is_relative_to((Path(run_dir) / CHECKPOINTS_DIR).resolve()):  # --force would replace the source
+        raise ValueError(f"export path {str(out)!r} is inside the checkpoints it is exported from; write it "
+                         f"outside {run_dir}/checkpoints (nothing was written)")
     run = load_run(run_dir)
     if not run.fp8_names:
         raise ValueError(f"the layer policy of {run_dir}/config.yaml keeps every Linear out of FP8 (policy.* keys); "

@@ -48,7 +48,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from fp8train.numerics.formats import get_format
+from fp8train.numerics.formats import FORMATS, get_format
 from fp8train.numerics.quant import quantize, scale_from_amax
 
 __all__ = [
@@ -57,7 +57,7 @@ __all__ = [
     "KvEvalOptions", "kv_eval", "write_report", "add_cli_arguments", "cli_main", "CACHE_FORMATS",
 ]
 
-CACHE_FORMATS = ("e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz")
+CACHE_FORMATS = tuple(FORMATS)  # every format, by canonical name
 KV_CHOICES = ("k", "v", "kv")
 GRANULARITIES = ("tensor", "head")
 SCALE_SOURCES = ("calibrated", "dynamic")
