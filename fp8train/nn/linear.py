@@ -69,8 +69,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from fp8train.nn.accumulation import HopperAccumulation
+from fp8train.nn.fp8_all_gather import Fp8GatheredWeight
 from fp8train.nn.gemm import EMULATED_DTYPES, Fp8Operand, emulated_compute_dtype, fp8_mm, resolve_backend
 from fp8train.nn.recipes import ROLES, Fp8Recipe, recipe as make_recipe
 from fp8train.numerics.formats import get_format
@@ -263,10 +265,13 @@ class Fp8Linear(nn.Linear):
     def _weight_fp8(self, backend: str) -> _WeightFp8:
         """The weight's FP8 copy and its GEMM operands, made once per weight version (see the module docstring)."""
         weight = self.weight
+        # FSDP2 refills the unsharded weight by all-gather (no version bump) or hands over an FP8-gathered one:
+        # then there is nothing to cache across forwards.
+        cacheable = not isinstance(weight, Fp8GatheredWeight) and not isinstance(self, FSDPModule)
         key = (weight._version, weight.data_ptr(), self.training, self._scale_generation, backend,
-               self.emulated_dtype, self.quantize_kernel)
+               self.emulated_dtype, self.quantize_kernel) if cacheable else None
         cached = self._weight_cache
-        if cached is not None and cached.key == key and not self.telemetry:
+        if cached is not None and key is not None and cached.key == key and not self.telemetry:
             return cached
         emulated = backend == "emulated"
         with torch.no_grad():
@@ -283,7 +288,7 @@ class Fp8Linear(nn.Linear):
                 if emulated and op.block is not None:
                     op.dequantize(torch.float32)  # tiles vary along K: the GEMMs read the dequantized weight
             weights = _WeightFp8(key, weight_fp8, weight_op.t(), weight_op_grad)
-        if not torch.compiler.is_compiling():  # a compiled graph re-derives it (and fuses it) instead
+        if key is not None and not torch.compiler.is_compiling():  # compiled graphs re-derive (and fuse) it
             self._weight_cache = weights
         return weights
 
@@ -295,21 +300,17 @@ class Fp8Linear(nn.Linear):
         r = self.recipe
         fmt = self._formats[role]
         nonfinite_count = getattr(self, f"{role}_nonfinite_amax_count")
+        if isinstance(tensor, Fp8GatheredWeight):  # FSDP2 gathered it as FP8 already (fp8_all_gather.py)
+            quantized = tensor.fp8_tensor()
+            self._record_amax(role, quantized.amax)
+            return quantized  # no weight telemetry: the fp32 weight is not gathered
         kernel = self._kernel(tensor.numel())
         if r.is_delayed:
             amax = compute_amax(tensor)
-            recorded = amax.nan_to_num(nan=-1.0, posinf=-1.0)  # NaN/inf amaxes are counted, never recorded
-            nonfinite_count.add_(recorded < 0)
-            if self.training:
-                pending = getattr(self, f"{role}_pending_amax")
-                torch.maximum(pending, recorded, out=pending)
-            scale = getattr(self, f"{role}_scale")
-            if not self._initialized_on_host[role]:  # first step: current scaling from its own amax
-                own_scale = scale_from_amax(amax, fmt, r.margin, r.pow2_scales)
-                scale = torch.where(getattr(self, f"{role}_initialized"), scale, own_scale)
-            # scale_from_amax and the stored scale are finite and > 0 by construction: no per-call host sync
-            quantized = quantize(tensor, fmt, scale=scale, keep_values=keep_values, validate_scale=False,
-                                 kernel=kernel)
+            self._record_amax(role, amax)
+            # the scale is finite and > 0 by construction (_tensorwise_scale): no per-call host sync
+            quantized = quantize(tensor, fmt, scale=self._tensorwise_scale(role, amax), keep_values=keep_values,
+                                 validate_scale=False, kernel=kernel)
             quantized.amax = amax
         elif r.scaling == "mxfp8":
             quantized = quantize_mx(tensor, fmt, keep_values=True)
@@ -324,6 +325,45 @@ class Fp8Linear(nn.Linear):
         if self.telemetry:
             self._record_stats(role, tensor, quantized)
         return quantized
+
+    def _tensorwise_scale(self, role: str, amax: torch.Tensor) -> torch.Tensor:
+        """The dequant scale a tensor of `role` with this `amax` is quantized with, under a tensorwise recipe:
+        delayed, the stored scale once initialized, else (first step) the tensor's own; current, its own.
+        fp8_all_gather uses it too, with the amax of the whole sharded weight."""
+        r = self.recipe
+        own_scale = scale_from_amax(amax, r.format_of(role), r.margin, r.pow2_scales)
+        if not r.is_delayed:
+            return own_scale
+        return torch.where(getattr(self, f"{role}_initialized"), getattr(self, f"{role}_scale"), own_scale)
+
+    def _record_amax(self, role: str, amax: torch.Tensor) -> None:
+        """Count a non-finite amax; delayed scaling in training also folds it into this step's pending amax."""
+        finite = torch.isfinite(amax)
+        getattr(self, f"{role}_nonfinite_amax_count").add_((~finite).any().long())
+        if self.recipe.is_delayed and self.training:
+            pending = getattr(self, f"{role}_pending_amax")
+            pending.copy_(torch.where(finite, torch.maximum(pending, amax), pending))
+
+    def _tensorwise_scale(self, role: str, amax: torch.Tensor) -> torch.Tensor:
+        """The dequant scale a tensor of `role` with this `amax` is quantized with, under a tensorwise recipe:
+        delayed, the stored scale once initialized, else (first step) the tensor's own; current, its own.
+        fp8_all_gather uses it too, with the amax of the whole sharded weight."""
+        r = self.recipe
+        if r.is_delayed and self._initialized_on_host[role]:  # known on the host: no fallback ops to compute
+            return getattr(self, f"{role}_scale")
+        own_scale = scale_from_amax(amax, self._formats[role], r.margin, r.pow2_scales)
+        if not r.is_delayed:
+            return own_scale
+        return torch.where(getattr(self, f"{role}_initialized"), getattr(self, f"{role}_scale"), own_scale)
+
+    def _record_amax(self, role: str, amax: torch.Tensor) -> None:
+        """Count a non-finite amax; delayed scaling in training also folds it into this step's pending amax."""
+        recorded = amax.nan_to_num(nan=-1.0, posinf=-1.0)  # NaN/inf amaxes are counted, never recorded
+        nonfinite = recorded < 0
+        getattr(self, f"{role}_nonfinite_amax_count").add_(nonfinite if amax.dim() == 0 else nonfinite.any())
+        if self.recipe.is_delayed and self.training:
+            pending = getattr(self, f"{role}_pending_amax")
+            torch.maximum(pending, recorded if recorded.dim() == 0 else recorded.amax(), out=pending)
 
     def _quantize_transposed(self, role: str, tensor: torch.Tensor) -> Fp8Tensor:
         """`role`'s recipe applied to tensor.T: (C, R) FP8 bytes whose scales run along the original first

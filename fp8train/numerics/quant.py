@@ -191,9 +191,10 @@ def scale_rule(amax: torch.Tensor, fmt_max, cap, margin: int, pow2: bool) -> tor
         scale = amax / divisor
     if pow2:  # round UP to a power of two, so amax / scale <= max and nothing clips
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    # amax 0 / inf / NaN never becomes a scale: nan_to_num sends NaN and inf to 0, and 0 (or less) means 1.
-    scale = scale.nan_to_num(nan=0.0, posinf=0.0)
-    scale = torch.where(scale > 0, scale, 1.0)
+    # amax 0 / NaN / inf never becomes a scale: NaN and 0 fail amax > 0, inf makes an inf quotient (finite amaxes
+    # never do: in fp32 the divisor is >= 1, else float64). Tested on amax, not the quotient, which can underflow.
+    scale = torch.where(amax > 0, scale, 1.0)
+    scale = scale.nan_to_num(posinf=1.0)
     if isinstance(cap, torch.Tensor):
         scale = torch.minimum(scale.clamp_min(_FP32_TINY), cap)
     else:
