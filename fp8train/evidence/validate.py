@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fp8train.training.config import FullConfig, add_config_arguments, config_hash, config_to_yaml, load_config
+from fp8train.training.rundir import METRICS_FILE, read_jsonl
 
 __all__ = [
     "Candidate", "parse_candidate", "plan_runs", "run_validation", "load_curve", "compare", "first_out_of_band",
@@ -147,7 +148,7 @@ def plan_runs(cfg: FullConfig, candidates=None) -> list[PlannedRun]:
     runs_root = str(validation_dir(cfg) / "runs")
     # Resumable by construction: every run resumes from its newest checkpoint, and there is one to resume from.
     every = cfg.checkpoint.every or max(1, cfg.train.max_steps // 4)
-    common = [f"run.dir={runs_root}", "train.resume=true", f"checkpoint.every={every}"]
+    common = [f"run.dir={runs_root}", "train.resume=auto", f"checkpoint.every={every}"]
     runs = [PlannedRun(BASELINE, "baseline", derive_config(cfg, common + [f"run.name={BASELINE}",
                                                                            "fp8.recipe=none"]))]
     for cand in parsed:
@@ -242,13 +243,7 @@ class Curve:
 
 def load_curve(run_dir: str | Path) -> Curve:
     curve = Curve()
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return curve
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        rec = json.loads(line)
+    for rec in read_jsonl(Path(run_dir) / METRICS_FILE):  # a torn last line (a killed run) is dropped
         if rec.get("val_loss") is not None:
             curve.val[int(rec["step"])] = float(rec["val_loss"])
         if rec.get("loss") is not None:

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from fp8train.training.model import tied_weight_groups
+
 MANIFEST = "manifest.json"
 FILES = ("model.safetensors", "optimizer.safetensors")
 _PREFIX = "step_"
@@ -177,7 +179,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, sc
         raise ValueError(f"checkpoint {path} cannot be loaded: {problem}")
     manifest = json.loads((path / MANIFEST).read_text())
     missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
-    if unexpected or [m for m in missing if not _is_tied_alias(model, m)]:
+    tied = {name for group in tied_weight_groups(model) for name in group}  # stored once: others show as missing
+    if unexpected or [m for m in missing if m not in tied]:
         raise ValueError(f"checkpoint {path} does not fit this model: missing {missing}, unexpected {unexpected}"
                          " (was it made with another model size or FP8 recipe?)")
     if optimizer is not None:
@@ -193,13 +196,6 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, sc
     if manifest.get("torch_rng_state") is not None:
         torch.set_rng_state(torch.tensor(manifest["torch_rng_state"], dtype=torch.uint8))
     return manifest
-
-
-def _is_tied_alias(model: torch.nn.Module, name: str) -> bool:
-    # safetensors' save_model stores one copy of tied tensors; the alias shows up as "missing" on load.
-    params = dict(model.named_parameters(remove_duplicate=False))
-    tensor = params.get(name)
-    return tensor is not None and sum(p is tensor for p in params.values()) > 1
 
 
 def load_model_weights(path: str | Path, model: torch.nn.Module) -> dict:

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 __all__ = [
-    "CONFIG_FILE", "METRICS_FILE", "TELEMETRY_FILE", "SUMMARY_FILE", "CHECKPOINTS_DIR",
-    "run_dir_path", "json_safe", "write_text_atomic", "write_json_atomic", "read_json", "read_jsonl",
-    "append_jsonl", "refuse_symlink",
+    "CONFIG_FILE", "METRICS_FILE", "TELEMETRY_FILE", "SUMMARY_FILE", "CHECKPOINTS_DIR", "TRACKERS_FILE",
+    "run_dir_path", "json_safe", "dumps", "write_text_atomic", "write_json_atomic", "read_json", "read_jsonl",
+    "append_jsonl", "truncate_jsonl", "refuse_symlink",
 ]
 
 CONFIG_FILE = "config.yaml"
@@ -30,6 +30,7 @@ METRICS_FILE = "metrics.jsonl"
 TELEMETRY_FILE = "telemetry.jsonl"
 SUMMARY_FILE = "summary.json"
 CHECKPOINTS_DIR = "checkpoints"
+TRACKERS_FILE = "trackers.json"  # tracker run ids (wandb), so a resumed run continues the same tracker run
 
 
 def run_dir_path(parent: str | os.PathLike, name: str) -> Path:
@@ -126,3 +127,13 @@ def append_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> None:
                 path.write_bytes(data[:data.rfind(b"\n") + 1])
     with open(path, "a") as f:
         f.write(text)
+
+
+def truncate_jsonl(path: str | os.PathLike, last_step: int) -> list[dict]:
+    """Keep only the records of steps <= `last_step` (a resumed run rewrites what came after its checkpoint), and
+    return them; the file is replaced whole. Missing file: nothing to do, no records."""
+    path = Path(path)
+    kept = [r for r in read_jsonl(path) if r["step"] <= last_step]
+    if path.exists():
+        write_text_atomic(path, "".join(dumps(r) + "\n" for r in kept))
+    return kept

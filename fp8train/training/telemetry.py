@@ -10,7 +10,6 @@ every layer and role) and a few worst-case numbers go into metrics.jsonl and wan
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from fp8train.nn.recipes import ROLES
+from fp8train.training.rundir import append_jsonl, read_jsonl
 
 STAT_KEYS = ("amax", "scale", "overflow_frac", "underflow_frac", "sqnr_db", "staleness", "nonfinite")
 
@@ -79,15 +79,18 @@ def counters(layers) -> dict:
 
 
 def append(path: Path, step: int, stats: dict, enabled: bool = True) -> None:
+    """One telemetry.jsonl line for `step`. Non-finite stats are written as the strings "inf", "-inf", "nan"
+    (strict JSON has no such numbers, and they mean something here: SQNR inf is an exact tensor)."""
     if enabled:
-        with open(path, "a") as f:
-            f.write(json.dumps({"step": step, "layers": stats}, default=_json_default) + "\n")
+        append_jsonl(path, [{"step": step, "layers": _finite_or_text(stats)}])
 
 
-def _json_default(value):
+def _finite_or_text(value):
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
-    return str(value)
+    if isinstance(value, dict):
+        return {k: _finite_or_text(v) for k, v in value.items()}
+    return value
 
 
 def capture_step(model, layers, x, y, autocast) -> dict:
@@ -108,10 +111,8 @@ def capture_step(model, layers, x, y, autocast) -> dict:
 
 
 def load(path: str | Path) -> list[dict]:
-    path = Path(path)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a telemetry.jsonl; a torn last line (a run killed mid-write) is dropped."""
+    return read_jsonl(path)
 
 
 # ------------------------------------------------------------------------------------------------------------
