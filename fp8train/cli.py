@@ -20,6 +20,8 @@ from pathlib import Path
 from fp8train import __version__
 from fp8train.training.config import resolve_config_arguments
 
+from fp8train.training.rundir import write_error
+
 # name -> (module, one-line help)
 COMMANDS = {
     "formats": ("fp8train.numerics.formats_cli", "print the FP8 format table derived from the bit layouts"),
@@ -101,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
             _report_internal_error(args.command, err)
             return 1
         print(f"fp8train {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # full disk, read-only or forbidden folder: the environment's, said in one line
+        if write_error(err) is None:
+            raise
+        print(f"fp8train {args.command}: error: {write_error(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"fp8train {args.command}: interrupted", file=sys.stderr)

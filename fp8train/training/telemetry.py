@@ -79,17 +79,17 @@ def counters(layers) -> dict:
 
 
 def append(path: Path, step: int, stats: dict, enabled: bool = True) -> None:
-    """One telemetry.jsonl line for `step`. Non-finite stats are written as the strings "inf", "-inf", "nan"
-    (strict JSON has no such numbers, and they mean something here: SQNR inf is an exact tensor)."""
-    if enabled:
-        append_jsonl(path, [{"step": step, "layers": _finite_or_text(stats)}])
+    if enabled:  # strict JSON: non-finite floats as strings ("inf"), which _number reads back
+        append_jsonl(path, [{"step": step, "layers": _strings_for_nonfinite(stats)}])
 
 
-def _finite_or_text(value):
+def _strings_for_nonfinite(value):
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
-        return {k: _finite_or_text(v) for k, v in value.items()}
+        return {k: _strings_for_nonfinite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strings_for_nonfinite(v) for v in value]
     return value
 
 
@@ -111,8 +111,7 @@ def capture_step(model, layers, x, y, autocast) -> dict:
 
 
 def load(path: str | Path) -> list[dict]:
-    """The records of a telemetry.jsonl; a torn last line (a run killed mid-write) is dropped."""
-    return read_jsonl(path)
+    return read_jsonl(path)  # a torn last line (kill -9 mid-append) is dropped; damage elsewhere is named
 
 
 # ------------------------------------------------------------------------------------------------------------
