@@ -19,7 +19,6 @@ from pathlib import Path
 
 from fp8train import __version__
 from fp8train.training.config import resolve_config_arguments
-
 from fp8train.training.rundir import write_error
 
 # name -> (module, one-line help)
@@ -76,6 +75,11 @@ def _parse_command(command: str, argv: list[str]) -> argparse.Namespace:
     except TypeError:  # argparse cannot intermix some layouts; fall back to the plain parser
         args = parser.parse_args(argv)
     args.command = command
+    if hasattr(args, "config_option"):  # a config-driven command: CONFIG or --config CONFIG
+        try:
+            resolve_config_arguments(args)
+        except ValueError as err:
+            parser.error(str(err))  # usage, the message, exit 2: as for any other malformed command line
     return args
 
 
@@ -92,8 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_command(argv[0], argv[1:])
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
-        if hasattr(args, "config_option"):  # a config-driven command: CONFIG or --config CONFIG
-            resolve_config_arguments(args)
         return int(module.cli_main(args) or 0)
     except ImportError as err:  # a missing optional dependency: the message says what to install
         print(f"fp8train {args.command}: error: {err}", file=sys.stderr)
@@ -104,16 +106,17 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"fp8train {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `fp8train formats --json | head`
+        return 0
     except OSError as err:  # full disk, read-only or forbidden folder: the environment's, said in one line
         if write_error(err) is None:
-            raise
+            _report_internal_error(args.command, err)
+            return 1
         print(f"fp8train {args.command}: error: {write_error(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"fp8train {args.command}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `fp8train formats --json | head`
-        return 0
     except Exception as err:  # noqa: BLE001  anything else is a bug, reported as one
         _report_internal_error(args.command, err)
         return 1
