@@ -64,7 +64,9 @@ def metrics_of(run_dir: Path) -> list[dict]:
 
 
 def files_of(run_dir: Path) -> dict:
-    return {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} if run_dir.exists() else {}
+    """Every file of the run with its bytes, except wandb's own debug logs (its service may still be closing
+    them after the run has finished)."""
+    return {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and not p.name.startswith("debug")}
 
 
 # ---- reading wandb's offline run file: LevelDB-style log of protobuf Records (wandb's own format) -----------
