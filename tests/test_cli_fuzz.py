@@ -40,6 +40,8 @@ def _kind(tp) -> str:
         return _kind(args[0])
     if typing.get_origin(tp) in (list, typing.List):
         return "list"
+    if typing.get_origin(tp) in (dict, typing.Dict):
+        return "dict"
     return {int: "int", float: "float", bool: "bool", str: "str", typing.Any: "any"}[tp]
 
 
@@ -50,6 +52,7 @@ WRONG_TYPE = {
     "str": ["{a: 1}"],
     "list": ["abc", "{a: 1}"],
     "any": ["{a: 1}"],  # train.resume: true | false | auto (its other values are in OUT_OF_RANGE)
+    "dict": ["abc", "[a, b]"],
 }
 
 # Out-of-range values, per field. Fields absent here must be listed in NO_RANGE (checked below).
@@ -106,6 +109,12 @@ OUT_OF_RANGE = {
     "log.telemetry_every": ["-1"],
     "log.wandb": ["cloud", "true"],
     "log.trackers": ["[wandbx]", "[wandb, wandb]", "[tensorboard, neptune]"],
+    "log.shadow_recipes": ["[nope]", "[current, current]"],
+    "fp8.fast_accum_forward": [],
+    "fp8.accumulator_bits": ["1", "25", "-1"],
+    "fp8.accumulator_promotion": ["100", "-32"],
+    "policy.overrides": ["{'(unclosed': bf16}", "{mlp: fp16}"],
+    "policy.plan": ["/no/such/plan.yaml"],
     "checkpoint.every": ["-1"],
     "checkpoint.keep_last": ["-1"],
     "validate.candidates": ["[]", "[none]", "[delayed, delayed]", "[fp16]"],

@@ -16,7 +16,7 @@ import torch
 
 from fp8train.nn.gemm import Fp8Operand, fp8_mm, scaled_mm_available
 from fp8train.nn.scaled_gemm import HAS_SCALED_MM_V2
-from fp8train.numerics.quant import COMPILE_MIN_NUMEL, quantize
+from fp8train.numerics.quant import quantize
 from fp8train.nn.recipes import RECIPE_NAMES
 
 
@@ -219,19 +219,18 @@ def test_every_gemm_reports_its_kernel_and_tensorwise_rowwise_reach_fp8(name):
     assert y.dtype == torch.bfloat16  # straight from the GEMM under autocast
 
 
+@pytest.mark.parametrize("kernel", ["compiled_cast", "compiled_select"])
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
 @pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
-def test_compiled_quantize_matches_eager_bytes_at_2_20_elements(monkeypatch, fmt, granularity):
+def test_compiled_quantize_matches_eager_bytes_at_2_20_elements(kernel, fmt, granularity):
     import ml_dtypes
     import numpy as np
 
     g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(1024, COMPILE_MIN_NUMEL // 1024, device="cuda", generator=g) * 3  # 2^20 elements
+    x = torch.randn(1024, 1024, device="cuda", generator=g) * 3  # 2^20 elements
     kwargs = dict(granularity=granularity, block=(1, 128), pow2=granularity != "tensor")
-    monkeypatch.setenv("FP8TRAIN_COMPILE", "1")
-    compiled = quantize(x, fmt, **kwargs)
-    monkeypatch.setenv("FP8TRAIN_COMPILE", "0")
-    eager = quantize(x, fmt, **kwargs)
+    compiled = quantize(x, fmt, kernel=kernel, **kwargs)
+    eager = quantize(x, fmt, kernel="eager", **kwargs)
     assert torch.equal(compiled.data.view(torch.uint8), eager.data.view(torch.uint8))
     assert torch.equal(compiled.scale, eager.scale)
     scaled = (x / eager.expanded_scale()).clamp(-eager.fmt.max, eager.fmt.max).cpu().numpy()
