@@ -41,7 +41,7 @@ from fp8train.training.checkpoint import latest_valid_checkpoint, load_checkpoin
 from fp8train.training.config import (FullConfig, add_config_arguments, config_hash, config_to_yaml, fp8_recipe_from_config,
                      layer_policy_from_config, load_config)
 from fp8train.training.data import build_data
-from fp8train.training.model import build_model, count_params
+from fp8train.training.model import build_model, check_model_for_run, count_params
 
 __all__ = ["train", "run_dir_of", "cli_main", "add_cli_arguments", "fp8_state_digest"]
 
@@ -296,6 +296,7 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
     conversion = None
     if fp8_recipe is not None:
         conversion = convert_to_fp8(model, fp8_recipe, layer_policy_from_config(cfg))
+    check_model_for_run(model, data.vocab_size, conversion, cfg.policy.allow_no_fp8)
     run_dir = run_dir_of(cfg)
     _prepare_run_dir(cfg, run_dir, accelerator)  # every rank checks, so every rank fails the same way
     if conversion is not None and is_main and show_progress:
