@@ -176,6 +176,9 @@ class DataConfig(_Section):
     def _check(self) -> None:
         _require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
         self._at_least("max_bytes", 0, "must be >= 0 (0 = no cap)")
+        _require(bool(self.text_field), "data.text_field", self.text_field, "a column name of data.hf_dataset")
+        _require(not (self.hf_dataset and self.path), "data.hf_dataset", self.hf_dataset,
+                 f"replaces data.path (set to {self.path!r}): give one of them")
 
 
 @dataclass

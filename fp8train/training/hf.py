@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ import torch.nn as nn
 from fp8train.nn.recipes import ROLES
 
 __all__ = ["HF_ONLY_SOURCE_KEYS", "DECODER_ONLY_FIELDS", "check_hf_model_fields", "hf_config_of",
-           "build_hf_model", "enable_kv_hook", "hf_kv_shape"]
+           "build_hf_model", "enable_kv_hook", "hf_kv_shape", "quiet_transformers"]
 
 HF_ONLY_SOURCE_KEYS = ("hf_config", "hf_path")
 # ModelConfig fields that describe fp8train's Decoder and mean nothing for a Hugging Face model.
@@ -115,8 +116,9 @@ def _load_pretrained(folder: Path, config) -> nn.Module:
                          f"; found {found}); for random init from an architecture use model.hf_config")
     auto = _transformers().AutoModelForCausalLM
     try:
-        model, info = auto.from_pretrained(str(folder), config=config, dtype=torch.float32, local_files_only=True,
-                                           output_loading_info=True)
+        with quiet_transformers():  # its load report and progress bars: our checks below say what is wrong
+            model, info = auto.from_pretrained(str(folder), config=config, dtype=torch.float32,
+                                               local_files_only=True, output_loading_info=True)
     except (OSError, RuntimeError, ValueError) as err:  # shape mismatches and unreadable files land here
         raise ValueError(f"model.hf_path: the weights in {str(folder)!r} do not fit its config.json: "
                          f"{' '.join(str(err).split())[:300]}") from None
@@ -139,6 +141,21 @@ def _is_saved_scaling_state(key: str, folder: Path) -> bool:
     section = json.loads((folder / "config.json").read_text()).get("fp8train") or {}
     layer, _, buffer = key.rpartition(".")
     return layer in section.get("layers", {}) and buffer.startswith(tuple(f"{role}_" for role in ROLES))
+
+
+@contextmanager
+def quiet_transformers():
+    """transformers' warnings and progress bars off for the block (errors still raise)."""
+    logging = _transformers().utils.logging
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
 
 
 def _tied_names(model: nn.Module) -> set:

@@ -32,6 +32,7 @@ import os
 import resource
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -295,7 +296,9 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
     fp8_recipe = fp8_recipe_from_config(cfg)
     conversion = None
     if fp8_recipe is not None:
-        conversion = convert_to_fp8(model, fp8_recipe, layer_policy_from_config(cfg))
+        with warnings.catch_warnings():  # "nothing converted" is refused below, in one line
+            warnings.simplefilter("ignore")
+            conversion = convert_to_fp8(model, fp8_recipe, layer_policy_from_config(cfg))
     check_model_for_run(model, data.vocab_size, conversion, cfg.policy.allow_no_fp8)
     run_dir = run_dir_of(cfg)
     _prepare_run_dir(cfg, run_dir, accelerator)  # every rank checks, so every rank fails the same way
