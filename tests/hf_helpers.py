@@ -38,15 +38,18 @@ def hf_config(arch: str):
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
-def make_pretrained(folder: Path, arch: str = "llama", steps: int = 3, seed: int = 0) -> Path:
-    """A tiny causal LM trained `steps` SGD steps on random tokens, written by transformers' save_pretrained."""
+def make_pretrained(folder: Path, arch: str = "llama", steps: int = 10, seed: int = 0) -> Path:
+    """A tiny causal LM trained `steps` SGD steps, written by transformers' save_pretrained. Its training text is
+    random tokens with every other one a 7, so the weights are clearly not a random init: its loss on real text
+    is far from log(VOCAB), where every freshly initialized model sits."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for _ in range(steps):
         x = torch.randint(0, VOCAB, (4, 32))
+        x[:, ::2] = 7
         model(input_ids=x, labels=x).loss.backward()
         opt.step()
         opt.zero_grad()
