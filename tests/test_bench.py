@@ -184,10 +184,12 @@ def test_gpu_check_explains_when_no_gpu(tmp_path):
     proc = subprocess.run(["bash", str(GPU_CHECK), str(tmp_path / "out")], capture_output=True, text=True,
                           env=env, timeout=120)
     assert proc.returncode == 2
-    assert "no CUDA GPU" in proc.stdout
-    assert "no CUDA GPU" in (tmp_path / "out" / "summary.txt").read_text()
-    assert (tmp_path / "out" / "env.txt").exists()
-    assert not (tmp_path / "out" / "pytest_cuda.log").exists()  # nothing else was attempted
+    assert "checks failed" in proc.stderr
+    checks = json.loads((tmp_path / "out" / "checks.json").read_text())
+    assert "no CUDA GPU of sm89+ visible to torch" in checks["problems"] and checks["torch"] == torch.__version__
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert list(summary["sections"]) == ["checks"]  # nothing else was attempted
+    assert not (tmp_path / "out" / "capability.json").exists()
 
 
 def test_bench_wrapper_script_runs(monkeypatch, capsys):

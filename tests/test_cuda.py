@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from fp8train.nn.gemm import Fp8Operand, fp8_mm, scaled_mm_available
-from fp8train.numerics.quant import quantize
+from fp8train.nn.scaled_gemm import HAS_SCALED_MM_V2
+from fp8train.numerics.quant import COMPILE_MIN_NUMEL, quantize
 from fp8train.nn.recipes import RECIPE_NAMES
 
 
@@ -161,3 +162,68 @@ def test_short_train_on_cuda(tmp_path, name):
     assert summary["fp8_layers"] > 0
     assert math.isfinite(summary["loss"]) and math.isfinite(summary["val_loss"])
     assert summary["loss"] < math.log(256)  # below the uniform guess over the byte vocabulary
+
+
+def _blockwise_expected() -> bool:
+    """cuBLAS has DeepSeek-style blockwise FP8 GEMMs on sm90 from CUDA 12.9, reached through F.scaled_mm."""
+    cuda = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
+    return HAS_SCALED_MM_V2 and torch.cuda.get_device_capability() == (9, 0) and cuda >= (12, 9)
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_every_gemm_reports_its_kernel_and_tensorwise_rowwise_reach_fp8(name):
+    from fp8train.nn.linear import Fp8Linear
+
+    layer = Fp8Linear(K, N, recipe=name).cuda()
+    x = torch.randn(M, K, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x)
+    y.float().sum().backward()
+    paths = layer.gemm_paths
+    assert set(paths) == {"output", "grad_input", "grad_weight"}, paths
+    if name in ("delayed", "current", "rowwise"):
+        assert all(p.startswith("scaled_mm:") for p in paths.values()), paths
+    if name == "block" and _blockwise_expected():
+        assert all(p.startswith("scaled_mm:blockwise") for p in paths.values()), paths
+    assert y.dtype == torch.bfloat16  # straight from the GEMM under autocast
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_compiled_quantize_matches_eager_bytes_at_2_20_elements(monkeypatch, fmt, granularity):
+    import ml_dtypes
+    import numpy as np
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(1024, COMPILE_MIN_NUMEL // 1024, device="cuda", generator=g) * 3  # 2^20 elements
+    kwargs = dict(granularity=granularity, block=(1, 128), pow2=granularity != "tensor")
+    monkeypatch.setenv("FP8TRAIN_COMPILE", "1")
+    compiled = quantize(x, fmt, **kwargs)
+    monkeypatch.setenv("FP8TRAIN_COMPILE", "0")
+    eager = quantize(x, fmt, **kwargs)
+    assert torch.equal(compiled.data.view(torch.uint8), eager.data.view(torch.uint8))
+    assert torch.equal(compiled.scale, eager.scale)
+    scaled = (x / eager.expanded_scale()).clamp(-eager.fmt.max, eager.fmt.max).cpu().numpy()
+    ml = {"e4m3fn": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]
+    np.testing.assert_array_equal(eager.data.view(torch.uint8).cpu().numpy(), scaled.astype(ml).view(np.uint8))
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_no_host_sync_in_forward_backward_and_scale_update(name):
+    from fp8train.nn.linear import Fp8Linear, update_fp8_scales
+
+    layer = Fp8Linear(K, N, recipe=name).cuda()
+    x = torch.randn(M, K, device="cuda", requires_grad=True)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(x)
+        y.float().sum().backward()
+        update_fp8_scales(layer)
+    step()  # the first call may probe kernels and compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -178,18 +178,95 @@ def test_delayed_zero_amax_keeps_previous_scale():
     assert layer.input_scale.item() == 2.0 and layer.input_amax_history[:3].tolist() == [0, 896, 0]
 
 
-def test_grad_accumulation_amax_is_max_over_micro_batches():
+@pytest.mark.parametrize("amaxes", [(896, 224), (224, 896), (224, 896, 448), (448, 448)],
+                         ids=["large-then-small", "small-then-large", "largest-in-the-middle", "equal"])
+def test_grad_accumulation_amax_is_max_over_micro_batches(amaxes):
+    """One optimizer step of several micro-batches: the step's amax is the max over all of them, whatever their
+    order (a pending amax that kept only the first or only the last micro-batch fails one of these orders)."""
     layer = _delayed_probe(amax_history_len=4, amax_compute_algo="most_recent")
-    for amax in (896, 224):  # two micro-batches of one optimizer step: the big one first
+    for amax in amaxes:
         x = torch.zeros(2, 16, requires_grad=True)
         with torch.no_grad():
             x[0, 0] = amax
         grad = torch.zeros(2, 16)
         grad[0, 0] = amax * 128  # e5m2 max is 57344 = 448 * 128
         layer(x).backward(grad)
+    assert layer.input_pending_amax.item() == max(amaxes)
     update_fp8_scales(layer)
-    assert layer.input_scale.item() == 2.0        # 896 / 448, not 224 / 448
-    assert layer.grad_output_scale.item() == 2.0  # 114688 / 57344, not 28672 / 57344
+    assert layer.input_scale.item() == max(amaxes) / 448               # e.g. 896 / 448 = 2
+    assert layer.grad_output_scale.item() == max(amaxes) * 128 / 57344  # e.g. 114688 / 57344 = 2
+    assert layer.input_amax_history.tolist() == [max(amaxes), 0, 0, 0]  # one history entry per optimizer step
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_eval_forwards_leave_delayed_state_untouched(algo):
+    """Eval-mode forwards quantize with the stored scales but record nothing: no pending amax, so the next
+    update_fp8_scales neither rolls the history nor moves a scale, even for an eval amax 4x the training one."""
+    layer = _delayed_probe(amax_history_len=4, amax_compute_algo=algo)
+    _step(layer, 448)  # training step: scale 1, history [448, 0, 0, 0]
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    layer.eval()
+    with torch.no_grad():
+        x = torch.zeros(2, 16)
+        x[0, 0] = 1792
+        y = layer(x)
+    assert y[0, 0].item() == 448 * 448  # quantized with the stored scale 1: 1792 saturates at 448
+    assert all(getattr(layer, f"{role}_pending_amax").item() == -1 for role in ROLES)
+    update_fp8_scales(layer)
+    for key, value in layer.state_dict().items():
+        assert torch.equal(value, state[key]), key
+
+    # An eval forward between two training micro-batches does not leak into that step's amax.
+    layer.train()
+    x = torch.zeros(2, 16)
+    x[0, 0] = 224
+    layer(x)
+    layer.eval()
+    x[0, 0] = 1792
+    layer(x)
+    layer.train()
+    assert layer.input_pending_amax.item() == 224
+    update_fp8_scales(layer)
+    assert layer.input_amax_history.tolist() == [224, 448, 0, 0]
+    assert layer.input_scale.item() == {"max": 1.0, "most_recent": 0.5}[algo]
+
+
+def test_eval_forward_of_a_fresh_layer_does_not_initialize_it():
+    layer = _delayed_probe(amax_history_len=4)
+    layer.eval()
+    x = torch.zeros(2, 16)
+    x[0, 0] = 896
+    assert layer(x)[0, 0].item() == 896 * 448  # no stored scale yet: its own amax, as on the first step
+    update_fp8_scales(layer)
+    for role in ROLES:
+        assert not getattr(layer, f"{role}_initialized").item(), role
+        assert getattr(layer, f"{role}_amax_history").abs().sum().item() == 0, role
+        assert getattr(layer, f"{role}_scale").item() == 1.0, role
+
+
+# The grad_output format of each preset, from DESIGN.md / README (not read from the recipe objects): E5M2 for the
+# hybrid tensorwise recipes, E4M3 for rowwise and block.
+GRAD_OUTPUT_FORMAT = {"delayed": "e5m2", "current": "e5m2", "rowwise": "e4m3fn", "block": "e4m3fn"}
+ML_FORMAT = {"e5m2": (ml_dtypes.float8_e5m2, 57344.0), "e4m3fn": (ml_dtypes.float8_e4m3fn, 448.0)}
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_grad_output_format_per_recipe(name):
+    """grad_output of amax 57344 and one entry of 144: E5M2 (scale 1) rounds 144 = 1.125 * 2^7 to the even 128,
+    E4M3 (scale 57344 / 448 = 128) keeps 1.125 exactly. With weight 448 * I, grad_input = 448 * grad_output as
+    quantized, so the gradient shows which format the backward used. Reference: ml_dtypes' cast."""
+    layer = _delayed_probe() if name == "delayed" else Fp8Linear(16, 16, bias=False, recipe=name)
+    with torch.no_grad():
+        layer.weight.copy_(448 * torch.eye(16))
+    x = torch.ones(2, 16, requires_grad=True)
+    grad = torch.zeros(2, 16)
+    grad[:, 0], grad[:, 1], grad[:, 2] = 57344.0, 144.0, -3.0
+    layer(x).backward(grad)
+    np_dtype, fmt_max = ML_FORMAT[GRAD_OUTPUT_FORMAT[name]]
+    scale = np.float32(57344.0 / fmt_max)  # a power of two for both formats: every recipe finds the same scale
+    expected = (grad.numpy() / scale).astype(np_dtype).astype(np.float64) * scale * 448
+    np.testing.assert_array_equal(x.grad.double().numpy(), expected)
+    assert x.grad[0, 1].item() == {"e5m2": 128 * 448, "e4m3fn": 144 * 448}[GRAD_OUTPUT_FORMAT[name]]
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
@@ -228,10 +305,25 @@ def test_nonfinite_counted_for_dynamic_recipes(name):
     assert layer.weight_nonfinite_amax_count.item() == 0
 
 
-def test_update_is_noop_without_delayed_layers():
-    layer = Fp8Linear(64, 64, recipe="current")
-    update_fp8_scales(nn.Sequential(layer))
-    assert "input_scale" not in layer.state_dict()
+def test_update_touches_only_delayed_layers():
+    """In a model that mixes recipes, update_fp8_scales rolls the delayed layer's state and leaves every buffer of
+    the current-scaling layer (its non-finite counters included) and its next output exactly as they were."""
+    delayed = _delayed_probe(amax_history_len=4)
+    current = Fp8Linear(16, 16, recipe="current")
+    model = nn.Sequential(delayed, current)
+    x = torch.zeros(3, 16)
+    x[0, 0], x[1, 1] = 896, -224
+    model(x)
+    current(torch.full((2, 16), math.nan))  # a non-finite event on the current layer: counted once
+    before = {k: v.clone() for k, v in current.state_dict().items()}
+    probe = torch.randn(4, 16)
+    y_before = current(probe)
+    update_fp8_scales(model)
+    assert delayed.input_amax_history.tolist() == [896, 0, 0, 0] and delayed.input_scale.item() == 2.0
+    assert current.input_nonfinite_amax_count.item() == 1
+    assert current.state_dict().keys() == before.keys()
+    assert all(torch.equal(current.state_dict()[k], v) for k, v in before.items())
+    assert torch.equal(current(probe), y_before)
 
 
 # ---- state, autocast, shapes ---------------------------------------------------------------------------------

@@ -205,7 +205,6 @@ TINY_LLAMA = dict(
 
 
 def test_hf_llama_from_local_config_trains_one_step(tmp_path):
-    pytest.importorskip("transformers", reason="optional dependency: pip install transformers (fp8train[hf])")
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     torch.manual_seed(0)
     for hf_config in (str(tmp_path), str(tmp_path / "config.json")):
@@ -223,7 +222,6 @@ def test_hf_llama_from_local_config_trains_one_step(tmp_path):
 
 
 def test_hf_config_errors(tmp_path, monkeypatch):
-    pytest.importorskip("transformers", reason="optional dependency: pip install transformers (fp8train[hf])")
     with pytest.raises(ValueError, match="model.hf_config"):
         build_model(hf_tiny(hf_config=str(tmp_path / "missing")))
     with pytest.raises(ValueError, match="no config.json"):

@@ -105,13 +105,23 @@ def ref_amax(x: np.ndarray, granularity: str, block=(1, 128), axis: int = -1) ->
 
 
 def ref_scale(amax: np.ndarray, name: str, margin: int = 0, pow2: bool = False) -> np.ndarray:
+    """The documented rule, element by element in Python float64 (exact for these operands: amax is float32 and
+    max * 2**margin a small integer times a power of two): scale = amax / max * 2**margin, rounded once to
+    float32; pow2 takes the smallest power of two >= that quotient (found with frexp, exactly); an amax that is 0,
+    NaN or inf gives 1; the result is kept inside float32's normal range."""
     amax = np.asarray(amax, dtype=np.float32)
-    with np.errstate(all="ignore"):
-        scale = amax.astype(np.float64) / fmt_max(name) * 2.0**margin
+    out = np.empty(amax.shape, dtype=np.float32)
+    for index, value in np.ndenumerate(amax):
+        value = float(value)
+        if not (math.isfinite(value) and value > 0):
+            out[index] = 1.0
+            continue
+        quotient = value / fmt_max(name) * 2.0**margin
         if pow2:
-            scale = np.exp2(np.ceil(np.log2(scale)))
-    scale = np.where(np.isfinite(amax) & (amax > 0), scale, 1.0)
-    return np.clip(scale, FP32_TINY, FP32_MAX).astype(np.float32)
+            mantissa, exponent = math.frexp(quotient)  # quotient = mantissa * 2**exponent, 0.5 <= mantissa < 1
+            quotient = math.ldexp(1.0, exponent - 1 if mantissa == 0.5 else exponent)
+        out[index] = min(max(quotient, FP32_TINY), FP32_MAX)  # float64 -> float32: one rounding
+    return out
 
 
 def ref_expand(scale: np.ndarray, shape, granularity: str, block=(1, 128)) -> np.ndarray:
@@ -191,7 +201,12 @@ def test_quantize_matches_reference(name, granularity, block, axis, shape, satur
     # dequantize is data * scale: ml_dtypes-decoded bytes times the broadcast scale, in float32.
     expected = ml_decode(codes, name) * ref_expand(scale, x.shape, granularity, block)
     np.testing.assert_array_equal(q.dequantize().numpy(), expected)
-    assert q.dequantize(torch.bfloat16).dtype == torch.bfloat16
+    # float64 callers get the exact product (<= 4 significant bits times 24), not a float32-rounded one.
+    exact = ml_decode(codes, name).astype(np.float64) * ref_expand(scale, x.shape, granularity, block).astype(np.float64)
+    deq64 = q.dequantize(torch.float64)
+    assert deq64.dtype == torch.float64
+    np.testing.assert_array_equal(deq64.numpy(), exact)
+    assert torch.equal(q.dequantize(torch.bfloat16), torch.from_numpy(expected).bfloat16())
     # The scale is shaped per the contract.
     if granularity == "tensor":
         assert q.scale.shape == ()
@@ -231,14 +246,65 @@ def test_pow2_scales_are_powers_of_two_and_never_clip(name, granularity, block, 
     assert torch.isfinite(q.dequantize()).all()
 
 
+# Hand-computed scales: (format, amax, margin, pow2, scale). max is 448 / 57344 / 240 / 57344.
+HAND_SCALES = [
+    ("e4m3fn", 448.0, 0, False, 1.0),
+    ("e4m3fn", 896.0, 0, False, 2.0),
+    ("e4m3fn", 1344.0, -1, False, 1.5),            # 1344 / 448 = 3, times 2^-1
+    ("e4m3fn", 112.0, 2, False, 1.0),              # 112 / 448 = 1/4, times 2^2
+    ("e4m3fn", 300.0, 0, False, 0.6696428571428571),  # 300 / 448, rounded once to float32 below
+    ("e4m3fn", 300.0, 0, True, 1.0),               # 0.6696 rounded up to a power of two
+    ("e4m3fn", 448.0, 0, True, 1.0),               # already a power of two: not doubled
+    ("e4m3fn", 449.0, 0, True, 2.0),
+    ("e4m3fn", 1.0, 0, True, 2.0**-8),             # 1 / 448 = 2^-8.81 -> 2^-8
+    ("e4m3fn", 1.0, 1, True, 2.0**-7),
+    ("e5m2", 57344.0, 0, False, 1.0),
+    ("e5m2", 3.0, 0, True, 2.0**-14),              # 3 / 57344 = 2^-14.2 -> 2^-14
+    ("e5m2", 7.0, 3, False, 2.0**-10),             # 7 / (7 * 2^13) * 2^3
+    ("e4m3fnuz", 240.0, 0, False, 1.0),
+    ("e4m3fnuz", 60.0, 0, False, 0.25),
+    ("e4m3fnuz", 61.0, 0, True, 0.5),
+    ("e5m2fnuz", 57344.0 * 4, -2, False, 1.0),
+    ("e4m3fn", 0.0, 0, False, 1.0),                # amax 0 never becomes a scale
+    ("e4m3fn", math.inf, 0, True, 1.0),
+    ("e5m2", math.nan, 1, False, 1.0),
+    ("e4m3fn", 1e-40, 0, False, 2.0**-126),        # 1e-40 / 448 is below float32's normal range: clamped
+    ("e4m3fn", 3.0e38, 20, False, FP32_MAX),       # 3e38 / 448 * 2^20 = 7e41 is past float32's max: clamped
+]
+
+
+@pytest.mark.parametrize("name,amax,margin,pow2,expected", HAND_SCALES)
+def test_scale_from_amax_hand_computed(name, amax, margin, pow2, expected):
+    got = scale_from_amax(torch.tensor(amax), name, margin, pow2)
+    assert got.dtype == torch.float32 and got.item() == float(np.float32(expected))
+    assert ref_scale(np.float32(amax), name, margin, pow2).item() == got.item()  # the reference agrees
+
+
 @pytest.mark.parametrize("granularity,block,axis", LAYOUTS)
 @pytest.mark.parametrize("name", ALL_FORMATS)
-def test_margin_shifts_scale_by_power_of_two(name, granularity, block, axis, rng):
-    x = torch.from_numpy(wide_random(rng, (20, 140), -4, 4))
-    base = quantize(x, name, granularity=granularity, block=block, axis=axis).scale
-    for margin in (-3, -1, 1, 4):
-        shifted = quantize(x, name, granularity=granularity, block=block, axis=axis, margin=margin).scale
-        assert torch.equal(shifted, base * 2.0**margin), margin
+def test_margin_shifts_scale_by_power_of_two(name, granularity, block, axis):
+    """Rows (and 1x128 tiles) whose amax is max * k for k = 1, 3, 5, 6: scale = k * 2**margin, exactly."""
+    ks = np.array([1.0, 3.0, 5.0, 6.0], dtype=np.float32)
+    x = np.zeros((4, 256), dtype=np.float32)
+    x[:, 7] = ks * np.float32(fmt_max(name))       # each row's amax: max * k
+    x[:, 200] = -ks * np.float32(fmt_max(name) / 2)  # second 1x128 tile of each row: max * k / 2
+    if axis == 0:
+        x = np.ascontiguousarray(x.T)  # per-column scales of the transposed tensor: the same amaxes
+    for margin in (-3, -1, 0, 1, 4):
+        scale = quantize(torch.from_numpy(x), name, granularity=granularity, block=block, axis=axis,
+                         margin=margin).scale.numpy().astype(np.float64).ravel()
+        if granularity == "tensor":
+            expected = [6 * 2.0**margin]
+        elif granularity == "row":
+            expected = list(ks * 2.0**margin)
+        elif block == (128, 128):  # one row of two tiles: amax 6 * max, then 6 * max / 2
+            expected = [6 * 2.0**margin, 3 * 2.0**margin]
+        elif block == (1, 128):
+            expected = [v for k in ks for v in (k * 2.0**margin, k / 2 * 2.0**margin)]
+        else:
+            expected = None  # 3x5 tiles: covered against the reference above
+        if expected is not None:
+            assert scale.tolist() == expected, margin
 
 
 @pytest.mark.parametrize("saturate", [True, False], ids=["sat", "nosat"])

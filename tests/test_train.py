@@ -185,7 +185,6 @@ def test_existing_run_dir_is_not_overwritten(workdir, runs, capsys):
 def test_wandb_offline_writes_its_run_files(workdir, monkeypatch):
     """log.wandb=offline: wandb's offline-run folder lands under the run directory (no network). Also covers
     train.eval_every=0 (evaluate only at the end)."""
-    pytest.importorskip("wandb")
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(workdir / "wandb-home"))
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -44,11 +44,13 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from fp8train.nn.recipes import RECIPE_NAMES
+
 __all__ = ["parse_shapes", "run_bench", "machine_info", "format_report", "SECTIONS", "add_cli_arguments",
            "cli_main"]
 
 SECTIONS = ("quant", "linear", "train", "memory")
-RECIPES = ("delayed", "current", "rowwise", "block")
+RECIPES = RECIPE_NAMES
 # (M, K, N): input (M, K), weight (N, K). The full CPU list stops at 4096x1024x1024 (the target shape): a bf16
 # nn.Linear fwd+bwd already takes ~20 s there on the reference box (see the module docstring).
 SHAPES = {
@@ -383,8 +385,9 @@ def bench_linear(opts: BenchOptions, warmup: int, repeats: int, notes: list) -> 
             "bf16": _fwd_bwd(linear, x_bf16, grad_bf16, True, opts.device),
             "fp32": _fwd_bwd(linear, x, grad, False, opts.device),
         }
+        fp8_layers = {}
         for name in opts.recipes:
-            layer = Fp8Linear.from_linear(copy.deepcopy(linear), name)
+            layer = fp8_layers[name] = Fp8Linear.from_linear(copy.deepcopy(linear), name)
             contenders[name] = _fwd_bwd(layer, x_bf16, grad_bf16, True, opts.device)
         ao, why = _torchao_linear(linear, opts.device) if opts.torchao else (None, "torchao skipped (--no-torchao)")
         if ao is not None:
@@ -399,6 +402,9 @@ def bench_linear(opts: BenchOptions, warmup: int, repeats: int, notes: list) -> 
             row.update(ratio_fp32=fp32["ratio"], ratio_fp32_q1=fp32["ratio_q1"], ratio_fp32_q3=fp32["ratio_q3"])
             if "torchao" in timings:
                 row["ratio_torchao"] = timing.median / timings["torchao"].median
+            if name in fp8_layers:  # which kernel each GEMM reached: "scaled_mm:<kind>", "fallback:...", "emulated"
+                row["gemm_paths"] = dict(fp8_layers[name].gemm_paths)
+                row["all_gemms_fp8_kernel"] = all(p.startswith("scaled_mm:") for p in row["gemm_paths"].values())
             if opts.device == "cuda":
                 row.update(_gpu_efficiency(row, timings))
             rows_out.append(row)
@@ -692,6 +698,9 @@ def format_report(results: dict) -> str:
             header += ["% of 2x", "% of peak"]
         parts.append("\nlinear forward+backward (bf16 = nn.Linear under bf16 autocast; FP8 rows under autocast "
                      "too)\n" + _table(header, rows))
+        kernels = {r["contender"]: r["gemm_paths"] for r in sec["linear"]["rows"] if r.get("gemm_paths")}
+        parts += [f"  {name} GEMMs: " + ", ".join(f"{g} {p}" for g, p in paths.items())
+                  for name, paths in kernels.items()]
     if "train" in sec:
         t = sec["train"]
         rows = [[r["contender"], r["fp8_layers"], f"{r['median_s'] * 1e3:.1f}",

@@ -11,12 +11,12 @@ summary.json is never touched.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
 
 from fp8train.training import telemetry
+from fp8train.training.rundir import read_json, write_json_atomic, write_text_atomic
 from fp8train.evidence.validate import BASELINE, PLAN_FILE, Curve, compare, load_curve
 
 __all__ = ["write_report", "write_validation_report", "write_run_report", "add_cli_arguments", "cli_main"]
@@ -42,7 +42,7 @@ class RunData:
     def __init__(self, run_dir: Path, label: str):
         self.dir, self.label = run_dir, label
         summary_path = run_dir / "summary.json"
-        self.summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+        self.summary = read_json(summary_path) if summary_path.exists() else None
         self.curve = load_curve(run_dir)
         self.health = telemetry.layer_table(telemetry.load(run_dir / "telemetry.jsonl"))
 
@@ -71,7 +71,7 @@ class RunData:
 # ------------------------------------------------------------------------------------------------------------
 def write_validation_report(vdir: str | Path) -> dict:
     vdir = Path(vdir)
-    plan = json.loads((vdir / PLAN_FILE).read_text())
+    plan = read_json(vdir / PLAN_FILE)
     runs_root = vdir / "runs"
     base = RunData(runs_root / BASELINE, BASELINE)
     seeds = [RunData(runs_root / label, label) for label in plan["seeds"] if label != BASELINE]
@@ -112,8 +112,8 @@ def write_validation_report(vdir: str | Path) -> dict:
     _plot_loss_curves(vdir / "loss_curves.png", base, cands, seeds, verdicts, title=vdir.name)
     _plot_gap(vdir / "gap.png", verdicts, margin, title=vdir.name)
     health_png = _plot_health(vdir / "health.png", {c.label: c.health for c in cands}, title=vdir.name)
-    (vdir / "report.md").write_text(_validation_markdown(vdir, plan, summary, base, cands, seeds, health_png))
-    (vdir / "summary.json").write_text(json.dumps(_jsonable(summary), indent=2))
+    write_text_atomic(vdir / "report.md", _validation_markdown(vdir, plan, summary, base, cands, seeds, health_png))
+    write_json_atomic(vdir / "summary.json", _jsonable(summary))
     return summary
 
 
@@ -256,7 +256,7 @@ def write_run_report(run_dir: str | Path) -> dict:
     if health_png:
         lines += ["![per-layer FP8 health](health.png)", ""]
     lines += _advisor_markdown({run.label: (run.health, run.exclude_list())})
-    (run_dir / "report.md").write_text("\n".join(lines) + "\n")
+    write_text_atomic(run_dir / "report.md", "\n".join(lines) + "\n")
     return {"status": run.status, "advisor": telemetry.advise(run.health)}
 
 

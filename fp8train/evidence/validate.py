@@ -50,6 +50,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fp8train.training.config import FullConfig, add_config_arguments, config_hash, config_to_yaml, load_config
+from fp8train.training.data import build_data, describe_fingerprint_change
+from fp8train.training.rank0 import on_main_process
+from fp8train.training.rundir import (DirLock, dir_state, read_json, read_jsonl, restore_nonfinite,
+                                      write_json_atomic)
 
 __all__ = [
     "Candidate", "parse_candidate", "plan_runs", "run_validation", "load_curve", "compare", "first_out_of_band",
@@ -114,6 +118,24 @@ class PlannedRun:
     kind: str  # "baseline" | "candidate" | "seed"
     cfg: FullConfig
     candidate: Candidate | None = None
+    data_fingerprint: dict | None = None  # what train() will train on (set by run_validation)
+    data_source: str = "the data"
+
+    def config_hash(self) -> str:
+        """The hash train() records for this run in its summary.json."""
+        return config_hash(self.cfg)
+
+
+def fingerprint_runs(runs: list[PlannedRun]) -> None:
+    """Read each run's data once per distinct data setting and record its content fingerprint: the plan, and
+    every check of a re-run against it, are then about the tokens, not just the path."""
+    seen: dict[str, tuple[dict, str]] = {}
+    for run in runs:
+        key = repr((run.cfg.data, run.cfg.model.seq_len, run.cfg.model.vocab_size))
+        if key not in seen:
+            data = build_data(run.cfg)
+            seen[key] = (data.fingerprint, data.source)
+        run.data_fingerprint, run.data_source = seen[key]
 
 
 def derive_config(cfg: FullConfig, overrides: list[str]) -> FullConfig:
@@ -177,27 +199,38 @@ def make_plan(cfg: FullConfig, runs: list[PlannedRun]) -> dict:
         "candidates": [dict(r.candidate.as_dict(), recipe_code=_recipe_code(r.cfg)) for r in runs
                        if r.kind == "candidate"],
         "seeds": {r.label: r.cfg.train.seed for r in runs if r.kind != "candidate"},
-        "runs": {r.label: {"kind": r.kind, "config_hash": config_hash(r.cfg)} for r in runs},
-        "config_hash": config_hash(runs[0].cfg),
+        "runs": {r.label: {"kind": r.kind, "config_hash": r.config_hash()} for r in runs},
+        "config_hash": runs[0].config_hash(), "data_fingerprint": runs[0].data_fingerprint,
         "max_steps": cfg.train.max_steps, "eval_every": cfg.train.eval_every,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
 
 # What must match between a new invocation and the plan on disk: the experiment and what was declared.
-_PLAN_KEYS = ("config_hash", "margin", "final_window", "extra_seeds", "stop_on_divergence", "divergence_factor",
+_PLAN_KEYS = ("data_fingerprint", "config_hash", "margin", "final_window", "extra_seeds", "stop_on_divergence", "divergence_factor",
               "candidates", "runs")
 
 
-def check_plan(vdir: Path, plan: dict) -> dict | None:
+def check_plan(vdir: Path, plan: dict, data_source: str = "the data") -> dict | None:
     """The plan already in ``vdir`` if it matches ``plan``; None if there is none; ValueError on a mismatch."""
     path = vdir / PLAN_FILE
-    if not path.exists():
-        if vdir.exists() and any(vdir.iterdir()):
-            raise ValueError(f"{vdir} exists and is not a validation directory (no {PLAN_FILE}); choose another "
-                             "run.name or run.dir (nothing was changed)")
+    state = dir_state(vdir, PLAN_FILE)
+    if state == "other":
+        raise ValueError(f"{vdir} exists and is not a validation directory (no {PLAN_FILE}); choose another "
+                         "run.name or run.dir (nothing was changed)")
+    if state != "run":
         return None
-    old = json.loads(path.read_text())
+    try:
+        old = read_json(path)
+    except ValueError:
+        if any((vdir / "runs").glob("*")):  # runs were made under that plan: its declarations are lost
+            raise ValueError(f"{path} is damaged and runs were already made under it, so what was declared "
+                             "before them cannot be checked; use a new run.name (nothing was changed)") from None
+        return None  # damaged before any run started: nothing depends on it, plan again
+    change = describe_fingerprint_change(old.get("data_fingerprint"), plan["data_fingerprint"], data_source)
+    if change is not None:
+        raise ValueError(f"{vdir}: {change}. Its runs were made on the old data, so a verdict now would compare "
+                         "runs on different data; use a new run.name (nothing was changed)")
     diffs = [k for k in _PLAN_KEYS if _canon(old.get(k)) != _canon(plan.get(k))]
     if diffs:
         detail = "; ".join(_describe_diff(k, old.get(k), plan.get(k)) for k in diffs)
@@ -216,6 +249,8 @@ def _canon(value):
 def _describe_diff(key: str, old, new) -> str:
     if key == "config_hash":
         return "model/data/optimizer/train settings differ (config hash)"
+    if key == "data_fingerprint":
+        return "the data fingerprint differs (plan.json from an older fp8train?)"
     if key == "runs":
         return "the runs' configs differ"
     return f"validate.{key}: plan.json has {old!r}, now {new!r}"
@@ -242,13 +277,8 @@ class Curve:
 
 def load_curve(run_dir: str | Path) -> Curve:
     curve = Curve()
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return curve
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        rec = json.loads(line)
+    # A torn last line (a run killed mid-append) is dropped; NaN/inf, stored as null, come back as floats.
+    for rec in map(restore_nonfinite, read_jsonl(Path(run_dir) / "metrics.jsonl")):
         if rec.get("val_loss") is not None:
             curve.val[int(rec["step"])] = float(rec["val_loss"])
         if rec.get("loss") is not None:
@@ -355,8 +385,8 @@ def _finished(run: PlannedRun) -> dict | None:
     path = Path(run.cfg.run.dir) / run.cfg.run.name / "summary.json"
     if not path.exists():
         return None
-    summary = json.loads(path.read_text())
-    if summary.get("status") in FINAL_STATUSES and summary.get("config_hash") == config_hash(run.cfg):
+    summary = read_json(path)
+    if summary.get("status") in FINAL_STATUSES and summary.get("config_hash") == run.config_hash():
         return summary
     return None
 
@@ -383,28 +413,47 @@ def _reusable_accelerator(accelerator):
 def run_validation(cfg: FullConfig, candidates=None, accelerator=None, show_progress: bool = True,
                    log=None, write_report: bool = True) -> dict:
     """Run (or finish) the validation of ``cfg``; returns the validation summary (also summary.json)."""
-    from fp8train.training.loop import make_accelerator, train
+    from fp8train.training.loop import make_accelerator
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     runs = plan_runs(cfg, candidates)
+    fingerprint_runs(runs)
     plan = make_plan(cfg, runs)
     vdir = validation_dir(cfg)
     # Every rank checks (and fails alike) before rank 0 writes anything.
-    existing = check_plan(vdir, plan)
+    check_plan(vdir, plan, runs[0].data_source)
     for run in runs:
         summary_path = Path(run.cfg.run.dir) / run.label / "summary.json"
-        if summary_path.exists() and json.loads(summary_path.read_text()).get("config_hash") != config_hash(run.cfg):
+        if summary_path.exists() and read_json(summary_path).get("config_hash") != run.config_hash():
             raise ValueError(f"{summary_path} comes from a different config than {vdir / PLAN_FILE} declares; "
                              "use a new run.name (nothing was changed)")
 
     accelerator = accelerator or make_accelerator(cfg)
-    real_end_training = _reusable_accelerator(accelerator)
-    is_main = accelerator.is_main_process
-    accelerator.wait_for_everyone()
-    if is_main and existing is None:
+    lock = DirLock(vdir, "validation directory", log=log)
+
+    def lock_and_plan() -> None:
         vdir.mkdir(parents=True, exist_ok=True)
-        (vdir / PLAN_FILE).write_text(json.dumps(plan, indent=2))
+        lock.acquire()  # for the validation's life: a second validate of this directory is refused
+        try:
+            if check_plan(vdir, plan, runs[0].data_source) is None:  # again, under the lock
+                write_json_atomic(vdir / PLAN_FILE, plan)  # whole or not at all: a kill never leaves a torn plan
+        except BaseException:
+            lock.release()
+            raise
+
     accelerator.wait_for_everyone()
+    on_main_process(accelerator, lock_and_plan)
+    try:
+        return _run_planned(cfg, runs, vdir, accelerator, show_progress, log, write_report)
+    finally:
+        lock.release()
+
+
+def _run_planned(cfg, runs, vdir, accelerator, show_progress, log, write_report) -> dict:
+    from fp8train.training.loop import train
+
+    is_main = accelerator.is_main_process
+    real_end_training = _reusable_accelerator(accelerator)
     if is_main:
         log(f"[validate] {vdir}: {len(runs)} runs, margin {cfg.validate.margin:g} (declared in {PLAN_FILE})")
 

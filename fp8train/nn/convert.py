@@ -25,12 +25,13 @@ from fp8train.nn.recipes import Fp8Recipe, recipe as make_recipe
 __all__ = ["LayerPolicy", "ConversionReport", "convert_to_fp8", "fp8_layers", "update_fp8_scales",
            "DEFAULT_EXCLUDE", "block_index", "fp8_from_conv1d", "is_conv1d"]
 
-# Regexes searched in the module's dotted name. Anchored on a whole name component ((^|\.) ... $) so that
+# THE default exclude list (fp8train.training.config's policy.exclude defaults to it). Each pattern is anchored
+# on a whole name component, ^(.*\.)?NAME$, so it means the same under re.search, re.match and re.fullmatch:
 # `mlp.gate` (an MoE router) is excluded while `mlp.gate_proj` (a SwiGLU projection) is not.
 DEFAULT_EXCLUDE: tuple[str, ...] = (
-    r"(^|\.)(embed|embed_tokens|embeddings|wte|wpe|tok_embeddings)$",  # embeddings (when wrapped as Linear)
-    r"(^|\.)(lm_head|output|head|output_proj|classifier|score)$",    # output heads
-    r"(^|\.)(gate|router|shared_expert_gate)$",                       # MoE routers
+    r"^(.*\.)?(embed|embed_tokens|embeddings|tok_embeddings|wte|wpe)$",  # embeddings (when wrapped as Linear)
+    r"^(.*\.)?(lm_head|output|head|output_proj|classifier|score)$",  # output heads: logits feed a softmax
+    r"^(.*\.)?(router|gate|shared_expert_gate)$",  # MoE routers: a top-k decision that flips under rounding
 )
 
 _BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -38,7 +39,8 @@ _BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 @dataclass(frozen=True)
 class LayerPolicy:
-    """Which nn.Linear layers become FP8."""
+    """Which nn.Linear layers become FP8. Its defaults are THE layer-policy defaults: the config's `policy`
+    section takes its defaults from here, so `fp8train train` converts what `convert_to_fp8` converts."""
 
     min_features: int = 64
     """Skip layers whose in_features or out_features is smaller: too little work to gain from FP8."""

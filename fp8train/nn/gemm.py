@@ -13,27 +13,26 @@ Backends
   of the sum and are applied to the fp32 result: out = (a_fp8 @ b_fp8) * scale_a * scale_b. Scales that vary
   along the contracted dim (block tiles; per-row scales of an operand used transposed in a backward GEMM) do not
   factor out, so that operand is dequantized first (exact when scales are powers of two) and the GEMM runs in fp32.
-- `scaled_mm` (CUDA sm89+): `torch._scaled_mm`, first operand row-major, second column-major, every dim a
-  multiple of 16, fp32 scales. Tensorwise scales in all three GEMMs; rowwise scales (a per row, b per column)
-  where torch supports them. Anything else (block tiles, contracted-dim scales, odd shapes) falls back to
-  dequantize + bf16 GEMM with fp32 accumulation (`_dequant_gemm`), which is what the tensor core would compute
-  up to accumulation order.
+- `scaled_mm` (CUDA sm89+): torch's FP8 scaled matmul (fp8train.nn.scaled_gemm): tensorwise, rowwise and
+  blockwise (1x128 / 128x128) scales, output straight in the caller's dtype, bias fused where the kernel takes
+  it; a configuration no kernel takes falls back to dequantize + bf16 GEMM with fp32 accumulation, and says so.
 - `te` is not a GEMM here: Transformer Engine replaces the whole layer (fp8train.nn.te).
 - `auto`: scaled_mm on a capable CUDA GPU, else emulated.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from fp8train.nn.accumulation import hopper_accumulated_mm
+from fp8train.nn.scaled_gemm import check_dialect, scaled_mm_available, scaled_mm_gemm
+from fp8train.nn.recipes import BACKENDS
 from fp8train.numerics.quant import decode_fp8
 
 __all__ = ["Fp8Operand", "fp8_mm", "resolve_backend", "scaled_mm_available", "emulated_compute_dtype",
            "GEMM_BACKENDS"]
 
-GEMM_BACKENDS = ("auto", "emulated", "scaled_mm")
+GEMM_BACKENDS = tuple(b for b in BACKENDS if b != "te")  # te runs through nn/te.py, not a GEMM here
 
 
 class Fp8Operand:
@@ -121,26 +120,18 @@ class Fp8Operand:
         return (tiles * self.scale[:, None, :, None]).reshape(rows, cols)
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+def resolve_backend(backend: str, device: torch.device | str, formats: tuple[str, ...] = ()) -> str:
+    """'auto' -> 'scaled_mm' or 'emulated' for `device`; a 'scaled_mm' request that cannot run raises.
 
-
-def scaled_mm_available(device: torch.device | str) -> bool:
-    """True on a CUDA device of compute capability 8.9+ (Ada, Hopper, Blackwell) whose torch has _scaled_mm."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
-        return False
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
-
-
-def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """'auto' -> 'scaled_mm' or 'emulated' for `device`; a 'scaled_mm' request that cannot run raises."""
+    `formats` (the recipe's format names) lets a GPU refuse the FP8 dialect it does not implement (FNUZ on OCP
+    tensor cores, OCP on MI300) with a clear error instead of a kernel failure."""
     if backend == "auto":
-        return "scaled_mm" if scaled_mm_available(device) else "emulated"
+        backend = "scaled_mm" if scaled_mm_available(device) else "emulated"
     if backend == "emulated":
         return backend
     if backend == "scaled_mm":
+        if formats:
+            check_dialect(formats, device)
         if not scaled_mm_available(device):
             raise RuntimeError(f"backend='scaled_mm' needs a CUDA GPU with compute capability 8.9+ (Ada/Hopper or "
                                f"newer); the tensors are on {torch.device(device)}. Use backend='emulated' (exact "
@@ -159,15 +150,28 @@ def emulated_compute_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
-           compute_dtype: torch.dtype | None = None, _allow_cpu_scaled_mm: bool = False) -> torch.Tensor:
-    """fp32 `dequant(a) @ dequant(b)` for a (M, K), b (K, N), computed by `backend` ('emulated'|'scaled_mm')."""
+           compute_dtype: torch.dtype | None = None, out_dtype: torch.dtype = torch.float32,
+           bias: torch.Tensor | None = None, use_fast_accum: bool = False, accumulation=None,
+           record: dict | None = None, gemm: str = "") -> torch.Tensor:
+    """`dequant(a) @ dequant(b) (+ bias)` for a (M, K), b (K, N), accumulated in fp32, returned in `out_dtype`.
+
+    backend 'scaled_mm': the FP8 kernel (`use_fast_accum` is its fast-accumulation switch; `record[gemm]` says
+    which kernel or fallback ran). backend 'emulated': exact FP8 products in `compute_dtype`, bias added in fp32;
+    `accumulation` (an `accumulation.HopperAccumulation`) models a tensor core's narrow accumulator instead."""
     if backend == "scaled_mm":
-        if not (_allow_cpu_scaled_mm or scaled_mm_available(a.data.device)):
+        if not scaled_mm_available(a.data.device):
             resolve_backend("scaled_mm", a.data.device)  # raises with the explanation
-        return _scaled_mm_gemm(a, b)
-    if compute_dtype is None:
-        compute_dtype = emulated_compute_dtype(a.data.device)
-    return _emulated_gemm(a, b, compute_dtype)
+        return scaled_mm_gemm(a, b, out_dtype=out_dtype, bias=bias, use_fast_accum=use_fast_accum,
+                              record=record, gemm=gemm)
+    if record is not None:
+        record[gemm] = "emulated"
+    if accumulation is not None:
+        out = hopper_accumulated_mm(a.dequantize(torch.float32), b.dequantize(torch.float32), accumulation)
+    else:
+        out = _emulated_gemm(a, b, compute_dtype or emulated_compute_dtype(a.data.device))
+    if bias is not None:
+        out += bias.float()  # bias in fp32, one rounding to the output dtype below
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
 def _emulated_gemm(a: Fp8Operand, b: Fp8Operand, compute_dtype: torch.dtype) -> torch.Tensor:
@@ -201,32 +205,3 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         except (TypeError, RuntimeError):
             pass
     return torch.mm(a, b).float()
-
-
-def _dequant_gemm(a: Fp8Operand, b: Fp8Operand) -> torch.Tensor:
-    """scaled_mm fallback: dequantize both operands, bf16 GEMM with fp32 accumulation on CUDA (fp32 elsewhere)."""
-    dtype = emulated_compute_dtype(a.data.device)
-    return _mm_fp32(a.dequantize(dtype), b.dequantize(dtype))
-
-
-def _scaled_mm_gemm(a: Fp8Operand, b: Fp8Operand) -> torch.Tensor:
-    (m, k), n = a.shape, b.shape[1]
-    tensorwise = a.scale.numel() == 1 and b.scale.numel() == 1 and a.block is None and b.block is None
-    rowwise = a.scale_outer_rows and b.scale_outer_cols and not tensorwise
-    both_e5m2 = a.data.dtype == b.data.dtype == torch.float8_e5m2  # no e5m2 x e5m2 kernel
-    if (m % 16 or k % 16 or n % 16) or both_e5m2 or not (tensorwise or rowwise):
-        return _dequant_gemm(a, b)
-    # Layouts: first operand row-major, second column-major (b.t() contiguous); copies only when needed.
-    a_data = a.data if a.data.is_contiguous() else a.data.contiguous()
-    b_data = b.data if b.data.t().is_contiguous() else b.data.t().contiguous().t()
-    if tensorwise:
-        return torch._scaled_mm(a_data, b_data, a.scale.reshape(()).float(), b.scale.reshape(()).float(),
-                                out_dtype=torch.float32)
-    scale_a = a.scale.expand(m, 1) if a.scale.dim() == 0 else a.scale
-    scale_b = b.scale.expand(1, n) if b.scale.dim() == 0 else b.scale
-    try:  # rowwise _scaled_mm: (M, 1) and (1, N) fp32 scales, bf16 output (sm90+ in most torch builds)
-        out = torch._scaled_mm(a_data, b_data, scale_a.contiguous().float(), scale_b.contiguous().float(),
-                               out_dtype=torch.bfloat16)
-    except RuntimeError:
-        return _dequant_gemm(a, b)
-    return out.float()

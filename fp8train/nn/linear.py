@@ -53,11 +53,32 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fp8train.nn.accumulation import HopperAccumulation
 from fp8train.nn.gemm import Fp8Operand, fp8_mm, resolve_backend
+from fp8train.numerics.mx import quantize_mx
 from fp8train.numerics.quant import Fp8Tensor, compute_amax, quant_error, quantize, scale_from_amax
 from fp8train.nn.recipes import ROLES, Fp8Recipe, recipe as make_recipe
 
 __all__ = ["Fp8Linear", "update_fp8_scales"]
+
+
+# Loaded scaling state must be state this module could have produced: a NaN/inf/0/negative scale would quantize
+# every later step wrongly (NaN loss many steps on, or a silently different curve) with nothing pointing at the
+# checkpoint it came from. So a bad value is refused at load time, naming the buffer.
+_LOADED_STATE_RULES = (("scale", "finite and > 0", lambda t: torch.isfinite(t) & (t > 0)),
+                       ("scale_amax", "finite and >= 0", lambda t: torch.isfinite(t) & (t >= 0)),
+                       ("amax_history", "finite and >= 0", lambda t: torch.isfinite(t) & (t >= 0)))
+
+
+def _refuse_bad_fp8_state(module, state_dict, prefix, *args) -> None:
+    for role in ROLES:
+        for suffix, allowed, ok in _LOADED_STATE_RULES:
+            key = f"{prefix}{role}_{suffix}"
+            value = state_dict.get(key)
+            if value is not None and not bool(ok(value.float()).all()):
+                shown = value.float()[~ok(value.float())].reshape(-1)[:3].tolist()
+                raise ValueError(f"FP8 scaling state {key} holds {shown}; it must be {allowed} (a damaged or "
+                                 "hand-edited state; nothing was loaded into this layer)")
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -69,35 +90,53 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 out_dtype):
         input_op = Fp8Operand.from_fp8_tensor(input_fp8)
         weight_op = Fp8Operand.from_fp8_tensor(weight_fp8)
-        output = fp8_mm(input_op, weight_op.t(), backend, **layer._gemm_kwargs)  # (M, N) fp32
-        if bias is not None:
-            output += bias.float()  # bias in fp32, one rounding to the output dtype below
-        # Saved in FP8: bytes + scales only (not the fp32 copies of the values the quantizer returned).
-        ctx.save_for_backward(input_fp8.data, input_fp8.scale, weight_fp8.data, weight_fp8.scale)
-        ctx.input_block = input_op.block
+        # (M, N) in out_dtype straight from the GEMM; bias fused into it where the kernel can
+        output = fp8_mm(input_op, weight_op.t(), backend, out_dtype=out_dtype, bias=bias, gemm="output",
+                        use_fast_accum=layer.recipe.fast_accum_forward, **layer._gemm_options())
+        # Saved in FP8: bytes + scales only (not the fp32 copies of the values the quantizer returned). When
+        # grad_weight contracts the input's first dim across its scale layout, the saved copy is the input
+        # quantized along that dim instead (recipes.requantize_transposed): still one byte per element.
+        input_saved = input_fp8
+        ctx.input_transposed = layer.recipe.requantize_transposed("input") and weight.requires_grad
+        if ctx.input_transposed:
+            input_saved = layer._quantize_transposed("input", input_hp)   # (K, M)
+        # The master weight only when grad_input requantizes it along its other axis (it is a Parameter: no copy)
+        weight_for_backward = weight if layer.recipe.requantize_transposed("weight") else None
+        ctx.save_for_backward(input_saved.data, input_saved.scale, weight_fp8.data, weight_fp8.scale,
+                              weight_for_backward)
+        ctx.input_block = input_saved.block if input_saved.granularity == "block" else None
         ctx.weight_block = weight_op.block
         ctx.layer, ctx.backend = layer, backend
         ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return output.to(out_dtype)
+        return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        input_data, input_scale, weight_data, weight_scale = ctx.saved_tensors
-        layer, backend = ctx.layer, ctx.backend
+        input_data, input_scale, weight_data, weight_scale, weight = ctx.saved_tensors
+        layer, backend, r = ctx.layer, ctx.backend, ctx.layer.recipe
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_input = grad_weight = grad_bias = None
+        options = layer._gemm_options()
         with torch.autocast(grad_output.device.type, enabled=False):
             grad_output_fp8 = layer._quantize("grad_output", grad_output)
             grad_output_op = Fp8Operand.from_fp8_tensor(grad_output_fp8)            # (M, N)
-            input_op = Fp8Operand(input_data, input_scale, ctx.input_block)          # (M, K)
-            weight_op = Fp8Operand(weight_data, weight_scale, ctx.weight_block)      # (N, K)
             if need_input:    # grad_input = grad_output @ weight          (M, N) @ (N, K)
-                grad_input = fp8_mm(grad_output_op, weight_op, backend, **layer._gemm_kwargs)
-                grad_input = grad_input.to(ctx.input_dtype)
+                weight_op = Fp8Operand(weight_data, weight_scale, ctx.weight_block)  # (N, K)
+                if r.requantize_transposed("weight"):  # scales along K, constant along the contracted N
+                    weight_op = Fp8Operand.from_fp8_tensor(layer._quantize_transposed("weight", weight)).t()
+                grad_input = fp8_mm(grad_output_op, weight_op, backend, out_dtype=ctx.input_dtype,
+                                    gemm="grad_input", **options)
             if need_weight:   # grad_weight = grad_output.T @ input        (N, M) @ (M, K)
-                grad_weight = fp8_mm(grad_output_op.t(), input_op, backend, **layer._gemm_kwargs)
-                grad_weight = grad_weight.to(ctx.weight_dtype)
+                grad_output_t_op = grad_output_op.t()
+                if r.requantize_transposed("grad_output"):
+                    grad_output_t_op = Fp8Operand.from_fp8_tensor(
+                        layer._quantize_transposed("grad_output", grad_output))   # (N, M), scales along N
+                input_op = Fp8Operand(input_data, input_scale, ctx.input_block)    # (M, K), or (K, M)
+                if ctx.input_transposed:
+                    input_op = input_op.t()
+                grad_weight = fp8_mm(grad_output_t_op, input_op, backend, out_dtype=ctx.weight_dtype,
+                                     gemm="grad_weight", **options)
             if need_bias:     # grad_bias = sum over rows, fp32, from the unquantized gradient
                 grad_bias = grad_output.float().sum(0).to(ctx.bias_dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
@@ -114,9 +153,13 @@ class Fp8Linear(nn.Linear):
             resolve_backend("te", "cpu")  # raises: TE replaces the layer instead (backends.te.make_te_linear)
         self.telemetry = False
         self.last_stats: dict[str, dict] = {}
-        # Extra keyword arguments for gemm.fp8_mm (tests use {"_allow_cpu_scaled_mm": True}).
-        self._gemm_kwargs: dict = {}
+        # Which kernel each GEMM ran last: {"output" | "grad_input" | "grad_weight": "scaled_mm:<kind>" |
+        # "fallback:<reason>" | "emulated"} (plain Python, written every call: no device sync).
+        self.gemm_paths: dict[str, str] = {}
+        self._accumulation = None if not self.recipe.accumulator_bits else HopperAccumulation(
+            self.recipe.accumulator_bits, self.recipe.accumulator_promotion)
         self._init_scaling_state(self.weight.device)
+        self.register_load_state_dict_pre_hook(_refuse_bad_fp8_state)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe | str = "current") -> "Fp8Linear":
@@ -139,6 +182,9 @@ class Fp8Linear(nn.Linear):
                 self.register_buffer(f"{role}_scale_amax", torch.zeros((), dtype=torch.float32, device=device))
                 self.register_buffer(f"{role}_pending_amax", torch.full((), -1.0, device=device))
                 self.register_buffer(f"{role}_initialized", torch.zeros((), dtype=torch.bool, device=device))
+
+    def _gemm_options(self) -> dict:
+        return dict(record=self.gemm_paths, accumulation=self._accumulation)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.code()}"
@@ -165,7 +211,7 @@ class Fp8Linear(nn.Linear):
         input_2d = input.reshape(-1, self.in_features)  # (M, K)
         if input_2d.shape[0] == 0:
             return F.linear(input, self.weight.to(out_dtype), None if self.bias is None else self.bias.to(out_dtype))
-        backend = resolve_backend(self.recipe.backend, input.device)
+        backend = resolve_backend(self.recipe.backend, input.device, tuple(map(self.recipe.format_of, ROLES)))
         # Our GEMMs pick their own precision; autocast must not recast them to bf16.
         with torch.autocast(device_type, enabled=False):
             input_fp8 = self._quantize("input", input_2d)
@@ -192,6 +238,9 @@ class Fp8Linear(nn.Linear):
             # scale_from_amax and the stored scale are finite and > 0 by construction: no per-call host sync
             quantized = quantize(tensor, fmt, scale=scale, keep_values=True, validate_scale=False)
             quantized.amax = amax
+        elif r.scaling == "mxfp8":
+            quantized = quantize_mx(tensor, fmt, keep_values=True)
+            nonfinite_count.add_((~torch.isfinite(quantized.amax)).any().long())
         else:
             quantized = quantize(tensor, fmt, granularity=r.granularity_of(role), block=r.block_of(role),
                                  axis=-1, margin=r.margin, pow2=r.pow2_scales, keep_values=True)
@@ -199,6 +248,17 @@ class Fp8Linear(nn.Linear):
         if self.telemetry:
             self._record_stats(role, tensor, quantized)
         return quantized
+
+    def _quantize_transposed(self, role: str, tensor: torch.Tensor) -> Fp8Tensor:
+        """`role`'s recipe applied to tensor.T: (C, R) FP8 bytes whose scales run along the original first
+        dim, written straight in the layout its backward GEMM reads (no separate FP8 transpose). Counters and
+        telemetry come from the primary quantization of the same tensor."""
+        r = self.recipe
+        tensor_t = tensor.detach().t()
+        if r.scaling == "mxfp8":
+            return quantize_mx(tensor_t, r.format_of(role))
+        return quantize(tensor_t, r.format_of(role), granularity=r.granularity_of(role), block=r.block_of(role),
+                        axis=-1, margin=r.margin, pow2=r.pow2_scales)
 
     def _record_stats(self, role: str, tensor: torch.Tensor, quantized: Fp8Tensor) -> None:
         stats = quant_error(tensor, quantized)

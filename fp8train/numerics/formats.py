@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Fp8Format", "FORMATS", "ALIASES", "get_format", "format_table"]
+__all__ = ["Fp8Format", "FORMATS", "ALIASES", "FORMAT_NAMES", "get_format", "format_table"]
 
 
 @dataclass(frozen=True)
@@ -204,6 +204,7 @@ FORMATS: dict[str, Fp8Format] = {
     "e5m2fnuz": Fp8Format("e5m2fnuz", exponent_bits=5, mantissa_bits=2, bias=16, special="fnuz"),
 }
 ALIASES = {"e4m3": "e4m3fn"}
+FORMAT_NAMES: tuple[str, ...] = (*FORMATS, *ALIASES)  # every name get_format accepts
 
 
 def get_format(name: str | Fp8Format) -> Fp8Format:
@@ -212,7 +213,7 @@ def get_format(name: str | Fp8Format) -> Fp8Format:
         return name
     key = ALIASES.get(name, name) if isinstance(name, str) else None
     if key not in FORMATS:
-        allowed = ", ".join(list(FORMATS) + list(ALIASES))
+        allowed = ", ".join(FORMAT_NAMES)
         raise ValueError(f"unknown FP8 format {name!r}; allowed: {allowed}")
     return FORMATS[key]
 

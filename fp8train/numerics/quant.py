@@ -66,7 +66,10 @@ class Fp8Tensor:
         return expand_scale(self.scale, self.data.shape, self.granularity, self.block, self.axis)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.unscaled(torch.float32) * self.expanded_scale()).to(dtype)
+        """``data * scale`` in ``dtype``. The product is taken in float64 when that is asked for (exact: an FP8
+        value has at most 4 significant bits, a scale 24), else in float32 and then rounded to ``dtype``."""
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        return (self.unscaled(compute) * self.expanded_scale().to(compute)).to(dtype)
 
     def without_values(self) -> "Fp8Tensor":
         """The same tensor minus the fp32 copy of its values (what to keep around, e.g. for backward)."""

@@ -41,6 +41,7 @@ from fp8train.serving.fp8_weights import (ACTIVATION_SCHEMES, Fp8ActivationLinea
 from fp8train.serving.run_loading import LoadedRun, load_run, package_version, tied_aliases
 from fp8train.training.data import build_data
 from fp8train.training.model import HFCausalLM
+from fp8train.training.rundir import CHECKPOINTS_DIR, give_default_mode
 
 __all__ = ["export_hf_folder", "load_hf_export", "hf_export_names", "quantization_config", "llama_config_of"]
 
@@ -178,6 +179,7 @@ def _write_folder(out: Path, tensors: dict, config: dict, tokenizer_folder: str,
     tmp.mkdir(parents=True)
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        give_default_mode(tmp / "model.safetensors")  # safetensors writes 0600
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if tokenizer_folder:
             from transformers import AutoTokenizer
@@ -201,6 +203,9 @@ def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", w
     if out.exists() and not force:
         raise FileExistsError(f"export path {str(out)!r} already exists; pass --force (force=True) to replace it "
                               "(nothing was written)")
+    if out.resolve().is_relative_to((Path(run_dir) / CHECKPOINTS_DIR).resolve()):  # --force would replace the source
+        raise ValueError(f"export path {str(out)!r} is inside the checkpoints it is exported from; write it "
+                         f"outside {run_dir}/checkpoints (nothing was written)")
     run = load_run(run_dir)
     names = [n for n in run.fp8_names if isinstance(run.model.get_submodule(n), nn.Linear)]
     if not names:

@@ -11,13 +11,13 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from fp8train.numerics.formats import get_format
+from fp8train.numerics.formats import FORMATS, get_format
 from fp8train.numerics.quant import quantize, scale_from_amax
 
 __all__ = ["CACHE_FORMATS", "KV_CHOICES", "GRANULARITIES", "SCALE_SOURCES", "KvCacheConfig", "bf16_cache",
            "Fp8KvCache", "head_amax", "kv_transforms", "calibrate_kv_amax", "scales_from_amax", "autocast_bf16"]
 
-CACHE_FORMATS = ("e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz")
+CACHE_FORMATS = tuple(FORMATS)  # every format, by canonical name
 KV_CHOICES = ("k", "v", "kv")
 GRANULARITIES = ("tensor", "head")
 SCALE_SOURCES = ("calibrated", "dynamic")

@@ -1,0 +1,133 @@
+"""Config sections of the FP8 side: which recipe (`fp8`) and which layers (`policy`), and the two functions that
+turn them into the objects the FP8 code uses (`Fp8Recipe`, `LayerPolicy`).
+
+Every name and default here comes from fp8train.nn, where it is defined once: recipe, backend and format names
+from `nn.recipes`, the layer-policy defaults from `nn.convert.LayerPolicy`. So `convert_to_fp8(model, recipe)`
+and `fp8train train` with an unset `policy` section convert exactly the same layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from fp8train.nn.convert import LayerPolicy
+from fp8train.nn.recipes import AMAX_COMPUTE_ALGOS, BACKENDS, FORMAT_NAMES, RECIPE_NAMES, Fp8Recipe, recipe
+from fp8train.training.config.base import _Section, _require
+
+# E5M2, the widest format, spans 32 binades from min subnormal to max: a larger margin flushes every value.
+MAX_MARGIN = 32
+
+BASELINE_RECIPE = "none"  # fp8.recipe of the bf16 baseline: no layer converted
+FP8_RECIPE_CHOICES = (BASELINE_RECIPE,) + RECIPE_NAMES
+_POLICY_DEFAULTS = LayerPolicy()
+
+
+@dataclass
+class Fp8Config(_Section):
+    _section = "fp8"
+    recipe: str = "delayed"
+    """none (bf16 baseline) | delayed | current | rowwise | block."""
+    backend: str = "auto"
+    """FP8 GEMM backend: auto | emulated (any device) | scaled_mm (CUDA sm89+) | te (Transformer Engine)."""
+    # Optional per-field overrides of the named preset; None keeps the preset's value.
+    margin: Optional[int] = None
+    """Scale headroom in powers of two (scale = amax / max * 2**margin)."""
+    pow2_scales: Optional[bool] = None
+    """Round scales up to powers of two."""
+    amax_history_len: Optional[int] = None
+    """Delayed scaling: length of the amax history."""
+    amax_compute_algo: Optional[str] = None
+    """Delayed scaling: max | most_recent over the history."""
+    input_format: Optional[str] = None
+    """FP8 format of activations: e4m3fn | e5m2 | e4m3fnuz | e5m2fnuz."""
+    weight_format: Optional[str] = None
+    """FP8 format of weights."""
+    grad_output_format: Optional[str] = None
+    """FP8 format of output gradients."""
+    input_block: Optional[List[int]] = None
+    """Block recipe: scale block (rows, cols) of activations, e.g. [1, 128]."""
+    weight_block: Optional[List[int]] = None
+    """Block recipe: scale block of weights, e.g. [128, 128]."""
+    grad_output_block: Optional[List[int]] = None
+    """Block recipe: scale block of output gradients, e.g. [1, 128]."""
+
+    def _check(self) -> None:
+        self._in("recipe", FP8_RECIPE_CHOICES)
+        self._in("backend", BACKENDS)
+        if self.margin is not None:  # 2**margin beyond 32 binades flushes every value of every format to zero
+            _require(0 <= self.margin <= MAX_MARGIN, self._key("margin"), self.margin,
+                     f"must be in [0, {MAX_MARGIN}] (powers of two of headroom; above {MAX_MARGIN} every FP8 value "
+                     "of every format underflows to zero)")
+        if self.amax_history_len is not None:
+            self._at_least("amax_history_len", 1)
+        if self.amax_compute_algo is not None:
+            self._in("amax_compute_algo", AMAX_COMPUTE_ALGOS)
+        for name in ("input_format", "weight_format", "grad_output_format"):
+            if getattr(self, name) is not None:
+                self._in(name, FORMAT_NAMES)
+        for name in ("input_block", "weight_block", "grad_output_block"):
+            block = getattr(self, name)
+            if block is not None:
+                _require(len(block) == 2 and all(b >= 1 for b in block), self._key(name), list(block),
+                         "two positive ints [rows, cols], e.g. [1, 128] or [128, 128]")
+
+
+@dataclass
+class PolicyConfig(_Section):
+    _section = "policy"
+    min_features: int = _POLICY_DEFAULTS.min_features
+    """Linears with in_features or out_features below this stay in high precision (too small to gain)."""
+    divisible_by: int = _POLICY_DEFAULTS.divisible_by
+    """in_features and out_features must be multiples of this (FP8 GEMM alignment)."""
+    exclude: List[str] = field(default_factory=lambda: list(_POLICY_DEFAULTS.exclude))
+    """Regexes over module names kept out of FP8 (default: embeddings, output head, MoE routers)."""
+    skip_first_blocks: int = _POLICY_DEFAULTS.skip_first_blocks
+    """Keep the first N transformer blocks in high precision."""
+    skip_last_blocks: int = _POLICY_DEFAULTS.skip_last_blocks
+    """Keep the last N transformer blocks in high precision."""
+    allow_no_fp8: bool = False
+    """Let a run whose policy converts no layer proceed in high precision (otherwise it fails, listing why)."""
+
+    def _check(self) -> None:
+        self._at_least("min_features", 0)
+        self._at_least("divisible_by", 1)
+        self._at_least("skip_first_blocks", 0)
+        self._at_least("skip_last_blocks", 0)
+        for i, pattern in enumerate(self.exclude):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"config policy.exclude[{i}]={pattern!r} is not a valid regex: {e}") from None
+
+
+
+def fp8_recipe_from_config(cfg) -> Fp8Recipe | None:
+    """The `Fp8Recipe` for `cfg.fp8` (named preset plus the non-None overrides), or None for recipe 'none'."""
+    fp8 = cfg.fp8
+    if fp8.recipe == BASELINE_RECIPE:
+        return None
+    overrides: dict[str, Any] = {"backend": fp8.backend}
+    for f in dataclasses.fields(Fp8Config):
+        value = getattr(fp8, f.name)
+        if f.name in ("recipe", "backend") or value is None:
+            continue
+        overrides[f.name] = tuple(value) if f.name.endswith("_block") else value
+    try:
+        return recipe(fp8.recipe, **overrides)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"fp8 (recipe {fp8.recipe!r} with overrides {overrides}): {e}") from e
+
+
+def layer_policy_from_config(cfg) -> LayerPolicy:
+    """The `LayerPolicy` of `cfg.policy`."""
+    p = cfg.policy
+    return LayerPolicy(
+        min_features=p.min_features,
+        divisible_by=p.divisible_by,
+        exclude=list(p.exclude),
+        skip_first_blocks=p.skip_first_blocks,
+        skip_last_blocks=p.skip_last_blocks,
+    )

@@ -1,0 +1,29 @@
+"""The whole run configuration: one section per concern, composed."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from fp8train.training.config.fp8 import Fp8Config, PolicyConfig
+from fp8train.training.config.model_data import DataConfig, ModelConfig
+from fp8train.training.config.run import CheckpointConfig, LogConfig, OptimConfig, RunConfig, TrainConfig
+from fp8train.training.config.validation import ValidateConfig
+
+
+@dataclass
+class FullConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validate: ValidateConfig = field(default_factory=ValidateConfig)
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.run.dir, self.run.name)

@@ -1,0 +1,88 @@
+"""Config sections of what is trained on what: the model architecture and the data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fp8train.training.config.base import _Section, _require
+from fp8train.training.hf import check_hf_model_fields
+
+
+@dataclass
+class ModelConfig(_Section):
+    _section = "model"
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    d_model: int = 128
+    """Residual stream width."""
+    n_heads: int = 4
+    """Query heads; head_dim = d_model / n_heads (must be even for RoPE)."""
+    n_kv_heads: int = 0
+    """Key/value heads for grouped-query attention; 0 = n_heads (plain multi-head)."""
+    seq_len: int = 128
+    """Training context length in tokens."""
+    vocab_size: int = 256
+    """Vocabulary size; 256 = byte-level text. For a nanoGPT .bin corpus, set it above the largest token id."""
+    ffn_hidden: int = 0
+    """SwiGLU hidden width; 0 = auto: 8/3 * d_model rounded up to a multiple of 16 (FP8-eligible)."""
+    tie_embeddings: bool = False
+    """Share the embedding matrix with the output head."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    hf_config: str = ""
+    """Local Hugging Face config.json (or its folder) to build a transformers causal LM instead; "" = ours."""
+    hf_path: str = ""
+    """Local Hugging Face model folder (config.json + safetensors) to fine-tune from its weights; "" = none."""
+
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    def ffn_dim(self) -> int:
+        return self.ffn_hidden or 16 * -(-(8 * self.d_model // 3) // 16)
+
+    def _check(self) -> None:
+        for name in ("n_layers", "d_model", "n_heads"):
+            self._at_least(name, 1)
+        self._at_least("n_kv_heads", 0, "must be >= 0 (0 = n_heads)")
+        self._at_least("seq_len", 2, "must be >= 2 (inputs and shifted targets)")
+        self._at_least("vocab_size", 2)
+        self._at_least("ffn_hidden", 0, "must be >= 0 (0 = auto)")
+        _require(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be > 0")
+        _require(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "must be > 0")
+        _require(self.d_model % self.n_heads == 0, "model.d_model", self.d_model,
+                 f"must be divisible by model.n_heads={self.n_heads}")
+        head_dim = self.d_model // self.n_heads
+        _require(head_dim % 2 == 0, "model.n_heads", self.n_heads,
+                 f"head_dim = d_model / n_heads = {head_dim} must be even (RoPE rotates channel pairs)")
+        _require(self.n_heads % self.kv_heads() == 0, "model.n_kv_heads", self.n_kv_heads,
+                 f"must divide model.n_heads={self.n_heads}")
+        if self.hf_path or self.hf_config:  # Decoder fields would be ignored by an HF model: refuse them
+            check_hf_model_fields(self, type(self)())
+
+
+@dataclass
+class DataConfig(_Section):
+    _section = "data"
+    path: str = ""
+    """Text file, folder of text files (recursive), or nanoGPT uint16 .bin; "" = built-in corpus (Python stdlib)."""
+    val_fraction: float = 0.05
+    """Share held out for validation: by file for folders and the built-in corpus, else the tail of the tokens."""
+    split_seed: int = 0
+    """Salt of the file-level train/validation split (a hash of each file's relative path)."""
+    max_bytes: int = 32_000_000
+    """Cap on text corpora: files are read in sorted order until this many bytes; 0 = no cap. Not for .bin."""
+    tokenizer: str = ""
+    """Local Hugging Face tokenizer folder (tokenizer.json): text is tokenized with it, once, and cached."""
+    hf_dataset: str = ""
+    """Local `datasets` dataset saved with save_to_disk (its text is data.text_field); replaces data.path."""
+    text_field: str = "text"
+    """Column of data.hf_dataset that holds the text."""
+
+    def _check(self) -> None:
+        _require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
+        self._at_least("max_bytes", 0, "must be >= 0 (0 = no cap)")
+        _require(bool(self.text_field), "data.text_field", self.text_field, "a column name of data.hf_dataset")
+        _require(not (self.hf_dataset and self.path), "data.hf_dataset", self.hf_dataset,
+                 f"replaces data.path (set to {self.path!r}): give one of them")

@@ -1,0 +1,137 @@
+"""Config sections of how a run executes: its name and folder, the training schedule, the optimizer, logging
+and checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+from fp8train.training.config.base import _Section, _require
+
+WANDB_MODES = ("disabled", "offline", "online")
+# Upper bounds of values that would otherwise fail late, after the run directory was written: a folder name
+# longer than NAME_MAX is an OSError at mkdir; torch.set_num_threads(100000) segfaults; AdamW fails inside its
+# fp32 arithmetic for lr near 1e38, and moves every weight by ~lr per step, so beyond 1e3 nothing can train.
+MAX_NAME_BYTES = 255
+MAX_THREADS = 512
+MAX_LR = 1e3
+DEVICES = ("auto", "cpu", "cuda")
+AUTOCAST_MODES = ("bf16", "none")
+
+
+@dataclass
+class RunConfig(_Section):
+    _section = "run"
+    name: str = "run"
+    """Run name; the run directory is <run.dir>/<run.name>."""
+    dir: str = "runs"
+    """Parent folder of run directories."""
+
+    def _check(self) -> None:
+        _require(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "run.name", self.name,
+                 "a non-empty folder name without '/'")
+        _require(len(self.name.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES, "run.name",
+                 self.name[:40] + "...", f"at most {MAX_NAME_BYTES} bytes (a file-system limit on folder names)")
+        _require(bool(self.dir), "run.dir", self.dir, "a non-empty path")
+
+
+@dataclass
+class TrainConfig(_Section):
+    _section = "train"
+    seed: int = 1337
+    """Seed of the initialization and the data order (batches are a pure function of seed and step)."""
+    max_steps: int = 300
+    """Optimizer steps."""
+    batch_size: int = 16
+    """GLOBAL sequences per optimizer step (over all ranks and micro-batches)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each rank."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    eval_every: int = 50
+    """Evaluate on the validation batches every N steps (and at the end); 0 = only at the end."""
+    eval_batches: int = 8
+    """Number of fixed validation batches (train.batch_size sequences each)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 = no clipping."""
+    skip_nonfinite_grads: bool = True
+    """Skip the optimizer step (and count it) when the gradient norm is inf/NaN."""
+    device: str = "auto"
+    """auto (cuda if available) | cpu | cuda."""
+    threads: int = 0
+    """CPU threads per process; 0 = torch's default (split between processes). Small models: 1 is often fastest."""
+    autocast: str = "bf16"
+    """Activation precision outside FP8 layers: bf16 autocast, or none (fp32)."""
+    resume: bool = False
+    """Resume from the latest checkpoint in the run directory."""
+
+    def _check(self) -> None:
+        for name in ("max_steps", "batch_size", "grad_accum", "eval_batches"):
+            self._at_least(name, 1)
+        self._at_least("seed", 0)
+        _require(self.seed < 2**63, "train.seed", self.seed, "must be < 2**63 (torch.manual_seed's range)")
+        self._at_least("eval_every", 0, "must be >= 0 (0 = only at the end)")
+        _require(0 <= self.threads <= MAX_THREADS, "train.threads", self.threads,
+                 f"must be in [0, {MAX_THREADS}] (0 = torch's default)")
+        self._at_least("grad_clip", 0, "must be >= 0 (0 = no clipping)")
+        _require(0 < self.lr <= MAX_LR, "train.lr", self.lr, f"must be in (0, {MAX_LR:g}] (AdamW's peak step size)")
+        _require(self.batch_size % self.grad_accum == 0, "train.batch_size", self.batch_size,
+                 f"must be divisible by train.grad_accum={self.grad_accum}")
+        self._in("device", DEVICES)
+        self._in("autocast", AUTOCAST_MODES)
+
+
+@dataclass
+class OptimConfig(_Section):
+    _section = "optim"
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (matrices only; norms and biases get none)."""
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 30
+    """Linear warmup steps, then cosine decay to min_lr_ratio * lr at train.max_steps."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of train.lr."""
+
+    def _check(self) -> None:
+        self._at_least("weight_decay", 0)
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", list(self.betas),
+                 "two floats in [0, 1)")
+        _require(self.eps > 0, "optim.eps", self.eps, "must be > 0")
+        self._at_least("warmup_steps", 0)
+        _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+
+
+@dataclass
+class LogConfig(_Section):
+    _section = "log"
+    every: int = 10
+    """Write a metrics.jsonl line (and a wandb log) every N optimizer steps."""
+    telemetry_every: int = 50
+    """Sample per-layer FP8 health (amax, scales, clipping, SQNR) every N steps; 0 = off."""
+    wandb: str = "offline"
+    """disabled | offline | online."""
+    wandb_project: str = "fp8train"
+    """wandb project name."""
+
+    def _check(self) -> None:
+        self._at_least("every", 1)
+        self._at_least("telemetry_every", 0, "must be >= 0 (0 = off)")
+        self._in("wandb", WANDB_MODES)
+
+
+@dataclass
+class CheckpointConfig(_Section):
+    _section = "checkpoint"
+    every: int = 0
+    """Save a checkpoint (model, optimizer, FP8 scaling state) every N optimizer steps; 0 = no periodic saves."""
+    keep_last: int = 2
+    """Keep only the newest N periodic checkpoints; 0 = keep all."""
+    save_final: bool = True
+    """Save a checkpoint at the end of training."""
+
+    def _check(self) -> None:
+        self._at_least("every", 0, "must be >= 0 (0 = no periodic saves)")
+        self._at_least("keep_last", 0, "must be >= 0 (0 = keep all)")
