@@ -11,14 +11,12 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-pytest.importorskip("transformers", reason="optional dependency: pip install fp8train[hf]")
-
-import fp8train  # noqa: E402
-from fp8train import LayerPolicy, convert_to_fp8, recipe, update_fp8_scales  # noqa: E402
-from fp8train.nn.linear import Fp8Linear  # noqa: E402
-from fp8train.training.config import ModelConfig, load_config  # noqa: E402
-from fp8train.training.model import build_model  # noqa: E402
-from hf_helpers import TINY_ARCHS, VOCAB, hf_config, make_pretrained  # noqa: E402
+import fp8train
+from fp8train import LayerPolicy, convert_to_fp8, recipe, update_fp8_scales
+from fp8train.nn.linear import Fp8Linear
+from fp8train.training.config import ModelConfig, load_config
+from fp8train.training.model import build_model
+from hf_helpers import TINY_ARCHS, VOCAB, hf_config, make_pretrained
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

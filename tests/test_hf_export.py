@@ -14,18 +14,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
-pytest.importorskip("transformers", reason="optional dependency: pip install fp8train[hf]")
-pytest.importorskip("compressed_tensors", reason="optional dependency: pip install fp8train[hf]")
-
-from safetensors.torch import load_file  # noqa: E402
-
-from fp8train.cli import main  # noqa: E402
-from fp8train.serving.export import compare_logits, load_run  # noqa: E402
-from fp8train.serving.hf_export import export_hf_folder, load_hf_export  # noqa: E402
-from fp8train.serving.kvcache import KvEvalOptions, bf16_cache, kv_eval, kv_transforms  # noqa: E402
-from fp8train.training.data import build_data  # noqa: E402
-from hf_helpers import make_pretrained, make_text_folder, make_tokenizer  # noqa: E402
+from fp8train.cli import main
+from fp8train.serving.export import compare_logits, load_run
+from fp8train.serving.hf_export import export_hf_folder, load_hf_export
+from fp8train.serving.kvcache import KvEvalOptions, bf16_cache, kv_eval, kv_transforms
+from fp8train.training.data import build_data
+from hf_helpers import make_pretrained, make_text_folder, make_tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -207,3 +203,33 @@ def test_kv_eval_on_an_hf_model(hf_run):
     fp8 = next(c for label, c in cells.items() if label.startswith("e4m3fn"))
     assert cells["bf16"]["overall"]["kl"]["mean"] == 0.0
     assert 0 < fp8["overall"]["kl"]["mean"] < 1e-2
+
+
+@pytest.mark.slow
+def test_readme_flow_with_the_shipped_script_and_recipe(tmp_path, monkeypatch):
+    """README's HF flow, shortened: scripts/make_tiny_hf.py, recipes/hf_tiny.yaml, export, transformers."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("make_tiny_hf", repo / "scripts" / "make_tiny_hf.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr("sys.argv", ["make_tiny_hf.py", "hf_tiny", "--steps", "2"])
+    script.main()
+    recipe = str(repo / "recipes" / "hf_tiny.yaml")
+    assert main(["train", "--quiet", recipe, "train.max_steps=4", "train.eval_every=4", "data.max_bytes=300000"]) == 0
+    assert json.loads((tmp_path / "runs" / "hf_tiny" / "summary.json").read_text())["fp8_layers"] == 10
+    assert main(["export", "runs/hf_tiny", "--format", "e4m3fn", "--out", "hf_tiny/fp8", "--no-check"]) == 0
+    tokenizer = AutoTokenizer.from_pretrained("hf_tiny/fp8")
+    model = AutoModelForCausalLM.from_pretrained("hf_tiny/fp8", dtype=torch.float32)
+    ids = tokenizer("def main(", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, ids.shape[1] + 4)
+    x = torch.tensor([tokenizer("import os\nimport sys\n" * 4)["input_ids"][:32]])
+    agreement = compare_logits(load_hf_export("hf_tiny/fp8"), model, [(x, None)], autocast=False)
+    assert agreement["max_abs_logit_diff"] < 1e-3 and agreement["top1_agreement"] >= 0.99

@@ -4,16 +4,14 @@ of (seed, step), and the refusals (vocab too large for a uint16 .bin, a missing 
 
 from __future__ import annotations
 
+import datasets
 import numpy as np
 import pytest
 
-pytest.importorskip("transformers", reason="optional dependency: pip install fp8train[hf]")
-datasets = pytest.importorskip("datasets", reason="optional dependency: pip install fp8train[hf]")
-
-from fp8train.training.config import load_config  # noqa: E402
-from fp8train.training.data import build_data  # noqa: E402
-from fp8train.training.tokenized import TokenEncoder  # noqa: E402
-from hf_helpers import local_text, make_text_folder, make_tokenizer  # noqa: E402
+from fp8train.training.config import load_config
+from fp8train.training.data import build_data
+from fp8train.training.tokenized import TokenEncoder
+from hf_helpers import local_text, make_text_folder, make_tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
