@@ -358,18 +358,28 @@ def test_from_linear_reuses_parameters_and_repr():
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_output_dtype_follows_autocast(name):
+    """Under bf16 autocast the FP8 GEMMs still accumulate in fp32: the output is the fp32 output rounded once to
+    bf16, and the gradients (fp32 parameters, fp32 input) are the ones the same backward gives without autocast."""
     layer = Fp8Linear(128, 64, recipe=name)
     x = torch.randn(2, 8, 128, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = layer(x)
     assert y.dtype == torch.bfloat16 and y.shape == (2, 8, 64)
     y.float().sum().backward()
-    assert x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
-    assert layer(x).dtype == torch.float32
+    grads_autocast = x.grad.clone(), layer.weight.grad.clone()
+    assert grads_autocast[0].dtype == torch.float32 and grads_autocast[1].dtype == torch.float32
+    x.grad, layer.weight.grad, layer.bias.grad = None, None, None
+    y_fp32 = layer(x)
+    assert y_fp32.dtype == torch.float32
+    assert torch.equal(y, y_fp32.detach().bfloat16())
+    y_fp32.sum().backward()
+    assert torch.equal(grads_autocast[0], x.grad) and torch.equal(grads_autocast[1], layer.weight.grad)
     xb = x.detach().bfloat16().requires_grad_(True)
     yb = layer(xb)
     yb.sum().backward()
     assert yb.dtype == torch.bfloat16 and xb.grad.dtype == torch.bfloat16
+    # A bf16 input holds values exact in fp32: the same layer on their fp32 copy, rounded once, gives the same.
+    assert torch.equal(yb, layer(xb.detach().float()).bfloat16())
 
 
 def test_bias_added_in_fp32():

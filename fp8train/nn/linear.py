@@ -54,6 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fp8train.nn.accumulation import HopperAccumulation
+from fp8train.nn.fp8_all_gather import Fp8GatheredWeight
 from fp8train.nn.gemm import Fp8Operand, fp8_mm, resolve_backend
 from fp8train.numerics.mx import quantize_mx
 from fp8train.numerics.quant import Fp8Tensor, compute_amax, quant_error, quantize, scale_from_amax
@@ -225,18 +226,17 @@ class Fp8Linear(nn.Linear):
         r = self.recipe
         fmt = r.format_of(role)
         nonfinite_count = getattr(self, f"{role}_nonfinite_amax_count")
+        if isinstance(tensor, Fp8GatheredWeight):  # FSDP2 gathered it as FP8 already (fp8_all_gather.py)
+            quantized = tensor.fp8_tensor()
+            self._record_amax(role, quantized.amax)
+            return quantized  # no weight telemetry: the fp32 weight is not gathered
         tensor = tensor.detach()
         if r.is_delayed:
             amax = compute_amax(tensor)
-            finite = torch.isfinite(amax)
-            nonfinite_count.add_((~finite).long())
-            if self.training:
-                pending = getattr(self, f"{role}_pending_amax")
-                pending.copy_(torch.where(finite, torch.maximum(pending, amax), pending))
-            own_scale = scale_from_amax(amax, fmt, r.margin, r.pow2_scales)  # first step: current scaling
-            scale = torch.where(getattr(self, f"{role}_initialized"), getattr(self, f"{role}_scale"), own_scale)
-            # scale_from_amax and the stored scale are finite and > 0 by construction: no per-call host sync
-            quantized = quantize(tensor, fmt, scale=scale, keep_values=True, validate_scale=False)
+            self._record_amax(role, amax)
+            # the scale is finite and > 0 by construction (_tensorwise_scale): no per-call host sync
+            quantized = quantize(tensor, fmt, scale=self._tensorwise_scale(role, amax), keep_values=True,
+                                 validate_scale=False)
             quantized.amax = amax
         elif r.scaling == "mxfp8":
             quantized = quantize_mx(tensor, fmt, keep_values=True)
@@ -248,6 +248,24 @@ class Fp8Linear(nn.Linear):
         if self.telemetry:
             self._record_stats(role, tensor, quantized)
         return quantized
+
+    def _tensorwise_scale(self, role: str, amax: torch.Tensor) -> torch.Tensor:
+        """The dequant scale a tensor of `role` with this `amax` is quantized with, under a tensorwise recipe:
+        delayed, the stored scale once initialized, else (first step) the tensor's own; current, its own.
+        fp8_all_gather uses it too, with the amax of the whole sharded weight."""
+        r = self.recipe
+        own_scale = scale_from_amax(amax, r.format_of(role), r.margin, r.pow2_scales)
+        if not r.is_delayed:
+            return own_scale
+        return torch.where(getattr(self, f"{role}_initialized"), getattr(self, f"{role}_scale"), own_scale)
+
+    def _record_amax(self, role: str, amax: torch.Tensor) -> None:
+        """Count a non-finite amax; delayed scaling in training also folds it into this step's pending amax."""
+        finite = torch.isfinite(amax)
+        getattr(self, f"{role}_nonfinite_amax_count").add_((~finite).any().long())
+        if self.recipe.is_delayed and self.training:
+            pending = getattr(self, f"{role}_pending_amax")
+            pending.copy_(torch.where(finite, torch.maximum(pending, amax), pending))
 
     def _quantize_transposed(self, role: str, tensor: torch.Tensor) -> Fp8Tensor:
         """`role`'s recipe applied to tensor.T: (C, R) FP8 bytes whose scales run along the original first
