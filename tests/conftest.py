@@ -1,11 +1,9 @@
 """Shared fixtures for the fp8train test suite.
 
-Compilation: fp8train.numerics.quant runs its fused kernels through torch.compile for large tensors (FP8TRAIN_COMPILE=auto,
-the default), always (1) or never (0). A compile costs seconds to tens of seconds on CPU per configuration, and eager mode gives the same bits, so tests run
-eagerly by default. The default is set here, at import, before any test module imports fp8train (setdefault: a
-caller who exports FP8TRAIN_COMPILE=1 runs the whole suite compiled). A test that must exercise the compiled
-path takes the ``compiled`` fixture and carries the ``compiled`` marker (``pytest -m compiled`` runs just those,
-``-m "not compiled"`` skips them).
+Compilation: fp8train.numerics.quant runs eagerly unless a caller asks for a compiled kernel (``kernel=`` on
+quantize, ``fp8.quantize_kernel`` / ``train.compile`` in a config). A compile costs seconds to tens of seconds on
+CPU per configuration, and every kernel gives the same bits, so tests run eagerly; a test that compiles carries
+the ``compiled`` marker (``pytest -m compiled`` runs just those, ``-m "not compiled"`` skips them).
 """
 
 from __future__ import annotations
@@ -16,8 +14,6 @@ import random
 import subprocess
 import sys
 from pathlib import Path
-
-os.environ.setdefault("FP8TRAIN_COMPILE", "0")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -30,7 +26,7 @@ SEED = 1234
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "compiled: runs fp8train's torch.compile path (FP8TRAIN_COMPILE=1); slow")
+    config.addinivalue_line("markers", "compiled: runs fp8train's torch.compile path; slow")
 
 
 @pytest.fixture(autouse=True)
@@ -58,13 +54,6 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
-
-
-@pytest.fixture
-def compiled(monkeypatch):
-    """Opt in to fp8train's torch.compile path for one test (restored afterwards)."""
-    monkeypatch.setenv("FP8TRAIN_COMPILE", "1")
-    yield
 
 
 # A tiny FP8-trained run (current scaling, fp32 activations: bf16 GEMMs are slow on CPUs without bf16 hardware),

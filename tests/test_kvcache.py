@@ -176,11 +176,19 @@ def test_kv_eval_report(tiny_run, tmp_path, capsys, commands):
     assert 0 < e4m3["overall"]["kl"]["mean"] < 1e-3
     assert abs(e4m3["overall"]["loss_delta"]["mean"]) < 0.01
     # On a 30-step model both KLs are ~1e-5 and too close to order reliably; the mantissa-bit comparison is
-    # test_e5m2_cache_error_is_twice_e4m3's, on tensors where it is exact.
-    assert e5m2["overall"]["kl"]["mean"] > 0
+    # test_e5m2_cache_error_is_twice_e4m3's, on tensors where it is exact. Both caches are lossy (KL > 0) and
+    # within the same small bounds: E5M2's rounding error is at most twice E4M3's.
+    assert 0 < e5m2["overall"]["kl"]["mean"] < 1e-3
+    assert abs(e5m2["overall"]["loss_delta"]["mean"]) < 0.01
     assert [b["positions"] for b in e4m3["by_position"]] == [[0, 7], [8, 15], [16, 31], [32, 63]]
     assert all(math.isfinite(b["kl"]["ci95"]) for b in e4m3["by_position"])
-    assert e4m3["generation"]["exact_match"] >= 0.5 and e4m3["generation"]["tokens"] == 8
+    # A KL of ~1e-5 nats per token cannot reorder the top two logits unless they nearly tie: on this fixed,
+    # deterministic CPU model every greedy continuation is unchanged, token for token, with either cache.
+    for cell in (e4m3, e5m2):
+        generation = cell["generation"]
+        assert generation["tokens"] == 8 and generation["prompts"] == 4
+        assert generation["exact_match"] == 1.0 and generation["token_agreement"] == 1.0
+        assert generation["mean_agreeing_prefix"] == 8.0
     layers = e4m3["health"]["layers"]
     assert len(layers) == 2 * 2 and all(len(row["clip_frac_per_head"]) == 2 for row in layers)
     assert "## By context position" in (out / "kv_eval.md").read_text()
