@@ -40,6 +40,8 @@ def _kind(tp) -> str:
         return _kind(args[0])
     if typing.get_origin(tp) in (list, typing.List):
         return "list"
+    if typing.get_origin(tp) in (dict, typing.Dict):
+        return "dict"
     return {int: "int", float: "float", bool: "bool", str: "str"}[tp]
 
 
@@ -49,6 +51,7 @@ WRONG_TYPE = {
     "bool": ["abc", "{a: 1}"],
     "str": ["{a: 1}"],
     "list": ["abc", "{a: 1}"],
+    "dict": ["abc", "[a, b]"],
 }
 
 # Out-of-range values, per field. Fields absent here must be listed in NO_RANGE (checked below).
@@ -104,6 +107,12 @@ OUT_OF_RANGE = {
     "log.every": ["0"],
     "log.telemetry_every": ["-1"],
     "log.wandb": ["cloud", "true"],
+    "log.shadow_recipes": ["[nope]", "[current, current]"],
+    "fp8.fast_accum_forward": [],
+    "fp8.accumulator_bits": ["1", "25", "-1"],
+    "fp8.accumulator_promotion": ["100", "-32"],
+    "policy.overrides": ["{'(unclosed': bf16}", "{mlp: fp16}"],
+    "policy.plan": ["/no/such/plan.yaml"],
     "checkpoint.every": ["-1"],
     "checkpoint.keep_last": ["-1"],
     "validate.candidates": ["[]", "[none]", "[delayed, delayed]", "[fp16]"],

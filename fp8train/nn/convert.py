@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from fp8train.nn.linear import Fp8Linear, update_fp8_scales  # noqa: F401  (update_fp8_scales re-exported)
+from fp8train.nn.overrides import OVERRIDE_BF16, first_override, normalize_overrides, unmatched_patterns
 from fp8train.nn.recipes import Fp8Recipe, recipe as make_recipe
 
 __all__ = ["LayerPolicy", "ConversionReport", "convert_to_fp8", "fp8_layers", "update_fp8_scales",
@@ -52,8 +53,12 @@ class LayerPolicy:
     """Keep the first N transformer blocks (names matching r'layers\\.(\\d+)\\.') in high precision."""
     skip_last_blocks: int = 0
     """Keep the last N transformer blocks in high precision."""
+    overrides: tuple[tuple[str, str], ...] = ()
+    """Per-layer recipes: ordered (regex, recipe name or 'bf16') pairs, or a {regex: choice} mapping; the first
+    pattern that re.searches a converted layer's name decides its recipe (nn/overrides.py)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "overrides", normalize_overrides(self.overrides))
         for key in ("min_features", "divisible_by", "skip_first_blocks", "skip_last_blocks"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -151,21 +156,33 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
             reason = f"{type(module).__name__} is a subclass of nn.Linear; only plain nn.Linear is swapped"
         else:
             reason = policy.skip_reason(name, linear, n_blocks)
+        override = first_override(policy.overrides, name) if reason is None else None
+        layer_recipe = recipe
+        if override is not None and override[1] == OVERRIDE_BF16:
+            reason = f"policy.overrides {override[0]!r} -> bf16"
+        elif override is not None:
+            layer_recipe = make_recipe(override[1], backend=recipe.backend)
         if reason is None:
-            swaps.append((name, module))
-            report.converted.append((name, f"{linear.in_features}->{linear.out_features}"))
+            swaps.append((name, module, layer_recipe))
+            via = f" {layer_recipe.name} (policy.overrides {override[0]!r})" if override is not None else ""
+            report.converted.append((name, f"{linear.in_features}->{linear.out_features}{via}"))
             report.converted_params += numel
         else:
             report.skipped.append((name, reason))
             report.skipped_params += numel
+    linear_names = [n for n, m in model.named_modules() if _as_linear_shape(m) is not None]
+    unmatched = unmatched_patterns(policy.overrides, linear_names)
+    if unmatched:  # before any swap: the model is left as it was
+        raise ValueError(f"policy.overrides: {', '.join(map(repr, unmatched))} matches no nn.Linear of this model "
+                         f"(a plan made for another model?); its Linear layers: {', '.join(linear_names[:8])}"
+                         + (", ..." if len(linear_names) > 8 else ""))
     if dry_run:
         return report
-
-    for name, module in swaps:
+    for name, module, layer_recipe in swaps:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         swap = fp8_from_conv1d if is_conv1d(module) else Fp8Linear.from_linear
-        setattr(parent, child, swap(module, recipe))
+        setattr(parent, child, swap(module, layer_recipe))
 
     if not report.converted and not dry_run:
         warnings.warn(f"convert_to_fp8: no nn.Linear was eligible for FP8 ({len(report.skipped)} skipped); "
