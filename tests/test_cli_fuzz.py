@@ -100,6 +100,7 @@ OUT_OF_RANGE = {
     "fp8.input_block": ["[1]", "[0, 128]", "[1, 2, 3]"],
     "fp8.weight_block": ["[128, -1]"],
     "fp8.grad_output_block": ["[]"],
+    "data.text_field": ["''"],
     "policy.min_features": ["-1"],
     "policy.divisible_by": ["0"],
     "policy.exclude": ["['(unclosed']", "['[a-']"],
@@ -125,7 +126,8 @@ OUT_OF_RANGE = {
     "validate.divergence_factor": ["1", "0.5"],
 }
 # Free-form strings and switches: any value of the right type is in range.
-NO_RANGE = {"data.path", "model.hf_config", "log.wandb_project", "model.tie_embeddings", "train.skip_nonfinite_grads",
+NO_RANGE = {"data.path", "model.hf_config", "model.hf_path", "data.tokenizer", "data.hf_dataset", "policy.allow_no_fp8",
+            "log.wandb_project", "model.tie_embeddings", "train.skip_nonfinite_grads",
             "checkpoint.save_final"}
 
 

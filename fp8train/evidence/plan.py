@@ -87,7 +87,7 @@ def _meta_conversion(cfg, policy: LayerPolicy):
     run_recipe = (fp8_recipe_from_config(cfg) or recipe("current")).replace(backend="emulated")
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no nn.Linear was eligible" is the caller's to report
-        skeleton = build_model(cfg.model)
+        skeleton = build_model(cfg.model, load_weights=False)  # the architecture only: no weights read
         return convert_to_fp8(skeleton, run_recipe, policy), skeleton
 
 

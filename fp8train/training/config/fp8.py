@@ -113,6 +113,8 @@ class PolicyConfig(_Section):
     layer's name decides its recipe (nn/overrides.py). A regex matching no nn.Linear is an error."""
     plan: str = ""
     """A `fp8train plan` output (YAML with policy.overrides): its overrides come before policy.overrides."""
+    allow_no_fp8: bool = False
+    """Let a run whose policy converts no layer proceed in high precision (otherwise it fails, listing why)."""
 
     def _check(self) -> None:
         self._at_least("min_features", 0)
