@@ -123,8 +123,8 @@ class PlannedRun:
     data_source: str = "the data"
 
     def config_hash(self) -> str:
-        """The hash train() records for this run in its summary.json."""
-        return config_hash(self.cfg)
+        """The hash train() records for this run in its summary.json: config and data fingerprint."""
+        return config_hash(self.cfg, data_fingerprint=self.data_fingerprint)
 
 
 def fingerprint_runs(runs: list[PlannedRun]) -> None:

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 
 from fp8train.training.data import describe_fingerprint_change
 from fp8train.training.model import tied_weight_groups
-from fp8train.training.rundir import dumps, give_default_mode
+from fp8train.training.rundir import as_os_error, dumps, give_default_mode
 
 MANIFEST = "manifest.json"
 MANIFEST_CHECKSUM = "manifest_sha256"
@@ -101,10 +101,13 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, opt
 
 
 def _write_files(tmp: Path, step: int, model, optimizer, scheduler, extra: dict | None) -> None:
-    # save_model handles tied (shared) weights, which plain save_file refuses.
-    save_model(model, str(tmp / "model.safetensors"))
     opt_tensors, param_groups = _optimizer_tensors(optimizer)
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    try:
+        # save_model handles tied (shared) weights, which plain save_file refuses.
+        save_model(model, str(tmp / "model.safetensors"))
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    except Exception as err:  # a full disk comes back as SafetensorError("... (os error 28)"): make it an OSError
+        raise (as_os_error(err, tmp) or err) from err
     manifest = {
         "step": step,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -240,19 +243,20 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, sc
     return manifest
 
 
-def check_checkpoint_origin(path: str | Path, manifest: dict, config_hash: str, data_fingerprint: dict,
-                            data_source: str = "the data") -> None:
-    """Refuse to resume from a checkpoint made on other data or from another config: its manifest records the
-    data fingerprint and the config hash of the run that wrote it (loop.train passes them as `extra`)."""
+def check_checkpoint_origin(path: str | Path, manifest: dict, expected_hash: str, data_fingerprint: dict,
+                            data_source: str = "the data", hash_key: str = "config_hash") -> None:
+    """Refuse to resume from a checkpoint made on other data or from another config: its manifest's `extra`
+    records the data fingerprint and the hash (`hash_key`) of the run that wrote it."""
     extra = manifest.get("extra") or {}
     change = describe_fingerprint_change(extra.get("data_fingerprint"), data_fingerprint, data_source)
     if change is not None:
         raise ValueError(f"cannot resume from {path}: {change}; use a new run.name (nothing was changed)")
-    saved = extra.get("config_hash")
-    if saved != config_hash:
-        raise ValueError(f"cannot resume from {path}: it was made from a different config (config hash "
-                         f"{str(saved)[:12]}, now {config_hash[:12]}: model, data, optimizer, train or FP8 settings "
-                         "differ); resume with the run's own config, or use a new run.name (nothing was changed)")
+    saved = extra.get(hash_key)
+    if saved != expected_hash:
+        raise ValueError(f"cannot resume from {path}: it was made from a different config ({hash_key} "
+                         f"{str(saved)[:12]}, now {expected_hash[:12]}: model, data, optimizer, train or FP8 "
+                         "settings differ); resume with the run's own config, or use a new run.name (nothing was "
+                         "changed)")
 
 
 def load_model_weights(path: str | Path, model: torch.nn.Module) -> dict:

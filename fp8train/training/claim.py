@@ -1,28 +1,45 @@
-"""Claiming a run directory for one training run: the checks every rank makes before anything is written, and
-the lock the main process holds for the run's life.
+"""Claiming a run directory for one training run: the checks every rank makes before anything is written, the
+lock the main process holds for the run's life, and the hashes that tie checkpoints to their data and config.
 
 - `check_run_dir` (every rank, before any write): the directory is absent, empty, or holds a run (config.yaml);
   anything else (a validation directory, someone's files) is refused untouched, and so is a symbolic link among
   the files a run writes;
 - `check_resume_origin` (every rank): the checkpoint a run resumes from was written on the same data and from
-  the same experiment (its manifest's data fingerprint and config hash);
+  the same experiment (its manifest's data fingerprint and resume hash);
 - `check_backend_device`: an FP8 GEMM backend that cannot run on the run's device is refused before the first
   forward (which would fail only after config.yaml was written);
-- `claim_run_dir` (main process, other ranks told of a failure): create the directory, take its lock, and
-  re-check under the lock what was decided without it (a second process may have started in between).
+- `claim_run_dir` (main process; the other ranks are told of a failure): create the directory, take its lock,
+  re-check under the lock what was decided without it (another process may have started in between), and write
+  what must be written first (config.yaml);
+- `holding(run)`: the lock is released however the run ends, and a write failure of the environment (full disk,
+  read-only, forbidden) leaves a summary.json with status "failed" where the folder still takes it.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 from fp8train.nn.gemm import resolve_backend
 from fp8train.nn.recipes import ROLES
-from fp8train.training.checkpoint import check_checkpoint_origin
+from fp8train.training.checkpoint import MANIFEST, check_checkpoint_origin
+from fp8train.training.config import HASH_EXCLUDE, config_hash
 from fp8train.training.rank0 import on_main_process
-from fp8train.training.rundir import CONFIG_FILE, DirLock, dir_state, refuse_symlinks_in
+from fp8train.training.resume import RESUMABLE_KEYS
+from fp8train.training.rundir import (CONFIG_FILE, DirLock, dir_state, read_json, record_write_failure,
+                                      refuse_symlinks_in, write_error)
 
-__all__ = ["check_run_dir", "check_resume_origin", "check_backend_device", "claim_run_dir"]
+__all__ = ["run_hashes", "check_run_dir", "check_resume_origin", "check_backend_device", "claim_run_dir",
+           "holding"]
+
+
+def run_hashes(cfg, data) -> dict:
+    """What a summary and every checkpoint manifest record about the run's identity: `config_hash` (config and
+    data fingerprint), `resume_hash` (the same without the keys a resume may change) and the fingerprint."""
+    return {"config_hash": config_hash(cfg, data_fingerprint=data.fingerprint),
+            "resume_hash": config_hash(cfg, HASH_EXCLUDE + RESUMABLE_KEYS, data_fingerprint=data.fingerprint),
+            "data_fingerprint": data.fingerprint}
 
 
 def check_run_dir(run_dir: Path) -> str:
@@ -37,9 +54,11 @@ def check_run_dir(run_dir: Path) -> str:
     return state
 
 
-def check_resume_origin(checkpoint: Path, manifest: dict, resume_hash: str, data) -> None:
-    """The checkpoint was made on `data` (TextData: its fingerprint) and from the same experiment."""
-    check_checkpoint_origin(checkpoint, manifest, resume_hash, data.fingerprint, data.source)
+def check_resume_origin(checkpoint: Path, cfg, data) -> None:
+    """The checkpoint to resume from was made on `data` (TextData) and from the same experiment as `cfg`."""
+    manifest = read_json(checkpoint / MANIFEST)
+    check_checkpoint_origin(checkpoint, manifest, run_hashes(cfg, data)["resume_hash"], data.fingerprint,
+                            data.source, hash_key="resume_hash")
 
 
 def check_backend_device(fp8_recipe, device) -> None:
@@ -53,9 +72,10 @@ def check_backend_device(fp8_recipe, device) -> None:
         raise ValueError(f"config fp8.backend={fp8_recipe.backend!r} cannot run on {device}: {err}") from None
 
 
-def claim_run_dir(run_dir: Path, accelerator, expected_state: str, log) -> DirLock | None:
-    """Create `run_dir`, lock it (main process) and check that it is still as planned. Returns the held lock on
-    the main process, None elsewhere; every rank raises if the main process could not claim it."""
+def claim_run_dir(run_dir: Path, accelerator, expected_state: str, first_writes: Callable[[], None],
+                  log) -> DirLock | None:
+    """Create `run_dir`, lock it, check it is still as planned and do `first_writes` (main process). Returns the
+    held lock on the main process, None elsewhere; every rank raises if the main process could not claim it."""
     lock = DirLock(run_dir, "run directory", log=log)
 
     def claim() -> DirLock:
@@ -66,9 +86,25 @@ def claim_run_dir(run_dir: Path, accelerator, expected_state: str, log) -> DirLo
             if (now == "run") != (expected_state == "run"):  # another process made (or removed) a run meanwhile
                 raise ValueError(f"run directory {run_dir} changed while this run was being set up (another "
                                  "process wrote it); run the command again (nothing was changed)")
+            first_writes()
         except BaseException:
             lock.release()
             raise
         return lock
 
     return on_main_process(accelerator, claim)
+
+
+@contextmanager
+def holding(run):
+    """For the body of a run: its lock released at the end, whatever the end; on a write failure of the
+    environment, summary.json says "failed" and why (main process, if the folder takes it), then it re-raises."""
+    try:
+        yield
+    except OSError as err:
+        if run.is_main and write_error(err) is not None:
+            record_write_failure(run.run_dir, err, {"steps": None, "config_hash": run.hashes["config_hash"]})
+        raise
+    finally:
+        if run.lock is not None:
+            run.lock.release()

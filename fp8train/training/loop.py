@@ -39,7 +39,9 @@ from tqdm.auto import tqdm
 from fp8train.nn.linear import update_fp8_scales
 from fp8train.training import telemetry
 from fp8train.training.checkpoint import load_checkpoint, save_checkpoint
-from fp8train.training.config import FullConfig, add_config_arguments, config_hash, load_config
+from fp8train.training.claim import holding
+from fp8train.training.rank0 import on_main_process
+from fp8train.training.config import FullConfig, add_config_arguments, load_config
 from fp8train.training.distributed import all_mean, fp8_state_digest, make_accelerator
 from fp8train.training.run_log import MetricsLog, finish, start_logs, summarize, summary_line
 from fp8train.training.rundir import CHECKPOINTS_DIR, TELEMETRY_FILE
@@ -85,35 +87,36 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
     run = set_up(cfg, accelerator or make_accelerator(cfg), show_progress)
     if run.plan.kind == "complete":
         return already_complete(run)
-    state = resume(run)
-    metrics = start_logs(run, state)
-    if state.start_step == 0:
-        log_initial_evaluation(run, state, metrics)
+    with holding(run):  # the run directory's lock, released however the run ends
+        state = resume(run)
+        metrics = start_logs(run, state)
+        if state.start_step == 0:
+            log_initial_evaluation(run, state, metrics)
 
-    progress = tqdm(total=cfg.train.max_steps, initial=state.start_step, desc=cfg.run.name, mininterval=2.0,
-                    disable=not (run.is_main and show_progress), dynamic_ncols=True, leave=False)
-    for step in range(state.start_step, cfg.train.max_steps):
-        record = optimizer_step(run, state, step)
-        if record is None:  # diverged; state says where and why
-            break
-        finish_step(run, state, record, metrics)
-        progress.update(1)
-        progress.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
-        stop_reason = should_stop(record) if should_stop is not None else None
-        if stop_reason:
-            state.status, state.reason = "stopped", stop_reason
-            break
-        if is_periodic_checkpoint(cfg, state.done) and not checkpoint(run, state, final=False):
-            break
-    else:
-        state.done = cfg.train.max_steps
-        if cfg.checkpoint.save_final and state.start_step < state.done:
-            checkpoint(run, state, final=True)
-    progress.close()
+        progress = tqdm(total=cfg.train.max_steps, initial=state.start_step, desc=cfg.run.name, mininterval=2.0,
+                        disable=not (run.is_main and show_progress), dynamic_ncols=True, leave=False)
+        for step in range(state.start_step, cfg.train.max_steps):
+            record = optimizer_step(run, state, step)
+            if record is None:  # diverged; state says where and why
+                break
+            finish_step(run, state, record, metrics)
+            progress.update(1)
+            progress.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
+            stop_reason = should_stop(record) if should_stop is not None else None
+            if stop_reason:
+                state.status, state.reason = "stopped", stop_reason
+                break
+            if is_periodic_checkpoint(cfg, state.done) and not checkpoint(run, state, final=False):
+                break
+        else:
+            state.done = cfg.train.max_steps
+            if cfg.checkpoint.save_final and state.start_step < state.done:
+                checkpoint(run, state, final=True)
+        progress.close()
 
-    summary = summarize(run, state)
-    finish(run, summary)
-    return summary
+        summary = summarize(run, state)
+        finish(run, summary)
+        return summary
 
 
 def already_complete(run: Run) -> dict:
@@ -301,10 +304,12 @@ def checkpoint(run: Run, state: _State, final: bool) -> bool:
     ckpt_dir = run.run_dir / CHECKPOINTS_DIR
     path = ckpt_dir / f"step_{done:06d}"
     if run.is_main:
-        extra = {"config_hash": config_hash(run.cfg), "lr_schedule_steps": run.lr_horizon["steps"],
-                 **state.counts()}
-        path = save_checkpoint(ckpt_dir, done, run.model, run.optimizer, run.scheduler, extra=extra,
-                               keep_last=run.cfg.checkpoint.keep_last)
+        extra = {**run.hashes, "lr_schedule_steps": run.lr_horizon["steps"], **state.counts()}
+    # Rank 0 writes; a full disk there is raised on every rank. Pruning never removes the checkpoint resumed from.
+    saved = on_main_process(run.accelerator, lambda: save_checkpoint(
+        ckpt_dir, done, run.model, run.optimizer, run.scheduler, extra=extra, keep_last=run.cfg.checkpoint.keep_last,
+        protect=[run.plan.checkpoint] if run.plan.checkpoint is not None else []))
+    path = saved or path
     run.accelerator.wait_for_everyone()
     state.last_checkpoint = path
     return True

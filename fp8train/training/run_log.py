@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from fp8train.training import telemetry
-from fp8train.training.config import config_hash
 from fp8train.training.distributed import fp8_state_digest
 from fp8train.training.model import count_params
 from fp8train.training.rundir import (METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE, append_jsonl, truncate_jsonl,
@@ -65,7 +64,7 @@ def summarize(run, state) -> dict:
         "wall_time_s": time.time() - run.started, "peak_memory_mb": _peak_memory_mb(run.accelerator.device),
         "recipe": run.fp8_recipe.code() if run.fp8_recipe is not None else "none",
         "params": count_params(run.model), "fp8_layers": len(layers), "skipped_steps": state.skipped_steps,
-        "resumed_from": state.resumed_from, "seed": cfg.train.seed, "config_hash": config_hash(cfg),
+        "resumed_from": state.resumed_from, "seed": cfg.train.seed, **run.hashes,
         "diverged_at_step": state.diverged_at,
         "last_good_checkpoint": str(state.last_checkpoint) if state.last_checkpoint else None,
         "fp8_state_sha256": fp8_state_digest(layers) if layers else None,

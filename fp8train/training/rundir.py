@@ -24,6 +24,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -284,6 +285,15 @@ def write_error(err: BaseException) -> str | None:
         return None
     where = f" {err.filename}" if err.filename else ""
     return f"cannot write{where}: {os.strerror(err.errno)} (errno {errno.errorcode[err.errno]})"
+
+
+def as_os_error(err: BaseException, path: str | os.PathLike) -> OSError | None:
+    """The OSError inside a library error that carries it only in its text (safetensors' writer reports a full
+    disk as `SafetensorError: ... No space left on device (os error 28)`), so it is reported like any other."""
+    if isinstance(err, OSError):
+        return err
+    found = re.search(r"\(os error (\d+)\)", str(err))
+    return OSError(int(found.group(1)), os.strerror(int(found.group(1))), str(path)) if found else None
 
 
 def record_write_failure(run_dir: str | os.PathLike, err: OSError, summary: dict | None = None) -> bool:

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from fp8train.nn.convert import convert_to_fp8, fp8_layers
+from fp8train.training.claim import (check_backend_device, check_resume_origin, check_run_dir, claim_run_dir,
+                                     run_hashes)
 from fp8train.training.config import (FullConfig, config_to_yaml, fp8_recipe_from_config, layer_policy_from_config)
 from fp8train.training.data import build_data
 from fp8train.training.distributed import Fp8StateSync, check_distributed_type, set_cpu_threads
@@ -49,6 +51,9 @@ class Run:
     layers: list = field(default_factory=list)
     fp8_sync: Fp8StateSync = None
     trackers: Trackers = None
+    dir_state: str = "absent"  # what the run directory was at set-up: absent | empty | run (claim.py)
+    lock: object = None  # the run directory's DirLock, held by the main process for the run's life
+    hashes: dict = field(default_factory=dict)  # config_hash, resume_hash, data_fingerprint (claim.run_hashes)
 
     @property
     def is_main(self) -> bool:
@@ -80,11 +85,15 @@ def set_up(cfg: FullConfig, accelerator, show_progress: bool) -> Run:
             warnings.simplefilter("ignore")
             conversion = convert_to_fp8(model, fp8_recipe, layer_policy_from_config(cfg))
     check_model_for_run(model, data.vocab_size, conversion, cfg.policy.allow_no_fp8)
+    check_backend_device(fp8_recipe, accelerator.device)
     run_dir = run_dir_path(cfg.run.dir, cfg.run.name)
     log = (lambda m: print(m, file=sys.stderr)) if accelerator.is_main_process else (lambda m: None)
+    dir_state = check_run_dir(run_dir)  # absent, empty or a run; no symlinks (every rank)
     plan = plan_resume(cfg, run_dir, log)  # every rank decides, so every rank fails the same way
+    if plan.checkpoint is not None:  # same data, same experiment as the checkpoint's manifest says
+        check_resume_origin(plan.checkpoint, cfg, data)
     run = Run(cfg, accelerator, run_dir, data, val_batches, model, fp8_recipe, conversion, plan, show_progress,
-               started)
+               started, dir_state=dir_state, hashes=run_hashes(cfg, data))
     if plan.kind != "complete":
         _prepare_training(run)
     return run
@@ -95,9 +104,8 @@ def _prepare_training(run: Run) -> None:
     its device, AdamW and the LR schedule, accelerate's wrapping."""
     cfg, accelerator = run.cfg, run.accelerator
     accelerator.wait_for_everyone()
-    if run.is_main:
-        run.run_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(run.run_dir / CONFIG_FILE, config_to_yaml(cfg))
+    write_config = lambda: write_text_atomic(run.run_dir / CONFIG_FILE, config_to_yaml(cfg))  # noqa: E731
+    run.lock = claim_run_dir(run.run_dir, accelerator, run.dir_state, write_config, lambda m: run.say(m))
     accelerator.wait_for_everyone()
     if run.conversion is not None:
         run.say(str(run.conversion))

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fp8train.training.config.full import FullConfig
+from fp8train.training.config.run import RESUME_WORDS
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -82,8 +83,10 @@ def _bool_keys(schema: type = FullConfig, prefix: str = "") -> set[str]:
 def _check_bool_text(key: str, text: str) -> None:
     # YAML 1.1 (OmegaConf's parser) reads yes, on and y as true, and OmegaConf turns 1, -1 and 2 into true: a
     # typo must not flip a switch silently, so a boolean is written true or false and nothing else.
-    if key in _bool_keys() and text.strip().lower() not in ("true", "false", "null", "~", ""):
-        raise ValueError(f"config {key}={text.strip()!r} is invalid: must be true or false")
+    words = RESUME_WORDS if key == "train.resume" else ("true", "false") if key in _bool_keys() else None
+    if words is not None and text.strip().lower() not in (*words, "null", "~", ""):
+        allowed = " or ".join(words) if len(words) == 2 else "one of " + ", ".join(words)
+        raise ValueError(f"config {key}={text.strip()!r} is invalid: must be {allowed}")
 
 
 def _check_yaml_bools(path: str) -> None:

@@ -15,6 +15,7 @@ WANDB_MODES = ("disabled", "offline", "online")
 # longer than NAME_MAX is an OSError at mkdir; torch.set_num_threads(100000) segfaults; AdamW fails inside its
 # fp32 arithmetic for lr near 1e38, and moves every weight by ~lr per step, so beyond 1e3 nothing can train.
 MAX_NAME_BYTES = 255
+RESUME_WORDS = ("true", "false", "auto")  # train.resume, as written (load.py refuses yes, 1, -1 before YAML reads them)
 MAX_THREADS = 512
 MAX_LR = 1e3
 DEVICES = ("auto", "cpu", "cuda")
@@ -83,7 +84,7 @@ class TrainConfig(_Section):
         self._in("device", DEVICES)
         self._in("autocast", AUTOCAST_MODES)
         # YAML and the command line give true/false as bools, but "True" or "false" may arrive as strings.
-        words = {"true": True, "false": False, "auto": "auto"}
+        words = dict(zip(RESUME_WORDS, (True, False, "auto")))
         if isinstance(self.resume, str) and self.resume.lower() in words:
             self.resume = words[self.resume.lower()]
         _require(isinstance(self.resume, bool) or self.resume == "auto", "train.resume", self.resume,
