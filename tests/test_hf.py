@@ -104,6 +104,15 @@ def test_decoder_fields_are_refused_with_an_hf_model(pretrained):
     assert cfg.model.hf_path == str(pretrained["llama"])
 
 
+def test_decoder_fields_are_not_recorded_for_an_hf_model(pretrained):
+    from fp8train.training.loop import _plain  # the config dict sent to the trackers (wandb, ...)
+
+    recorded = _plain(load_config(None, [f"model.hf_path={pretrained['llama']}", "model.seq_len=32"]))["model"]
+    assert recorded["hf_path"] == str(pretrained["llama"]) and recorded["seq_len"] == 32
+    assert not {"d_model", "n_layers", "n_heads", "rope_theta"} & set(recorded)
+    assert _plain(load_config(None, []))["model"]["d_model"] == 128  # fp8train's Decoder still records them
+
+
 # ------------------------------------------------------------------------------------------------------------
 # GPT-2 Conv1D
 # ------------------------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from fp8train.training.checkpoint import latest_valid_checkpoint, load_checkpoin
 from fp8train.training.config import (FullConfig, add_config_arguments, config_hash, config_to_yaml, fp8_recipe_from_config,
                      layer_policy_from_config, load_config)
 from fp8train.training.data import build_data
+from fp8train.training.hf import drop_decoder_fields
 from fp8train.training.model import build_model, check_model_for_run, count_params
 
 __all__ = ["train", "run_dir_of", "cli_main", "add_cli_arguments", "fp8_state_digest"]
@@ -519,7 +520,7 @@ def _grad_norm(model) -> float:
 def _plain(cfg: FullConfig) -> dict:
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.structured(cfg))
+    return drop_decoder_fields(OmegaConf.to_container(OmegaConf.structured(cfg)))
 
 
 def _progress(cfg: FullConfig, start: int, enabled: bool):
