@@ -43,6 +43,7 @@ from fp8train.training.config import (FullConfig, add_config_arguments, config_h
                      layer_policy_from_config, load_config)
 from fp8train.training.data import build_data
 from fp8train.training.model import build_model, check_model_for_run, count_params
+from fp8train.training.shadow import RecipeShadow, gemm_paths, shadowed_layers
 
 __all__ = ["train", "run_dir_of", "cli_main", "add_cli_arguments", "fp8_state_digest"]
 
@@ -339,6 +340,8 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
 
     layers = fp8_layers(model)
     fp8_sync = Fp8StateSync(layers, accelerator)
+    shadow = RecipeShadow(shadowed_layers(model, layer_policy_from_config(cfg)), cfg.log.shadow_recipes) \
+        if cfg.log.shadow_recipes else None  # log.shadow_recipes: other recipes measured on telemetry steps
     micro = cfg.train.batch_size // world // cfg.train.grad_accum
     tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
     status, reason, last = "completed", None, {}
@@ -354,8 +357,11 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
     done = start_step
     for step in range(start_step, cfg.train.max_steps):
         t0 = time.perf_counter()
-        sample_telemetry = bool(layers) and cfg.log.telemetry_every > 0 and (step + 1) % cfg.log.telemetry_every == 0
+        sample_telemetry = (bool(layers) or shadow is not None) and cfg.log.telemetry_every > 0 \
+            and (step + 1) % cfg.log.telemetry_every == 0
         telemetry.enable(layers, sample_telemetry)
+        if shadow is not None:
+            shadow.arm(sample_telemetry)
 
         # This rank's slice of the global batch, then micro-batches for gradient accumulation.
         x_all, y_all = data.train_batch(step)
@@ -421,7 +427,8 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
         if sample_telemetry:
             stats = telemetry.collect(layers)
             record.update(telemetry.summarize(stats))
-            telemetry.append(run_dir / "telemetry.jsonl", done, stats, is_main)
+            extra = {"gemms": gemm_paths(layers)} | ({"shadow": shadow.collect()} if shadow is not None else {})
+            telemetry.append(run_dir / "telemetry.jsonl", done, stats, is_main, extra)
         if is_eval:
             record["val_loss"] = last["val_loss"] = evaluate(model, val_batches, cfg, accelerator)
         last["loss"] = step_loss
