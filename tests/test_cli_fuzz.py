@@ -42,7 +42,7 @@ def _kind(tp) -> str:
         return "list"
     if typing.get_origin(tp) in (dict, typing.Dict):
         return "dict"
-    return {int: "int", float: "float", bool: "bool", str: "str"}[tp]
+    return {int: "int", float: "float", bool: "bool", str: "str", typing.Any: "any"}[tp]
 
 
 WRONG_TYPE = {
@@ -51,6 +51,7 @@ WRONG_TYPE = {
     "bool": ["abc", "{a: 1}"],
     "str": ["{a: 1}"],
     "list": ["abc", "{a: 1}"],
+    "any": ["{a: 1}"],  # train.resume: true | false | auto (its other values are in OUT_OF_RANGE)
     "dict": ["abc", "[a, b]"],
 }
 
@@ -81,6 +82,7 @@ OUT_OF_RANGE = {
     "train.device": ["tpu", "gpu"],
     "train.threads": ["-1", "two"],
     "train.autocast": ["fp16"],
+    "train.resume": ["maybe", "2", "[true]"],
     "optim.weight_decay": ["-0.1"],
     "optim.betas": ["[0.9]", "[0.9, 1.0]", "[-0.1, 0.9]", "[0.9, 0.95, 0.99]", "[a, b]"],
     "optim.eps": ["0", "-1"],
@@ -107,6 +109,7 @@ OUT_OF_RANGE = {
     "log.every": ["0"],
     "log.telemetry_every": ["-1"],
     "log.wandb": ["cloud", "true"],
+    "log.trackers": ["[wandbx]", "[wandb, wandb]", "[tensorboard, neptune]"],
     "log.shadow_recipes": ["[nope]", "[current, current]"],
     "fp8.fast_accum_forward": [],
     "fp8.accumulator_bits": ["1", "25", "-1"],
@@ -125,7 +128,7 @@ OUT_OF_RANGE = {
 # Free-form strings and switches: any value of the right type is in range.
 NO_RANGE = {"data.path", "model.hf_config", "model.hf_path", "data.tokenizer", "data.hf_dataset", "policy.allow_no_fp8",
             "log.wandb_project", "model.tie_embeddings", "train.skip_nonfinite_grads",
-            "train.resume", "checkpoint.save_final"}
+            "checkpoint.save_final"}
 
 
 @pytest.fixture(scope="module")

@@ -23,12 +23,13 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
+from fp8train import __version__
 from fp8train.nn.convert import convert_to_fp8, is_conv1d
 from fp8train.nn.recipes import ROLES, recipe
 from fp8train.training.checkpoint import MANIFEST, latest_valid_checkpoint
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
 from fp8train.training.hf import hf_kv_shape
-from fp8train.training.model import HFCausalLM, build_model
+from fp8train.training.model import HFCausalLM, build_model, tied_weight_groups
 
 __all__ = ["LoadedRun", "load_run", "fp8_policy_names", "tied_aliases", "package_version", "kv_shape"]
 
@@ -44,12 +45,7 @@ class LoadedRun:
 
 
 def package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("fp8train")
-    except PackageNotFoundError:
-        return "unknown"
+    return __version__  # defined once, in fp8train/__init__.py (pyproject's version, as installed)
 
 
 def fp8_policy_names(model: nn.Module, cfg) -> list[str]:
@@ -109,12 +105,7 @@ def _load_master_weights(model: nn.Module, state: dict, fp8_names: list, ckpt: P
 
 def tied_aliases(model: nn.Module) -> set[str]:
     """state_dict names that are a second name of a tensor already listed (tied embeddings)."""
-    seen, aliases = {}, set()
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in seen:
-            aliases.add(name)
-        seen.setdefault(id(tensor), name)
-    return aliases
+    return {name for group in tied_weight_groups(model) for name in group[1:]}
 
 
 def kv_shape(run: LoadedRun) -> dict:
