@@ -42,6 +42,7 @@ from fp8train.training.shadow import gemm_paths
 from fp8train.training.checkpoint import load_checkpoint, save_checkpoint
 from fp8train.training.config import FullConfig, add_config_arguments, config_hash, load_config
 from fp8train.training.distributed import all_mean, fp8_state_digest, make_accelerator
+from fp8train.training.resume import resume_hash
 from fp8train.training.run_log import MetricsLog, finish, start_logs, summarize, summary_line
 from fp8train.training.rundir import CHECKPOINTS_DIR, TELEMETRY_FILE
 from fp8train.training.setup import Run, set_up
@@ -305,8 +306,8 @@ def checkpoint(run: Run, state: _State, final: bool) -> bool:
     ckpt_dir = run.run_dir / CHECKPOINTS_DIR
     path = ckpt_dir / f"step_{done:06d}"
     if run.is_main:
-        extra = {"config_hash": config_hash(run.cfg), "lr_schedule_steps": run.lr_horizon["steps"],
-                 **state.counts()}
+        extra = {"config_hash": config_hash(run.cfg), "resume_hash": resume_hash(run.cfg),
+                 "lr_schedule_steps": run.lr_horizon["steps"], **state.counts()}
         path = save_checkpoint(ckpt_dir, done, run.model, run.optimizer, run.scheduler, extra=extra,
                                keep_last=run.cfg.checkpoint.keep_last)
     run.accelerator.wait_for_everyone()
