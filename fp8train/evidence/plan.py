@@ -35,7 +35,7 @@ import torch.nn as nn
 from fp8train.nn.convert import LayerPolicy, convert_to_fp8
 from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.overrides import OVERRIDE_BF16
-from fp8train.nn.recipes import recipe
+from fp8train.nn.recipes import ROLES, recipe
 from fp8train.training import telemetry
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
 from fp8train.training.model import build_model, check_model_for_run
@@ -46,7 +46,6 @@ __all__ = ["DEFAULT_THRESHOLDS", "shadow_table", "planned_layers", "time_shapes"
            "plan_yaml", "check_fp8_conversion", "add_cli_arguments", "cli_main"]
 
 DEFAULT_THRESHOLDS = {**telemetry.ADVISOR_THRESHOLDS, "min_speedup": 1.05}
-ROLES = ("input", "weight", "grad_output")
 
 
 def _as_float(value) -> float | None:
