@@ -24,9 +24,9 @@ from typing import Callable
 from fp8train.nn.gemm import resolve_backend
 from fp8train.nn.recipes import ROLES
 from fp8train.training.checkpoint import MANIFEST, check_checkpoint_origin
-from fp8train.training.config import HASH_EXCLUDE, config_hash
+from fp8train.training.config import config_hash
 from fp8train.training.rank0 import on_main_process
-from fp8train.training.resume import RESUMABLE_KEYS
+from fp8train.training.resume import resume_hash
 from fp8train.training.rundir import (CONFIG_FILE, DirLock, dir_state, read_json, record_write_failure,
                                       refuse_symlinks_in, write_error)
 
@@ -38,7 +38,7 @@ def run_hashes(cfg, data) -> dict:
     """What a summary and every checkpoint manifest record about the run's identity: `config_hash` (config and
     data fingerprint), `resume_hash` (the same without the keys a resume may change) and the fingerprint."""
     return {"config_hash": config_hash(cfg, data_fingerprint=data.fingerprint),
-            "resume_hash": config_hash(cfg, HASH_EXCLUDE + RESUMABLE_KEYS, data_fingerprint=data.fingerprint),
+            "resume_hash": resume_hash(cfg, data.fingerprint),
             "data_fingerprint": data.fingerprint}
 
 

@@ -28,13 +28,20 @@ from typing import Callable, Optional
 from omegaconf import OmegaConf
 
 from fp8train.training.checkpoint import latest_valid_checkpoint
-from fp8train.training.config import HASH_EXCLUDE, load_config
+from fp8train.training.config import HASH_EXCLUDE, config_hash, load_config
 from fp8train.training.rundir import CHECKPOINTS_DIR, CONFIG_FILE, SUMMARY_FILE, read_json
 
-__all__ = ["RESUMABLE_KEYS", "ResumePlan", "plan_resume", "config_differences"]
+__all__ = ["RESUMABLE_KEYS", "ResumePlan", "plan_resume", "config_differences", "resume_hash"]
 
 # Keys that only say how long to train and how often to evaluate: they may change when a run is resumed.
 RESUMABLE_KEYS = ("train.max_steps", "train.eval_every")
+
+
+def resume_hash(cfg, data_fingerprint: dict | None = None) -> str:
+    """The config hash that a checkpoint to resume from must match: config_hash without RESUMABLE_KEYS (stored
+    in every checkpoint's manifest as extra.resume_hash; extra.config_hash is the full hash, as in summary.json),
+    with the data's content fingerprint (claim.run_hashes passes it)."""
+    return config_hash(cfg, HASH_EXCLUDE + RESUMABLE_KEYS, data_fingerprint=data_fingerprint)
 
 
 @dataclass(frozen=True)
