@@ -16,7 +16,7 @@ import sys
 COMMANDS = {
     "formats": ("fp8train.numerics.formats_cli", "print the FP8 format table derived from the bit layouts"),
     "train": ("fp8train.training.loop", "train one run from a recipe YAML (also under accelerate launch)"),
-    "validate": ("fp8train.evidence.validate", "paired bf16-vs-FP8 runs, noise band, verdict and report"),
+    "validate": ("fp8train.evidence.validate", "paired bf16-vs-FP8 runs over seeds: bounds, PASS/FAIL/INCONCLUSIVE, report"),
     "report": ("fp8train.evidence.report", "(re)write the report of a validation or run directory"),
     "bench": ("fp8train.bench.suite", "benchmarks: quantize, Fp8Linear and train step vs bf16 (and torchao)"),
     "kv-eval": ("fp8train.serving.kvcache", "FP8 KV-cache quality by context length for a trained run"),
