@@ -38,6 +38,8 @@ LEAVES = _leaf_types()
 
 
 def _kind(tp) -> str:
+    if tp is typing.Any:  # validate.seeds: a count or a list
+        return "any"
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if typing.get_origin(tp) is typing.Union:  # Optional[X]
         return _kind(args[0])
@@ -52,6 +54,7 @@ WRONG_TYPE = {
     "bool": ["abc", "{a: 1}"],
     "str": ["{a: 1}"],
     "list": ["abc", "{a: 1}"],
+    "any": ["abc", "1.5", "{a: 1}"],
 }
 
 # Out-of-range values, per field. Fields absent here must be listed in NO_RANGE (checked below).
@@ -109,8 +112,9 @@ OUT_OF_RANGE = {
     "checkpoint.every": ["-1"],
     "checkpoint.keep_last": ["-1"],
     "validate.candidates": ["[]", "[none]", "[delayed, delayed]", "[fp16]"],
-    "validate.margin": ["-0.1"],
-    "validate.extra_seeds": ["-1"],
+    "validate.margin": ["-0.1", "0", "1"],
+    "validate.seeds": ["0", "[]", "[1, 1]", "[-1]"],
+    "validate.workers": ["0", "-2"],
     "validate.final_window": ["0"],
     "validate.stop_on_divergence": [],
     "validate.divergence_factor": ["1", "0.5"],

@@ -44,14 +44,14 @@ def test_cpu_recipes_convert_every_block_linear():
 def test_cpu_validate_job():
     cfg = load_config(str(RECIPES / "cpu_validate.yaml"))
     assert cfg.validate.candidates == ["delayed", "current", "rowwise", "block"]
-    assert cfg.validate.extra_seeds == 1 and cfg.validate.margin > 0
+    assert cfg.validate.seeds >= 2 and cfg.validate.margin > 0
     assert cfg.fp8.recipe == "none"
 
 
 def test_defaults():
     cfg = load_config(None)
     assert cfg == FullConfig()
-    assert cfg.log.wandb == "offline" and cfg.model.vocab_size == 256 and cfg.validate.extra_seeds == 1
+    assert cfg.log.wandb == "offline" and cfg.model.vocab_size == 256 and cfg.validate.seeds == 4
     assert cfg.train.resume is False and cfg.data.path == ""
 
 
