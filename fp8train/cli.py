@@ -12,6 +12,8 @@ import argparse
 import importlib
 import sys
 
+from fp8train.training.rundir import write_error
+
 # name -> (module, one-line help)
 COMMANDS = {
     "formats": ("fp8train.numerics.formats_cli", "print the FP8 format table derived from the bit layouts"),
@@ -74,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.cli_main(args) or 0)
     except (UserError, ValueError, FileNotFoundError, FileExistsError, ImportError) as err:
         print(f"fp8train {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # full disk, read-only or forbidden folder: the environment's, said in one line
+        if write_error(err) is None:
+            raise
+        print(f"fp8train {args.command}: error: {write_error(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"fp8train {args.command}: interrupted", file=sys.stderr)

@@ -11,9 +11,6 @@ key) instead of starting a run.
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 import typing
 from pathlib import Path
 
@@ -237,20 +234,14 @@ def test_no_command_prints_help(capsys):
     assert "COMMAND" in capsys.readouterr().out
 
 
-def _fp8train() -> list[str]:
-    script = Path(sys.executable).parent / "fp8train"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "fp8train.cli"]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("args, names", [
     (["train", "/nonexistent/config.yaml"], ["/nonexistent/config.yaml"]),
     (["train", "{config}", "optim.betas={{a: 1}}"], ["optim.betas"]),  # was a TypeError traceback from OmegaConf
 ])
-def test_real_executable_exits_2_with_one_line(config_file, args, names):
+def test_real_executable_exits_2_with_one_line(config_file, args, names, commands):
     argv = [a.format(config=config_file) for a in args]
-    env = {**os.environ, "FP8TRAIN_COMPILE": "0", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*_fp8train(), *argv, "--quiet"], capture_output=True, text=True, timeout=120, env=env)
+    proc = commands.run(commands.fp8train(*argv, "--quiet"), timeout=120)
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(err) == 1, (proc.returncode, proc.stderr)
     assert err[0].startswith("fp8train train: error: ") and all(n in err[0] for n in names), err

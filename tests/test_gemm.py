@@ -4,6 +4,7 @@ tensorwise and rowwise scales, in the layouts of all three linear-layer GEMMs.""
 import pytest
 import torch
 
+from fp8train.nn import gemm
 from fp8train.nn.gemm import Fp8Operand, emulated_compute_dtype, fp8_mm, resolve_backend
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -61,16 +62,21 @@ def test_emulated_matches_fp64_reference(kind, dtypes):
     _check_close(fp8_mm(a, b, "emulated"), _reference(a_data, fa, b_data, fb))
 
 
-def test_transposed_operand_shares_values():
+def test_transposed_operand_is_a_view_with_transposed_scales():
+    """t() is free (the same bytes, no copy) and its dequantized value is the transpose of the fp64 reference
+    data * scale, for per-row scales and for 1x128 tiles (which become 128x1 tiles)."""
     a_data = _fp8((M, K), E4M3, 5)
-    a = Fp8Operand(a_data, _pow2((M, 1), 6))
-    at = a.t()
-    assert at.shape == (K, M) and at.scale.shape == (1, M)
-    torch.testing.assert_close(at.dequantize(), a.dequantize().t())
-    blocked = Fp8Operand(a_data, _pow2((M, K // 128), 7), (1, 128)).t()
-    assert blocked.block == (128, 1)
-    torch.testing.assert_close(blocked.dequantize(), (a_data.float() * _pow2((M, K // 128), 7)
-                                                      .repeat_interleave(128, 1)).t())
+    row_scale, tile_scale = _pow2((M, 1), 6), _pow2((M, K // 128), 7)
+    expected_rows = a_data.double() * row_scale.double()
+    # Tile scale of element (i, j) is tile_scale[i, j // 128], indexed out by hand.
+    expected_tiles = a_data.double() * tile_scale.double()[torch.arange(M)[:, None], torch.arange(K)[None, :] // 128]
+    for operand, expected, block in ((Fp8Operand(a_data, row_scale), expected_rows, None),
+                                     (Fp8Operand(a_data, tile_scale, (1, 128)), expected_tiles, (128, 1))):
+        at = operand.t()
+        assert at.shape == (K, M) and at.block == block
+        assert at.data.data_ptr() == a_data.data_ptr() and not at.data.is_contiguous()  # a view
+        assert torch.equal(at.dequantize().double(), expected.t())  # pow2 scales: exact
+    assert Fp8Operand(a_data, row_scale).t().scale.shape == (1, M)
 
 
 # The three GEMMs of Fp8Linear, as (a, b) operand builders over x (M, K), w (N, K), dy (M, N).
@@ -82,23 +88,40 @@ def _linear_gemms(x, w, dy):
     }
 
 
-@pytest.mark.parametrize("gemm", ["output", "grad_input", "grad_weight"])
-def test_scaled_mm_cpu_matches_emulated_tensorwise(gemm):
-    x = Fp8Operand(_fp8((64, 128), E4M3, 1), torch.tensor(0.03125))
-    w = Fp8Operand(_fp8((96, 128), E4M3, 2), torch.tensor(0.0078125))
-    dy = Fp8Operand(_fp8((64, 96), E5M2, 3), torch.tensor(0.25))
-    a, b = _linear_gemms(x, w, dy)[gemm]
-    emulated = fp8_mm(a, b, "emulated")
-    scaled = fp8_mm(a, b, "scaled_mm", _allow_cpu_scaled_mm=True)
-    torch.testing.assert_close(scaled, emulated, rtol=1e-5, atol=1e-5 * emulated.abs().max().item())
+def _int_fp8(shape, dtype, seed):
+    """Small integers in FP8: every product and every partial sum over K <= 256 is an integer below 2^24, so
+    any accumulation order gives the exact result and two backends must agree bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-6, 7, shape, generator=g).float().to(dtype)
 
 
-def test_scaled_mm_cpu_rowwise_forward():
-    x = Fp8Operand(_fp8((64, 128), E4M3, 1), _pow2((64, 1), 4))
-    w = Fp8Operand(_fp8((96, 128), E4M3, 2), _pow2((96, 1), 5))
-    emulated = fp8_mm(x, w.t(), "emulated")
-    scaled = fp8_mm(x, w.t(), "scaled_mm", _allow_cpu_scaled_mm=True)  # bf16 output in torch's rowwise kernel
-    torch.testing.assert_close(scaled, emulated, rtol=2 ** -8, atol=1e-6 * emulated.abs().max().item())
+@pytest.fixture
+def cpu_scaled_mm(monkeypatch):
+    """torch._scaled_mm runs on CPU in this torch; pretend the device is capable so fp8_mm takes that path."""
+    monkeypatch.setattr(gemm, "scaled_mm_available", lambda device: True)
+
+
+@pytest.mark.parametrize("name", ["output", "grad_input", "grad_weight"])
+def test_scaled_mm_cpu_matches_exact_reference_tensorwise(name, cpu_scaled_mm):
+    x = Fp8Operand(_int_fp8((64, 128), E4M3, 1), torch.tensor(0.03125))
+    w = Fp8Operand(_int_fp8((96, 128), E4M3, 2), torch.tensor(0.0078125))
+    dy = Fp8Operand(_int_fp8((64, 96), E5M2, 3), torch.tensor(0.25))
+    a, b = _linear_gemms(x, w, dy)[name]
+    reference = _reference(a.data, a.scale, b.data, b.scale)  # fp64, exact
+    assert torch.equal(fp8_mm(a, b, "emulated").double(), reference)
+    scaled = fp8_mm(a, b, "scaled_mm")
+    assert scaled.dtype == torch.float32 and torch.equal(scaled.double(), reference)
+
+
+def test_scaled_mm_cpu_rowwise_forward(cpu_scaled_mm):
+    x = Fp8Operand(_int_fp8((64, 128), E4M3, 1), _pow2((64, 1), 4))
+    w = Fp8Operand(_int_fp8((96, 128), E4M3, 2), _pow2((96, 1), 5))
+    reference = _reference(x.data, x.scale, w.data.t(), w.scale.t())  # fp64, exact
+    assert torch.equal(fp8_mm(x, w.t(), "emulated").double(), reference)
+    # the result in the dtype asked for, straight from the kernel: exact in fp32, rounded once in bf16
+    assert torch.equal(fp8_mm(x, w.t(), "scaled_mm").double(), reference)
+    bf16 = fp8_mm(x, w.t(), "scaled_mm", out_dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, reference.to(torch.bfloat16))
 
 
 def test_scaled_mm_refused_without_capable_gpu():
@@ -112,9 +135,39 @@ def test_scaled_mm_refused_without_capable_gpu():
 def test_backend_resolution_on_cpu():
     assert resolve_backend("auto", "cpu") == "emulated"
     assert resolve_backend("emulated", "cpu") == "emulated"
-    assert emulated_compute_dtype("cpu") == torch.float32
+    # auto: bf16 only on CPUs with bf16 GEMM instructions (read from /proc/cpuinfo independently here)
+    flags = next((line.split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    has_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
+    assert emulated_compute_dtype("cpu") == (torch.bfloat16 if has_bf16 else torch.float32)
     assert emulated_compute_dtype("cuda") == torch.bfloat16
+    assert emulated_compute_dtype("cpu", "fp32") == torch.float32
+    assert emulated_compute_dtype("cpu", "bf16") == torch.bfloat16
+    with pytest.raises(ValueError, match="emulated_dtype must be one of auto, fp32, bf16"):
+        emulated_compute_dtype("cpu", "fp16")
     with pytest.raises(ValueError, match="make_te_linear"):
         resolve_backend("te", "cpu")
     with pytest.raises(ValueError, match="allowed"):
         resolve_backend("cublas", "cpu")
+
+
+@pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)])
+def test_fp32_and_bf16_emulation_agree_on_fp8_operands(dtypes):
+    """FP8 values are exact in bf16 and their products exact in fp32. With sums that bf16 also holds exactly
+    (integer FP8 values in [-2, 2], K = 4: |sum| <= 16), both compute dtypes return the fp64 reference bit for
+    bit; in general the bf16 path on CPU equals the fp32 result rounded once to bf16 (torch has no
+    bf16 x bf16 -> fp32 GEMM on CPU; oneDNN accumulates in fp32 and rounds the result)."""
+    g = torch.Generator().manual_seed(9)
+    scale_a, scale_b = torch.tensor(2.0), torch.tensor(0.75)
+    for k, low, high, divisor in ((4, -2, 3, 1), (64, -8, 9, 4)):
+        a_data = (torch.randint(low, high, (24, k), generator=g).float() / divisor).to(dtypes[0])
+        b_data = (torch.randint(low, high, (k, 8), generator=g).float() / divisor).to(dtypes[1])
+        a, b = Fp8Operand(a_data, scale_a), Fp8Operand(b_data, scale_b)
+        ref = (a_data.double() @ b_data.double()) * 2.0 * 0.75
+        fp32 = fp8_mm(a, b, "emulated", compute_dtype=torch.float32)
+        bf16 = fp8_mm(a, b, "emulated", compute_dtype=torch.bfloat16)
+        assert fp32.dtype == bf16.dtype == torch.float32
+        assert torch.equal(fp32.double(), ref)  # every partial sum exact in fp32
+        unscaled_fp32 = torch.mm(a_data.float(), b_data.float())
+        assert torch.equal(bf16, unscaled_fp32.bfloat16().float() * 2.0 * 0.75)
+        if k == 4:
+            assert torch.equal(bf16, fp32)

@@ -17,7 +17,6 @@ import shutil
 import numpy as np
 import pytest
 import torch
-import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -166,10 +165,10 @@ def test_fp8_linear_state_stays_sane_under_hostile_inputs_and_gradients(recipe_n
         expected_counts["grad_output"] += grad_kind in NONFINITE_KINDS
         if input_kind not in NONFINITE_KINDS:
             assert torch.isfinite(out).all(), (input_kind, "forward output")
-            # Finite operands give finite gradients unless the two operand scales multiply past the fp32 max:
-            # 1e30 inputs times 1e30 gradients (a real overflow), or, with delayed scaling, scales that a 1e30
-            # step left in the history (see test_scale_product_overflow_keeps_zeros_finite).
-            if grad_kind not in NONFINITE_KINDS and not _scale_product_overflows(layer, input_kind, grad_kind):
+            # Finite operands give finite gradients unless a backward GEMM's result times its operand scales can
+            # pass the fp32 max: 1e30 inputs times 1e30 gradients (a real overflow), or, with delayed scaling,
+            # scales that a 1e30 step left in the history. The bound comes from the reference, not the layer.
+            if grad_kind not in NONFINITE_KINDS and not _gradients_may_overflow(r, refs, x, grad_output, layer):
                 assert torch.isfinite(x.grad).all() and torch.isfinite(layer.weight.grad).all()
         for role, tensor in (("input", x), ("grad_output", grad_output)):
             refs[role].step(float(tensor.detach().abs().amax()))
@@ -190,11 +189,31 @@ def test_fp8_linear_state_stays_sane_under_hostile_inputs_and_gradients(recipe_n
                 assert float(getattr(layer, f"{role}_scale")) == pytest.approx(ref.scale, rel=1e-6)
 
 
-def _scale_product_overflows(layer: Fp8Linear, input_kind: str, grad_kind: str) -> bool:
-    if layer.recipe.scaling in ("rowwise", "block"):  # per-row/block scales, no history: only this step counts
-        return input_kind == grad_kind == "huge"
-    product = torch.tensor(layer.last_stats["input"]["scale"]) * torch.tensor(layer.last_stats["grad_output"]["scale"])
-    return not bool(torch.isfinite(product))
+FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _scale_upper_bound(tensor: torch.Tensor, fmt, ref: DelayedReference | None) -> float:
+    """An upper bound (float64) on every scale this step's operand was quantized with, from the documented rule:
+    delayed scaling uses the reference's scale once it has one; otherwise (and for the dynamic recipes) a scale is
+    amax / max, at most doubled by pow2 rounding, where any row's or block's amax is at most the tensor's."""
+    if ref is not None and ref.scale is not None:
+        return ref.scale
+    amax = float(tensor.detach().abs().amax())
+    return 2 * amax / fmt.max if math.isfinite(amax) and amax > 0 else 1.0
+
+
+def _gradients_may_overflow(r, refs: dict, x, grad_output, layer: Fp8Linear) -> bool:
+    """True when a backward GEMM, |sum| <= (contracted length) * max_a * max_b in FP8 units, can pass the fp32 max
+    once its scales are applied one after the other (gemm._apply_outer_scales)."""
+    delayed = r.is_delayed
+    fmt_x, fmt_w, fmt_dy = (get_format(r.format_of(role)) for role in ("input", "weight", "grad_output"))
+    s_x = _scale_upper_bound(x, fmt_x, refs["input"] if delayed else None)
+    s_dy = _scale_upper_bound(grad_output, fmt_dy, refs["grad_output"] if delayed else None)
+    s_w = _scale_upper_bound(layer.weight, fmt_w, None)
+    rows = x.numel() // x.shape[-1]
+    grad_weight_bound = rows * fmt_dy.max * fmt_x.max * s_dy           # grad_output.T @ input, M terms
+    grad_input_bound = layer.out_features * fmt_dy.max * fmt_w.max * s_dy  # grad_output @ weight, N terms
+    return max(grad_weight_bound, grad_weight_bound * s_x, grad_input_bound, grad_input_bound * s_w) > FP32_MAX
 
 
 def test_scale_product_overflow_keeps_zeros_finite():
@@ -234,21 +253,15 @@ def test_telemetry_reports_nonfinite_events(recipe_name):
 # The loop's guard
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_skip_guard_skips_a_nonfinite_step_counts_and_logs_it(tmp_path, monkeypatch):
+def test_skip_guard_skips_a_nonfinite_step_counts_and_logs_it(tmp_path, monkeypatch, tiny):
     """One NaN in one block's output gradient at step 2 (a tensor hook): the gradients are NaN, the guard skips
     that optimizer step (weights and AdamW state unchanged), the events are counted and reported, the scales stay
     finite, and training goes on."""
     import fp8train.training.loop as train_module
-    from fp8train.training.data import stdlib_files
 
-    (tmp_path / "corpus.txt").write_text("".join(p.read_text(errors="replace") for p in stdlib_files()[1][:30]))
-    config = {"run": {"dir": str(tmp_path / "runs"), "name": "guard"}, "data": {"path": str(tmp_path / "corpus.txt")},
-              "model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "seq_len": 32},
-              "train": {"max_steps": 4, "batch_size": 8, "eval_every": 0, "eval_batches": 1, "device": "cpu"},
-              "optim": {"warmup_steps": 1}, "fp8": {"recipe": "delayed"}, "policy": {"min_features": 16},
-              "log": {"wandb": "disabled", "every": 1, "telemetry_every": 0},
-              "checkpoint": {"every": 1, "keep_last": 0}}
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    config = tiny.write(tmp_path, run={"name": "guard"}, train={"max_steps": 4, "eval_every": 0, "eval_batches": 1},
+                        optim={"warmup_steps": 1}, log={"telemetry_every": 0},
+                        checkpoint={"every": 1, "keep_last": 0})
     real_build = train_module.build_model
 
     def build_with_nan_gradient(model_cfg):
@@ -270,7 +283,7 @@ def test_skip_guard_skips_a_nonfinite_step_counts_and_logs_it(tmp_path, monkeypa
         return model
 
     monkeypatch.setattr(train_module, "build_model", build_with_nan_gradient)
-    summary = train_module.train(load_config(str(tmp_path / "c.yaml")), show_progress=False)
+    summary = train_module.train(load_config(str(config)), show_progress=False)
     assert summary["status"] == "completed" and summary["skipped_steps"] == 1 and summary["steps"] == 4
     run_dir = tmp_path / "runs" / "guard"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
@@ -295,7 +308,7 @@ def test_skip_guard_skips_a_nonfinite_step_counts_and_logs_it(tmp_path, monkeypa
     # A run resumed after the skip counts on from where it stopped (the counters ride in the checkpoint).
     shutil.copytree(run_dir, tmp_path / "runs" / "guard2")
     shutil.rmtree(tmp_path / "runs" / "guard2" / "checkpoints" / "step_000004")
-    resumed = train_module.train(load_config(str(tmp_path / "c.yaml"), ["run.name=guard2", "train.resume=true"]),
+    resumed = train_module.train(load_config(str(config), ["run.name=guard2", "train.resume=true"]),
                                  show_progress=False)
     assert resumed["resumed_from"].endswith("step_000003") and resumed["skipped_steps"] == 1
     again = [json.loads(line) for line in (tmp_path / "runs" / "guard2" / "metrics.jsonl").read_text().splitlines()]

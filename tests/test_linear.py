@@ -178,18 +178,95 @@ def test_delayed_zero_amax_keeps_previous_scale():
     assert layer.input_scale.item() == 2.0 and layer.input_amax_history[:3].tolist() == [0, 896, 0]
 
 
-def test_grad_accumulation_amax_is_max_over_micro_batches():
+@pytest.mark.parametrize("amaxes", [(896, 224), (224, 896), (224, 896, 448), (448, 448)],
+                         ids=["large-then-small", "small-then-large", "largest-in-the-middle", "equal"])
+def test_grad_accumulation_amax_is_max_over_micro_batches(amaxes):
+    """One optimizer step of several micro-batches: the step's amax is the max over all of them, whatever their
+    order (a pending amax that kept only the first or only the last micro-batch fails one of these orders)."""
     layer = _delayed_probe(amax_history_len=4, amax_compute_algo="most_recent")
-    for amax in (896, 224):  # two micro-batches of one optimizer step: the big one first
+    for amax in amaxes:
         x = torch.zeros(2, 16, requires_grad=True)
         with torch.no_grad():
             x[0, 0] = amax
         grad = torch.zeros(2, 16)
         grad[0, 0] = amax * 128  # e5m2 max is 57344 = 448 * 128
         layer(x).backward(grad)
+    assert layer.input_pending_amax.item() == max(amaxes)
     update_fp8_scales(layer)
-    assert layer.input_scale.item() == 2.0        # 896 / 448, not 224 / 448
-    assert layer.grad_output_scale.item() == 2.0  # 114688 / 57344, not 28672 / 57344
+    assert layer.input_scale.item() == max(amaxes) / 448               # e.g. 896 / 448 = 2
+    assert layer.grad_output_scale.item() == max(amaxes) * 128 / 57344  # e.g. 114688 / 57344 = 2
+    assert layer.input_amax_history.tolist() == [max(amaxes), 0, 0, 0]  # one history entry per optimizer step
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_eval_forwards_leave_delayed_state_untouched(algo):
+    """Eval-mode forwards quantize with the stored scales but record nothing: no pending amax, so the next
+    update_fp8_scales neither rolls the history nor moves a scale, even for an eval amax 4x the training one."""
+    layer = _delayed_probe(amax_history_len=4, amax_compute_algo=algo)
+    _step(layer, 448)  # training step: scale 1, history [448, 0, 0, 0]
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    layer.eval()
+    with torch.no_grad():
+        x = torch.zeros(2, 16)
+        x[0, 0] = 1792
+        y = layer(x)
+    assert y[0, 0].item() == 448 * 448  # quantized with the stored scale 1: 1792 saturates at 448
+    assert all(getattr(layer, f"{role}_pending_amax").item() == -1 for role in ROLES)
+    update_fp8_scales(layer)
+    for key, value in layer.state_dict().items():
+        assert torch.equal(value, state[key]), key
+
+    # An eval forward between two training micro-batches does not leak into that step's amax.
+    layer.train()
+    x = torch.zeros(2, 16)
+    x[0, 0] = 224
+    layer(x)
+    layer.eval()
+    x[0, 0] = 1792
+    layer(x)
+    layer.train()
+    assert layer.input_pending_amax.item() == 224
+    update_fp8_scales(layer)
+    assert layer.input_amax_history.tolist() == [224, 448, 0, 0]
+    assert layer.input_scale.item() == {"max": 1.0, "most_recent": 0.5}[algo]
+
+
+def test_eval_forward_of_a_fresh_layer_does_not_initialize_it():
+    layer = _delayed_probe(amax_history_len=4)
+    layer.eval()
+    x = torch.zeros(2, 16)
+    x[0, 0] = 896
+    assert layer(x)[0, 0].item() == 896 * 448  # no stored scale yet: its own amax, as on the first step
+    update_fp8_scales(layer)
+    for role in ROLES:
+        assert not getattr(layer, f"{role}_initialized").item(), role
+        assert getattr(layer, f"{role}_amax_history").abs().sum().item() == 0, role
+        assert getattr(layer, f"{role}_scale").item() == 1.0, role
+
+
+# The grad_output format of each preset, from DESIGN.md / README (not read from the recipe objects): E5M2 for the
+# hybrid tensorwise recipes, E4M3 for rowwise and block.
+GRAD_OUTPUT_FORMAT = {"delayed": "e5m2", "current": "e5m2", "rowwise": "e4m3fn", "block": "e4m3fn"}
+ML_FORMAT = {"e5m2": (ml_dtypes.float8_e5m2, 57344.0), "e4m3fn": (ml_dtypes.float8_e4m3fn, 448.0)}
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_grad_output_format_per_recipe(name):
+    """grad_output of amax 57344 and one entry of 144: E5M2 (scale 1) rounds 144 = 1.125 * 2^7 to the even 128,
+    E4M3 (scale 57344 / 448 = 128) keeps 1.125 exactly. With weight 448 * I, grad_input = 448 * grad_output as
+    quantized, so the gradient shows which format the backward used. Reference: ml_dtypes' cast."""
+    layer = _delayed_probe() if name == "delayed" else Fp8Linear(16, 16, bias=False, recipe=name)
+    with torch.no_grad():
+        layer.weight.copy_(448 * torch.eye(16))
+    x = torch.ones(2, 16, requires_grad=True)
+    grad = torch.zeros(2, 16)
+    grad[:, 0], grad[:, 1], grad[:, 2] = 57344.0, 144.0, -3.0
+    layer(x).backward(grad)
+    np_dtype, fmt_max = ML_FORMAT[GRAD_OUTPUT_FORMAT[name]]
+    scale = np.float32(57344.0 / fmt_max)  # a power of two for both formats: every recipe finds the same scale
+    expected = (grad.numpy() / scale).astype(np_dtype).astype(np.float64) * scale * 448
+    np.testing.assert_array_equal(x.grad.double().numpy(), expected)
+    assert x.grad[0, 1].item() == {"e5m2": 128 * 448, "e4m3fn": 144 * 448}[GRAD_OUTPUT_FORMAT[name]]
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
@@ -228,10 +305,25 @@ def test_nonfinite_counted_for_dynamic_recipes(name):
     assert layer.weight_nonfinite_amax_count.item() == 0
 
 
-def test_update_is_noop_without_delayed_layers():
-    layer = Fp8Linear(64, 64, recipe="current")
-    update_fp8_scales(nn.Sequential(layer))
-    assert "input_scale" not in layer.state_dict()
+def test_update_touches_only_delayed_layers():
+    """In a model that mixes recipes, update_fp8_scales rolls the delayed layer's state and leaves every buffer of
+    the current-scaling layer (its non-finite counters included) and its next output exactly as they were."""
+    delayed = _delayed_probe(amax_history_len=4)
+    current = Fp8Linear(16, 16, recipe="current")
+    model = nn.Sequential(delayed, current)
+    x = torch.zeros(3, 16)
+    x[0, 0], x[1, 1] = 896, -224
+    model(x)
+    current(torch.full((2, 16), math.nan))  # a non-finite event on the current layer: counted once
+    before = {k: v.clone() for k, v in current.state_dict().items()}
+    probe = torch.randn(4, 16)
+    y_before = current(probe)
+    update_fp8_scales(model)
+    assert delayed.input_amax_history.tolist() == [896, 0, 0, 0] and delayed.input_scale.item() == 2.0
+    assert current.input_nonfinite_amax_count.item() == 1
+    assert current.state_dict().keys() == before.keys()
+    assert all(torch.equal(current.state_dict()[k], v) for k, v in before.items())
+    assert torch.equal(current(probe), y_before)
 
 
 # ---- state, autocast, shapes ---------------------------------------------------------------------------------
@@ -266,18 +358,28 @@ def test_from_linear_reuses_parameters_and_repr():
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_output_dtype_follows_autocast(name):
+    """Under bf16 autocast the FP8 GEMMs still accumulate in fp32: the output is the fp32 output rounded once to
+    bf16, and the gradients (fp32 parameters, fp32 input) are the ones the same backward gives without autocast."""
     layer = Fp8Linear(128, 64, recipe=name)
     x = torch.randn(2, 8, 128, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = layer(x)
     assert y.dtype == torch.bfloat16 and y.shape == (2, 8, 64)
     y.float().sum().backward()
-    assert x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
-    assert layer(x).dtype == torch.float32
+    grads_autocast = x.grad.clone(), layer.weight.grad.clone()
+    assert grads_autocast[0].dtype == torch.float32 and grads_autocast[1].dtype == torch.float32
+    x.grad, layer.weight.grad, layer.bias.grad = None, None, None
+    y_fp32 = layer(x)
+    assert y_fp32.dtype == torch.float32
+    assert torch.equal(y, y_fp32.detach().bfloat16())
+    y_fp32.sum().backward()
+    assert torch.equal(grads_autocast[0], x.grad) and torch.equal(grads_autocast[1], layer.weight.grad)
     xb = x.detach().bfloat16().requires_grad_(True)
     yb = layer(xb)
     yb.sum().backward()
     assert yb.dtype == torch.bfloat16 and xb.grad.dtype == torch.bfloat16
+    # A bf16 input holds values exact in fp32: the same layer on their fp32 copy, rounded once, gives the same.
+    assert torch.equal(yb, layer(xb.detach().float()).bfloat16())
 
 
 def test_bias_added_in_fp32():
@@ -317,3 +419,150 @@ def test_telemetry_records_every_role():
 def test_te_backend_is_not_an_fp8linear_backend():
     with pytest.raises(ValueError, match="make_te_linear"):
         Fp8Linear(64, 64, recipe=recipe("current", backend="te"))
+
+
+# ---- the weight's FP8 copy: made once per weight version, reused, invalidated ------------------------------
+def _weight_quantizations(monkeypatch, layer):
+    calls = []
+    real = layer._quantize
+
+    def counting(role, tensor, keep_values=True):
+        calls.append(role)
+        return real(role, tensor, keep_values)
+
+    monkeypatch.setattr(layer, "_quantize", counting)
+    return calls
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_weight_fp8_made_once_per_step_and_remade_when_the_weight_changes(name, monkeypatch):
+    torch.manual_seed(4)
+    layer = Fp8Linear(64, 48, recipe=recipe(name, amax_history_len=4))
+    calls = _weight_quantizations(monkeypatch, layer)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for _ in range(3):  # three micro-batches, one optimizer step
+        layer(torch.randn(8, 64)).sum().backward()
+    assert calls.count("weight") == 1 and calls.count("input") == calls.count("grad_output") == 3
+    optimizer.step()
+    update_fp8_scales(layer)
+    x = torch.randn(8, 64)
+    out = layer(x)
+    assert calls.count("weight") == 2  # the step changed the weight in place
+    # ... and the remade copy is exactly what a fresh layer with the same state computes
+    fresh = Fp8Linear(64, 48, recipe=layer.recipe)
+    fresh.load_state_dict(layer.state_dict())
+    fresh.train()
+    assert torch.equal(fresh(x), out)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # any in-place change
+    layer(x)
+    assert calls.count("weight") == 3
+    layer.load_state_dict(fresh.state_dict())  # a checkpoint load
+    assert torch.equal(layer(x), fresh(x)) and calls.count("weight") == 4
+    layer.eval()
+    layer(x)
+    assert calls.count("weight") == 5  # eval never records amaxes: its copy is not the training one
+
+
+def test_delayed_weight_amax_recorded_once_per_step_under_grad_accumulation():
+    layer = _delayed_probe(amax_history_len=4)
+    for _ in range(2):
+        layer(torch.randn(2, 16)).sum().backward()
+    assert layer.weight_pending_amax.item() == 448.0
+    update_fp8_scales(layer)
+    assert layer.weight_amax_history[:2].tolist() == [448.0, 0.0]
+
+
+# ---- stacked update: layers of different options, one call ---------------------------------------------------
+def test_stacked_update_handles_groups_of_different_recipes():
+    a = _delayed_probe(amax_history_len=3, amax_compute_algo="max")
+    b = _delayed_probe(amax_history_len=5, amax_compute_algo="most_recent", margin=1)
+    model = nn.Sequential(a, b)
+    for amax in (448, 1792, 224):
+        x = torch.zeros(2, 16)
+        x[0, 0] = amax
+        a(x), b(x)
+        update_fp8_scales(model)
+    assert a.input_amax_history.tolist() == [224, 1792, 448] and a.input_scale.item() == 4.0  # 1792 / 448
+    assert b.input_amax_history[:3].tolist() == [224, 1792, 448] and b.input_scale.item() == 1.0  # 224/448*2
+
+
+# ---- outliers in delayed scaling (issue 13.12) ---------------------------------------------------------------
+def test_outlier_is_counted_and_factor_keeps_it_from_setting_the_scale():
+    """One 1e30 step: with plain max, the next steps (amax 1) quantize below the smallest normal and are
+    counted as stale; with amax_outlier_factor=1000 the scale comes from the second largest amax (1)."""
+    used = {}
+    for factor in (0.0, 1000.0):
+        layer = _delayed_probe(amax_history_len=8, amax_outlier_factor=factor)
+        used[factor] = [_step(layer, amax) for amax in (1.0, 1e30, 1.0, 1.0)]
+        used[factor].append(layer.input_stale_scale_steps.item())
+    # no factor: scale 1e30 / 448 after the outlier; 1.0 / scale = 4.5e-28 flushes to 0 (counted twice)
+    assert used[0.0][2:] == [0.0, 0.0, 2]
+    # factor: max(history) = 1e30 > 1000 * 1, so the scale is 1 / 448 and 1.0 comes back exactly; nothing stale
+    assert used[1000.0][2:] == [pytest.approx(1.0, rel=1e-6), pytest.approx(1.0, rel=1e-6), 0]
+
+
+def test_outlier_factor_trusts_two_outliers():
+    layer = _delayed_probe(amax_history_len=8, amax_outlier_factor=1000.0)
+    for amax in (1.0, 1e30, 1e30):
+        _step(layer, amax)
+    assert layer.input_scale.item() == pytest.approx(1e30 / 448, rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", [1.0, 0.5, -2, math.inf, math.nan, True, "10"])
+def test_outlier_factor_validated(bad):
+    with pytest.raises(ValueError, match="amax_outlier_factor"):
+        recipe("delayed", amax_outlier_factor=bad)
+
+
+# ---- op counts (issue 14): top-level aten ops of one forward + .float().sum().backward() ---------------------
+def top_level_aten_ops(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+
+    def nested(event):
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and not nested(e))
+
+
+def _fwd_bwd_512(layer):
+    x = torch.randn(512, 256)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x.requires_grad_(True))
+        y.float().sum().backward()
+        layer.weight.grad = layer.bias.grad = x.grad = None
+
+    return step
+
+
+@pytest.mark.parametrize("name", ["current", "delayed"])
+def test_fp8_linear_op_count_is_at_most_2_5x_nn_linear(name):
+    torch.manual_seed(0)
+    baseline = _fwd_bwd_512(nn.Linear(256, 256))
+    baseline()
+    layer = Fp8Linear(256, 256, recipe=name)
+    step = _fwd_bwd_512(layer)
+    step()
+    update_fp8_scales(layer)  # steady state: delayed scales initialized
+    step()  # the weight copy of this step is made here; the counted micro-batch reuses it
+    reference, fp8 = top_level_aten_ops(baseline), top_level_aten_ops(step)
+    assert fp8 <= 2.5 * reference, (fp8, reference)
+
+
+def test_delayed_update_ops_do_not_grow_with_layers():
+    counts = []
+    for n_layers in (2, 8):
+        model = nn.Sequential(*[Fp8Linear(32, 32, recipe="delayed") for _ in range(n_layers)])
+        model(torch.randn(4, 32)).sum().backward()
+        counts.append(top_level_aten_ops(lambda: update_fp8_scales(model)))
+    assert counts[0] == counts[1] and counts[0] <= 60, counts

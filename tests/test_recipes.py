@@ -16,6 +16,8 @@ PRESETS = {
                     grad_output_format="e4m3fn", pow2_scales=True),
     "block": dict(scaling="block", input_format="e4m3fn", weight_format="e4m3fn", grad_output_format="e4m3fn",
                   pow2_scales=True, input_block=(1, 128), weight_block=(128, 128), grad_output_block=(1, 128)),
+    "mxfp8": dict(scaling="mxfp8", input_format="e4m3fn", weight_format="e4m3fn", grad_output_format="e4m3fn",
+                  margin=0, pow2_scales=False, input_block=(1, 32), weight_block=(1, 32), grad_output_block=(1, 32)),
 }
 
 
@@ -32,7 +34,7 @@ def test_preset_fields(name):
 
 
 @pytest.mark.parametrize("name, granularity", [("delayed", "tensor"), ("current", "tensor"), ("rowwise", "row"),
-                                               ("block", "block")])
+                                               ("block", "block"), ("mxfp8", "block")])
 def test_granularity_per_role(name, granularity):
     r = recipe(name)
     assert all(r.granularity_of(role) == granularity for role in ("input", "weight", "grad_output"))

@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch.nn as nn
 
-from fp8train.nn.te import make_te_linear, te_recipe_kwargs
+from fp8train.nn.te import make_te_linear, te_config_refusal, te_recipe_kwargs
 from fp8train.nn.recipes import recipe
 
 EXPECTED = {
@@ -14,17 +14,37 @@ EXPECTED = {
     "current": ("Float8CurrentScaling", dict(fp8_format="HYBRID"), True),
     "rowwise": ("MXFP8BlockScaling", dict(fp8_format="E4M3"), False),
     "block": ("Float8BlockScaling", dict(fp8_format="E4M3"), True),
+    "mxfp8": ("MXFP8BlockScaling", dict(fp8_format="E4M3"), False),
 }
+BLACKWELL, HOPPER = (10, 0), (9, 0)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_preset_mapping(name):
     cls, kwargs, exact = EXPECTED[name]
-    spec = te_recipe_kwargs(recipe(name))
+    spec = te_recipe_kwargs(recipe(name), BLACKWELL)
     assert spec["recipe_class"] == cls
     assert spec["kwargs"] == kwargs
     assert spec["exact"] is exact
     assert exact or spec["note"]  # an inexact mapping says why
+
+
+@pytest.mark.parametrize("name", ["rowwise", "mxfp8"])
+@pytest.mark.parametrize("capability", [None, HOPPER, (8, 9)])
+def test_mxfp8_mappings_refused_before_sm100(name, capability):
+    with pytest.raises(ValueError, match="sm100"):
+        te_recipe_kwargs(recipe(name), capability)
+
+
+@pytest.mark.parametrize("name", ["delayed", "current", "block"])
+def test_hopper_recipes_map_on_hopper(name):
+    assert te_recipe_kwargs(recipe(name), HOPPER)["recipe_class"] == EXPECTED[name][0]
+
+
+@pytest.mark.parametrize("name", ["current", "rowwise", "block", "mxfp8"])
+def test_te_backend_refusal_says_why(name):
+    message = te_config_refusal(recipe(name))
+    assert "te.autocast" in message and "scaled_mm" in message
 
 
 def test_delayed_carries_history_algo_margin():

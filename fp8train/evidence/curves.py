@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fp8train.training.rundir import METRICS_FILE, read_jsonl
+from fp8train.training.rundir import METRICS_FILE, read_jsonl, restore_nonfinite
 
 __all__ = ["Curve", "load_curve"]
 
@@ -21,13 +21,14 @@ class Curve:
 
 
 def _number(value) -> float:
-    # strict JSON writes NaN and inf as null; a logged null loss is a non-finite loss
+    # strict JSON writes NaN and inf as null (restore_nonfinite brings back the marked ones): an unmarked null
+    # loss is still a non-finite loss
     return float("nan") if value is None else float(value)
 
 
 def load_curve(run_dir: str | Path) -> Curve:
     curve = Curve()
-    for record in read_jsonl(Path(run_dir) / METRICS_FILE):
+    for record in map(restore_nonfinite, read_jsonl(Path(run_dir) / METRICS_FILE)):
         step = record["step"]
         if "val_loss" in record:
             curve.val[step] = _number(record["val_loss"])

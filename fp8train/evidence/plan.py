@@ -26,9 +26,10 @@ from pathlib import Path
 from fp8train.evidence import stats
 from fp8train.training.config import HASH_EXCLUDE, FullConfig, config_hash, config_to_yaml, fp8_recipe_from_config, load_config
 from fp8train.training.config.validation import BASELINE_LABEL, Candidate, parse_candidate, resolve_seeds
-from fp8train.training.rundir import read_json
+from fp8train.training.data import build_data, describe_fingerprint_change
+from fp8train.training.rundir import dir_state, read_json
 
-__all__ = ["PLAN_FILE", "BASELINE", "PlannedRun", "plan_runs", "make_plan", "check_plan", "validation_dir",
+__all__ = ["PLAN_FILE", "BASELINE", "PlannedRun", "plan_runs", "fingerprint_runs", "make_plan", "check_plan", "validation_dir",
            "run_dir", "derive_config"]
 
 PLAN_FILE = "plan.json"
@@ -36,7 +37,7 @@ BASELINE = BASELINE_LABEL
 RUNS_DIR = "runs"
 # What must match between a new invocation and the plan on disk: the experiment and what was declared.
 # (validate.workers is absent on purpose: how many runs go at once changes nothing that is measured.)
-PLAN_KEYS = ("config_hash", "margin", "final_window", "seeds", "stop_on_divergence", "divergence_factor",
+PLAN_KEYS = ("data_fingerprint", "config_hash", "margin", "final_window", "seeds", "stop_on_divergence", "divergence_factor",
              "candidates", "runs", "confidence", "power")
 
 
@@ -48,6 +49,8 @@ class PlannedRun:
     seed: int
     cfg: FullConfig
     candidate: Candidate | None = None
+    data_fingerprint: dict | None = None  # what train() will train on (set by fingerprint_runs)
+    data_source: str = "the data"
 
     @property
     def key(self) -> str:
@@ -57,6 +60,18 @@ class PlannedRun:
     @property
     def is_baseline(self) -> bool:
         return self.candidate is None
+
+
+def fingerprint_runs(runs: list[PlannedRun]) -> None:
+    """Read each run's data once per distinct data setting and record its content fingerprint: the plan, and
+    every check of a re-run against it, are then about the tokens, not just the path."""
+    seen: dict[str, tuple[dict, str]] = {}
+    for run in runs:
+        key = repr((run.cfg.data, run.cfg.model.seq_len, run.cfg.model.vocab_size))
+        if key not in seen:
+            data = build_data(run.cfg)
+            seen[key] = (data.fingerprint, data.source)
+        run.data_fingerprint, run.data_source = seen[key]
 
 
 def validation_dir(cfg: FullConfig) -> Path:
@@ -138,20 +153,33 @@ def make_plan(cfg: FullConfig, runs: list[PlannedRun]) -> dict:
         "runs": {r.key: {"label": r.label, "seed": r.seed, "config_hash": config_hash(r.cfg)} for r in runs},
         # train.seed differs between the seeds' runs and is declared in "seeds", so the experiment's hash skips it
         "config_hash": config_hash(runs[0].cfg, exclude=HASH_EXCLUDE + ("train.seed",)),
+        "data_fingerprint": runs[0].data_fingerprint,
         "max_steps": cfg.train.max_steps, "eval_every": cfg.train.eval_every,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
 
-def check_plan(vdir: Path, plan: dict) -> dict | None:
-    """The plan already in ``vdir`` if it matches ``plan``; None if there is none; ValueError on a mismatch."""
-    path = vdir / PLAN_FILE
-    if not path.exists():
-        if vdir.exists() and any(vdir.iterdir()):
-            raise ValueError(f"{vdir} exists and is not a validation directory (no {PLAN_FILE}); choose another "
-                             "run.name or run.dir (nothing was changed)")
+def check_plan(vdir: Path, plan: dict, data_source: str = "the data") -> dict | None:
+    """The plan already in ``vdir`` if it matches ``plan``; None if there is none (or a damaged one that no run
+    depends on); ValueError on a mismatch, naming what differs."""
+    state = dir_state(vdir, PLAN_FILE)
+    if state == "other":
+        raise ValueError(f"{vdir} exists and is not a validation directory (no {PLAN_FILE}); choose another "
+                         "run.name or run.dir (nothing was changed)")
+    if state != "run":
         return None
-    old = read_json(path)
+    try:
+        old = read_json(vdir / PLAN_FILE)
+    except ValueError:
+        if any((vdir / RUNS_DIR).glob("*")):  # runs were made under that plan: its declarations are lost
+            raise ValueError(f"{vdir / PLAN_FILE} is damaged and runs were already made under it, so what was "
+                             "declared before them cannot be checked; use a new run.name (nothing was changed)"
+                             ) from None
+        return None  # damaged before any run started: nothing depends on it, plan again
+    change = describe_fingerprint_change(old.get("data_fingerprint"), plan.get("data_fingerprint"), data_source)
+    if change is not None:
+        raise ValueError(f"{vdir}: {change}. Its runs were made on the old data, so a verdict now would compare "
+                         "runs on different data; use a new run.name (nothing was changed)")
     diffs = [k for k in PLAN_KEYS if _canonical(k, old.get(k)) != _canonical(k, plan.get(k))]
     if diffs:
         detail = "; ".join(_describe_diff(k, old.get(k), plan.get(k)) for k in diffs)
@@ -172,6 +200,8 @@ def _canonical(key: str, value):
 def _describe_diff(key: str, old, new) -> str:
     if key == "config_hash":
         return "model/data/optimizer/train settings differ (config hash)"
+    if key == "data_fingerprint":
+        return "the data fingerprint differs (plan.json from an older fp8train?)"
     if key == "runs":
         return "the runs' configs differ"
     return f"validate.{key}: plan.json has {old!r}, now {new!r}"

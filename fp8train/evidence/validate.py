@@ -18,12 +18,13 @@ import math
 import sys
 from pathlib import Path
 
-from fp8train.evidence.plan import PLAN_FILE, check_plan, make_plan, plan_runs, validation_dir
+from fp8train.evidence.plan import PLAN_FILE, check_plan, fingerprint_runs, make_plan, plan_runs, validation_dir
 from fp8train.evidence.report import write_validation_report
 from fp8train.evidence.runner import default_workers, run_plan
 from fp8train.training.config import FullConfig, add_config_arguments, config_hash, load_config
 from fp8train.training.loop import make_accelerator
-from fp8train.training.rundir import SUMMARY_FILE, read_json, write_json_atomic
+from fp8train.training.rank0 import on_main_process
+from fp8train.training.rundir import SUMMARY_FILE, DirLock, read_json, write_json_atomic
 
 __all__ = ["run_validation", "resolve_workers", "verdict_lines", "EXIT_CODES", "add_cli_arguments", "cli_main"]
 
@@ -55,21 +56,38 @@ def run_validation(cfg: FullConfig, candidates=None, accelerator=None, show_prog
     ``candidates`` (specs) replaces validate.candidates. Every check happens before anything is written."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     runs = plan_runs(cfg, candidates)
+    fingerprint_runs(runs)
     plan = make_plan(cfg, runs)
     vdir = validation_dir(cfg)
-    existing = check_plan(vdir, plan)  # every rank checks (and fails alike) before rank 0 writes anything
+    check_plan(vdir, plan, runs[0].data_source)  # every rank checks (and fails alike) before rank 0 writes
     _check_run_dirs(runs, vdir)
     accelerator = accelerator or make_accelerator(cfg)
     workers = resolve_workers(cfg, accelerator.num_processes)
-    is_main = accelerator.is_main_process
-    accelerator.wait_for_everyone()
-    if is_main and existing is None:
+    lock = DirLock(vdir, "validation directory", log=log)
+
+    def lock_and_plan() -> None:
         vdir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(vdir / PLAN_FILE, plan)
+        lock.acquire()  # for the validation's life: a second validate of this directory is refused
+        try:
+            if check_plan(vdir, plan, runs[0].data_source) is None:  # again, under the lock
+                write_json_atomic(vdir / PLAN_FILE, plan)  # whole or not at all: a kill never leaves a torn plan
+        except BaseException:
+            lock.release()
+            raise
+
     accelerator.wait_for_everyone()
+    on_main_process(accelerator, lock_and_plan)
+    try:
+        return _run_planned(runs, plan, vdir, workers, accelerator, show_progress, log, write_report)
+    finally:
+        lock.release()
+
+
+def _run_planned(runs, plan, vdir, workers, accelerator, show_progress, log, write_report) -> dict:
+    is_main = accelerator.is_main_process
     if is_main:
         log(f"[validate] {vdir}: {len(runs)} runs ({len(plan['seeds'])} seeds x (bf16 + {len(plan['candidates'])} "
-            f"candidates)), margin {cfg.validate.margin:g} declared in {PLAN_FILE}, {workers} at a time")
+            f"candidates)), margin {plan['margin']:g} declared in {PLAN_FILE}, {workers} at a time")
     run_plan(runs, workers, accelerator=accelerator, log=log if is_main else (lambda _: None),
              show_progress=show_progress and workers == 1)
     summary = {}

@@ -4,20 +4,20 @@ Backends
 - `emulated` (any device). FP8 values are exactly representable in bf16 and fp32, and the product of two FP8
   values is exact in fp32 (at most 2 * 4 = 8 significant bits), so a GEMM over the FP8-valued operands with fp32
   accumulation reproduces an FP8 tensor-core GEMM up to accumulation order. The compute dtype is a deliberate,
-  per-device choice (`emulated_compute_dtype`):
-    * CPU: fp32. fp32 GEMM is exact for these operands and ~4-10x faster than bf16 GEMM on CPUs without
-      AMX/avx512-bf16 (measured 78 vs 17 GFLOP/s at 4096x1024x1024 on the reference 2-core box).
+  per-device choice (`emulated_compute_dtype`, overridable with `fp8.emulated_dtype: auto|fp32|bf16`):
+    * CPU without bf16 GEMM instructions (no avx512_bf16 / AMX): fp32. Exact for these operands and ~5-8x
+      faster than bf16 GEMM there (AMD EPYC, 2 cores, avx2: 77 vs ~10 GFLOP/s at 4096x1024x1024).
+    * CPU with avx512_bf16 or AMX (read from /proc/cpuinfo): bf16 inputs; oneDNN accumulates in fp32, but torch
+      has no bf16 x bf16 -> fp32 GEMM on CPU, so the GEMM's result is rounded to bf16 once.
     * CUDA: bf16 inputs, fp32 accumulation (tensor cores); the result is rounded to bf16 only if torch cannot
       return fp32 from a bf16 GEMM.
   Scales that are per tensor, or per row of a / per column of b (i.e. along the NON-contracted dims), factor out
   of the sum and are applied to the fp32 result: out = (a_fp8 @ b_fp8) * scale_a * scale_b. Scales that vary
   along the contracted dim (block tiles; per-row scales of an operand used transposed in a backward GEMM) do not
   factor out, so that operand is dequantized first (exact when scales are powers of two) and the GEMM runs in fp32.
-- `scaled_mm` (CUDA sm89+): `torch._scaled_mm`, first operand row-major, second column-major, every dim a
-  multiple of 16, fp32 scales. Tensorwise scales in all three GEMMs; rowwise scales (a per row, b per column)
-  where torch supports them. Anything else (block tiles, contracted-dim scales, odd shapes) falls back to
-  dequantize + bf16 GEMM with fp32 accumulation (`_dequant_gemm`), which is what the tensor core would compute
-  up to accumulation order.
+- `scaled_mm` (CUDA sm89+): torch's FP8 scaled matmul (fp8train.nn.scaled_gemm): tensorwise, rowwise and
+  blockwise (1x128 / 128x128) scales, output straight in the caller's dtype, bias fused where the kernel takes
+  it; a configuration no kernel takes falls back to dequantize + bf16 GEMM with fp32 accumulation, and says so.
 - `te` is not a GEMM here: Transformer Engine replaces the whole layer (fp8train.nn.te).
 - `auto`: scaled_mm on a capable CUDA GPU, else emulated.
 """
@@ -28,31 +28,54 @@ import functools
 
 import torch
 
+from fp8train.nn.accumulation import hopper_accumulated_mm
+from fp8train.nn.scaled_gemm import check_dialect, scaled_mm_available, scaled_mm_gemm
 from fp8train.nn.recipes import BACKENDS
 from fp8train.numerics.quant import decode_fp8
 
 __all__ = ["Fp8Operand", "fp8_mm", "resolve_backend", "scaled_mm_available", "emulated_compute_dtype",
-           "GEMM_BACKENDS"]
+           "GEMM_BACKENDS", "EMULATED_DTYPES", "cpu_has_bf16_gemm"]
 
 GEMM_BACKENDS = tuple(b for b in BACKENDS if b != "te")  # te runs through nn/te.py, not a GEMM here
+EMULATED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # plus "auto" (emulated_compute_dtype)
 
 
 class Fp8Operand:
     """A 2-D FP8 matrix as a GEMM sees it: `value ~= data.float() * expand(scale)`.
 
     `scale` is fp32 and either 0-d (per tensor), broadcastable to `data` ((R, 1) per row, (1, C) per column), or
-    a grid of tiles (ceil(R/br), ceil(C/bc)) with `block=(br, bc)`. `t()` is a free transpose (views only).
+    a grid of tiles (ceil(R/br), ceil(C/bc)) with `block=(br, bc)`. `t()` is a free transpose: views only, and
+    only of what a GEMM then reads (the bytes of a transposed operand are transposed on first access).
     The fp8 -> compute-dtype conversion is cached, so an operand used by two GEMMs is converted once.
     """
 
-    __slots__ = ("data", "scale", "block", "_cache")
+    __slots__ = ("_data", "_transposed_from", "scale", "block", "_cache")
 
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
+    def __init__(self, data: torch.Tensor | None, scale: torch.Tensor, block: tuple[int, int] | None = None,
                  values: torch.Tensor | None = None):
-        assert data.dim() == 2, "Fp8Operand is 2-D; flatten leading dims first"
-        self.data, self.scale, self.block = data, scale, block
-        # `values`: the fp32 FP8 values the quantizer already produced (saves a decode pass).
-        self._cache: dict = {} if values is None else {torch.float32: values}
+        assert data is None or data.dim() == 2, "Fp8Operand is 2-D; flatten leading dims first"
+        self._data, self.scale, self.block = data, scale, block
+        self._transposed_from: Fp8Operand | None = None  # set by t(): views of it are taken on first use
+        # `values`: the FP8 values the quantizer already produced, keyed by dtype (saves a decode pass).
+        self._cache: dict = {} if values is None else {values.dtype: values}
+
+    @property
+    def data(self) -> torch.Tensor:
+        if self._data is None:
+            self._data = self._transposed_from.data.t()
+        return self._data
+
+    @property
+    def device(self) -> torch.device:
+        return self.scale.device
+
+    def _cached(self, key):
+        """A cached conversion, or the transpose of the source operand's (one view, taken on first use)."""
+        if key not in self._cache and self._transposed_from is not None:
+            found = self._transposed_from._cache.get(key)
+            if found is not None:
+                self._cache[key] = found.t()
+        return self._cache.get(key)
 
     @classmethod
     def from_fp8_tensor(cls, q, keep_values: bool = True) -> "Fp8Operand":
@@ -64,24 +87,28 @@ class Fp8Operand:
 
     @property
     def shape(self) -> torch.Size:
-        return self.data.shape
+        if self._data is None:
+            rows, cols = self._transposed_from.shape
+            return torch.Size((cols, rows))
+        return self._data.shape
 
     def t(self) -> "Fp8Operand":
         scale = self.scale.t() if self.scale.dim() == 2 else self.scale
-        out = Fp8Operand(self.data.t(), scale, None if self.block is None else self.block[::-1])
-        out._cache = {k: v.t() for k, v in self._cache.items()}
+        out = Fp8Operand(None, scale, None if self.block is None else self.block[::-1])
+        # Only what a GEMM then reads gets transposed (views are dispatched ops too, on the hot path).
+        out._transposed_from = self
         return out
 
     def values(self, dtype: torch.dtype) -> torch.Tensor:
         """The FP8 values (unscaled) in `dtype` (exact for bf16/fp32); cached."""
-        if dtype not in self._cache:
-            # quant.decode_fp8 builds the values with integer ops: torch's own fp8 -> fp32 cast is slow on CPU.
-            values = self._cache.get(torch.float32)
+        found = self._cached(dtype)
+        if found is None:
+            values = next((v for v in (self._cached(d) for d in (torch.float32, torch.bfloat16)) if v is not None),
+                          None)
             if values is None:
-                values = self._cache[torch.float32] = decode_fp8(self.data)
-            if dtype != torch.float32:
-                self._cache[dtype] = values.to(dtype)
-        return self._cache[dtype]
+                values = decode_fp8(self.data)
+            found = self._cache[dtype] = values if values.dtype == dtype else values.to(dtype)
+        return found
 
     @property
     def scale_outer_rows(self) -> bool:
@@ -104,9 +131,11 @@ class Fp8Operand:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """values * scale in fp32 (exact for power-of-two scales), then `dtype`; cached."""
         key = ("dequantized", dtype)
-        if key not in self._cache:
-            self._cache[key] = self._dequantize_fp32().to(dtype)
-        return self._cache[key]
+        found = self._cached(key)
+        if found is None:
+            found = self._dequantize_fp32()
+            found = self._cache[key] = found if found.dtype == dtype else found.to(dtype)
+        return found
 
     def _dequantize_fp32(self) -> torch.Tensor:
         values = self.values(torch.float32)
@@ -122,26 +151,18 @@ class Fp8Operand:
         return (tiles * self.scale[:, None, :, None]).reshape(rows, cols)
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+def resolve_backend(backend: str, device: torch.device | str, formats: tuple[str, ...] = ()) -> str:
+    """'auto' -> 'scaled_mm' or 'emulated' for `device`; a 'scaled_mm' request that cannot run raises.
 
-
-def scaled_mm_available(device: torch.device | str) -> bool:
-    """True on a CUDA device of compute capability 8.9+ (Ada, Hopper, Blackwell) whose torch has _scaled_mm."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
-        return False
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
-
-
-def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """'auto' -> 'scaled_mm' or 'emulated' for `device`; a 'scaled_mm' request that cannot run raises."""
+    `formats` (the recipe's format names) lets a GPU refuse the FP8 dialect it does not implement (FNUZ on OCP
+    tensor cores, OCP on MI300) with a clear error instead of a kernel failure."""
     if backend == "auto":
-        return "scaled_mm" if scaled_mm_available(device) else "emulated"
+        backend = "scaled_mm" if scaled_mm_available(device) else "emulated"
     if backend == "emulated":
         return backend
     if backend == "scaled_mm":
+        if formats:
+            check_dialect(formats, device)
         if not scaled_mm_available(device):
             raise RuntimeError(f"backend='scaled_mm' needs a CUDA GPU with compute capability 8.9+ (Ada/Hopper or "
                                f"newer); the tensors are on {torch.device(device)}. Use backend='emulated' (exact "
@@ -154,21 +175,52 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     raise ValueError(f"unknown GEMM backend {backend!r}; allowed: {', '.join(GEMM_BACKENDS)}, te")
 
 
-def emulated_compute_dtype(device: torch.device | str) -> torch.dtype:
-    """fp32 on CPU (exact and much faster than CPU bf16 GEMM), bf16 on CUDA (tensor cores, fp32 accumulation)."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+@functools.lru_cache(maxsize=None)
+def cpu_has_bf16_gemm() -> bool:
+    """True when this CPU has bf16 GEMM instructions (avx512_bf16 or AMX-BF16), per /proc/cpuinfo's flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def emulated_compute_dtype(device: torch.device | str, choice: str = "auto") -> torch.dtype:
+    """The emulated GEMMs' input dtype: `choice` 'fp32' or 'bf16', or 'auto': bf16 on CUDA (tensor cores, fp32
+    accumulation) and on CPUs with bf16 GEMM instructions, fp32 on other CPUs (exact, and much faster there)."""
+    if choice != "auto":
+        if choice not in EMULATED_DTYPES:
+            raise ValueError(f"emulated_dtype must be one of auto, {', '.join(EMULATED_DTYPES)}; got {choice!r}")
+        return EMULATED_DTYPES[choice]
+    device = torch.device(device)
+    return torch.bfloat16 if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16_gemm()) \
+        else torch.float32
 
 
 def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
-           compute_dtype: torch.dtype | None = None, _allow_cpu_scaled_mm: bool = False) -> torch.Tensor:
-    """fp32 `dequant(a) @ dequant(b)` for a (M, K), b (K, N), computed by `backend` ('emulated'|'scaled_mm')."""
+           compute_dtype: torch.dtype | None = None, out_dtype: torch.dtype = torch.float32,
+           bias: torch.Tensor | None = None, use_fast_accum: bool = False, accumulation=None,
+           record: dict | None = None, gemm: str = "") -> torch.Tensor:
+    """`dequant(a) @ dequant(b) (+ bias)` for a (M, K), b (K, N), accumulated in fp32, returned in `out_dtype`.
+
+    backend 'scaled_mm': the FP8 kernel (`use_fast_accum` is its fast-accumulation switch; `record[gemm]` says
+    which kernel or fallback ran). backend 'emulated': exact FP8 products in `compute_dtype`, bias added in fp32;
+    `accumulation` (an `accumulation.HopperAccumulation`) models a tensor core's narrow accumulator instead."""
     if backend == "scaled_mm":
-        if not (_allow_cpu_scaled_mm or scaled_mm_available(a.data.device)):
-            resolve_backend("scaled_mm", a.data.device)  # raises with the explanation
-        return _scaled_mm_gemm(a, b)
-    if compute_dtype is None:
-        compute_dtype = emulated_compute_dtype(a.data.device)
-    return _emulated_gemm(a, b, compute_dtype)
+        if not scaled_mm_available(a.device):
+            resolve_backend("scaled_mm", a.device)  # raises with the explanation
+        return scaled_mm_gemm(a, b, out_dtype=out_dtype, bias=bias, use_fast_accum=use_fast_accum,
+                              record=record, gemm=gemm)
+    if record is not None:
+        record[gemm] = "emulated"
+    if accumulation is not None:
+        out = hopper_accumulated_mm(a.dequantize(torch.float32), b.dequantize(torch.float32), accumulation)
+    else:
+        out = _emulated_gemm(a, b, compute_dtype or emulated_compute_dtype(a.device))
+    if bias is not None:  # bias in fp32, one rounding to the output dtype below (no no-op casts: each is an op)
+        out.add_(bias if bias.dtype == torch.float32 else bias.float())
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
 def _emulated_gemm(a: Fp8Operand, b: Fp8Operand, compute_dtype: torch.dtype) -> torch.Tensor:
@@ -202,32 +254,3 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         except (TypeError, RuntimeError):
             pass
     return torch.mm(a, b).float()
-
-
-def _dequant_gemm(a: Fp8Operand, b: Fp8Operand) -> torch.Tensor:
-    """scaled_mm fallback: dequantize both operands, bf16 GEMM with fp32 accumulation on CUDA (fp32 elsewhere)."""
-    dtype = emulated_compute_dtype(a.data.device)
-    return _mm_fp32(a.dequantize(dtype), b.dequantize(dtype))
-
-
-def _scaled_mm_gemm(a: Fp8Operand, b: Fp8Operand) -> torch.Tensor:
-    (m, k), n = a.shape, b.shape[1]
-    tensorwise = a.scale.numel() == 1 and b.scale.numel() == 1 and a.block is None and b.block is None
-    rowwise = a.scale_outer_rows and b.scale_outer_cols and not tensorwise
-    both_e5m2 = a.data.dtype == b.data.dtype == torch.float8_e5m2  # no e5m2 x e5m2 kernel
-    if (m % 16 or k % 16 or n % 16) or both_e5m2 or not (tensorwise or rowwise):
-        return _dequant_gemm(a, b)
-    # Layouts: first operand row-major, second column-major (b.t() contiguous); copies only when needed.
-    a_data = a.data if a.data.is_contiguous() else a.data.contiguous()
-    b_data = b.data if b.data.t().is_contiguous() else b.data.t().contiguous().t()
-    if tensorwise:
-        return torch._scaled_mm(a_data, b_data, a.scale.reshape(()).float(), b.scale.reshape(()).float(),
-                                out_dtype=torch.float32)
-    scale_a = a.scale.expand(m, 1) if a.scale.dim() == 0 else a.scale
-    scale_b = b.scale.expand(1, n) if b.scale.dim() == 0 else b.scale
-    try:  # rowwise _scaled_mm: (M, 1) and (1, N) fp32 scales, bf16 output (sm90+ in most torch builds)
-        out = torch._scaled_mm(a_data, b_data, scale_a.contiguous().float(), scale_b.contiguous().float(),
-                               out_dtype=torch.bfloat16)
-    except RuntimeError:
-        return _dequant_gemm(a, b)
-    return out.float()

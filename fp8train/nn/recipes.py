@@ -11,6 +11,14 @@ cast to and at which granularity its scale is taken, plus how scales are compute
 |           | per output channel (weight)           |                                 |                  |
 | block     | 1x128 tiles (input, grad_output),     | e4m3fn / e4m3fn / e4m3fn        | powers of two    |
 |           | 128x128 tiles (weight); DeepSeek-V3   |                                 |                  |
+| mxfp8     | 1x32 blocks along the contracted dim  | e4m3fn / e4m3fn / e4m3fn        | E8M0 (OCP MX)    |
+|           | of every GEMM, every operand          |                                 |                  |
+
+Each GEMM wants its operands' scales along its NON-contracted dims (or tiles along K). The forward GEMM contracts
+the input's and weight's last dim, but grad_input contracts the weight's first dim and grad_weight the first dim
+of input and grad_output. For rowwise, mxfp8, and block tiles that are not square, those backward operands are
+therefore quantized a second time, from high precision, along the other axis (`Fp8Recipe.requantize_transposed`),
+as torchao (rowwise), DeepSeek-V3 (1x128 -> 128x1) and the MX training recipe do.
 
 `recipe("delayed", amax_history_len=16)` builds a preset with overrides; unknown names and invalid values raise a
 `ValueError` that says what is allowed.
@@ -19,16 +27,18 @@ cast to and at which granularity its scale is taken, plus how scales are compute
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from fp8train.numerics.formats import ALIASES, FORMAT_NAMES
 
 __all__ = ["Fp8Recipe", "recipe", "RECIPE_NAMES", "SCALINGS", "BACKENDS", "ROLES", "AMAX_COMPUTE_ALGOS", "FORMAT_NAMES"]
 
-SCALINGS = ("delayed", "current", "rowwise", "block")
+SCALINGS = ("delayed", "current", "rowwise", "block", "mxfp8")
 RECIPE_NAMES = SCALINGS  # one preset per scaling kind
 BACKENDS = ("auto", "emulated", "scaled_mm", "te")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+MX_BLOCK = (1, 32)  # OCP MX: 32 elements along the contracted dim share one E8M0 scale
 ROLES = ("input", "weight", "grad_output")
 # The one list of each kind of name: config, bench, telemetry, GEMM and serving import these. Format names are
 # those of fp8train.numerics.formats (FORMAT_NAMES, re-exported here; "e4m3" is an alias of "e4m3fn").
@@ -59,6 +69,10 @@ class Fp8Recipe:
     """Delayed scaling only: number of earlier steps whose amax is kept."""
     amax_compute_algo: str = "max"
     """Delayed scaling only: 'max' of the history or its 'most_recent' entry."""
+    amax_outlier_factor: float = 0.0
+    """Delayed scaling with 'max' only, opt-in (0 = off; else > 1): when the largest history entry is more than
+    this factor times the second largest (> 0), the scale comes from the second largest, so one outlier step
+    does not flush the next amax_history_len steps to zero (see fp8train.nn.linear)."""
     input_block: tuple[int, int] = (1, 128)
     """Block scaling only: tile (rows, cols) of the input (M, K) sharing one scale."""
     weight_block: tuple[int, int] = (128, 128)
@@ -67,6 +81,14 @@ class Fp8Recipe:
     """Block scaling only: tile (rows, cols) of grad_output (M, N) sharing one scale."""
     backend: str = "auto"
     """GEMM backend: 'auto' (scaled_mm on a capable CUDA GPU, else emulated), 'emulated', 'scaled_mm', 'te'."""
+    fast_accum_forward: bool = True
+    """scaled_mm only: the forward GEMM uses the tensor core's fast (never promoted) accumulation, as TE and
+    torchao do by default; the two backward GEMMs always use the precise (promoted) accumulation."""
+    accumulator_bits: int = 0
+    """emulated only: 0 = exact fp32 accumulation; 2..24 = model a tensor core that keeps this many significant
+    bits of the accumulator (Hopper: ~14; see nn/accumulation.py). An analysis option: slow."""
+    accumulator_promotion: int = 128
+    """emulated with accumulator_bits > 0: products along K between promotions to fp32; 0 = never."""
 
     def __post_init__(self) -> None:
         _check_choice("scaling", self.scaling, SCALINGS)
@@ -86,6 +108,11 @@ class Fp8Recipe:
         if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
                 or self.amax_history_len < 1:
             raise ValueError(f"amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
+        factor = self.amax_outlier_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
+                or not (factor == 0 or factor > 1):
+            raise ValueError(f"amax_outlier_factor must be 0 (off) or a number > 1, got {factor!r}")
+        object.__setattr__(self, "amax_outlier_factor", float(factor))
         for role in ROLES:
             key = f"{role}_block"
             block = getattr(self, key)
@@ -94,12 +121,34 @@ class Fp8Recipe:
             if not ok:
                 raise ValueError(f"{key} must be two positive ints (rows, cols), got {block!r}")
             object.__setattr__(self, key, tuple(block))
+        for key in ("fast_accum_forward",):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{key} must be a bool, got {getattr(self, key)!r}")
+        bits, promotion = self.accumulator_bits, self.accumulator_promotion
+        if isinstance(bits, bool) or not isinstance(bits, int) or not (bits == 0 or 2 <= bits <= 24):
+            raise ValueError(f"accumulator_bits must be 0 (exact fp32) or an int in [2, 24], got {bits!r}")
+        if isinstance(promotion, bool) or not isinstance(promotion, int) or promotion < 0 or promotion % 32:
+            raise ValueError(f"accumulator_promotion must be 0 (never) or a positive multiple of 32 (the MMA "
+                             f"depth), got {promotion!r}")
+        if self.scaling == "mxfp8":
+            self._check_mxfp8()
         # Multi-field rule: FNUZ (MI300) and OCP formats cannot be mixed inside one GEMM.
         dialects = {self.format_of(r).endswith("fnuz") for r in ROLES}
         if len(dialects) > 1:
             raise ValueError("input_format, weight_format and grad_output_format must all be OCP (e4m3fn, e5m2) "
                              "or all FNUZ (e4m3fnuz, e5m2fnuz); got "
                              + ", ".join(self.format_of(r) for r in ROLES))
+
+    def _check_mxfp8(self) -> None:
+        tiles = {r: self.block_of(r) for r in ROLES}
+        if any(t != MX_BLOCK for t in tiles.values()):
+            raise ValueError(f"scaling='mxfp8' uses 1x32 blocks for every operand (OCP MX); got "
+                             + ", ".join(f"{r}_block={t}" for r, t in tiles.items()))
+        if self.margin != 0 or self.pow2_scales:
+            raise ValueError("scaling='mxfp8' takes its E8M0 scales from the OCP MX rule: margin must be 0 and "
+                             "pow2_scales False (the scales are powers of two already)")
+        if any(self.format_of(r).endswith("fnuz") for r in ROLES):
+            raise ValueError("scaling='mxfp8' elements are OCP formats (e4m3fn, e5m2), not FNUZ")
 
     # --- per-role views used by Fp8Linear -------------------------------------------------------------------
     def format_of(self, role: str) -> str:
@@ -108,7 +157,19 @@ class Fp8Recipe:
 
     def granularity_of(self, role: str) -> str:
         """quant.quantize granularity of `role`: 'tensor', 'row' or 'block'."""
-        return {"delayed": "tensor", "current": "tensor", "rowwise": "row", "block": "block"}[self.scaling]
+        return {"delayed": "tensor", "current": "tensor", "rowwise": "row", "block": "block",
+                "mxfp8": "block"}[self.scaling]
+
+    def requantize_transposed(self, role: str) -> bool:
+        """Whether `role` is quantized again along its other axis for the backward GEMM that contracts its
+        first dim (weight in grad_input; input and grad_output in grad_weight): per-row scales and non-square
+        tiles would otherwise vary along that GEMM's contracted dim."""
+        if self.is_tensorwise:
+            return False
+        if self.scaling == "rowwise":
+            return True
+        rows, cols = self.block_of(role)
+        return rows != cols
 
     def block_of(self, role: str) -> tuple[int, int]:
         """Tile of `role` for block scaling (ignored otherwise)."""
@@ -128,13 +189,19 @@ class Fp8Recipe:
         parts = [self.scaling, fmts]
         if self.scaling == "delayed":
             parts.append(f"h{self.amax_history_len}{'max' if self.amax_compute_algo == 'max' else 'recent'}")
-        if self.scaling == "block":
+            if self.amax_outlier_factor:
+                parts.append(f"o{self.amax_outlier_factor:g}")
+        if self.scaling in ("block", "mxfp8"):
             parts.append("b" + ",".join(f"{r}x{c}" for r, c in (self.block_of(x) for x in ROLES)))
         parts.append(f"m{self.margin}")
         if self.pow2_scales:
             parts.append("pow2")
         if self.backend != "auto":
             parts.append(self.backend)
+        if not self.fast_accum_forward:
+            parts.append("precisefwd")
+        if self.accumulator_bits:
+            parts.append(f"acc{self.accumulator_bits}p{self.accumulator_promotion}")
         return ":".join(parts)
 
     def replace(self, **overrides) -> "Fp8Recipe":
@@ -153,6 +220,9 @@ _PRESETS: dict[str, dict] = {
     # DeepSeek-V3: 1x128 activation/gradient tiles, 128x128 weight tiles, all E4M3, pow2 scales.
     "block": dict(scaling="block", grad_output_format="e4m3fn", pow2_scales=True,
                   input_block=(1, 128), weight_block=(128, 128), grad_output_block=(1, 128)),
+    # OCP MX: E4M3 elements in 1x32 blocks along the contracted dim, one E8M0 (power-of-two) scale per block.
+    "mxfp8": dict(scaling="mxfp8", grad_output_format="e4m3fn", input_block=(1, 32), weight_block=(1, 32),
+                  grad_output_block=(1, 32)),
 }
 
 

@@ -45,6 +45,7 @@ from safetensors.torch import load_file, save_file
 from fp8train.nn.recipes import ROLES
 from fp8train.numerics.formats import get_format
 from fp8train.numerics.quant import Fp8Tensor, convert_dialect, decode_fp8, quantize
+from fp8train.training.rundir import CHECKPOINTS_DIR, give_default_mode
 
 __all__ = [
     "EXPORT_FORMATS", "SCALE_CONVENTION", "LoadedRun", "load_run", "fp8_policy_names", "quantize_weight_per_channel",
@@ -249,6 +250,7 @@ def _write_atomically(tensors: dict, metadata: dict, out: Path) -> None:
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     try:
         save_file(tensors, str(tmp), metadata=metadata)
+        give_default_mode(tmp)  # safetensors writes 0600
         os.replace(tmp, out)
     finally:
         if tmp.exists():
@@ -286,6 +288,9 @@ def export_run(run_dir, out, fmt="e4m3fn", force: bool = False) -> dict:
     fmt = _export_format(fmt)
     out = Path(out)
     _refuse_existing(out, force)
+    if out.resolve().is_relative_to((Path(run_dir) / CHECKPOINTS_DIR).resolve()):  # --force would replace the source
+        raise ValueError(f"export path {str(out)!r} is inside the checkpoints it is exported from; write it "
+                         f"outside {run_dir}/checkpoints (nothing was written)")
     run = load_run(run_dir)
     if not run.fp8_names:
         raise ValueError(f"the layer policy of {run_dir}/config.yaml keeps every Linear out of FP8 (policy.* keys); "

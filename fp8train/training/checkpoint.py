@@ -4,17 +4,17 @@ Layout of one checkpoint, ``<run>/checkpoints/step_000120/``:
 
     model.safetensors      model state_dict, FP8 scaling state included (it lives in module buffers)
     optimizer.safetensors  AdamW moments and step counts, keyed ``state.<param index>.<name>``
-    manifest.json          step, scheduler and RNG state, optimizer hyper-parameters, and the size and sha256 of
-                           each file: a checkpoint whose files do not match its manifest is not loaded
+    manifest.json          step, scheduler and RNG state, optimizer hyper-parameters, the size and sha256 of
+                           each file, and a sha256 of the manifest itself (`manifest_sha256`): a checkpoint whose
+                           files do not match its manifest, whose manifest does not match its own checksum, or
+                           whose manifest step is not the step in its folder name, does not verify
 
 A checkpoint is written into a hidden ``.tmp-*`` folder and renamed into place, so a job killed mid-write
 leaves either the whole checkpoint or none of it (the leftover ``.tmp-*`` folder is removed by the next save);
 loading walks from the newest to the oldest and skips (with a message naming it) any that is incomplete,
-truncated or corrupt.
-
-Test hook: ``FP8TRAIN_TEST_PAUSE_IN_CHECKPOINT=<seconds>`` makes ``save_checkpoint`` print
-``fp8train: checkpoint paused in <tmp folder>`` to stderr and sleep between writing the model and the optimizer
-files, so a test can kill the process with certainty while a checkpoint is half written. Unset it otherwise.
+truncated or corrupt. Pruning (`checkpoint.keep_last`) counts only checkpoints that verify, and never removes the
+checkpoint a run resumed from: a corrupt newer checkpoint can never push the good ones out. A write that fails
+(full disk, read-only or forbidden folder) removes its temporary folder and leaves every earlier checkpoint.
 """
 
 from __future__ import annotations
@@ -23,17 +23,19 @@ import hashlib
 import json
 import os
 import shutil
-import sys
-import time
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from fp8train.training.data import describe_fingerprint_change
+from fp8train.training.rundir import dumps, give_default_mode
+
 MANIFEST = "manifest.json"
+MANIFEST_CHECKSUM = "manifest_sha256"
 FILES = ("model.safetensors", "optimizer.safetensors")
 _PREFIX = "step_"
-_TEST_PAUSE_ENV = "FP8TRAIN_TEST_PAUSE_IN_CHECKPOINT"
 
 
 def _sha256(path: Path) -> str:
@@ -70,18 +72,36 @@ def _optimizer_state(tensors: dict, param_groups: list) -> dict:
 
 
 def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler=None,
-                    extra: dict | None = None, keep_last: int = 3) -> Path:
-    """Write checkpoint ``step`` atomically and prune all but the newest ``keep_last``."""
+                    extra: dict | None = None, keep_last: int = 3, protect: Iterable[str | Path] = (),
+                    log=None) -> Path:
+    """Write checkpoint ``step`` atomically, then prune to the newest ``keep_last`` that verify (0 = keep all),
+    never removing a checkpoint in ``protect`` (the one the run resumed from)."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(ckpt_dir)  # half-written folders of a writer that was killed
     final = ckpt_dir / f"{_PREFIX}{step:06d}"
     tmp = ckpt_dir / f".tmp-{final.name}-{os.getpid()}"
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+        _write_files(tmp, step, model, optimizer, scheduler, extra)
+    except BaseException:  # ENOSPC, EROFS, EACCES, a kill signal turned exception: leave no temp folder behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if final.exists():  # re-saving a step (after a resume): move the old one aside, never delete before the swap
+        old = ckpt_dir / f".old-{final.name}-{os.getpid()}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(ckpt_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    prune_checkpoints(ckpt_dir, keep_last, protect=[final, *protect], log=log)
+    return final
 
+
+def _write_files(tmp: Path, step: int, model, optimizer, scheduler, extra: dict | None) -> None:
     # save_model handles tied (shared) weights, which plain save_file refuses.
     save_model(model, str(tmp / "model.safetensors"))
-    _test_pause(tmp)
     opt_tensors, param_groups = _optimizer_tensors(optimizer)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     manifest = {
@@ -94,35 +114,42 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, opt
     }
     for name in FILES:
         path = tmp / name
+        give_default_mode(path)
         manifest["files"][name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    manifest[MANIFEST_CHECKSUM] = _manifest_digest(manifest)
+    (tmp / MANIFEST).write_text(dumps(manifest, indent=1))
     for path in tmp.iterdir():  # data on disk before the rename makes the checkpoint visible
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-    old = None
-    if final.exists():  # re-saving a step (after a resume): move the old one aside, never delete before the swap
-        old = ckpt_dir / f".old-{final.name}-{os.getpid()}"
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_dir(ckpt_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in list_checkpoints(ckpt_dir)[:-keep_last] if keep_last > 0 else []:
+
+
+def _manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest without its own checksum field, over canonical JSON (sorted keys): a manifest
+    edited by hand (a step changed from 30 to 35) no longer matches it."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}
+    return hashlib.sha256(dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def prune_checkpoints(ckpt_dir: str | Path, keep_last: int, protect: Iterable[str | Path] = (), log=None) -> list[Path]:
+    """Remove all but the newest ``keep_last`` checkpoints THAT VERIFY (0 = keep all); checkpoints in ``protect``
+    are never removed. A checkpoint that does not verify is not counted (it cannot be resumed from) and is left
+    in place for inspection; it never costs a good one its place. Returns the removed folders."""
+    if keep_last <= 0:
+        return []
+    protected = {Path(p).resolve() for p in protect}
+    good = [p for p in list_checkpoints(ckpt_dir) if verify_checkpoint(p) is None]
+    removed = [p for p in good[:-keep_last] if p.resolve() not in protected]
+    for stale in removed:
         shutil.rmtree(stale, ignore_errors=True)
-    return final
+        if log is not None:
+            log(f"pruned checkpoint {stale} (checkpoint.keep_last={keep_last})")
+    return removed
 
 
 def _remove_leftovers(ckpt_dir: Path) -> None:
     for path in ckpt_dir.iterdir():
         if path.is_dir() and path.name.startswith((".tmp-", ".old-")):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _test_pause(tmp: Path) -> None:
-    seconds = os.environ.get(_TEST_PAUSE_ENV)
-    if seconds:
-        print(f"fp8train: checkpoint paused in {tmp}", file=sys.stderr, flush=True)
-        time.sleep(float(seconds))
 
 
 def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
@@ -135,8 +162,14 @@ def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
+def checkpoint_step(path: str | Path) -> int:
+    """The step in a checkpoint folder's name (step_000120 -> 120)."""
+    return int(Path(path).name[len(_PREFIX):])
+
+
 def verify_checkpoint(path: str | Path) -> str | None:
-    """None when the checkpoint's files match its manifest, else what is wrong."""
+    """None when the checkpoint verifies (manifest matches its own checksum and its folder's step, files match
+    the manifest), else what is wrong."""
     path = Path(path)
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
@@ -145,9 +178,15 @@ def verify_checkpoint(path: str | Path) -> str | None:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
         expected = {name: (int(files[name]["bytes"]), str(files[name]["sha256"])) for name in FILES}
-        int(manifest["step"])
+        step, checksum = int(manifest["step"]), manifest.get(MANIFEST_CHECKSUM)
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
         return f"unreadable manifest.json ({type(err).__name__}: {err})"
+    if checksum is None:
+        return f"manifest.json has no {MANIFEST_CHECKSUM} (written by an older fp8train, or edited)"
+    if checksum != _manifest_digest(manifest):
+        return "manifest.json does not match its own checksum (edited or corrupt)"
+    if step != checkpoint_step(path):
+        return f"manifest.json says step {step}, but the folder is {path.name}"
     for name, (size, sha256) in expected.items():
         file = path / name
         if not file.is_file():
@@ -176,7 +215,11 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, sc
     if problem is not None:
         raise ValueError(f"checkpoint {path} cannot be loaded: {problem}")
     manifest = json.loads((path / MANIFEST).read_text())
-    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+    try:  # Fp8Linear refuses non-finite or non-positive scaling state (its load_state_dict pre-hook)
+        missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+    except ValueError as err:
+        raise ValueError(f"checkpoint {path} cannot be loaded: {err}; delete it to resume from the one "
+                         "before") from None
     if unexpected or [m for m in missing if not _is_tied_alias(model, m)]:
         raise ValueError(f"checkpoint {path} does not fit this model: missing {missing}, unexpected {unexpected}"
                          " (was it made with another model size or FP8 recipe?)")
@@ -193,6 +236,21 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, sc
     if manifest.get("torch_rng_state") is not None:
         torch.set_rng_state(torch.tensor(manifest["torch_rng_state"], dtype=torch.uint8))
     return manifest
+
+
+def check_checkpoint_origin(path: str | Path, manifest: dict, config_hash: str, data_fingerprint: dict,
+                            data_source: str = "the data") -> None:
+    """Refuse to resume from a checkpoint made on other data or from another config: its manifest records the
+    data fingerprint and the config hash of the run that wrote it (loop.train passes them as `extra`)."""
+    extra = manifest.get("extra") or {}
+    change = describe_fingerprint_change(extra.get("data_fingerprint"), data_fingerprint, data_source)
+    if change is not None:
+        raise ValueError(f"cannot resume from {path}: {change}; use a new run.name (nothing was changed)")
+    saved = extra.get("config_hash")
+    if saved != config_hash:
+        raise ValueError(f"cannot resume from {path}: it was made from a different config (config hash "
+                         f"{str(saved)[:12]}, now {config_hash[:12]}: model, data, optimizer, train or FP8 settings "
+                         "differ); resume with the run's own config, or use a new run.name (nothing was changed)")
 
 
 def _is_tied_alias(model: torch.nn.Module, name: str) -> bool:

@@ -14,6 +14,13 @@ Folders and the built-in corpus are split into train and validation BY FILE, on 
 relative path (salted with `data.split_seed`): the split does not move when files are added elsewhere, and
 no validation text is ever trained on.
 
+Provenance: `TextData.fingerprint` is a content fingerprint of what a run trains and validates on: a sha256
+of the train tokens and of the validation tokens (and, for the built-in corpus, of its file list and the Python
+version it came from). It goes into the run's config hash, the validation plan and every checkpoint manifest,
+so a resume or a re-run validation refuses data that changed under the same `data.path`
+(`describe_fingerprint_change` says what changed). Only regular files are read (a device such as /dev/zero
+or a FIFO is refused), and never more than `data.max_bytes` of a text file.
+
 `train_batch(step)` is the GLOBAL batch of an optimizer step, a pure function of (train.seed, step): resumed
 runs and any number of processes see the same sequences. `val_batches()` is a fixed list that does not depend
 on train.seed, so paired runs are evaluated on identical tokens.
@@ -23,6 +30,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
+import stat
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["TextData", "build_data", "stdlib_files"]
+__all__ = ["TextData", "build_data", "stdlib_files", "data_fingerprint", "describe_fingerprint_change"]
 
 BYTE_VOCAB = 256
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -51,6 +60,8 @@ class TextData:
     source: str = ""
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
+    fingerprint: dict = field(default_factory=dict)
+    """What the tokens are (see the module docstring): source, token counts and sha256 of each split."""
     _val_cache: list | None = field(default=None, repr=False)
 
     def _windows(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,11 +131,27 @@ def _is_val_file(rel: str, val_fraction: float, split_seed: int) -> bool:
     return int.from_bytes(h[:8], "little") / 2**64 < val_fraction
 
 
-def _read_files(root: Path, files: list[Path], max_bytes: int, check_binary: bool):
-    """Read files in order up to max_bytes; returns [(relative path, bytes)]."""
+def _regular_file(path: Path, source: str) -> None:
+    """Refuse anything but a regular file: /dev/zero or a FIFO would be read without end."""
+    mode = path.stat().st_mode
+    if not stat.S_ISREG(mode):
+        kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+                else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+        raise ValueError(f"{source}: {path} is {kind}; data.path must be a regular text file, a folder or a .bin")
+
+
+def _read_head(path: Path, limit: int) -> bytes:
+    """At most `limit` bytes of `path` (0 = all): a capped corpus never reads a huge file whole."""
+    with open(path, "rb") as f:
+        return f.read(limit) if limit else f.read()
+
+
+def _read_files(root: Path, files: list[Path], max_bytes: int, check_binary: bool, source: str = "data.path"):
+    """Read regular files in order up to max_bytes; returns [(relative path, bytes)]."""
     out, total = [], 0
     for path in files:
-        raw = path.read_bytes()
+        _regular_file(path, source)
+        raw = _read_head(path, max_bytes + 1 if max_bytes else 0)
         if not raw or (check_binary and b"\x00" in raw[:8192]):
             continue
         if max_bytes and total + len(raw) > max_bytes:
@@ -151,11 +178,20 @@ def _tail_split(tokens: np.ndarray, val_fraction: float, seq_len: int) -> tuple[
     return tokens[:-n_val], tokens[-n_val:]
 
 
-def _load_bin(path: Path, vocab_size: int, val_fraction: float, seq_len: int):
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+def _uint16_memmap(path: Path, source: str) -> np.ndarray:
+    _regular_file(path, source)
+    size = path.stat().st_size
+    if size % 2:
+        raise ValueError(f"{source}: {path} is {size} bytes, an odd number, so it is not an array of uint16 token "
+                         "ids (nanoGPT .bin); is it truncated, or a text file named .bin?")
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def _load_bin(path: Path, vocab_size: int, val_fraction: float, seq_len: int, source: str):
+    tokens = _uint16_memmap(path, source)
     val_path = path.with_name("val.bin")
     if path.name == "train.bin" and val_path.exists():
-        val = np.memmap(val_path, dtype=np.uint16, mode="r")
+        val = _uint16_memmap(val_path, source)
         train = tokens
     else:
         train, val = _tail_split(tokens, val_fraction, seq_len)
@@ -174,7 +210,7 @@ def build_data(cfg) -> TextData:
     if not d.path:
         root, files = stdlib_files()
         source = f"built-in corpus (Python stdlib at {root})"
-        docs = _read_files(root, files, d.max_bytes, check_binary=False)
+        docs = _read_files(root, files, d.max_bytes, check_binary=False, source=source)
     else:
         path = Path(os.path.expanduser(d.path))
         source = f"data.path {d.path!r}"
@@ -187,13 +223,13 @@ def build_data(cfg) -> TextData:
             byte_level, docs = False, None
             if path.stat().st_size < 2:
                 raise ValueError(f"{source} is empty; a .bin needs uint16 token ids")
-            train, val = _load_bin(path, cfg.model.vocab_size, d.val_fraction, T)
+            train, val = _load_bin(path, cfg.model.vocab_size, d.val_fraction, T, source)
         elif path.is_dir():
-            docs = _read_files(path, _text_files(path), d.max_bytes, check_binary=True)
+            docs = _read_files(path, _text_files(path), d.max_bytes, check_binary=True, source=source)
             if not docs:
                 raise ValueError(f"{source} is a folder with no non-empty text files")
         else:
-            docs = _read_files(path.parent, [path], d.max_bytes, check_binary=False)
+            docs = _read_files(path.parent, [path], d.max_bytes, check_binary=False, source=source)
             if not docs:
                 raise ValueError(f"{source} is an empty file")
             train, val = _tail_split(_join(docs), d.val_fraction, T)
@@ -215,4 +251,53 @@ def build_data(cfg) -> TextData:
         train_tokens=train, val_tokens=val, vocab_size=cfg.model.vocab_size if not byte_level else BYTE_VOCAB,
         seq_len=T, batch_size=cfg.train.batch_size, seed=cfg.train.seed, eval_batches=cfg.train.eval_batches,
         byte_level=byte_level, source=source, train_files=train_files, val_files=val_files,
+        fingerprint=data_fingerprint(train, val, builtin=not d.path, train_files=train_files, val_files=val_files),
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Provenance
+
+
+def _sha256_tokens(tokens: np.ndarray) -> str:
+    digest = hashlib.sha256(str(tokens.dtype).encode())
+    step = 1 << 24  # hash in 16M-token slices: a memmapped .bin is never copied into memory whole
+    for start in range(0, len(tokens), step):
+        digest.update(np.ascontiguousarray(tokens[start:start + step]).tobytes())
+    return digest.hexdigest()
+
+
+def data_fingerprint(train: np.ndarray, val: np.ndarray, builtin: bool = False, train_files=(), val_files=()) -> dict:
+    """The content fingerprint of a corpus split (see the module docstring): what the tokens are, not where they
+    came from (data.path is in the config already). Plain JSON values only."""
+    fingerprint = {
+        "train_tokens": int(len(train)), "train_sha256": _sha256_tokens(train),
+        "val_tokens": int(len(val)), "val_sha256": _sha256_tokens(val),
+    }
+    if builtin:  # the built-in corpus is this interpreter's standard library: another Python, other text
+        files = "\n".join(["train:", *train_files, "val:", *val_files])
+        fingerprint["python"] = platform.python_version()
+        fingerprint["files_sha256"] = hashlib.sha256(files.encode()).hexdigest()
+    return fingerprint
+
+
+_FINGERPRINT_WORDS = {"train_sha256": "training tokens", "val_sha256": "validation tokens",
+                      "train_tokens": "training token count", "val_tokens": "validation token count",
+                      "python": "Python version of the built-in corpus",
+                      "files_sha256": "file list of the built-in corpus"}
+
+
+def describe_fingerprint_change(old: dict | None, new: dict, source: str = "the data") -> str | None:
+    """None if `old` and `new` fingerprint the same data, else a sentence naming what changed."""
+    if not old:
+        return None
+    changed = [k for k in _FINGERPRINT_WORDS if old.get(k) != new.get(k)]
+    if not changed:
+        return None
+    parts = []
+    for key in changed:
+        before, after = old.get(key), new.get(key)
+        if key.endswith("sha256"):
+            before, after = (str(v)[:12] if v else "none" for v in (before, after))
+        parts.append(f"{_FINGERPRINT_WORDS[key]} {before} -> {after}")
+    return f"{source} changed since this run was made: " + "; ".join(parts)

@@ -7,22 +7,33 @@ Every writer in fp8train goes through these functions, so the promises below hol
 - JSON is strict: NaN and +-inf are written as null (`json_safe`), so every file parses with any JSON reader;
 - `read_jsonl` drops a torn last line (what `kill -9` during an append leaves) and reports, by file name and
   line number, a damaged line anywhere else;
-- nothing is written through a symlink inside a run directory (`refuse_symlink`): a link planted there could
-  make a run overwrite a file outside it.
+- nothing is written through a symlink inside a run directory (`refuse_symlink`, `refuse_symlinks_in`): a link
+  planted there could make a run overwrite a file outside it;
+- a run or validation directory is created only where nothing is (absent, or empty), continued only where a run
+  is (`dir_state`); anything else is refused before a byte is written;
+- one process at a time works in a directory (`DirLock`, an flock held for the run's life): a second one is
+  refused with the holder's PID, and the lock of a process that was killed is free again (the kernel drops an
+  flock with its process), so it is taken over and said so;
+- a failed write (full disk, read-only or forbidden folder) is one line naming the file (`write_error`).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import math
 import os
+import socket
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
 __all__ = [
     "CONFIG_FILE", "METRICS_FILE", "TELEMETRY_FILE", "SUMMARY_FILE", "CHECKPOINTS_DIR",
     "run_dir_path", "json_safe", "write_text_atomic", "write_json_atomic", "read_json", "read_jsonl",
-    "append_jsonl", "refuse_symlink",
+    "append_jsonl", "refuse_symlink", "refuse_symlinks_in", "dumps", "nonfinite_fields", "restore_nonfinite",
+    "dir_state", "DirLock", "LOCK_FILE", "WRITE_ERRNOS", "write_error", "record_write_failure", "give_default_mode",
 ]
 
 CONFIG_FILE = "config.yaml"
@@ -30,6 +41,8 @@ METRICS_FILE = "metrics.jsonl"
 TELEMETRY_FILE = "telemetry.jsonl"
 SUMMARY_FILE = "summary.json"
 CHECKPOINTS_DIR = "checkpoints"
+LOCK_FILE = ".fp8train.lock"
+NONFINITE_FIELD = "nonfinite"  # {"loss": "nan"} beside "loss": null: strict JSON that still says what it was
 
 
 def run_dir_path(parent: str | os.PathLike, name: str) -> Path:
@@ -51,6 +64,38 @@ def json_safe(value: Any) -> Any:
 def dumps(value: Any, **kwargs) -> str:
     """Strict JSON text of `value` (NaN/inf as null; unknown objects via str)."""
     return json.dumps(json_safe(value), allow_nan=False, default=str, **kwargs)
+
+
+def nonfinite_fields(record: dict, prefix: str = "") -> dict[str, str]:
+    """{dotted key: "nan" | "inf" | "-inf"} for every non-finite float in `record` (nested dicts included)."""
+    found = {}
+    for key, value in record.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            found[prefix + str(key)] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        elif isinstance(value, dict):
+            found.update(nonfinite_fields(value, f"{prefix}{key}."))
+    return found
+
+
+def _marked(record: Any) -> Any:
+    """A dict record gains a `nonfinite` field naming what json_safe turned into null (nothing if all finite)."""
+    if isinstance(record, dict):
+        found = nonfinite_fields(record)
+        if found:
+            return {**record, NONFINITE_FIELD: found}
+    return record
+
+
+def restore_nonfinite(record: dict) -> dict:
+    """The inverse of the marking: top-level keys listed in `nonfinite` get their float values back."""
+    marks = record.get(NONFINITE_FIELD)
+    if not isinstance(marks, dict):
+        return record
+    out = dict(record)
+    for key, text in marks.items():
+        if key in out and out[key] is None and text in ("nan", "inf", "-inf"):
+            out[key] = float(text)
+    return out
 
 
 def refuse_symlink(path: Path) -> None:
@@ -77,7 +122,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 
 
 def write_json_atomic(path: str | os.PathLike, value: Any) -> None:
-    write_text_atomic(path, dumps(value, indent=2) + "\n")
+    """Strict JSON, written atomically; a dict with non-finite floats says which in its `nonfinite` field."""
+    write_text_atomic(path, dumps(_marked(value), indent=2) + "\n")
 
 
 def read_json(path: str | os.PathLike) -> Any:
@@ -117,12 +163,145 @@ def append_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> None:
     records start on a line of their own."""
     path = Path(path)
     refuse_symlink(path)
-    text = "".join(dumps(r) + "\n" for r in records)
+    text = "".join(dumps(_marked(r)) + "\n" for r in records)
     if path.exists() and path.stat().st_size:
         with open(path, "rb") as f:
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":
                 data = path.read_bytes()
-                path.write_bytes(data[:data.rfind(b"\n") + 1])
+                with open(path, "r+b") as torn:  # cut in place: never rewrite the whole log through a new file
+                    torn.truncate(data.rfind(b"\n") + 1)
     with open(path, "a") as f:
         f.write(text)
+
+
+def refuse_symlinks_in(directory: str | os.PathLike) -> None:
+    """Raise if any entry fp8train writes in `directory` (its top level, and checkpoints/ two levels down) is a
+    symbolic link. Checked before a run writes anything. (Links that trackers such as wandb make inside their
+    own folders are theirs and not looked at.)"""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    entries = list(directory.iterdir())
+    ckpt = directory / CHECKPOINTS_DIR
+    if ckpt.is_dir() and not ckpt.is_symlink():
+        for sub in ckpt.iterdir():
+            entries.append(sub)
+            if sub.is_dir() and not sub.is_symlink():
+                entries += list(sub.iterdir())
+    for entry in entries:
+        if entry.is_symlink():
+            raise ValueError(f"{entry} is a symbolic link (to {os.readlink(entry)}); fp8train does not write "
+                             "through links in a run directory (remove the link; nothing was changed)")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What a directory holds, and who works in it
+
+
+def dir_state(directory: str | os.PathLike, marker: str) -> str:
+    """"absent" | "empty" | "run" (holds `marker`, e.g. config.yaml or plan.json) | "other" (anything else:
+    a file, or a folder with contents that are not a run; never to be written into)."""
+    directory = Path(directory)
+    if not directory.exists() and not directory.is_symlink():
+        return "absent"
+    if not directory.is_dir():
+        return "other"
+    if (directory / marker).is_file():
+        return "run"
+    names = [p.name for p in directory.iterdir()]
+    return "empty" if all(n == LOCK_FILE for n in names) else "other"
+
+
+class DirLock:
+    """An exclusive lock on a run or validation directory for as long as it is held (`with DirLock(d):` or
+    acquire/release). The lock is an flock on `<dir>/.fp8train.lock`, which also records the holder's PID, host
+    and start time: a second process is refused with that PID; the kernel drops the flock of a process that
+    dies (even by kill -9), so its leftover file is a stale lock, taken over with a message. The file is never
+    deleted (deleting a locked file lets two processes lock two different files of the same name)."""
+
+    def __init__(self, directory: str | os.PathLike, what: str = "run directory", log=None):
+        self.directory, self.what, self.log = Path(directory), what, log
+        self.path = self.directory / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> "DirLock":
+        refuse_symlink(self.path)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            raise ValueError(f"{self.what} {self.directory} is in use by another fp8train process "
+                             f"(PID {holder.get('pid', '?')} on {holder.get('host', '?')}, since "
+                             f"{holder.get('since', '?')}); wait for it to finish or stop it (nothing was changed)"
+                             ) from None
+        stale = _lock_holder(fd)
+        if stale.get("pid") is not None and self.log is not None:
+            self.log(f"{self.what} {self.directory}: took over the lock of PID {stale['pid']}, which is no "
+                     "longer running (killed?)")
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, 0)  # released cleanly: no holder recorded
+        except OSError:
+            pass  # read-only now, or full: the flock still goes with the close
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> "DirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _lock_holder(fd: int) -> dict:
+    try:
+        record = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (ValueError, OSError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+# Write failures that are the environment's, not fp8train's: reported in one line, never as a traceback.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
+
+
+def write_error(err: BaseException) -> str | None:
+    """One line for a write failure of the environment (full disk, read-only or forbidden folder), else None."""
+    if not isinstance(err, OSError) or err.errno not in WRITE_ERRNOS:
+        return None
+    where = f" {err.filename}" if err.filename else ""
+    return f"cannot write{where}: {os.strerror(err.errno)} (errno {errno.errorcode[err.errno]})"
+
+
+def record_write_failure(run_dir: str | os.PathLike, err: OSError, summary: dict | None = None) -> bool:
+    """After a write failure of the environment, leave summary.json with status "failed" and the one-line reason
+    if the run directory still takes it (a full disk often does once the failed write's temp files are gone).
+    Returns whether it was written."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return False
+    record = {**(summary or {}), "status": "failed", "reason": write_error(err) or str(err)}
+    try:
+        write_json_atomic(run_dir / SUMMARY_FILE, record)
+    except OSError:
+        return False
+    return True
+
+
+def give_default_mode(path: str | os.PathLike) -> None:
+    """The permissions an ordinary new file gets (0666 minus the umask). safetensors creates its files 0600,
+    which leaves checkpoints and exports unreadable to the group that shares a run or serves a model."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)

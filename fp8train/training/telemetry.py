@@ -10,13 +10,13 @@ every layer and role) and a few worst-case numbers go into metrics.jsonl and wan
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
 
 from fp8train.nn.recipes import ROLES
+from fp8train.training.rundir import append_jsonl, read_jsonl
 
 STAT_KEYS = ("amax", "scale", "overflow_frac", "underflow_frac", "sqnr_db", "staleness", "nonfinite")
 
@@ -74,19 +74,27 @@ def counters(layers) -> dict:
             if buf is not None:
                 total += int(buf)
         out[f"fp8/{role}/nonfinite_amax_events"] = total
+        # Delayed scaling: steps whose whole tensor fell below the smallest normal under a stale (outlier) scale.
+        stale = [int(b) for b in (getattr(layer, f"{role}_stale_scale_steps", None) for _, layer in layers)
+                 if b is not None]
+        if stale:
+            out[f"fp8/{role}/stale_scale_steps"] = sum(stale)
     return out
 
 
 def append(path: Path, step: int, stats: dict, enabled: bool = True) -> None:
-    if enabled:
-        with open(path, "a") as f:
-            f.write(json.dumps({"step": step, "layers": stats}, default=_json_default) + "\n")
+    if enabled:  # strict JSON: non-finite floats as strings ("inf"), which _number reads back
+        append_jsonl(path, [{"step": step, "layers": _strings_for_nonfinite(stats)}])
 
 
-def _json_default(value):
+def _strings_for_nonfinite(value):
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
-    return str(value)
+    if isinstance(value, dict):
+        return {k: _strings_for_nonfinite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strings_for_nonfinite(v) for v in value]
+    return value
 
 
 def capture_step(model, layers, x, y, autocast) -> dict:
@@ -107,7 +115,4 @@ def capture_step(model, layers, x, y, autocast) -> dict:
 
 
 def load(path: str | Path) -> list[dict]:
-    path = Path(path)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path)  # a torn last line (kill -9 mid-append) is dropped; damage elsewhere is named

@@ -17,6 +17,9 @@ from fp8train.nn.convert import LayerPolicy
 from fp8train.nn.recipes import AMAX_COMPUTE_ALGOS, BACKENDS, FORMAT_NAMES, RECIPE_NAMES, Fp8Recipe, recipe
 from fp8train.training.config.base import _Section, _require
 
+# E5M2, the widest format, spans 32 binades from min subnormal to max: a larger margin flushes every value.
+MAX_MARGIN = 32
+
 BASELINE_RECIPE = "none"  # fp8.recipe of the bf16 baseline: no layer converted
 FP8_RECIPE_CHOICES = (BASELINE_RECIPE,) + RECIPE_NAMES
 _POLICY_DEFAULTS = LayerPolicy()
@@ -54,8 +57,10 @@ class Fp8Config(_Section):
     def _check(self) -> None:
         self._in("recipe", FP8_RECIPE_CHOICES)
         self._in("backend", BACKENDS)
-        if self.margin is not None:
-            self._at_least("margin", 0)
+        if self.margin is not None:  # 2**margin beyond 32 binades flushes every value of every format to zero
+            _require(0 <= self.margin <= MAX_MARGIN, self._key("margin"), self.margin,
+                     f"must be in [0, {MAX_MARGIN}] (powers of two of headroom; above {MAX_MARGIN} every FP8 value "
+                     "of every format underflows to zero)")
         if self.amax_history_len is not None:
             self._at_least("amax_history_len", 1)
         if self.amax_compute_algo is not None:

@@ -58,9 +58,42 @@ def _check_keys(given: Any, schema: type, prefix: str = "") -> None:
             raise ValueError(f"unknown config key '{path}': {hint}valid keys in {where}: {', '.join(names)}")
         if dataclasses.is_dataclass(types[key]):
             _check_keys(value, types[key], path + ".")
+        elif types[key] in (bool, Optional[bool]) and not (value is None or isinstance(value, bool)):
+            raise ValueError(f"config {path}={value!r} is invalid: must be true or false")
         elif isinstance(value, dict):  # OmegaConf answers a mapping given to a list field with a bare TypeError
             raise ValueError(f"config {path}={value!r} is invalid: {path} is a single setting, not a section "
                              "(give a value, or a list in [brackets])")
+
+
+def _bool_keys(schema: type = FullConfig, prefix: str = "") -> set[str]:
+    """Dotted paths of the boolean settings."""
+    keys = set()
+    for name, tp in _field_types(schema).items():
+        if dataclasses.is_dataclass(tp):
+            keys |= _bool_keys(tp, f"{prefix}{name}.")
+        elif tp in (bool, Optional[bool]):
+            keys.add(prefix + name)
+    return keys
+
+
+def _check_bool_text(key: str, text: str) -> None:
+    # YAML 1.1 (OmegaConf's parser) reads yes, on and y as true, and OmegaConf turns 1, -1 and 2 into true: a
+    # typo must not flip a switch silently, so a boolean is written true or false and nothing else.
+    if key in _bool_keys() and text.strip().lower() not in ("true", "false", "null", "~", ""):
+        raise ValueError(f"config {key}={text.strip()!r} is invalid: must be true or false")
+
+
+def _check_yaml_bools(path: str) -> None:
+    """The boolean settings of a YAML file, checked on the text as written (before YAML resolves it)."""
+    import yaml
+
+    with open(path) as f:
+        root = yaml.compose(f)
+    sections = root.value if isinstance(root, yaml.MappingNode) else []
+    for key_node, body in sections:
+        for item in body.value if isinstance(body, yaml.MappingNode) else []:
+            if isinstance(item[1], yaml.ScalarNode):
+                _check_bool_text(f"{key_node.value}.{item[0].value}", item[1].value)
 
 
 def _read_yaml(path: str) -> dict:
@@ -77,6 +110,7 @@ def _read_yaml(path: str) -> dict:
         return {}
     if not isinstance(container, dict):
         raise ValueError(f"config file {path!r} must hold a mapping of sections, got {type(container).__name__}")
+    _check_yaml_bools(path)
     return container
 
 
@@ -85,6 +119,7 @@ def _parse_overrides(overrides: Iterable[str]) -> dict:
     for item in overrides:
         if "=" not in item or not item.split("=", 1)[0].strip():
             raise ValueError(f"override {item!r} must look like section.key=value, e.g. train.lr=1e-3")
+        _check_bool_text(*item.strip().split("=", 1))
         if item.strip().endswith("="):  # `data.path=` means the empty string (OmegaConf would read null)
             item = item.strip() + "''"
         try:
@@ -133,9 +168,14 @@ def config_to_yaml(cfg: FullConfig | DictConfig) -> str:
 HASH_EXCLUDE = ("run", "train.resume", "log", "checkpoint", "validate")
 
 
-def config_hash(cfg: FullConfig | DictConfig, exclude: Iterable[str] = HASH_EXCLUDE) -> str:
-    """sha256 of the resolved config without the `exclude` dotted keys (whole sections or single fields)."""
+def config_hash(cfg: FullConfig | DictConfig, exclude: Iterable[str] = HASH_EXCLUDE,
+                data_fingerprint: dict | None = None) -> str:
+    """sha256 of the resolved config without the `exclude` dotted keys (whole sections or single fields), and of
+    `data_fingerprint` (data.TextData.fingerprint: what the tokens are) when given: a run's hash changes when the
+    file at data.path is rewritten, not only when data.path does."""
     container = OmegaConf.to_container(_to_dictconfig(cfg), resolve=True)
+    if data_fingerprint is not None:
+        container["data_fingerprint"] = data_fingerprint
     for dotted in exclude:
         *parents, last = dotted.split(".")
         node = container

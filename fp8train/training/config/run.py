@@ -9,6 +9,12 @@ from typing import List
 from fp8train.training.config.base import _Section, _require
 
 WANDB_MODES = ("disabled", "offline", "online")
+# Upper bounds of values that would otherwise fail late, after the run directory was written: a folder name
+# longer than NAME_MAX is an OSError at mkdir; torch.set_num_threads(100000) segfaults; AdamW fails inside its
+# fp32 arithmetic for lr near 1e38, and moves every weight by ~lr per step, so beyond 1e3 nothing can train.
+MAX_NAME_BYTES = 255
+MAX_THREADS = 512
+MAX_LR = 1e3
 DEVICES = ("auto", "cpu", "cuda")
 AUTOCAST_MODES = ("bf16", "none")
 
@@ -24,6 +30,8 @@ class RunConfig(_Section):
     def _check(self) -> None:
         _require(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "run.name", self.name,
                  "a non-empty folder name without '/'")
+        _require(len(self.name.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES, "run.name",
+                 self.name[:40] + "...", f"at most {MAX_NAME_BYTES} bytes (a file-system limit on folder names)")
         _require(bool(self.dir), "run.dir", self.dir, "a non-empty path")
 
 
@@ -63,9 +71,10 @@ class TrainConfig(_Section):
         self._at_least("seed", 0)
         _require(self.seed < 2**63, "train.seed", self.seed, "must be < 2**63 (torch.manual_seed's range)")
         self._at_least("eval_every", 0, "must be >= 0 (0 = only at the end)")
-        self._at_least("threads", 0, "must be >= 0 (0 = torch's default)")
+        _require(0 <= self.threads <= MAX_THREADS, "train.threads", self.threads,
+                 f"must be in [0, {MAX_THREADS}] (0 = torch's default)")
         self._at_least("grad_clip", 0, "must be >= 0 (0 = no clipping)")
-        _require(self.lr > 0, "train.lr", self.lr, "must be > 0")
+        _require(0 < self.lr <= MAX_LR, "train.lr", self.lr, f"must be in (0, {MAX_LR:g}] (AdamW's peak step size)")
         _require(self.batch_size % self.grad_accum == 0, "train.batch_size", self.batch_size,
                  f"must be divisible by train.grad_accum={self.grad_accum}")
         self._in("device", DEVICES)

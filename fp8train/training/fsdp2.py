@@ -1,0 +1,188 @@
+"""FSDP2 sharding for `train.parallel: fsdp2`: torch's `fully_shard` applied by fp8train itself.
+
+`train.parallel: fsdp2` shards every decoder block, then the root (embeddings, final norm, head), over one
+data-parallel mesh of all ranks. The same code runs on CPU processes (gloo) and on GPUs (NCCL), so what CI proves
+on CPU is what GPUs run. Each rank keeps 1/world of the fp32 master weights, their gradients and the AdamW
+moments; FSDP2 all-gathers a block's weights just before it runs (forward, and again for backward) and
+reduce-scatters (averages) its gradients afterwards, which is DDP's gradient average, sharded.
+
+What stays the same as DDP, and why:
+- each rank trains on its slice of the same global batch (a pure function of seed and step);
+- FP8 scaling state lives in module buffers, which FSDP2 does not shard: every rank holds all of it, kept
+  identical by `update_fp8_scales` (one all-reduce MAX of all pending amaxes per optimizer step). Each rank
+  quantizes the FULL gathered weight, so its weight amax is the same everywhere;
+- gradient accumulation skips the reduce-scatter on all but the last micro-batch (`no_gradient_sync`), as
+  DDP's no_sync skips its all-reduce.
+
+With `fp8.all_gather: true` (tensorwise recipes) the Fp8Linear weights are gathered as FP8 codes
+(fp8train.nn.fp8_all_gather). A world size of 1 is allowed: fp8train then makes a one-process group itself.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # set_custom_all_gather's interface
+from torch.distributed.tensor import DTensor
+
+from fp8train.nn.convert import fp8_layers
+from fp8train.nn.fp8_all_gather import check_fp8_all_gather_recipe, wrap_weight_for_fp8_all_gather
+
+__all__ = ["ensure_process_group", "release_process_group", "decoder_blocks", "apply_fsdp2", "is_fsdp2",
+           "no_gradient_sync", "clip_grad_norm", "grad_norm", "all_finite", "per_rank_state_bytes", "local_tensor",
+           "AllGatherByteCounter", "count_all_gather_bytes"]
+
+
+def ensure_process_group(device: torch.device) -> bool:
+    """A process group for FSDP2's mesh. Under a launcher (accelerate, torchrun) accelerate has made one; a single
+    process without a launcher gets a one-rank group on an in-memory store (no port, no network). Returns
+    True when it made the group here (release it with `release_process_group`)."""
+    if dist.is_initialized():
+        return False
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+def release_process_group(created: bool) -> None:
+    if created and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks, each sharded as one unit: the nn.ModuleList holding the most parameters
+    (fp8train's Decoder: `layers`; Hugging Face models: `model.layers`, `transformer.h`, ...)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ValueError("train.parallel=fsdp2 needs a model with a list of decoder blocks (an nn.ModuleList); "
+                         f"{type(model).__name__} has none")
+    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
+def apply_fsdp2(model: nn.Module, device: torch.device, *, fp8_all_gather: bool = False) -> nn.Module:
+    """Shard `model` in place with FSDP2: each decoder block, then the root. Call after the FP8 swap and before
+    the optimizer is built (its parameters become DTensor shards)."""
+    if fp8_all_gather:
+        layers = fp8_layers(model)
+        if not layers:
+            check_fp8_all_gather_recipe(None)
+        for _, layer in layers:
+            wrap_weight_for_fp8_all_gather(layer)  # refuses a recipe that cannot (ValueError)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in decoder_blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def is_fsdp2(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+@contextmanager
+def no_gradient_sync(model: nn.Module, skip: bool):
+    """Gradient accumulation under FSDP2: with `skip`, this backward keeps its unsharded gradients local (no
+    reduce-scatter); the last micro-batch's backward reduces the sum."""
+    if not skip:
+        yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _sum_over_ranks(value: torch.Tensor, sharded: bool) -> torch.Tensor:
+    if sharded and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def grad_norm(model: nn.Module) -> float:
+    """Global L2 norm of the gradients (fp32 sum of squares of the local shards, summed over ranks)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    sharded = any(isinstance(g, DTensor) for g in grads)
+    squares = torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
+    for g in grads:
+        squares = squares + local_tensor(g).detach().float().pow(2).sum()
+    return float(_sum_over_ranks(squares, sharded).sqrt())
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Scale all gradients so their global norm is at most `max_norm` (as torch.nn.utils.clip_grad_norm_);
+    returns the norm before clipping. A non-finite norm leaves the gradients as they are (the loop skips or
+    stops that step)."""
+    norm = grad_norm(model)
+    if norm == norm and norm != float("inf"):
+        factor = min(1.0, max_norm / (norm + 1e-6))
+        if factor < 1.0:
+            for p in model.parameters():
+                if p.grad is not None:
+                    local_tensor(p.grad).mul_(factor)
+    return norm
+
+
+@torch.no_grad()
+def all_finite(model: nn.Module) -> bool:
+    """Every parameter finite, on every rank's shard (one all-reduce, so every rank gets the same answer)."""
+    params = list(model.parameters())
+    sharded = any(isinstance(p, DTensor) for p in params)
+    bad = torch.zeros((), dtype=torch.float32, device=params[0].device)
+    for p in params:
+        bad = bad + (~torch.isfinite(local_tensor(p))).sum().float()
+    return bool(_sum_over_ranks(bad, sharded) == 0)
+
+
+def per_rank_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Bytes this rank holds for parameters, gradients and optimizer state (local shards only; a parameter
+    shared by two modules counted once)."""
+    params = {id(p): p for p in model.parameters()}.values()
+
+    def nbytes(t: torch.Tensor) -> int:
+        local = local_tensor(t)
+        return local.numel() * local.element_size()
+
+    out = {"params": sum(nbytes(p) for p in params),
+           "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+           "optimizer": sum(nbytes(v) for state in optimizer.state.values() for v in state.values()
+                            if isinstance(v, torch.Tensor))}
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+class AllGatherByteCounter(AllGather):
+    """FSDP2's all-gather (`set_custom_all_gather`, its documented extension point), counting the bytes each
+    rank receives: the size of every gathered output buffer. For measurements (fp8train bench); install with
+    `count_all_gather_bytes(model)`."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.bytes += output_tensor.numel() * output_tensor.element_size()
+        self.calls += 1
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def count_all_gather_bytes(model: nn.Module) -> AllGatherByteCounter:
+    """One counter on every FSDP2 module of `model` (each block and the root)."""
+    counter = AllGatherByteCounter()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(counter)
+    return counter

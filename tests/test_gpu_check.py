@@ -1,0 +1,66 @@
+"""scripts/gpu_check.sh: the dry run on this CPU exercises every section end to end (subprocesses, time limits,
+JSON written per section), and bad usage exits 2 before anything runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fp8train.bench import gpu_check
+from fp8train.bench.gpu_sections import SECTIONS
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
+
+
+def test_script_uses_python3_and_the_module():
+    text = SCRIPT.read_text()
+    assert 'PYTHON=${PYTHON:-python3}' in text and "-m fp8train.bench.gpu_check" in text
+    assert "\npython " not in text and " python -" not in text  # never a bare `python`
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_section_and_writes_json(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(SCRIPT), str(out), "--dry-run"], capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["sections"]) == list(SECTIONS)  # in the documented order
+    for name, entry in summary["sections"].items():
+        assert entry["status"] == "ok", (name, (out / f"{name}.log").read_text()[-2000:])
+        result = json.loads((out / f"{name}.json").read_text())
+        assert result["ok"] and result["section"] == name and result["device"] == "cpu"
+    cells = json.loads((out / "capability.json").read_text())["cells"]
+    tn = {(c["kind"], c["a"], c["b"], c["out"]): c for c in cells if c["layout"] == "TN"}
+    # this CPU torch runs tensorwise e4m3 x e4m3 exactly (pow2 scales) and refuses blockwise with ValueError
+    assert tn[("tensorwise", "e4m3", "e4m3", "float32")]["rel_err"] < 1e-6
+    assert tn[("blockwise_1x128_128x128", "e4m3", "e4m3", "bfloat16")]["error"].startswith("ValueError")
+    sync = json.loads((out / "sync.json").read_text())["recipes"]
+    assert set(sync) >= {"current", "rowwise", "block", "mxfp8"}
+    assert all(set(r["gemm_paths"]) == {"output", "grad_input", "grad_weight"} for r in sync.values())
+    train = json.loads((out / "train.json").read_text())["runs"]["current"]
+    assert train["status"] == "completed" and train["fp8_layers"] > 0
+
+
+def test_budget_skips_sections_and_says_so(tmp_path):
+    # 12 s: the checks get 10 s (enough on an idle CPU); every later section is skipped, and the exit is 1
+    code = gpu_check.main([str(tmp_path), "--dry-run", "--budget", "12", "--sections", "checks,capability"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["sections"]["capability"]["status"] == "skipped"
+    assert code == 1
+
+
+@pytest.mark.parametrize("argv", [["--sections", "nope"], ["--budget", "900"], ["--budget", "0"]])
+def test_bad_usage_exits_2_before_running(tmp_path, argv):
+    assert gpu_check.main([str(tmp_path / "o"), "--dry-run", *argv]) == 2
+    assert not (tmp_path / "o").exists()
+
+
+def test_module_runs_as_a_script_entry_point():
+    proc = subprocess.run([sys.executable, "-m", "fp8train.bench.gpu_check", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "usage:" in proc.stdout and "--dry-run" in proc.stdout and "--budget" in proc.stdout

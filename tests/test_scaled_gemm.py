@@ -1,0 +1,207 @@
+"""The scaled_mm backend on CPU: which GEMMs reach torch's FP8 kernel (op traces of a real Fp8Linear fwd+bwd),
+the argument layouts handed to it (held to torch's own size/stride rules and to the row-/column-major layout the
+CUDA kernels need, which the CPU kernel does not enforce), the output dtype, bias, fast accumulation, fallbacks
+and the FP8-dialect refusal. CPU torch runs tensorwise and rowwise scaled_mm; blockwise raises there (ValueError),
+so blockwise is checked by its arguments, and its fallback by what the layer reports."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._meta_registrations import _check_scaled_mm_sizes_v2
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fp8train.nn import scaled_gemm
+from fp8train.nn.gemm import Fp8Operand, fp8_mm, resolve_backend
+from fp8train.nn import gemm
+from fp8train.nn.linear import Fp8Linear
+from fp8train.nn.recipes import recipe
+from fp8train.nn.scaled_gemm import check_dialect, scaled_mm_arguments, scaled_mm_kind
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+KERNELS = {"_scaled_mm", "_scaled_mm_v2"}
+M, K, N = 128, 256, 384  # whole 128-tiles, so blockwise kinds apply
+
+
+class KernelTrace(TorchDispatchMode):
+    """Records every aten scaled-matmul call (arguments and whether it returned) under the mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name not in KERNELS:
+            return func(*args, **kwargs)
+        named = {arg.name: arg.default_value for arg in func._schema.arguments if arg.has_default_value()}
+        named.update({arg.name: value for arg, value in zip(func._schema.arguments, args)}, **kwargs)
+        call = dict(name=name, args=args, kwargs=kwargs, named=named, ok=False)
+        self.calls.append(call)
+        out = func(*args, **kwargs)
+        call["ok"] = True
+        return out
+
+
+@pytest.fixture(autouse=True)
+def scaled_mm_on_cpu(monkeypatch):
+    """torch._scaled_mm runs on CPU in this torch: let backend='scaled_mm' resolve here (users get a refusal)."""
+    monkeypatch.setattr(gemm, "scaled_mm_available", lambda device: True)
+
+
+def _layer_fwd_bwd(name, bias=True, **overrides):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(K, N, bias=bias)
+    layer = Fp8Linear.from_linear(copy.deepcopy(linear), recipe(name, backend="scaled_mm", **overrides))
+    x = torch.randn(M, K, requires_grad=True)
+    dy = torch.randn(M, N)
+    trace = KernelTrace()
+    with trace:
+        y = layer(x)
+        y.backward(dy)
+    return layer, trace, (y.detach(), x.grad, layer.weight.grad)
+
+
+def _assert_cuda_layouts(call):
+    """What the CUDA kernels require and CPU does not check: row-major A, column-major B, fp32 scales."""
+    mat_a, mat_b = call["args"][0], call["args"][1]
+    assert mat_a.stride(1) == 1 and mat_a.stride(0) >= mat_a.shape[1], mat_a.stride()
+    assert mat_b.stride(0) == 1 and mat_b.stride(1) >= mat_b.shape[0], mat_b.stride()
+    assert mat_a.shape[1] % 16 == 0 and mat_b.shape[0] % 16 == 0 and mat_b.shape[1] % 16 == 0
+
+
+def _v2_check(call):
+    """torch's own rules for _scaled_mm_v2's arguments (shapes and scale strides per scaling type)."""
+    a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, bias, out_dtype = call["args"][:10]
+    _check_scaled_mm_sizes_v2(a, b, scale_a, recipe_a, scale_b, recipe_b, bias=bias, out_dtype=out_dtype,
+                              swizzle_a=swizzle_a, swizzle_b=swizzle_b)
+
+
+@pytest.mark.parametrize("name, kinds", [
+    ("current", ["TensorWise"] * 3),
+    ("delayed", ["TensorWise"] * 3),
+    ("rowwise", ["RowWise"] * 3),
+])
+def test_all_three_gemms_reach_the_fp8_kernel_on_cpu(name, kinds):
+    layer, trace, _ = _layer_fwd_bwd(name)
+    assert [c["ok"] for c in trace.calls] == [True, True, True]
+    assert layer.gemm_paths == {"output": f"scaled_mm:{kinds[0].lower()}", "grad_input": f"scaled_mm:"
+                                f"{kinds[1].lower()}", "grad_weight": f"scaled_mm:{kinds[2].lower()}"}
+    for call in trace.calls:
+        _assert_cuda_layouts(call)
+        if call["name"] == "_scaled_mm_v2":
+            _v2_check(call)
+            recipe_a, recipe_b = call["args"][3], call["args"][6]
+            assert [F.ScalingType(r).name for r in recipe_a + recipe_b] == [kinds[0]] * 2
+
+
+def test_block_recipe_passes_deepseek_layouts_and_reports_the_cpu_fallback():
+    layer, trace, _ = _layer_fwd_bwd("block")
+    if not scaled_gemm.HAS_SCALED_MM_V2:
+        pytest.skip("this torch has no torch.nn.functional.scaled_mm: blockwise falls back before any kernel call")
+    names = [[F.ScalingType(r).name for r in c["args"][3] + c["args"][6]] for c in trace.calls]
+    # forward and grad_input: 1x128 activations x 128x128 weight; grad_weight: 1x128 x 1x128 (both along M)
+    assert names[0] == ["BlockWise1x128", "BlockWise128x128"]
+    assert names[1] == ["BlockWise1x128", "BlockWise128x128"]
+    assert names[-1] == ["BlockWise1x128", "BlockWise1x128"]
+    for call in trace.calls:
+        _assert_cuda_layouts(call)
+        _v2_check(call)  # shapes and outer-dim-major strides exactly as torch states them
+        assert not call["ok"]  # CPU has no blockwise kernel: it raised, and the layer fell back
+    assert all(p.startswith("fallback:ValueError") for p in layer.gemm_paths.values()), layer.gemm_paths
+
+
+def test_failed_kernel_configuration_is_not_retried():
+    _layer_fwd_bwd("block")
+    _, trace, _ = _layer_fwd_bwd("block")
+    assert trace.calls == []  # the first run's ValueError is remembered per configuration
+
+
+@pytest.mark.parametrize("name", ["current", "rowwise", "block", "mxfp8"])
+def test_scaled_mm_path_matches_emulated_numerics(name):
+    _, _, scaled = _layer_fwd_bwd(name)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(K, N)
+    layer = Fp8Linear.from_linear(linear, recipe(name, backend="emulated"))
+    x = torch.randn(M, K, requires_grad=True)
+    y = layer(x)
+    y.backward(torch.randn(M, N))
+    for got, want in zip(scaled, (y.detach(), x.grad, layer.weight.grad)):
+        # rowwise CPU kernels return bf16: one bf16 rounding of the result; the rest agree to fp32 order
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+
+
+def test_mxfp8_falls_back_with_a_reason():
+    layer, trace, _ = _layer_fwd_bwd("mxfp8")
+    assert trace.calls == []
+    assert all(p.startswith("fallback:scales vary along K in tiles (1, 32)") for p in layer.gemm_paths.values())
+
+
+def test_forward_fast_accum_and_dtype_and_bias_go_to_the_kernel():
+    layer, trace, _ = _layer_fwd_bwd("current", fast_accum_forward=True)
+    fast = [c["named"]["use_fast_accum"] for c in trace.calls]
+    assert fast == [True, False, False]  # forward only: the backward GEMMs keep the precise accumulation
+    _, trace, _ = _layer_fwd_bwd("current", fast_accum_forward=False)
+    assert trace.calls[0]["named"]["use_fast_accum"] is False
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_gemm_returns_the_callers_dtype_with_bias(out_dtype):
+    g = torch.Generator().manual_seed(3)
+    a = Fp8Operand((torch.randn(48, 64, generator=g) * 8).to(torch.float8_e4m3fn), torch.tensor(0.5))
+    b = Fp8Operand((torch.randn(32, 64, generator=g) * 8).to(torch.float8_e4m3fn), torch.tensor(0.25)).t()
+    bias = torch.randn(32, generator=g)
+    trace = KernelTrace()
+    with trace:
+        out = fp8_mm(a, b, "scaled_mm", out_dtype=out_dtype, bias=bias)
+    assert out.dtype == out_dtype
+    reference = (a.data.double() * 0.5) @ (b.data.double() * 0.25) + bias.double()
+    tol = (2 ** -7 if out_dtype == torch.bfloat16 else 1e-5) * reference.abs().max().item()
+    torch.testing.assert_close(out.double(), reference, rtol=0, atol=tol)
+    (call,) = trace.calls
+    kernel_out_dtype = call["named"]["out_dtype"]
+    assert kernel_out_dtype == out_dtype  # straight from the GEMM, no conversion kernel after it
+    kernel_bias = call["named"]["bias"]
+    assert (kernel_bias is not None) == (out_dtype == torch.bfloat16)  # no kernel fuses bias into fp32 output
+
+
+@pytest.mark.parametrize("shape, fp8_kernel", [((33, 64, 32), True), ((48, 40, 32), False), ((48, 64, 24), False)])
+def test_shape_rule_is_k_and_n_multiples_of_16(shape, fp8_kernel):
+    m, k, n = shape
+    a = Fp8Operand(torch.ones(m, k).to(torch.float8_e4m3fn), torch.tensor(1.0))
+    b = Fp8Operand(torch.ones(n, k).to(torch.float8_e4m3fn), torch.tensor(1.0)).t()
+    kind, reason = scaled_mm_kind(a, b)
+    assert (kind == "tensorwise") == fp8_kernel, reason
+
+
+def test_blockwise_scale_layouts_are_outer_dim_major():
+    g = torch.Generator().manual_seed(1)
+    a = Fp8Operand(torch.zeros(M, K).to(torch.float8_e4m3fn), torch.rand(M, K // 128, generator=g), (1, 128))
+    w = Fp8Operand(torch.zeros(N, K).to(torch.float8_e4m3fn), torch.rand(N // 128, K // 128, generator=g),
+                   (128, 128))
+    args = scaled_mm_arguments(a, w.t(), "blockwise_1x128_128x128")
+    assert args["scale_a"].shape == (M, K // 128) and args["scale_a"].stride() == (1, M)
+    l4 = -(-(K // 128) // 4) * 4
+    assert args["scale_b"].shape == (l4, N // 128) and args["scale_b"].stride() == (1, l4)
+    # the values: scale_b[k, n] is the scale of weight tile (n, k); padding rows are never read
+    torch.testing.assert_close(args["scale_b"][:K // 128], w.scale.t())
+    torch.testing.assert_close(args["scale_a"], a.scale)
+
+
+def test_fnuz_refused_on_ocp_gpus_and_allowed_emulated(monkeypatch):
+    fnuz = ("e4m3fnuz", "e4m3fnuz", "e5m2fnuz")
+    with pytest.raises(ValueError, match="FNUZ"):
+        check_dialect(fnuz, "cuda")
+    check_dialect(("e4m3fn", "e4m3fn", "e5m2"), "cuda")  # OCP on an OCP GPU: fine
+    with pytest.raises(ValueError, match="FNUZ"):  # auto on a (pretended) capable OCP device: refused clearly
+        resolve_backend("auto", "cpu", fnuz)
+    monkeypatch.setattr(gemm, "scaled_mm_available", lambda device: False)
+    assert resolve_backend("auto", "cpu", fnuz) == "emulated"
+    layer = Fp8Linear(64, 64, recipe=recipe("current", input_format="e4m3fnuz", weight_format="e4m3fnuz",
+                                            grad_output_format="e5m2fnuz"))
+    assert layer(torch.randn(4, 64)).shape == (4, 64)  # FNUZ numerics stay available emulated
