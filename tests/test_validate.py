@@ -20,7 +20,7 @@ import pytest
 from fp8train.cli import main
 from fp8train.evidence import stats
 from fp8train.evidence.curves import Curve, load_curve
-from fp8train.evidence.plan import BASELINE, plan_runs
+from fp8train.evidence.pairs import BASELINE, plan_runs
 from fp8train.evidence.runner import DivergenceGuard, _Schedule, default_workers
 from fp8train.evidence.validate import resolve_workers, run_validation
 from fp8train.training.config import load_config
@@ -287,7 +287,7 @@ def test_help_documents_exit_codes(capsys):
 #             ln(256) = 5.55 while bf16 falls to ~3, so the divergence guard stops it -> FAIL;
 # - degraded: current with a scale margin of 2**17: amax lands at 448 / 2**17, so every value below ~0.29 x amax
 #             of its tensor flushes to zero (E4M3's smallest subnormal is 2**-9). Measured on this config over
-#             seeds 1-6 of this config (AMD EPYC, 2 cores): mean paired gap +5.4%, sd 1.6 points, 2.7x the 2%
+#             seeds 1-6 of this config (AMD EPYC, 2 cores): mean paired gap +5.0%, sd 1.8 points, 2.5x the 2%
 #             margin -> FAIL (while `current`, on the same seeds: mean +0.05%, sd 0.07 points).
 TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32", "train.batch_size=8",
         "train.max_steps=40", "train.eval_every=10", "train.eval_batches=4", "optim.warmup_steps=5",

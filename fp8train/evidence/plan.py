@@ -1,207 +1,274 @@
-"""The plan of a paired validation: which runs, with which configs, declared in plan.json before any run.
+"""`fp8train plan RUN_DIR --out PLAN.yaml`: a per-layer recipe plan from measurements, not shape rules.
 
-For every seed s of validate.seeds, the bf16 baseline (fp8.recipe=none) and every candidate train with
-train.seed=s: the same initial weights and the same batches in the same order (train() guarantees both), and the
-same validation batches (they do not depend on the seed), so within a seed the recipe is the only difference.
+Two measurements decide each layer the run's layer policy converts (or would convert, for a bf16 run):
 
-Layout of the validation directory <run.dir>/<run.name>/:
+1. **Speed on this device**: every distinct layer shape (M tokens per micro-batch, in_features, out_features) is
+   timed forward+backward as the run trains it: nn.Linear in the run's precision (bf16 autocast, or fp32 with
+   train.autocast=none) against Fp8Linear for each shadowed recipe (its quantize + GEMMs, backend auto), in
+   interleaved rounds, median of `--repeats`; fp32 and bf16 are both timed and both reported.
+2. **Numerics on the run's own operands**: the run's shadow telemetry (`log.shadow_recipes`), i.e. SQNR,
+   overflow and underflow per role that each recipe would have had on this layer's real tensors.
 
-    plan.json                   written BEFORE any run: declared margin, candidates, seeds, config hashes
-    runs/<label>/seed<s>/       one normal run directory per run (label = bf16 or the candidate's label)
-    report.md, *.png, summary.json     written at the end (fp8train.evidence.report)
-
-A directory planned from another config, or with another declared margin, candidate list or seed list, is
-refused with a ValueError naming what differs, and nothing in it is touched.
+A layer gets the FASTEST recipe whose numerics pass every threshold and whose speedup over the run's precision
+is at least `min_speedup`; otherwise it stays high precision ('bf16'). Thresholds (defaults: the report
+advisor's, advisor.MEAN_THRESHOLDS, plus min_speedup 1.05 because FP8 costs accuracy and 5% is within the
+timing noise of a loaded machine): mean SQNR >= sqnr_db_min in every role, worst overflow <= overflow_frac_max,
+mean underflow <= underflow_frac_max. The plan is written as `policy.overrides` (one anchored regex per layer,
+with a comment giving the speedups and SQNRs behind the choice) for `policy.plan=PLAN.yaml` or a validation
+candidate `plan=current:policy.plan=PLAN.yaml`. On a CPU the honest outcome may be "no layer is faster in FP8
+here", and the plan says so.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import tempfile
+import copy
+import datetime
+import re
+import statistics
 import time
-from dataclasses import dataclass
+import warnings
 from pathlib import Path
 
-from fp8train.evidence import stats
-from fp8train.training.config import HASH_EXCLUDE, FullConfig, config_hash, config_to_yaml, fp8_recipe_from_config, load_config
-from fp8train.training.config.validation import BASELINE_LABEL, Candidate, parse_candidate, resolve_seeds
-from fp8train.training.data import build_data, describe_fingerprint_change
-from fp8train.training.rundir import dir_state, read_json
+import torch
+import torch.nn as nn
 
-__all__ = ["PLAN_FILE", "BASELINE", "PlannedRun", "plan_runs", "fingerprint_runs", "make_plan", "check_plan", "validation_dir",
-           "run_dir", "derive_config"]
+from fp8train.nn.convert import LayerPolicy, convert_to_fp8
+from fp8train.nn.linear import Fp8Linear
+from fp8train.nn.overrides import OVERRIDE_BF16
+from fp8train.nn.recipes import ROLES, recipe
+from fp8train.evidence import advisor
+from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
+from fp8train.training.model import build_model
+from fp8train.training.rundir import read_jsonl, write_text_atomic
+from fp8train.training.shadow import SHADOW_STAT_KEYS
 
-PLAN_FILE = "plan.json"
-BASELINE = BASELINE_LABEL
-RUNS_DIR = "runs"
-# What must match between a new invocation and the plan on disk: the experiment and what was declared.
-# (validate.workers is absent on purpose: how many runs go at once changes nothing that is measured.)
-PLAN_KEYS = ("data_fingerprint", "config_hash", "margin", "final_window", "seeds", "stop_on_divergence", "divergence_factor",
-             "candidates", "runs", "confidence", "power")
+__all__ = ["DEFAULT_THRESHOLDS", "shadow_table", "planned_layers", "time_shapes", "choose", "make_plan",
+           "plan_yaml", "check_fp8_conversion", "add_cli_arguments", "cli_main"]
 
-
-@dataclass
-class PlannedRun:
-    """One training run of the plan: ``label`` is bf16 or a candidate's label, ``seed`` its train.seed."""
-
-    label: str
-    seed: int
-    cfg: FullConfig
-    candidate: Candidate | None = None
-    data_fingerprint: dict | None = None  # what train() will train on (set by fingerprint_runs)
-    data_source: str = "the data"
-
-    @property
-    def key(self) -> str:
-        """The run's folder below runs/, e.g. ``current/seed1337``."""
-        return f"{self.label}/seed{self.seed}"
-
-    @property
-    def is_baseline(self) -> bool:
-        return self.candidate is None
+DEFAULT_THRESHOLDS = {**advisor.MEAN_THRESHOLDS, "min_speedup": 1.05}
 
 
-def fingerprint_runs(runs: list[PlannedRun]) -> None:
-    """Read each run's data once per distinct data setting and record its content fingerprint: the plan, and
-    every check of a re-run against it, are then about the tokens, not just the path."""
-    seen: dict[str, tuple[dict, str]] = {}
-    for run in runs:
-        key = repr((run.cfg.data, run.cfg.model.seq_len, run.cfg.model.vocab_size))
-        if key not in seen:
-            data = build_data(run.cfg)
-            seen[key] = (data.fingerprint, data.source)
-        run.data_fingerprint, run.data_source = seen[key]
-
-
-def validation_dir(cfg: FullConfig) -> Path:
-    return Path(cfg.run.dir) / cfg.run.name
-
-
-def run_dir(vdir: Path, label: str, seed: int) -> Path:
-    return vdir / RUNS_DIR / label / f"seed{seed}"
-
-
-def derive_config(cfg: FullConfig, overrides: list[str], what: str = "") -> FullConfig:
-    """`cfg` with dotlist overrides applied, through load_config (strict keys, typed, range-checked)."""
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
-        f.write(config_to_yaml(cfg))
-        f.flush()
-        try:
-            return load_config(f.name, list(overrides))
-        except ValueError as err:
-            if not what:
-                raise
-            raise ValueError(f"validate.candidates: {what}: {err}") from None
-
-
-def plan_runs(cfg: FullConfig, candidates=None) -> list[PlannedRun]:
-    """The runs of a validation, seed by seed: the baseline, then each candidate. Every check of the specs and of
-    the derived configs happens here, before anything is written."""
-    specs = list(cfg.validate.candidates) if candidates is None else list(candidates)
-    if not specs:
-        raise ValueError("validate.candidates is empty: list at least one FP8 recipe spec; the bf16 baseline "
-                         "always runs")
-    parsed = [parse_candidate(s) for s in specs]
-    labels = [c.label for c in parsed]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"validate.candidates: labels must differ, got {labels} (give one a LABEL=)")
-    seeds = resolve_seeds(cfg.validate.seeds, cfg.train.seed)
-    if max(seeds) >= 2**63:
-        raise ValueError(f"validate.seeds={cfg.validate.seeds} with train.seed={cfg.train.seed} reaches seed "
-                         f"{max(seeds)}; seeds must be < 2**63")
-    _check_eval_points(cfg)
-
-    vdir = validation_dir(cfg)
-    # Resumable by construction: every run resumes from its newest checkpoint, and there is one to resume from.
-    every = cfg.checkpoint.every or max(1, cfg.train.max_steps // 4)
-    common = ["train.resume=true", f"checkpoint.every={every}"]
-    runs = []
-    for seed in seeds:
-        def where(label):
-            return [f"run.dir={vdir / RUNS_DIR / label}", f"run.name=seed{seed}", f"train.seed={seed}"]
-        runs.append(PlannedRun(BASELINE, seed, derive_config(cfg, common + where(BASELINE) + ["fp8.recipe=none"])))
-        for cand in parsed:
-            overrides = common + where(cand.label) + [f"fp8.recipe={cand.recipe}", *cand.overrides]
-            runs.append(PlannedRun(cand.label, seed, derive_config(cfg, overrides, repr(cand.label)), cand))
-    return runs
-
-
-def _check_eval_points(cfg: FullConfig) -> None:
-    every, steps = cfg.train.eval_every, cfg.train.max_steps
-    points = len(set(range(every, steps + 1, every)) | {steps}) if every else 1
-    if points < cfg.validate.final_window:
-        raise ValueError(f"validate.final_window={cfg.validate.final_window} needs that many evaluation points, "
-                         f"but train.eval_every={every} with train.max_steps={steps} gives {points}")
-
-
-def _recipe_code(cfg: FullConfig) -> str:
-    recipe = fp8_recipe_from_config(cfg)
-    return recipe.code() if recipe is not None else "none"
-
-
-def make_plan(cfg: FullConfig, runs: list[PlannedRun]) -> dict:
-    """plan.json: what is declared before any run (the margin, candidates, seeds, method) and the runs' hashes."""
-    v = cfg.validate
-    first_seed = runs[0].seed
-    return {
-        "margin": v.margin, "final_window": v.final_window, "seeds": list(dict.fromkeys(r.seed for r in runs)),
-        "stop_on_divergence": v.stop_on_divergence, "divergence_factor": v.divergence_factor,
-        "confidence": stats.CONFIDENCE, "power": stats.POWER, "baseline": BASELINE,
-        "candidates": [dict(r.candidate.as_dict(), recipe_code=_recipe_code(r.cfg)) for r in runs
-                       if not r.is_baseline and r.seed == first_seed],
-        "runs": {r.key: {"label": r.label, "seed": r.seed, "config_hash": config_hash(r.cfg)} for r in runs},
-        # train.seed differs between the seeds' runs and is declared in "seeds", so the experiment's hash skips it
-        "config_hash": config_hash(runs[0].cfg, exclude=HASH_EXCLUDE + ("train.seed",)),
-        "data_fingerprint": runs[0].data_fingerprint,
-        "max_steps": cfg.train.max_steps, "eval_every": cfg.train.eval_every,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-
-
-def check_plan(vdir: Path, plan: dict, data_source: str = "the data") -> dict | None:
-    """The plan already in ``vdir`` if it matches ``plan``; None if there is none (or a damaged one that no run
-    depends on); ValueError on a mismatch, naming what differs."""
-    state = dir_state(vdir, PLAN_FILE)
-    if state == "other":
-        raise ValueError(f"{vdir} exists and is not a validation directory (no {PLAN_FILE}); choose another "
-                         "run.name or run.dir (nothing was changed)")
-    if state != "run":
-        return None
+def _as_float(value) -> float | None:
+    """A stat as float (telemetry.jsonl writes non-finite floats as strings such as "inf"), or None."""
     try:
-        old = read_json(vdir / PLAN_FILE)
-    except ValueError:
-        if any((vdir / RUNS_DIR).glob("*")):  # runs were made under that plan: its declarations are lost
-            raise ValueError(f"{vdir / PLAN_FILE} is damaged and runs were already made under it, so what was "
-                             "declared before them cannot be checked; use a new run.name (nothing was changed)"
-                             ) from None
-        return None  # damaged before any run started: nothing depends on it, plan again
-    change = describe_fingerprint_change(old.get("data_fingerprint"), plan.get("data_fingerprint"), data_source)
-    if change is not None:
-        raise ValueError(f"{vdir}: {change}. Its runs were made on the old data, so a verdict now would compare "
-                         "runs on different data; use a new run.name (nothing was changed)")
-    diffs = [k for k in PLAN_KEYS if _canonical(k, old.get(k)) != _canonical(k, plan.get(k))]
-    if diffs:
-        detail = "; ".join(_describe_diff(k, old.get(k), plan.get(k)) for k in diffs)
-        raise ValueError(f"{vdir} was planned from a different config ({detail}). The margin, candidates and seeds "
-                         "are declared before the runs and cannot change afterwards; use a new run.name "
-                         "(nothing was changed)")
-    return old
+        return None if value is None or isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        return None
 
 
-def _canonical(key: str, value):
-    if key == "candidates" and isinstance(value, list):  # recipe_code is derived (display only), not declared
-        value = [{k: v for k, v in c.items() if k != "recipe_code"} if isinstance(c, dict) else c for c in value]
-    if isinstance(value, float) and math.isfinite(value):
-        value = round(value, 12)
-    return json.dumps(value, sort_keys=True)
+def shadow_table(records: list[dict]) -> dict:
+    """{layer: {recipe: {role: {sqnr_db (mean of finite), overflow_frac (max), underflow_frac (mean)}}}}."""
+    samples: dict = {}
+    for record in {int(r["step"]): r for r in records if r.get("shadow")}.values():  # a resumed step counts once
+        for layer, recipes in record["shadow"].items():
+            for rname, roles in recipes.items():
+                for role, stats in roles.items():
+                    slot = samples.setdefault(layer, {}).setdefault(rname, {}).setdefault(role, {})
+                    for key in SHADOW_STAT_KEYS:
+                        value = _as_float(stats.get(key))
+                        if value is not None:
+                            slot.setdefault(key, []).append(value)
+    table: dict = {}
+    for layer, recipes in samples.items():
+        for rname, roles in recipes.items():
+            for role, values in roles.items():
+                sqnr = [v for v in values.get("sqnr_db", []) if v != float("inf")]
+                table.setdefault(layer, {}).setdefault(rname, {})[role] = {
+                    "sqnr_db": statistics.fmean(sqnr) if sqnr else float("inf"),
+                    "overflow_frac": max(values.get("overflow_frac", [0.0])),
+                    "underflow_frac": statistics.fmean(values.get("underflow_frac", [0.0])),
+                }
+    return table
 
 
-def _describe_diff(key: str, old, new) -> str:
-    if key == "config_hash":
-        return "model/data/optimizer/train settings differ (config hash)"
-    if key == "data_fingerprint":
-        return "the data fingerprint differs (plan.json from an older fp8train?)"
-    if key == "runs":
-        return "the runs' configs differ"
-    return f"validate.{key}: plan.json has {old!r}, now {new!r}"
+def _meta_conversion(cfg, policy: LayerPolicy):
+    """convert_to_fp8 on a meta-device copy of the run's model (no memory, no data): (report, skeleton)."""
+    run_recipe = (fp8_recipe_from_config(cfg) or recipe("current")).replace(backend="emulated")
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no nn.Linear was eligible" is the caller's to report
+        skeleton = build_model(cfg.model, load_weights=False)  # the architecture only: no weights read
+        return convert_to_fp8(skeleton, run_recipe, policy), skeleton
+
+
+def check_fp8_conversion(cfg) -> None:
+    """Raise the ValueError `fp8train train` would raise at conversion (e.g. a policy.plan made for another
+    model), without building anything: validation calls it for every candidate before the first run."""
+    if cfg.fp8.recipe != "none":
+        _meta_conversion(cfg, layer_policy_from_config(cfg))
+
+
+def planned_layers(cfg) -> list[tuple[str, int, int]]:
+    """(name, in_features, out_features) of every Linear the run's policy converts, ignoring its overrides."""
+    policy = layer_policy_from_config(cfg)
+    report, skeleton = _meta_conversion(cfg, LayerPolicy(**{**policy.__dict__, "overrides": ()}))
+    return [(name, skeleton.get_submodule(name).in_features, skeleton.get_submodule(name).out_features)
+            for name, _ in report.converted]
+
+
+def _fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, autocast: bool):
+    def step():
+        x_ = x.detach().requires_grad_(True)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+            y = module(x_)
+        y.backward(grad.to(y.dtype))
+        module.zero_grad(set_to_none=True)
+    return step
+
+
+def time_shapes(shapes, recipe_names, device: str, run_autocast: bool, repeats: int) -> dict:
+    """{(m, k, n): {contender: median seconds}} for fp32, bf16 and each recipe, fwd+bwd, interleaved rounds."""
+    timings = {}
+    for m, k, n in sorted(set(shapes)):
+        torch.manual_seed(0)
+        linear = nn.Linear(k, n, bias=False, device=device)
+        x, grad = torch.randn(m, k, device=device), torch.randn(m, n, device=device)
+        contenders = {"fp32": _fwd_bwd(linear, x, grad, False), "bf16": _fwd_bwd(linear, x, grad, True)}
+        for name in recipe_names:
+            layer = Fp8Linear.from_linear(copy.deepcopy(linear), recipe(name))
+            contenders[name] = _fwd_bwd(layer, x, grad, run_autocast)
+        seconds = {name: [] for name in contenders}
+        for round_ in range(repeats + 1):  # round 0 warms up (caches, kernel probes)
+            for name, step in contenders.items():
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                step()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                if round_:
+                    seconds[name].append(time.perf_counter() - start)
+        timings[(m, k, n)] = {name: statistics.median(v) for name, v in seconds.items()}
+    return timings
+
+
+def _numerics_failure(stats: dict, t: dict) -> str | None:
+    for role in ROLES:
+        s = stats.get(role)
+        if s is None:
+            return f"no {role} telemetry"
+        if s["sqnr_db"] < t["sqnr_db_min"]:
+            return f"{role} SQNR {s['sqnr_db']:.1f} dB < {t['sqnr_db_min']:g}"
+        if s["overflow_frac"] > t["overflow_frac_max"]:
+            return f"{role} overflow {s['overflow_frac']:.2%} > {t['overflow_frac_max']:.2%}"
+        if s["underflow_frac"] > t["underflow_frac_max"]:
+            return f"{role} underflow {s['underflow_frac']:.1%} > {t['underflow_frac_max']:.0%}"
+    return None
+
+
+def choose(timing: dict, shadow: dict, baseline: str, thresholds: dict) -> tuple[str, str]:
+    """(choice, comment) for one layer from its shape's timings and its shadow table."""
+    speedups = {r: timing[baseline] / timing[r] for r in shadow if r in timing}
+    passing = {r: s for r, s in speedups.items() if _numerics_failure(shadow[r], thresholds) is None}
+    fast = {r: s for r, s in passing.items() if s >= thresholds["min_speedup"]}
+    choice = max(fast, key=fast.get) if fast else OVERRIDE_BF16
+    parts = [f"{r} {s:.2f}x" for r, s in sorted(speedups.items(), key=lambda kv: -kv[1])]
+    comment = f"vs {baseline}: " + ", ".join(parts) + f" (fp32 {timing[baseline] / timing['fp32']:.2f}x)"
+    if choice != OVERRIDE_BF16:
+        sqnr = "/".join(f"{shadow[choice][role]['sqnr_db']:.1f}" for role in ROLES)
+        return choice, f"{comment}; {choice} SQNR in/w/grad {sqnr} dB"
+    failures = {r: _numerics_failure(shadow[r], thresholds) for r in speedups if r not in passing}
+    why = "; ".join(f"{r}: {f}" for r, f in failures.items())
+    slow = f"none >= {thresholds['min_speedup']:g}x faster" if passing else "no recipe passes the numerics"
+    return choice, f"{comment}; {slow}" + (f"; {why}" if why else "")
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
+    except OSError:
+        pass
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def make_plan(run_dir: str | Path, device: str, repeats: int, thresholds: dict) -> dict:
+    """Everything the plan file says: per-layer choices with their reasons, and how they were measured."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
+    cfg = load_config(str(run_dir / "config.yaml"))
+    table = shadow_table(read_jsonl(run_dir / "telemetry.jsonl"))
+    if not table:
+        raise ValueError(f"{run_dir / 'telemetry.jsonl'} has no shadow telemetry: train with "
+                         f"log.shadow_recipes=[current,rowwise,block,mxfp8] and log.telemetry_every > 0")
+    layers = planned_layers(cfg)
+    missing = [name for name, _, _ in layers if name not in table]
+    if len(missing) == len(layers):
+        raise ValueError(f"the shadow telemetry of {run_dir} names none of this model's layers "
+                         f"(telemetry from another model?)")
+    recipes = sorted({r for per_layer in table.values() for r in per_layer})
+    tokens = cfg.train.batch_size // cfg.train.grad_accum * cfg.model.seq_len  # per micro-batch, one process
+    run_autocast = cfg.train.autocast == "bf16"
+    baseline = "bf16" if run_autocast else "fp32"
+    timings = time_shapes([(tokens, k, n) for _, k, n in layers], recipes, device, run_autocast, repeats)
+    rows = []
+    for name, k, n in layers:
+        timing = timings[(tokens, k, n)]
+        if name in missing:
+            choice, comment = OVERRIDE_BF16, "no shadow telemetry for this layer"
+        else:
+            choice, comment = choose(timing, table[name], baseline, thresholds)
+        rows.append(dict(layer=name, shape=[tokens, k, n], choice=choice, comment=f"{tokens}x{k}x{n} {comment}"))
+    return dict(run_dir=str(run_dir), device=device, device_name=_device_name(device), baseline=baseline,
+                repeats=repeats, thresholds=thresholds, recipes=recipes, layers=rows,
+                fp8_layers=sum(r["choice"] != OVERRIDE_BF16 for r in rows))
+
+
+def _yaml_quoted(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"  # YAML single quotes: backslashes stay literal
+
+
+def plan_yaml(plan: dict) -> str:
+    """The plan as a config fragment: a commented `policy.overrides`, one anchored regex per layer."""
+    t = plan["thresholds"]
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        f"# fp8train plan for {plan['run_dir']}, measured {when} on {plan['device_name']} ({plan['device']})",
+        f"# speed: fwd+bwd per layer shape (MxKxN), median of {plan['repeats']} interleaved rounds, speedup over "
+        f"the run's precision ({plan['baseline']}); fp32 shown too",
+        f"# numerics: the run's shadow telemetry; thresholds: SQNR >= {t['sqnr_db_min']:g} dB in every role, "
+        f"overflow <= {t['overflow_frac_max']:.2%}, underflow <= {t['underflow_frac_max']:.0%}, speedup >= "
+        f"{t['min_speedup']:g}x",
+    ]
+    if plan["fp8_layers"] == 0:
+        lines.append("# outcome: no layer is faster in FP8 here, so every layer stays high precision")
+    else:
+        lines.append(f"# outcome: {plan['fp8_layers']} of {len(plan['layers'])} layers in FP8")
+    lines += ["# use: fp8train train CONFIG policy.plan=THIS_FILE, or validate.candidates: "
+              "[plan=current:policy.plan=THIS_FILE]", "policy:", "  overrides:"]
+    for row in plan["layers"]:
+        pattern = "^" + re.escape(row["layer"]) + "$"
+        lines.append(f"    {_yaml_quoted(pattern)}: {row['choice']}  # {row['comment']}")
+    return "\n".join(lines) + "\n"
+
+
+def add_cli_arguments(parser) -> None:
+    parser.add_argument("run_dir", help="a run directory trained with log.shadow_recipes")
+    parser.add_argument("--out", required=True, help="plan YAML to write (refused if it exists, unless --force)")
+    parser.add_argument("--force", action="store_true", help="overwrite --out")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="where to time the layer shapes (default: cuda if available)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per shape (median; default 5)")
+    for key, value in DEFAULT_THRESHOLDS.items():
+        parser.add_argument(f"--{key.replace('_', '-')}", type=float, default=value, dest=key,
+                            help=f"threshold (default {value:g})")
+
+
+def cli_main(args) -> int:
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise FileExistsError(f"--out {out} exists; pass --force to replace it")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats={args.repeats}: must be >= 1")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA GPU is visible to torch")
+    thresholds = {key: getattr(args, key) for key in DEFAULT_THRESHOLDS}
+    plan = make_plan(args.run_dir, device, args.repeats, thresholds)
+    write_text_atomic(out, plan_yaml(plan))
+    print(f"{plan['fp8_layers']} of {len(plan['layers'])} layers in FP8 on {plan['device_name']}"
+          + (": no layer is faster in FP8 here" if plan["fp8_layers"] == 0 else "") + f"; plan written to {out}")
+    return 0

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 from fp8train.evidence import advisor, plots
-from fp8train.evidence.plan import BASELINE, PLAN_FILE
+from fp8train.evidence.pairs import BASELINE, PLAN_FILE
 from fp8train.evidence.verdict import METHOD, RunData, load_validation, summarize_validation
 from fp8train.training.rundir import CONFIG_FILE, METRICS_FILE, write_json_atomic, write_text_atomic
 

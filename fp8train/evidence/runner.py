@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from fp8train.evidence.curves import Curve, load_curve
-from fp8train.evidence.plan import PlannedRun
+from fp8train.evidence.pairs import PlannedRun
 from fp8train.training.config import FullConfig, config_hash
 from fp8train.training.loop import make_accelerator, train
 from fp8train.training.rundir import SUMMARY_FILE, read_json

@@ -4,7 +4,7 @@
     accelerate launch --num_processes 2 -m fp8train.cli validate recipes/cpu_validate.yaml
 
 For every seed of validate.seeds, the bf16 baseline and every candidate train from the same initial weights on the
-same batches (fp8train.evidence.plan); validate.workers runs go at once (fp8train.evidence.runner); the verdict
+same batches (fp8train.evidence.pairs); validate.workers runs go at once (fp8train.evidence.runner); the verdict
 bounds the mean paired gap over seeds (fp8train.evidence.stats) and the report shows it
 (fp8train.evidence.report). Re-running the command skips finished runs and resumes unfinished ones; a directory
 planned with another config, margin, candidate list or seed list is refused and nothing in it is touched.
@@ -18,7 +18,7 @@ import math
 import sys
 from pathlib import Path
 
-from fp8train.evidence.plan import PLAN_FILE, check_plan, fingerprint_runs, make_plan, plan_runs, validation_dir
+from fp8train.evidence.pairs import PLAN_FILE, check_plan, fingerprint_runs, make_plan, plan_runs, validation_dir
 from fp8train.evidence.report import write_validation_report
 from fp8train.evidence.runner import default_workers, run_plan
 from fp8train.training.config import FullConfig, add_config_arguments, config_hash, load_config

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fp8train.evidence import advisor, stats
 from fp8train.evidence.curves import Curve, load_curve
-from fp8train.evidence.plan import BASELINE, PLAN_FILE, run_dir
+from fp8train.evidence.pairs import BASELINE, PLAN_FILE, run_dir
 from fp8train.training.rundir import SUMMARY_FILE, TELEMETRY_FILE, read_json, read_jsonl
 
 __all__ = ["RunData", "load_validation", "summarize_validation", "METHOD"]
