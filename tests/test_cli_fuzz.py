@@ -43,7 +43,7 @@ def _kind(tp) -> str:
         return _kind(args[0])
     if typing.get_origin(tp) in (list, typing.List):
         return "list"
-    return {int: "int", float: "float", bool: "bool", str: "str"}[tp]
+    return {int: "int", float: "float", bool: "bool", str: "str", typing.Any: "any"}[tp]
 
 
 WRONG_TYPE = {
@@ -52,6 +52,7 @@ WRONG_TYPE = {
     "bool": ["abc", "{a: 1}"],
     "str": ["{a: 1}"],
     "list": ["abc", "{a: 1}"],
+    "any": ["{a: 1}"],  # train.resume: true | false | auto (its other values are in OUT_OF_RANGE)
 }
 
 # Out-of-range values, per field. Fields absent here must be listed in NO_RANGE (checked below).
@@ -81,6 +82,7 @@ OUT_OF_RANGE = {
     "train.device": ["tpu", "gpu"],
     "train.threads": ["-1", "two"],
     "train.autocast": ["fp16"],
+    "train.resume": ["maybe", "2", "[true]"],
     "optim.weight_decay": ["-0.1"],
     "optim.betas": ["[0.9]", "[0.9, 1.0]", "[-0.1, 0.9]", "[0.9, 0.95, 0.99]", "[a, b]"],
     "optim.eps": ["0", "-1"],
@@ -106,6 +108,7 @@ OUT_OF_RANGE = {
     "log.every": ["0"],
     "log.telemetry_every": ["-1"],
     "log.wandb": ["cloud", "true"],
+    "log.trackers": ["[wandbx]", "[wandb, wandb]", "[tensorboard, neptune]"],
     "checkpoint.every": ["-1"],
     "checkpoint.keep_last": ["-1"],
     "validate.candidates": ["[]", "[none]", "[delayed, delayed]", "[fp16]"],
@@ -117,7 +120,7 @@ OUT_OF_RANGE = {
 }
 # Free-form strings and switches: any value of the right type is in range.
 NO_RANGE = {"data.path", "model.hf_config", "log.wandb_project", "model.tie_embeddings", "train.skip_nonfinite_grads",
-            "train.resume", "checkpoint.save_final"}
+            "checkpoint.save_final"}
 
 
 @pytest.fixture(scope="module")

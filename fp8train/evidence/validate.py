@@ -169,7 +169,7 @@ def plan_runs(cfg: FullConfig, candidates=None) -> list[PlannedRun]:
     runs_root = str(validation_dir(cfg) / "runs")
     # Resumable by construction: every run resumes from its newest checkpoint, and there is one to resume from.
     every = cfg.checkpoint.every or max(1, cfg.train.max_steps // 4)
-    common = [f"run.dir={runs_root}", "train.resume=true", f"checkpoint.every={every}"]
+    common = [f"run.dir={runs_root}", "train.resume=auto", f"checkpoint.every={every}"]
     runs = [PlannedRun(BASELINE, "baseline", derive_config(cfg, common + [f"run.name={BASELINE}",
                                                                            "fp8.recipe=none"]))]
     for cand in parsed:

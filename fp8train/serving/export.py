@@ -42,9 +42,11 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from fp8train import __version__
 from fp8train.nn.recipes import ROLES
 from fp8train.numerics.formats import get_format
 from fp8train.numerics.quant import Fp8Tensor, convert_dialect, decode_fp8, quantize
+from fp8train.training.model import tied_weight_groups
 from fp8train.training.rundir import CHECKPOINTS_DIR, give_default_mode
 
 __all__ = [
@@ -71,15 +73,6 @@ def _export_format(name: str):
         raise ValueError(f"export --format {name!r} is not supported; allowed: {', '.join(EXPORT_FORMATS)} "
                          "(E4M3 weights: OCP e4m3fn, or e4m3fnuz for AMD MI300)")
     return fmt
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("fp8train")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -160,12 +153,7 @@ def _load_master_weights(model: nn.Module, state: dict, fp8_names: list, ckpt: P
 
 def _tied_aliases(model: nn.Module) -> set[str]:
     """state_dict names that are a second name of a tensor already listed (tied embeddings)."""
-    seen, aliases = {}, set()
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in seen:
-            aliases.add(name)
-        seen.setdefault(id(tensor), name)
-    return aliases
+    return {name for group in tied_weight_groups(model) for name in group[1:]}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -262,7 +250,7 @@ def _metadata(fmt, run: LoadedRun, fp8_names: list) -> dict:
         "fp8train.serving.export": EXPORT_MARK,
         "fp8_format": fmt.name,  # how to read the float8 bytes
         "fp8_dialect": _dialect(fmt.name),  # ocp | fnuz
-        "fp8train_version": _version(),
+        "fp8train_version": __version__,
         "scale_convention": SCALE_CONVENTION,
         "scale_layout": SCALE_LAYOUT,
         "high_precision_dtype": "bfloat16",
@@ -402,7 +390,7 @@ def convert_export(src, out, fmt, force: bool = False, allow_inexact: bool = Fal
         changed_total += changed
         tensors[f"{name}.weight"] = moved.data.contiguous()
         tensors[f"{name}.weight_scale"] = moved.scale.float().reshape(-1, 1).contiguous()
-    meta.update({"fp8_format": target.name, "fp8_dialect": _dialect(target.name), "fp8train_version": _version(),
+    meta.update({"fp8_format": target.name, "fp8_dialect": _dialect(target.name), "fp8train_version": __version__,
                  "converted_from": f"{source.name} ({str(Path(src).resolve())})",
                  "conversion_changed_values": str(changed_total)})
     _write_atomically(tensors, meta, out)

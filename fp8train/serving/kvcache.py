@@ -48,6 +48,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from fp8train import __version__
 from fp8train.numerics.formats import FORMATS, get_format
 from fp8train.numerics.quant import quantize, scale_from_amax
 
@@ -438,7 +439,7 @@ def kv_eval(run_dir, opts: KvEvalOptions = KvEvalOptions(), log=print) -> dict:
     import platform
 
     from fp8train.training.data import build_data
-    from fp8train.serving.export import _version, fp8_weight_model, load_run
+    from fp8train.serving.export import fp8_weight_model, load_run
 
     configs = _cache_configs(opts)  # bad options fail before anything is loaded
     if opts.matrix:
@@ -536,7 +537,7 @@ def kv_eval(run_dir, opts: KvEvalOptions = KvEvalOptions(), log=print) -> dict:
             "reference_cache": "bf16 (K/V rounded to bf16)", "kl": "KL(p_bf16_cache || p_fp8_cache) per token",
             "ci": "95% normal approximation over sequences (paired)", "generation": generation_info,
             "matrix": opts.matrix, "weight_format": opts.weight_format if opts.matrix else None,
-            "fp8train_version": _version(), "torch_version": torch.__version__, "python": platform.python_version(),
+            "fp8train_version": __version__, "torch_version": torch.__version__, "python": platform.python_version(),
         },
         "model": {"n_layers": n_layers, "n_kv_heads": n_kv, "head_dim": head_dim, "seq_len": seq_len},
         "memory": {"rows": memory_report(n_layers, n_kv, head_dim, seq_len),

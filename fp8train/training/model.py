@@ -214,6 +214,15 @@ def build_model(model_cfg) -> nn.Module:
     return Decoder(model_cfg)
 
 
+def tied_weight_groups(model: nn.Module) -> list[list[str]]:
+    """The state_dict names that share one tensor (tied embeddings: `embed.weight` and `lm_head.weight`), one
+    group per shared tensor, each in state_dict order. safetensors stores such a tensor once, under one name."""
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names_of.setdefault(id(tensor), []).append(name)
+    return [names for names in names_of.values() if len(names) > 1]
+
+
 def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
     """Number of parameters, each shared tensor counted once (tied embeddings)."""
     seen, total = set(), 0

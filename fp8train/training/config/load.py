@@ -135,13 +135,6 @@ def _omegaconf_error(e: OmegaConfBaseException) -> ValueError:
     return ValueError(f"config {key}: {msg.splitlines()[0]}")
 
 
-def add_config_arguments(parser, example_config: str, example_override: str, what: str = "progress bars") -> None:
-    """The command-line shape of config-driven commands: `CONFIG [key=value ...] [--quiet]`."""
-    parser.add_argument("config", help=f"recipe YAML, e.g. {example_config}")
-    parser.add_argument("overrides", nargs="*", help=f"key=value overrides, e.g. {example_override}")
-    parser.add_argument("--quiet", action="store_true", help=f"no {what}")
-
-
 def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> FullConfig:
     """Schema defaults <- YAML file at `path` (None = no file) <- `key=value` overrides; validated FullConfig."""
     layers = [_read_yaml(path) if path is not None else {}, _parse_overrides(list(overrides))]
