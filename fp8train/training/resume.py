@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 from omegaconf import OmegaConf
 
-from fp8train.training.checkpoint import latest_valid_checkpoint
+from fp8train.training.sharded_checkpoint import latest_loadable_checkpoint
 from fp8train.training.config import HASH_EXCLUDE, load_config
 from fp8train.training.rundir import CHECKPOINTS_DIR, CONFIG_FILE, SUMMARY_FILE, read_json
 
@@ -100,7 +100,7 @@ def plan_resume(cfg, run_dir: Path, log: Callable[[str], None]) -> ResumePlan:
     checkpoint = None
     if config_file.exists():
         _check_same_experiment(cfg, config_file)
-        checkpoint = latest_valid_checkpoint(run_dir / CHECKPOINTS_DIR, log=log)
+        checkpoint = latest_loadable_checkpoint(run_dir / CHECKPOINTS_DIR, log=log)  # DDP or sharded (fsdp2)
         summary = _complete_summary(cfg, run_dir, checkpoint)
         if summary is not None:
             return ResumePlan("complete", checkpoint, summary)
