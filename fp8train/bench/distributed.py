@@ -4,6 +4,8 @@ Two ranks (gloo on CPU; NCCL when at least two GPUs are visible) train the same 
 under each contender, one after the other in the same processes:
 - `ddp`:                 torch DDP, every rank holds everything;
 - `fsdp2`:               fp8train's FSDP2 (train.parallel=fsdp2): blocks, then the root, fully_shard-ed;
+- `fsdp2+bf16_gather`:    for comparison, FSDP2 gathering bf16 copies of the weights (its MixedPrecisionPolicy
+                          param_dtype=bf16; fp8train trains with fp32 weights, so not a training mode);
 - `fsdp2+fp8_all_gather`: the same with fp8.all_gather=true (Fp8Linear weights gathered as FP8 codes).
 
 Per contender it reports, on rank 0:
@@ -42,7 +44,7 @@ from fp8train.training.model import build_model
 
 __all__ = ["bench_distributed", "format_distributed", "CONTENDERS", "MODEL_SHAPES"]
 
-CONTENDERS = ("ddp", "fsdp2", "fsdp2+fp8_all_gather")
+CONTENDERS = ("ddp", "fsdp2", "fsdp2+bf16_gather", "fsdp2+fp8_all_gather")
 # (label, config overrides): the CPU validation model, and a wider one where the FP8 Linears dominate
 MODEL_SHAPES = (
     ("cpu_validate 2x64", ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "policy.min_features=64"]),
@@ -66,7 +68,8 @@ def _one_contender(cfg, contender: str, device: torch.device, steps: int) -> dic
     if contender == "ddp":
         wrapped = DistributedDataParallel(model, broadcast_buffers=False)
     else:
-        wrapped = fsdp2.apply_fsdp2(model, device, fp8_all_gather=contender.endswith("fp8_all_gather"))
+        wrapped = fsdp2.apply_fsdp2(model, device, fp8_all_gather=contender.endswith("fp8_all_gather"),
+                                    gather_dtype=torch.bfloat16 if contender.endswith("bf16_gather") else None)
         counter = fsdp2.count_all_gather_bytes(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, foreach=False)
     gen = torch.Generator().manual_seed(cfg.train.seed)
@@ -79,7 +82,7 @@ def _one_contender(cfg, contender: str, device: torch.device, steps: int) -> dic
         t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16):
             _, loss = wrapped(x_rank, x_rank)
-        loss.backward()
+        (loss if contender == "ddp" else loss / world).backward()  # FSDP2 sums over ranks (fsdp2.apply_fsdp2)
         optimizer.step()
         state = fsdp2.per_rank_state_bytes(model, optimizer)  # grads still held: counted
         optimizer.zero_grad(set_to_none=True)

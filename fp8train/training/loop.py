@@ -213,19 +213,18 @@ def _forward_backward(run: Run, step: int) -> tuple[float, tuple]:
             sync = nullcontext() if m == accum - 1 else accelerator.no_sync(run.ddp_model)
         with sync, _autocast(cfg, device):
             _, loss = run.ddp_model(x, y)
-        accelerator.backward(loss / accum)
+        # FSDP2 sums gradients over ranks (fsdp2.apply_fsdp2), so each micro-batch counts 1 / (its number in
+        # the global batch): a rank's grad_output, hence its FP8 scale history, is the same at any world size.
+        accelerator.backward(loss / (accum * accelerator.num_processes if run.sharded else accum))
         loss_sum += float(loss.detach())
     return all_mean(accelerator, loss_sum / accum), (x, y)
 
 
 def _clip_grad_norm(run: Run) -> float:
-    if run.sharded:  # gradients are DTensor shards: norms summed over ranks
-        clip = run.cfg.train.grad_clip
-        return clip_grad_norm(run.model, clip) if clip > 0 else grad_norm(run.model)
-    if run.cfg.train.grad_clip > 0:
-        return float(run.accelerator.clip_grad_norm_(run.ddp_model.parameters(), run.cfg.train.grad_clip))
-    norms = [p.grad.detach().float().norm() for p in run.model.parameters() if p.grad is not None]
-    return float(torch.stack(norms).norm()) if norms else 0.0
+    # One rule for DDP (replicated gradients) and FSDP2 (DTensor shards): a float64 norm that does not depend on
+    # how the gradient is split, so both, at any world size, clip by the same factor (fsdp2.grad_norm).
+    clip = run.cfg.train.grad_clip
+    return clip_grad_norm(run.model, clip) if clip > 0 else grad_norm(run.model)
 
 
 def _divergence_reason(cfg: FullConfig, state: _State, step: int, step_loss: float, grad_norm: float):

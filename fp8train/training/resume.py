@@ -7,7 +7,7 @@
 - `auto`: resume if there is a checkpoint to resume from, else start (what `fp8train validate` uses).
 
 A resumed run must be the same experiment. Its config may differ from the stored config.yaml only in
-`RESUMABLE_KEYS` (the schedule: how long to train and how often to evaluate) and in the keys that never change
+`RESUMABLE_KEYS` (the schedule: how long to train and how often to evaluate; the micro-batch split) and in the keys that never change
 what is trained (`HASH_EXCLUDE`: run name and folder, train.resume, log.*, checkpoint.*, validate.*); any other
 difference is refused with the key, the stored value and the new one. `train.max_steps` may grow (or shrink, not
 below the checkpoint's step). The learning-rate schedule stays the one the run started with: warmup and cosine
@@ -33,8 +33,10 @@ from fp8train.training.rundir import CHECKPOINTS_DIR, CONFIG_FILE, SUMMARY_FILE,
 
 __all__ = ["RESUMABLE_KEYS", "ResumePlan", "plan_resume", "config_differences"]
 
-# Keys that only say how long to train and how often to evaluate: they may change when a run is resumed.
-RESUMABLE_KEYS = ("train.max_steps", "train.eval_every")
+# Keys that only say how long to train and how often to evaluate: they may change when a run is resumed. And
+# train.grad_accum: the global batch (train.batch_size) is fixed, so resuming on another number of processes
+# with the same micro-batches means another accumulation count (2 ranks x 1 = 1 rank x 2).
+RESUMABLE_KEYS = ("train.max_steps", "train.eval_every", "train.grad_accum")
 
 
 @dataclass(frozen=True)
