@@ -23,6 +23,8 @@ _LAZY = {
     "LayerPolicy": "fp8train.nn.convert",
     "update_fp8_scales": "fp8train.nn.linear",
     "fp8_layers": "fp8train.nn.convert",
+    "save_pretrained": "fp8train.training.pretrained",
+    "from_pretrained": "fp8train.training.pretrained",
 }
 
 __all__ = [

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from fp8train import __version__
 from fp8train.training.config import resolve_config_arguments
-
 from fp8train.training.rundir import write_error
 
 # name -> (module, one-line help)
@@ -27,6 +26,8 @@ COMMANDS = {
     "formats": ("fp8train.numerics.formats_cli", "print the FP8 format table derived from the bit layouts"),
     "train": ("fp8train.training.loop", "train one run from a recipe YAML (also under accelerate launch)"),
     "validate": ("fp8train.evidence.validate", "paired bf16-vs-FP8 runs, noise band, verdict and report"),
+    "plan": ("fp8train.evidence.plan", "per-layer recipe plan (policy.overrides) from a run's shadow telemetry and "
+             "timings on this device"),
     "report": ("fp8train.evidence.report", "(re)write the report of a validation or run directory"),
     "bench": ("fp8train.bench.suite", "benchmarks: quantize, Fp8Linear and train step vs bf16 (and torchao)"),
     "kv-eval": ("fp8train.serving.kvcache", "FP8 KV-cache quality by context length for a trained run"),
@@ -76,6 +77,11 @@ def _parse_command(command: str, argv: list[str]) -> argparse.Namespace:
     except TypeError:  # argparse cannot intermix some layouts; fall back to the plain parser
         args = parser.parse_args(argv)
     args.command = command
+    if hasattr(args, "config_option"):  # a config-driven command: CONFIG or --config CONFIG
+        try:
+            resolve_config_arguments(args)
+        except ValueError as err:
+            parser.error(str(err))  # usage, the message, exit 2: as for any other malformed command line
     return args
 
 
@@ -92,8 +98,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_command(argv[0], argv[1:])
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
-        if hasattr(args, "config_option"):  # a config-driven command: CONFIG or --config CONFIG
-            resolve_config_arguments(args)
         return int(module.cli_main(args) or 0)
     except ImportError as err:  # a missing optional dependency: the message says what to install
         print(f"fp8train {args.command}: error: {err}", file=sys.stderr)
@@ -104,16 +108,17 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"fp8train {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `fp8train formats --json | head`
+        return 0
     except OSError as err:  # full disk, read-only or forbidden folder: the environment's, said in one line
         if write_error(err) is None:
-            raise
+            _report_internal_error(args.command, err)
+            return 1
         print(f"fp8train {args.command}: error: {write_error(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"fp8train {args.command}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `fp8train formats --json | head`
-        return 0
     except Exception as err:  # noqa: BLE001  anything else is a bug, reported as one
         _report_internal_error(args.command, err)
         return 1

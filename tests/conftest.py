@@ -1,23 +1,24 @@
 """Shared fixtures for the fp8train test suite.
 
-Compilation: fp8train.numerics.quant runs its fused kernels through torch.compile for large tensors (FP8TRAIN_COMPILE=auto,
-the default), always (1) or never (0). A compile costs seconds to tens of seconds on CPU per configuration, and eager mode gives the same bits, so tests run
-eagerly by default. The default is set here, at import, before any test module imports fp8train (setdefault: a
-caller who exports FP8TRAIN_COMPILE=1 runs the whole suite compiled). A test that must exercise the compiled
-path takes the ``compiled`` fixture and carries the ``compiled`` marker (``pytest -m compiled`` runs just those,
-``-m "not compiled"`` skips them).
+Compilation: fp8train.numerics.quant runs eagerly unless a caller asks for a compiled kernel (``kernel=`` on
+quantize, ``fp8.quantize_kernel`` / ``train.compile`` in a config). A compile costs seconds to tens of seconds on
+CPU per configuration, and every kernel gives the same bits, so tests run eagerly; a test that compiles carries
+the ``compiled`` marker (``pytest -m compiled`` runs just those, ``-m "not compiled"`` skips them).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import random
-
-os.environ.setdefault("FP8TRAIN_COMPILE", "0")
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import yaml  # noqa: E402
 
 torch.set_num_threads(2)
 
@@ -25,7 +26,7 @@ SEED = 1234
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "compiled: runs fp8train's torch.compile path (FP8TRAIN_COMPILE=1); slow")
+    config.addinivalue_line("markers", "compiled: runs fp8train's torch.compile path; slow")
 
 
 @pytest.fixture(autouse=True)
@@ -55,13 +56,6 @@ def single_thread():
     torch.set_num_threads(previous)
 
 
-@pytest.fixture
-def compiled(monkeypatch):
-    """Opt in to fp8train's torch.compile path for one test (restored afterwards)."""
-    monkeypatch.setenv("FP8TRAIN_COMPILE", "1")
-    yield
-
-
 # A tiny FP8-trained run (current scaling, fp32 activations: bf16 GEMMs are slow on CPUs without bf16 hardware),
 # trained once per session for the tests that read a finished run (export, kv-eval).
 TINY_FP8_RUN = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.seq_len=64", "train.max_steps=30",
@@ -82,3 +76,118 @@ def tiny_fp8_run(tmp_path_factory):
     assert train(cfg, show_progress=False)["status"] == "completed"
     torch.set_num_threads(previous)
     return root / "tiny"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The tiny training setup (model, corpus, config) shared by every test that trains
+# ------------------------------------------------------------------------------------------------------------
+# d_model 64, 2 layers, seq_len 32, batch 8 on ~200 KB of real text (the standard library's sources), CPU: a step
+# takes milliseconds, so a test can afford a few dozen. Tests change what they need with `tiny.config(...)`.
+TINY_CONFIG = {
+    "model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "seq_len": 32},
+    "train": {"max_steps": 12, "batch_size": 8, "eval_every": 6, "eval_batches": 2, "lr": 3e-3, "device": "cpu"},
+    "optim": {"warmup_steps": 2},
+    "fp8": {"recipe": "delayed"},
+    "policy": {"min_features": 16},
+    "log": {"wandb": "disabled", "every": 1, "telemetry_every": 4},
+    "checkpoint": {"every": 4, "keep_last": 0},
+}
+
+
+def _merged(base: dict, changes: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in changes.items():
+        out[key] = _merged(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+class TinySetup:
+    """The tiny config and its corpus. ``config(root, **sections)`` is TINY_CONFIG with runs under ``root/runs``,
+    the corpus as data, and ``sections`` merged in (``train={"max_steps": 16}``); ``write`` saves it as YAML."""
+
+    def __init__(self, corpus: Path):
+        self.corpus = corpus
+
+    def config(self, root: Path, **sections) -> dict:
+        base = _merged(TINY_CONFIG, {"run": {"dir": str(Path(root) / "runs"), "name": "tiny"},
+                                     "data": {"path": str(self.corpus)}})
+        return _merged(base, sections)
+
+    def write(self, root: Path, name: str = "tiny.yaml", **sections) -> Path:
+        path = Path(root) / name
+        path.write_text(yaml.safe_dump(self.config(root, **sections)))
+        return path
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> TinySetup:
+    from refs import write_stdlib_corpus
+
+    corpus = tmp_path_factory.mktemp("tiny_corpus") / "corpus.txt"
+    write_stdlib_corpus(corpus)
+    return TinySetup(corpus)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Commands: the real executable, the crash wrapper, accelerate launch, and the CLI in-process
+# ------------------------------------------------------------------------------------------------------------
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+class Commands:
+    """How tests start fp8train. Subprocesses get `env()`: eager quantization, one OpenMP thread, unbuffered
+    output, no GPU (these tests are about CPU processes), and the caller's PYTHONPATH (so they import this tree)."""
+
+    @staticmethod
+    def env(**extra: str) -> dict:
+        env = {**os.environ, "FP8TRAIN_COMPILE": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               "CUDA_VISIBLE_DEVICES": ""}
+        env.update(extra)
+        return env
+
+    @staticmethod
+    def fp8train(*args: str) -> list[str]:
+        """argv of the installed `fp8train` executable (or `python -m fp8train.cli` without one)."""
+        script = Path(sys.executable).parent / "fp8train"
+        return [str(script), *args] if script.exists() else [sys.executable, "-m", "fp8train.cli", *args]
+
+    @staticmethod
+    def crashpoint(kill_at: str, *args: str) -> list[str]:
+        """argv of `fp8train ARGS` with a SIGKILL planted at `kill_at` (see tests/crashpoint.py)."""
+        return [sys.executable, str(TESTS_DIR / "crashpoint.py"), kill_at, *args]
+
+    @staticmethod
+    def accelerate_launch(processes: int, script: str, *args: str) -> list[str]:
+        """argv of a real `accelerate launch` of CPU processes. Run it with `launch_env()`: its rendezvous port is
+        picked by torch's own store binding port 0, so no port is probed, released and raced for."""
+        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", script, *args]
+
+    @classmethod
+    def launch_env(cls, hf_home: Path, **extra: str) -> dict:
+        # PET_STANDALONE is torchrun's --standalone (accelerate hands its arguments to torch.distributed.run):
+        # a local c10d store on a port the OS assigns. HF_HOME: no user-level accelerate config leaks in.
+        return cls.env(PET_STANDALONE="1", HF_HOME=str(hf_home), **extra)
+
+    @classmethod
+    def run(cls, argv: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+        kwargs.setdefault("env", cls.env())
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+    @staticmethod
+    def main(argv: list[str], capsys) -> tuple[int, str, str]:
+        """`fp8train ARGV` in this process: (exit code, stdout, stderr); argparse's exits become codes."""
+        from fp8train import cli
+
+        capsys.readouterr()
+        try:
+            code = cli.main(argv)
+        except SystemExit as exit_:
+            code = exit_.code
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+
+@pytest.fixture(scope="session")
+def commands() -> Commands:
+    return Commands()

@@ -180,22 +180,3 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
     wrong = nn.Sequential(nn.Linear(16, 16))
     with pytest.raises(ValueError, match="does not fit this model"):
         load_checkpoint(path, wrong)
-
-
-def test_pause_hook_holds_the_writer_inside_the_checkpoint(tmp_path, monkeypatch, capfd):
-    """FP8TRAIN_TEST_PAUSE_IN_CHECKPOINT: the tests' way to land a kill inside save_checkpoint."""
-    import fp8train.training.checkpoint as checkpoint
-
-    seen = {}
-
-    def fake_sleep(seconds):
-        seen["seconds"] = seconds
-        seen["files"] = sorted(p.name for p in next(tmp_path.glob(".tmp-*")).iterdir())
-        seen["visible"] = list_checkpoints(tmp_path)
-
-    monkeypatch.setenv("FP8TRAIN_TEST_PAUSE_IN_CHECKPOINT", "2.5")
-    monkeypatch.setattr(checkpoint.time, "sleep", fake_sleep)
-    model, optimizer, _ = trained(steps=1)
-    save_checkpoint(tmp_path, 7, model, optimizer)
-    assert seen == {"seconds": 2.5, "files": ["model.safetensors"], "visible": []}
-    assert "checkpoint paused in" in capfd.readouterr().err

@@ -11,9 +11,6 @@ key) instead of starting a run.
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 import typing
 from pathlib import Path
 
@@ -43,6 +40,8 @@ def _kind(tp) -> str:
         return _kind(args[0])
     if typing.get_origin(tp) in (list, typing.List):
         return "list"
+    if typing.get_origin(tp) in (dict, typing.Dict):
+        return "dict"
     return {int: "int", float: "float", bool: "bool", str: "str", typing.Any: "any"}[tp]
 
 
@@ -53,6 +52,7 @@ WRONG_TYPE = {
     "str": ["{a: 1}"],
     "list": ["abc", "{a: 1}"],
     "any": ["{a: 1}"],  # train.resume: true | false | auto (its other values are in OUT_OF_RANGE)
+    "dict": ["abc", "[a, b]"],
 }
 
 # Out-of-range values, per field. Fields absent here must be listed in NO_RANGE (checked below).
@@ -100,6 +100,7 @@ OUT_OF_RANGE = {
     "fp8.input_block": ["[1]", "[0, 128]", "[1, 2, 3]"],
     "fp8.weight_block": ["[128, -1]"],
     "fp8.grad_output_block": ["[]"],
+    "data.text_field": ["''"],
     "policy.min_features": ["-1"],
     "policy.divisible_by": ["0"],
     "policy.exclude": ["['(unclosed']", "['[a-']"],
@@ -109,6 +110,12 @@ OUT_OF_RANGE = {
     "log.telemetry_every": ["-1"],
     "log.wandb": ["cloud", "true"],
     "log.trackers": ["[wandbx]", "[wandb, wandb]", "[tensorboard, neptune]"],
+    "log.shadow_recipes": ["[nope]", "[current, current]"],
+    "fp8.fast_accum_forward": [],
+    "fp8.accumulator_bits": ["1", "25", "-1"],
+    "fp8.accumulator_promotion": ["100", "-32"],
+    "policy.overrides": ["{'(unclosed': bf16}", "{mlp: fp16}"],
+    "policy.plan": ["/no/such/plan.yaml"],
     "checkpoint.every": ["-1"],
     "checkpoint.keep_last": ["-1"],
     "validate.candidates": ["[]", "[none]", "[delayed, delayed]", "[fp16]"],
@@ -119,7 +126,8 @@ OUT_OF_RANGE = {
     "validate.divergence_factor": ["1", "0.5"],
 }
 # Free-form strings and switches: any value of the right type is in range.
-NO_RANGE = {"data.path", "model.hf_config", "log.wandb_project", "model.tie_embeddings", "train.skip_nonfinite_grads",
+NO_RANGE = {"data.path", "model.hf_config", "model.hf_path", "data.tokenizer", "data.hf_dataset", "policy.allow_no_fp8",
+            "log.wandb_project", "model.tie_embeddings", "train.skip_nonfinite_grads",
             "checkpoint.save_final"}
 
 
@@ -236,20 +244,14 @@ def test_no_command_prints_help(capsys):
     assert "COMMAND" in capsys.readouterr().out
 
 
-def _fp8train() -> list[str]:
-    script = Path(sys.executable).parent / "fp8train"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "fp8train.cli"]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("args, names", [
     (["train", "/nonexistent/config.yaml"], ["/nonexistent/config.yaml"]),
     (["train", "{config}", "optim.betas={{a: 1}}"], ["optim.betas"]),  # was a TypeError traceback from OmegaConf
 ])
-def test_real_executable_exits_2_with_one_line(config_file, args, names):
+def test_real_executable_exits_2_with_one_line(config_file, args, names, commands):
     argv = [a.format(config=config_file) for a in args]
-    env = {**os.environ, "FP8TRAIN_COMPILE": "0", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*_fp8train(), *argv, "--quiet"], capture_output=True, text=True, timeout=120, env=env)
+    proc = commands.run(commands.fp8train(*argv, "--quiet"), timeout=120)
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(err) == 1, (proc.returncode, proc.stderr)
     assert err[0].startswith("fp8train train: error: ") and all(n in err[0] for n in names), err

@@ -8,6 +8,7 @@ over the formats and, in the ml_dtypes style, over capabilities (has inf, has ne
 from __future__ import annotations
 
 import math
+import re
 
 import ml_dtypes
 import numpy as np
@@ -365,19 +366,30 @@ def test_get_format_unknown_name_lists_allowed(bad):
 
 
 def test_format_table_contains_the_numbers():
-    table = format_table()
-    rows = {line.split()[0]: line for line in table.splitlines()}
-    expected = {
-        "e4m3fn": ["448", "2^-6", "2^-9", "2^-3", "6.25%", "17.8"],
-        "e5m2": ["57344", "2^-14", "2^-16", "2^-2", "12.5", "31.8"],
-        "e4m3fnuz": ["240", "2^-7", "2^-10", "2^-3", "6.25%", "17.9"],
-        "e5m2fnuz": ["57344", "2^-15", "2^-17", "2^-2", "12.5", "32.8"],
+    """Every cell of `fp8train formats`, column by column (cells are separated by two or more spaces), against
+    DESIGN.md's table; the max cell's derivation is evaluated and must give the max."""
+    lines = format_table().splitlines()
+    header = re.split(r"\s{2,}", lines[0].strip())
+    rows = {cells[0]: dict(zip(header, cells)) for cells in (re.split(r"\s{2,}", line.strip()) for line in lines[2:6])}
+    expected = {  # E/M, bias, max, min normal, min subnormal, step, max rel err, binades, inf, -0
+        "e4m3fn": ["4/3", "7", "448", "2^-6", "2^-9", "2^-3", "6.25%", "17.8", "no", "yes"],
+        "e5m2": ["5/2", "15", "57344", "2^-14", "2^-16", "2^-2", "12.50%", "31.8", "yes", "yes"],
+        "e4m3fnuz": ["4/3", "8", "240", "2^-7", "2^-10", "2^-3", "6.25%", "17.9", "no", "no"],
+        "e5m2fnuz": ["5/2", "16", "57344", "2^-15", "2^-17", "2^-2", "12.50%", "32.8", "no", "no"],
     }
-    for name, numbers in expected.items():
-        assert name in rows, table
-        tokens = rows[name].split()
-        for number in numbers:
-            assert any(t == number or t.startswith(number) for t in tokens), (name, number, rows[name])
+    columns = ["E/M", "bias", "max (= derivation)", "min normal", "min subnormal", "step [1,2)", "max rel err",
+               "binades", "inf", "-0"]
+    assert set(rows) == set(expected)
+    for name, values in expected.items():
+        row = rows[name]
+        for column, value in zip(columns, values):
+            cell = row[column]
+            if column.startswith("max ("):
+                number, derivation = cell.split(" = ")
+                assert number == value, (name, cell)
+                assert eval(derivation.replace("^", "**"), {}) == float(value), (name, cell)  # noqa: S307
+            else:
+                assert cell == value, (name, column, cell)
 
 
 @pytest.mark.parametrize("name", ALL_FORMATS)

@@ -135,9 +135,39 @@ def test_scaled_mm_refused_without_capable_gpu():
 def test_backend_resolution_on_cpu():
     assert resolve_backend("auto", "cpu") == "emulated"
     assert resolve_backend("emulated", "cpu") == "emulated"
-    assert emulated_compute_dtype("cpu") == torch.float32
+    # auto: bf16 only on CPUs with bf16 GEMM instructions (read from /proc/cpuinfo independently here)
+    flags = next((line.split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    has_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
+    assert emulated_compute_dtype("cpu") == (torch.bfloat16 if has_bf16 else torch.float32)
     assert emulated_compute_dtype("cuda") == torch.bfloat16
+    assert emulated_compute_dtype("cpu", "fp32") == torch.float32
+    assert emulated_compute_dtype("cpu", "bf16") == torch.bfloat16
+    with pytest.raises(ValueError, match="emulated_dtype must be one of auto, fp32, bf16"):
+        emulated_compute_dtype("cpu", "fp16")
     with pytest.raises(ValueError, match="make_te_linear"):
         resolve_backend("te", "cpu")
     with pytest.raises(ValueError, match="allowed"):
         resolve_backend("cublas", "cpu")
+
+
+@pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)])
+def test_fp32_and_bf16_emulation_agree_on_fp8_operands(dtypes):
+    """FP8 values are exact in bf16 and their products exact in fp32. With sums that bf16 also holds exactly
+    (integer FP8 values in [-2, 2], K = 4: |sum| <= 16), both compute dtypes return the fp64 reference bit for
+    bit; in general the bf16 path on CPU equals the fp32 result rounded once to bf16 (torch has no
+    bf16 x bf16 -> fp32 GEMM on CPU; oneDNN accumulates in fp32 and rounds the result)."""
+    g = torch.Generator().manual_seed(9)
+    scale_a, scale_b = torch.tensor(2.0), torch.tensor(0.75)
+    for k, low, high, divisor in ((4, -2, 3, 1), (64, -8, 9, 4)):
+        a_data = (torch.randint(low, high, (24, k), generator=g).float() / divisor).to(dtypes[0])
+        b_data = (torch.randint(low, high, (k, 8), generator=g).float() / divisor).to(dtypes[1])
+        a, b = Fp8Operand(a_data, scale_a), Fp8Operand(b_data, scale_b)
+        ref = (a_data.double() @ b_data.double()) * 2.0 * 0.75
+        fp32 = fp8_mm(a, b, "emulated", compute_dtype=torch.float32)
+        bf16 = fp8_mm(a, b, "emulated", compute_dtype=torch.bfloat16)
+        assert fp32.dtype == bf16.dtype == torch.float32
+        assert torch.equal(fp32.double(), ref)  # every partial sum exact in fp32
+        unscaled_fp32 = torch.mm(a_data.float(), b_data.float())
+        assert torch.equal(bf16, unscaled_fp32.bfloat16().float() * 2.0 * 0.75)
+        if k == 4:
+            assert torch.equal(bf16, fp32)

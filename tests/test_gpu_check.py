@@ -61,5 +61,6 @@ def test_bad_usage_exits_2_before_running(tmp_path, argv):
 
 
 def test_module_runs_as_a_script_entry_point():
-    assert subprocess.run([sys.executable, "-m", "fp8train.bench.gpu_check", "--help"], capture_output=True,
-                          timeout=120).returncode == 0
+    proc = subprocess.run([sys.executable, "-m", "fp8train.bench.gpu_check", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "usage:" in proc.stdout and "--dry-run" in proc.stdout and "--budget" in proc.stdout

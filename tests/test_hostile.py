@@ -17,7 +17,6 @@ import shutil
 import numpy as np
 import pytest
 import torch
-import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -254,21 +253,15 @@ def test_telemetry_reports_nonfinite_events(recipe_name):
 # The loop's guard
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_skip_guard_skips_a_nonfinite_step_counts_and_logs_it(tmp_path, monkeypatch):
+def test_skip_guard_skips_a_nonfinite_step_counts_and_logs_it(tmp_path, monkeypatch, tiny):
     """One NaN in one block's output gradient at step 2 (a tensor hook): the gradients are NaN, the guard skips
     that optimizer step (weights and AdamW state unchanged), the events are counted and reported, the scales stay
     finite, and training goes on."""
     import fp8train.training.loop as train_module
-    from fp8train.training.data import stdlib_files
 
-    (tmp_path / "corpus.txt").write_text("".join(p.read_text(errors="replace") for p in stdlib_files()[1][:30]))
-    config = {"run": {"dir": str(tmp_path / "runs"), "name": "guard"}, "data": {"path": str(tmp_path / "corpus.txt")},
-              "model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "seq_len": 32},
-              "train": {"max_steps": 4, "batch_size": 8, "eval_every": 0, "eval_batches": 1, "device": "cpu"},
-              "optim": {"warmup_steps": 1}, "fp8": {"recipe": "delayed"}, "policy": {"min_features": 16},
-              "log": {"wandb": "disabled", "every": 1, "telemetry_every": 0},
-              "checkpoint": {"every": 1, "keep_last": 0}}
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    config = tiny.write(tmp_path, run={"name": "guard"}, train={"max_steps": 4, "eval_every": 0, "eval_batches": 1},
+                        optim={"warmup_steps": 1}, log={"telemetry_every": 0},
+                        checkpoint={"every": 1, "keep_last": 0})
     import fp8train.training.setup as setup_module
 
     real_build = setup_module.build_model
@@ -292,7 +285,7 @@ def test_skip_guard_skips_a_nonfinite_step_counts_and_logs_it(tmp_path, monkeypa
         return model
 
     monkeypatch.setattr(setup_module, "build_model", build_with_nan_gradient)
-    summary = train_module.train(load_config(str(tmp_path / "c.yaml")), show_progress=False)
+    summary = train_module.train(load_config(str(config)), show_progress=False)
     assert summary["status"] == "completed" and summary["skipped_steps"] == 1 and summary["steps"] == 4
     run_dir = tmp_path / "runs" / "guard"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
@@ -318,7 +311,7 @@ def test_skip_guard_skips_a_nonfinite_step_counts_and_logs_it(tmp_path, monkeypa
     # A run resumed after the skip counts on from where it stopped (the counters ride in the checkpoint).
     shutil.copytree(run_dir, tmp_path / "runs" / "guard2")
     shutil.rmtree(tmp_path / "runs" / "guard2" / "checkpoints" / "step_000004")
-    resumed = train_module.train(load_config(str(tmp_path / "c.yaml"), ["run.name=guard2", "train.resume=true"]),
+    resumed = train_module.train(load_config(str(config), ["run.name=guard2", "train.resume=true"]),
                                  show_progress=False)
     assert resumed["resumed_from"].endswith("step_000003") and resumed["skipped_steps"] == 1
     again = [json.loads(line) for line in (tmp_path / "runs" / "guard2" / "metrics.jsonl").read_text().splitlines()]

@@ -3,7 +3,6 @@ and underflow counters, the identity check, and kv-eval end to end on a short CP
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from fp8train.numerics.formats import get_format
-from fp8train.serving.kvcache import (Fp8KvCache, KvCacheConfig, KvEvalOptions, add_cli_arguments, bf16_cache, cli_main,
+from fp8train.serving.kvcache import (Fp8KvCache, KvCacheConfig, KvEvalOptions, bf16_cache,
                               kv_bytes_per_token, kv_eval, kv_transforms, position_buckets, score_caches)
 from refs import ML_DTYPES
 
@@ -154,18 +153,12 @@ def test_identity_transform_gives_exactly_zero_delta(tiny_model):
 # ------------------------------------------------------------------------------------------------------------
 # kv-eval end to end
 # ------------------------------------------------------------------------------------------------------------
-def _cli(argv):
-    parser = argparse.ArgumentParser()
-    add_cli_arguments(parser)
-    return cli_main(parser.parse_args(argv))
-
-
-def test_kv_eval_report(tiny_run, tmp_path, capsys):
+def test_kv_eval_report(tiny_run, tmp_path, capsys, commands):
     out = tmp_path / "kv"
-    rc = _cli([str(tiny_run), "--out", str(out), "--format", "e4m3fn,e5m2", "--batches", "2",
-               "--calib-batches", "1", "--gen-prompts", "4", "--gen-tokens", "8"])
+    rc, printed, _ = commands.main(["kv-eval", str(tiny_run), "--out", str(out), "--format", "e4m3fn,e5m2",
+                                    "--batches", "2", "--calib-batches", "1", "--gen-prompts", "4", "--gen-tokens", "8"],
+                                   capsys)
     assert rc == 0
-    printed = capsys.readouterr().out
     assert "per token" in printed and "64-token context" in printed
     for name in ("kv_eval.md", "kv_eval.json", "kv_eval.png"):
         assert (out / name).stat().st_size > 0
@@ -183,11 +176,19 @@ def test_kv_eval_report(tiny_run, tmp_path, capsys):
     assert 0 < e4m3["overall"]["kl"]["mean"] < 1e-3
     assert abs(e4m3["overall"]["loss_delta"]["mean"]) < 0.01
     # On a 30-step model both KLs are ~1e-5 and too close to order reliably; the mantissa-bit comparison is
-    # test_e5m2_cache_error_is_twice_e4m3's, on tensors where it is exact.
-    assert e5m2["overall"]["kl"]["mean"] > 0
+    # test_e5m2_cache_error_is_twice_e4m3's, on tensors where it is exact. Both caches are lossy (KL > 0) and
+    # within the same small bounds: E5M2's rounding error is at most twice E4M3's.
+    assert 0 < e5m2["overall"]["kl"]["mean"] < 1e-3
+    assert abs(e5m2["overall"]["loss_delta"]["mean"]) < 0.01
     assert [b["positions"] for b in e4m3["by_position"]] == [[0, 7], [8, 15], [16, 31], [32, 63]]
     assert all(math.isfinite(b["kl"]["ci95"]) for b in e4m3["by_position"])
-    assert e4m3["generation"]["exact_match"] >= 0.5 and e4m3["generation"]["tokens"] == 8
+    # A KL of ~1e-5 nats per token cannot reorder the top two logits unless they nearly tie: on this fixed,
+    # deterministic CPU model every greedy continuation is unchanged, token for token, with either cache.
+    for cell in (e4m3, e5m2):
+        generation = cell["generation"]
+        assert generation["tokens"] == 8 and generation["prompts"] == 4
+        assert generation["exact_match"] == 1.0 and generation["token_agreement"] == 1.0
+        assert generation["mean_agreeing_prefix"] == 8.0
     layers = e4m3["health"]["layers"]
     assert len(layers) == 2 * 2 and all(len(row["clip_frac_per_head"]) == 2 for row in layers)
     assert "## By context position" in (out / "kv_eval.md").read_text()
@@ -239,9 +240,10 @@ def test_bad_options(tiny_run, bad, match):
         kv_eval(tiny_run, KvEvalOptions(**bad), log=lambda m: None)
 
 
-def test_empty_calibration_split(tiny_run, tmp_path):
-    with pytest.raises(ValueError, match="calibration split is empty"):
-        _cli([str(tiny_run), "--out", str(tmp_path / "x"), "--calib-batches", "0"])
+def test_empty_calibration_split(tiny_run, tmp_path, capsys, commands):
+    code, _, err = commands.main(["kv-eval", str(tiny_run), "--out", str(tmp_path / "x"), "--calib-batches", "0"],
+                                 capsys)
+    assert code == 2 and "calibration split is empty" in err
     assert not (tmp_path / "x").exists()
 
 

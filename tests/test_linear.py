@@ -358,18 +358,28 @@ def test_from_linear_reuses_parameters_and_repr():
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_output_dtype_follows_autocast(name):
+    """Under bf16 autocast the FP8 GEMMs still accumulate in fp32: the output is the fp32 output rounded once to
+    bf16, and the gradients (fp32 parameters, fp32 input) are the ones the same backward gives without autocast."""
     layer = Fp8Linear(128, 64, recipe=name)
     x = torch.randn(2, 8, 128, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = layer(x)
     assert y.dtype == torch.bfloat16 and y.shape == (2, 8, 64)
     y.float().sum().backward()
-    assert x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
-    assert layer(x).dtype == torch.float32
+    grads_autocast = x.grad.clone(), layer.weight.grad.clone()
+    assert grads_autocast[0].dtype == torch.float32 and grads_autocast[1].dtype == torch.float32
+    x.grad, layer.weight.grad, layer.bias.grad = None, None, None
+    y_fp32 = layer(x)
+    assert y_fp32.dtype == torch.float32
+    assert torch.equal(y, y_fp32.detach().bfloat16())
+    y_fp32.sum().backward()
+    assert torch.equal(grads_autocast[0], x.grad) and torch.equal(grads_autocast[1], layer.weight.grad)
     xb = x.detach().bfloat16().requires_grad_(True)
     yb = layer(xb)
     yb.sum().backward()
     assert yb.dtype == torch.bfloat16 and xb.grad.dtype == torch.bfloat16
+    # A bf16 input holds values exact in fp32: the same layer on their fp32 copy, rounded once, gives the same.
+    assert torch.equal(yb, layer(xb.detach().float()).bfloat16())
 
 
 def test_bias_added_in_fp32():
@@ -409,3 +419,150 @@ def test_telemetry_records_every_role():
 def test_te_backend_is_not_an_fp8linear_backend():
     with pytest.raises(ValueError, match="make_te_linear"):
         Fp8Linear(64, 64, recipe=recipe("current", backend="te"))
+
+
+# ---- the weight's FP8 copy: made once per weight version, reused, invalidated ------------------------------
+def _weight_quantizations(monkeypatch, layer):
+    calls = []
+    real = layer._quantize
+
+    def counting(role, tensor, keep_values=True):
+        calls.append(role)
+        return real(role, tensor, keep_values)
+
+    monkeypatch.setattr(layer, "_quantize", counting)
+    return calls
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_weight_fp8_made_once_per_step_and_remade_when_the_weight_changes(name, monkeypatch):
+    torch.manual_seed(4)
+    layer = Fp8Linear(64, 48, recipe=recipe(name, amax_history_len=4))
+    calls = _weight_quantizations(monkeypatch, layer)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for _ in range(3):  # three micro-batches, one optimizer step
+        layer(torch.randn(8, 64)).sum().backward()
+    assert calls.count("weight") == 1 and calls.count("input") == calls.count("grad_output") == 3
+    optimizer.step()
+    update_fp8_scales(layer)
+    x = torch.randn(8, 64)
+    out = layer(x)
+    assert calls.count("weight") == 2  # the step changed the weight in place
+    # ... and the remade copy is exactly what a fresh layer with the same state computes
+    fresh = Fp8Linear(64, 48, recipe=layer.recipe)
+    fresh.load_state_dict(layer.state_dict())
+    fresh.train()
+    assert torch.equal(fresh(x), out)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # any in-place change
+    layer(x)
+    assert calls.count("weight") == 3
+    layer.load_state_dict(fresh.state_dict())  # a checkpoint load
+    assert torch.equal(layer(x), fresh(x)) and calls.count("weight") == 4
+    layer.eval()
+    layer(x)
+    assert calls.count("weight") == 5  # eval never records amaxes: its copy is not the training one
+
+
+def test_delayed_weight_amax_recorded_once_per_step_under_grad_accumulation():
+    layer = _delayed_probe(amax_history_len=4)
+    for _ in range(2):
+        layer(torch.randn(2, 16)).sum().backward()
+    assert layer.weight_pending_amax.item() == 448.0
+    update_fp8_scales(layer)
+    assert layer.weight_amax_history[:2].tolist() == [448.0, 0.0]
+
+
+# ---- stacked update: layers of different options, one call ---------------------------------------------------
+def test_stacked_update_handles_groups_of_different_recipes():
+    a = _delayed_probe(amax_history_len=3, amax_compute_algo="max")
+    b = _delayed_probe(amax_history_len=5, amax_compute_algo="most_recent", margin=1)
+    model = nn.Sequential(a, b)
+    for amax in (448, 1792, 224):
+        x = torch.zeros(2, 16)
+        x[0, 0] = amax
+        a(x), b(x)
+        update_fp8_scales(model)
+    assert a.input_amax_history.tolist() == [224, 1792, 448] and a.input_scale.item() == 4.0  # 1792 / 448
+    assert b.input_amax_history[:3].tolist() == [224, 1792, 448] and b.input_scale.item() == 1.0  # 224/448*2
+
+
+# ---- outliers in delayed scaling (issue 13.12) ---------------------------------------------------------------
+def test_outlier_is_counted_and_factor_keeps_it_from_setting_the_scale():
+    """One 1e30 step: with plain max, the next steps (amax 1) quantize below the smallest normal and are
+    counted as stale; with amax_outlier_factor=1000 the scale comes from the second largest amax (1)."""
+    used = {}
+    for factor in (0.0, 1000.0):
+        layer = _delayed_probe(amax_history_len=8, amax_outlier_factor=factor)
+        used[factor] = [_step(layer, amax) for amax in (1.0, 1e30, 1.0, 1.0)]
+        used[factor].append(layer.input_stale_scale_steps.item())
+    # no factor: scale 1e30 / 448 after the outlier; 1.0 / scale = 4.5e-28 flushes to 0 (counted twice)
+    assert used[0.0][2:] == [0.0, 0.0, 2]
+    # factor: max(history) = 1e30 > 1000 * 1, so the scale is 1 / 448 and 1.0 comes back exactly; nothing stale
+    assert used[1000.0][2:] == [pytest.approx(1.0, rel=1e-6), pytest.approx(1.0, rel=1e-6), 0]
+
+
+def test_outlier_factor_trusts_two_outliers():
+    layer = _delayed_probe(amax_history_len=8, amax_outlier_factor=1000.0)
+    for amax in (1.0, 1e30, 1e30):
+        _step(layer, amax)
+    assert layer.input_scale.item() == pytest.approx(1e30 / 448, rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", [1.0, 0.5, -2, math.inf, math.nan, True, "10"])
+def test_outlier_factor_validated(bad):
+    with pytest.raises(ValueError, match="amax_outlier_factor"):
+        recipe("delayed", amax_outlier_factor=bad)
+
+
+# ---- op counts (issue 14): top-level aten ops of one forward + .float().sum().backward() ---------------------
+def top_level_aten_ops(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+
+    def nested(event):
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and not nested(e))
+
+
+def _fwd_bwd_512(layer):
+    x = torch.randn(512, 256)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x.requires_grad_(True))
+        y.float().sum().backward()
+        layer.weight.grad = layer.bias.grad = x.grad = None
+
+    return step
+
+
+@pytest.mark.parametrize("name", ["current", "delayed"])
+def test_fp8_linear_op_count_is_at_most_2_5x_nn_linear(name):
+    torch.manual_seed(0)
+    baseline = _fwd_bwd_512(nn.Linear(256, 256))
+    baseline()
+    layer = Fp8Linear(256, 256, recipe=name)
+    step = _fwd_bwd_512(layer)
+    step()
+    update_fp8_scales(layer)  # steady state: delayed scales initialized
+    step()  # the weight copy of this step is made here; the counted micro-batch reuses it
+    reference, fp8 = top_level_aten_ops(baseline), top_level_aten_ops(step)
+    assert fp8 <= 2.5 * reference, (fp8, reference)
+
+
+def test_delayed_update_ops_do_not_grow_with_layers():
+    counts = []
+    for n_layers in (2, 8):
+        model = nn.Sequential(*[Fp8Linear(32, 32, recipe="delayed") for _ in range(n_layers)])
+        model(torch.randn(4, 32)).sum().backward()
+        counts.append(top_level_aten_ops(lambda: update_fp8_scales(model)))
+    assert counts[0] == counts[1] and counts[0] <= 60, counts

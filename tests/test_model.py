@@ -4,6 +4,7 @@ import json
 import math
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,11 @@ def tiny(**kw) -> ModelConfig:
     args = dict(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, seq_len=T, vocab_size=V)
     args.update(kw)
     return ModelConfig(**args)
+
+
+def hf_tiny(**kw) -> ModelConfig:
+    # An HF model takes its architecture from config.json: only the data fields (seq_len, vocab_size) are set.
+    return ModelConfig(seq_len=T, vocab_size=V, **kw)
 
 
 def make(seed=0, **kw) -> Decoder:
@@ -161,13 +167,24 @@ def test_rmsnorm_computes_in_fp32():
 
 
 def test_autocast_bf16_forward_backward():
+    """bf16 autocast: bf16 logits, an fp32 loss and fp32 gradients that agree with the fp32 model's to bf16
+    precision (8 significant bits per operand, fp32 accumulation)."""
     model = make()
     idx = tokens()
+    logits_fp32, loss_fp32 = model(idx, idx)
+    loss_fp32.backward()
+    grads_fp32 = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits, loss = model(idx, idx)
     assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    torch.testing.assert_close(logits.float(), logits_fp32, rtol=2**-6, atol=2**-6 * logits_fp32.abs().max().item())
+    assert loss.item() == pytest.approx(loss_fp32.item(), rel=1e-3)
     loss.backward()
-    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+    for (name, p), g32 in zip(model.named_parameters(), grads_fp32):
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        cosine = torch.nn.functional.cosine_similarity(p.grad.flatten().double(), g32.flatten().double(), dim=0)
+        assert cosine > 0.99, (name, cosine.item())
 
 
 def test_a_few_steps_learn_a_fixed_batch():
@@ -185,9 +202,21 @@ def test_a_few_steps_learn_a_fixed_batch():
 
 
 def test_longer_context_than_seq_len_extends_rope():
+    """A forward over 2x model.seq_len tokens: the first T positions see exactly what a T-token forward sees
+    (causal attention, the same rotation angles), and the extended tables hold the RoPE angles of positions
+    T..2T-1, p * theta^(-2i/hd) in the rotate-half layout, computed here in numpy float64."""
     model = make()
-    logits, _ = model(tokens(t=2 * T))
+    idx = tokens(t=2 * T)
+    short_logits, _ = model(idx[:, :T])
+    logits, _ = model(idx)
     assert logits.shape == (B, 2 * T, V)
+    torch.testing.assert_close(logits[:, :T], short_logits, rtol=1e-5, atol=1e-6)
+    hd, theta = model.cfg.d_model // model.cfg.n_heads, model.cfg.rope_theta
+    angles = np.arange(2 * T)[:, None] * theta ** (-np.arange(0, hd, 2) / hd)[None, :]
+    angles = np.concatenate([angles, angles], axis=1)
+    assert model.rope_cos.shape == (2 * T, hd)
+    np.testing.assert_allclose(model.rope_cos.double().numpy(), np.cos(angles), rtol=0, atol=1e-7)
+    np.testing.assert_allclose(model.rope_sin.double().numpy(), np.sin(angles), rtol=0, atol=1e-7)
 
 
 # ---- Hugging Face wrapper -------------------------------------------------------------------------------------
@@ -203,7 +232,7 @@ def test_hf_llama_from_local_config_trains_one_step(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     torch.manual_seed(0)
     for hf_config in (str(tmp_path), str(tmp_path / "config.json")):
-        model = build_model(tiny(hf_config=hf_config))
+        model = build_model(hf_tiny(hf_config=hf_config))
     names = dict(model.named_modules())
     assert any(n.endswith("layers.0.self_attn.q_proj") for n in names)
     idx = tokens()
@@ -218,15 +247,15 @@ def test_hf_llama_from_local_config_trains_one_step(tmp_path):
 
 def test_hf_config_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="model.hf_config"):
-        build_model(tiny(hf_config=str(tmp_path / "missing")))
+        build_model(hf_tiny(hf_config=str(tmp_path / "missing")))
     with pytest.raises(ValueError, match="no config.json"):
-        build_model(tiny(hf_config=str(tmp_path)))
+        build_model(hf_tiny(hf_config=str(tmp_path)))
     (tmp_path / "config.json").write_text(json.dumps(dict(TINY_LLAMA, vocab_size=100)))
     with pytest.raises(ValueError, match="vocab_size"):
-        build_model(tiny(hf_config=str(tmp_path)))
+        build_model(hf_tiny(hf_config=str(tmp_path)))
 
 
 def test_hf_missing_transformers_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
     with pytest.raises(ImportError, match="pip install transformers"):
-        build_model(tiny(hf_config=str(tmp_path)))
+        build_model(hf_tiny(hf_config=str(tmp_path)))

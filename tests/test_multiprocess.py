@@ -30,21 +30,15 @@ model in DDP whatever --use_fsdp says (it only switches to FSDP for GPU-like dev
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 import fp8train.nn.linear as linear_module
 import fp8train.training.loop as loop_module
 from fp8train.training.config import load_config
-from refs import write_stdlib_corpus
 from fp8train.training.loop import train
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.slow]
@@ -53,16 +47,8 @@ WORLD = 2
 STEPS = 5
 LOSS_RTOL = 1e-6
 SCALE_RTOL = 1e-5
-TINY = {
-    "model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "seq_len": 32},
-    "train": {"max_steps": STEPS, "batch_size": 8, "eval_every": STEPS, "eval_batches": 2, "lr": 3e-3,
-              "device": "cpu"},
-    "optim": {"warmup_steps": 2},
-    "fp8": {"recipe": "delayed"},
-    "policy": {"min_features": 16},
-    "log": {"wandb": "disabled", "every": 1, "telemetry_every": 0},
-    "checkpoint": {"every": 0, "save_final": False},
-}
+SECTIONS = dict(train={"max_steps": STEPS, "eval_every": STEPS}, log={"telemetry_every": 0},
+                checkpoint={"every": 0, "save_final": False})
 # The hook sits on the MLP block (build_model's modules; its Linears are swapped for Fp8Linears later): the MLP's
 # output is down_proj's output, so the NaN lands in down_proj's grad_output first.
 HOSTILE_STEP, HOSTILE_MODULE, HOSTILE_LAYER = 3, "layers.1.mlp", "layers.1.mlp.down_proj"
@@ -188,30 +174,18 @@ if rank == 0:
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory, single_thread):
+def launched(tmp_path_factory, single_thread, tiny, commands):
     """Run the harness under accelerate launch (2 processes), then the single-process references in-process."""
     root = tmp_path_factory.mktemp("multiprocess")
-    write_stdlib_corpus(root / "corpus.txt")
-    config = {**TINY, "run": {"dir": str(root / "runs"), "name": "x"}, "data": {"path": str(root / "corpus.txt")}}
-    (root / "tiny.yaml").write_text(yaml.safe_dump(config))
+    config = tiny.write(root, **SECTIONS)
     (root / "harness.py").write_text(HARNESS)
     out = root / "out"
     out.mkdir()
-    # CPU processes even on a machine with GPUs (what this test is about); HF_HOME: no user accelerate config.
-    env = {**os.environ, "FP8TRAIN_COMPILE": "0", "OMP_NUM_THREADS": "1", "HF_HOME": str(root / "hf"),
-           "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(WORLD),
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()),
-           str(root / "harness.py"), str(out), str(root / "tiny.yaml"), str(HOSTILE_STEP), HOSTILE_MODULE]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    cmd = commands.accelerate_launch(WORLD, str(root / "harness.py"), str(out), str(config), str(HOSTILE_STEP),
+                                     HOSTILE_MODULE)
+    env = commands.launch_env(root / "hf")
+    proc = commands.run(cmd, env=env, timeout=300)
     assert proc.returncode == 0, f"accelerate launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
     # Single-process references with the same micro-batches, recorded the same way.
@@ -231,7 +205,7 @@ def launched(tmp_path_factory, single_thread):
 
         loop_module.update_fp8_scales = recording_update  # the loop's name for it
         try:
-            summary = train(load_config(str(root / "tiny.yaml"), [f"run.name=single_{tag}",
+            summary = train(load_config(str(config), [f"run.name=single_{tag}",
                                                                    f"train.grad_accum={accum}"]),
                             show_progress=False)
         finally:

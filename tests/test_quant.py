@@ -53,11 +53,11 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 SHAPES = [pytest.param((300,), id="1d"), pytest.param((130, 257), id="2d"), pytest.param((3, 40, 50), id="3d")]
 
 
-# Two implementations of the cast live in quant.py: eagerly it uses torch's own float8 cast ("torch_cast"); under
-# torch.compile it rounds to the FP8 grid and assembles the bytes with integer ops ("integer_ops"), and decodes
-# bytes the same way. The compile test below covers one or two compiled graphs; to check the integer-op math on
-# every case without compiling, run it eagerly: FP8TRAIN_COMPILE=1 selects it, and quant._run (the compile
-# dispatcher) is replaced by a plain call.
+# Two implementations of the cast live in quant.py: torch's own float8 cast ("torch_cast": kernels eager and
+# compiled_cast) and compare-and-select arithmetic that also decodes bytes with integer ops ("integer_ops": kernel
+# compiled_select). The compile test below covers one or two compiled graphs; to check the integer-op math on
+# every case without compiling, run it eagerly: the default kernel becomes compiled_select and quant._run (the
+# compile dispatcher) is replaced by a plain call.
 KERNEL_PATHS = ["torch_cast", "integer_ops"]
 
 
@@ -65,10 +65,10 @@ KERNEL_PATHS = ["torch_cast", "integer_ops"]
 def kernel_path(path: str):
     with pytest.MonkeyPatch.context() as mp:
         if path == "integer_ops":
-            mp.setenv("FP8TRAIN_COMPILE", "1")
+            mp.setattr(fp8quant.quantize, "__kwdefaults__",
+                       {**fp8quant.quantize.__kwdefaults__, "kernel": "compiled_select"})
+            mp.setattr(fp8quant.decode_fp8, "__defaults__", (None, "compiled_select"))
             mp.setattr(fp8quant, "_run", lambda fn, key, *args, **kwargs: fn(*args))
-        else:
-            mp.setenv("FP8TRAIN_COMPILE", "0")
         yield
 
 
@@ -108,7 +108,7 @@ def ref_scale(amax: np.ndarray, name: str, margin: int = 0, pow2: bool = False) 
     """The documented rule, element by element in Python float64 (exact for these operands: amax is float32 and
     max * 2**margin a small integer times a power of two): scale = amax / max * 2**margin, rounded once to
     float32; pow2 takes the smallest power of two >= that quotient (found with frexp, exactly); an amax that is 0,
-    NaN or inf gives 1; the result is kept inside float32's normal range."""
+    NaN or inf gives 1; the result is kept inside [2^-126, the cap of ref_max_scale]."""
     amax = np.asarray(amax, dtype=np.float32)
     out = np.empty(amax.shape, dtype=np.float32)
     for index, value in np.ndenumerate(amax):
@@ -120,8 +120,17 @@ def ref_scale(amax: np.ndarray, name: str, margin: int = 0, pow2: bool = False) 
         if pow2:
             mantissa, exponent = math.frexp(quotient)  # quotient = mantissa * 2**exponent, 0.5 <= mantissa < 1
             quotient = math.ldexp(1.0, exponent - 1 if mantissa == 0.5 else exponent)
-        out[index] = min(max(quotient, FP32_TINY), FP32_MAX)  # float64 -> float32: one rounding
+        out[index] = min(max(quotient, FP32_TINY), ref_max_scale(name, pow2))  # float64 -> float32: one rounding
     return out
+
+
+def ref_max_scale(name: str, pow2: bool) -> float:
+    """The documented cap: the largest float32 scale whose product with the format's max is finite in float32
+    (a power of two with pow2), so no saturated value dequantizes to inf."""
+    cap = np.float32(FP32_MAX / fmt_max(name))
+    while np.float64(cap) * fmt_max(name) > FP32_MAX:
+        cap = np.nextafter(cap, np.float32(0))
+    return float(2.0 ** np.floor(np.log2(np.float64(cap)))) if pow2 else float(cap)
 
 
 def ref_expand(scale: np.ndarray, shape, granularity: str, block=(1, 128)) -> np.ndarray:
@@ -269,7 +278,10 @@ HAND_SCALES = [
     ("e4m3fn", math.inf, 0, True, 1.0),
     ("e5m2", math.nan, 1, False, 1.0),
     ("e4m3fn", 1e-40, 0, False, 2.0**-126),        # 1e-40 / 448 is below float32's normal range: clamped
-    ("e4m3fn", 3.0e38, 20, False, FP32_MAX),       # 3e38 / 448 * 2^20 = 7e41 is past float32's max: clamped
+    # 3e38 / 448 * 2^20 = 7e41 is past float32's max: clamped to the cap FLT_MAX / 448 (in float32, 448 times it
+    # is still <= FLT_MAX: float32(FLT_MAX / 448) = 7.5955880e35, and 448 * that = FLT_MAX exactly in float64)
+    ("e4m3fn", 3.0e38, 20, False, FP32_MAX / 448),
+    ("e4m3fn", 3.0e38, 20, True, 2.0**119),        # pow2 cap: the largest power of two <= FLT_MAX / 448
 ]
 
 
@@ -603,22 +615,24 @@ def test_decode_fp8_matches_torch_cast_for_all_codes(name, kernel):
 # torch.compile gives the eager bits (the one compile test: two compiles)
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.compiled
-def test_compiled_quantize_is_bit_identical_to_eager(compiled, monkeypatch, rng):
-    """Compiled (integer-op kernel, fused by inductor) against eager (torch's native cast), for a ragged shape:
+def test_compiled_quantize_is_bit_identical_to_eager(rng):
+    """Compiled (integer-op kernel, fused by inductor; and torch's cast, fused) against eager (torch's native
+    cast), for a ragged shape:
     300 columns are 2 full 1x128 blocks and a partial one. This caught an inductor miscompile that left the
     partial block unwritten when the crop back to x's shape was inside the compiled region."""
     x_np = wide_random(rng, (96, 300), -10, 10)
     x_np[5, 5], x_np[7, 9], x_np[8, 1] = np.nan, np.inf, -np.inf
     x = torch.from_numpy(x_np)
-    configs = [dict(granularity="tensor"), dict(granularity="block", block=(1, 128))]
+    configs = [dict(granularity="tensor", kernel="compiled_select"),
+               dict(granularity="block", block=(1, 128), kernel="compiled_select"),
+               dict(granularity="tensor", kernel="compiled_cast")]
     name = "e4m3fn"
-    compiled_out = [quantize(x, name, saturate=False, **kw) for kw in configs]  # FP8TRAIN_COMPILE=1
-    monkeypatch.setenv("FP8TRAIN_COMPILE", "0")
-    eager_out = [quantize(x, name, saturate=False, **kw) for kw in configs]
+    compiled_out = [quantize(x, name, saturate=False, **kw) for kw in configs]
+    eager_out = [quantize(x, name, saturate=False, **{**kw, "kernel": "eager"}) for kw in configs]
     for kw, qc, qe in zip(configs, compiled_out, eager_out):
         assert torch.equal(qc.data.view(torch.uint8), qe.data.view(torch.uint8)), kw
         assert torch.equal(qc.scale, qe.scale), kw
-        codes, scale = ref_quantize(x_np, name, saturate=False, **kw)
+        codes, scale = ref_quantize(x_np, name, saturate=False, **{k: v for k, v in kw.items() if k != "kernel"})
         assert_codes_equal(codes_of(qc), codes, name)
         np.testing.assert_array_equal(qc.scale.numpy(), scale)
 
@@ -698,3 +712,92 @@ def _check_scales_usable(name, x):
             q = quantize(torch.from_numpy(x), name, granularity=granularity, block=(2, 3), pow2=pow2)
             assert torch.isfinite(q.scale).all() and (q.scale > 0).all()
             assert q.data.shape == x.shape
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Edge cases (issue 13.11): correct results or clear ValueErrors
+# ------------------------------------------------------------------------------------------------------------
+def test_float64_beyond_fp32_range_is_refused_not_silently_448():
+    x = torch.tensor([1e300, -3.0, 2.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match="beyond what an fp32"):
+        quantize(x, "e4m3fn")
+
+
+@pytest.mark.parametrize("big", [1e39, 3.5e38])
+def test_float64_past_flt_max_is_refused(big):
+    """Dequantized values are fp32: a float64 amax past FLT_MAX cannot come back, whatever the scale."""
+    with pytest.raises(ValueError, match="beyond what an fp32"):
+        quantize(torch.tensor([big, 1.0], dtype=torch.float64), "e5m2")
+
+
+def test_float64_within_fp32_range_follows_the_rule():
+    x_np = np.array([3.0e38, -1.0 - 2.0 ** -40, 5e-30, 0.0], dtype=np.float64)
+    q = quantize(torch.from_numpy(x_np), "e4m3fn")
+    scale = np.float32(np.float64(np.float32(3.0e38)) / 448.0)  # amax (fp32), float64 division, one rounding
+    y = (x_np / np.float64(scale)).astype(np.float32)           # x / scale in float64, then fp32
+    codes = np.clip(y, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(codes_of(q), codes.view(np.uint8))
+    assert q.scale.item() == scale and torch.isfinite(q.dequantize()).all()
+
+
+@pytest.mark.parametrize("name", ALL_FORMATS)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_flt_max_dequantizes_finite(name, pow2):
+    x = torch.tensor([FP32_MAX, -FP32_MAX, 1.0])
+    q = quantize(x, name, pow2=pow2)
+    deq = q.dequantize()
+    assert torch.isfinite(deq).all(), deq
+    assert q.scale.item() == np.float32(ref_max_scale(name, pow2))  # the cap, not FLT_MAX / max rounded up
+    assert deq[0].item() == fmt_max(name) * q.scale.item()  # clipped to max, at the largest finite multiple
+
+
+@pytest.mark.parametrize("granularity, block, axis", [("tensor", (1, 128), -1), ("row", (1, 128), -1),
+                                                      ("row", (1, 128), 0), ("block", (2, 3), -1)])
+@pytest.mark.parametrize("shape", [(0,), (0, 5), (4, 0)])
+def test_empty_tensor(granularity, block, axis, shape):
+    x = torch.empty(shape)
+    q = quantize(x, "e4m3fn", granularity=granularity, block=block, axis=axis, keep_values=True)
+    assert q.data.shape == x.shape and q.data.dtype == torch.float8_e4m3fn and q.values.shape == x.shape
+    assert (q.scale == 1).all() and q.dequantize().shape == x.shape
+    expected_scale = {"tensor": (), "row": tuple(1 if d == axis % len(shape) else n for d, n in enumerate(shape))}
+    if granularity in expected_scale:
+        assert tuple(q.scale.shape) == expected_scale[granularity]
+    assert compute_amax(x, granularity, block, axis).shape == q.scale.shape
+
+
+def test_zero_dim_tensor():
+    x = torch.tensor(-300.0)
+    q = quantize(x, "e4m3fn")
+    assert q.data.shape == () and q.scale.item() == np.float32(300.0 / 448.0)
+    assert q.dequantize().item() == pytest.approx(-300.0, rel=2 ** -4)
+    for granularity in ("row", "block"):
+        with pytest.raises(ValueError, match="0-d tensor"):
+            quantize(x, "e4m3fn", granularity=granularity)
+
+
+@pytest.mark.parametrize("margin", [1.5, "1", None, True, 1000])
+def test_bad_margin_is_refused(margin):
+    with pytest.raises(ValueError, match="margin"):
+        quantize(torch.ones(4), "e4m3fn", margin=margin)
+    with pytest.raises(ValueError, match="margin"):
+        scale_from_amax(torch.tensor(2.0), "e4m3fn", margin=margin)
+
+
+def test_integral_float_margin_is_that_int():
+    x = torch.randn(64)
+    assert torch.equal(quantize(x, margin=2.0).scale, quantize(x, margin=2).scale)
+
+
+def test_block_larger_than_tensor_is_one_block():
+    """A huge block once tried to pad the tensor to its size (terabytes); it is one block over the tensor."""
+    x = torch.randn(3, 5) * 7
+    q = quantize(x, "e4m3fn", granularity="block", block=(10 ** 6, 10 ** 6), pow2=True)
+    codes, scale = ref_quantize(x.numpy(), "e4m3fn", pow2=True)  # one scale for the whole tensor
+    np.testing.assert_array_equal(codes_of(q), codes)
+    assert q.scale.shape == (1, 1) and q.scale.item() == scale
+    assert torch.equal(q.dequantize(), quantize(x, "e4m3fn", pow2=True).dequantize())
+
+
+def test_unknown_kernel_is_refused():
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        quantize(torch.ones(4), kernel="fast")

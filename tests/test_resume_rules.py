@@ -64,7 +64,10 @@ def metrics_of(run_dir: Path) -> list[dict]:
 
 
 def files_of(run_dir: Path) -> dict:
-    return {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} if run_dir.exists() else {}
+    """Every file of the run with its bytes, except those in wandb's folder (wandb's service may still be
+    flushing them after the run has finished; the offline runs are counted instead)."""
+    return {p: p.read_bytes() for p in run_dir.rglob("*")
+            if p.is_file() and "wandb" not in p.relative_to(run_dir).parts}
 
 
 # ---- reading wandb's offline run file: LevelDB-style log of protobuf Records (wandb's own format) -----------

@@ -21,34 +21,22 @@ from safetensors.torch import load_file
 from fp8train import cli
 from fp8train.training.checkpoint import list_checkpoints, verify_checkpoint
 from fp8train.training.config import config_hash, load_config
-from refs import write_stdlib_corpus
 from fp8train.training.loop import MAX_CONSECUTIVE_SKIPS, train
 
 # One intra-op thread: these models are so small that a second OpenMP thread only adds synchronization, and on a
 # loaded 2-core machine it makes every step several times slower (conftest's `single_thread` fixture).
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.slow]
 
-TINY = {
-    "model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "seq_len": 32},
-    "train": {"max_steps": 12, "batch_size": 8, "eval_every": 6, "eval_batches": 2, "lr": 3e-3, "device": "cpu"},
-    "optim": {"warmup_steps": 2},
-    "fp8": {"recipe": "delayed"},
-    "policy": {"min_features": 16},
-    "log": {"wandb": "disabled", "every": 1, "telemetry_every": 4},
-    "checkpoint": {"every": 4, "keep_last": 0},
-}
 # What a resumed run must reproduce exactly (timings aside).
 EXACT_KEYS = ("step", "loss", "val_loss", "lr", "grad_norm", "skipped_steps", "fp8/input/nonfinite_amax_events",
               "fp8/weight/nonfinite_amax_events", "fp8/grad_output/nonfinite_amax_events", "fp8/input/sqnr_min_db")
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    """A config file and a ~200 KB corpus (standard library sources) shared by the module's runs."""
+def workdir(tmp_path_factory, tiny) -> Path:
+    """The shared tiny config (conftest's TINY_CONFIG, on its ~200 KB standard-library corpus) for the module's runs."""
     root = tmp_path_factory.mktemp("train")
-    write_stdlib_corpus(root / "corpus.txt")
-    config = {**TINY, "run": {"dir": str(root / "runs"), "name": "base"}, "data": {"path": str(root / "corpus.txt")}}
-    (root / "tiny.yaml").write_text(yaml.safe_dump(config))
+    tiny.write(root)
     return root
 
 

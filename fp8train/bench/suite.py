@@ -27,7 +27,6 @@ says so. ``--no-malloc-tuning`` turns it off.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import ctypes
 import gc
@@ -83,7 +82,7 @@ class BenchOptions:
     sections: tuple = SECTIONS
     """Which sections run."""
     compile: str = "auto"
-    """FP8 quantize path in linear/train: 'on', 'off', or 'auto' (FP8TRAIN_COMPILE if set; else off for --quick
+    """FP8 quantize kernel in linear/train: 'on' (compiled_select), 'off' (eager), or 'auto' (off for --quick
     on CPU, where the compiled kernel does not pay for its compile time, on otherwise)."""
     malloc_tuning: bool = True
     """CPU: keep freed memory in the process (glibc mallopt) so repeats do not page-fault."""
@@ -246,25 +245,9 @@ def _ratio(timing: Timing, base: Optional[Timing]) -> dict:
     return {"ratio": median, "ratio_q1": q1, "ratio_q3": q3}
 
 
-@contextlib.contextmanager
-def _compile_mode(enabled: bool):
-    """FP8TRAIN_COMPILE for the duration (fp8train.numerics.quant reads it at every call)."""
-    previous = os.environ.get("FP8TRAIN_COMPILE")
-    os.environ["FP8TRAIN_COMPILE"] = "1" if enabled else "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("FP8TRAIN_COMPILE", None)
-        else:
-            os.environ["FP8TRAIN_COMPILE"] = previous
-
-
 def _resolve_compile(opts: BenchOptions) -> tuple[bool, str]:
     if opts.compile in ("on", "off"):
         return opts.compile == "on", f"--compile {opts.compile}"
-    if "FP8TRAIN_COMPILE" in os.environ:
-        return os.environ["FP8TRAIN_COMPILE"] != "0", f"FP8TRAIN_COMPILE={os.environ['FP8TRAIN_COMPILE']}"
     if opts.quick and opts.device == "cpu":
         return False, "auto: eager for --quick on CPU (compiled quantize is not faster here; compiles cost s)"
     return True, "auto: compiled (fp8train's default path)"
@@ -312,12 +295,10 @@ def bench_quant(opts: BenchOptions, warmup: int, repeats: int) -> dict:
         label = granularity if granularity != "block" else f"block {block[0]}x{block[1]}"
 
         def compiled(g=granularity, b=block, f=fmt_name):
-            with _compile_mode(True):
-                return quantize(x, f, granularity=g, block=b)
+            return quantize(x, f, granularity=g, block=b, kernel="compiled_select")
 
         def eager(g=granularity, b=block, f=fmt_name):
-            with _compile_mode(False):
-                return quantize(x, f, granularity=g, block=b)
+            return quantize(x, f, granularity=g, block=b, kernel="eager")
 
         def naive(g=granularity, b=block, f=fmt):
             return _naive_quantize(x, f, g, b)
@@ -370,8 +351,8 @@ def _fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, autocast: b
     return step
 
 
-def bench_linear(opts: BenchOptions, warmup: int, repeats: int, notes: list) -> dict:
-    from fp8train.nn.linear import Fp8Linear
+def bench_linear(opts: BenchOptions, warmup: int, repeats: int, notes: list, compiled: bool = False) -> dict:
+    from fp8train.nn.linear import Fp8Linear, configure_execution
 
     shapes = opts.shapes or SHAPES[(opts.device, opts.quick)]
     rows_out, torchao_note = [], None
@@ -388,6 +369,7 @@ def bench_linear(opts: BenchOptions, warmup: int, repeats: int, notes: list) -> 
         fp8_layers = {}
         for name in opts.recipes:
             layer = fp8_layers[name] = Fp8Linear.from_linear(copy.deepcopy(linear), name)
+            configure_execution(layer, quantize_kernel="compiled_select" if compiled else "eager")
             contenders[name] = _fwd_bwd(layer, x_bf16, grad_bf16, True, opts.device)
         ao, why = _torchao_linear(linear, opts.device) if opts.torchao else (None, "torchao skipped (--no-torchao)")
         if ao is not None:
@@ -524,7 +506,9 @@ def _step_peak_bytes(step: Callable, device: str) -> int:
     return peak
 
 
-def bench_train(opts: BenchOptions, warmup: int, repeats: int) -> dict:
+def bench_train(opts: BenchOptions, warmup: int, repeats: int, compiled: bool = False) -> dict:
+    from fp8train.nn.linear import configure_execution
+
     from fp8train.training.data import build_data
 
     cfg, path = _train_cfg(opts, "none")
@@ -536,6 +520,7 @@ def bench_train(opts: BenchOptions, warmup: int, repeats: int) -> dict:
     for name in ("bf16", *opts.recipes):
         cfg_r, _ = _train_cfg(opts, "none" if name == "bf16" else name)
         model, converted = _build(cfg_r, opts.device)
+        configure_execution(model, quantize_kernel="compiled_select" if compiled else "eager")
         step, optimizer, state = _train_step_fn(model, cfg_r, batches, opts.device)
         steps[name] = step
         extras[name] = dict(model=model, optimizer=optimizer, state=state, converted=converted)
@@ -758,14 +743,12 @@ def run_bench(opts: BenchOptions) -> dict:
         try:
             if name == "quant":
                 results["sections"]["quant"] = bench_quant(opts, warmup, repeats)
-            else:
-                with _compile_mode(compiled):
-                    if name == "linear":
-                        results["sections"]["linear"] = bench_linear(opts, warmup, repeats, results["notes"])
-                    elif name == "train":
-                        results["sections"]["train"] = bench_train(opts, warmup + 1, repeats)
-                    elif name == "memory":
-                        results["sections"]["memory"] = bench_memory(opts)
+            elif name == "linear":
+                results["sections"]["linear"] = bench_linear(opts, warmup, repeats, results["notes"], compiled)
+            elif name == "train":
+                results["sections"]["train"] = bench_train(opts, warmup + 1, repeats, compiled)
+            elif name == "memory":
+                results["sections"]["memory"] = bench_memory(opts)
         except Exception as err:  # keep going: the other sections are still worth having
             results["errors"][name] = f"{type(err).__name__}: {err}"
             _log(f"section {name} failed: {results['errors'][name]}")

@@ -4,9 +4,11 @@ Backends
 - `emulated` (any device). FP8 values are exactly representable in bf16 and fp32, and the product of two FP8
   values is exact in fp32 (at most 2 * 4 = 8 significant bits), so a GEMM over the FP8-valued operands with fp32
   accumulation reproduces an FP8 tensor-core GEMM up to accumulation order. The compute dtype is a deliberate,
-  per-device choice (`emulated_compute_dtype`):
-    * CPU: fp32. fp32 GEMM is exact for these operands and ~4-10x faster than bf16 GEMM on CPUs without
-      AMX/avx512-bf16 (measured 78 vs 17 GFLOP/s at 4096x1024x1024 on the reference 2-core box).
+  per-device choice (`emulated_compute_dtype`, overridable with `fp8.emulated_dtype: auto|fp32|bf16`):
+    * CPU without bf16 GEMM instructions (no avx512_bf16 / AMX): fp32. Exact for these operands and ~5-8x
+      faster than bf16 GEMM there (AMD EPYC, 2 cores, avx2: 77 vs ~10 GFLOP/s at 4096x1024x1024).
+    * CPU with avx512_bf16 or AMX (read from /proc/cpuinfo): bf16 inputs; oneDNN accumulates in fp32, but torch
+      has no bf16 x bf16 -> fp32 GEMM on CPU, so the GEMM's result is rounded to bf16 once.
     * CUDA: bf16 inputs, fp32 accumulation (tensor cores); the result is rounded to bf16 only if torch cannot
       return fp32 from a bf16 GEMM.
   Scales that are per tensor, or per row of a / per column of b (i.e. along the NON-contracted dims), factor out
@@ -22,6 +24,8 @@ Backends
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fp8train.nn.accumulation import hopper_accumulated_mm
@@ -30,27 +34,48 @@ from fp8train.nn.recipes import BACKENDS
 from fp8train.numerics.quant import decode_fp8
 
 __all__ = ["Fp8Operand", "fp8_mm", "resolve_backend", "scaled_mm_available", "emulated_compute_dtype",
-           "GEMM_BACKENDS"]
+           "GEMM_BACKENDS", "EMULATED_DTYPES", "cpu_has_bf16_gemm"]
 
 GEMM_BACKENDS = tuple(b for b in BACKENDS if b != "te")  # te runs through nn/te.py, not a GEMM here
+EMULATED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # plus "auto" (emulated_compute_dtype)
 
 
 class Fp8Operand:
     """A 2-D FP8 matrix as a GEMM sees it: `value ~= data.float() * expand(scale)`.
 
     `scale` is fp32 and either 0-d (per tensor), broadcastable to `data` ((R, 1) per row, (1, C) per column), or
-    a grid of tiles (ceil(R/br), ceil(C/bc)) with `block=(br, bc)`. `t()` is a free transpose (views only).
+    a grid of tiles (ceil(R/br), ceil(C/bc)) with `block=(br, bc)`. `t()` is a free transpose: views only, and
+    only of what a GEMM then reads (the bytes of a transposed operand are transposed on first access).
     The fp8 -> compute-dtype conversion is cached, so an operand used by two GEMMs is converted once.
     """
 
-    __slots__ = ("data", "scale", "block", "_cache")
+    __slots__ = ("_data", "_transposed_from", "scale", "block", "_cache")
 
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
+    def __init__(self, data: torch.Tensor | None, scale: torch.Tensor, block: tuple[int, int] | None = None,
                  values: torch.Tensor | None = None):
-        assert data.dim() == 2, "Fp8Operand is 2-D; flatten leading dims first"
-        self.data, self.scale, self.block = data, scale, block
-        # `values`: the fp32 FP8 values the quantizer already produced (saves a decode pass).
-        self._cache: dict = {} if values is None else {torch.float32: values}
+        assert data is None or data.dim() == 2, "Fp8Operand is 2-D; flatten leading dims first"
+        self._data, self.scale, self.block = data, scale, block
+        self._transposed_from: Fp8Operand | None = None  # set by t(): views of it are taken on first use
+        # `values`: the FP8 values the quantizer already produced, keyed by dtype (saves a decode pass).
+        self._cache: dict = {} if values is None else {values.dtype: values}
+
+    @property
+    def data(self) -> torch.Tensor:
+        if self._data is None:
+            self._data = self._transposed_from.data.t()
+        return self._data
+
+    @property
+    def device(self) -> torch.device:
+        return self.scale.device
+
+    def _cached(self, key):
+        """A cached conversion, or the transpose of the source operand's (one view, taken on first use)."""
+        if key not in self._cache and self._transposed_from is not None:
+            found = self._transposed_from._cache.get(key)
+            if found is not None:
+                self._cache[key] = found.t()
+        return self._cache.get(key)
 
     @classmethod
     def from_fp8_tensor(cls, q, keep_values: bool = True) -> "Fp8Operand":
@@ -62,24 +87,28 @@ class Fp8Operand:
 
     @property
     def shape(self) -> torch.Size:
-        return self.data.shape
+        if self._data is None:
+            rows, cols = self._transposed_from.shape
+            return torch.Size((cols, rows))
+        return self._data.shape
 
     def t(self) -> "Fp8Operand":
         scale = self.scale.t() if self.scale.dim() == 2 else self.scale
-        out = Fp8Operand(self.data.t(), scale, None if self.block is None else self.block[::-1])
-        out._cache = {k: v.t() for k, v in self._cache.items()}
+        out = Fp8Operand(None, scale, None if self.block is None else self.block[::-1])
+        # Only what a GEMM then reads gets transposed (views are dispatched ops too, on the hot path).
+        out._transposed_from = self
         return out
 
     def values(self, dtype: torch.dtype) -> torch.Tensor:
         """The FP8 values (unscaled) in `dtype` (exact for bf16/fp32); cached."""
-        if dtype not in self._cache:
-            # quant.decode_fp8 builds the values with integer ops: torch's own fp8 -> fp32 cast is slow on CPU.
-            values = self._cache.get(torch.float32)
+        found = self._cached(dtype)
+        if found is None:
+            values = next((v for v in (self._cached(d) for d in (torch.float32, torch.bfloat16)) if v is not None),
+                          None)
             if values is None:
-                values = self._cache[torch.float32] = decode_fp8(self.data)
-            if dtype != torch.float32:
-                self._cache[dtype] = values.to(dtype)
-        return self._cache[dtype]
+                values = decode_fp8(self.data)
+            found = self._cache[dtype] = values if values.dtype == dtype else values.to(dtype)
+        return found
 
     @property
     def scale_outer_rows(self) -> bool:
@@ -102,9 +131,11 @@ class Fp8Operand:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """values * scale in fp32 (exact for power-of-two scales), then `dtype`; cached."""
         key = ("dequantized", dtype)
-        if key not in self._cache:
-            self._cache[key] = self._dequantize_fp32().to(dtype)
-        return self._cache[key]
+        found = self._cached(key)
+        if found is None:
+            found = self._dequantize_fp32()
+            found = self._cache[key] = found if found.dtype == dtype else found.to(dtype)
+        return found
 
     def _dequantize_fp32(self) -> torch.Tensor:
         values = self.values(torch.float32)
@@ -144,9 +175,27 @@ def resolve_backend(backend: str, device: torch.device | str, formats: tuple[str
     raise ValueError(f"unknown GEMM backend {backend!r}; allowed: {', '.join(GEMM_BACKENDS)}, te")
 
 
-def emulated_compute_dtype(device: torch.device | str) -> torch.dtype:
-    """fp32 on CPU (exact and much faster than CPU bf16 GEMM), bf16 on CUDA (tensor cores, fp32 accumulation)."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+@functools.lru_cache(maxsize=None)
+def cpu_has_bf16_gemm() -> bool:
+    """True when this CPU has bf16 GEMM instructions (avx512_bf16 or AMX-BF16), per /proc/cpuinfo's flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def emulated_compute_dtype(device: torch.device | str, choice: str = "auto") -> torch.dtype:
+    """The emulated GEMMs' input dtype: `choice` 'fp32' or 'bf16', or 'auto': bf16 on CUDA (tensor cores, fp32
+    accumulation) and on CPUs with bf16 GEMM instructions, fp32 on other CPUs (exact, and much faster there)."""
+    if choice != "auto":
+        if choice not in EMULATED_DTYPES:
+            raise ValueError(f"emulated_dtype must be one of auto, {', '.join(EMULATED_DTYPES)}; got {choice!r}")
+        return EMULATED_DTYPES[choice]
+    device = torch.device(device)
+    return torch.bfloat16 if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16_gemm()) \
+        else torch.float32
 
 
 def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
@@ -159,8 +208,8 @@ def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
     which kernel or fallback ran). backend 'emulated': exact FP8 products in `compute_dtype`, bias added in fp32;
     `accumulation` (an `accumulation.HopperAccumulation`) models a tensor core's narrow accumulator instead."""
     if backend == "scaled_mm":
-        if not scaled_mm_available(a.data.device):
-            resolve_backend("scaled_mm", a.data.device)  # raises with the explanation
+        if not scaled_mm_available(a.device):
+            resolve_backend("scaled_mm", a.device)  # raises with the explanation
         return scaled_mm_gemm(a, b, out_dtype=out_dtype, bias=bias, use_fast_accum=use_fast_accum,
                               record=record, gemm=gemm)
     if record is not None:
@@ -168,9 +217,9 @@ def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
     if accumulation is not None:
         out = hopper_accumulated_mm(a.dequantize(torch.float32), b.dequantize(torch.float32), accumulation)
     else:
-        out = _emulated_gemm(a, b, compute_dtype or emulated_compute_dtype(a.data.device))
-    if bias is not None:
-        out += bias.float()  # bias in fp32, one rounding to the output dtype below
+        out = _emulated_gemm(a, b, compute_dtype or emulated_compute_dtype(a.device))
+    if bias is not None:  # bias in fp32, one rounding to the output dtype below (no no-op casts: each is an op)
+        out.add_(bias if bias.dtype == torch.float32 else bias.float())
     return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 

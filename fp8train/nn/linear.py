@@ -12,6 +12,11 @@ grad_bias = sum of grad_output over rows, in fp32 from the unquantized gradient,
 The input is saved for backward as FP8 bytes + scale (1 byte per element), never in high precision; the weight's
 FP8 copy is saved too, so backward reuses exactly the operands the forward used.
 
+The weight's FP8 copy (bytes, scale, and its values in the GEMM's compute dtype) is made once per weight version
+and reused by every micro-batch and by backward: it is remade when the weight changes in place (optimizer step,
+checkpoint load: tensor._version), when it is replaced, when delayed scales are updated, and when the layer
+switches between train and eval. An fp32 (or bf16) copy of FP8 values exists only where a GEMM reads it.
+
 Scaling state (module buffers, hence in state_dict and checkpoints):
 - every recipe: `{role}_nonfinite_amax_count` (int64), incremented whenever a tensor of that role (any row or
   block of it, for rowwise/block) has a NaN/inf amax. Such a tensor is still quantized (NaN stays NaN, inf
@@ -37,6 +42,18 @@ Delayed scaling, exactly:
    gradient) enters the history but keeps the previous scale, and leaves an uninitialized role on current
    scaling. pending_amax goes back to -1. A role that recorded nothing this step is left untouched.
 
+- delayed scaling, per role: `{role}_stale_scale_steps` (int64), the number of optimizer steps whose amax was
+  above 0 but below `scale * fmt.min_normal`: the step's largest value, and so all of it, quantized below the
+  smallest normal (mostly to zero) because an earlier, much larger amax (an outlier) still set the scale.
+  `recipe.amax_outlier_factor` (opt-in; 0 = off) keeps such a single outlier from setting the scale: with "max",
+  when the largest history entry exceeds the factor times the second largest (and that is > 0), the scale comes
+  from the second largest. Two outliers in the window are trusted.
+
+Execution options (same results, different speed): `layer.quantize_kernel` (quant.QUANT_KERNELS; tensors under
+`quant_kernel_min_numel` elements always run eagerly, where a compiled call costs more than it saves) and
+`layer.emulated_dtype` ('auto' | 'fp32' | 'bf16', gemm.emulated_compute_dtype). `configure_execution(model, ...)`
+sets both on every Fp8Linear.
+
 Telemetry: set `layer.telemetry = True` and every following forward (input, weight) and backward (grad_output)
 overwrites `layer.last_stats[role]` with amax, scale (mean over rows/blocks when not tensorwise), overflow_frac,
 underflow_frac, sqnr_db (quant.quant_error), staleness (delayed only: this tensor's amax / the amax its scale was
@@ -52,15 +69,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from fp8train.nn.accumulation import HopperAccumulation
 from fp8train.nn.fp8_all_gather import Fp8GatheredWeight
-from fp8train.nn.gemm import Fp8Operand, fp8_mm, resolve_backend
-from fp8train.numerics.mx import quantize_mx
-from fp8train.numerics.quant import Fp8Tensor, compute_amax, quant_error, quantize, scale_from_amax
+from fp8train.nn.gemm import EMULATED_DTYPES, Fp8Operand, emulated_compute_dtype, fp8_mm, resolve_backend
 from fp8train.nn.recipes import ROLES, Fp8Recipe, recipe as make_recipe
+from fp8train.numerics.formats import get_format
+from fp8train.numerics.mx import quantize_mx
+from fp8train.numerics.quant import (QUANT_KERNELS, Fp8Tensor, compute_amax, decode_fp8, max_scale, quant_error,
+                                     quantize, scale_from_amax, scale_rule)
 
-__all__ = ["Fp8Linear", "update_fp8_scales"]
+__all__ = ["Fp8Linear", "update_fp8_scales", "configure_execution"]
+
+QUANT_KERNEL_MIN_NUMEL = 1 << 16  # below this a compiled call (~50 us) costs more than the eager ops it saves
 
 
 # Loaded scaling state must be state this module could have produced: a NaN/inf/0/negative scale would quantize
@@ -84,63 +106,73 @@ def _refuse_bad_fp8_state(module, state_dict, prefix, *args) -> None:
 
 class _Fp8LinearFunction(torch.autograd.Function):
     """output = input @ weight.T (+ bias) from FP8 operands; backward quantizes grad_output and runs the two
-    backward GEMMs from the saved FP8 input and weight."""
+    backward GEMMs from the saved FP8 input and the (cached) FP8 weight."""
 
     @staticmethod
-    def forward(ctx, input_hp, weight, bias, input_fp8: Fp8Tensor, weight_fp8: Fp8Tensor, layer, backend,
-                out_dtype):
+    def forward(ctx, input_2d, weight, bias, weights: "_WeightFp8", layer, backend, out_dtype):
+        r = layer.recipe
+        input_fp8 = layer._quantize("input", input_2d, keep_values=backend == "emulated")
         input_op = Fp8Operand.from_fp8_tensor(input_fp8)
-        weight_op = Fp8Operand.from_fp8_tensor(weight_fp8)
         # (M, N) in out_dtype straight from the GEMM; bias fused into it where the kernel can
-        output = fp8_mm(input_op, weight_op.t(), backend, out_dtype=out_dtype, bias=bias, gemm="output",
-                        use_fast_accum=layer.recipe.fast_accum_forward, **layer._gemm_options())
-        # Saved in FP8: bytes + scales only (not the fp32 copies of the values the quantizer returned). When
-        # grad_weight contracts the input's first dim across its scale layout, the saved copy is the input
-        # quantized along that dim instead (recipes.requantize_transposed): still one byte per element.
+        output = fp8_mm(input_op, weights.op_t, backend, out_dtype=out_dtype, bias=bias, gemm="output",
+                        use_fast_accum=r.fast_accum_forward, **layer._gemm_options(input_2d.device))
+        # Saved in FP8: bytes + scales only (the weight's operands live in the layer's cache, made once per
+        # weight version). When grad_weight contracts the input's first dim across its scale layout, the saved
+        # copy is the input quantized along that dim instead (recipes.requantize_transposed): one byte per element.
         input_saved = input_fp8
-        ctx.input_transposed = layer.recipe.requantize_transposed("input") and weight.requires_grad
+        ctx.input_transposed = r.requantize_transposed("input") and weight.requires_grad
         if ctx.input_transposed:
-            input_saved = layer._quantize_transposed("input", input_hp)   # (K, M)
-        # The master weight only when grad_input requantizes it along its other axis (it is a Parameter: no copy)
-        weight_for_backward = weight if layer.recipe.requantize_transposed("weight") else None
-        ctx.save_for_backward(input_saved.data, input_saved.scale, weight_fp8.data, weight_fp8.scale,
-                              weight_for_backward)
+            input_saved = layer._quantize_transposed("input", input_2d)   # (K, M)
+        ctx.save_for_backward(input_saved.data, input_saved.scale, weights.fp8.data, weights.fp8.scale)
         ctx.input_block = input_saved.block if input_saved.granularity == "block" else None
-        ctx.weight_block = weight_op.block
-        ctx.layer, ctx.backend = layer, backend
-        ctx.input_dtype, ctx.weight_dtype = input_hp.dtype, weight.dtype
+        ctx.weights, ctx.layer, ctx.backend = weights, layer, backend
+        ctx.input_dtype, ctx.weight_dtype = input_2d.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        input_data, input_scale, weight_data, weight_scale, weight = ctx.saved_tensors
-        layer, backend, r = ctx.layer, ctx.backend, ctx.layer.recipe
+        input_data, input_scale, _, _ = ctx.saved_tensors
+        layer, backend, r, weights = ctx.layer, ctx.backend, ctx.layer.recipe, ctx.weights
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_input = grad_weight = grad_bias = None
-        options = layer._gemm_options()
+        options = layer._gemm_options(grad_output.device)
+        keep_values = backend == "emulated"
         with torch.autocast(grad_output.device.type, enabled=False):
-            grad_output_fp8 = layer._quantize("grad_output", grad_output)
+            grad_output_fp8 = layer._quantize("grad_output", grad_output, keep_values=keep_values)
             grad_output_op = Fp8Operand.from_fp8_tensor(grad_output_fp8)            # (M, N)
             if need_input:    # grad_input = grad_output @ weight          (M, N) @ (N, K)
-                weight_op = Fp8Operand(weight_data, weight_scale, ctx.weight_block)  # (N, K)
-                if r.requantize_transposed("weight"):  # scales along K, constant along the contracted N
-                    weight_op = Fp8Operand.from_fp8_tensor(layer._quantize_transposed("weight", weight)).t()
-                grad_input = fp8_mm(grad_output_op, weight_op, backend, out_dtype=ctx.input_dtype,
+                grad_input = fp8_mm(grad_output_op, weights.op_for_grad_input, backend, out_dtype=ctx.input_dtype,
                                     gemm="grad_input", **options)
             if need_weight:   # grad_weight = grad_output.T @ input        (N, M) @ (M, K)
                 grad_output_t_op = grad_output_op.t()
                 if r.requantize_transposed("grad_output"):
                     grad_output_t_op = Fp8Operand.from_fp8_tensor(
                         layer._quantize_transposed("grad_output", grad_output))   # (N, M), scales along N
-                input_op = Fp8Operand(input_data, input_scale, ctx.input_block)    # (M, K), or (K, M)
+                input_values = layer._decode("input", input_data) if keep_values else None
+                input_op = Fp8Operand(input_data, input_scale, ctx.input_block, input_values)  # (M, K), or (K, M)
                 if ctx.input_transposed:
                     input_op = input_op.t()
                 grad_weight = fp8_mm(grad_output_t_op, input_op, backend, out_dtype=ctx.weight_dtype,
                                      gemm="grad_weight", **options)
             if need_bias:     # grad_bias = sum over rows, fp32, from the unquantized gradient
-                grad_bias = grad_output.float().sum(0).to(ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+                grad_bias = _to(grad_output.sum(0, dtype=torch.float32), ctx.bias_dtype)
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+class _WeightFp8:
+    """The weight's FP8 copy and the operands its GEMMs read, made once per weight version: `op_t` (K, N) for
+    output = input @ weight.T, `op_for_grad_input` (N, K) for grad_input = grad_output @ weight (requantized along
+    K when the recipe's scales would otherwise vary along that GEMM's contracted dim)."""
+
+    __slots__ = ("key", "fp8", "op_t", "op_for_grad_input")
+
+    def __init__(self, key, fp8: Fp8Tensor, op_t: Fp8Operand, op_for_grad_input: Fp8Operand):
+        self.key, self.fp8, self.op_t, self.op_for_grad_input = key, fp8, op_t, op_for_grad_input
+
+
+def _to(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)  # a no-op .to() is still a dispatched op
 
 
 class Fp8Linear(nn.Linear):
@@ -159,6 +191,9 @@ class Fp8Linear(nn.Linear):
         self.gemm_paths: dict[str, str] = {}
         self._accumulation = None if not self.recipe.accumulator_bits else HopperAccumulation(
             self.recipe.accumulator_bits, self.recipe.accumulator_promotion)
+        self.quantize_kernel = "eager"
+        self.emulated_dtype = "auto"
+        self._formats = {role: get_format(self.recipe.format_of(role)) for role in ROLES}
         self._init_scaling_state(self.weight.device)
         self.register_load_state_dict_pre_hook(_refuse_bad_fp8_state)
 
@@ -183,12 +218,42 @@ class Fp8Linear(nn.Linear):
                 self.register_buffer(f"{role}_scale_amax", torch.zeros((), dtype=torch.float32, device=device))
                 self.register_buffer(f"{role}_pending_amax", torch.full((), -1.0, device=device))
                 self.register_buffer(f"{role}_initialized", torch.zeros((), dtype=torch.bool, device=device))
+                self.register_buffer(f"{role}_stale_scale_steps", torch.zeros((), dtype=torch.int64, device=device))
+        self._reset_caches()
 
-    def _gemm_options(self) -> dict:
-        return dict(record=self.gemm_paths, accumulation=self._accumulation)
+    def _reset_caches(self) -> None:
+        # Host-side mirror of `{role}_initialized` (it only ever turns True between loads): once True the forward
+        # uses the stored scale without computing its own amax-based fallback.
+        self._initialized_on_host = {role: False for role in ROLES}
+        self._scale_generation = 0  # bumped by every delayed-scale update: part of the weight cache's key
+        self._weight_cache = None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._reset_caches()
+        for role in ROLES:  # checkpoints from before the stale-scale counter load with it at 0
+            key = f"{prefix}{role}_stale_scale_steps"
+            if self.recipe.is_delayed and key not in state_dict:
+                state_dict[key] = torch.zeros((), dtype=torch.int64)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.code()}"
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype), .half() and .bfloat16() cast the weights but never the scaling state: a 1.5e-9
+        # grad_output scale flushes to 0 in fp16, and bf16 would round every scale and amax history. Buffers
+        # still follow device moves.
+        scaling_state = dict(self._buffers)
+        self._buffers.clear()
+        super()._apply(fn, recurse)
+        for name, buffer in scaling_state.items():
+            moved = buffer if buffer is None else fn(buffer)
+            self._buffers[name] = moved if moved is None or moved.dtype == buffer.dtype else buffer.to(moved.device)
+        return self
+
+    def _gemm_options(self, device) -> dict:
+        return dict(record=self.gemm_paths, accumulation=self._accumulation,
+                    compute_dtype=emulated_compute_dtype(device, self.emulated_dtype))
 
     # ------------------------------------------------------------------------------------------------------
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -196,43 +261,79 @@ class Fp8Linear(nn.Linear):
         # Output dtype follows autocast (bf16 under torch.autocast), else the input's dtype.
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
             else input.dtype
-        lead_shape = input.shape[:-1]
-        input_2d = input.reshape(-1, self.in_features)  # (M, K)
+        input_2d = input if input.dim() == 2 else input.reshape(-1, self.in_features)  # (M, K)
         if input_2d.shape[0] == 0:
             return F.linear(input, self.weight.to(out_dtype), None if self.bias is None else self.bias.to(out_dtype))
         backend = resolve_backend(self.recipe.backend, input.device, tuple(map(self.recipe.format_of, ROLES)))
         # Our GEMMs pick their own precision; autocast must not recast them to bf16.
         with torch.autocast(device_type, enabled=False):
-            input_fp8 = self._quantize("input", input_2d)
-            weight_fp8 = self._quantize("weight", self.weight)
-            output = _Fp8LinearFunction.apply(input_2d, self.weight, self.bias, input_fp8, weight_fp8, self,
-                                              backend, out_dtype)
-        return output.reshape(*lead_shape, self.out_features)
+            weights = self._weight_fp8(backend)
+            output = _Fp8LinearFunction.apply(input_2d, self.weight, self.bias, weights, self, backend, out_dtype)
+        return output if input.dim() == 2 else output.reshape(*input.shape[:-1], self.out_features)
 
-    def _quantize(self, role: str, tensor: torch.Tensor) -> Fp8Tensor:
+    def _kernel(self, numel: int) -> str:
+        return self.quantize_kernel if numel >= QUANT_KERNEL_MIN_NUMEL else "eager"
+
+    def _weight_fp8(self, backend: str) -> _WeightFp8:
+        """The weight's FP8 copy and its GEMM operands, made once per weight version (see the module docstring)."""
+        weight = self.weight
+        # FSDP2 refills the unsharded weight by all-gather (no version bump) or hands over an FP8-gathered one:
+        # then there is nothing to cache across forwards.
+        cacheable = not isinstance(weight, Fp8GatheredWeight) and not isinstance(self, FSDPModule)
+        key = (weight._version, weight.data_ptr(), self.training, self._scale_generation, backend,
+               self.emulated_dtype, self.quantize_kernel) if cacheable else None
+        cached = self._weight_cache
+        if cached is not None and key is not None and cached.key == key and not self.telemetry:
+            return cached
+        emulated = backend == "emulated"
+        with torch.no_grad():
+            weight_fp8 = self._quantize("weight", weight, keep_values=emulated)
+            if weight_fp8.values is not None and weight_fp8.granularity != "block":
+                # Only the dtype the GEMM reads is kept (block-scaled weights are dequantized in fp32).
+                weight_fp8.values = _to(weight_fp8.values, emulated_compute_dtype(weight.device, self.emulated_dtype))
+            weight_op = Fp8Operand.from_fp8_tensor(weight_fp8)
+            if self.recipe.requantize_transposed("weight"):  # scales along K, constant along the contracted N
+                weight_op_grad = Fp8Operand.from_fp8_tensor(self._quantize_transposed("weight", weight)).t()
+            else:
+                weight_op_grad = weight_op
+            for op in {id(weight_op): weight_op, id(weight_op_grad): weight_op_grad}.values():
+                if emulated and op.block is not None:
+                    op.dequantize(torch.float32)  # tiles vary along K: the GEMMs read the dequantized weight
+            weights = _WeightFp8(key, weight_fp8, weight_op.t(), weight_op_grad)
+        if key is not None and not torch.compiler.is_compiling():  # compiled graphs re-derive (and fuse) it
+            self._weight_cache = weights
+        return weights
+
+    def _decode(self, role: str, data: torch.Tensor) -> torch.Tensor:
+        return decode_fp8(data, self._formats[role], self._kernel(data.numel()))
+
+    def _quantize(self, role: str, tensor: torch.Tensor, keep_values: bool = True) -> Fp8Tensor:
         """FP8 copy of a 2-D operand with the recipe's format/granularity for `role`; updates scaling state."""
         r = self.recipe
-        fmt = r.format_of(role)
+        fmt = self._formats[role]
         nonfinite_count = getattr(self, f"{role}_nonfinite_amax_count")
         if isinstance(tensor, Fp8GatheredWeight):  # FSDP2 gathered it as FP8 already (fp8_all_gather.py)
             quantized = tensor.fp8_tensor()
             self._record_amax(role, quantized.amax)
             return quantized  # no weight telemetry: the fp32 weight is not gathered
-        tensor = tensor.detach()
+        kernel = self._kernel(tensor.numel())
         if r.is_delayed:
             amax = compute_amax(tensor)
             self._record_amax(role, amax)
             # the scale is finite and > 0 by construction (_tensorwise_scale): no per-call host sync
-            quantized = quantize(tensor, fmt, scale=self._tensorwise_scale(role, amax), keep_values=True,
-                                 validate_scale=False)
+            quantized = quantize(tensor, fmt, scale=self._tensorwise_scale(role, amax), keep_values=keep_values,
+                                 validate_scale=False, kernel=kernel)
             quantized.amax = amax
         elif r.scaling == "mxfp8":
             quantized = quantize_mx(tensor, fmt, keep_values=True)
             nonfinite_count.add_((~torch.isfinite(quantized.amax)).any().long())
         else:
             quantized = quantize(tensor, fmt, granularity=r.granularity_of(role), block=r.block_of(role),
-                                 axis=-1, margin=r.margin, pow2=r.pow2_scales, keep_values=True)
-            nonfinite_count.add_((~torch.isfinite(quantized.amax)).any().long())
+                                 axis=-1, margin=r.margin, pow2=r.pow2_scales, keep_values=keep_values,
+                                 kernel=kernel)
+        if r.scaling in ("current", "rowwise", "block"):
+            nonfinite = quantized.amax.isfinite().logical_not()
+            nonfinite_count.add_(nonfinite if r.is_tensorwise else nonfinite.any())
         if self.telemetry:
             self._record_stats(role, tensor, quantized)
         return quantized
@@ -255,16 +356,39 @@ class Fp8Linear(nn.Linear):
             pending = getattr(self, f"{role}_pending_amax")
             pending.copy_(torch.where(finite, torch.maximum(pending, amax), pending))
 
+    def _tensorwise_scale(self, role: str, amax: torch.Tensor) -> torch.Tensor:
+        """The dequant scale a tensor of `role` with this `amax` is quantized with, under a tensorwise recipe:
+        delayed, the stored scale once initialized, else (first step) the tensor's own; current, its own.
+        fp8_all_gather uses it too, with the amax of the whole sharded weight."""
+        r = self.recipe
+        if r.is_delayed and self._initialized_on_host[role]:  # known on the host: no fallback ops to compute
+            return getattr(self, f"{role}_scale")
+        own_scale = scale_from_amax(amax, self._formats[role], r.margin, r.pow2_scales)
+        if not r.is_delayed:
+            return own_scale
+        return torch.where(getattr(self, f"{role}_initialized"), getattr(self, f"{role}_scale"), own_scale)
+
+    def _record_amax(self, role: str, amax: torch.Tensor) -> None:
+        """Count a non-finite amax; delayed scaling in training also folds it into this step's pending amax."""
+        recorded = amax.nan_to_num(nan=-1.0, posinf=-1.0)  # NaN/inf amaxes are counted, never recorded
+        nonfinite = recorded < 0
+        getattr(self, f"{role}_nonfinite_amax_count").add_(nonfinite if amax.dim() == 0 else nonfinite.any())
+        if self.recipe.is_delayed and self.training:
+            pending = getattr(self, f"{role}_pending_amax")
+            torch.maximum(pending, recorded if recorded.dim() == 0 else recorded.amax(), out=pending)
+
     def _quantize_transposed(self, role: str, tensor: torch.Tensor) -> Fp8Tensor:
         """`role`'s recipe applied to tensor.T: (C, R) FP8 bytes whose scales run along the original first
         dim, written straight in the layout its backward GEMM reads (no separate FP8 transpose). Counters and
         telemetry come from the primary quantization of the same tensor."""
         r = self.recipe
-        tensor_t = tensor.detach().t()
-        if r.scaling == "mxfp8":
-            return quantize_mx(tensor_t, r.format_of(role))
-        return quantize(tensor_t, r.format_of(role), granularity=r.granularity_of(role), block=r.block_of(role),
-                        axis=-1, margin=r.margin, pow2=r.pow2_scales)
+        with torch.no_grad():
+            tensor_t = tensor.t()
+            if r.scaling == "mxfp8":
+                return quantize_mx(tensor_t, r.format_of(role))
+            return quantize(tensor_t, self._formats[role], granularity=r.granularity_of(role),
+                            block=r.block_of(role), axis=-1, margin=r.margin, pow2=r.pow2_scales,
+                            keep_values=True, kernel=self._kernel(tensor.numel()))
 
     def _record_stats(self, role: str, tensor: torch.Tensor, quantized: Fp8Tensor) -> None:
         stats = quant_error(tensor, quantized)
@@ -286,23 +410,26 @@ class Fp8Linear(nn.Linear):
             nonfinite=not math.isfinite(amax_now),
         )
 
-    # ------------------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _update_role(self, role: str, step_amax: torch.Tensor) -> None:
-        """Delayed scaling: fold this step's (all-reduced) amax into `role`'s history and scale."""
-        r = self.recipe
-        history = getattr(self, f"{role}_amax_history")
-        recorded = step_amax >= 0  # pending stays at -1 when no micro-batch recorded an amax
-        rolled = torch.cat([step_amax.reshape(1).to(history.dtype), history[:-1]])
-        history.copy_(torch.where(recorded, rolled, history))
-        amax = history.max() if r.amax_compute_algo == "max" else history[0]
-        usable = recorded & (amax > 0)
-        scale, scale_amax = getattr(self, f"{role}_scale"), getattr(self, f"{role}_scale_amax")
-        scale.copy_(torch.where(usable, scale_from_amax(amax, r.format_of(role), r.margin, r.pow2_scales), scale))
-        scale_amax.copy_(torch.where(usable, amax, scale_amax))
-        initialized = getattr(self, f"{role}_initialized")
-        initialized.copy_(initialized | usable)
-        getattr(self, f"{role}_pending_amax").fill_(-1.0)
+
+def configure_execution(model: nn.Module, *, quantize_kernel: str = "eager", emulated_dtype: str = "auto") -> int:
+    """Set how every Fp8Linear in `model` runs (not what it computes): the quantize kernel (one of
+    quant.QUANT_KERNELS; resolve 'auto' first with kernel_probe.resolve_kernel) and the emulated GEMMs' input
+    dtype ('auto', 'fp32', 'bf16'). Returns the number of layers set. Read once, at set-up."""
+    if quantize_kernel not in QUANT_KERNELS:
+        raise ValueError(f"quantize_kernel must be one of {', '.join(QUANT_KERNELS)}; got {quantize_kernel!r}")
+    if emulated_dtype != "auto" and emulated_dtype not in EMULATED_DTYPES:
+        raise ValueError(f"emulated_dtype must be one of auto, {', '.join(EMULATED_DTYPES)}; got {emulated_dtype!r}")
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for layer in layers:
+        layer.quantize_kernel, layer.emulated_dtype = quantize_kernel, emulated_dtype
+        layer._weight_cache = None
+    return len(layers)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Delayed scaling: one update for all layers, on stacked buffers
+# ------------------------------------------------------------------------------------------------------------
+_STATE = ("amax_history", "scale", "scale_amax", "initialized", "stale_scale_steps")
 
 
 @torch.no_grad()
@@ -310,15 +437,70 @@ def update_fp8_scales(model: nn.Module, process_group=None) -> None:
     """Roll delayed-scaling histories once per optimizer step (after optimizer.step()). No-op for other recipes.
 
     All pending amaxes of all layers go through ONE all_reduce(MAX) when torch.distributed is initialized, so
-    every data-parallel rank ends the step with identical scales.
+    every data-parallel rank ends the step with identical scales. The update itself runs on stacked buffers:
+    a fixed number of tensor ops per group of layers sharing history length and scale options (usually one
+    group), however many layers there are.
     """
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.recipe.is_delayed]
     if not layers:
         return
-    pending = torch.stack([getattr(m, f"{role}_pending_amax") for m in layers for role in ROLES])
+    pendings = [getattr(m, f"{role}_pending_amax") for m in layers for role in ROLES]
+    step_amax = torch.stack(pendings)  # (3 * layers,)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
-        dist.all_reduce(pending, op=dist.ReduceOp.MAX, group=process_group)
-    step_amaxes = iter(pending.unbind(0))
+        dist.all_reduce(step_amax, op=dist.ReduceOp.MAX, group=process_group)
+    groups: dict[tuple, list[int]] = {}
+    for index, layer in enumerate(layers):
+        r = layer.recipe
+        key = (r.amax_history_len, r.amax_compute_algo, r.margin, r.pow2_scales, r.amax_outlier_factor,
+               tuple(r.format_of(role) for role in ROLES), layer.weight.device)
+        groups.setdefault(key, []).append(index)
+    for indices in groups.values():
+        rows = step_amax if len(indices) == len(layers) else \
+            step_amax.view(-1, len(ROLES))[indices].reshape(-1)
+        _update_group([layers[i] for i in indices], rows)
+    torch._foreach_copy_(pendings, [torch.full_like(step_amax[0], -1.0)] * len(pendings))
     for layer in layers:
-        for role in ROLES:
-            layer._update_role(role, next(step_amaxes))
+        layer._scale_generation += 1
+
+
+def _update_group(layers: list, step_amax: torch.Tensor) -> None:
+    """The documented delayed-scaling step for `layers` (same recipe options), rows = (layer, role)."""
+    r = layers[0].recipe
+    state = {name: [getattr(m, f"{role}_{name}") for m in layers for role in ROLES] for name in _STATE}
+    history, scale, scale_amax, initialized, stale = (torch.stack(state[name]) for name in _STATE)
+    formats = [m._formats[role] for m in layers for role in ROLES]
+    fmt_max, min_normal, cap = (torch.tensor(values, dtype=torch.float64, device=step_amax.device) for values in (
+        [f.max for f in formats], [f.min_normal for f in formats], [max_scale(f.max, r.pow2_scales) for f in formats]))
+    recorded = step_amax >= 0  # pending stays at -1 when no micro-batch recorded an amax
+    # A step whose amax lands below the smallest normal under the scale in force: an outlier blinds the layer.
+    stale.add_(recorded & initialized & (step_amax > 0) & (step_amax.double() < scale.double() * min_normal))
+    rolled = torch.cat([step_amax.unsqueeze(1), history[:, :-1]], dim=1)
+    history = torch.where(recorded.unsqueeze(1), rolled, history)
+    amax = _history_amax(history, r)
+    usable = recorded & (amax > 0)
+    new_scale = scale_rule(amax, fmt_max, cap, r.margin, r.pow2_scales)
+    scale = torch.where(usable, new_scale, scale)
+    scale_amax = torch.where(usable, amax, scale_amax)
+    initialized = initialized | usable
+    new = {"amax_history": history, "scale": scale, "scale_amax": scale_amax, "initialized": initialized,
+           "stale_scale_steps": stale}
+    torch._foreach_copy_([b for name in _STATE for b in state[name]],
+                         [row for name in _STATE for row in new[name].unbind(0)])
+    if not all(all(m._initialized_on_host.values()) for m in layers):  # one host sync, only until all are set
+        flags = iter(initialized.tolist())
+        for m in layers:
+            for role in ROLES:
+                m._initialized_on_host[role] = next(flags)
+
+
+def _history_amax(history: torch.Tensor, r: Fp8Recipe) -> torch.Tensor:
+    """Per row: max of the history ('max') or its newest entry ('most_recent'); with amax_outlier_factor, a
+    single entry above factor x the second largest (> 0) is passed over for that second largest."""
+    if r.amax_compute_algo == "most_recent":
+        return history[:, 0]
+    if not r.amax_outlier_factor or history.shape[1] < 2:
+        return history.amax(dim=1)
+    top2 = history.topk(2, dim=1).values
+    largest, second = top2[:, 0], top2[:, 1]
+    outlier = (second > 0) & (largest > second * r.amax_outlier_factor)
+    return torch.where(outlier, second, largest)

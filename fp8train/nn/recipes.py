@@ -27,6 +27,7 @@ as torchao (rowwise), DeepSeek-V3 (1x128 -> 128x1) and the MX training recipe do
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from fp8train.numerics.formats import ALIASES, FORMAT_NAMES
@@ -68,6 +69,10 @@ class Fp8Recipe:
     """Delayed scaling only: number of earlier steps whose amax is kept."""
     amax_compute_algo: str = "max"
     """Delayed scaling only: 'max' of the history or its 'most_recent' entry."""
+    amax_outlier_factor: float = 0.0
+    """Delayed scaling with 'max' only, opt-in (0 = off; else > 1): when the largest history entry is more than
+    this factor times the second largest (> 0), the scale comes from the second largest, so one outlier step
+    does not flush the next amax_history_len steps to zero (see fp8train.nn.linear)."""
     input_block: tuple[int, int] = (1, 128)
     """Block scaling only: tile (rows, cols) of the input (M, K) sharing one scale."""
     weight_block: tuple[int, int] = (128, 128)
@@ -103,6 +108,11 @@ class Fp8Recipe:
         if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
                 or self.amax_history_len < 1:
             raise ValueError(f"amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
+        factor = self.amax_outlier_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
+                or not (factor == 0 or factor > 1):
+            raise ValueError(f"amax_outlier_factor must be 0 (off) or a number > 1, got {factor!r}")
+        object.__setattr__(self, "amax_outlier_factor", float(factor))
         for role in ROLES:
             key = f"{role}_block"
             block = getattr(self, key)
@@ -179,6 +189,8 @@ class Fp8Recipe:
         parts = [self.scaling, fmts]
         if self.scaling == "delayed":
             parts.append(f"h{self.amax_history_len}{'max' if self.amax_compute_algo == 'max' else 'recent'}")
+            if self.amax_outlier_factor:
+                parts.append(f"o{self.amax_outlier_factor:g}")
         if self.scaling in ("block", "mxfp8"):
             parts.append("b" + ",".join(f"{r}x{c}" for r, c in (self.block_of(x) for x in ROLES)))
         parts.append(f"m{self.margin}")

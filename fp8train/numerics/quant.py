@@ -11,16 +11,24 @@ Granularities, for a tensor ``x``:
 - ``block``: one scale per (br, bc) tile of the last two dims, shape (*lead, ceil(R/br), ceil(C/bc)). Dims that
   are not a multiple of the block are zero-padded for the amax, which leaves the amax unchanged.
 
-Why the cast is written out: torch's float32 -> float8 conversion is a scalar software routine on CPU (about
-0.2 G elements/s here), so the compiled kernel rounds to the FP8 grid in fp32 (round-to-nearest-even) and builds
-the FP8 byte with float arithmetic, which torch.compile vectorizes. Eagerly, torch's own cast is used (one op);
-both give the same bits, and tests check both against ml_dtypes.
+Kernels (``kernel=``, all bit-identical, each checked against ml_dtypes by the tests):
+
+- ``eager``: torch ops run one by one, torch's own float8 cast. No compile; the default.
+- ``compiled_cast``: the same chain (amax -> scale -> divide -> clamp -> float8 cast) through torch.compile,
+  fused into a couple of passes. Fast where inductor vectorizes the float8 cast (avx512 CPUs, GPUs).
+- ``compiled_select``: torch.compile of a cast written with compare-and-select arithmetic (``_round_and_encode``),
+  for CPUs where the compiled float8 cast stays a scalar routine.
+Which one is fastest differs per machine: ``fp8train.numerics.kernel_probe`` measures them once and caches the
+answer per machine and torch version (``kernel="auto"`` in Fp8Linear and the config key ``fp8.quantize_kernel``).
+Inside a region that torch.compile is already tracing (``train.compile``), the chosen math is traced inline.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-import os
+import numbers
+import struct
 import types
 from dataclasses import dataclass, field
 from typing import Optional
@@ -28,15 +36,30 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from fp8train.numerics.formats import Fp8Format, get_format
+from fp8train.numerics.formats import FORMATS, Fp8Format, get_format
 
 __all__ = [
     "Fp8Tensor", "quantize", "compute_amax", "scale_from_amax", "expand_scale", "cast_to_fp8", "decode_fp8",
-    "quant_error", "convert_dialect", "GRANULARITIES",
+    "quant_error", "convert_dialect", "GRANULARITIES", "QUANT_KERNELS", "max_scale", "scale_rule",
 ]
 
 GRANULARITIES = ("tensor", "row", "block")
+QUANT_KERNELS = ("eager", "compiled_cast", "compiled_select")
 _FP32_TINY = torch.finfo(torch.float32).tiny  # 2^-126: scales never go below it, so x / scale stays finite
+_FP32_MAX = torch.finfo(torch.float32).max
+_AMINMAX_MIN_NUMEL = 1 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def max_scale(fmt_max: float, pow2: bool) -> float:
+    """The largest fp32 scale with ``fmt_max * scale <= FLT_MAX`` (a power of two when ``pow2``).
+
+    A larger scale would let a saturated value dequantize to inf: FLT_MAX with pow2 scales used to become
+    256 * 2**120 = 2**128 = inf. Capped, the largest values clip to fmt.max instead and stay finite."""
+    cap = struct.unpack("f", struct.pack("f", _FP32_MAX / fmt_max))[0]  # nearest fp32 ...
+    while cap * fmt_max > _FP32_MAX:  # ... then downward until the product fits (one step at most)
+        cap = struct.unpack("f", struct.pack("I", struct.unpack("I", struct.pack("f", cap))[0] - 1))[0]
+    return 2.0 ** math.floor(math.log2(cap)) if pow2 else cap
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -86,9 +109,26 @@ def _check_input(x: torch.Tensor) -> None:
         raise ValueError(f"x must be a float32/float16/bfloat16/float64 tensor, got dtype {x.dtype}")
 
 
+def _check_margin(margin) -> int:
+    # An int: a fractional margin (1.5) used to be truncated silently; 2.0 is accepted as 2.
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not float(margin).is_integer():
+        raise ValueError(f"margin must be an integer number of powers of two, got {margin!r}")
+    if abs(margin) > 256:
+        raise ValueError(f"margin must be within [-256, 256] (fp32 scales span 2^-126..2^128), got {margin!r}")
+    return int(margin)
+
+
+def _check_kernel(kernel: str) -> None:
+    if kernel not in QUANT_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(QUANT_KERNELS)}, got {kernel!r} "
+                         "('auto' is resolved by fp8train.numerics.kernel_probe.resolve_kernel)")
+
+
 def _check_layout(granularity: str, block, axis: int, ndim: int) -> tuple[int, int]:
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if granularity != "tensor" and ndim == 0:
+        raise ValueError(f"a 0-d tensor has no rows or blocks: use granularity='tensor', not {granularity!r}")
     if granularity == "row" and not -max(ndim, 1) <= axis < max(ndim, 1):
         raise ValueError(f"axis={axis} is out of range for a {ndim}-d tensor")
     try:
@@ -114,37 +154,90 @@ def _as_blocks(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-2], (rows + pad_r) // br, br, (cols + pad_c) // bc, bc)
 
 
-def _amax(x: torch.Tensor, granularity: str, br: int, bc: int, axis: int) -> torch.Tensor:
-    if granularity == "tensor":
-        return x.abs().amax().float()
-    if granularity == "row":
-        return x.abs().amax(dim=axis, keepdim=True).float()
-    return _as_blocks(x.abs(), br, bc).amax(dim=(-3, -1)).float()
+def _amax(x: torch.Tensor, granularity: str, axis: int) -> torch.Tensor:
+    """max |x| (fp32; float64 for a float64 x, whose amax may lie beyond fp32's range). For blocks ``x`` is the
+    tiles (``_as_blocks``) and the amax keeps the tile dims ((*lead, Rb, 1, Cb, 1)), so it broadcasts onto them."""
+    if torch.compiler.is_compiling():  # abs + amax fuse into one pass when compiled
+        dims = () if granularity == "tensor" else (axis,) if granularity == "row" else (-3, -1)
+        amax = x.abs().amax(dim=dims, keepdim=granularity != "tensor")
+    elif granularity == "tensor" and x.numel() >= _AMINMAX_MIN_NUMEL:
+        low, high = torch.aminmax(x)  # eagerly the fastest pass over a big tensor: no |x| temporary
+        amax = torch.maximum(high, low.neg())  # NaN propagates through both
+    else:  # the inf-norm is max |x| in one op, without an |x| temporary (fewer ops on small tensors)
+        dims = None if granularity == "tensor" else axis if granularity == "row" else (-3, -1)
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32  # exact: a max, no arithmetic
+        amax = torch.linalg.vector_norm(x, math.inf, dim=dims, keepdim=granularity != "tensor", dtype=dtype)
+    return amax if amax.dtype in (torch.float32, torch.float64) else amax.float()
 
 
-def _scale(amax: torch.Tensor, fmt_max: float, margin: int, pow2: bool) -> torch.Tensor:
-    # Scale arithmetic in float64, then one rounding to fp32: keeps eager and compiled code in agreement and
-    # makes power-of-2 rounding exact.
-    scale = amax.double() / fmt_max * (2.0 ** margin)
+def _scale(amax: torch.Tensor, fmt: Fp8Format, margin: int, pow2: bool) -> torch.Tensor:
+    return scale_rule(amax, fmt.max, max_scale(fmt.max, pow2), margin, pow2)
+
+
+def scale_rule(amax: torch.Tensor, fmt_max, cap, margin: int, pow2: bool) -> torch.Tensor:
+    """The documented scale rule; ``fmt_max`` and ``cap`` (``max_scale``) may be floats or tensors broadcasting
+    against ``amax`` (one row per layer and role in the stacked delayed-scaling update).
+
+    As if computed in float64 and rounded once to fp32: fmt_max * 2**-margin is exact, so one division gives
+    amax / max * 2**margin; for an fp32 amax and an fp32-exact divisor that division is done in fp32, which
+    gives the same bits (a correctly rounded fp32 quotient equals the float64 quotient rounded to fp32: 53 >=
+    2 * 24 + 2 bits). Power-of-2 rounding runs in float64, where log2 of a value just above a power of two
+    stays above it (in fp32 it can round down onto it, and the scale would then clip amax)."""
+    divisor = fmt_max * 2.0 ** -margin
+    # fp32 only where the quotient cannot overflow fp32 (divisor >= 1): an overflow would read as an inf amax
+    if pow2 or amax.dtype != torch.float32 or not _fp32_exact(divisor) or divisor < 1:
+        scale = amax.double() / divisor
+    else:
+        scale = amax / divisor
     if pow2:  # round UP to a power of two, so amax / scale <= max and nothing clips
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    usable = torch.isfinite(amax) & (amax > 0)  # amax 0 / inf / NaN never becomes a scale
-    scale = torch.where(usable, scale, torch.ones_like(scale))
-    return scale.clamp(_FP32_TINY, torch.finfo(torch.float32).max).float()
+    # amax 0 / NaN / inf never becomes a scale: NaN and 0 fail amax > 0, inf makes an inf quotient (finite amaxes
+    # never do: in fp32 the divisor is >= 1, else float64). Tested on amax, not the quotient, which can underflow.
+    scale = torch.where(amax > 0, scale, 1.0)
+    scale = scale.nan_to_num(posinf=1.0)
+    if isinstance(cap, torch.Tensor):
+        scale = torch.minimum(scale.clamp_min(_FP32_TINY), cap)
+    else:
+        scale = scale.clamp(_FP32_TINY, cap)
+    return scale if scale.dtype == torch.float32 else scale.float()
+
+
+def _fp32_exact(value) -> bool:
+    """A float that fp32 holds exactly, in its normal range (a tensor of them: answered no)."""
+    if isinstance(value, torch.Tensor):
+        return False
+    return _FP32_TINY <= abs(value) <= _FP32_MAX and struct.unpack("f", struct.pack("f", value))[0] == value
+
+
+def _check_amax_range(amax: torch.Tensor, fmt: Fp8Format, margin: int) -> None:
+    """float64 inputs only (a host sync): values so large that no fp32 scale can hold them are an error, not a
+    silent 448 with scale 1 (amax 1e300 once became inf in fp32 and fell back to scale 1)."""
+    finite = amax[torch.isfinite(amax)]
+    if finite.numel() and float(finite.max()) / fmt.max * 2.0 ** margin > max_scale(fmt.max, False):
+        raise ValueError(f"x (float64) has |values| up to {float(finite.max()):.3g}: beyond what an fp32 "
+                         f"{fmt.name} scale can represent (amax / {fmt.max:g} * 2**margin must stay below "
+                         f"{max_scale(fmt.max, False):.3g}); rescale x first")
 
 
 def compute_amax(x, granularity: str = "tensor", block=(1, 128), axis: int = -1) -> torch.Tensor:
     """max |x| per tensor, row or block (fp32, shaped like the scale). NaN propagates into the amax."""
     _check_input(x)
     br, bc = _check_layout(granularity, block, axis, x.dim())
-    return _amax(x.detach(), granularity, br, bc, axis)
+    if x.numel() == 0:
+        return torch.zeros(_scale_shape(x.shape, granularity, br, bc, axis), device=x.device)
+    with torch.no_grad():  # not x.detach(): that is one more dispatched op per call on the hot path
+        x = _as_blocks(x, br, bc) if granularity == "block" else x
+        amax = _amax(x, granularity, axis)
+        amax = amax if amax.dtype == torch.float32 else amax.float()
+    return _compact(amax) if granularity == "block" else amax
 
 
 def scale_from_amax(amax: torch.Tensor, fmt, margin: int = 0, pow2: bool = False) -> torch.Tensor:
-    """Dequantization scale ``amax / max * 2**margin`` (fp32). amax 0 or non-finite gives 1.0, never 0/inf/NaN."""
+    """Dequantization scale ``amax / max * 2**margin`` (fp32). amax 0 or non-finite gives 1.0, never 0/inf/NaN;
+    scales are capped so that ``fmt.max * scale`` stays finite (``max_scale``)."""
     fmt = get_format(fmt)
     amax = torch.as_tensor(amax, dtype=torch.float32)
-    return _scale(amax, fmt.max, int(margin), bool(pow2))
+    return _scale(amax, fmt, _check_margin(margin), bool(pow2))
 
 
 def expand_scale(scale: torch.Tensor, shape, granularity: str = "tensor", block=(1, 128), axis: int = -1):
@@ -155,6 +248,20 @@ def expand_scale(scale: torch.Tensor, shape, granularity: str = "tensor", block=
     rows, cols = (1, shape[0]) if len(shape) == 1 else tuple(shape[-2:])
     full = scale.repeat_interleave(br, dim=-2).repeat_interleave(bc, dim=-1)[..., :rows, :cols]
     return full.reshape(shape)
+
+
+def _compact(tile_scale: torch.Tensor) -> torch.Tensor:
+    """(*lead, Rb, 1, Cb, 1) -> (*lead, Rb, Cb): the documented block-scale shape."""
+    return tile_scale.reshape(*tile_scale.shape[:-4], tile_scale.shape[-4], tile_scale.shape[-2])
+
+
+def _scale_shape(shape, granularity: str, br: int, bc: int, axis: int) -> tuple:
+    if granularity == "tensor":
+        return ()
+    if granularity == "row":
+        return tuple(1 if d == axis % len(shape) else n for d, n in enumerate(shape))
+    rows, cols = (1, shape[0]) if len(shape) == 1 else tuple(shape[-2:])
+    return (*shape[:-2], -(-rows // br), -(-cols // bc))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -190,58 +297,69 @@ def _round_and_encode(y: torch.Tensor, fmt: Fp8Format) -> tuple[torch.Tensor, to
     return grid, codes
 
 
-def _cast_kernel(x, scale_full, fmt: Fp8Format, saturate: bool, native: bool):
-    """(FP8 bytes as uint8, fp32 grid values) for x / scale. NaN stays NaN. Out-of-range: clip (saturate) or
+def _divide(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in fp32 (a fresh tensor). A float64 x is divided in float64 first: its values may lie beyond
+    fp32's range while x / scale does not. bf16/fp16 inputs are widened first (a 0-d fp32 scale would not
+    promote them, and the division must not round to bf16)."""
+    if x.dtype == torch.float32:
+        return x / scale
+    if x.dtype == torch.float64:
+        return (x / scale).float()
+    return x.float().div_(scale)
+
+
+def _cast_kernel(x, scale_b, fmt: Fp8Format, saturate: bool, native: bool, keep_values: bool):
+    """(float8 data, fp32 grid values or None) for x / scale. NaN stays NaN. Out-of-range: clip (saturate) or
     inf/NaN by the format's rule; an input inf saturates to max, like the OCP saturating conversion.
 
-    ``native`` uses torch's own float8 cast (one op: best when running eagerly); otherwise the grid rounding and
-    byte assembly are written out so torch.compile can vectorize them. Both give the same bits.
+    ``native`` uses torch's own float8 cast; otherwise the grid rounding and byte assembly are written out with
+    compare-and-select arithmetic (``_round_and_encode``). Both give the same bits.
     """
-    y = x.float() / scale_full
-    nan = torch.isnan(y)
+    y = _divide(x, scale_b)
     # past max + half the top spacing a value rounds beyond max: clipped, or inf/NaN when not saturating.
     # Exactly at it is a tie, and ties go to even: down to max when max's last mantissa bit is 0 (e4m3fn's
     # 1.110b * 2^8: 464 -> 448), up past max otherwise (e5m2, the fnuz formats).
     limit = fmt.max + fmt.step_at_max / 2
     max_is_even = (fmt.max / fmt.step_at_max) % 2 == 0
     overflow = None if saturate else (y.abs() > limit if max_is_even else y.abs() >= limit)
-    y = y.clamp(-fmt.max, fmt.max)
+    y = y.clamp_(-fmt.max, fmt.max)  # in place: y is fresh
     if native:
         data = y.to(fmt.torch_dtype)
         if overflow is not None:
             special = math.inf if fmt.has_inf else math.nan
             data = torch.where(overflow, (y.sign() * special).to(fmt.torch_dtype), data)
-        return data.view(torch.uint8), None
-    y = torch.where(nan, torch.zeros_like(y), y)
+        return data, (data.float() if keep_values else None)
+    nan = torch.isnan(y)
+    y = torch.where(nan, 0.0, y)
     grid, codes = _round_and_encode(y, fmt)
     if overflow is not None and fmt.has_inf:
         inf_code = (0x7F >> fmt.mantissa_bits) << fmt.mantissa_bits  # exponent all ones, mantissa 0
         codes = torch.where(overflow, (codes & 0x80) | inf_code, codes)
         grid = torch.where(overflow, grid.sign() * math.inf, grid)
     elif overflow is not None:
-        codes = torch.where(overflow, torch.full_like(codes, fmt.nan_codes[0]), codes)
-        grid = torch.where(overflow, torch.full_like(grid, math.nan), grid)
-    codes = torch.where(nan, torch.full_like(codes, fmt.nan_codes[0]), codes)
-    grid = torch.where(nan, torch.full_like(grid, math.nan), grid)
-    return codes.to(torch.uint8), grid  # bytes; viewed as float8 outside the compiled region
+        codes = torch.where(overflow, fmt.nan_codes[0], codes)
+        grid = torch.where(overflow, math.nan, grid)
+    codes = torch.where(nan, fmt.nan_codes[0], codes)
+    grid = torch.where(nan, math.nan, grid) if keep_values else None
+    # Bytes as uint8: the float8 view is taken outside the compiled region.
+    return codes.to(torch.uint8), grid
 
 
 def _quantize_impl(x, scale, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, margin: int,
                    pow2: bool, saturate: bool, keep_values: bool, native: bool):
     """amax -> scale -> cast in one function, so torch.compile fuses it into a couple of passes."""
     amax = None
+    source = _as_blocks(x, br, bc) if granularity == "block" else x  # blocks: padded tiles; quantize() crops
     if scale is None:
-        amax = _amax(x, granularity, br, bc, axis)
-        scale = _scale(amax, fmt.max, margin, pow2)
-    if granularity == "block":  # data and grid stay in the padded tile layout; quantize() crops them
-        tiles = _as_blocks(x, br, bc)
-        data, grid = _cast_kernel(tiles, scale.unsqueeze(-1).unsqueeze(-3), fmt, saturate, native)
-    else:
-        data, grid = _cast_kernel(x, scale, fmt, saturate, native)
-    # Returning the fp32 grid only when asked lets the compiler drop its 4-byte-per-element write.
-    if keep_values and grid is None:  # the native cast made no fp32 copy: decode the bytes
-        grid = data.view(fmt.torch_dtype).float()
-    return data.contiguous(), scale, amax, grid.contiguous() if keep_values else None
+        amax = _amax(source, granularity, axis)
+        scale = _scale(amax, fmt, margin, pow2)
+    elif granularity == "block":
+        scale = scale.reshape(*scale.shape[:-1], 1, scale.shape[-1], 1)  # (.., Rb, Cb) -> tile dims
+    data, grid = _cast_kernel(source, scale, fmt, saturate, native, keep_values)
+    if granularity == "block":
+        scale = _compact(scale)
+        amax = None if amax is None else _compact(amax)
+    return data, scale, amax, grid
 
 
 def _untile(tiles: torch.Tensor, shape, br: int, bc: int) -> torch.Tensor:
@@ -253,8 +371,9 @@ def _untile(tiles: torch.Tensor, shape, br: int, bc: int) -> torch.Tensor:
     rows, cols = (1, shape[0]) if len(shape) == 1 else shape[-2:]
     lead = tiles.shape[:-4]
     flat = tiles.reshape(*lead, tiles.shape[-4] * br, tiles.shape[-2] * bc)
-    return flat[..., :rows, :cols].reshape(shape).contiguous()
-
+    if flat.shape[-2] != rows or flat.shape[-1] != cols:
+        flat = flat[..., :rows, :cols].contiguous()
+    return flat.reshape(shape)
 
 
 def _decode_impl(codes: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
@@ -277,32 +396,16 @@ def _decode_impl(codes: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     return value
 
 
-# When to use torch.compile (FP8TRAIN_COMPILE): "auto" (default) compiles CUDA tensors of at least
-# COMPILE_MIN_NUMEL elements and runs everything else eagerly; "1" always compiles; "0" never does. Both paths
-# give the same bits. Why: on CPU the compiled kernel measured slower than the eager path (0.18-0.30 vs
-# 0.33-0.42 G elements/s at 4M elements on 2 cores), a cold compile costs 15-45 s, and each compiled call
-# ~50 us; on GPUs, inductor's fused kernel is the point.
-COMPILE_MIN_NUMEL = 1 << 20
 _compiled: dict = {}
 
 
-def _compile_mode() -> str:
-    mode = os.environ.get("FP8TRAIN_COMPILE", "auto").strip().lower()
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"FP8TRAIN_COMPILE must be auto, 0 or 1, got {mode!r}")
-    return mode
-
-
-def _use_compile(numel: int, device: torch.device) -> bool:
-    mode = _compile_mode()
-    return mode == "1" or (mode == "auto" and device.type == "cuda" and numel >= COMPILE_MIN_NUMEL)
-
-
-def _run(fn, key, *args, compiled_ok: bool = True):
-    if not compiled_ok:
+def _run(fn, key, *args, compiled: bool):
+    """``fn(*args)``, through torch.compile when ``compiled`` (and not already inside a traced region, where the
+    math is traced inline into the caller's graph)."""
+    if not compiled or torch.compiler.is_compiling():
         return fn(*args)
-    compiled = _compiled.get((fn.__name__, key))
-    if compiled is None:
+    compiled_fn = _compiled.get((fn.__name__, key))
+    if compiled_fn is None:
         import torch._dynamo
 
         # One compiled function per static configuration (format, granularity, options), each on its OWN copy
@@ -312,21 +415,21 @@ def _run(fn, key, *args, compiled_ok: bool = True):
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         code = fn.__code__.replace(co_name=f"{fn.__name__}_{len(_compiled)}")
         clone = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-        compiled = _compiled[(fn.__name__, key)] = torch.compile(clone, dynamic=None)
-    return compiled(*args)
+        compiled_fn = _compiled[(fn.__name__, key)] = torch.compile(clone, dynamic=None)
+    return compiled_fn(*args)
 
 
-def decode_fp8(data: torch.Tensor, fmt=None) -> torch.Tensor:
-    """FP8 tensor -> fp32 values (exact)."""
+def decode_fp8(data: torch.Tensor, fmt=None, kernel: str = "eager") -> torch.Tensor:
+    """FP8 tensor -> fp32 values (exact). ``kernel``: 'eager' uses torch's cast; the compiled kernels decode
+    the bytes with integer ops (torch's own float8 -> fp32 cast is a slow scalar routine on CPU)."""
     fmt = get_format(fmt) if fmt is not None else _format_of(data.dtype)
-    if not _use_compile(data.numel(), data.device):
-        return data.view(fmt.torch_dtype).float()  # torch's cast: exact, and one op when running eagerly
-    return _run(_decode_impl, fmt.name, data, fmt)
+    _check_kernel(kernel)
+    if kernel == "eager" or data.numel() == 0:
+        return (data if data.dtype == fmt.torch_dtype else data.view(fmt.torch_dtype)).float()
+    return _run(_decode_impl, fmt.name, data, fmt, compiled=True)
 
 
 def _format_of(dtype: torch.dtype) -> Fp8Format:
-    from fp8train.numerics.formats import FORMATS
-
     for fmt in FORMATS.values():
         if fmt.torch_dtype == dtype:
             return fmt
@@ -338,32 +441,55 @@ def _format_of(dtype: torch.dtype) -> Fp8Format:
 # ------------------------------------------------------------------------------------------------------------
 def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", block=(1, 128), axis: int = -1,
              margin: int = 0, pow2: bool = False, saturate: bool = True, scale=None,
-             keep_values: bool = False, validate_scale: bool = True) -> Fp8Tensor:
+             keep_values: bool = False, validate_scale: bool = True, kernel: str = "eager") -> Fp8Tensor:
     """Quantize ``x`` to FP8. ``scale`` (a dequant scale, shaped per the granularity) skips the amax.
 
     ``keep_values`` also keeps the fp32 copy of the FP8 values the kernel produced (saves a decode when the
     caller feeds them straight into a GEMM). ``validate_scale=False`` skips checking that a given scale is finite
     and positive, a host sync per call on a GPU: for scales from ``scale_from_amax``, which guarantees both.
+    ``kernel``: one of QUANT_KERNELS (see the module docstring); all give the same bits.
+    A block larger than the tensor is one block over the whole tensor (it is recorded at the tensor's size).
     """
     _check_input(x)
     fmt = get_format(fmt)
+    _check_kernel(kernel)
+    margin = _check_margin(margin)
     br, bc = _check_layout(granularity, block, axis, x.dim())
     if granularity == "row":
         axis = axis % max(x.dim(), 1)
+    if granularity == "block":  # never pad past the tensor: a huge block once tried to allocate terabytes
+        rows, cols = (1, x.shape[0]) if x.dim() == 1 else x.shape[-2:]
+        br, bc = max(min(br, rows), 1), max(min(bc, cols), 1)
     if scale is not None:
-        scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+        if not (isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.device == x.device):
+            scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
         if validate_scale and not bool((torch.isfinite(scale) & (scale > 0)).all()):
             raise ValueError("scale must be finite and > 0 everywhere (it is a dequantization scale)")
-    key = (fmt.name, granularity, br, bc, axis, int(margin), bool(pow2), bool(saturate), scale is None,
-           bool(keep_values))
-    native = not _use_compile(x.numel(), x.device)
-    data, scale, amax, grid = _run(_quantize_impl, key, x.detach(), scale, fmt, granularity, br, bc, axis,
-                                   int(margin), bool(pow2), bool(saturate), bool(keep_values), native,
-                                   compiled_ok=not native)
+    if x.numel() == 0:
+        return _quantize_empty(x, fmt, granularity, br, bc, axis, scale, keep_values)
+    if scale is None and x.dtype == torch.float64:
+        _check_amax_range(x.detach().abs().amax(), fmt, margin)
+    key = (fmt.name, granularity, br, bc, axis, margin, bool(pow2), bool(saturate), scale is None,
+           bool(keep_values), kernel)
+    with torch.no_grad():  # not x.detach(): one dispatched op less per call
+        data, scale, amax, grid = _run(_quantize_impl, key, x, scale, fmt, granularity, br, bc, axis, margin,
+                                       bool(pow2), bool(saturate), bool(keep_values), kernel != "compiled_select",
+                                       compiled=kernel != "eager")
     if granularity == "block":
         data = _untile(data, x.shape, br, bc)
         grid = _untile(grid, x.shape, br, bc) if grid is not None else None
-    return Fp8Tensor(data.view(fmt.torch_dtype), scale, fmt, granularity, (br, bc), axis, amax, grid)
+    data = data if data.dtype == fmt.torch_dtype else data.view(fmt.torch_dtype)
+    return Fp8Tensor(data, scale, fmt, granularity, (br, bc), axis, amax, grid)
+
+
+def _quantize_empty(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, scale, keep_values: bool):
+    """An empty tensor: empty data, and the scale an amax of 0 gives (1.0) in the granularity's shape."""
+    shape = _scale_shape(x.shape, granularity, br, bc, axis)
+    amax = None if scale is not None else torch.zeros(shape, device=x.device)
+    scale = torch.ones(shape, device=x.device) if scale is None else scale
+    data = torch.empty(x.shape, dtype=fmt.torch_dtype, device=x.device)
+    values = torch.empty(x.shape, device=x.device) if keep_values else None
+    return Fp8Tensor(data, scale, fmt, granularity, (br, bc), axis, amax, values)
 
 
 def cast_to_fp8(x: torch.Tensor, scale, fmt="e4m3fn", saturate: bool = True, granularity: str = "tensor",

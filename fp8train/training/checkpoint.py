@@ -15,10 +15,6 @@ loading walks from the newest to the oldest and skips (with a message naming it)
 truncated or corrupt. Pruning (`checkpoint.keep_last`) counts only checkpoints that verify, and never removes the
 checkpoint a run resumed from: a corrupt newer checkpoint can never push the good ones out. A write that fails
 (full disk, read-only or forbidden folder) removes its temporary folder and leaves every earlier checkpoint.
-
-Test hook: ``FP8TRAIN_TEST_PAUSE_IN_CHECKPOINT=<seconds>`` makes ``save_checkpoint`` print
-``fp8train: checkpoint paused in <tmp folder>`` to stderr and sleep between writing the model and the optimizer
-files, so a test can kill the process with certainty while a checkpoint is half written. Unset it otherwise.
 """
 
 from __future__ import annotations
@@ -27,8 +23,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
-import time
 from pathlib import Path
 from typing import Iterable
 
@@ -43,7 +37,6 @@ MANIFEST = "manifest.json"
 MANIFEST_CHECKSUM = "manifest_sha256"
 FILES = ("model.safetensors", "optimizer.safetensors")
 _PREFIX = "step_"
-_TEST_PAUSE_ENV = "FP8TRAIN_TEST_PAUSE_IN_CHECKPOINT"
 
 
 def _sha256(path: Path) -> str:
@@ -110,7 +103,6 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, opt
 def _write_files(tmp: Path, step: int, model, optimizer, scheduler, extra: dict | None) -> None:
     # save_model handles tied (shared) weights, which plain save_file refuses.
     save_model(model, str(tmp / "model.safetensors"))
-    _test_pause(tmp)
     opt_tensors, param_groups = _optimizer_tensors(optimizer)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     manifest = {
@@ -159,13 +151,6 @@ def _remove_leftovers(ckpt_dir: Path) -> None:
     for path in ckpt_dir.iterdir():
         if path.is_dir() and path.name.startswith((".tmp-", ".old-")):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _test_pause(tmp: Path) -> None:
-    seconds = os.environ.get(_TEST_PAUSE_ENV)
-    if seconds:
-        print(f"fp8train: checkpoint paused in {tmp}", file=sys.stderr, flush=True)
-        time.sleep(float(seconds))
 
 
 def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:

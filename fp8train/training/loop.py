@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from fp8train.training.config import (FullConfig, config_to_yaml, fp8_recipe_fro
 from fp8train.training.data import build_data
 from fp8train.training.distributed import Fp8StateSync, check_distributed_type, set_cpu_threads
 from fp8train.training.fsdp2 import apply_fsdp2, ensure_process_group
-from fp8train.training.model import build_model
+from fp8train.training.model import build_model, check_model_for_run
 from fp8train.training.resume import ResumePlan, plan_resume
 from fp8train.training.rundir import CONFIG_FILE, run_dir_path, write_text_atomic
 from fp8train.training.tracking import Trackers, check_trackers_available
@@ -82,7 +83,10 @@ def set_up(cfg: FullConfig, accelerator, show_progress: bool) -> Run:
     fp8_recipe = fp8_recipe_from_config(cfg)
     conversion = None
     if fp8_recipe is not None:
-        conversion = convert_to_fp8(model, fp8_recipe, layer_policy_from_config(cfg))
+        with warnings.catch_warnings():  # "nothing converted" is refused below, in one line
+            warnings.simplefilter("ignore")
+            conversion = convert_to_fp8(model, fp8_recipe, layer_policy_from_config(cfg))
+    check_model_for_run(model, data.vocab_size, conversion, cfg.policy.allow_no_fp8)
     run_dir = run_dir_path(cfg.run.dir, cfg.run.name)
     log = (lambda m: print(m, file=sys.stderr)) if accelerator.is_main_process else (lambda m: None)
     plan = plan_resume(cfg, run_dir, log)  # every rank decides, so every rank fails the same way

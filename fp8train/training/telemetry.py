@@ -75,6 +75,11 @@ def counters(layers) -> dict:
             if buf is not None:
                 total += int(buf)
         out[f"fp8/{role}/nonfinite_amax_events"] = total
+        # Delayed scaling: steps whose whole tensor fell below the smallest normal under a stale (outlier) scale.
+        stale = [int(b) for b in (getattr(layer, f"{role}_stale_scale_steps", None) for _, layer in layers)
+                 if b is not None]
+        if stale:
+            out[f"fp8/{role}/stale_scale_steps"] = sum(stale)
     return out
 
 

@@ -34,6 +34,6 @@ def resolve_config_arguments(args: argparse.Namespace) -> argparse.Namespace:
             raise ValueError(f"the config YAML is given twice ({args.config!r} and --config {option!r}); give one")
         args.config = option
     if args.config is None:
-        raise ValueError("a config YAML is required: CONFIG [KEY=VALUE ...] or --config CONFIG [KEY=VALUE ...], "
-                         "e.g. recipes/cpu_delayed.yaml")
+        raise ValueError("the following arguments are required: config (the recipe YAML, as CONFIG or "
+                         "--config CONFIG; KEY=VALUE overrides are optional)")
     return args

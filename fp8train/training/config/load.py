@@ -60,6 +60,9 @@ def _check_keys(given: Any, schema: type, prefix: str = "") -> None:
             _check_keys(value, types[key], path + ".")
         elif types[key] in (bool, Optional[bool]) and not (value is None or isinstance(value, bool)):
             raise ValueError(f"config {path}={value!r} is invalid: must be true or false")
+        elif typing.get_origin(types[key]) is dict:  # a mapping setting (OmegaConf's own error is a bare TypeError)
+            if not isinstance(value, dict):
+                raise ValueError(f"config {path}={value!r} is invalid: must be a mapping {{key: value, ...}}")
         elif isinstance(value, dict):  # OmegaConf answers a mapping given to a list field with a bare TypeError
             raise ValueError(f"config {path}={value!r} is invalid: {path} is a single setting, not a section "
                              "(give a value, or a list in [brackets])")

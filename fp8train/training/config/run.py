@@ -8,6 +8,7 @@ from typing import Any, List
 
 from fp8train.training.config.base import _Section, _require
 from fp8train.training.tracking import TRACKER_NAMES
+from fp8train.training.shadow import SHADOW_RECIPES
 
 WANDB_MODES = ("disabled", "offline", "online")
 # Upper bounds of values that would otherwise fail late, after the run directory was written: a folder name
@@ -131,6 +132,10 @@ class LogConfig(_Section):
     """disabled | offline (files under the run directory; upload later with `wandb sync`) | online."""
     wandb_project: str = "fp8train"
     """wandb project name."""
+    shadow_recipes: List[str] = field(default_factory=list)
+    """Recipes to shadow on every telemetry step: each Fp8Linear (each nn.Linear in a bf16 run) also measures
+    what these recipes would do to its real operands (SQNR, overflow, underflow per role); training unchanged.
+    Empty = off. Needs telemetry_every > 0. Feeds `fp8train plan`."""
 
     def _check(self) -> None:
         self._at_least("every", 1)
@@ -139,6 +144,15 @@ class LogConfig(_Section):
         for name in self.trackers:
             _require(name in TRACKER_NAMES, "log.trackers", list(self.trackers), f"names from {list(TRACKER_NAMES)}")
         _require(len(set(self.trackers)) == len(self.trackers), "log.trackers", list(self.trackers), "no duplicates")
+        for name in self.shadow_recipes:
+            _require(name in SHADOW_RECIPES, "log.shadow_recipes", list(self.shadow_recipes),
+                     f"recipe names from {list(SHADOW_RECIPES)} ('delayed' needs an amax history a shadow "
+                     f"does not keep: "
+                     f"'current' is its best case); {name!r} is not one")
+        _require(len(set(self.shadow_recipes)) == len(self.shadow_recipes), "log.shadow_recipes",
+                 list(self.shadow_recipes), "each recipe at most once")
+        _require(not self.shadow_recipes or self.telemetry_every > 0, "log.shadow_recipes",
+                 list(self.shadow_recipes), "needs log.telemetry_every > 0 (shadowing runs on telemetry steps)")
 
 
 @dataclass
