@@ -79,6 +79,10 @@ def apply_fsdp2(model: nn.Module, device: torch.device, *, fp8_all_gather: bool 
     fp32 weights and bf16 autocast."""
     if fp8_all_gather and gather_dtype is not None:
         raise ValueError("fp8_all_gather and gather_dtype exclude each other (FP8 codes are what is gathered)")
+    for _, layer in fp8_layers(model):
+        # FSDP2 all-gathers into the same storage every step without bumping the tensor version: a weight FP8
+        # copy cached by (version, data_ptr) would go stale after the optimizer step.
+        layer.weight_cache_allowed = False
     if fp8_all_gather:
         layers = fp8_layers(model)
         if not layers:
