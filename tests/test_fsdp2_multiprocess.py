@@ -40,6 +40,7 @@ import pytest
 import torch
 import yaml
 
+from fp8train.bench.distributed import MODEL_SHAPES, bench_distributed, format_distributed
 from fp8train.training.config import load_config
 from fp8train.training.loop import train
 from fp8train.training.sharded_checkpoint import latest_loadable_checkpoint, read_model_state
@@ -264,3 +265,18 @@ def test_kill_9_of_one_rank_during_a_save_leaves_the_previous_checkpoint(runs):
     assert state.keys() == reference.keys() and "layers.1.mlp.down_proj.weight_scale" in state
     for name, value in state.items():  # the same run as fsdp_a1 up to step 10: the same weights and FP8 state
         assert torch.equal(value, reference[name]), name
+
+
+def test_bench_distributed_bytes_meet_the_targets():
+    """fp8train bench --sections distributed: the per-rank bytes and all-gather bytes README quotes."""
+    section = bench_distributed(steps=2)
+    rows = {(r["model"], r["contender"]): r for r in section["rows"]}
+    for model, _ in MODEL_SHAPES:
+        ddp, fsdp, fp8 = (rows[(model, c)] for c in ("ddp", "fsdp2", "fsdp2+fp8_all_gather"))
+        # params + grads + AdamW per rank: half of DDP's with 2 ranks (a world of 2 splits every tensor in two)
+        assert fsdp["state_vs_ddp"] == pytest.approx(0.5, abs=0.01) and fp8["state_vs_ddp"] <= 0.55
+        # FP8 codes are 1 byte for 4: at most 25% of the FP8 layers' fp32 bytes, plus the fp32 rest
+        assert 0.25 < fp8["all_gather_vs_fp32"] < rows[(model, "fsdp2+bf16_gather")]["all_gather_vs_fp32"]
+        assert fp8["losses"] == fsdp["losses"] == ddp["losses"]
+    assert rows[("wide 4x256", "fsdp2+fp8_all_gather")]["all_gather_vs_fp32"] <= 0.30
+    assert "x fp32 gather" in format_distributed(section)
