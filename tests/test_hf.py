@@ -104,6 +104,19 @@ def test_decoder_fields_are_refused_with_an_hf_model(pretrained):
     assert cfg.model.hf_path == str(pretrained["llama"])
 
 
+def test_decoder_fields_are_not_recorded_for_an_hf_model(pretrained):
+    from fp8train.training.tracking import tracked_config  # the config the trackers (wandb, ...) store
+
+    cfg = load_config(None, [f"model.hf_path={pretrained['llama']}", "model.seq_len=32"])
+    model = build_model(cfg.model)
+    recorded = tracked_config(cfg, None, None, model)
+    assert recorded["model"]["hf_path"] == str(pretrained["llama"]) and recorded["model"]["seq_len"] == 32
+    assert not {"d_model", "n_layers", "n_heads", "rope_theta"} & set(recorded["model"])
+    assert recorded["model_config"]["hidden_size"] == 64  # what the model really is: its config.json
+    decoder_cfg = load_config(None, [])
+    assert tracked_config(decoder_cfg, None, None, build_model(decoder_cfg.model))["model"]["d_model"] == 128
+
+
 # ------------------------------------------------------------------------------------------------------------
 # GPT-2 Conv1D
 # ------------------------------------------------------------------------------------------------------------

@@ -98,4 +98,4 @@ def _shadow(sqnr=30.0, overflow=0.0, underflow=0.0):
 def test_choice_rule(timing, shadow, expected):
     choice, comment = choose(timing, shadow, "bf16", DEFAULT_THRESHOLDS)
     assert choice == expected, comment
-    assert "vs bf16" in comment and "fp32" in comment
+    assert "speedup over bf16" in comment and "over fp32" in comment

@@ -140,6 +140,12 @@ def test_max_steps_may_grow_on_resume_and_the_schedule_holds_its_final_rate(work
     assert [r["lr"] for r in after[1:5]] == pytest.approx([LR * c for c in cosine], rel=1e-12)
     assert [r["lr"] for r in after[5:]] == pytest.approx([LR * MIN_LR_RATIO] * 2, rel=1e-12)
     assert [r["step"] for r in after if r.get("val_loss") is not None] == [0, 2, 4, 6]  # eval_every=3 from 4 on
+    # Both runs' checkpoints name the same experiment (resume_hash) under different full configs (config_hash).
+    extras = [json.loads((run_dir / "checkpoints" / f"step_00000{s}" / "manifest.json").read_text())["extra"]
+              for s in (4, 6)]
+    assert extras[0]["resume_hash"] == extras[1]["resume_hash"]
+    assert extras[0]["config_hash"] != extras[1]["config_hash"]
+    assert extras[0]["lr_schedule_steps"] == extras[1]["lr_schedule_steps"] == 4
 
     # One wandb run: both offline folders carry the id stored in trackers.json.
     run_id = json.loads((run_dir / "trackers.json").read_text())["wandb_run_id"]

@@ -35,10 +35,10 @@ import torch.nn as nn
 from fp8train.nn.convert import LayerPolicy, convert_to_fp8
 from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.overrides import OVERRIDE_BF16
-from fp8train.nn.recipes import recipe
+from fp8train.nn.recipes import ROLES, recipe
 from fp8train.training import telemetry
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
-from fp8train.training.model import build_model
+from fp8train.training.model import build_model, check_model_for_run
 from fp8train.training.rundir import read_jsonl, write_text_atomic
 from fp8train.training.shadow import SHADOW_STAT_KEYS
 
@@ -46,7 +46,6 @@ __all__ = ["DEFAULT_THRESHOLDS", "shadow_table", "planned_layers", "time_shapes"
            "plan_yaml", "check_fp8_conversion", "add_cli_arguments", "cli_main"]
 
 DEFAULT_THRESHOLDS = {**telemetry.ADVISOR_THRESHOLDS, "min_speedup": 1.05}
-ROLES = ("input", "weight", "grad_output")
 
 
 def _as_float(value) -> float | None:
@@ -95,7 +94,8 @@ def check_fp8_conversion(cfg) -> None:
     """Raise the ValueError `fp8train train` would raise at conversion (e.g. a policy.plan made for another
     model), without building anything: validation calls it for every candidate before the first run."""
     if cfg.fp8.recipe != "none":
-        _meta_conversion(cfg, layer_policy_from_config(cfg))
+        report, skeleton = _meta_conversion(cfg, layer_policy_from_config(cfg))
+        check_model_for_run(skeleton, 0, report, cfg.policy.allow_no_fp8)  # e.g. an all-bf16 plan
 
 
 def planned_layers(cfg) -> list[tuple[str, int, int]]:
@@ -163,7 +163,10 @@ def choose(timing: dict, shadow: dict, baseline: str, thresholds: dict) -> tuple
     fast = {r: s for r, s in passing.items() if s >= thresholds["min_speedup"]}
     choice = max(fast, key=fast.get) if fast else OVERRIDE_BF16
     parts = [f"{r} {s:.2f}x" for r, s in sorted(speedups.items(), key=lambda kv: -kv[1])]
-    comment = f"vs {baseline}: " + ", ".join(parts) + f" (fp32 {timing[baseline] / timing['fp32']:.2f}x)"
+    best = max(speedups, key=speedups.get) if speedups else None
+    other = "fp32" if baseline == "bf16" else "bf16"  # both baselines are reported (one decides)
+    comment = f"speedup over {baseline}: " + ", ".join(parts) + (
+        f"; over {other}: {best} {timing[other] / timing[best]:.2f}x" if best else "")
     if choice != OVERRIDE_BF16:
         sqnr = "/".join(f"{shadow[choice][role]['sqnr_db']:.1f}" for role in ROLES)
         return choice, f"{comment}; {choice} SQNR in/w/grad {sqnr} dB"
@@ -235,7 +238,8 @@ def plan_yaml(plan: dict) -> str:
         f"{t['min_speedup']:g}x",
     ]
     if plan["fp8_layers"] == 0:
-        lines.append("# outcome: no layer is faster in FP8 here, so every layer stays high precision")
+        lines.append("# outcome: no layer is faster in FP8 here, so every layer stays high precision (as a validation "
+                     "candidate, add policy.allow_no_fp8=true)")
     else:
         lines.append(f"# outcome: {plan['fp8_layers']} of {len(plan['layers'])} layers in FP8")
     lines += ["# use: fp8train train CONFIG policy.plan=THIS_FILE, or validate.candidates: "

@@ -406,13 +406,13 @@ def _run(fn, key, *args, compiled: bool):
         return fn(*args)
     compiled_fn = _compiled.get((fn.__name__, key))
     if compiled_fn is None:
-        import torch._dynamo
+        import torch._dynamo as dynamo  # binds `dynamo` only: a bare `import torch._dynamo` would make `torch` local
 
         # One compiled function per static configuration (format, granularity, options), each on its OWN copy
         # of the code object: dynamo keeps its cache per code object, and sharing one across formats made it
         # treat the format's integer fields (bias, mantissa bits) as symbolic after the second format, which
         # broke the graph into slow pieces. Shapes may still go dynamic within one configuration.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
         code = fn.__code__.replace(co_name=f"{fn.__name__}_{len(_compiled)}")
         clone = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
         compiled_fn = _compiled[(fn.__name__, key)] = torch.compile(clone, dynamic=None)

@@ -80,7 +80,13 @@ def _markdown(r: dict) -> str:
             lines.append(f"| {b['positions'][0]}-{b['positions'][1]} | {format_stat(b['loss_delta'])} | {format_stat(b['kl'])} | "
                          f"{format_stat(b['accuracy'])} | {format_stat(b['accuracy_delta'])} |")
         lines.append("")
-    lines += ["## Cache health by layer (clip % / underflow %; per head in kv_eval.json)", ""]
+    lines += _health_lines(r)
+    lines.append("Plot: kv_eval.png (Δloss and KL against context position, 95% intervals).")
+    return "\n".join(lines) + "\n"
+
+
+def _health_lines(r: dict) -> list[str]:
+    lines = ["## Cache health by layer (clip % / underflow %; per head in kv_eval.json)", ""]
     for cell in r["cells"]:
         if cell["health"] is None or cell["weights"] != "bf16":
             continue
@@ -90,8 +96,7 @@ def _markdown(r: dict) -> str:
             lines.append(f"| {row['layer']} | {row['tensor']} | {100 * row['clip_frac']:.3g} | "
                          f"{100 * row['underflow_frac']:.3g} | {100 * max(row['clip_frac_per_head']):.3g} |")
         lines.append("")
-    lines.append("Plot: kv_eval.png (Δloss and KL against context position, 95% intervals).")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _plot(r: dict, path: Path) -> None:

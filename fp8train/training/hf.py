@@ -30,7 +30,7 @@ import torch.nn as nn
 from fp8train.nn.recipes import ROLES
 
 __all__ = ["HF_ONLY_SOURCE_KEYS", "DECODER_ONLY_FIELDS", "check_hf_model_fields", "hf_config_of",
-           "build_hf_model", "enable_kv_hook", "hf_kv_shape", "quiet_transformers"]
+           "build_hf_model", "enable_kv_hook", "hf_kv_shape", "quiet_transformers", "drop_decoder_fields"]
 
 HF_ONLY_SOURCE_KEYS = ("hf_config", "hf_path")
 # ModelConfig fields that describe fp8train's Decoder and mean nothing for a Hugging Face model.
@@ -60,6 +60,15 @@ def check_hf_model_fields(model_cfg, defaults) -> None:
         raise ValueError(f"config model.{changed[0]}={getattr(model_cfg, changed[0])!r} does not apply to a Hugging "
                          f"Face model (model.{key}): its architecture comes from config.json; remove "
                          f"{', '.join('model.' + n for n in changed)}")
+
+
+def drop_decoder_fields(config: dict) -> dict:
+    """A plain config dict (as sent to wandb) without the Decoder-only model fields when the model is an HF
+    model: they were not used, so they are not recorded as if they were."""
+    model = config.get("model", {})
+    if model.get("hf_path") or model.get("hf_config"):
+        config = {**config, "model": {k: v for k, v in model.items() if k not in DECODER_ONLY_FIELDS}}
+    return config
 
 
 def _config_folder(path: str, key: str) -> Path:
@@ -124,7 +133,8 @@ def _load_pretrained(folder: Path, config) -> nn.Module:
                          f"{' '.join(str(err).split())[:300]}") from None
     tied = _tied_names(model)
     missing = [k for k in info.get("missing_keys", []) if k not in tied]
-    unexpected = [k for k in info.get("unexpected_keys", []) if not _is_saved_scaling_state(k, folder)]
+    saved_fp8 = (json.loads((folder / "config.json").read_text()).get("fp8train") or {}).get("layers", {})
+    unexpected = [k for k in info.get("unexpected_keys", []) if not _is_saved_scaling_state(k, saved_fp8)]
     problems = {"missing": missing, "unexpected": unexpected,
                 "wrong shape": [str(m[0]) if isinstance(m, tuple) else str(m) for m in info.get("mismatched_keys", [])]}
     problems = {kind: names for kind, names in problems.items() if names}
@@ -135,12 +145,11 @@ def _load_pretrained(folder: Path, config) -> nn.Module:
     return model
 
 
-def _is_saved_scaling_state(key: str, folder: Path) -> bool:
+def _is_saved_scaling_state(key: str, saved_fp8_layers: dict) -> bool:
     """A scaling buffer of an FP8 layer that fp8train.save_pretrained recorded: fine-tuning starts from the
     master weights, and the run's own recipe starts its own scaling state."""
-    section = json.loads((folder / "config.json").read_text()).get("fp8train") or {}
     layer, _, buffer = key.rpartition(".")
-    return layer in section.get("layers", {}) and buffer.startswith(tuple(f"{role}_" for role in ROLES))
+    return layer in saved_fp8_layers and buffer.startswith(tuple(f"{role}_" for role in ROLES))
 
 
 @contextmanager

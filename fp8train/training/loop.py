@@ -38,11 +38,13 @@ from tqdm.auto import tqdm
 
 from fp8train.nn.linear import update_fp8_scales
 from fp8train.training import telemetry
+from fp8train.training.shadow import gemm_paths
 from fp8train.training.checkpoint import load_checkpoint, save_checkpoint
 from fp8train.training.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from fp8train.training.config import FullConfig, add_config_arguments, config_hash, load_config
 from fp8train.training.distributed import all_mean, fp8_state_digest, make_accelerator
 from fp8train.training.fsdp2 import all_finite, clip_grad_norm, grad_norm, no_gradient_sync, release_process_group
+from fp8train.training.resume import resume_hash
 from fp8train.training.run_log import MetricsLog, finish, start_logs, summarize, summary_line
 from fp8train.training.rundir import CHECKPOINTS_DIR, TELEMETRY_FILE
 from fp8train.training.setup import Run, set_up
@@ -163,8 +165,10 @@ def optimizer_step(run: Run, state: _State, step: int) -> dict | None:
     """Train step `step` -> `step + 1`; its metrics record, or None when the run diverged (state says why)."""
     cfg, t0 = run.cfg, time.perf_counter()
     every = cfg.log.telemetry_every
-    state.sampled = bool(run.layers) and every > 0 and (step + 1) % every == 0
+    state.sampled = (bool(run.layers) or run.shadow is not None) and every > 0 and (step + 1) % every == 0
     telemetry.enable(run.layers, state.sampled)
+    if run.shadow is not None:
+        run.shadow.arm(state.sampled)
     step_loss, last_micro = _forward_backward(run, step)
 
     # Divergence: stop BEFORE the step is applied, so the weights (and every checkpoint) stay finite.
@@ -204,7 +208,7 @@ def _forward_backward(run: Run, step: int) -> tuple[float, tuple]:
     x_all, y_all = run.data.train_batch(step)
     rank_rows = slice(accelerator.process_index * micro * accum, (accelerator.process_index + 1) * micro * accum)
     x_rank, y_rank = x_all[rank_rows], y_all[rank_rows]
-    loss_sum = 0.0
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # on the device: one host sync per step
     for m in range(accum):
         x = x_rank[m * micro:(m + 1) * micro].to(device)
         y = y_rank[m * micro:(m + 1) * micro].to(device)
@@ -217,8 +221,8 @@ def _forward_backward(run: Run, step: int) -> tuple[float, tuple]:
         # FSDP2 sums gradients over ranks (fsdp2.apply_fsdp2), so each micro-batch counts 1 / (its number in
         # the global batch): a rank's grad_output, hence its FP8 scale history, is the same at any world size.
         accelerator.backward(loss / (accum * accelerator.num_processes if run.sharded else accum))
-        loss_sum += float(loss.detach())
-    return all_mean(accelerator, loss_sum / accum), (x, y)
+        loss_sum += loss.detach().double()  # the same float64 sum as before, without a sync per micro-batch
+    return all_mean(accelerator, float(loss_sum) / accum), (x, y)
 
 
 def _clip_grad_norm(run: Run) -> float:
@@ -265,7 +269,8 @@ def finish_step(run: Run, state: _State, record: dict, metrics: MetricsLog) -> N
     if state.sampled:
         stats = telemetry.collect(run.layers)
         record.update(telemetry.summarize(stats))
-        telemetry.append(run.run_dir / TELEMETRY_FILE, done, stats, run.is_main)
+        extra = {"gemms": gemm_paths(run.layers)} | ({"shadow": run.shadow.collect()} if run.shadow else {})
+        telemetry.append(run.run_dir / TELEMETRY_FILE, done, stats, run.is_main, extra)
     if is_eval:
         record["val_loss"] = state.last["val_loss"] = evaluate(run.model, run.val_batches, cfg, run.accelerator)
     state.last["loss"] = record["loss"]
@@ -313,7 +318,8 @@ def checkpoint(run: Run, state: _State, final: bool) -> bool:
         return False
     ckpt_dir = run.run_dir / CHECKPOINTS_DIR
     path = ckpt_dir / f"step_{done:06d}"
-    extra = {"config_hash": config_hash(run.cfg), "lr_schedule_steps": run.lr_horizon["steps"], **state.counts()}
+    extra = {"config_hash": config_hash(run.cfg), "resume_hash": resume_hash(run.cfg),
+             "lr_schedule_steps": run.lr_horizon["steps"], **state.counts()}
     if run.sharded:  # every rank writes its shard; collective
         path = save_sharded_checkpoint(ckpt_dir, done, run.model, run.optimizer, run.scheduler, extra=extra,
                                        keep_last=run.cfg.checkpoint.keep_last)

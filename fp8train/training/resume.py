@@ -28,15 +28,21 @@ from typing import Callable, Optional
 from omegaconf import OmegaConf
 
 from fp8train.training.sharded_checkpoint import latest_loadable_checkpoint
-from fp8train.training.config import HASH_EXCLUDE, load_config
+from fp8train.training.config import HASH_EXCLUDE, config_hash, load_config
 from fp8train.training.rundir import CHECKPOINTS_DIR, CONFIG_FILE, SUMMARY_FILE, read_json
 
-__all__ = ["RESUMABLE_KEYS", "ResumePlan", "plan_resume", "config_differences"]
+__all__ = ["RESUMABLE_KEYS", "ResumePlan", "plan_resume", "config_differences", "resume_hash"]
 
 # Keys that only say how long to train and how often to evaluate: they may change when a run is resumed. And
 # train.grad_accum: the global batch (train.batch_size) is fixed, so resuming on another number of processes
 # with the same micro-batches means another accumulation count (2 ranks x 1 = 1 rank x 2).
 RESUMABLE_KEYS = ("train.max_steps", "train.eval_every", "train.grad_accum")
+
+
+def resume_hash(cfg) -> str:
+    """The config hash that a checkpoint to resume from must match: config_hash without RESUMABLE_KEYS (stored
+    in every checkpoint's manifest as extra.resume_hash; extra.config_hash is the full hash, as in summary.json)."""
+    return config_hash(cfg, HASH_EXCLUDE + RESUMABLE_KEYS)
 
 
 @dataclass(frozen=True)

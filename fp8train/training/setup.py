@@ -23,6 +23,7 @@ from fp8train.training.fsdp2 import apply_fsdp2, ensure_process_group
 from fp8train.training.model import build_model, check_model_for_run
 from fp8train.training.resume import ResumePlan, plan_resume
 from fp8train.training.rundir import CONFIG_FILE, run_dir_path, write_text_atomic
+from fp8train.training.shadow import RecipeShadow, shadowed_layers
 from fp8train.training.tracking import Trackers, check_trackers_available
 
 __all__ = ["Run", "set_up", "lr_at"]
@@ -49,6 +50,7 @@ class Run:
     lr_horizon: dict = field(default_factory=dict)  # {"steps": N}: the schedule's length (see resume.py)
     layers: list = field(default_factory=list)
     fp8_sync: Fp8StateSync = None
+    shadow: RecipeShadow | None = None  # log.shadow_recipes: other recipes measured on telemetry steps
     trackers: Trackers = None
     made_process_group: bool = False  # fsdp2 in one process without a launcher: set_up made a 1-rank group
 
@@ -127,6 +129,8 @@ def _prepare_training(run: Run) -> None:
         run.ddp_model.broadcast_buffers = False
     run.layers = fp8_layers(run.model)
     run.fp8_sync = Fp8StateSync(run.layers, accelerator)
+    if cfg.log.shadow_recipes:
+        run.shadow = RecipeShadow(shadowed_layers(run.model, layer_policy_from_config(cfg)), cfg.log.shadow_recipes)
 
 
 def lr_at(step: int, cfg: FullConfig, horizon: int) -> float:
@@ -144,5 +148,7 @@ def _make_optimizer(model: torch.nn.Module, cfg: FullConfig) -> torch.optim.Opti
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # CUDA: the fused kernel (one launch for all parameters); CPU keeps the per-parameter loop it was tuned with.
+    on_cuda = any(p.is_cuda for p in decay + no_decay)
     return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-                             foreach=False)
+                             foreach=False if not on_cuda else None, fused=True if on_cuda else None)

@@ -17,11 +17,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from fp8train.nn.convert import block_index
+from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.recipes import RECIPE_NAMES, Fp8Recipe, recipe
 from fp8train.numerics.mx import quantize_mx
 from fp8train.numerics.quant import Fp8Tensor, quant_error, quantize
 
-__all__ = ["SHADOW_RECIPES", "RecipeShadow", "shadow_quantize", "SHADOW_STAT_KEYS"]
+__all__ = ["SHADOW_RECIPES", "RecipeShadow", "shadow_quantize", "SHADOW_STAT_KEYS", "shadowed_layers", "gemm_paths"]
 
 SHADOW_RECIPES = tuple(n for n in RECIPE_NAMES if n != "delayed")  # delayed needs a history a shadow lacks
 SHADOW_STAT_KEYS = ("sqnr_db", "overflow_frac", "underflow_frac")
@@ -92,3 +94,20 @@ class RecipeShadow:
                     self.records[name][rname]["grad_output"] = _stats(r, "grad_output", grad_2d)
             return None  # the gradient flows on unchanged
         return grad_hook
+
+
+def shadowed_layers(model: nn.Module, policy) -> list[tuple[str, nn.Module]]:
+    """Every Fp8Linear of `model`; in a model without any (a bf16 run), every nn.Linear `policy` would convert."""
+    fp8 = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    if fp8:
+        return fp8
+    names = [n for n, _ in model.named_modules()]
+    blocks = [i for i in map(block_index, names) if i is not None]
+    n_blocks = max(blocks) + 1 if blocks else 0
+    return [(n, m) for n, m in model.named_modules()
+            if type(m) is nn.Linear and n and policy.skip_reason(n, m, n_blocks) is None]
+
+
+def gemm_paths(layers) -> dict:
+    """{layer: {gemm: kernel path}} of the last forward/backward of each Fp8Linear (see Fp8Linear.gemm_paths)."""
+    return {name: dict(layer.gemm_paths) for name, layer in layers if getattr(layer, "gemm_paths", None)}

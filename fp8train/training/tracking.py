@@ -29,6 +29,7 @@ from pathlib import Path
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 from omegaconf import OmegaConf
 
+from fp8train.training.hf import drop_decoder_fields
 from fp8train.training.rundir import TRACKERS_FILE, json_safe, read_json, write_json_atomic
 
 __all__ = ["TRACKER_NAMES", "Trackers", "check_trackers_available", "tracked_config"]
@@ -51,12 +52,12 @@ def check_trackers_available(cfg) -> None:
 
 def tracked_config(cfg, fp8_recipe, conversion, model) -> dict:
     """What the trackers store as the run's configuration (see the module docstring)."""
-    config = OmegaConf.to_container(OmegaConf.structured(cfg))
+    config = drop_decoder_fields(OmegaConf.to_container(OmegaConf.structured(cfg)))  # unused by an HF model
     if fp8_recipe is not None:
         resolved = dataclasses.asdict(fp8_recipe)
         config["fp8"] = {**config["fp8"], **{k: v for k, v in resolved.items() if k in config["fp8"]},
                          "preset": fp8_recipe.name, "code": fp8_recipe.code()}
-    model_config = getattr(model, "config", None)
+    model_config = getattr(getattr(model, "hf", model), "config", None)  # HFCausalLM wraps the transformers model
     if hasattr(model_config, "to_dict"):  # a transformers model: its own config, as loaded
         model_config = model_config.to_dict()
     else:
