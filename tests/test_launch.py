@@ -15,9 +15,7 @@ config files and flags that fp8train cannot honour, and the command line's shape
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,56 +28,41 @@ import fp8train.training.loop as loop_module
 from fp8train import cli
 from fp8train.training.config import load_config
 from fp8train.training.distributed import check_launch_settings
-from refs import write_stdlib_corpus
 
 pytestmark = [pytest.mark.usefixtures("single_thread")]
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train.py"
-TINY = {
-    "model": {"n_layers": 1, "d_model": 64, "n_heads": 2, "seq_len": 16},
-    "train": {"max_steps": 4, "batch_size": 4, "eval_every": 2, "eval_batches": 2, "lr": 3e-3, "device": "cpu",
-              "autocast": "none", "threads": 1},
-    "optim": {"warmup_steps": 1},
-    "fp8": {"recipe": "delayed"},
-    "policy": {"min_features": 16},
-    "log": {"wandb": "disabled", "every": 1, "telemetry_every": 0},
-    "checkpoint": {"every": 0, "save_final": False},
-}
+SECTIONS = dict(model={"n_layers": 1, "seq_len": 16},
+                train={"max_steps": 4, "batch_size": 4, "eval_every": 2, "autocast": "none", "threads": 1},
+                optim={"warmup_steps": 1}, log={"telemetry_every": 0}, checkpoint={"every": 0, "save_final": False})
 SUMMARY_LINE = re.compile(r"^\[(\w+)\] completed: 4 steps, val_loss \d+\.\d{4}, \d+\.\ds, recipe delayed:")
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
+def workdir(tmp_path_factory, tiny) -> Path:
     root = tmp_path_factory.mktemp("launch")
-    write_stdlib_corpus(root / "corpus.txt")
-    config = {**TINY, "run": {"dir": str(root / "runs"), "name": "x"}, "data": {"path": str(root / "corpus.txt")}}
-    (root / "tiny.yaml").write_text(yaml.safe_dump(config))
+    tiny.write(root, **SECTIONS)
     return root
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(root: Path, accelerate_args: list[str], *script_args: str) -> subprocess.CompletedProcess:
+def launch(commands, root: Path, accelerate_args: list[str], *script_args: str) -> subprocess.CompletedProcess:
     """`accelerate launch ACCELERATE_ARGS scripts/train.py SCRIPT_ARGS` on CPU processes, wandb files kept in the
-    test's folder (HF_HOME: no user accelerate config is read)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HOME": str(root / "hf"),
-           "WANDB_CONFIG_DIR": str(root / "wandb-home"), "WANDB_CACHE_DIR": str(root / "wandb-home"),
-           "WANDB_DATA_DIR": str(root / "wandb-home"), "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
+    test's folder; conftest's launch_env: no user accelerate config is read, and the rendezvous port comes from
+    torch's own store (no port is probed and released)."""
+    wandb_home = str(root / "wandb-home")
+    env = commands.launch_env(root / "hf", WANDB_CONFIG_DIR=wandb_home, WANDB_CACHE_DIR=wandb_home,
+                              WANDB_DATA_DIR=wandb_home, WANDB_SILENT="true")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *accelerate_args, str(SCRIPT), *script_args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return commands.run(cmd, env=env, timeout=300)
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Real launches
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_two_processes_with_wandb_offline_exit_0(workdir):
-    proc = launch(workdir, ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-                            "--dynamo_backend", "no", "--main_process_port", str(_free_port())],
+def test_two_processes_with_wandb_offline_exit_0(workdir, commands):
+    proc = launch(commands, workdir, ["--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                                      "--mixed_precision", "no", "--dynamo_backend", "no"],
                   "--config", str(workdir / "tiny.yaml"), "run.name=two", "log.wandb=offline", "--quiet")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "process group" not in proc.stderr
@@ -101,10 +84,10 @@ ACCELERATE_FSDP_CONFIG = {
 
 
 @pytest.mark.slow
-def test_accelerate_fsdp_config_is_refused(workdir):
+def test_accelerate_fsdp_config_is_refused(workdir, commands):
     config_file = workdir / "accelerate_fsdp.yaml"
-    config_file.write_text(yaml.safe_dump({**ACCELERATE_FSDP_CONFIG, "main_process_port": _free_port()}))
-    proc = launch(workdir, ["--config_file", str(config_file)], "--config", str(workdir / "tiny.yaml"),
+    config_file.write_text(yaml.safe_dump(ACCELERATE_FSDP_CONFIG))
+    proc = launch(commands, workdir, ["--config_file", str(config_file)], "--config", str(workdir / "tiny.yaml"),
                   "run.name=fsdp")
     assert proc.returncode != 0
     refusals = [line for line in proc.stderr.splitlines() if line.startswith("fp8train train: error:")]
@@ -113,13 +96,12 @@ def test_accelerate_fsdp_config_is_refused(workdir):
 
 
 @pytest.mark.slow
-def test_accelerate_mixed_precision_fp8_is_refused(workdir):
+def test_accelerate_mixed_precision_fp8_is_refused(workdir, commands):
     """On this machine (no TransformerEngine, MS-AMP or torchao) `accelerate launch --mixed_precision fp8` stops in
     the launcher itself; where one is installed the launcher exports ACCELERATE_MIXED_PRECISION=fp8 to the script,
     which is what this process gets."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "ACCELERATE_MIXED_PRECISION": "fp8"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--config", str(workdir / "tiny.yaml"), "run.name=mp_fp8"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = commands.run([sys.executable, str(SCRIPT), "--config", str(workdir / "tiny.yaml"), "run.name=mp_fp8"],
+                        env=commands.env(ACCELERATE_MIXED_PRECISION="fp8"))
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(err) == 1, proc.stderr[-3000:]
     assert err[0].startswith("fp8train train: error: accelerate --mixed_precision fp8")
