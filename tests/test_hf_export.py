@@ -50,7 +50,9 @@ def hf_root(tmp_path_factory):
     make_pretrained(root / "pretrained", "llama")
     make_tokenizer(root / "tokenizer")
     make_text_folder(root / "docs")
-    return root
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(root / "cache"))  # the token cache of these runs stays in the test folder
+        yield root
 
 
 @pytest.fixture(scope="module")

@@ -230,6 +230,9 @@ class Fp8Linear(nn.Linear):
         self._initialized_on_host = {role: False for role in ROLES}
         self._scale_generation = 0  # bumped by every delayed-scale update: part of the weight cache's key
         self._weight_cache = None
+        # False when something refills the weight's storage in place without a version bump, so the cache key
+        # cannot see the change: FSDP2's all-gather into a block's unsharded weights (set by fsdp2.apply_fsdp2).
+        self.weight_cache_allowed = getattr(self, "weight_cache_allowed", True)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         self._reset_caches()
@@ -282,7 +285,8 @@ class Fp8Linear(nn.Linear):
         weight = self.weight
         # FSDP2 refills the unsharded weight by all-gather (no version bump) or hands over an FP8-gathered one:
         # then there is nothing to cache across forwards.
-        cacheable = not isinstance(weight, Fp8GatheredWeight) and not isinstance(self, FSDPModule)
+        cacheable = (self.weight_cache_allowed and not isinstance(weight, Fp8GatheredWeight)
+                     and not isinstance(self, FSDPModule))
         key = (weight._version, weight.data_ptr(), self.training, self._scale_generation, backend,
                self.emulated_dtype, self.quantize_kernel) if cacheable else None
         cached = self._weight_cache
