@@ -43,12 +43,15 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from fp8train.bench.distributed import bench_distributed, format_distributed
 from fp8train.nn.recipes import RECIPE_NAMES
 
 __all__ = ["parse_shapes", "run_bench", "machine_info", "format_report", "SECTIONS", "add_cli_arguments",
            "cli_main"]
 
 SECTIONS = ("quant", "linear", "train", "memory")
+# Not in the default run: launches 2 processes (fp8train.bench.distributed; ~1 minute on 2 CPU cores).
+OPTIONAL_SECTIONS = ("distributed",)
 RECIPES = RECIPE_NAMES
 # (M, K, N): input (M, K), weight (N, K). The full CPU list stops at 4096x1024x1024 (the target shape): a bf16
 # nn.Linear fwd+bwd already takes ~20 s there on the reference box (see the module docstring).
@@ -702,6 +705,8 @@ def format_report(results: dict) -> str:
                 for r in sec["memory"]["rows"]]
         parts.append(f"\nactivation memory saved for backward, one forward of {sec['memory']['tokens']} tokens\n"
                      + _table(["contender", "saved MB", "x bf16", "saved vs bf16", "by dtype (MB)"], rows))
+    if "distributed" in sec:
+        parts.append(format_distributed(sec["distributed"]))
     if results.get("targets"):
         rows = [[t["target"], "-" if t["value"] is None else f"{t['value']:.2f}", f"{t['op']} {t['threshold']}",
                  {True: "met", False: "MISSED", None: "not measured"}[t["met"]], t["note"]] for t in results["targets"]]
@@ -749,6 +754,8 @@ def run_bench(opts: BenchOptions) -> dict:
                 results["sections"]["train"] = bench_train(opts, warmup + 1, repeats, compiled)
             elif name == "memory":
                 results["sections"]["memory"] = bench_memory(opts)
+            elif name == "distributed":
+                results["sections"]["distributed"] = bench_distributed(opts.device)
         except Exception as err:  # keep going: the other sections are still worth having
             results["errors"][name] = f"{type(err).__name__}: {err}"
             _log(f"section {name} failed: {results['errors'][name]}")
@@ -783,7 +790,8 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (CPU: < 3 min)")
     parser.add_argument("--shapes", metavar="MxKxN,...", help="linear shapes, e.g. 4096x1024x1024,1024x256x256")
     parser.add_argument("--recipes", default=",".join(RECIPES), help=f"FP8 recipes (default {','.join(RECIPES)})")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"sections (default {','.join(SECTIONS)})")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"sections (default {','.join(SECTIONS)}; also: {','.join(OPTIONAL_SECTIONS)})")
     parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                         help="quantize path in the linear/train sections (auto: eager for --quick on CPU)")
     parser.add_argument("--no-malloc-tuning", action="store_true", help="leave glibc's allocator settings alone")
@@ -804,7 +812,7 @@ def options_from_args(args) -> BenchOptions:
     return BenchOptions(
         device=args.device, quick=args.quick, shapes=parse_shapes(args.shapes) if args.shapes else None,
         recipes=_parse_list(args.recipes, RECIPES, "--recipes"),
-        sections=_parse_list(args.sections, SECTIONS, "--sections"), compile=args.compile,
+        sections=_parse_list(args.sections, SECTIONS + OPTIONAL_SECTIONS, "--sections"), compile=args.compile,
         malloc_tuning=not args.no_malloc_tuning, train_config=args.train_config, quant_numel=args.quant_numel,
         warmup=args.warmup, repeats=args.repeats, threads=args.threads, torchao=not args.no_torchao,
         out=args.out)

@@ -20,6 +20,7 @@ MAX_THREADS = 512
 MAX_LR = 1e3
 DEVICES = ("auto", "cpu", "cuda")
 AUTOCAST_MODES = ("bf16", "none")
+PARALLEL_MODES = ("ddp", "fsdp2")  # data parallelism: replicated (DDP) or sharded (torch's FSDP2 fully_shard)
 
 
 @dataclass
@@ -68,6 +69,9 @@ class TrainConfig(_Section):
     resume: Any = False
     """true | false | auto: resume from the newest valid checkpoint in the run directory (true: one must exist;
     auto: start when there is none). Rules for what may change on resume: fp8train.training.resume."""
+    parallel: str = "ddp"
+    """Data parallelism over the launched processes: ddp (replicated weights) | fsdp2 (weights, gradients and
+    AdamW state sharded by torch's fully_shard, per decoder block then the root; sharded checkpoints)."""
 
     def _check(self) -> None:
         for name in ("max_steps", "batch_size", "grad_accum", "eval_batches"):
@@ -89,6 +93,7 @@ class TrainConfig(_Section):
             self.resume = words[self.resume.lower()]
         _require(isinstance(self.resume, bool) or self.resume == "auto", "train.resume", self.resume,
                  "one of true, false, auto")
+        self._in("parallel", PARALLEL_MODES)
 
 
 @dataclass
