@@ -53,6 +53,10 @@ class PlannedRun:
     data_fingerprint: dict | None = None  # what train() will train on (set by fingerprint_runs)
     data_source: str = "the data"
 
+    def config_hash(self) -> str:
+        """The hash train() records in this run's summary.json: its config and its data's fingerprint."""
+        return config_hash(self.cfg, data_fingerprint=self.data_fingerprint)
+
     @property
     def key(self) -> str:
         """The run's folder below runs/, e.g. ``current/seed1337``."""

@@ -60,13 +60,13 @@ def _run_path(cfg: FullConfig) -> Path:
     return Path(cfg.run.dir) / cfg.run.name
 
 
-def finished_summary(cfg: FullConfig) -> dict | None:
-    """The run's summary if it already ended (a final status, from the same config); else None."""
+def finished_summary(cfg: FullConfig, data_fingerprint: dict | None = None) -> dict | None:
+    """The run's summary if it already ended (a final status, from the same config and data); else None."""
     path = _run_path(cfg) / SUMMARY_FILE
     if not path.exists():
         return None
     summary = read_json(path)
-    if summary.get("status") in FINAL_STATUSES and summary.get("config_hash") == config_hash(cfg):
+    if summary.get("status") in FINAL_STATUSES and summary.get("config_hash") == config_hash(cfg, data_fingerprint=data_fingerprint):
         return summary
     return None
 
@@ -116,7 +116,7 @@ def run_plan(runs: list[PlannedRun], workers: int, accelerator=None, log=print, 
     schedule = _Schedule(runs, runs[0].cfg.validate.stop_on_divergence)
     total = len(runs)
     for run in runs:
-        done = finished_summary(run.cfg)
+        done = finished_summary(run.cfg, run.data_fingerprint)
         if done is not None:
             schedule.done.add(run.key)
             schedule.started.add(run.key)

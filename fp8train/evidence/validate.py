@@ -21,7 +21,7 @@ from pathlib import Path
 from fp8train.evidence.pairs import PLAN_FILE, check_plan, fingerprint_runs, make_plan, plan_runs, validation_dir
 from fp8train.evidence.report import write_validation_report
 from fp8train.evidence.runner import default_workers, run_plan
-from fp8train.training.config import FullConfig, add_config_arguments, config_hash, load_config
+from fp8train.training.config import FullConfig, add_config_arguments, load_config
 from fp8train.training.loop import make_accelerator
 from fp8train.training.rank0 import on_main_process
 from fp8train.training.rundir import SUMMARY_FILE, DirLock, read_json, write_json_atomic
@@ -45,7 +45,7 @@ def resolve_workers(cfg: FullConfig, processes: int) -> int:
 def _check_run_dirs(runs, vdir: Path) -> None:
     for run in runs:
         path = Path(run.cfg.run.dir) / run.cfg.run.name / SUMMARY_FILE
-        if path.exists() and read_json(path).get("config_hash") != config_hash(run.cfg):
+        if path.exists() and read_json(path).get("config_hash") != run.config_hash():
             raise ValueError(f"{path} comes from a different config than {vdir / PLAN_FILE} declares; use a new "
                              "run.name (nothing was changed)")
 
