@@ -37,7 +37,9 @@ from pathlib import Path
 
 import torch
 
+from fp8train.nn.linear import configure_execution
 from fp8train.training.checkpoint import latest_valid_checkpoint, load_checkpoint, save_checkpoint
+from fp8train.training.compile import check_compiler, compile_model
 from fp8train.training.config import (FullConfig, add_config_arguments, config_hash, config_to_yaml, fp8_recipe_from_config,
                      layer_policy_from_config, load_config)
 from fp8train.training.data import build_data
@@ -296,12 +298,18 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
     conversion = None
     if fp8_recipe is not None:
         conversion = convert_to_fp8(model, fp8_recipe, layer_policy_from_config(cfg))
+        # How the FP8 layers run (same numbers): read once here ("auto" kernel: measured once per machine).
+        configure_execution(model, quantize_kernel=cfg.fp8.quantize_kernel, emulated_dtype=cfg.fp8.emulated_dtype)
+    if cfg.train.compile:
+        check_compiler(device)  # a missing compiler is a config error, before the run directory is touched
     run_dir = run_dir_of(cfg)
     _prepare_run_dir(cfg, run_dir, accelerator)  # every rank checks, so every rank fails the same way
     if conversion is not None and is_main and show_progress:
         print(conversion, file=sys.stderr)
 
     model.to(device)
+    if cfg.train.compile:
+        compile_model(model)
     optimizer = _make_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_at(s, cfg))
     ddp_model, optimizer = accelerator.prepare(model, optimizer)

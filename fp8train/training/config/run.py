@@ -64,6 +64,8 @@ class TrainConfig(_Section):
     """Activation precision outside FP8 layers: bf16 autocast, or none (fp32)."""
     resume: bool = False
     """Resume from the latest checkpoint in the run directory."""
+    compile: bool = False
+    """torch.compile the model (every recipe compiles without graph breaks; needs a C++ compiler on CPU)."""
 
     def _check(self) -> None:
         for name in ("max_steps", "batch_size", "grad_accum", "eval_batches"):
