@@ -4,10 +4,15 @@ The numerics core is imported eagerly; the training-side names are imported on f
 ``import fp8train`` stays light.
 """
 
+from importlib.metadata import PackageNotFoundError, version as _distribution_version
+
 from fp8train.numerics.formats import FORMATS, Fp8Format, get_format
 from fp8train.numerics.quant import Fp8Tensor, compute_amax, convert_dialect, quant_error, quantize, scale_from_amax
 
-__version__ = "0.1.0"
+try:  # the version is pyproject.toml's, as installed; a source tree that was never installed has none
+    __version__ = _distribution_version("fp8train")
+except PackageNotFoundError:
+    __version__ = "unknown"
 
 _LAZY = {
     "recipe": "fp8train.nn.recipes",
@@ -18,6 +23,8 @@ _LAZY = {
     "LayerPolicy": "fp8train.nn.convert",
     "update_fp8_scales": "fp8train.nn.linear",
     "fp8_layers": "fp8train.nn.convert",
+    "save_pretrained": "fp8train.training.pretrained",
+    "from_pretrained": "fp8train.training.pretrained",
 }
 
 __all__ = [

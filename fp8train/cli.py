@@ -2,8 +2,10 @@
 
 Each subcommand lives in the module that does the work: the module defines ``add_cli_arguments(parser)`` and
 ``cli_main(args) -> int``. Only the chosen subcommand's module is imported, so ``fp8train formats`` stays quick.
-User mistakes (bad config keys, missing files, bad values) end with a one-line message and exit status 2,
-not a traceback.
+User mistakes (bad config keys, missing files, bad values, a missing optional package) end with a one-line
+message and exit status 2, not a traceback. Anything else is a bug in fp8train (or in a library under it) and is
+reported as one: exit status 1, its traceback written to a log file whose path is printed. A ValueError counts
+as a user mistake only when fp8train raised it; one raised inside torch or accelerate is internal.
 """
 
 from __future__ import annotations
@@ -11,7 +13,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import tempfile
+import traceback
+from pathlib import Path
 
+from fp8train import __version__
+from fp8train.training.config import resolve_config_arguments
 from fp8train.training.rundir import write_error
 
 # name -> (module, one-line help)
@@ -19,6 +26,8 @@ COMMANDS = {
     "formats": ("fp8train.numerics.formats_cli", "print the FP8 format table derived from the bit layouts"),
     "train": ("fp8train.training.loop", "train one run from a recipe YAML (also under accelerate launch)"),
     "validate": ("fp8train.evidence.validate", "paired bf16-vs-FP8 runs, noise band, verdict and report"),
+    "plan": ("fp8train.evidence.plan", "per-layer recipe plan (policy.overrides) from a run's shadow telemetry and "
+             "timings on this device"),
     "report": ("fp8train.evidence.report", "(re)write the report of a validation or run directory"),
     "bench": ("fp8train.bench.suite", "benchmarks: quantize, Fp8Linear and train step vs bf16 (and torchao)"),
     "kv-eval": ("fp8train.serving.kvcache", "FP8 KV-cache quality by context length for a trained run"),
@@ -30,22 +39,33 @@ class UserError(Exception):
     """Raised by subcommands for mistakes the user can fix; printed without a traceback."""
 
 
+USER_ERRORS = (UserError, ValueError, FileNotFoundError, FileExistsError)
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def _raised_by_fp8train(err: BaseException) -> bool:
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and _PACKAGE_DIR in Path(tb.tb_frame.f_code.co_filename).resolve().parents
+
+
+def _report_internal_error(command: str, err: BaseException) -> None:
+    fd, log = tempfile.mkstemp(prefix=f"fp8train-{command}-error-", suffix=".log")
+    with open(fd, "w") as f:
+        f.write(f"fp8train {__version__}, command: {' '.join(sys.argv)}\n")
+        traceback.print_exception(err, file=f)
+    print(f"fp8train {command}: internal error (a bug, not a mistake in your input): {type(err).__name__}: "
+          f"{' '.join(str(err).split())}; traceback written to {log}", file=sys.stderr)
+
+
 def _top_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fp8train",
         description="FP8 mixed-precision training recipes for PyTorch, with paired bf16 validation.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return parser
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("fp8train")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _parse_command(command: str, argv: list[str]) -> argparse.Namespace:
@@ -57,6 +77,11 @@ def _parse_command(command: str, argv: list[str]) -> argparse.Namespace:
     except TypeError:  # argparse cannot intermix some layouts; fall back to the plain parser
         args = parser.parse_args(argv)
     args.command = command
+    if hasattr(args, "config_option"):  # a config-driven command: CONFIG or --config CONFIG
+        try:
+            resolve_config_arguments(args)
+        except ValueError as err:
+            parser.error(str(err))  # usage, the message, exit 2: as for any other malformed command line
     return args
 
 
@@ -74,19 +99,29 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         return int(module.cli_main(args) or 0)
-    except (UserError, ValueError, FileNotFoundError, FileExistsError, ImportError) as err:
+    except ImportError as err:  # a missing optional dependency: the message says what to install
         print(f"fp8train {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except USER_ERRORS as err:
+        if not _raised_by_fp8train(err):
+            _report_internal_error(args.command, err)
+            return 1
+        print(f"fp8train {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `fp8train formats --json | head`
+        return 0
     except OSError as err:  # full disk, read-only or forbidden folder: the environment's, said in one line
         if write_error(err) is None:
-            raise
+            _report_internal_error(args.command, err)
+            return 1
         print(f"fp8train {args.command}: error: {write_error(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"fp8train {args.command}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `fp8train formats --json | head`
-        return 0
+    except Exception as err:  # noqa: BLE001  anything else is a bug, reported as one
+        _report_internal_error(args.command, err)
+        return 1
 
 
 if __name__ == "__main__":

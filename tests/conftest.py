@@ -15,10 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import yaml  # noqa: E402
+import numpy as np
+import pytest
+import torch
+import yaml
 
 torch.set_num_threads(2)
 
@@ -135,13 +135,12 @@ TESTS_DIR = Path(__file__).resolve().parent
 
 
 class Commands:
-    """How tests start fp8train. Subprocesses get `env()`: eager quantization, one OpenMP thread, unbuffered
-    output, no GPU (these tests are about CPU processes), and the caller's PYTHONPATH (so they import this tree)."""
+    """How tests start fp8train. Subprocesses get `env()`: one OpenMP thread, unbuffered output, no GPU (these
+    tests are about CPU processes), and the caller's PYTHONPATH (so they import this tree)."""
 
     @staticmethod
     def env(**extra: str) -> dict:
-        env = {**os.environ, "FP8TRAIN_COMPILE": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               "CUDA_VISIBLE_DEVICES": ""}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
         env.update(extra)
         return env
 

@@ -40,7 +40,9 @@ def _kind(tp) -> str:
         return _kind(args[0])
     if typing.get_origin(tp) in (list, typing.List):
         return "list"
-    return {int: "int", float: "float", bool: "bool", str: "str"}[tp]
+    if typing.get_origin(tp) in (dict, typing.Dict):
+        return "dict"
+    return {int: "int", float: "float", bool: "bool", str: "str", typing.Any: "any"}[tp]
 
 
 WRONG_TYPE = {
@@ -49,6 +51,8 @@ WRONG_TYPE = {
     "bool": ["abc", "{a: 1}"],
     "str": ["{a: 1}"],
     "list": ["abc", "{a: 1}"],
+    "any": ["{a: 1}"],  # train.resume: true | false | auto (its other values are in OUT_OF_RANGE)
+    "dict": ["abc", "[a, b]"],
 }
 
 # Out-of-range values, per field. Fields absent here must be listed in NO_RANGE (checked below).
@@ -78,6 +82,7 @@ OUT_OF_RANGE = {
     "train.device": ["tpu", "gpu"],
     "train.threads": ["-1", "two"],
     "train.autocast": ["fp16"],
+    "train.resume": ["maybe", "2", "[true]"],
     "optim.weight_decay": ["-0.1"],
     "optim.betas": ["[0.9]", "[0.9, 1.0]", "[-0.1, 0.9]", "[0.9, 0.95, 0.99]", "[a, b]"],
     "optim.eps": ["0", "-1"],
@@ -95,6 +100,7 @@ OUT_OF_RANGE = {
     "fp8.input_block": ["[1]", "[0, 128]", "[1, 2, 3]"],
     "fp8.weight_block": ["[128, -1]"],
     "fp8.grad_output_block": ["[]"],
+    "data.text_field": ["''"],
     "policy.min_features": ["-1"],
     "policy.divisible_by": ["0"],
     "policy.exclude": ["['(unclosed']", "['[a-']"],
@@ -103,6 +109,13 @@ OUT_OF_RANGE = {
     "log.every": ["0"],
     "log.telemetry_every": ["-1"],
     "log.wandb": ["cloud", "true"],
+    "log.trackers": ["[wandbx]", "[wandb, wandb]", "[tensorboard, neptune]"],
+    "log.shadow_recipes": ["[nope]", "[current, current]"],
+    "fp8.fast_accum_forward": [],
+    "fp8.accumulator_bits": ["1", "25", "-1"],
+    "fp8.accumulator_promotion": ["100", "-32"],
+    "policy.overrides": ["{'(unclosed': bf16}", "{mlp: fp16}"],
+    "policy.plan": ["/no/such/plan.yaml"],
     "checkpoint.every": ["-1"],
     "checkpoint.keep_last": ["-1"],
     "validate.candidates": ["[]", "[none]", "[delayed, delayed]", "[fp16]"],
@@ -113,8 +126,9 @@ OUT_OF_RANGE = {
     "validate.divergence_factor": ["1", "0.5"],
 }
 # Free-form strings and switches: any value of the right type is in range.
-NO_RANGE = {"data.path", "model.hf_config", "log.wandb_project", "model.tie_embeddings", "train.skip_nonfinite_grads",
-            "train.resume", "checkpoint.save_final"}
+NO_RANGE = {"data.path", "model.hf_config", "model.hf_path", "data.tokenizer", "data.hf_dataset", "policy.allow_no_fp8",
+            "log.wandb_project", "model.tie_embeddings", "train.skip_nonfinite_grads",
+            "checkpoint.save_final"}
 
 
 @pytest.fixture(scope="module")

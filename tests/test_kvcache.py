@@ -156,7 +156,8 @@ def test_identity_transform_gives_exactly_zero_delta(tiny_model):
 def test_kv_eval_report(tiny_run, tmp_path, capsys, commands):
     out = tmp_path / "kv"
     rc, printed, _ = commands.main(["kv-eval", str(tiny_run), "--out", str(out), "--format", "e4m3fn,e5m2",
-                                    "--batches", "2", "--calib-batches", "1", "--gen-prompts", "4", "--gen-tokens", "8"],
+                                    "--batches", "2", "--calib-batches", "1", "--gen-prompts", "4",
+                                    "--gen-tokens", "8"],
                                    capsys)
     assert rc == 0
     assert "per token" in printed and "64-token context" in printed

@@ -20,6 +20,11 @@ def tiny(**kw) -> ModelConfig:
     return ModelConfig(**args)
 
 
+def hf_tiny(**kw) -> ModelConfig:
+    # An HF model takes its architecture from config.json: only the data fields (seq_len, vocab_size) are set.
+    return ModelConfig(seq_len=T, vocab_size=V, **kw)
+
+
 def make(seed=0, **kw) -> Decoder:
     torch.manual_seed(seed)
     return build_model(tiny(**kw))
@@ -227,7 +232,7 @@ def test_hf_llama_from_local_config_trains_one_step(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     torch.manual_seed(0)
     for hf_config in (str(tmp_path), str(tmp_path / "config.json")):
-        model = build_model(tiny(hf_config=hf_config))
+        model = build_model(hf_tiny(hf_config=hf_config))
     names = dict(model.named_modules())
     assert any(n.endswith("layers.0.self_attn.q_proj") for n in names)
     idx = tokens()
@@ -242,15 +247,15 @@ def test_hf_llama_from_local_config_trains_one_step(tmp_path):
 
 def test_hf_config_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="model.hf_config"):
-        build_model(tiny(hf_config=str(tmp_path / "missing")))
+        build_model(hf_tiny(hf_config=str(tmp_path / "missing")))
     with pytest.raises(ValueError, match="no config.json"):
-        build_model(tiny(hf_config=str(tmp_path)))
+        build_model(hf_tiny(hf_config=str(tmp_path)))
     (tmp_path / "config.json").write_text(json.dumps(dict(TINY_LLAMA, vocab_size=100)))
     with pytest.raises(ValueError, match="vocab_size"):
-        build_model(tiny(hf_config=str(tmp_path)))
+        build_model(hf_tiny(hf_config=str(tmp_path)))
 
 
 def test_hf_missing_transformers_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
     with pytest.raises(ImportError, match="pip install transformers"):
-        build_model(tiny(hf_config=str(tmp_path)))
+        build_model(hf_tiny(hf_config=str(tmp_path)))

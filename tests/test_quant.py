@@ -211,7 +211,8 @@ def test_quantize_matches_reference(name, granularity, block, axis, shape, satur
     expected = ml_decode(codes, name) * ref_expand(scale, x.shape, granularity, block)
     np.testing.assert_array_equal(q.dequantize().numpy(), expected)
     # float64 callers get the exact product (<= 4 significant bits times 24), not a float32-rounded one.
-    exact = ml_decode(codes, name).astype(np.float64) * ref_expand(scale, x.shape, granularity, block).astype(np.float64)
+    full_scale = ref_expand(scale, x.shape, granularity, block).astype(np.float64)
+    exact = ml_decode(codes, name).astype(np.float64) * full_scale
     deq64 = q.dequantize(torch.float64)
     assert deq64.dtype == torch.float64
     np.testing.assert_array_equal(deq64.numpy(), exact)

@@ -487,7 +487,8 @@ def test_09_read_only_and_forbidden(root, small_fs, tmp_path):
     assert _cli_subprocess(*args).returncode == 0
     before = files_of(fs / "ro")
     subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
-    done = _cli_subprocess(*args, "train.resume=true")
+    # Extended to 6 steps, so the resume must write (a finished run resumed as it was changes nothing).
+    done = _cli_subprocess(*args, "train.resume=true", "train.max_steps=6")
     err = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(err) == 1 and "Read-only file system" in err[0], done.stderr
     assert files_of(fs / "ro") == before

@@ -119,13 +119,19 @@ def test_resume_reproduces_uninterrupted_run_exactly(workdir, runs):
     assert steps == [4, 8, 12]
 
 
-def test_resuming_a_finished_run_keeps_its_results(workdir, runs):
+def test_resuming_a_finished_run_keeps_its_results(workdir, runs, capsys):
+    """A finished run resumed is "already complete": nothing is trained and no file changes (summary.json
+    included), and its stored summary is returned."""
     shutil.copytree(workdir / "runs" / "straight", workdir / "runs" / "finished")  # run.name is not in the hash
+    run_dir = workdir / "runs" / "finished"
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     again = train(cfg_of(workdir, "finished", "train.resume=true"), show_progress=False)
-    assert again["status"] == "completed" and again["steps"] == 12 and again["resumed_from"].endswith("step_000012")
+    assert "already complete" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    assert again["status"] == "completed" and again["steps"] == 12
     for key in ("loss", "val_loss", "fp8_state_sha256"):
         assert again[key] == runs["straight"][key]
-    assert metrics_of(workdir / "runs" / "finished") == metrics_of(workdir / "runs" / "straight")
+    assert metrics_of(run_dir) == metrics_of(workdir / "runs" / "straight")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -241,7 +247,9 @@ def test_nan_loss_stops_with_step_telemetry_and_last_good_checkpoint(workdir, mo
     the run stops at step 4, before applying it, with the layer telemetry of that step."""
     import fp8train.training.loop as train_module
 
-    real_build = train_module.build_model
+    import fp8train.training.setup as setup_module
+
+    real_build = setup_module.build_model
 
     def build_poisoned(model_cfg):
         model = real_build(model_cfg)
@@ -257,7 +265,7 @@ def test_nan_loss_stops_with_step_telemetry_and_last_good_checkpoint(workdir, mo
         model.layers[0].mlp.register_forward_hook(poison)
         return model
 
-    monkeypatch.setattr(train_module, "build_model", build_poisoned)
+    monkeypatch.setattr(setup_module, "build_model", build_poisoned)
     summary = train(cfg_of(workdir, "nan-loss", "checkpoint.every=1", "checkpoint.keep_last=2"), show_progress=False)
     run_dir = workdir / "runs" / "nan-loss"
     assert summary["status"] == "diverged" and summary["diverged_at_step"] == 4 and summary["steps"] == 3

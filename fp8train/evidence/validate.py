@@ -49,6 +49,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fp8train.evidence.plan import check_fp8_conversion
 from fp8train.training.config import FullConfig, add_config_arguments, config_hash, config_to_yaml, load_config
 from fp8train.training.data import build_data, describe_fingerprint_change
 from fp8train.training.rank0 import on_main_process
@@ -169,12 +170,13 @@ def plan_runs(cfg: FullConfig, candidates=None) -> list[PlannedRun]:
     runs_root = str(validation_dir(cfg) / "runs")
     # Resumable by construction: every run resumes from its newest checkpoint, and there is one to resume from.
     every = cfg.checkpoint.every or max(1, cfg.train.max_steps // 4)
-    common = [f"run.dir={runs_root}", "train.resume=true", f"checkpoint.every={every}"]
+    common = [f"run.dir={runs_root}", "train.resume=auto", f"checkpoint.every={every}"]
     runs = [PlannedRun(BASELINE, "baseline", derive_config(cfg, common + [f"run.name={BASELINE}",
                                                                            "fp8.recipe=none"]))]
     for cand in parsed:
         overrides = common + [f"run.name={cand.label}", f"fp8.recipe={cand.recipe}", *cand.overrides]
         runs.append(PlannedRun(cand.label, "candidate", derive_config(cfg, overrides), cand))
+        check_fp8_conversion(runs[-1].cfg)  # e.g. a policy.plan made for another model: refused before any run
     for i in range(1, cfg.validate.extra_seeds + 1):
         seed = cfg.train.seed + i
         runs.append(PlannedRun(f"{BASELINE}-seed{seed}", "seed", derive_config(

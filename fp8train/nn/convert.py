@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from fp8train.nn.linear import Fp8Linear, update_fp8_scales  # noqa: F401  (update_fp8_scales re-exported)
+from fp8train.nn.overrides import OVERRIDE_BF16, first_override, normalize_overrides, unmatched_patterns
 from fp8train.nn.recipes import Fp8Recipe, recipe as make_recipe
 
 __all__ = ["LayerPolicy", "ConversionReport", "convert_to_fp8", "fp8_layers", "update_fp8_scales",
-           "DEFAULT_EXCLUDE", "block_index"]
+           "DEFAULT_EXCLUDE", "block_index", "fp8_from_conv1d", "is_conv1d"]
 
 # THE default exclude list (fp8train.training.config's policy.exclude defaults to it). Each pattern is anchored
 # on a whole name component, ^(.*\.)?NAME$, so it means the same under re.search, re.match and re.fullmatch:
@@ -52,8 +53,12 @@ class LayerPolicy:
     """Keep the first N transformer blocks (names matching r'layers\\.(\\d+)\\.') in high precision."""
     skip_last_blocks: int = 0
     """Keep the last N transformer blocks in high precision."""
+    overrides: tuple[tuple[str, str], ...] = ()
+    """Per-layer recipes: ordered (regex, recipe name or 'bf16') pairs, or a {regex: choice} mapping; the first
+    pattern that re.searches a converted layer's name decides its recipe (nn/overrides.py)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "overrides", normalize_overrides(self.overrides))
         for key in ("min_features", "divisible_by", "skip_first_blocks", "skip_last_blocks"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -124,9 +129,10 @@ def block_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolicy | None = None
-                   ) -> ConversionReport:
-    """Replace, in place, every nn.Linear of `model` that `policy` allows by an Fp8Linear using `recipe`."""
+def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolicy | None = None,
+                   dry_run: bool = False) -> ConversionReport:
+    """Replace, in place, every nn.Linear (and transformers Conv1D) of `model` that `policy` allows by an
+    Fp8Linear using `recipe`. ``dry_run``: only report what would be converted; the model is left as it is."""
     recipe = make_recipe(recipe) if isinstance(recipe, str) else recipe
     policy = policy or LayerPolicy()
     names = [name for name, _ in model.named_modules()]
@@ -140,29 +146,45 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
         if isinstance(module, Fp8Linear):
             report.skipped.append((name, "already Fp8Linear"))
             continue
-        if not isinstance(module, nn.Linear):
+        linear = _as_linear_shape(module)
+        if linear is None:
             continue
         numel = module.weight.numel()
         if name == "":
             reason = "the model itself is an nn.Linear: wrap it in a container to swap it in place"
-        elif type(module) is not nn.Linear:
+        elif linear is module and type(module) is not nn.Linear:
             reason = f"{type(module).__name__} is a subclass of nn.Linear; only plain nn.Linear is swapped"
         else:
-            reason = policy.skip_reason(name, module, n_blocks)
+            reason = policy.skip_reason(name, linear, n_blocks)
+        override = first_override(policy.overrides, name) if reason is None else None
+        layer_recipe = recipe
+        if override is not None and override[1] == OVERRIDE_BF16:
+            reason = f"policy.overrides {override[0]!r} -> bf16"
+        elif override is not None:
+            layer_recipe = make_recipe(override[1], backend=recipe.backend)
         if reason is None:
-            swaps.append((name, module))
-            report.converted.append((name, f"{module.in_features}->{module.out_features}"))
+            swaps.append((name, module, layer_recipe))
+            via = f" {layer_recipe.name} (policy.overrides {override[0]!r})" if override is not None else ""
+            report.converted.append((name, f"{linear.in_features}->{linear.out_features}{via}"))
             report.converted_params += numel
         else:
             report.skipped.append((name, reason))
             report.skipped_params += numel
-
-    for name, linear in swaps:
+    linear_names = [n for n, m in model.named_modules() if _as_linear_shape(m) is not None]
+    unmatched = unmatched_patterns(policy.overrides, linear_names)
+    if unmatched:  # before any swap: the model is left as it was
+        raise ValueError(f"policy.overrides: {', '.join(map(repr, unmatched))} matches no nn.Linear of this model "
+                         f"(a plan made for another model?); its Linear layers: {', '.join(linear_names[:8])}"
+                         + (", ..." if len(linear_names) > 8 else ""))
+    if dry_run:
+        return report
+    for name, module, layer_recipe in swaps:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Fp8Linear.from_linear(linear, recipe))
+        swap = fp8_from_conv1d if is_conv1d(module) else Fp8Linear.from_linear
+        setattr(parent, child, swap(module, layer_recipe))
 
-    if not report.converted:
+    if not report.converted and not dry_run:
         warnings.warn(f"convert_to_fp8: no nn.Linear was eligible for FP8 ({len(report.skipped)} skipped); "
                       f"the model runs in high precision. Skip reasons:\n{report}", stacklevel=2)
     return report
@@ -171,3 +193,39 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
 def fp8_layers(model: nn.Module) -> list[tuple[str, Fp8Linear]]:
     """(name, layer) for every Fp8Linear in `model`, in module order."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, Fp8Linear)]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# transformers' Conv1D (GPT-2, GPT-J's predecessors): y = x @ weight + bias with weight stored (in, out), the
+# transpose of nn.Linear's (out, in). Recognised by class name so this module never imports transformers.
+# ------------------------------------------------------------------------------------------------------------
+class _LinearShape:
+    def __init__(self, in_features: int, out_features: int):
+        self.in_features, self.out_features = in_features, out_features
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers") \
+        and hasattr(module, "nx") and hasattr(module, "nf")
+
+
+def _as_linear_shape(module: nn.Module):
+    """The module itself for an nn.Linear, its (in, out) shape for a Conv1D, None for anything else."""
+    if isinstance(module, nn.Linear):
+        return module
+    if is_conv1d(module):
+        return _LinearShape(module.nx, module.nf)
+    return None
+
+
+def fp8_from_conv1d(conv: nn.Module, recipe: Fp8Recipe | str = "current") -> Fp8Linear:
+    """An Fp8Linear computing what `conv` computes. Its weight is a NEW Parameter holding conv.weight.T (the
+    nn.Linear layout, so the three GEMMs are the ones written in linear.py); build the optimizer after the swap.
+    `conv1d_layout = True` tells savers to transpose it back to the Hugging Face (in, out) layout."""
+    layer = Fp8Linear(conv.nx, conv.nf, bias=conv.bias is not None, recipe=recipe, device="meta")
+    layer.weight = nn.Parameter(conv.weight.detach().t().contiguous(), requires_grad=conv.weight.requires_grad)
+    layer.bias = conv.bias
+    layer._init_scaling_state(conv.weight.device)
+    layer.train(conv.training)
+    layer.conv1d_layout = True
+    return layer

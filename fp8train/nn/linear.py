@@ -245,6 +245,18 @@ class Fp8Linear(nn.Linear):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.code()}"
 
+    def _apply(self, fn, recurse=True):
+        # .to(dtype), .half() and .bfloat16() cast the weights but never the scaling state: a 1.5e-9
+        # grad_output scale flushes to 0 in fp16, and bf16 would round every scale and amax history. Buffers
+        # still follow device moves.
+        scaling_state = dict(self._buffers)
+        self._buffers.clear()
+        super()._apply(fn, recurse)
+        for name, buffer in scaling_state.items():
+            moved = buffer if buffer is None else fn(buffer)
+            self._buffers[name] = moved if moved is None or moved.dtype == buffer.dtype else buffer.to(moved.device)
+        return self
+
     def _gemm_options(self, device) -> dict:
         # gemm_paths is eager-only bookkeeping: a traced graph may not mutate Python state from inside the
         # autograd.Function (dynamo would break the graph there).

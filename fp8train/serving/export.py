@@ -1,15 +1,14 @@
-"""FP8 weight export for serving, the loader, and conversion between the OCP and FNUZ dialects.
+"""FP8 weight export for serving, its loader, and conversion between the OCP and FNUZ dialects.
 
-    fp8train export RUN_DIR --format e4m3fn --out model-fp8.safetensors [--force]
+    fp8train export RUN_DIR --format e4m3fn --out model-fp8/              a folder transformers and vLLM load
+    fp8train export RUN_DIR --format e4m3fn --out model-fp8.safetensors   one file, fp8train's own layout
     fp8train export --convert model-fp8.safetensors --format e4m3fnuz --out model-fnuz.safetensors
 
-Which model: the newest valid checkpoint of RUN_DIR, rebuilt from RUN_DIR/config.yaml. A run trained in FP8 is
-loaded into the plain (bf16) model by name: its Fp8Linear layers keep their fp32 master weights under the same
-names as nn.Linear (`layers.0.attn.q_proj.weight`), and the FP8 scaling buffers they add (`*_amax_history`,
-`*_scale`, `*_nonfinite_amax_count`, ...) are training state, dropped after checking that they belong to layers
-the run's policy converted. Anything else missing or unexpected is an error.
+An --out ending in `.safetensors` writes the single-file export below; any other --out writes a Hugging Face
+folder (fp8train.serving.hf_export). Which model: fp8train.serving.run_loading (the newest valid checkpoint,
+loaded once).
 
-Layout of an export (one safetensors file, the serving-engine convention for per-channel FP8 weights):
+Layout of a single-file export (the serving-engine convention for per-channel FP8 weights):
 
     <name>.weight        float8 (e4m3fn or e4m3fnuz), shape (out_features, in_features)
     <name>.weight_scale  float32, shape (out_features, 1): one DEQUANT scale per output channel (row),
@@ -30,11 +29,9 @@ per-channel scale, then one rounding to the output dtype (`Fp8WeightLinear`).
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 import os
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,23 +39,27 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fp8train.nn.recipes import ROLES
 from fp8train.numerics.formats import get_format
-from fp8train.numerics.quant import Fp8Tensor, convert_dialect, decode_fp8, quantize
+from fp8train.numerics.quant import Fp8Tensor, convert_dialect, quantize
+from fp8train.serving.fp8_weights import (ACTIVATION_SCHEMES, Fp8WeightLinear, dequantized_weight_model,
+                                          fp8_weight_model, quantize_weight_per_channel)
+from fp8train.serving.hf_export import export_hf_folder, load_hf_export
+from fp8train.serving.run_loading import LoadedRun, fp8_policy_names, load_run, package_version, tied_aliases
+from fp8train.training.config import ModelConfig
+from fp8train.training.data import build_data
+from fp8train.training.model import build_model
 from fp8train.training.rundir import CHECKPOINTS_DIR, give_default_mode
 
 __all__ = [
     "EXPORT_FORMATS", "SCALE_CONVENTION", "LoadedRun", "load_run", "fp8_policy_names", "quantize_weight_per_channel",
     "Fp8WeightLinear", "fp8_weight_model", "export_run", "read_export_metadata", "load_export", "convert_export",
-    "compare_logits", "check_export", "add_cli_arguments", "cli_main",
+    "compare_logits", "check_export", "add_cli_arguments", "cli_main", "export_hf_folder", "load_hf_export",
 ]
 
 EXPORT_FORMATS = ("e4m3fn", "e4m3fnuz")
 EXPORT_MARK = "fp8train-fp8-weights-v1"
 SCALE_CONVENTION = "dequant: w = weight.float() * weight_scale"
 SCALE_LAYOUT = "per-output-channel: weight_scale float32 shape (out_features, 1), amax(|row|) / fmt.max"
-# Buffers an Fp8Linear adds to its state_dict (training-time scaling state, see linear.py).
-_FP8_ROLES = tuple(f"{role}_" for role in ROLES)  # prefixes of Fp8Linear's per-role buffers
 
 
 def _dialect(fmt_name: str) -> str:
@@ -71,165 +72,6 @@ def _export_format(name: str):
         raise ValueError(f"export --format {name!r} is not supported; allowed: {', '.join(EXPORT_FORMATS)} "
                          "(E4M3 weights: OCP e4m3fn, or e4m3fnuz for AMD MI300)")
     return fmt
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("fp8train")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Loading a trained run
-# ------------------------------------------------------------------------------------------------------------
-@dataclass
-class LoadedRun:
-    model: nn.Module  # fp32 master weights, eval mode, plain nn.Linear everywhere
-    cfg: object  # FullConfig from RUN_DIR/config.yaml
-    run_dir: Path
-    checkpoint: Path
-    step: int
-    fp8_names: list  # Linears the run's layer policy puts in FP8
-
-
-def fp8_policy_names(cfg) -> list[str]:
-    """Names of the Linears that the run's recipe and layer policy convert to FP8 (for a bf16 run: those its
-    policy would convert). Found by running the same `convert_to_fp8` on a meta-device copy of the model."""
-    from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config
-    from fp8train.nn.convert import convert_to_fp8
-    from fp8train.training.model import build_model
-    from fp8train.nn.recipes import recipe
-
-    run_recipe = fp8_recipe_from_config(cfg) or recipe("current")
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "no nn.Linear was eligible" is reported by the caller instead
-        skeleton = build_model(cfg.model)
-        report = convert_to_fp8(skeleton, run_recipe.replace(backend="emulated"), layer_policy_from_config(cfg))
-    return [name for name, _ in report.converted]
-
-
-def load_run(run_dir, log=None) -> LoadedRun:
-    """The newest valid checkpoint of ``run_dir`` in the plain model rebuilt from its config.yaml (see the module
-    docstring for how an FP8 run's checkpoint maps onto it)."""
-    from fp8train.training.checkpoint import MANIFEST, latest_valid_checkpoint
-    from fp8train.training.config import load_config
-    from fp8train.training.model import build_model
-
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ValueError(f"run directory {str(run_dir)!r} does not exist")
-    config_file = run_dir / "config.yaml"
-    if not config_file.is_file():
-        raise ValueError(f"run directory {str(run_dir)!r} has no config.yaml (is it a run made by fp8train train?)")
-    cfg = load_config(str(config_file))
-    ckpt = latest_valid_checkpoint(run_dir / "checkpoints", log=log or (lambda m: None))
-    if ckpt is None:
-        raise ValueError(f"run directory {str(run_dir)!r} has no valid checkpoint under checkpoints/ (train with "
-                         "checkpoint.save_final=true, or check the run finished)")
-    fp8_names = fp8_policy_names(cfg)
-    torch.manual_seed(0)  # the values are overwritten below; this only keeps construction deterministic
-    model = build_model(cfg.model)
-    state = load_file(str(ckpt / "model.safetensors"))
-    _load_master_weights(model, state, fp8_names, ckpt)
-    model.eval()
-    step = json.loads((ckpt / MANIFEST).read_text())["step"]
-    return LoadedRun(model, cfg, run_dir, ckpt, int(step), fp8_names)
-
-
-def _load_master_weights(model: nn.Module, state: dict, fp8_names: list, ckpt: Path) -> None:
-    expected = model.state_dict()
-    converted = set(fp8_names)
-    extra = [k for k in state if k not in expected]
-    foreign = [k for k in extra
-               if not (k.rpartition(".")[0] in converted and k.rpartition(".")[2].startswith(_FP8_ROLES))]
-    # A tied tensor is stored once under one of its names (safetensors' save_model): any of them will do.
-    names_of = {}
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        names_of.setdefault(id(tensor), []).append(key)
-    shared = {key: names for names in names_of.values() for key in names}
-    missing = [k for k in expected if not any(name in state for name in shared[k])]
-    if foreign or missing:
-        raise ValueError(f"checkpoint {ckpt} does not fit the model of its run's config.yaml: missing {missing}, "
-                         f"unexpected {foreign}")
-    kept = {k: v for k, v in state.items() if k in expected}
-    model.load_state_dict(kept, strict=False)
-
-
-def _tied_aliases(model: nn.Module) -> set[str]:
-    """state_dict names that are a second name of a tensor already listed (tied embeddings)."""
-    seen, aliases = {}, set()
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in seen:
-            aliases.add(name)
-        seen.setdefault(id(tensor), name)
-    return aliases
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Per-channel FP8 weights
-# ------------------------------------------------------------------------------------------------------------
-def quantize_weight_per_channel(weight: torch.Tensor, fmt="e4m3fn") -> Fp8Tensor:
-    """FP8 weight (out, in) with one dequant scale per output channel: scale (out, 1) = amax(|row|) / fmt.max
-    (an all-zero row gets scale 1). Round-to-nearest-even, saturating (nothing can clip at this scale)."""
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
-    return quantize(weight.detach().float(), fmt, granularity="row", axis=-1)
-
-
-class Fp8WeightLinear(nn.Module):
-    """A Linear with FP8 weights and per-output-channel scales (weight-only FP8, activations stay bf16).
-
-    output = (input @ weight_values.T) * weight_scale.T + bias, with weight_values the exact FP8 values, the
-    product accumulated in fp32 and one rounding to the output dtype (bf16 under autocast): what a W8A16 serving
-    kernel computes, emulated on any device.
-    """
-
-    def __init__(self, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, fmt):
-        super().__init__()
-        self.fmt = get_format(fmt)
-        if weight_fp8.dtype != self.fmt.torch_dtype:
-            raise ValueError(f"weight dtype {weight_fp8.dtype} is not the {self.fmt.name} dtype "
-                             f"{self.fmt.torch_dtype}: refusing to reinterpret FP8 bytes of another format")
-        self.out_features, self.in_features = weight_fp8.shape
-        if tuple(weight_scale.shape) != (self.out_features, 1) or weight_scale.dtype != torch.float32:
-            raise ValueError(f"weight_scale must be float32 of shape ({self.out_features}, 1), got "
-                             f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
-        self.register_buffer("weight", weight_fp8)
-        self.register_buffer("weight_scale", weight_scale)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, fmt="e4m3fn") -> "Fp8WeightLinear":
-        q = quantize_weight_per_channel(linear.weight, fmt)
-        return cls(q.data, q.scale, linear.bias, fmt)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.fmt.name}, " \
-               "scale=per-output-channel"
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        device_type = input.device.type
-        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else input.dtype
-        with torch.autocast(device_type, enabled=False):
-            weight_values = decode_fp8(self.weight, self.fmt)  # (out, in) fp32, exact
-            output = input.float() @ weight_values.t()  # (..., out) fp32 accumulation
-            output = output * self.weight_scale.t()  # per-output-channel dequant
-            if self.bias is not None:
-                output = output + self.bias
-        return output.to(out_dtype)
-
-
-def fp8_weight_model(model: nn.Module, names, fmt="e4m3fn") -> nn.Module:
-    """A copy of ``model`` whose Linears named in ``names`` hold per-channel FP8 weights (Fp8WeightLinear)."""
-    model = copy.deepcopy(model)
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Fp8WeightLinear.from_linear(getattr(parent, child), fmt))
-    return model.eval()
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -262,7 +104,7 @@ def _metadata(fmt, run: LoadedRun, fp8_names: list) -> dict:
         "fp8train.serving.export": EXPORT_MARK,
         "fp8_format": fmt.name,  # how to read the float8 bytes
         "fp8_dialect": _dialect(fmt.name),  # ocp | fnuz
-        "fp8train_version": _version(),
+        "fp8train_version": package_version(),
         "scale_convention": SCALE_CONVENTION,
         "scale_layout": SCALE_LAYOUT,
         "high_precision_dtype": "bfloat16",
@@ -278,8 +120,6 @@ def _metadata(fmt, run: LoadedRun, fp8_names: list) -> dict:
 
 
 def _model_config_dict(model_cfg) -> dict:
-    import dataclasses
-
     return {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(model_cfg)}
 
 
@@ -295,7 +135,7 @@ def export_run(run_dir, out, fmt="e4m3fn", force: bool = False) -> dict:
     if not run.fp8_names:
         raise ValueError(f"the layer policy of {run_dir}/config.yaml keeps every Linear out of FP8 (policy.* keys); "
                          "nothing to export in FP8")
-    tensors, aliases = {}, _tied_aliases(run.model)
+    tensors, aliases = {}, tied_aliases(run.model)
     fp8_params = {f"{n}.weight" for n in run.fp8_names} | {f"{n}.bias" for n in run.fp8_names}
     for name in run.fp8_names:
         linear = run.model.get_submodule(name)
@@ -335,9 +175,6 @@ def load_export(path, expect_format=None, device="cpu") -> nn.Module:
     ``expect_format`` (e.g. "e4m3fnuz" on an MI300 path): refuse an export of another format. Bytes are never
     reinterpreted: every FP8 weight's dtype must be the one its metadata names.
     """
-    from fp8train.training.config import ModelConfig
-    from fp8train.training.model import build_model
-
     meta = read_export_metadata(path)
     fmt = get_format(meta["fp8_format"])
     if expect_format is not None and get_format(expect_format).name != fmt.name:
@@ -361,7 +198,7 @@ def load_export(path, expect_format=None, device="cpu") -> nn.Module:
         setattr(parent, child, Fp8WeightLinear(weight, scale, tensors.pop(f"{name}.bias", None), fmt))
     expected = model.state_dict()
     fp8_keys = {f"{n}.{t}" for n in fp8_names for t in ("weight", "weight_scale", "bias")}
-    aliases = _tied_aliases(model)
+    aliases = tied_aliases(model)
     unexpected = [k for k in tensors if k not in expected]
     missing = [k for k in expected if k not in tensors and k not in aliases and k not in fp8_keys]
     if unexpected or missing:
@@ -402,7 +239,7 @@ def convert_export(src, out, fmt, force: bool = False, allow_inexact: bool = Fal
         changed_total += changed
         tensors[f"{name}.weight"] = moved.data.contiguous()
         tensors[f"{name}.weight_scale"] = moved.scale.float().reshape(-1, 1).contiguous()
-    meta.update({"fp8_format": target.name, "fp8_dialect": _dialect(target.name), "fp8train_version": _version(),
+    meta.update({"fp8_format": target.name, "fp8_dialect": _dialect(target.name), "fp8train_version": package_version(),
                  "converted_from": f"{source.name} ({str(Path(src).resolve())})",
                  "conversion_changed_values": str(changed_total)})
     _write_atomically(tensors, meta, out)
@@ -451,29 +288,14 @@ def compare_logits(model_a: nn.Module, model_b: nn.Module, batches, autocast: bo
 def check_export(path, run_dir, batches: int = 2) -> dict:
     """Logits of the reloaded export against the source model (bf16 weights) and against the source model with
     the same per-channel FP8 weights (which must agree up to bf16 rounding), on the run's validation batches."""
-    from fp8train.training.data import build_data
-
     run = load_run(run_dir)
     exported = load_export(path)
     fmt = exported.export_metadata["fp8_format"]
     val = build_data(run.cfg).val_batches()[:batches]
     autocast = run.cfg.train.autocast == "bf16"
-    same_quant = _dequantized_weight_model(run.model, run.fp8_names, fmt)
+    same_quant = dequantized_weight_model(run.model, run.fp8_names, fmt)
     return {"vs_source": compare_logits(run.model, exported, val, autocast),
             "vs_source_same_quantization": compare_logits(same_quant, exported, val, autocast)}
-
-
-def _dequantized_weight_model(model: nn.Module, names, fmt) -> nn.Module:
-    """A copy holding what an export holds, as plain fp32 tensors: the dequantized per-channel FP8 weights of the
-    FP8-policy Linears, every other floating tensor rounded to bf16."""
-    model = copy.deepcopy(model)
-    for tensor in model.state_dict().values():
-        if tensor.is_floating_point():
-            tensor.copy_(tensor.to(torch.bfloat16))
-    for name in names:
-        linear = model.get_submodule(name)
-        linear.weight.data = quantize_weight_per_channel(linear.weight, fmt).dequantize(torch.float32)
-    return model.eval()
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -482,13 +304,42 @@ def _dequantized_weight_model(model: nn.Module, names, fmt) -> nn.Module:
 def add_cli_arguments(parser) -> None:
     parser.add_argument("run_dir", nargs="?", help="run directory to export (its newest valid checkpoint)")
     parser.add_argument("--format", required=True, help=f"FP8 weight format: {' | '.join(EXPORT_FORMATS)}")
-    parser.add_argument("--out", required=True, help="output .safetensors file")
+    parser.add_argument("--out", required=True,
+                        help="output folder (Hugging Face, compressed-tensors), or a .safetensors file")
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--activations", default="dynamic", choices=ACTIVATION_SCHEMES,
+                        help="folder export: FP8 inputs scaled per token at run time (dynamic) or by a calibrated "
+                             "static input_scale per layer")
+    parser.add_argument("--weight-block", type=int, default=0,
+                        help="folder export: one weight scale per BxB tile (e.g. 128) instead of per output channel")
+    parser.add_argument("--calib-batches", type=int, default=4,
+                        help="folder export with --activations static: calibration batches (train split)")
     parser.add_argument("--convert", metavar="SRC", help="convert the export SRC to --format instead of exporting a run")
     parser.add_argument("--allow-inexact", action="store_true",
                         help="with --convert: round values that the target dialect cannot hold exactly")
     parser.add_argument("--no-check", action="store_true",
                         help="skip reloading the export and comparing its logits with the source model")
+
+
+def _print_check(check: dict) -> None:
+    for name, stats in check.items():
+        print(f"  logits {name}: max|diff| {stats['max_abs_logit_diff']:.4g}, mean KL {stats['mean_kl']:.3g}, "
+              f"top-1 agreement {100 * stats['top1_agreement']:.2f}% over {stats['tokens']} tokens")
+
+
+def _cli_folder(args) -> int:
+    result = export_hf_folder(args.run_dir, args.out, args.format, args.activations, args.weight_block,
+                              args.calib_batches, force=args.force)
+    scales = f"{args.weight_block}x{args.weight_block} weight blocks" if args.weight_block else "per-channel weights"
+    print(f"exported step {result['step']} of {args.run_dir}: {result['fp8_layers']} FP8 Linears (e4m3fn, "
+          f"{scales}, {result['activations']} input scales) -> {result['path']}/ (compressed-tensors, "
+          f"{result['bytes']} bytes of weights)")
+    if not args.no_check:
+        run = load_run(args.run_dir)
+        val = build_data(run.cfg).val_batches()[:2]
+        _print_check({"vs_source": compare_logits(run.model, load_hf_export(args.out), val,
+                                                  run.cfg.train.autocast == "bf16")})
+    return 0
 
 
 def cli_main(args) -> int:
@@ -500,12 +351,11 @@ def cli_main(args) -> int:
         print(f"converted {args.convert} ({result['from']}) -> {result['path']} ({result['format']}), "
               f"{result['changed_values']} values changed, {result['bytes']} bytes")
         return 0
+    if not args.out.endswith(".safetensors"):
+        return _cli_folder(args)
     result = export_run(args.run_dir, args.out, args.format, force=args.force)
     print(f"exported step {result['step']} of {args.run_dir}: {result['fp8_layers']} FP8 Linears "
           f"({result['format']}, per-output-channel scales) -> {result['path']} ({result['bytes']} bytes)")
     if not args.no_check:
-        check = check_export(args.out, args.run_dir)
-        for name, stats in check.items():
-            print(f"  logits {name}: max|diff| {stats['max_abs_logit_diff']:.4g}, mean KL {stats['mean_kl']:.3g}, "
-                  f"top-1 agreement {100 * stats['top1_agreement']:.2f}% over {stats['tokens']} tokens")
+        _print_check(check_export(args.out, args.run_dir))
     return 0

@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from fp8train.training.data import describe_fingerprint_change
+from fp8train.training.model import tied_weight_groups
 from fp8train.training.rundir import dumps, give_default_mode
 
 MANIFEST = "manifest.json"
@@ -220,7 +221,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, sc
     except ValueError as err:
         raise ValueError(f"checkpoint {path} cannot be loaded: {err}; delete it to resume from the one "
                          "before") from None
-    if unexpected or [m for m in missing if not _is_tied_alias(model, m)]:
+    tied = {name for group in tied_weight_groups(model) for name in group}  # stored once: others show as missing
+    if unexpected or [m for m in missing if m not in tied]:
         raise ValueError(f"checkpoint {path} does not fit this model: missing {missing}, unexpected {unexpected}"
                          " (was it made with another model size or FP8 recipe?)")
     if optimizer is not None:
@@ -251,13 +253,6 @@ def check_checkpoint_origin(path: str | Path, manifest: dict, config_hash: str, 
         raise ValueError(f"cannot resume from {path}: it was made from a different config (config hash "
                          f"{str(saved)[:12]}, now {config_hash[:12]}: model, data, optimizer, train or FP8 settings "
                          "differ); resume with the run's own config, or use a new run.name (nothing was changed)")
-
-
-def _is_tied_alias(model: torch.nn.Module, name: str) -> bool:
-    # safetensors' save_model stores one copy of tied tensors; the alias shows up as "missing" on load.
-    params = dict(model.named_parameters(remove_duplicate=False))
-    tensor = params.get(name)
-    return tensor is not None and sum(p is tensor for p in params.values()) > 1
 
 
 def load_model_weights(path: str | Path, model: torch.nn.Module) -> dict:

@@ -9,6 +9,8 @@ Corpora (`data.path`):
   binary), up to `data.max_bytes`; if the folder holds a nanoGPT `train.bin`, that is used instead.
 - a nanoGPT uint16 `.bin`: token ids from some other tokenizer (model.vocab_size must exceed them all);
   a `val.bin` beside a `train.bin` is the validation split, otherwise the tail of the file.
+- `data.hf_dataset`: a local `datasets` dataset (its `data.text_field` rows are the documents), and
+  `data.tokenizer`: a local HF tokenizer instead of bytes (both in fp8train.training.tokenized).
 
 Folders and the built-in corpus are split into train and validation BY FILE, on a hash of each file's
 relative path (salted with `data.split_seed`): the split does not move when files are added elsewhere, and
@@ -38,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from fp8train.training.tokenized import TokenEncoder, dataset_docs
 
 __all__ = ["TextData", "build_data", "stdlib_files", "data_fingerprint", "describe_fingerprint_change"]
 
@@ -206,8 +210,15 @@ def _load_bin(path: Path, vocab_size: int, val_fraction: float, seq_len: int, so
 def build_data(cfg) -> TextData:
     """The corpus of `cfg.data` batched per `cfg.train` and `cfg.model` (see the module docstring)."""
     d, T = cfg.data, cfg.model.seq_len
-    byte_level, train_files, val_files = True, [], []
-    if not d.path:
+    # Byte-level text, or a local HF tokenizer's ids (fp8train.training.tokenized; cached on disk).
+    encoder = TokenEncoder(d.tokenizer) if d.tokenizer else None
+    encode = encoder or _join
+    byte_level, train_files, val_files, presplit = encoder is None, [], [], None
+    if d.hf_dataset:
+        source = f"data.hf_dataset {d.hf_dataset!r}"
+        docs, val_docs = dataset_docs(d.hf_dataset, d.text_field)
+        presplit = (docs, val_docs) if val_docs else None
+    elif not d.path:
         root, files = stdlib_files()
         source = f"built-in corpus (Python stdlib at {root})"
         docs = _read_files(root, files, d.max_bytes, check_binary=False, source=source)
@@ -223,6 +234,8 @@ def build_data(cfg) -> TextData:
             byte_level, docs = False, None
             if path.stat().st_size < 2:
                 raise ValueError(f"{source} is empty; a .bin needs uint16 token ids")
+            if encoder is not None:
+                encoder.check_fits(np.uint16, source)
             train, val = _load_bin(path, cfg.model.vocab_size, d.val_fraction, T, source)
         elif path.is_dir():
             docs = _read_files(path, _text_files(path), d.max_bytes, check_binary=True, source=source)
@@ -232,13 +245,13 @@ def build_data(cfg) -> TextData:
             docs = _read_files(path.parent, [path], d.max_bytes, check_binary=False, source=source)
             if not docs:
                 raise ValueError(f"{source} is an empty file")
-            train, val = _tail_split(_join(docs), d.val_fraction, T)
+            train, val = _tail_split(encode(docs), d.val_fraction, T)
             docs = None
     if docs is not None:
-        train_docs, val_docs = _split_by_file(docs, d.val_fraction, d.split_seed)
-        train, val = _join(train_docs), _join(val_docs)
+        train_docs, val_docs = presplit or _split_by_file(docs, d.val_fraction, d.split_seed)
+        train, val = encode(train_docs), encode(val_docs)
         if len(train) <= T or len(val) <= T:  # too few files for a by-file split: fall back to the tail
-            train, val = _tail_split(_join(docs), d.val_fraction, T)
+            train, val = _tail_split(encode(docs), d.val_fraction, T)
         else:
             train_files, val_files = [r for r, _ in train_docs], [r for r, _ in val_docs]
     if byte_level and cfg.model.vocab_size < BYTE_VOCAB:
@@ -248,10 +261,11 @@ def build_data(cfg) -> TextData:
         raise ValueError(f"{source} is too short: {len(train)} train and {len(val)} validation tokens, but each "
                          f"split needs at least model.seq_len + 1 = {T + 1}")
     return TextData(
-        train_tokens=train, val_tokens=val, vocab_size=cfg.model.vocab_size if not byte_level else BYTE_VOCAB,
+        train_tokens=train, val_tokens=val,
+        vocab_size=encoder.vocab_size if encoder else cfg.model.vocab_size if not byte_level else BYTE_VOCAB,
         seq_len=T, batch_size=cfg.train.batch_size, seed=cfg.train.seed, eval_batches=cfg.train.eval_batches,
         byte_level=byte_level, source=source, train_files=train_files, val_files=val_files,
-        fingerprint=data_fingerprint(train, val, builtin=not d.path, train_files=train_files, val_files=val_files),
+        fingerprint=data_fingerprint(train, val, builtin=not (d.path or d.hf_dataset), train_files=train_files, val_files=val_files),
     )
 
 

@@ -8,21 +8,23 @@ Module names are a contract (the layer policy, telemetry and the KV-cache evalua
 `embed`, `layers.{i}.attn_norm`, `layers.{i}.attn.{q,k,v,o}_proj`, `layers.{i}.mlp_norm`,
 `layers.{i}.mlp.{gate,up,down}_proj`, `norm`, `lm_head`.
 
-`build_model(model_cfg)` also builds a Hugging Face causal LM from a local `config.json` when
-`model.hf_config` is set, wrapped so that it has the same `forward(idx, targets) -> (logits, loss)`.
+`build_model(model_cfg)` also builds a Hugging Face causal LM from a local folder when `model.hf_path`
+(pretrained weights) or `model.hf_config` (architecture only) is set (fp8train.training.hf), wrapped so that it has
+the same `forward(idx, targets) -> (logits, loss)`.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Decoder", "HFCausalLM", "build_model", "count_params"]
+from fp8train.training.hf import build_hf_model
+
+__all__ = ["Decoder", "HFCausalLM", "build_model", "count_params", "vocab_rows", "check_model_for_run"]
 
 # callable(k, v, layer_idx) -> (k, v); k and v are (B, n_kv_heads, T, head_dim)
 KVTransform = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
@@ -168,7 +170,8 @@ def lm_loss(logits: torch.Tensor, targets: Optional[torch.Tensor]) -> Optional[t
 
 
 class HFCausalLM(nn.Module):
-    """A Hugging Face causal LM with fp8train's `forward(idx, targets) -> (logits, loss)`."""
+    """A Hugging Face causal LM with fp8train's `forward(idx, targets) -> (logits, loss)`. Its state_dict names
+    carry the prefix `hf.`; Hugging Face files (save_pretrained, export) use the names without it."""
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()
@@ -179,39 +182,27 @@ class HFCausalLM(nn.Module):
         return logits, lm_loss(logits, targets)
 
 
-def build_hf_model(model_cfg) -> HFCausalLM:
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError as e:
-        raise ImportError(
-            "model.hf_config needs Hugging Face transformers: pip install transformers  (or fp8train[hf])"
-        ) from e
-    path = os.path.expanduser(model_cfg.hf_config)
-    if not os.path.exists(path):
-        raise ValueError(f"model.hf_config: {path!r} does not exist; give a local config.json or a folder holding one")
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"model.hf_config: folder {path!r} has no config.json")
-    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
-    vocab = getattr(hf_config, "vocab_size", None)
-    if vocab is not None and vocab < model_cfg.vocab_size:
-        raise ValueError(
-            f"model.hf_config: its vocab_size {vocab} is smaller than model.vocab_size {model_cfg.vocab_size} "
-            "(the data's token ids); raise vocab_size in the HF config"
-        )
-    max_pos = getattr(hf_config, "max_position_embeddings", None)
-    if max_pos is not None and max_pos < model_cfg.seq_len:
-        raise ValueError(
-            f"model.seq_len {model_cfg.seq_len} exceeds max_position_embeddings {max_pos} of model.hf_config"
-        )
-    return HFCausalLM(AutoModelForCausalLM.from_config(hf_config))
-
-
-def build_model(model_cfg) -> nn.Module:
-    """Our Decoder, or a Hugging Face causal LM when model.hf_config is set (architecture fields then come from
-    that config; model.seq_len and model.vocab_size still describe the data)."""
-    if model_cfg.hf_config:
-        return build_hf_model(model_cfg)
+def build_model(model_cfg, load_weights: bool = True) -> nn.Module:
+    """Our Decoder, or a Hugging Face causal LM when model.hf_path (pretrained weights) or model.hf_config
+    (architecture, random init) is set: its architecture then comes from config.json; model.seq_len still
+    describes the data. ``load_weights=False`` skips an hf_path's weights (a checkpoint is loaded over them)."""
+    if model_cfg.hf_path or model_cfg.hf_config:
+        return HFCausalLM(build_hf_model(model_cfg, load_weights))
     return Decoder(model_cfg)
+
+
+def tied_weight_groups(model: nn.Module) -> list[list[str]]:
+    """The state_dict names that share one tensor (tied embeddings: `embed.weight` and `lm_head.weight`), one
+    group per shared tensor, each in state_dict order. safetensors stores such a tensor once, under one name."""
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names_of.setdefault(id(tensor), []).append(name)
+    return [names for names in names_of.values() if len(names) > 1]
+def vocab_rows(model: nn.Module) -> int:
+    """Rows of the input embedding: every token id the data holds must be below this."""
+    inner = model.hf if isinstance(model, HFCausalLM) else model
+    embedding = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else inner.embed
+    return embedding.num_embeddings
 
 
 def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
@@ -224,3 +215,18 @@ def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
         seen.add(id(p))
         total += p.numel()
     return total
+
+
+def check_model_for_run(model: nn.Module, data_vocab: int, conversion, allow_no_fp8: bool) -> None:
+    """Refuse, before anything is written, a model that cannot hold the data's token ids, and an FP8 run in
+    which no layer converted (it would train in high precision while its summary says FP8)."""
+    rows = vocab_rows(model)
+    if data_vocab > rows:
+        raise ValueError(f"the data has token ids up to {data_vocab - 1} but the model's embedding has {rows} rows; "
+                         f"set model.vocab_size >= {data_vocab} (or use a Hugging Face model whose vocabulary "
+                         "covers the tokenizer)")
+    if conversion is not None and not conversion.converted and not allow_no_fp8:
+        reasons = "; ".join(f"{name}: {reason}" for name, reason in conversion.skipped) or "the model has no Linear"
+        raise ValueError(f"fp8.recipe={conversion.recipe.name} but no layer converted to FP8 ({reasons}); change "
+                         "policy.* (e.g. policy.min_features) or set policy.allow_no_fp8=true to train in high "
+                         "precision anyway")

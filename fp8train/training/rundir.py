@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import Any, Iterable
 
 __all__ = [
-    "CONFIG_FILE", "METRICS_FILE", "TELEMETRY_FILE", "SUMMARY_FILE", "CHECKPOINTS_DIR",
+    "CONFIG_FILE", "METRICS_FILE", "TELEMETRY_FILE", "SUMMARY_FILE", "CHECKPOINTS_DIR", "TRACKERS_FILE",
     "run_dir_path", "json_safe", "write_text_atomic", "write_json_atomic", "read_json", "read_jsonl",
-    "append_jsonl", "refuse_symlink", "refuse_symlinks_in", "dumps", "nonfinite_fields", "restore_nonfinite",
-    "dir_state", "DirLock", "LOCK_FILE", "WRITE_ERRNOS", "write_error", "record_write_failure", "give_default_mode",
+    "append_jsonl", "truncate_jsonl", "refuse_symlink", "refuse_symlinks_in", "dumps", "nonfinite_fields",
+    "restore_nonfinite", "dir_state", "DirLock", "LOCK_FILE", "WRITE_ERRNOS", "write_error", "record_write_failure",
+    "give_default_mode",
 ]
 
 CONFIG_FILE = "config.yaml"
@@ -41,6 +42,7 @@ METRICS_FILE = "metrics.jsonl"
 TELEMETRY_FILE = "telemetry.jsonl"
 SUMMARY_FILE = "summary.json"
 CHECKPOINTS_DIR = "checkpoints"
+TRACKERS_FILE = "trackers.json"  # tracker run ids (wandb), so a resumed run continues the same tracker run
 LOCK_FILE = ".fp8train.lock"
 NONFINITE_FIELD = "nonfinite"  # {"loss": "nan"} beside "loss": null: strict JSON that still says what it was
 
@@ -305,3 +307,13 @@ def give_default_mode(path: str | os.PathLike) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
+
+
+def truncate_jsonl(path: str | os.PathLike, last_step: int) -> list[dict]:
+    """Keep only the records of steps <= `last_step` (a resumed run rewrites what came after its checkpoint), and
+    return them; the file is replaced whole. Missing file: nothing to do, no records."""
+    path = Path(path)
+    kept = [r for r in read_jsonl(path) if r["step"] <= last_step]
+    if path.exists():
+        write_text_atomic(path, "".join(dumps(r) + "\n" for r in kept))
+    return kept

@@ -83,9 +83,11 @@ def counters(layers) -> dict:
     return out
 
 
-def append(path: Path, step: int, stats: dict, enabled: bool = True) -> None:
+def append(path: Path, step: int, stats: dict, enabled: bool = True, extra: dict | None = None) -> None:
+    """One telemetry.jsonl line; `extra` adds top-level keys ("shadow": recipe shadowing, "gemms": kernel paths)."""
     if enabled:  # strict JSON: non-finite floats as strings ("inf"), which _number reads back
-        append_jsonl(path, [{"step": step, "layers": _strings_for_nonfinite(stats)}])
+        append_jsonl(path, [{"step": step, "layers": _strings_for_nonfinite(stats),
+                             **_strings_for_nonfinite(extra or {})}])
 
 
 def _strings_for_nonfinite(value):

@@ -12,16 +12,17 @@ Where things live (each importable from here):
                 defaults come from fp8train.nn, defined once there);
 - `validation`  the validate section;
 - `full`        `FullConfig`, all sections composed;
-- `load`        strict loading, YAML text, hashing, and the shared command-line shape of config-driven commands.
+- `load`        strict loading, YAML text, hashing;
+- `arguments`   the command-line shape of config-driven commands (CONFIG or --config CONFIG, overrides).
 """
 
 from fp8train.nn.convert import DEFAULT_EXCLUDE
 from fp8train.nn.recipes import RECIPE_NAMES
+from fp8train.training.config.arguments import add_config_arguments, resolve_config_arguments
 from fp8train.training.config.fp8 import (BASELINE_RECIPE, FP8_RECIPE_CHOICES, Fp8Config, PolicyConfig,
                                           fp8_recipe_from_config, layer_policy_from_config)
 from fp8train.training.config.full import FullConfig
-from fp8train.training.config.load import (HASH_EXCLUDE, add_config_arguments, config_hash, config_to_yaml,
-                                           load_config)
+from fp8train.training.config.load import HASH_EXCLUDE, config_hash, config_to_yaml, load_config
 from fp8train.training.config.model_data import DataConfig, ModelConfig
 from fp8train.training.config.run import (AUTOCAST_MODES, DEVICES, WANDB_MODES, CheckpointConfig, LogConfig,
                                           OptimConfig, RunConfig, TrainConfig)
@@ -31,6 +32,6 @@ __all__ = [
     "RunConfig", "ModelConfig", "DataConfig", "TrainConfig", "OptimConfig", "Fp8Config", "PolicyConfig",
     "LogConfig", "CheckpointConfig", "ValidateConfig", "FullConfig",
     "load_config", "config_to_yaml", "config_hash", "fp8_recipe_from_config", "layer_policy_from_config",
-    "add_config_arguments", "HASH_EXCLUDE", "RECIPE_NAMES", "FP8_RECIPE_CHOICES", "BASELINE_RECIPE",
+    "add_config_arguments", "resolve_config_arguments", "HASH_EXCLUDE", "RECIPE_NAMES", "FP8_RECIPE_CHOICES", "BASELINE_RECIPE",
     "DEFAULT_EXCLUDE", "WANDB_MODES", "DEVICES", "AUTOCAST_MODES",
 ]

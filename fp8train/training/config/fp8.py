@@ -11,10 +11,15 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import yaml
 
 from fp8train.nn.convert import LayerPolicy
 from fp8train.nn.gemm import EMULATED_DTYPES
+from fp8train.nn.overrides import normalize_overrides
+from fp8train.nn.te import te_config_refusal
 from fp8train.nn.recipes import AMAX_COMPUTE_ALGOS, BACKENDS, FORMAT_NAMES, RECIPE_NAMES, Fp8Recipe, recipe
 from fp8train.numerics.kernel_probe import KERNEL_CHOICES
 from fp8train.training.config.base import _Section, _require
@@ -32,7 +37,7 @@ _POLICY_DEFAULTS = LayerPolicy()
 class Fp8Config(_Section):
     _section = "fp8"
     recipe: str = "delayed"
-    """none (bf16 baseline) | delayed | current | rowwise | block."""
+    """none (bf16 baseline) | delayed | current | rowwise | block | mxfp8."""
     backend: str = "auto"
     """FP8 GEMM backend: auto | emulated (any device) | scaled_mm (CUDA sm89+) | te (Transformer Engine)."""
     # Optional per-field overrides of the named preset; None keeps the preset's value.
@@ -64,6 +69,12 @@ class Fp8Config(_Section):
     quantize_kernel: str = "auto"
     """auto (fastest bit-exact kernel, measured once per machine and cached) | eager | compiled_cast |
     compiled_select."""
+    fast_accum_forward: Optional[bool] = None
+    """scaled_mm: fast (unpromoted) tensor-core accumulation in the forward GEMM (preset default: true)."""
+    accumulator_bits: Optional[int] = None
+    """emulated: model a tensor core keeping this many accumulator bits (Hopper ~14); 0 = exact fp32."""
+    accumulator_promotion: Optional[int] = None
+    """emulated with accumulator_bits: products along K between promotions to fp32 (default 128; 0 = never)."""
 
     def _check(self) -> None:
         self._in("emulated_dtype", ("auto",) + tuple(EMULATED_DTYPES))
@@ -73,12 +84,21 @@ class Fp8Config(_Section):
                      self._key("amax_outlier_factor"), self.amax_outlier_factor, "must be 0 (off) or > 1")
         self._in("recipe", FP8_RECIPE_CHOICES)
         self._in("backend", BACKENDS)
+        if self.backend == "te":  # at config time, with the reason (nn/te.py), before anything is written
+            raise ValueError(te_config_refusal(recipe("current" if self.recipe == BASELINE_RECIPE else self.recipe)))
         if self.margin is not None:  # 2**margin beyond 32 binades flushes every value of every format to zero
             _require(0 <= self.margin <= MAX_MARGIN, self._key("margin"), self.margin,
                      f"must be in [0, {MAX_MARGIN}] (powers of two of headroom; above {MAX_MARGIN} every FP8 value "
                      "of every format underflows to zero)")
         if self.amax_history_len is not None:
             self._at_least("amax_history_len", 1)
+        if self.accumulator_bits is not None:
+            _require(self.accumulator_bits == 0 or 2 <= self.accumulator_bits <= 24, self._key("accumulator_bits"),
+                     self.accumulator_bits, "0 (exact fp32) or an int in [2, 24] (significant bits kept)")
+        if self.accumulator_promotion is not None:
+            _require(self.accumulator_promotion >= 0 and self.accumulator_promotion % 32 == 0,
+                     self._key("accumulator_promotion"), self.accumulator_promotion,
+                     "0 (never) or a positive multiple of 32 (the MMA depth)")
         if self.amax_compute_algo is not None:
             self._in("amax_compute_algo", AMAX_COMPUTE_ALGOS)
         for name in ("input_format", "weight_format", "grad_output_format"):
@@ -104,6 +124,13 @@ class PolicyConfig(_Section):
     """Keep the first N transformer blocks in high precision."""
     skip_last_blocks: int = _POLICY_DEFAULTS.skip_last_blocks
     """Keep the last N transformer blocks in high precision."""
+    overrides: Dict[str, str] = field(default_factory=dict)
+    """Per-layer recipes: ordered {regex: recipe name or bf16}; the first regex that re.searches a converted
+    layer's name decides its recipe (nn/overrides.py). A regex matching no nn.Linear is an error."""
+    plan: str = ""
+    """A `fp8train plan` output (YAML with policy.overrides): its overrides come before policy.overrides."""
+    allow_no_fp8: bool = False
+    """Let a run whose policy converts no layer proceed in high precision (otherwise it fails, listing why)."""
 
     def _check(self) -> None:
         self._at_least("min_features", 0)
@@ -115,6 +142,27 @@ class PolicyConfig(_Section):
                 re.compile(pattern)
             except re.error as e:
                 raise ValueError(f"config policy.exclude[{i}]={pattern!r} is not a valid regex: {e}") from None
+        normalize_overrides(dict(self.overrides), "config policy.overrides")
+        if self.plan:
+            read_plan_overrides(self.plan)  # a missing or malformed plan fails here, before anything runs
+
+
+def read_plan_overrides(path: str) -> tuple[tuple[str, str], ...]:
+    """The validated policy.overrides of a plan file (`fp8train plan` output), in file order."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"config policy.plan={path!r}: cannot read it ({e.strerror or e})") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"config policy.plan={path!r} is not YAML: {str(e).splitlines()[0]}") from None
+    overrides = data.get("policy", {}).get("overrides") if isinstance(data, dict) and isinstance(
+        data.get("policy"), dict) else None
+    if not isinstance(overrides, dict) or not overrides:
+        raise ValueError(f"config policy.plan={path!r} has no policy.overrides mapping (write one with "
+                         f"`fp8train plan RUN_DIR --out PLAN.yaml`)")
+    return normalize_overrides(overrides, f"config policy.plan={path!r}: policy.overrides")
 
 
 
@@ -130,9 +178,12 @@ def fp8_recipe_from_config(cfg) -> Fp8Recipe | None:
             continue
         overrides[f.name] = tuple(value) if f.name.endswith("_block") else value
     try:
-        return recipe(fp8.recipe, **overrides)
+        run_recipe = recipe(fp8.recipe, **overrides)
     except (ValueError, TypeError) as e:
         raise ValueError(f"fp8 (recipe {fp8.recipe!r} with overrides {overrides}): {e}") from e
+    if run_recipe.backend == "te":  # refused here, before any run directory or model exists
+        raise ValueError(te_config_refusal(run_recipe))
+    return run_recipe
 
 
 def layer_policy_from_config(cfg) -> LayerPolicy:
@@ -144,4 +195,5 @@ def layer_policy_from_config(cfg) -> LayerPolicy:
         exclude=list(p.exclude),
         skip_first_blocks=p.skip_first_blocks,
         skip_last_blocks=p.skip_last_blocks,
+        overrides=(read_plan_overrides(p.plan) if p.plan else ()) + normalize_overrides(dict(p.overrides)),
     )

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fp8train.training.config.fp8 import Fp8Config, PolicyConfig
 from fp8train.training.config.model_data import DataConfig, ModelConfig
 from fp8train.training.config.run import CheckpointConfig, LogConfig, OptimConfig, RunConfig, TrainConfig
 from fp8train.training.config.validation import ValidateConfig
+from fp8train.training.rundir import run_dir_path
 
 
 @dataclass
@@ -25,5 +26,6 @@ class FullConfig:
     validate: ValidateConfig = field(default_factory=ValidateConfig)
 
     @property
-    def run_dir(self) -> str:
-        return os.path.join(self.run.dir, self.run.name)
+    def run_dir(self) -> Path:
+        """<run.dir>/<run.name> (fp8train.training.rundir says where everything in it lives)."""
+        return run_dir_path(self.run.dir, self.run.name)

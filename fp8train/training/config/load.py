@@ -60,6 +60,9 @@ def _check_keys(given: Any, schema: type, prefix: str = "") -> None:
             _check_keys(value, types[key], path + ".")
         elif types[key] in (bool, Optional[bool]) and not (value is None or isinstance(value, bool)):
             raise ValueError(f"config {path}={value!r} is invalid: must be true or false")
+        elif typing.get_origin(types[key]) is dict:  # a mapping setting (OmegaConf's own error is a bare TypeError)
+            if not isinstance(value, dict):
+                raise ValueError(f"config {path}={value!r} is invalid: must be a mapping {{key: value, ...}}")
         elif isinstance(value, dict):  # OmegaConf answers a mapping given to a list field with a bare TypeError
             raise ValueError(f"config {path}={value!r} is invalid: {path} is a single setting, not a section "
                              "(give a value, or a list in [brackets])")
@@ -133,13 +136,6 @@ def _omegaconf_error(e: OmegaConfBaseException) -> ValueError:
     key = getattr(e, "full_key", None) or getattr(e, "key", None) or "?"
     msg = getattr(e, "msg", None) or str(e)
     return ValueError(f"config {key}: {msg.splitlines()[0]}")
-
-
-def add_config_arguments(parser, example_config: str, example_override: str, what: str = "progress bars") -> None:
-    """The command-line shape of config-driven commands: `CONFIG [key=value ...] [--quiet]`."""
-    parser.add_argument("config", help=f"recipe YAML, e.g. {example_config}")
-    parser.add_argument("overrides", nargs="*", help=f"key=value overrides, e.g. {example_override}")
-    parser.add_argument("--quiet", action="store_true", help=f"no {what}")
 
 
 def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> FullConfig:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fp8train.training.config.base import _Section, _require
+from fp8train.training.hf import check_hf_model_fields
 
 
 @dataclass
@@ -32,6 +33,8 @@ class ModelConfig(_Section):
     """RoPE base frequency."""
     hf_config: str = ""
     """Local Hugging Face config.json (or its folder) to build a transformers causal LM instead; "" = ours."""
+    hf_path: str = ""
+    """Local Hugging Face model folder (config.json + safetensors) to fine-tune from its weights; "" = none."""
 
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
@@ -55,6 +58,8 @@ class ModelConfig(_Section):
                  f"head_dim = d_model / n_heads = {head_dim} must be even (RoPE rotates channel pairs)")
         _require(self.n_heads % self.kv_heads() == 0, "model.n_kv_heads", self.n_kv_heads,
                  f"must divide model.n_heads={self.n_heads}")
+        if self.hf_path or self.hf_config:  # Decoder fields would be ignored by an HF model: refuse them
+            check_hf_model_fields(self, type(self)())
 
 
 @dataclass
@@ -68,7 +73,16 @@ class DataConfig(_Section):
     """Salt of the file-level train/validation split (a hash of each file's relative path)."""
     max_bytes: int = 32_000_000
     """Cap on text corpora: files are read in sorted order until this many bytes; 0 = no cap. Not for .bin."""
+    tokenizer: str = ""
+    """Local Hugging Face tokenizer folder (tokenizer.json): text is tokenized with it, once, and cached."""
+    hf_dataset: str = ""
+    """Local `datasets` dataset saved with save_to_disk (its text is data.text_field); replaces data.path."""
+    text_field: str = "text"
+    """Column of data.hf_dataset that holds the text."""
 
     def _check(self) -> None:
         _require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
         self._at_least("max_bytes", 0, "must be >= 0 (0 = no cap)")
+        _require(bool(self.text_field), "data.text_field", self.text_field, "a column name of data.hf_dataset")
+        _require(not (self.hf_dataset and self.path), "data.hf_dataset", self.hf_dataset,
+                 f"replaces data.path (set to {self.path!r}): give one of them")

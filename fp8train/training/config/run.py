@@ -4,9 +4,11 @@ and checkpoints."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import Any, List
 
 from fp8train.training.config.base import _Section, _require
+from fp8train.training.tracking import TRACKER_NAMES
+from fp8train.training.shadow import SHADOW_RECIPES
 
 WANDB_MODES = ("disabled", "offline", "online")
 # Upper bounds of values that would otherwise fail late, after the run directory was written: a folder name
@@ -62,8 +64,9 @@ class TrainConfig(_Section):
     """CPU threads per process; 0 = torch's default (split between processes). Small models: 1 is often fastest."""
     autocast: str = "bf16"
     """Activation precision outside FP8 layers: bf16 autocast, or none (fp32)."""
-    resume: bool = False
-    """Resume from the latest checkpoint in the run directory."""
+    resume: Any = False
+    """true | false | auto: resume from the newest valid checkpoint in the run directory (true: one must exist;
+    auto: start when there is none). Rules for what may change on resume: fp8train.training.resume."""
     compile: bool = False
     """torch.compile the model (every recipe compiles without graph breaks; needs a C++ compiler on CPU)."""
 
@@ -81,6 +84,12 @@ class TrainConfig(_Section):
                  f"must be divisible by train.grad_accum={self.grad_accum}")
         self._in("device", DEVICES)
         self._in("autocast", AUTOCAST_MODES)
+        # YAML and the command line give true/false as bools, but "True" or "false" may arrive as strings.
+        words = {"true": True, "false": False, "auto": "auto"}
+        if isinstance(self.resume, str) and self.resume.lower() in words:
+            self.resume = words[self.resume.lower()]
+        _require(isinstance(self.resume, bool) or self.resume == "auto", "train.resume", self.resume,
+                 "one of true, false, auto")
 
 
 @dataclass
@@ -110,18 +119,37 @@ class OptimConfig(_Section):
 class LogConfig(_Section):
     _section = "log"
     every: int = 10
-    """Write a metrics.jsonl line (and a wandb log) every N optimizer steps."""
+    """Write a metrics.jsonl line (and a tracker log) every N optimizer steps."""
     telemetry_every: int = 50
     """Sample per-layer FP8 health (amax, scales, clipping, SQNR) every N steps; 0 = off."""
+    trackers: List[str] = field(default_factory=lambda: ["wandb"])
+    """accelerate trackers to log to: wandb, tensorboard, mlflow, aim, ... (wandb only while log.wandb is not
+    disabled; file-based trackers write under the run directory). [] = none."""
     wandb: str = "offline"
-    """disabled | offline | online."""
+    """disabled | offline (files under the run directory; upload later with `wandb sync`) | online."""
     wandb_project: str = "fp8train"
     """wandb project name."""
+    shadow_recipes: List[str] = field(default_factory=list)
+    """Recipes to shadow on every telemetry step: each Fp8Linear (each nn.Linear in a bf16 run) also measures
+    what these recipes would do to its real operands (SQNR, overflow, underflow per role); training unchanged.
+    Empty = off. Needs telemetry_every > 0. Feeds `fp8train plan`."""
 
     def _check(self) -> None:
         self._at_least("every", 1)
         self._at_least("telemetry_every", 0, "must be >= 0 (0 = off)")
         self._in("wandb", WANDB_MODES)
+        for name in self.trackers:
+            _require(name in TRACKER_NAMES, "log.trackers", list(self.trackers), f"names from {list(TRACKER_NAMES)}")
+        _require(len(set(self.trackers)) == len(self.trackers), "log.trackers", list(self.trackers), "no duplicates")
+        for name in self.shadow_recipes:
+            _require(name in SHADOW_RECIPES, "log.shadow_recipes", list(self.shadow_recipes),
+                     f"recipe names from {list(SHADOW_RECIPES)} ('delayed' needs an amax history a shadow "
+                     f"does not keep: "
+                     f"'current' is its best case); {name!r} is not one")
+        _require(len(set(self.shadow_recipes)) == len(self.shadow_recipes), "log.shadow_recipes",
+                 list(self.shadow_recipes), "each recipe at most once")
+        _require(not self.shadow_recipes or self.telemetry_every > 0, "log.shadow_recipes",
+                 list(self.shadow_recipes), "needs log.telemetry_every > 0 (shadowing runs on telemetry steps)")
 
 
 @dataclass

@@ -28,8 +28,10 @@ class ValidateConfig(_Section):
     def _check(self) -> None:
         allowed = f"a non-empty list of FP8 recipes from {list(RECIPE_NAMES)} ('none' is the baseline, always run)"
         _require(len(self.candidates) > 0, "validate.candidates", list(self.candidates), allowed)
-        for name in self.candidates:
-            _require(name in RECIPE_NAMES, "validate.candidates", list(self.candidates), allowed)
+        for spec in self.candidates:  # [LABEL=]RECIPE[:KEY=VALUE,...]; evidence/validate parses the rest
+            name = str(spec).partition(":")[0].rpartition("=")[2]
+            _require(name in RECIPE_NAMES, "validate.candidates", list(self.candidates),
+                     allowed + ", each optionally as [LABEL=]RECIPE[:KEY=VALUE,...]")
         _require(len(set(self.candidates)) == len(self.candidates), "validate.candidates", list(self.candidates),
                  "no duplicates")
         self._at_least("margin", 0, "relative loss gap, must be >= 0")

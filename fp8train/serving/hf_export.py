@@ -1,0 +1,284 @@
+"""FP8 export as a Hugging Face folder: what `transformers.AutoModelForCausalLM.from_pretrained` and vLLM load.
+
+    fp8train export RUN_DIR --format e4m3fn --out model-fp8/ [--activations dynamic|static] [--weight-block 128]
+
+The folder holds `model.safetensors`, `config.json` and, when the run tokenized with `data.tokenizer`, the
+tokenizer's files. Names are Hugging Face names: an HF run's own (`model.layers.0.self_attn.q_proj`, the `hf.`
+prefix of fp8train's wrapper dropped); fp8train's Decoder is written as the Llama it is (RMSNorm, RoPE in the
+rotate-half layout, SwiGLU, grouped-query attention: `LlamaForCausalLM`, names mapped by `_DECODER_TO_LLAMA`).
+
+config.json carries a compressed-tensors `quantization_config` (format `float-quantized`), the scheme
+transformers 5 and vLLM read for FP8 checkpoints:
+- weights: E4M3 (OCP e4m3fn; compressed-tensors has no FNUZ), symmetric, static, one dequant scale per output
+  channel (`weight_scale` float32 (out, 1)), or with a weight block b, one per b x b tile (`strategy: block`,
+  `weight_scale` (ceil(out/b), ceil(in/b)), DeepSeek-V3's `weight_block_size` for b = 128);
+- input activations: E4M3, dynamic per token (scale = amax(|token|) / 448 at run time; per 1 x b group with block
+  weights), or static: one `input_scale` per layer, amax(|input|) / 448 over calibration windows of the run's
+  train split after its last step (never the validation tokens), under the run's autocast;
+- `ignore`: every Linear the run's layer policy kept out of FP8 (lm_head, routers, ...), which stay bf16 as do
+  embeddings and norms. GPT-2's Conv1D layers are not nn.Linear, which compressed-tensors quantizes, so they are
+  written dense in bf16 and not listed.
+
+`load_hf_export(folder)` is fp8train's own loader: the architecture from config.json, each FP8 Linear run as
+`Fp8ActivationLinear` (the same W8A8 arithmetic, written from the scheme above, in fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+from fp8train.numerics.formats import get_format
+from fp8train.serving.fp8_weights import (ACTIVATION_SCHEMES, Fp8ActivationLinear, quantize_weight_blocks,
+                                          quantize_weight_per_channel)
+from fp8train.serving.run_loading import LoadedRun, load_run, package_version, tied_aliases
+from fp8train.training.data import build_data
+from fp8train.training.model import HFCausalLM
+from fp8train.training.rundir import CHECKPOINTS_DIR, give_default_mode
+
+__all__ = ["export_hf_folder", "load_hf_export", "hf_export_names", "quantization_config", "llama_config_of"]
+
+_DECODER_TO_LLAMA = (
+    (r"^embed\.", "model.embed_tokens."),
+    (r"^layers\.(\d+)\.attn_norm\.", r"model.layers.\1.input_layernorm."),
+    (r"^layers\.(\d+)\.mlp_norm\.", r"model.layers.\1.post_attention_layernorm."),
+    (r"^layers\.(\d+)\.attn\.", r"model.layers.\1.self_attn."),
+    (r"^layers\.(\d+)\.mlp\.", r"model.layers.\1.mlp."),
+    (r"^norm\.", "model.norm."),
+)
+E4M3_MAX = get_format("e4m3fn").max
+
+
+def hf_export_names(model: nn.Module):
+    """name -> Hugging Face name, for state_dict keys and module names of the run's model."""
+    if isinstance(model, HFCausalLM):
+        return lambda name: name[len("hf."):] if name.startswith("hf.") else name
+
+    def to_llama(name: str) -> str:
+        for pattern, replacement in _DECODER_TO_LLAMA:  # "." appended so a module name maps like its tensors
+            mapped, count = re.subn(pattern, replacement, name + ".")
+            if count:
+                return mapped[:-1]
+        return name
+
+    return to_llama
+
+
+def llama_config_of(model_cfg) -> dict:
+    """The LlamaConfig (as a dict) that computes what fp8train's Decoder of ``model_cfg`` computes."""
+    from transformers import LlamaConfig
+
+    head_dim = model_cfg.d_model // model_cfg.n_heads
+    config = LlamaConfig(
+        vocab_size=model_cfg.vocab_size, hidden_size=model_cfg.d_model, intermediate_size=model_cfg.ffn_dim(),
+        num_hidden_layers=model_cfg.n_layers, num_attention_heads=model_cfg.n_heads,
+        num_key_value_heads=model_cfg.kv_heads(), head_dim=head_dim, max_position_embeddings=model_cfg.seq_len,
+        rms_norm_eps=model_cfg.norm_eps, rope_theta=model_cfg.rope_theta, hidden_act="silu",
+        tie_word_embeddings=model_cfg.tie_embeddings, attention_bias=False, mlp_bias=False)
+    config.architectures = ["LlamaForCausalLM"]
+    return config.to_dict()
+
+
+def _hf_config_dict(run: LoadedRun) -> dict:
+    if isinstance(run.model, HFCausalLM):
+        config = json.loads(run.model.hf.config.to_json_string(use_diff=False))
+        for key in ("fp8train", "quantization_config", "_attn_implementation_autoset"):
+            config.pop(key, None)
+        config.pop("_attn_implementation", None)
+        return config
+    return llama_config_of(run.cfg.model)
+
+
+def quantization_config(ignore: list, activations: str, weight_block: int) -> dict:
+    """The compressed-tensors quantization_config of an export (see the module docstring)."""
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
+    weights = {**fp8, "dynamic": False, "strategy": "block" if weight_block else "channel",
+               "block_structure": [weight_block, weight_block] if weight_block else None}
+    if activations == "static":
+        inputs = {**fp8, "dynamic": False, "strategy": "tensor"}
+    elif weight_block:
+        inputs = {**fp8, "dynamic": True, "strategy": "group", "group_size": weight_block}
+    else:
+        inputs = {**fp8, "dynamic": True, "strategy": "token"}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
+                                          "output_activations": None}},
+            "ignore": ignore, "kv_cache_scheme": None}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Calibration (static input scales)
+# ------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def calibrate_input_amax(run: LoadedRun, names: list, batches: int) -> dict:
+    """{layer name: amax(|input|)} over ``batches`` train-split windows after the run's last step."""
+    if batches < 1:
+        raise ValueError("--calib-batches must be >= 1 for --activations static")
+    data = build_data(run.cfg)
+    amax = {name: torch.zeros(()) for name in names}
+
+    def recorder(name):
+        def hook(module, args):
+            amax[name] = torch.maximum(amax[name], args[0].detach().abs().max().float().cpu())
+        return hook
+
+    handles = [run.model.get_submodule(name).register_forward_pre_hook(recorder(name)) for name in names]
+    try:
+        for i in range(batches):
+            x, _ = data.train_batch(run.cfg.train.max_steps + i)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=run.cfg.train.autocast == "bf16"):
+                run.model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return amax
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Export
+# ------------------------------------------------------------------------------------------------------------
+def _check_options(fmt: str, activations: str, weight_block: int) -> None:
+    if get_format(fmt).name != "e4m3fn":
+        raise ValueError(f"--format {fmt!r}: a Hugging Face folder export holds OCP e4m3fn weights (compressed-tensors "
+                         "has no FNUZ); for e4m3fnuz export a .safetensors file (--out NAME.safetensors)")
+    if activations not in ACTIVATION_SCHEMES:
+        raise ValueError(f"--activations {activations!r}; allowed: {', '.join(ACTIVATION_SCHEMES)}")
+    if weight_block < 0 or (weight_block and weight_block % 16):
+        raise ValueError(f"--weight-block {weight_block}: 0 (per output channel) or a multiple of 16, e.g. 128")
+
+
+def _fp8_tensors(run: LoadedRun, names: list, to_hf, weight_block: int, input_amax: dict | None) -> dict:
+    tensors = {}
+    for name in names:
+        linear = run.model.get_submodule(name)
+        q = quantize_weight_blocks(linear.weight, "e4m3fn", weight_block) if weight_block \
+            else quantize_weight_per_channel(linear.weight, "e4m3fn")
+        hf_name = to_hf(name)
+        tensors[f"{hf_name}.weight"] = q.data.contiguous()
+        tensors[f"{hf_name}.weight_scale"] = q.scale.float().reshape(q.scale.shape[0], -1).contiguous()
+        if input_amax is not None:  # an all-zero calibration input gets scale 1, never 0
+            amax = float(input_amax[name])
+            tensors[f"{hf_name}.input_scale"] = torch.tensor([amax / E4M3_MAX if amax > 0 else 1.0])
+        if linear.bias is not None:
+            tensors[f"{hf_name}.bias"] = linear.bias.detach().to(torch.bfloat16).contiguous()
+    return tensors
+
+
+def _write_folder(out: Path, tensors: dict, config: dict, tokenizer_folder: str, force: bool) -> None:
+    # Written aside and renamed into place: a failure never leaves half a folder at `out`; with --force the old
+    # folder is replaced only once the new one is complete.
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        give_default_mode(tmp / "model.safetensors")  # safetensors writes 0600
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if tokenizer_folder:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(os.path.expanduser(tokenizer_folder), local_files_only=True
+                                          ).save_pretrained(str(tmp))
+        old = out.with_name(f".old-{out.name}-{os.getpid()}")
+        if out.exists() and force:
+            os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", weight_block: int = 0,
+                     calib_batches: int = 4, force: bool = False) -> dict:
+    """Write the Hugging Face FP8 folder of ``run_dir``'s newest valid checkpoint to ``out``."""
+    _check_options(fmt, activations, weight_block)
+    out = Path(out)
+    if out.exists() and not force:
+        raise FileExistsError(f"export path {str(out)!r} already exists; pass --force (force=True) to replace it "
+                              "(nothing was written)")
+    if out.resolve().is_relative_to((Path(run_dir) / CHECKPOINTS_DIR).resolve()):  # --force would replace the source
+        raise ValueError(f"export path {str(out)!r} is inside the checkpoints it is exported from; write it "
+                         f"outside {run_dir}/checkpoints (nothing was written)")
+    run = load_run(run_dir)
+    names = [n for n in run.fp8_names if isinstance(run.model.get_submodule(n), nn.Linear)]
+    if not names:
+        raise ValueError(f"the layer policy of {run_dir}/config.yaml keeps every Linear out of FP8 (policy.* keys); "
+                         "nothing to export in FP8")
+    ragged = [n for n in names if weight_block and run.model.get_submodule(n).in_features % weight_block]
+    if ragged:
+        raise ValueError(f"--weight-block {weight_block} must divide in_features of every FP8 layer (compressed-tensors "
+                         f"groups the inputs 1 x {weight_block}); {ragged[0]} has "
+                         f"{run.model.get_submodule(ragged[0]).in_features}")
+    to_hf = hf_export_names(run.model)
+    input_amax = calibrate_input_amax(run, names, calib_batches) if activations == "static" else None
+    tensors = _fp8_tensors(run, names, to_hf, weight_block, input_amax)
+    skip = {f"{n}.{t}" for n in names for t in ("weight", "bias")} | tied_aliases(run.model)
+    for key, value in run.model.state_dict().items():
+        if key in skip:
+            continue
+        value = value.detach()
+        tensors[to_hf(key)] = (value.to(torch.bfloat16) if value.is_floating_point() else value).contiguous()
+    linears = [n for n, m in run.model.named_modules() if isinstance(m, nn.Linear)]
+    config = _hf_config_dict(run)
+    config.update(torch_dtype="bfloat16", quantization_config=quantization_config(
+        [to_hf(n) for n in linears if n not in names], activations, weight_block))
+    config["fp8train_export"] = {"source_run": str(run.run_dir.resolve()), "source_step": run.step,
+                                 "source_recipe": run.cfg.fp8.recipe, "fp8train_version": package_version()}
+    _write_folder(out, tensors, config, run.cfg.data.tokenizer, force)
+    return {"path": str(out), "format": "e4m3fn", "fp8_layers": len(names), "step": run.step,
+            "activations": activations, "weight_block": weight_block,
+            "bytes": (out / "model.safetensors").stat().st_size}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# fp8train's own loader of the folder
+# ------------------------------------------------------------------------------------------------------------
+def _read_scheme(folder: Path) -> tuple[dict, dict]:
+    config_file = folder / "config.json"
+    if not config_file.is_file() or not (folder / "model.safetensors").is_file():
+        raise ValueError(f"{str(folder)!r} is not an fp8train Hugging Face export (needs config.json and "
+                         "model.safetensors)")
+    config = json.loads(config_file.read_text())
+    scheme = config.get("quantization_config") or {}
+    if scheme.get("quant_method") != "compressed-tensors" or scheme.get("format") != "float-quantized":
+        raise ValueError(f"{str(folder)!r}: config.json has no compressed-tensors float-quantized "
+                         "quantization_config")
+    return config, scheme["config_groups"]["group_0"]
+
+
+def load_hf_export(folder, device="cpu") -> nn.Module:
+    """The transformers model of an export folder with every FP8 Linear as Fp8ActivationLinear (eval mode)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(folder)
+    _, group = _read_scheme(folder)
+    block = (group["weights"].get("block_structure") or [0])[0]
+    config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    for key in ("quantization_config", "fp8train_export"):
+        if hasattr(config, key):
+            delattr(config, key)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_file(str(folder / "model.safetensors"), device=str(device))
+    for name in [k[:-len(".weight_scale")] for k in tensors if k.endswith(".weight_scale")]:
+        layer = Fp8ActivationLinear(tensors.pop(f"{name}.weight"), tensors.pop(f"{name}.weight_scale"),
+                                    tensors.pop(f"{name}.bias", None), tensors.pop(f"{name}.input_scale", None),
+                                    weight_block=block)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+    expected = model.state_dict()
+    unexpected = [k for k in tensors if k not in expected]
+    missing = [k for k in expected if k not in tensors and k not in tied_aliases(model)
+               and not isinstance(model.get_submodule(k.rpartition(".")[0]), Fp8ActivationLinear)]
+    if unexpected or missing:
+        raise ValueError(f"export {str(folder)!r} does not fit its config.json: missing {missing[:4]}, unexpected "
+                         f"{unexpected[:4]}")
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in tensors.items()}, strict=False)
+    return model.eval()

@@ -1,0 +1,116 @@
+"""A finished run, loaded once for serving-side work (export, kv-eval).
+
+Which model: the newest valid checkpoint of RUN_DIR, in the plain model rebuilt from RUN_DIR/config.yaml (built
+once: a Hugging Face run's architecture comes from its config.json, its pretrained weights are not read, the
+checkpoint is). A run trained in FP8 is loaded into the plain model by name: its Fp8Linear layers keep their
+fp32 master weights under the same names as nn.Linear (`layers.0.attn.q_proj.weight`), and the FP8 scaling
+buffers they add (`*_amax_history`, `*_scale`, `*_nonfinite_amax_count`, ...) are training state, dropped after
+checking that they belong to layers the run's policy converted. A GPT-2 Conv1D layer trained as Fp8Linear holds
+its weight in the nn.Linear layout (out, in) and goes back to Conv1D's (in, out). Anything else missing or
+unexpected is an error.
+
+Which layers are FP8: those the run's recipe and layer policy convert (for a bf16 run: those its policy would
+convert), found by a dry run of `convert_to_fp8` on the same model, before its weights are loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file
+
+from fp8train import __version__
+from fp8train.nn.convert import convert_to_fp8, is_conv1d
+from fp8train.nn.recipes import ROLES, recipe
+from fp8train.training.checkpoint import MANIFEST, latest_valid_checkpoint
+from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
+from fp8train.training.hf import hf_kv_shape
+from fp8train.training.model import HFCausalLM, build_model, tied_weight_groups
+
+__all__ = ["LoadedRun", "load_run", "fp8_policy_names", "tied_aliases", "package_version", "kv_shape"]
+
+
+@dataclass
+class LoadedRun:
+    model: nn.Module  # fp32 master weights, eval mode, plain nn.Linear (or Conv1D) everywhere
+    cfg: object  # FullConfig from RUN_DIR/config.yaml
+    run_dir: Path
+    checkpoint: Path
+    step: int
+    fp8_names: list  # Linears the run's layer policy puts in FP8
+
+
+def package_version() -> str:
+    return __version__  # defined once, in fp8train/__init__.py (pyproject's version, as installed)
+
+
+def fp8_policy_names(model: nn.Module, cfg) -> list[str]:
+    """Names of the Linears that the run's recipe and layer policy convert to FP8 (a dry run: ``model`` is
+    not changed). A bf16 run (recipe none) reports what its policy would convert."""
+    run_recipe = fp8_recipe_from_config(cfg) or recipe("current")
+    report = convert_to_fp8(model, run_recipe.replace(backend="emulated"), layer_policy_from_config(cfg),
+                            dry_run=True)
+    return [name for name, _ in report.converted]
+
+
+def load_run(run_dir, log=None) -> LoadedRun:
+    """The newest valid checkpoint of ``run_dir`` in the plain model rebuilt from its config.yaml."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"run directory {str(run_dir)!r} does not exist")
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        raise ValueError(f"run directory {str(run_dir)!r} has no config.yaml (is it a run made by fp8train train?)")
+    cfg = load_config(str(config_file))
+    ckpt = latest_valid_checkpoint(run_dir / "checkpoints", log=log or (lambda m: None))
+    if ckpt is None:
+        raise ValueError(f"run directory {str(run_dir)!r} has no valid checkpoint under checkpoints/ (train with "
+                         "checkpoint.save_final=true, or check the run finished)")
+    torch.manual_seed(0)  # the values are overwritten below; this only keeps construction deterministic
+    model = build_model(cfg.model, load_weights=False)
+    fp8_names = fp8_policy_names(model, cfg)
+    state = load_file(str(ckpt / "model.safetensors"))
+    _load_master_weights(model, state, fp8_names, ckpt)
+    model.eval()
+    step = json.loads((ckpt / MANIFEST).read_text())["step"]
+    return LoadedRun(model, cfg, run_dir, ckpt, int(step), fp8_names)
+
+
+def _load_master_weights(model: nn.Module, state: dict, fp8_names: list, ckpt: Path) -> None:
+    expected = model.state_dict()
+    converted = set(fp8_names)
+    for name in fp8_names:  # an Fp8Linear born from a Conv1D trained in the (out, in) layout
+        trained_fp8 = f"{name}.{ROLES[0]}_nonfinite_amax_count" in state  # every recipe has this buffer
+        if trained_fp8 and is_conv1d(model.get_submodule(name)) and f"{name}.weight" in state:
+            state[f"{name}.weight"] = state[f"{name}.weight"].t().contiguous()
+    extra = [k for k in state if k not in expected]
+    foreign = [k for k in extra
+               if not (k.rpartition(".")[0] in converted and k.rpartition(".")[2].startswith(tuple(f"{r}_" for r in ROLES)))]
+    # A tied tensor is stored once under one of its names (safetensors' save_model): any of them will do.
+    names_of = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        names_of.setdefault(id(tensor), []).append(key)
+    shared = {key: names for names in names_of.values() for key in names}
+    missing = [k for k in expected if not any(name in state for name in shared[k])]
+    if foreign or missing:
+        raise ValueError(f"checkpoint {ckpt} does not fit the model of its run's config.yaml: missing {missing}, "
+                         f"unexpected {foreign}")
+    kept = {k: v for k, v in state.items() if k in expected}
+    model.load_state_dict(kept, strict=False)
+
+
+def tied_aliases(model: nn.Module) -> set[str]:
+    """state_dict names that are a second name of a tensor already listed (tied embeddings)."""
+    return {name for group in tied_weight_groups(model) for name in group[1:]}
+
+
+def kv_shape(run: LoadedRun) -> dict:
+    """n_layers, n_kv_heads, head_dim of the run's model (what its KV cache holds per token)."""
+    if isinstance(run.model, HFCausalLM):
+        return hf_kv_shape(run.model.hf)
+    m = run.cfg.model
+    return {"n_layers": m.n_layers, "n_kv_heads": m.kv_heads(), "head_dim": m.d_model // m.n_heads}

@@ -1,0 +1,147 @@
+"""Processes and ranks: the Accelerator a run trains with, what the launcher may and may not ask for, and the
+one FP8 scaling state that every data-parallel rank must hold.
+
+fp8train's loop is data parallel: every rank holds the whole model (DDP) and rank 0 writes the checkpoints.
+Settings of `accelerate launch` (or `accelerate config`) that the loop cannot honour are refused here, before
+anything is written, with a message that says what to do instead; none is silently replaced:
+- FSDP, DeepSpeed and Megatron-LM plugins (`--use_fsdp`, `--use_deepspeed`, ...): the loop would run plain DDP;
+  on CPU accelerate itself silently stays MULTI_CPU whatever the config file says, so the launcher's
+  environment is read, not only the Accelerator's `distributed_type`. Hook: when `train.parallel` (FSDP2) lands,
+  `check_launch_settings` is where an FSDP launch is accepted for it;
+- `--mixed_precision` other than `no` or `bf16`: `bf16` means what `train.autocast=bf16` means (the loop applies
+  autocast itself, the same on every backend), `fp16` needs loss scaling the loop does not do, and `fp8` is
+  accelerate's own FP8 path (TE or torchao) that would fight fp8train's: fp8train IS the FP8 layer, chosen with
+  `fp8.recipe`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+
+from fp8train.nn.recipes import ROLES
+
+__all__ = ["make_accelerator", "check_launch_settings", "set_cpu_threads", "all_mean", "fp8_state_digest",
+           "Fp8StateSync"]
+
+# accelerate launch exports its choices as these environment variables (accelerate.commands.launch).
+_PLUGIN_ENV = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
+               "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM"}
+_MIXED_PRECISION_ENV = "ACCELERATE_MIXED_PRECISION"
+_UNSUPPORTED_KINDS = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
+
+
+def check_launch_settings(cfg, env: Mapping[str, str] = os.environ) -> None:
+    """Refuse launcher settings the loop cannot honour (see the module docstring); ValueError naming them."""
+    for var, plugin in _PLUGIN_ENV.items():
+        if env.get(var, "").lower() in ("true", "1", "yes"):
+            # FSDP2 hook: once train.parallel=fsdp2 exists, accept FSDP here when cfg.train.parallel asks for it.
+            raise ValueError(
+                f"accelerate is configured for {plugin} ({var}=true), which fp8train's loop does not run: it keeps "
+                "the model replicated (DDP) and checkpoints rank 0's full state. Launch with `accelerate launch "
+                "--multi_gpu` (or --cpu) and a config file without the plugin")
+    mixed = env.get(_MIXED_PRECISION_ENV, "no").lower()
+    if mixed == "fp8":
+        raise ValueError(
+            "accelerate --mixed_precision fp8 is accelerate's own FP8 path; fp8train is the FP8 layer: launch with "
+            "--mixed_precision no (or bf16) and choose the FP8 recipe with fp8.recipe=delayed|current|rowwise|block")
+    if mixed not in ("no", "bf16"):
+        raise ValueError(f"accelerate --mixed_precision {mixed} is not supported: use no or bf16 (bf16 means "
+                         "train.autocast=bf16: bf16 autocast outside the FP8 layers)")
+    if mixed == "bf16" and cfg.train.autocast != "bf16":
+        raise ValueError(f"accelerate --mixed_precision bf16 asks for bf16 autocast but train.autocast="
+                         f"{cfg.train.autocast}; drop one of the two")
+
+
+def make_accelerator(cfg) -> Accelerator:
+    """The Accelerator of a run: CPU or CUDA as `train.device` says, mixed_precision="no" because the loop applies
+    `train.autocast` itself; trackers are started by fp8train.training.tracking, not by the Accelerator."""
+    check_launch_settings(cfg)
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device=cuda but no CUDA GPU is visible; use train.device=auto or cpu")
+    cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
+    accelerator = Accelerator(cpu=cpu, mixed_precision="no")
+    check_distributed_type(accelerator)
+    return accelerator
+
+
+def check_distributed_type(accelerator) -> None:
+    kind = getattr(accelerator, "distributed_type", "")
+    kind = str(getattr(kind, "value", kind)).rsplit(".", 1)[-1].upper()  # DistributedType.FSDP -> "FSDP"
+    if kind in _UNSUPPORTED_KINDS:
+        raise ValueError(f"accelerate is configured for {kind}, which fp8train's loop does not support: it keeps "
+                         "the model replicated (DDP) and checkpoints rank 0's full state; launch with "
+                         "`accelerate launch --multi_gpu` (or --cpu) instead")
+
+
+def set_cpu_threads(cfg, accelerator) -> None:
+    if accelerator.device.type != "cpu":
+        return
+    if cfg.train.threads > 0:  # tiny GEMMs: OpenMP threads cost more than they give
+        torch.set_num_threads(cfg.train.threads)
+    elif accelerator.num_processes > 1:  # several processes on one CPU: share the cores, don't oversubscribe
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // accelerator.num_processes))
+
+
+def all_mean(accelerator, value: float) -> float:
+    if accelerator.num_processes == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=accelerator.device)
+    return float(accelerator.reduce(t, reduction="mean"))
+
+
+def fp8_state_digest(layers) -> str:
+    """SHA-256 over the FP8 buffers (scales, amax histories, counters; not the per-step pending amaxes) of
+    `layers` [(name, Fp8Linear)], in order: equal digests mean bit-identical FP8 scaling state."""
+    names, flat = [], []
+    for name, layer in layers:
+        for buf_name, buf in layer.named_buffers(recurse=False):
+            if not buf_name.endswith("_pending_amax"):  # per-step scratch, -1 between steps
+                names.append(f"{name}.{buf_name}")
+                flat.append(buf.detach().reshape(-1).view(torch.uint8))
+    digest = hashlib.sha256("\n".join(names).encode())
+    if flat:
+        digest.update(torch.cat(flat).cpu().numpy().tobytes())  # one device-to-host copy
+    return digest.hexdigest()
+
+
+class Fp8StateSync:
+    """Keeps the FP8 state of data-parallel ranks one state.
+
+    Scales and amax histories are made identical by update_fp8_scales (one all-reduce MAX per step); `check()`
+    proves it by comparing a digest of all FP8 buffers across ranks. The non-finite amax counters are event
+    counts of each rank's own tensors, so `check()` first adds up what every rank saw since the last check:
+    afterwards every rank (and every checkpoint) holds the totals of all ranks. One process: nothing to do."""
+
+    def __init__(self, layers, accelerator):
+        self.layers, self.accelerator = layers, accelerator
+        self.active = accelerator.num_processes > 1 and bool(layers)
+        self.counters = [getattr(layer, f"{role}_nonfinite_amax_count") for _, layer in layers for role in ROLES]
+        self.synced = torch.stack(self.counters).clone() if self.active else None
+
+    def sync_counters(self) -> None:
+        if not self.active:
+            return
+        delta = torch.stack(self.counters) - self.synced
+        dist.all_reduce(delta, op=dist.ReduceOp.SUM)
+        self.synced = self.synced + delta
+        for counter, total in zip(self.counters, self.synced):
+            counter.copy_(total)
+
+    def check(self, step: int) -> None:
+        """Sync the counters, then compare the FP8 state digests of all ranks (raises if they differ)."""
+        if not self.active:
+            return
+        self.sync_counters()
+        digest = fp8_state_digest(self.layers)
+        words = torch.tensor([int(digest[i:i + 15], 16) for i in range(0, 60, 15)], dtype=torch.int64,
+                             device=self.accelerator.device)
+        gathered = self.accelerator.gather(words).reshape(self.accelerator.num_processes, -1)
+        if not bool((gathered == gathered[0]).all()):
+            raise RuntimeError(f"FP8 scaling state differs between ranks after step {step} (a bug: "
+                               "update_fp8_scales must leave every rank with the same scales)")

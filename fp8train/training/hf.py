@@ -1,0 +1,234 @@
+"""Hugging Face causal LMs in fp8train: building one from a local folder, with or without its weights.
+
+    model.hf_config: path/to/config.json (or its folder)   the architecture, random init
+    model.hf_path:   path/to/folder                        config.json + safetensors weights: fine-tune from them
+
+Nothing is downloaded (`local_files_only`). A pretrained folder is checked before anything is trained: it must
+hold config.json and safetensors weights (`model.safetensors`, or shards listed in `model.safetensors.index.json`),
+every parameter of the architecture must be in them with the shape config.json implies, and nothing else may be
+(a tied output head is the one tensor allowed to be absent). Weights load as fp32: they are the master weights.
+
+The recipe's own architecture fields (`model.d_model`, `model.n_layers`, ...) describe fp8train's Decoder, not an
+HF model: a config that sets them together with an HF model is refused (see `check_hf_model_fields`).
+
+K/V hook for the FP8 KV-cache evaluation: every HF attention module gets a `kv_transform` attribute (None by
+default) and the model's attention implementation is wrapped so that, when set, it sees K (after RoPE) and V,
+(B, n_kv_heads, T, head_dim), and returns what a cache would hold, as fp8train's own Decoder does. With the hook
+unset the wrapped implementation is the original one, so logits are unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from fp8train.nn.recipes import ROLES
+
+__all__ = ["HF_ONLY_SOURCE_KEYS", "DECODER_ONLY_FIELDS", "check_hf_model_fields", "hf_config_of",
+           "build_hf_model", "enable_kv_hook", "hf_kv_shape", "quiet_transformers", "drop_decoder_fields"]
+
+HF_ONLY_SOURCE_KEYS = ("hf_config", "hf_path")
+# ModelConfig fields that describe fp8train's Decoder and mean nothing for a Hugging Face model.
+DECODER_ONLY_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "tie_embeddings",
+                       "norm_eps", "rope_theta")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+_KV_ATTENTION = "fp8train_kv"
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError("model.hf_config / model.hf_path need Hugging Face transformers: pip install "
+                          "transformers  (or fp8train[hf])") from err
+    return transformers
+
+
+def check_hf_model_fields(model_cfg, defaults) -> None:
+    """Refuse Decoder architecture fields set together with an HF model (they would be silently ignored)."""
+    key = "hf_path" if model_cfg.hf_path else "hf_config"
+    if model_cfg.hf_path and model_cfg.hf_config:
+        raise ValueError("config model.hf_path and model.hf_config are both set: give one (hf_path = pretrained "
+                         "weights and their config.json; hf_config = an architecture, random init)")
+    changed = [name for name in DECODER_ONLY_FIELDS if getattr(model_cfg, name) != getattr(defaults, name)]
+    if changed:
+        raise ValueError(f"config model.{changed[0]}={getattr(model_cfg, changed[0])!r} does not apply to a Hugging "
+                         f"Face model (model.{key}): its architecture comes from config.json; remove "
+                         f"{', '.join('model.' + n for n in changed)}")
+
+
+def drop_decoder_fields(config: dict) -> dict:
+    """A plain config dict (as sent to wandb) without the Decoder-only model fields when the model is an HF
+    model: they were not used, so they are not recorded as if they were."""
+    model = config.get("model", {})
+    if model.get("hf_path") or model.get("hf_config"):
+        config = {**config, "model": {k: v for k, v in model.items() if k not in DECODER_ONLY_FIELDS}}
+    return config
+
+
+def _config_folder(path: str, key: str) -> Path:
+    folder = Path(os.path.expanduser(path))
+    if not folder.exists():
+        raise ValueError(f"model.{key}: {path!r} does not exist; give a local folder holding config.json"
+                         + (" and safetensors weights" if key == "hf_path" else " (or the config.json itself)"))
+    if folder.is_file() and key == "hf_config":
+        return folder
+    if not folder.is_dir():
+        raise ValueError(f"model.{key}: {path!r} is not a folder")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model.{key}: folder {path!r} has no config.json")
+    return folder
+
+
+def hf_config_of(model_cfg):
+    """The transformers config of ``model_cfg.hf_path`` or ``model_cfg.hf_config`` (checked, local only)."""
+    key = "hf_path" if model_cfg.hf_path else "hf_config"
+    source = _config_folder(getattr(model_cfg, key), key)
+    try:
+        config = _transformers().AutoConfig.from_pretrained(str(source), local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"model.{key}: {str(source)!r} is not a readable transformers config: "
+                         f"{' '.join(str(err).split())[:300]}") from None
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and vocab < model_cfg.vocab_size:
+        raise ValueError(f"model.{key}: its vocab_size {vocab} is smaller than model.vocab_size "
+                         f"{model_cfg.vocab_size} (the data's token ids); raise vocab_size in the HF config")
+    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if max_pos is not None and max_pos < model_cfg.seq_len:
+        raise ValueError(f"model.seq_len {model_cfg.seq_len} exceeds max_position_embeddings {max_pos} of "
+                         f"model.{key}")
+    return config
+
+
+def build_hf_model(model_cfg, load_weights: bool = True) -> nn.Module:
+    """The transformers causal LM of ``model_cfg`` in fp32, with the K/V hook installed. ``load_weights=False``
+    builds a pretrained folder's architecture only (a caller that loads a checkpoint over it)."""
+    transformers = _transformers()
+    config = hf_config_of(model_cfg)
+    if model_cfg.hf_path and load_weights:
+        model = _load_pretrained(Path(os.path.expanduser(model_cfg.hf_path)), config)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    enable_kv_hook(model)
+    return model
+
+
+def _load_pretrained(folder: Path, config) -> nn.Module:
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        found = sorted(p.name for p in folder.iterdir())[:8]
+        raise ValueError(f"model.hf_path: folder {str(folder)!r} has no safetensors weights ({' or '.join(WEIGHT_FILES)}"
+                         f"; found {found}); for random init from an architecture use model.hf_config")
+    auto = _transformers().AutoModelForCausalLM
+    try:
+        with quiet_transformers():  # its load report and progress bars: our checks below say what is wrong
+            model, info = auto.from_pretrained(str(folder), config=config, dtype=torch.float32,
+                                               local_files_only=True, output_loading_info=True)
+    except (OSError, RuntimeError, ValueError) as err:  # shape mismatches and unreadable files land here
+        raise ValueError(f"model.hf_path: the weights in {str(folder)!r} do not fit its config.json: "
+                         f"{' '.join(str(err).split())[:300]}") from None
+    tied = _tied_names(model)
+    missing = [k for k in info.get("missing_keys", []) if k not in tied]
+    saved_fp8 = (json.loads((folder / "config.json").read_text()).get("fp8train") or {}).get("layers", {})
+    unexpected = [k for k in info.get("unexpected_keys", []) if not _is_saved_scaling_state(k, saved_fp8)]
+    problems = {"missing": missing, "unexpected": unexpected,
+                "wrong shape": [str(m[0]) if isinstance(m, tuple) else str(m) for m in info.get("mismatched_keys", [])]}
+    problems = {kind: names for kind, names in problems.items() if names}
+    if problems:
+        said = "; ".join(f"{kind}: {len(names)} ({', '.join(sorted(names)[:3])}...)" for kind, names in problems.items())
+        raise ValueError(f"model.hf_path: the weights in {str(folder)!r} are partial or do not match config.json "
+                         f"({said})")
+    return model
+
+
+def _is_saved_scaling_state(key: str, saved_fp8_layers: dict) -> bool:
+    """A scaling buffer of an FP8 layer that fp8train.save_pretrained recorded: fine-tuning starts from the
+    master weights, and the run's own recipe starts its own scaling state."""
+    layer, _, buffer = key.rpartition(".")
+    return layer in saved_fp8_layers and buffer.startswith(tuple(f"{role}_" for role in ROLES))
+
+
+@contextmanager
+def quiet_transformers():
+    """transformers' warnings and progress bars off for the block (errors still raise)."""
+    logging = _transformers().utils.logging
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def _tied_names(model: nn.Module) -> set:
+    """Names of parameters that share their tensor with an earlier name (a tied output head)."""
+    seen, tied = set(), set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(name)
+        seen.add(id(param))
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        tied |= {name for name, _ in model.named_parameters(remove_duplicate=False) if name.startswith("lm_head.")}
+    return tied
+
+
+# ------------------------------------------------------------------------------------------------------------
+# K/V hook (kv-eval)
+# ------------------------------------------------------------------------------------------------------------
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+
+
+def enable_kv_hook(model: nn.Module) -> None:
+    """Give every attention module a `kv_transform` (None) and route attention through a wrapper that applies
+    it to K and V before calling the model's own attention implementation."""
+    transformers = _transformers()
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    modules = _attention_modules(model)
+    base = model.config._attn_implementation or "eager"
+    if not modules or base.startswith(_KV_ATTENTION) or not getattr(model, "_can_set_attn_implementation",
+                                                                     lambda: False)():
+        return
+    name = f"{_KV_ATTENTION}_{base}"
+    base_attention = ALL_ATTENTION_FUNCTIONS[base] if base != "eager" else _eager_attention(model)
+
+    def kv_hooked_attention(module, query, key, value, attention_mask, **kwargs):
+        transform = getattr(module, "kv_transform", None)
+        if transform is not None:
+            key, value = transform(key, value, module.layer_idx)
+            key, value = key.to(query.dtype), value.to(query.dtype)
+        return base_attention(module, query, key, value, attention_mask, **kwargs)
+
+    transformers.AttentionInterface.register(name, kv_hooked_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    model.set_attn_implementation(name)
+    for module in modules:
+        module.kv_transform = None
+
+
+def _eager_attention(model: nn.Module):
+    import importlib
+
+    modeling = importlib.import_module(type(model).__module__)
+    return modeling.eager_attention_forward
+
+
+def hf_kv_shape(model: nn.Module) -> dict:
+    """n_layers, n_kv_heads and head_dim of an HF causal LM (what its KV cache holds per token)."""
+    config = model.config
+    n_heads = getattr(config, "num_attention_heads", None) or config.n_head
+    n_layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // n_heads
+    return {"n_layers": int(n_layers), "n_kv_heads": int(n_kv), "head_dim": int(head_dim)}
+

@@ -1,0 +1,133 @@
+"""Save and restore a Hugging Face model converted to FP8, scaling state included, in a Hugging Face folder.
+
+    fp8train.save_pretrained(model, "out/")          # model: a transformers causal LM (or fp8train's HFCausalLM)
+    model = fp8train.from_pretrained("out/")         # the same model: same Fp8Linear layers, recipes, buffers
+
+The folder is a normal transformers folder: `config.json` (the model's own config plus an `fp8train` section
+recording, per FP8 layer, its recipe) and `model.safetensors` holding the fp32 master weights under the Hugging
+Face names, in the Hugging Face layout (a GPT-2 Conv1D weight is stored (in, out) again), plus the FP8 scaling
+buffers (`*_amax_history`, `*_scale`, ...) of the converted layers. transformers' own from_pretrained reads it
+as the plain model (it reports the scaling buffers as unused), and `model.hf_path` fine-tunes from it; only
+`fp8train.from_pretrained` restores the FP8 layers with their state, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+from fp8train.nn.convert import is_conv1d, fp8_from_conv1d, fp8_layers
+from fp8train.nn.linear import Fp8Linear
+from fp8train.nn.recipes import Fp8Recipe
+from fp8train.training.rundir import give_default_mode, write_text_atomic
+
+__all__ = ["save_pretrained", "from_pretrained", "FP8TRAIN_SECTION", "WEIGHTS_NAME", "unwrap_hf"]
+
+FP8TRAIN_SECTION = "fp8train"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def unwrap_hf(model: nn.Module) -> nn.Module:
+    """The transformers model inside fp8train's HFCausalLM wrapper (or the model itself)."""
+    inner = getattr(model, "hf", model)
+    if not hasattr(inner, "config") or not hasattr(inner.config, "to_json_string"):
+        raise ValueError(f"{type(model).__name__} is not a Hugging Face model (no transformers config); "
+                         "save_pretrained/from_pretrained are for transformers causal LMs")
+    return inner
+
+
+def hf_layout_state(model: nn.Module) -> dict:
+    """state_dict in the Hugging Face layout: tied aliases once, Conv1D-born Fp8Linear weights back to (in, out)."""
+    conv1d_weights = {f"{name}.weight" for name, layer in fp8_layers(model) if getattr(layer, "conv1d_layout", False)}
+    tensors, seen = {}, set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        value = tensor.detach()
+        tensors[name] = (value.t() if name in conv1d_weights else value).contiguous().clone()
+    return tensors
+
+
+def save_pretrained(model: nn.Module, folder, tokenizer=None) -> Path:
+    """Write ``model`` (converted or not) to ``folder`` (see the module docstring); ``tokenizer`` (a
+    transformers tokenizer) is saved beside it. Returns the folder."""
+    hf = unwrap_hf(model)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    layers = fp8_layers(hf)
+    recipes = list(dict.fromkeys(layer.recipe for _, layer in layers))  # distinct recipes, in layer order
+    config = json.loads(hf.config.to_json_string(use_diff=False))
+    config.pop(FP8TRAIN_SECTION, None)
+    config[FP8TRAIN_SECTION] = {
+        "recipes": [dataclasses.asdict(r) for r in recipes],
+        "layers": {name: recipes.index(layer.recipe) for name, layer in layers},
+        "conv1d_layout": [name for name, layer in layers if getattr(layer, "conv1d_layout", False)],
+    }
+    tmp = folder / f".{WEIGHTS_NAME}.tmp-{os.getpid()}"
+    try:
+        save_file(hf_layout_state(hf), str(tmp), metadata={"format": "pt"})
+        give_default_mode(tmp)  # safetensors writes 0600
+        os.replace(tmp, folder / WEIGHTS_NAME)
+    finally:
+        tmp.unlink(missing_ok=True)
+    write_text_atomic(folder / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+def _recipe_from_dict(fields: dict) -> Fp8Recipe:
+    names = {f.name for f in dataclasses.fields(Fp8Recipe)}
+    return Fp8Recipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items() if k in names})
+
+
+def from_pretrained(folder, device="cpu") -> nn.Module:
+    """The transformers model saved by `save_pretrained`, its FP8 layers rebuilt with their recipes and scaling
+    state (eval mode, fp32 master weights)."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as err:
+        raise ImportError("from_pretrained needs Hugging Face transformers: pip install transformers") from err
+    folder = Path(folder)
+    if not (folder / "config.json").is_file() or not (folder / WEIGHTS_NAME).is_file():
+        raise ValueError(f"{str(folder)!r} is not a folder written by fp8train.save_pretrained (needs config.json "
+                         f"and {WEIGHTS_NAME})")
+    section = json.loads((folder / "config.json").read_text()).get(FP8TRAIN_SECTION) or {}
+    config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    if hasattr(config, FP8TRAIN_SECTION):
+        delattr(config, FP8TRAIN_SECTION)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    recipes = [_recipe_from_dict(r) for r in section.get("recipes", [])]
+    for name, index in section.get("layers", {}).items():
+        parent_name, _, child = name.rpartition(".")
+        parent = hf.get_submodule(parent_name) if parent_name else hf
+        module = getattr(parent, child)
+        swap = fp8_from_conv1d if is_conv1d(module) else Fp8Linear.from_linear
+        setattr(parent, child, swap(module, recipes[index]))
+    tensors = load_file(str(folder / WEIGHTS_NAME), device=str(device))
+    for name in section.get("conv1d_layout", []):
+        tensors[f"{name}.weight"] = tensors[f"{name}.weight"].t().contiguous()
+    _load_exact(hf, tensors, folder)
+    return hf.eval()
+
+
+def _load_exact(model: nn.Module, tensors: dict, folder: Path) -> None:
+    expected = model.state_dict(keep_vars=True)
+    names_of: dict = {}
+    for key, tensor in expected.items():
+        names_of.setdefault(id(tensor), []).append(key)
+    missing = [k for k in expected if not any(alias in tensors for alias in names_of[id(expected[k])])]
+    unexpected = [k for k in tensors if k not in expected]
+    wrong = [k for k in tensors if k in expected and tuple(tensors[k].shape) != tuple(expected[k].shape)]
+    if missing or unexpected or wrong:
+        raise ValueError(f"{str(folder)!r} does not fit its config.json: missing {missing[:4]}, unexpected "
+                         f"{unexpected[:4]}, wrong shape {wrong[:4]}")
+    model.load_state_dict(tensors, strict=False)

@@ -1,0 +1,103 @@
+"""What a run writes about itself, besides checkpoints: metrics.jsonl and telemetry.jsonl (cut back to the
+resumed step on resume, so they read as if the run had never stopped), the trackers, and summary.json with the
+one line a run ends with. Every file goes through fp8train.training.rundir (atomic, strict JSON, torn-line safe).
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from fp8train.training import telemetry
+from fp8train.training.config import config_hash
+from fp8train.training.distributed import fp8_state_digest
+from fp8train.training.model import count_params
+from fp8train.training.rundir import (METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE, append_jsonl, truncate_jsonl,
+                                      write_json_atomic, write_text_atomic)
+from fp8train.training.tracking import Trackers, tracked_config
+
+__all__ = ["MetricsLog", "start_logs", "summarize", "finish", "summary_line"]
+
+
+class MetricsLog:
+    """metrics.jsonl, written by the main process. On resume it keeps only lines up to the resumed step, so
+    the file reads as if the run had never stopped."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int | None):
+        self.path, self.enabled, self.kept = path, enabled, []
+        if enabled and resume_step is not None:
+            self.kept = truncate_jsonl(path, resume_step)
+        elif enabled:
+            write_text_atomic(path, "")
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            append_jsonl(self.path, [record])
+
+
+def start_logs(run, state) -> MetricsLog:
+    """metrics.jsonl and telemetry.jsonl cut back to the resumed step (or emptied), trackers started."""
+    resumed = state.resumed_from is not None
+    metrics = MetricsLog(run.run_dir / METRICS_FILE, run.is_main, state.start_step if resumed else None)
+    telemetry_file = run.run_dir / TELEMETRY_FILE
+    if run.is_main and resumed:
+        truncate_jsonl(telemetry_file, state.start_step)
+    elif run.is_main and telemetry_file.exists():
+        write_text_atomic(telemetry_file, "")
+    for record in metrics.kept:  # a resumed run reports its last losses even if it has no step left to run
+        state.last.update({k: record[k] for k in ("loss", "val_loss") if record.get(k) is not None})
+    run.trackers = Trackers(run.cfg, run.run_dir, run.is_main, fresh=not resumed)
+    run.trackers.store_config(tracked_config(run.cfg, run.fp8_recipe, run.conversion, run.model))
+    return metrics
+
+
+def summarize(run, state) -> dict:
+    cfg, layers = run.cfg, run.layers
+    done = state.diverged_at - 1 if state.status == "diverged" else state.done  # steps completed before it
+    run.fp8_sync.check(done)
+    summary = {
+        "status": state.status, "reason": state.reason, "steps": done,
+        "loss": state.last.get("loss"), "val_loss": state.last.get("val_loss"),
+        "world_size": run.accelerator.num_processes, "tokens": done * cfg.train.batch_size * cfg.model.seq_len,
+        "wall_time_s": time.time() - run.started, "peak_memory_mb": _peak_memory_mb(run.accelerator.device),
+        "recipe": run.fp8_recipe.code() if run.fp8_recipe is not None else "none",
+        "params": count_params(run.model), "fp8_layers": len(layers), "skipped_steps": state.skipped_steps,
+        "resumed_from": state.resumed_from, "seed": cfg.train.seed, "config_hash": config_hash(cfg),
+        "diverged_at_step": state.diverged_at,
+        "last_good_checkpoint": str(state.last_checkpoint) if state.last_checkpoint else None,
+        "fp8_state_sha256": fp8_state_digest(layers) if layers else None,
+    }
+    if layers:
+        summary.update(telemetry.counters(layers))
+    if run.conversion is not None:
+        summary["conversion"] = {"converted": [n for n, _ in run.conversion.converted],
+                                 "skipped": [[n, r] for n, r in run.conversion.skipped]}
+    if "divergence_telemetry" in state.last:
+        summary["divergence_telemetry"] = state.last["divergence_telemetry"]
+    return summary
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def finish(run, summary: dict) -> None:
+    """summary.json (rank 0), trackers closed, then every rank waits for the others."""
+    if run.is_main:
+        write_json_atomic(run.run_dir / SUMMARY_FILE, summary)
+    run.trackers.finish()
+    run.accelerator.wait_for_everyone()
+
+
+def summary_line(name: str, summary: dict) -> str:
+    """The one line a run ends with, e.g. `[cpu_delayed] completed: 300 steps, val_loss 2.0512, 61.0s, recipe
+    delayed:e4m3/e4m3/e5m2:h1024max:m0`."""
+    val = f"{summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "n/a"
+    reason = f" ({summary['reason']})" if summary.get("reason") else ""
+    return (f"[{name}] {summary['status']}: {summary['steps']} steps, val_loss {val}, "
+            f"{summary['wall_time_s']:.1f}s, recipe {summary['recipe']}{reason}")

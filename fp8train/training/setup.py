@@ -1,0 +1,149 @@
+"""Set-up of a training run: everything that can fail on a user mistake fails here, before the run directory is
+touched (launcher settings, batch split, trackers, data, model, FP8 conversion, the resume decision); then the
+run directory's config.yaml, the model on its device, AdamW with fp32 state, the LR schedule and accelerate's
+wrapping.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fp8train.nn.convert import convert_to_fp8, fp8_layers
+from fp8train.nn.linear import configure_execution
+from fp8train.training.compile import check_compiler, compile_model
+from fp8train.training.config import (FullConfig, config_to_yaml, fp8_recipe_from_config, layer_policy_from_config)
+from fp8train.training.data import build_data
+from fp8train.training.distributed import Fp8StateSync, check_distributed_type, set_cpu_threads
+from fp8train.training.model import build_model, check_model_for_run
+from fp8train.training.resume import ResumePlan, plan_resume
+from fp8train.training.rundir import CONFIG_FILE, run_dir_path, write_text_atomic
+from fp8train.training.shadow import RecipeShadow, shadowed_layers
+from fp8train.training.tracking import Trackers, check_trackers_available
+
+__all__ = ["Run", "set_up", "lr_at"]
+
+
+@dataclass
+class Run:
+    """What set-up builds: fixed for the whole run."""
+
+    cfg: FullConfig
+    accelerator: object
+    run_dir: Path
+    data: object
+    val_batches: list
+    model: torch.nn.Module
+    fp8_recipe: object
+    conversion: object
+    plan: ResumePlan
+    show_progress: bool
+    started: float
+    ddp_model: torch.nn.Module = None
+    optimizer: torch.optim.Optimizer = None
+    scheduler: object = None
+    lr_horizon: dict = field(default_factory=dict)  # {"steps": N}: the schedule's length (see resume.py)
+    layers: list = field(default_factory=list)
+    fp8_sync: Fp8StateSync = None
+    shadow: RecipeShadow | None = None  # log.shadow_recipes: other recipes measured on telemetry steps
+    trackers: Trackers = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def say(self, message: str) -> None:
+        if self.is_main and self.show_progress:
+            print(message, file=sys.stderr)
+
+
+
+def set_up(cfg: FullConfig, accelerator, show_progress: bool) -> Run:
+    started = time.time()
+    check_distributed_type(accelerator)
+    set_cpu_threads(cfg, accelerator)
+    world = accelerator.num_processes
+    if cfg.train.batch_size % (world * cfg.train.grad_accum):
+        raise ValueError(f"train.batch_size={cfg.train.batch_size} must be divisible by processes x "
+                         f"train.grad_accum = {world} x {cfg.train.grad_accum}")
+    check_trackers_available(cfg)
+    data = build_data(cfg)
+    val_batches = data.val_batches()
+    torch.manual_seed(cfg.train.seed)  # same seed -> same initial weights in every run of a pair, any recipe
+    model = build_model(cfg.model)
+    fp8_recipe = fp8_recipe_from_config(cfg)
+    conversion = None
+    if fp8_recipe is not None:
+        with warnings.catch_warnings():  # "nothing converted" is refused below, in one line
+            warnings.simplefilter("ignore")
+            conversion = convert_to_fp8(model, fp8_recipe, layer_policy_from_config(cfg))
+        # How the FP8 layers run (same numbers): read once here ("auto" kernel: measured once per machine).
+        configure_execution(model, quantize_kernel=cfg.fp8.quantize_kernel, emulated_dtype=cfg.fp8.emulated_dtype)
+    check_model_for_run(model, data.vocab_size, conversion, cfg.policy.allow_no_fp8)
+    if cfg.train.compile:
+        check_compiler(accelerator.device)  # a missing compiler is a config error, before anything is written
+    run_dir = run_dir_path(cfg.run.dir, cfg.run.name)
+    log = (lambda m: print(m, file=sys.stderr)) if accelerator.is_main_process else (lambda m: None)
+    plan = plan_resume(cfg, run_dir, log)  # every rank decides, so every rank fails the same way
+    run = Run(cfg, accelerator, run_dir, data, val_batches, model, fp8_recipe, conversion, plan, show_progress,
+               started)
+    if plan.kind != "complete":
+        _prepare_training(run)
+    return run
+
+
+def _prepare_training(run: Run) -> None:
+    """config.yaml written (rank 0, between barriers: no rank mistakes it for an earlier run's), the model on
+    its device, AdamW and the LR schedule, accelerate's wrapping."""
+    cfg, accelerator = run.cfg, run.accelerator
+    accelerator.wait_for_everyone()
+    if run.is_main:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(run.run_dir / CONFIG_FILE, config_to_yaml(cfg))
+    accelerator.wait_for_everyone()
+    if run.conversion is not None:
+        run.say(str(run.conversion))
+    run.model.to(accelerator.device)
+    if cfg.train.compile:
+        compile_model(run.model)  # in place: state_dict keys (checkpoints) unchanged
+    optimizer = _make_optimizer(run.model, cfg)
+    run.lr_horizon["steps"] = cfg.train.max_steps
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_at(s, cfg, run.lr_horizon["steps"]))
+    run.ddp_model, run.optimizer = accelerator.prepare(run.model, optimizer)
+    if run.ddp_model is not run.model and hasattr(run.ddp_model, "broadcast_buffers"):
+        # DDP would copy rank 0's buffers over every rank's at each forward: that hides a rank whose FP8 state
+        # went astray (update_fp8_scales' all-reduce keeps them equal; Fp8StateSync checks it) and overwrites
+        # the non-finite amax counters of the other ranks.
+        run.ddp_model.broadcast_buffers = False
+    run.layers = fp8_layers(run.model)
+    run.fp8_sync = Fp8StateSync(run.layers, accelerator)
+    if cfg.log.shadow_recipes:
+        run.shadow = RecipeShadow(shadowed_layers(run.model, layer_policy_from_config(cfg)), cfg.log.shadow_recipes)
+
+
+def lr_at(step: int, cfg: FullConfig, horizon: int) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio * lr at `horizon` steps, then that final rate."""
+    warmup = cfg.optim.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, horizon - warmup))
+    floor = cfg.optim.min_lr_ratio
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _make_optimizer(model: torch.nn.Module, cfg: FullConfig) -> torch.optim.Optimizer:
+    # Weight decay on matrices only (not norms, biases); params stay fp32 (master weights), so does AdamW state.
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # CUDA: the fused kernel (one launch for all parameters); CPU keeps the per-parameter loop it was tuned with.
+    on_cuda = any(p.is_cuda for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+                             foreach=False if not on_cuda else None, fused=True if on_cuda else None)

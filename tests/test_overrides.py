@@ -1,0 +1,101 @@
+"""Per-layer recipes (policy.overrides, policy.plan) and the plan's choice rule and file format."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch.nn as nn
+
+from fp8train.evidence.plan import DEFAULT_THRESHOLDS, choose, plan_yaml
+from fp8train.nn.convert import LayerPolicy, convert_to_fp8
+from fp8train.nn.linear import Fp8Linear
+from fp8train.training.config import layer_policy_from_config, load_config
+from fp8train.training.config.fp8 import read_plan_overrides
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.up_proj, self.down_proj = nn.Linear(64, 64), nn.Linear(64, 128), nn.Linear(128, 64)
+
+
+def _model():
+    model = nn.Module()
+    model.layers = nn.ModuleList([Block(), Block()])
+    return model
+
+
+def test_first_matching_override_decides_and_bf16_keeps_high_precision():
+    model = _model()
+    policy = LayerPolicy(overrides={r"layers\.0\.": "bf16", r"up_proj$": "rowwise", r"proj$": "mxfp8"})
+    report = convert_to_fp8(model, "current", policy)
+    assert not isinstance(model.layers[0].q_proj, Fp8Linear)  # the first pattern wins over the later ones
+    assert model.layers[1].up_proj.recipe.name == "rowwise"
+    assert model.layers[1].q_proj.recipe.name == "mxfp8"
+    skipped = dict(report.skipped)
+    assert skipped["layers.0.up_proj"] == r"policy.overrides 'layers\\.0\\.' -> bf16"
+    assert "rowwise (policy.overrides 'up_proj$')" in dict(report.converted)["layers.1.up_proj"]
+
+
+def test_override_cannot_force_a_layer_the_policy_excludes():
+    model = _model()
+    convert_to_fp8(model, "current", LayerPolicy(min_features=100, overrides={"q_proj": "rowwise"}))
+    assert not isinstance(model.layers[1].q_proj, Fp8Linear)  # 64 < min_features: overrides choose among converted
+
+
+def test_pattern_matching_no_layer_is_refused_before_any_swap():
+    model = _model()
+    with pytest.raises(ValueError, match=r"q_proj\$' matches no nn.Linear of this model"):
+        convert_to_fp8(model, "current", LayerPolicy(overrides={r"^layers\.7\.q_proj$": "bf16"}))
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())  # nothing was swapped
+
+
+@pytest.mark.parametrize("overrides, match", [({"(unclosed": "bf16"}, "not a valid regex"),
+                                              ({"q_proj": "fp16"}, "allowed bf16, delayed")])
+def test_bad_overrides_name_the_key(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        LayerPolicy(overrides=overrides)
+
+
+def _plan(choices):
+    rows = [dict(layer=name, shape=[1, 2, 3], choice=c, comment=f"because {name}") for name, c in choices]
+    return dict(run_dir="runs/x", device="cpu", device_name="test cpu", baseline="bf16", repeats=3,
+                thresholds=DEFAULT_THRESHOLDS, recipes=["current"], layers=rows,
+                fp8_layers=sum(c != "bf16" for _, c in choices))
+
+
+def test_plan_file_round_trips_through_policy_plan(tmp_path):
+    names = [("layers.0.q_proj", "bf16"), ("layers.1.up_proj", "rowwise"), ("it's.odd", "current")]
+    path = tmp_path / "plan.yaml"
+    path.write_text(plan_yaml(_plan(names)))
+    pairs = read_plan_overrides(str(path))
+    assert [c for _, c in pairs] == [c for _, c in names]
+    for (pattern, _), (name, _) in zip(pairs, names):  # anchored: matches exactly its layer
+        assert re.search(pattern, name) and not re.search(pattern, name + "x") and not re.search(pattern, "a" + name)
+    cfg = load_config(None, [f"policy.plan={path}", "policy.overrides={down_proj: block}"])
+    assert layer_policy_from_config(cfg).overrides == pairs + (("down_proj", "block"),)  # plan first
+    assert "no layer is faster in FP8 here" in plan_yaml(_plan([("a", "bf16")]))
+
+
+def _shadow(sqnr=30.0, overflow=0.0, underflow=0.0):
+    stats = dict(sqnr_db=sqnr, overflow_frac=overflow, underflow_frac=underflow)
+    return {role: dict(stats) for role in ("input", "weight", "grad_output")}
+
+
+@pytest.mark.parametrize("timing, shadow, expected", [
+    # fastest passing recipe wins
+    ({"fp32": 2.0, "bf16": 1.0, "current": 0.5, "rowwise": 0.6}, {"current": _shadow(), "rowwise": _shadow()},
+     "current"),
+    # the fastest fails its numerics (SQNR), the next one passes
+    ({"fp32": 2.0, "bf16": 1.0, "current": 0.5, "rowwise": 0.6}, {"current": _shadow(sqnr=10.0),
+                                                                "rowwise": _shadow()}, "rowwise"),
+    # overflow above 0.1%
+    ({"fp32": 2.0, "bf16": 1.0, "current": 0.5}, {"current": _shadow(overflow=0.01)}, "bf16"),
+    # passing but not 5% faster than bf16
+    ({"fp32": 2.0, "bf16": 1.0, "current": 0.97}, {"current": _shadow()}, "bf16"),
+])
+def test_choice_rule(timing, shadow, expected):
+    choice, comment = choose(timing, shadow, "bf16", DEFAULT_THRESHOLDS)
+    assert choice == expected, comment
+    assert "speedup over bf16" in comment and "over fp32" in comment
