@@ -69,7 +69,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
 
 from fp8train.nn.accumulation import HopperAccumulation
 from fp8train.nn.fp8_all_gather import Fp8GatheredWeight
@@ -199,6 +198,7 @@ class Fp8Linear(nn.Linear):
             self.recipe.accumulator_bits, self.recipe.accumulator_promotion)
         self.quantize_kernel = "eager"
         self.emulated_dtype = "auto"
+        self.cache_weight_fp8 = True  # False where the weight changes without a version bump (FSDP2's unshard)
         self._formats = {role: get_format(self.recipe.format_of(role)) for role in ROLES}
         self._init_scaling_state(self.weight.device)
         self.register_load_state_dict_pre_hook(_refuse_bad_fp8_state)
@@ -290,9 +290,9 @@ class Fp8Linear(nn.Linear):
     def _weight_fp8(self, backend: str) -> _WeightFp8:
         """The weight's FP8 copy and its GEMM operands, made once per weight version (see the module docstring)."""
         weight = self.weight
-        # FSDP2 refills the unsharded weight by all-gather (no version bump) or hands over an FP8-gathered one:
-        # then there is nothing to cache across forwards.
-        cacheable = not isinstance(weight, Fp8GatheredWeight) and not isinstance(self, FSDPModule)
+        # FSDP2 refills the unsharded weight by all-gather without a version bump (training.fsdp2 then sets
+        # cache_weight_fp8 False) or hands over an FP8-gathered one: nothing to cache across forwards then.
+        cacheable = self.cache_weight_fp8 and not isinstance(weight, Fp8GatheredWeight)
         key = (weight._version, weight.data_ptr(), self.training, self._scale_generation, backend,
                self.emulated_dtype, self.quantize_kernel) if cacheable else None
         cached = self._weight_cache

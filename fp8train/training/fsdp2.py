@@ -73,6 +73,8 @@ def apply_fsdp2(model: nn.Module, device: torch.device, *, fp8_all_gather: bool 
             check_fp8_all_gather_recipe(None)
         for _, layer in layers:
             wrap_weight_for_fp8_all_gather(layer)  # refuses a recipe that cannot (ValueError)
+    for _, layer in fp8_layers(model):  # the unsharded weight is refilled by all-gather (no version bump)
+        layer.cache_weight_fp8 = False
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh)
