@@ -204,6 +204,21 @@ def test_dtype_casts_keep_every_scaling_buffer_fp32(cast):
     assert float(before["model.layers.0.self_attn.q_proj.grad_output_scale"]) < 2.0**-14  # fp16's min normal
 
 
+def test_half_model_keeps_training_with_finite_gradients():
+    """The issue's failure: after model.half() the first step's grad_output scale (~1e-9) flushed to 0 in fp16."""
+    model = _trained_fp8_model().half()
+    x = _tokens(seed=9)
+    for _ in range(2):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        assert torch.isfinite(loss) and grads and all(torch.isfinite(g).all() for g in grads)
+        model.zero_grad()
+        update_fp8_scales(model)
+    scale = model.get_submodule("model.layers.0.self_attn.q_proj").grad_output_scale
+    assert scale.dtype == torch.float32 and 0 < float(scale) < 2.0**-24  # below fp16's smallest subnormal
+
+
 # ------------------------------------------------------------------------------------------------------------
 # save_pretrained / from_pretrained
 # ------------------------------------------------------------------------------------------------------------

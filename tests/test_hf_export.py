@@ -50,7 +50,9 @@ def hf_root(tmp_path_factory):
     make_pretrained(root / "pretrained", "llama")
     make_tokenizer(root / "tokenizer")
     make_text_folder(root / "docs")
-    return root
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(root / "cache"))  # the token cache of these runs stays in the test folder
+        yield root
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +235,25 @@ def test_readme_flow_with_the_shipped_script_and_recipe(tmp_path, monkeypatch):
     x = torch.tensor([tokenizer("import os\nimport sys\n" * 4)["input_ids"][:32]])
     agreement = compare_logits(load_hf_export("hf_tiny/fp8"), model, [(x, None)], autocast=False)
     assert agreement["max_abs_logit_diff"] < 1e-3 and agreement["top1_agreement"] >= 0.99
+
+
+@pytest.mark.slow
+def test_gpt2_fp8_run_loads_back_to_conv1d_and_its_folder_export_is_refused(hf_root, tmp_path, capsys):
+    """GPT-2 trains with its Conv1D layers in FP8 (weights held (out, in)); loading the run puts them back in
+    Conv1D's (in, out) layout. FP8 weight exports hold nn.Linear weights only (compressed-tensors quantizes
+    nn.Linear), so both exports say so instead of writing Conv1D bytes in the wrong layout."""
+    make_pretrained(tmp_path / "gpt2", "gpt2")
+    path = _recipe_yaml(tmp_path / "gpt2.yaml", hf_root, "gpt2", model__hf_path=str(tmp_path / "gpt2"),
+                        train__max_steps=2, train__eval_every=2)
+    assert main(["train", "--quiet", path]) == 0
+    run = load_run(hf_root / "gpt2")
+    master = load_file(str(sorted((hf_root / "gpt2" / "checkpoints").glob("step_*"))[-1] / "model.safetensors"))
+    conv = run.model.get_submodule("hf.transformer.h.0.attn.c_attn")
+    assert type(conv).__name__ == "Conv1D" and "hf.transformer.h.0.attn.c_attn" in run.fp8_names
+    assert torch.equal(conv.weight, master["hf.transformer.h.0.attn.c_attn.weight"].t())  # trained as (out, in)
+    capsys.readouterr()
+    assert main(["export", str(hf_root / "gpt2"), "--format", "e4m3fn", "--out", str(tmp_path / "fp8")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Conv1D" in err and not (tmp_path / "fp8").exists()
+    assert main(["export", str(hf_root / "gpt2"), "--format", "e4m3fn", "--out", str(tmp_path / "x.safetensors")]) == 2
+    assert "Conv1D" in capsys.readouterr().err and not (tmp_path / "x.safetensors").exists()

@@ -44,7 +44,8 @@ from fp8train.numerics.quant import Fp8Tensor, convert_dialect, quantize
 from fp8train.serving.fp8_weights import (ACTIVATION_SCHEMES, Fp8WeightLinear, dequantized_weight_model,
                                           fp8_weight_model, quantize_weight_per_channel)
 from fp8train.serving.hf_export import export_hf_folder, load_hf_export
-from fp8train.serving.run_loading import LoadedRun, fp8_policy_names, load_run, package_version, tied_aliases
+from fp8train.serving.run_loading import (LoadedRun, fp8_linear_names, fp8_policy_names, load_run, package_version,
+                                          tied_aliases)
 from fp8train.training.config import ModelConfig
 from fp8train.training.data import build_data
 from fp8train.training.model import build_model
@@ -132,12 +133,10 @@ def export_run(run_dir, out, fmt="e4m3fn", force: bool = False) -> dict:
         raise ValueError(f"export path {str(out)!r} is inside the checkpoints it is exported from; write it "
                          f"outside {run_dir}/checkpoints (nothing was written)")
     run = load_run(run_dir)
-    if not run.fp8_names:
-        raise ValueError(f"the layer policy of {run_dir}/config.yaml keeps every Linear out of FP8 (policy.* keys); "
-                         "nothing to export in FP8")
+    names = fp8_linear_names(run)
     tensors, aliases = {}, tied_aliases(run.model)
-    fp8_params = {f"{n}.weight" for n in run.fp8_names} | {f"{n}.bias" for n in run.fp8_names}
-    for name in run.fp8_names:
+    fp8_params = {f"{n}.weight" for n in names} | {f"{n}.bias" for n in names}
+    for name in names:
         linear = run.model.get_submodule(name)
         q = quantize_weight_per_channel(linear.weight, fmt)
         tensors[f"{name}.weight"] = q.data.contiguous()  # (out, in) float8
@@ -149,8 +148,8 @@ def export_run(run_dir, out, fmt="e4m3fn", force: bool = False) -> dict:
             continue
         value = value.detach()
         tensors[key] = (value.to(torch.bfloat16) if value.is_floating_point() else value).contiguous()
-    _write_atomically(tensors, _metadata(fmt, run, run.fp8_names), out)
-    return {"path": str(out), "format": fmt.name, "fp8_layers": len(run.fp8_names), "step": run.step,
+    _write_atomically(tensors, _metadata(fmt, run, names), out)
+    return {"path": str(out), "format": fmt.name, "fp8_layers": len(names), "step": run.step,
             "bytes": out.stat().st_size}
 
 
@@ -293,7 +292,7 @@ def check_export(path, run_dir, batches: int = 2) -> dict:
     fmt = exported.export_metadata["fp8_format"]
     val = build_data(run.cfg).val_batches()[:batches]
     autocast = run.cfg.train.autocast == "bf16"
-    same_quant = dequantized_weight_model(run.model, run.fp8_names, fmt)
+    same_quant = dequantized_weight_model(run.model, fp8_linear_names(run), fmt)
     return {"vs_source": compare_logits(run.model, exported, val, autocast),
             "vs_source_same_quantization": compare_logits(same_quant, exported, val, autocast)}
 

@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from fp8train.numerics.formats import get_format
 from fp8train.serving.fp8_weights import (ACTIVATION_SCHEMES, Fp8ActivationLinear, quantize_weight_blocks,
                                           quantize_weight_per_channel)
-from fp8train.serving.run_loading import LoadedRun, load_run, package_version, tied_aliases
+from fp8train.serving.run_loading import LoadedRun, fp8_linear_names, load_run, package_version, tied_aliases
 from fp8train.training.data import build_data
 from fp8train.training.model import HFCausalLM
 from fp8train.training.rundir import CHECKPOINTS_DIR, give_default_mode
@@ -207,10 +207,7 @@ def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", w
         raise ValueError(f"export path {str(out)!r} is inside the checkpoints it is exported from; write it "
                          f"outside {run_dir}/checkpoints (nothing was written)")
     run = load_run(run_dir)
-    names = [n for n in run.fp8_names if isinstance(run.model.get_submodule(n), nn.Linear)]
-    if not names:
-        raise ValueError(f"the layer policy of {run_dir}/config.yaml keeps every Linear out of FP8 (policy.* keys); "
-                         "nothing to export in FP8")
+    names = fp8_linear_names(run)
     ragged = [n for n in names if weight_block and run.model.get_submodule(n).in_features % weight_block]
     if ragged:
         raise ValueError(f"--weight-block {weight_block} must divide in_features of every FP8 layer (compressed-tensors "

@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.nn as nn
 
 from fp8train.numerics.formats import get_format
 from fp8train.serving.fp8_weights import fp8_weight_model
@@ -56,7 +55,7 @@ from fp8train.serving.kv_scoring import (agreement, bucket_stats, greedy_generat
                                          score_caches)
 from fp8train.serving.kv_transform import (CACHE_FORMATS, GRANULARITIES, SCALE_SOURCES, Fp8KvCache, KvCacheConfig,
                                            bf16_cache, calibrate_kv_amax, kv_transforms, scales_from_amax)
-from fp8train.serving.run_loading import kv_shape, load_run, package_version
+from fp8train.serving.run_loading import fp8_linear_names, kv_shape, load_run, package_version
 from fp8train.training.data import build_data
 
 __all__ = [
@@ -159,8 +158,7 @@ def _weight_models(run, opts: KvEvalOptions) -> dict:
             raise ValueError(f"--matrix: the layer policy in {run.run_dir}/config.yaml puts no Linear in FP8 (e.g. "
                              f"policy.min_features={run.cfg.policy.min_features} exceeds every layer), so FP8 weights "
                              "would equal bf16 weights; drop --matrix")
-        names = [n for n in run.fp8_names if isinstance(run.model.get_submodule(n), nn.Linear)]
-        models["fp8"] = fp8_weight_model(run.model, names, opts.weight_format)
+        models["fp8"] = fp8_weight_model(run.model, fp8_linear_names(run), opts.weight_format)
     return models
 
 

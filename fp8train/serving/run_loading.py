@@ -31,7 +31,7 @@ from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_c
 from fp8train.training.hf import hf_kv_shape
 from fp8train.training.model import HFCausalLM, build_model, tied_weight_groups
 
-__all__ = ["LoadedRun", "load_run", "fp8_policy_names", "tied_aliases", "package_version", "kv_shape"]
+__all__ = ["LoadedRun", "load_run", "fp8_policy_names", "fp8_linear_names", "tied_aliases", "package_version", "kv_shape"]
 
 
 @dataclass
@@ -42,6 +42,20 @@ class LoadedRun:
     checkpoint: Path
     step: int
     fp8_names: list  # Linears the run's layer policy puts in FP8
+
+
+def fp8_linear_names(run: LoadedRun) -> list[str]:
+    """The run's FP8 layers that serving formats can hold: nn.Linear ones (a GPT-2 Conv1D trained in FP8 is
+    exported in high precision). Refuses a run left with none, saying why."""
+    names = [n for n in run.fp8_names if isinstance(run.model.get_submodule(n), nn.Linear)]
+    if not names and run.fp8_names:
+        raise ValueError(f"every FP8 layer of {run.run_dir} is a transformers Conv1D (GPT-2); FP8 weight exports hold "
+                         "nn.Linear weights only (compressed-tensors quantizes nn.Linear), so there is nothing to "
+                         "export in FP8")
+    if not names:
+        raise ValueError(f"the layer policy of {run.run_dir}/config.yaml keeps every Linear out of FP8 (policy.* "
+                         "keys); nothing to export in FP8")
+    return names
 
 
 def package_version() -> str:
