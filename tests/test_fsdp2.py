@@ -100,8 +100,20 @@ def test_gathered_weight_is_the_tensorwise_quantized_weight(one_rank_group, reci
 def test_fp8_all_gather_refuses_per_row_and_per_tile_recipes(one_rank_group, recipe_name):
     with pytest.raises(ValueError, match="tensorwise"):
         _model(recipe_name, "fp8_all_gather")
+    with pytest.raises(ValueError, match="fp8.all_gather"):
+        load_config(None, [*TINY, f"fp8.recipe={recipe_name}", "fp8.all_gather=true", "train.parallel=fsdp2"])
+
+
+def test_fp8_all_gather_config_needs_fsdp2_and_an_fp8_recipe():
+    with pytest.raises(ValueError, match="train.parallel=fsdp2"):
+        load_config(None, ["fp8.all_gather=true"])
+    with pytest.raises(ValueError, match="fp8.all_gather"):
+        load_config(None, ["fp8.all_gather=true", "train.parallel=fsdp2", "fp8.recipe=none"])
     with pytest.raises(ValueError, match="needs an FP8 recipe"):
         check_fp8_all_gather_recipe(None)
+    assert load_config(None, ["fp8.all_gather=true", "train.parallel=fsdp2"]).fp8.all_gather is True
+    with pytest.raises(ValueError, match="train.parallel"):
+        load_config(None, ["train.parallel=fsdp"])
 
 
 def test_gathered_weight_cannot_be_read_as_fp32():

@@ -235,8 +235,10 @@ def section_train(device: str, dry: bool, out_dir: Path, limit_s: float) -> dict
     names = ("current",) if dry else RECIPE_NAMES
     steps = 2 if dry else 20
     runs = {}
-    for name in names:
-        overrides = [f"run.dir={out_dir / 'train_runs'}", f"run.name={name}", f"fp8.recipe={name}",
+    # plus one FSDP2 smoke step on one GPU: fully_shard, FP8 weight all-gather, a sharded checkpoint (issue 15)
+    fsdp2 = ["train.parallel=fsdp2", "fp8.all_gather=true", "checkpoint.save_final=true"]
+    for label, name, extra in [(n, n, []) for n in names] + [("current_fsdp2", "current", fsdp2)]:
+        overrides = [f"run.dir={out_dir / 'train_runs'}", f"run.name={label}", f"fp8.recipe={name}",
                      "model.n_layers=2", "model.d_model=256", "model.n_heads=4", "model.seq_len=128",
                      f"train.max_steps={steps}", "train.batch_size=8", f"train.eval_every={steps}",
                      "train.eval_batches=1", f"train.device={device}", "optim.warmup_steps=1", "log.wandb=disabled",
@@ -244,10 +246,11 @@ def section_train(device: str, dry: bool, out_dir: Path, limit_s: float) -> dict
         if dry:
             overrides += ["model.d_model=64", "model.seq_len=32", "train.batch_size=2", "train.autocast=none",
                           "policy.min_features=16"]
+        overrides += extra
         t0 = time.perf_counter()
         summary = train(load_config(None, overrides), show_progress=False)
         wall = summary.get("wall_time_s") or math.nan
-        runs[name] = dict(status=summary.get("status"), loss=summary.get("loss"), seconds=time.perf_counter() - t0,
+        runs[label] = dict(status=summary.get("status"), loss=summary.get("loss"), seconds=time.perf_counter() - t0,
                           tokens_per_s=(summary.get("tokens") or 0) / wall, fp8_layers=summary.get("fp8_layers"))
         write_json_atomic(out_dir / "train.partial.json", dict(runs=runs))
     ok = all(r["status"] == "completed" and r["loss"] is not None and math.isfinite(r["loss"]) for r in runs.values())

@@ -10,10 +10,13 @@ from typing import Optional
 from fp8train.nn.recipes import RECIPE_NAMES
 from fp8train.numerics.kernel_probe import resolve_kernel
 
-__all__ = ["BenchOptions", "parse_shapes", "parse_list", "resolve_fp8_kernel", "log", "SECTIONS", "RECIPES",
+__all__ = ["BenchOptions", "parse_shapes", "parse_list", "resolve_fp8_kernel", "log", "SECTIONS", "OPTIONAL_SECTIONS",
+           "RECIPES",
            "SHAPES", "QUANT_LAYOUTS", "QUANT_FORMATS", "GPU_PEAKS", "REPO_RECIPES", "TARGET_SHAPE"]
 
 SECTIONS = ("quant", "ops", "linear", "train", "memory")
+# Not in the default run: launches 2 processes (fp8train.bench.distributed; ~1 minute on 2 CPU cores).
+OPTIONAL_SECTIONS = ("distributed",)
 RECIPES = RECIPE_NAMES
 # (M, K, N): input (M, K), weight (N, K). The full CPU list stops at 4096x1024x1024 (the target shape): a bf16
 # nn.Linear fwd+bwd already takes ~20 s there on the reference box (see the module docstring).

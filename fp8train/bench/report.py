@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from fp8train.bench.distributed import format_distributed
 from fp8train.bench.options import RECIPES, TARGET_SHAPE
 
 __all__ = ["check_targets", "format_report"]
@@ -148,6 +149,8 @@ def format_report(results: dict) -> str:
                 for r in sec["memory"]["rows"]]
         parts.append(f"\nactivation memory saved for backward, one forward of {sec['memory']['tokens']} tokens\n"
                      + _table(["contender", "saved MB", "x bf16", "saved vs bf16", "by dtype (MB)"], rows))
+    if "distributed" in sec:
+        parts.append(format_distributed(sec["distributed"]))
     if results.get("targets"):
         rows = [[t["target"], "-" if t["value"] is None else f"{t['value']:.2f}", f"{t['op']} {t['threshold']}",
                  {True: "met", False: "MISSED", None: "not measured"}[t["met"]], t["note"]] for t in results["targets"]]

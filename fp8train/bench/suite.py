@@ -41,10 +41,11 @@ from pathlib import Path
 
 import torch
 
+from fp8train.bench.distributed import bench_distributed
 from fp8train.bench.harness import Timing, enable_malloc_reuse, machine_info, paired_ratio
 from fp8train.bench.linear_section import bench_linear, bench_ops, torchao_linear
-from fp8train.bench.options import (RECIPES, SECTIONS, BenchOptions, log, parse_list, parse_shapes,
-                                    resolve_fp8_kernel)
+from fp8train.bench.options import (OPTIONAL_SECTIONS, RECIPES, SECTIONS, BenchOptions, log, parse_list,
+                                    parse_shapes, resolve_fp8_kernel)
 from fp8train.bench.quant_section import bench_quant
 from fp8train.bench.report import check_targets, format_report
 from fp8train.bench.train_section import bench_memory, bench_train, saved_tensor_bytes
@@ -91,6 +92,8 @@ def run_bench(opts: BenchOptions) -> dict:
                 results["sections"]["train"] = bench_train(opts, warmup + 1, repeats, kernel)
             elif name == "memory":
                 results["sections"]["memory"] = bench_memory(opts)
+            elif name == "distributed":
+                results["sections"]["distributed"] = bench_distributed(opts.device)
         except Exception as err:  # keep going: the other sections are still worth having
             results["errors"][name] = f"{type(err).__name__}: {err}"
             log(f"section {name} failed: {results['errors'][name]}")
@@ -125,7 +128,8 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (CPU: < 3 min)")
     parser.add_argument("--shapes", metavar="MxKxN,...", help="linear shapes, e.g. 4096x1024x1024,1024x256x256")
     parser.add_argument("--recipes", default=",".join(RECIPES), help=f"FP8 recipes (default {','.join(RECIPES)})")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"sections (default {','.join(SECTIONS)})")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"sections (default {','.join(SECTIONS)}; also: {','.join(OPTIONAL_SECTIONS)})")
     parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                         help="quantize kernel in the ops/linear/train sections: on = the fastest bit-exact kernel "
                         "measured for this machine, off = eager (auto: eager for --quick on CPU)")
@@ -147,7 +151,7 @@ def options_from_args(args) -> BenchOptions:
     return BenchOptions(
         device=args.device, quick=args.quick, shapes=parse_shapes(args.shapes) if args.shapes else None,
         recipes=parse_list(args.recipes, RECIPES, "--recipes"),
-        sections=parse_list(args.sections, SECTIONS, "--sections"), compile=args.compile,
+        sections=parse_list(args.sections, SECTIONS + OPTIONAL_SECTIONS, "--sections"), compile=args.compile,
         malloc_tuning=not args.no_malloc_tuning, train_config=args.train_config, quant_numel=args.quant_numel,
         warmup=args.warmup, repeats=args.repeats, threads=args.threads, torchao=not args.no_torchao,
         out=args.out)

@@ -10,7 +10,10 @@ Every operand is FP8 (input and weight in E4M3; grad_output in E5M2 for the hybr
 for rowwise/block), each with its dequantization scale, and every GEMM accumulates in fp32 (gemm.fp8_mm).
 grad_bias = sum of grad_output over rows, in fp32 from the unquantized gradient, as in every FP8 recipe.
 The input is saved for backward as FP8 bytes + scale (1 byte per element), never in high precision; the weight's
-FP8 copy is saved too, so backward reuses exactly the operands the forward used.
+FP8 copy is saved too, so backward reuses exactly the operands the forward used - except where a backward GEMM
+contracts an operand's first dim across its scales (rowwise, mxfp8, non-square block tiles): that operand is
+quantized again along the other axis for that GEMM (recipes.Fp8Recipe.requantize_transposed), and the input is
+then saved in that form only, so every GEMM's scales factor out or tile K as the FP8 kernels need.
 
 The weight's FP8 copy (bytes, scale, and its values in the GEMM's compute dtype) is made once per weight version
 and reused by every micro-batch and by backward: it is remade when the weight changes in place (optimizer step,
@@ -69,6 +72,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from fp8train.nn.accumulation import HopperAccumulation
 from fp8train.nn.fp8_all_gather import Fp8GatheredWeight
@@ -198,7 +202,6 @@ class Fp8Linear(nn.Linear):
             self.recipe.accumulator_bits, self.recipe.accumulator_promotion)
         self.quantize_kernel = "eager"
         self.emulated_dtype = "auto"
-        self.cache_weight_fp8 = True  # False where the weight changes without a version bump (FSDP2's unshard)
         self._formats = {role: get_format(self.recipe.format_of(role)) for role in ROLES}
         self._init_scaling_state(self.weight.device)
         self.register_load_state_dict_pre_hook(_refuse_bad_fp8_state)
@@ -233,6 +236,9 @@ class Fp8Linear(nn.Linear):
         self._initialized_on_host = {role: False for role in ROLES}
         self._scale_generation = 0  # bumped by every delayed-scale update: part of the weight cache's key
         self._weight_cache = None
+        # False when something refills the weight's storage in place without a version bump, so the cache key
+        # cannot see the change: FSDP2's all-gather into a block's unsharded weights (set by fsdp2.apply_fsdp2).
+        self.weight_cache_allowed = getattr(self, "weight_cache_allowed", True)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         self._reset_caches()
@@ -290,9 +296,10 @@ class Fp8Linear(nn.Linear):
     def _weight_fp8(self, backend: str) -> _WeightFp8:
         """The weight's FP8 copy and its GEMM operands, made once per weight version (see the module docstring)."""
         weight = self.weight
-        # FSDP2 refills the unsharded weight by all-gather without a version bump (training.fsdp2 then sets
-        # cache_weight_fp8 False) or hands over an FP8-gathered one: nothing to cache across forwards then.
-        cacheable = self.cache_weight_fp8 and not isinstance(weight, Fp8GatheredWeight)
+        # FSDP2 refills the unsharded weight by all-gather (no version bump) or hands over an FP8-gathered one:
+        # then there is nothing to cache across forwards.
+        cacheable = (self.weight_cache_allowed and not isinstance(weight, Fp8GatheredWeight)
+                     and not isinstance(self, FSDPModule))
         key = (weight._version, weight.data_ptr(), self.training, self._scale_generation, backend,
                self.emulated_dtype, self.quantize_kernel) if cacheable else None
         cached = self._weight_cache

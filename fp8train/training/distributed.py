@@ -6,8 +6,9 @@ Settings of `accelerate launch` (or `accelerate config`) that the loop cannot ho
 anything is written, with a message that says what to do instead; none is silently replaced:
 - FSDP, DeepSpeed and Megatron-LM plugins (`--use_fsdp`, `--use_deepspeed`, ...): the loop would run plain DDP;
   on CPU accelerate itself silently stays MULTI_CPU whatever the config file says, so the launcher's
-  environment is read, not only the Accelerator's `distributed_type`. Hook: when `train.parallel` (FSDP2) lands,
-  `check_launch_settings` is where an FSDP launch is accepted for it;
+  environment is read, not only the Accelerator's `distributed_type`. With `train.parallel=fsdp2`
+  an FSDP launch is accepted: fp8train applies FSDP2 itself (fsdp2.py) and never hands accelerate the model, so
+  the plugin's own options do not apply;
 - `--mixed_precision` other than `no` or `bf16`: `bf16` means what `train.autocast=bf16` means (the loop applies
   autocast itself, the same on every backend), `fp16` needs loss scaling the loop does not do, and `fp8` is
   accelerate's own FP8 path (TE or torchao) that would fight fp8train's: fp8train IS the FP8 layer, chosen with
@@ -40,11 +41,13 @@ def check_launch_settings(cfg, env: Mapping[str, str] = os.environ) -> None:
     """Refuse launcher settings the loop cannot honour (see the module docstring); ValueError naming them."""
     for var, plugin in _PLUGIN_ENV.items():
         if env.get(var, "").lower() in ("true", "1", "yes"):
-            # FSDP2 hook: once train.parallel=fsdp2 exists, accept FSDP here when cfg.train.parallel asks for it.
+            if var == "ACCELERATE_USE_FSDP" and cfg.train.parallel == "fsdp2":
+                continue  # fp8train shards the model itself (fsdp2.py); accelerate never sees the model
             raise ValueError(
                 f"accelerate is configured for {plugin} ({var}=true), which fp8train's loop does not run: it keeps "
                 "the model replicated (DDP) and checkpoints rank 0's full state. Launch with `accelerate launch "
-                "--multi_gpu` (or --cpu) and a config file without the plugin")
+                "--multi_gpu` (or --cpu) and a config file without the plugin" + (
+                "; for FSDP set train.parallel=fsdp2 (fp8train applies FSDP2 itself)" if plugin == "FSDP" else ""))
     mixed = env.get(_MIXED_PRECISION_ENV, "no").lower()
     if mixed == "fp8":
         raise ValueError(
@@ -66,13 +69,15 @@ def make_accelerator(cfg) -> Accelerator:
         raise ValueError("train.device=cuda but no CUDA GPU is visible; use train.device=auto or cpu")
     cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
     accelerator = Accelerator(cpu=cpu, mixed_precision="no")
-    check_distributed_type(accelerator)
+    check_distributed_type(accelerator, cfg)
     return accelerator
 
 
-def check_distributed_type(accelerator) -> None:
+def check_distributed_type(accelerator, cfg=None) -> None:
     kind = getattr(accelerator, "distributed_type", "")
     kind = str(getattr(kind, "value", kind)).rsplit(".", 1)[-1].upper()  # DistributedType.FSDP -> "FSDP"
+    if kind == "FSDP" and cfg is not None and cfg.train.parallel == "fsdp2":
+        return  # accelerate's FSDP plugin is never given the model: fp8train applies FSDP2 itself (fsdp2.py)
     if kind in _UNSUPPORTED_KINDS:
         raise ValueError(f"accelerate is configured for {kind}, which fp8train's loop does not support: it keeps "
                          "the model replicated (DDP) and checkpoints rank 0's full state; launch with "

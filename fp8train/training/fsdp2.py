@@ -14,6 +14,13 @@ What stays the same as DDP, and why:
 - gradient accumulation skips the reduce-scatter on all but the last micro-batch (`no_gradient_sync`), as
   DDP's no_sync skips its all-reduce.
 
+One difference, on purpose: gradients are SUMMED over ranks, and the loop divides each micro-batch's loss by
+the number of micro-batches in the global batch (world size x train.grad_accum) instead of by grad_accum. Same
+gradient (DDP halves then sums two ranks; this halves inside the backward: exact either way), but a rank's
+grad_output no longer depends on how many ranks share the global batch. Delayed scaling keeps a history of
+grad_output amaxes, so under DDP's convention a checkpoint resumed with another world size would mix amaxes
+that differ by that factor; here 2 ranks x 1 micro-batch and 1 rank x 2 hold the same FP8 state.
+
 With `fp8.all_gather: true` (tensorwise recipes) the Fp8Linear weights are gathered as FP8 codes
 (fp8train.nn.fp8_all_gather). A world size of 1 is allowed: fp8train then makes a one-process group itself.
 """
@@ -26,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # set_custom_all_gather's interface
 from torch.distributed.tensor import DTensor
 
@@ -64,21 +71,35 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
 
 
-def apply_fsdp2(model: nn.Module, device: torch.device, *, fp8_all_gather: bool = False) -> nn.Module:
+def apply_fsdp2(model: nn.Module, device: torch.device, *, fp8_all_gather: bool = False,
+                gather_dtype: torch.dtype | None = None) -> nn.Module:
     """Shard `model` in place with FSDP2: each decoder block, then the root. Call after the FP8 swap and before
-    the optimizer is built (its parameters become DTensor shards)."""
+    the optimizer is built (its parameters become DTensor shards). `gather_dtype` (FSDP2's mixed-precision
+    param_dtype, e.g. bf16: weights gathered and used in bf16) is for comparisons in the bench; training keeps
+    fp32 weights and bf16 autocast."""
+    if fp8_all_gather and gather_dtype is not None:
+        raise ValueError("fp8_all_gather and gather_dtype exclude each other (FP8 codes are what is gathered)")
+    for _, layer in fp8_layers(model):
+        # FSDP2 all-gathers into the same storage every step without bumping the tensor version: a weight FP8
+        # copy cached by (version, data_ptr) would go stale after the optimizer step.
+        layer.weight_cache_allowed = False
     if fp8_all_gather:
         layers = fp8_layers(model)
         if not layers:
             check_fp8_all_gather_recipe(None)
         for _, layer in layers:
             wrap_weight_for_fp8_all_gather(layer)  # refuses a recipe that cannot (ValueError)
-    for _, layer in fp8_layers(model):  # the unsharded weight is refilled by all-gather (no version bump)
-        layer.cache_weight_fp8 = False
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=gather_dtype)
     for block in decoder_blocks(model):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # a plain SUM, not a mean (see the module docstring); forced, or NCCL/gloo would be asked for
+            # PREMUL_SUM(1.0), which gloo does not have
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(1.0)
     return model
 
 
@@ -112,19 +133,26 @@ def _sum_over_ranks(value: torch.Tensor, sharded: bool) -> torch.Tensor:
 
 
 def grad_norm(model: nn.Module) -> float:
-    """Global L2 norm of the gradients (fp32 sum of squares of the local shards, summed over ranks)."""
+    """Global L2 norm of the gradients, replicated (DDP) or sharded (FSDP2: local shards, summed over ranks).
+
+    Sums of squares in float64: then the norm, rounded to fp32, does not depend on how the gradient is split
+    across ranks or summed (fp32 sums in another order differ in the last bits, the clip factor with them, and
+    FP8 rounding amplifies one-ulp weight differences into visibly different runs within tens of steps). So DDP,
+    FSDP2 and any world size clip by the same factor."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
     sharded = any(isinstance(g, DTensor) for g in grads)
-    squares = torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
+    squares = torch.zeros((), dtype=torch.float64, device=grads[0].device)
     for g in grads:
-        squares = squares + local_tensor(g).detach().float().pow(2).sum()
-    return float(_sum_over_ranks(squares, sharded).sqrt())
+        squares = squares + local_tensor(g).detach().double().pow(2).sum()
+    return float(_sum_over_ranks(squares, sharded).sqrt().float())
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Scale all gradients so their global norm is at most `max_norm` (as torch.nn.utils.clip_grad_norm_);
-    returns the norm before clipping. A non-finite norm leaves the gradients as they are (the loop skips or
-    stops that step)."""
+    """Scale all gradients so their global norm is at most `max_norm` (the rule of
+    torch.nn.utils.clip_grad_norm_, with grad_norm's float64 norm); returns the norm before clipping. A
+    non-finite norm leaves the gradients as they are (the loop skips or stops that step)."""
     norm = grad_norm(model)
     if norm == norm and norm != float("inf"):
         factor = min(1.0, max_norm / (norm + 1e-6))

@@ -40,8 +40,10 @@ from fp8train.nn.linear import update_fp8_scales
 from fp8train.training import telemetry
 from fp8train.training.shadow import gemm_paths
 from fp8train.training.checkpoint import load_checkpoint, save_checkpoint
+from fp8train.training.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from fp8train.training.config import FullConfig, add_config_arguments, config_hash, load_config
 from fp8train.training.distributed import all_mean, fp8_state_digest, make_accelerator
+from fp8train.training.fsdp2 import all_finite, clip_grad_norm, grad_norm, no_gradient_sync, release_process_group
 from fp8train.training.resume import resume_hash
 from fp8train.training.run_log import MetricsLog, finish, start_logs, summarize, summary_line
 from fp8train.training.rundir import CHECKPOINTS_DIR, TELEMETRY_FILE
@@ -115,6 +117,7 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
 
     summary = summarize(run, state)
     finish(run, summary)
+    release_process_group(run.made_process_group)
     return summary
 
 
@@ -135,7 +138,8 @@ def resume(run: Run) -> _State:
     state = _State()
     if run.plan.kind != "resume":
         return state
-    manifest = load_checkpoint(run.plan.checkpoint, run.model, run.optimizer, run.scheduler)
+    load = load_sharded_checkpoint if run.sharded else load_checkpoint
+    manifest = load(run.plan.checkpoint, run.model, run.optimizer, run.scheduler)
     counts = manifest.get("extra", {})
     run.lr_horizon["steps"] = counts.get("lr_schedule_steps", run.cfg.train.max_steps)
     state.start_step = state.done = manifest["step"]
@@ -208,19 +212,24 @@ def _forward_backward(run: Run, step: int) -> tuple[float, tuple]:
     for m in range(accum):
         x = x_rank[m * micro:(m + 1) * micro].to(device)
         y = y_rank[m * micro:(m + 1) * micro].to(device)
-        sync = nullcontext() if m == accum - 1 else accelerator.no_sync(run.ddp_model)
+        if run.sharded:  # FSDP2: reduce-scatter only after the last micro-batch, as DDP's no_sync
+            sync = no_gradient_sync(run.model, skip=m < accum - 1)
+        else:
+            sync = nullcontext() if m == accum - 1 else accelerator.no_sync(run.ddp_model)
         with sync, _autocast(cfg, device):
             _, loss = run.ddp_model(x, y)
-        accelerator.backward(loss / accum)
+        # FSDP2 sums gradients over ranks (fsdp2.apply_fsdp2), so each micro-batch counts 1 / (its number in
+        # the global batch): a rank's grad_output, hence its FP8 scale history, is the same at any world size.
+        accelerator.backward(loss / (accum * accelerator.num_processes if run.sharded else accum))
         loss_sum += loss.detach().double()  # the same float64 sum as before, without a sync per micro-batch
     return all_mean(accelerator, float(loss_sum) / accum), (x, y)
 
 
 def _clip_grad_norm(run: Run) -> float:
-    if run.cfg.train.grad_clip > 0:
-        return float(run.accelerator.clip_grad_norm_(run.ddp_model.parameters(), run.cfg.train.grad_clip))
-    norms = [p.grad.detach().float().norm() for p in run.model.parameters() if p.grad is not None]
-    return float(torch.stack(norms).norm()) if norms else 0.0
+    # One rule for DDP (replicated gradients) and FSDP2 (DTensor shards): a float64 norm that does not depend on
+    # how the gradient is split, so both, at any world size, clip by the same factor (fsdp2.grad_norm).
+    clip = run.cfg.train.grad_clip
+    return clip_grad_norm(run.model, clip) if clip > 0 else grad_norm(run.model)
 
 
 def _divergence_reason(cfg: FullConfig, state: _State, step: int, step_loss: float, grad_norm: float):
@@ -277,12 +286,16 @@ def evaluate(model, batches, cfg: FullConfig, accelerator) -> float:
     collective (buffer broadcast) that the other ranks would never join."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-    for i, (x, y) in enumerate(batches):
-        if i % accelerator.num_processes != accelerator.process_index:
-            continue
+    world, rank = accelerator.num_processes, accelerator.process_index
+    mine = list(range(rank, len(batches), world))
+    if cfg.train.parallel == "fsdp2":  # every forward all-gathers: each rank runs as many as the busiest one
+        mine += [None] * (-(-len(batches) // world) - len(mine))  # None: batch 0 again, not counted
+    for i in mine:
+        x, y = batches[0 if i is None else i]
         with _autocast(cfg, accelerator.device):
             _, loss = model(x.to(accelerator.device), y.to(accelerator.device))
-        total += torch.tensor([float(loss), 1.0], dtype=torch.float64, device=accelerator.device)
+        if i is not None:
+            total += torch.tensor([float(loss), 1.0], dtype=torch.float64, device=accelerator.device)
     if accelerator.num_processes > 1:
         total = accelerator.reduce(total, reduction="sum")
     model.train()
@@ -298,16 +311,19 @@ def checkpoint(run: Run, state: _State, final: bool) -> bool:
     returned. The manifest carries the skip-guard counters and the LR schedule's length, so a resumed run counts
     on where it stopped on the same schedule."""
     done = state.done
-    if not _all_finite(run.model):
+    if not (all_finite(run.model) if run.sharded else _all_finite(run.model)):
         which = "the final checkpoint was" if final else "its checkpoint was"
         state.status, state.diverged_at = "diverged", done
         state.reason = f"parameters became non-finite at step {done}; {which} not written"
         return False
     ckpt_dir = run.run_dir / CHECKPOINTS_DIR
     path = ckpt_dir / f"step_{done:06d}"
-    if run.is_main:
-        extra = {"config_hash": config_hash(run.cfg), "resume_hash": resume_hash(run.cfg),
-                 "lr_schedule_steps": run.lr_horizon["steps"], **state.counts()}
+    extra = {"config_hash": config_hash(run.cfg), "resume_hash": resume_hash(run.cfg),
+             "lr_schedule_steps": run.lr_horizon["steps"], **state.counts()}
+    if run.sharded:  # every rank writes its shard; collective
+        path = save_sharded_checkpoint(ckpt_dir, done, run.model, run.optimizer, run.scheduler, extra=extra,
+                                       keep_last=run.cfg.checkpoint.keep_last)
+    elif run.is_main:
         path = save_checkpoint(ckpt_dir, done, run.model, run.optimizer, run.scheduler, extra=extra,
                                keep_last=run.cfg.checkpoint.keep_last)
     run.accelerator.wait_for_everyone()

@@ -7,7 +7,7 @@
 - `auto`: resume if there is a checkpoint to resume from, else start (what `fp8train validate` uses).
 
 A resumed run must be the same experiment. Its config may differ from the stored config.yaml only in
-`RESUMABLE_KEYS` (the schedule: how long to train and how often to evaluate) and in the keys that never change
+`RESUMABLE_KEYS` (the schedule: how long to train and how often to evaluate; the micro-batch split) and in the keys that never change
 what is trained (`HASH_EXCLUDE`: run name and folder, train.resume, log.*, checkpoint.*, validate.*); any other
 difference is refused with the key, the stored value and the new one. `train.max_steps` may grow (or shrink, not
 below the checkpoint's step). The learning-rate schedule stays the one the run started with: warmup and cosine
@@ -27,14 +27,16 @@ from typing import Callable, Optional
 
 from omegaconf import OmegaConf
 
-from fp8train.training.checkpoint import latest_valid_checkpoint
+from fp8train.training.sharded_checkpoint import latest_loadable_checkpoint
 from fp8train.training.config import HASH_EXCLUDE, config_hash, load_config
 from fp8train.training.rundir import CHECKPOINTS_DIR, CONFIG_FILE, SUMMARY_FILE, read_json
 
 __all__ = ["RESUMABLE_KEYS", "ResumePlan", "plan_resume", "config_differences", "resume_hash"]
 
-# Keys that only say how long to train and how often to evaluate: they may change when a run is resumed.
-RESUMABLE_KEYS = ("train.max_steps", "train.eval_every")
+# Keys that only say how long to train and how often to evaluate: they may change when a run is resumed. And
+# train.grad_accum: the global batch (train.batch_size) is fixed, so resuming on another number of processes
+# with the same micro-batches means another accumulation count (2 ranks x 1 = 1 rank x 2).
+RESUMABLE_KEYS = ("train.max_steps", "train.eval_every", "train.grad_accum")
 
 
 def resume_hash(cfg) -> str:
@@ -106,7 +108,7 @@ def plan_resume(cfg, run_dir: Path, log: Callable[[str], None]) -> ResumePlan:
     checkpoint = None
     if config_file.exists():
         _check_same_experiment(cfg, config_file)
-        checkpoint = latest_valid_checkpoint(run_dir / CHECKPOINTS_DIR, log=log)
+        checkpoint = latest_loadable_checkpoint(run_dir / CHECKPOINTS_DIR, log=log)  # DDP or sharded (fsdp2)
         summary = _complete_summary(cfg, run_dir, checkpoint)
         if summary is not None:
             return ResumePlan("complete", checkpoint, summary)

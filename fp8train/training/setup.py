@@ -21,6 +21,7 @@ from fp8train.training.compile import check_compiler, compile_model
 from fp8train.training.config import (FullConfig, config_to_yaml, fp8_recipe_from_config, layer_policy_from_config)
 from fp8train.training.data import build_data
 from fp8train.training.distributed import Fp8StateSync, check_distributed_type, set_cpu_threads
+from fp8train.training.fsdp2 import apply_fsdp2, ensure_process_group
 from fp8train.training.model import build_model, check_model_for_run
 from fp8train.training.resume import ResumePlan, plan_resume
 from fp8train.training.rundir import CONFIG_FILE, run_dir_path, write_text_atomic
@@ -53,6 +54,12 @@ class Run:
     fp8_sync: Fp8StateSync = None
     shadow: RecipeShadow | None = None  # log.shadow_recipes: other recipes measured on telemetry steps
     trackers: Trackers = None
+    made_process_group: bool = False  # fsdp2 in one process without a launcher: set_up made a 1-rank group
+
+    @property
+    def sharded(self) -> bool:
+        """train.parallel=fsdp2: the model is FSDP2-sharded, checkpoints are sharded, collectives everywhere."""
+        return self.cfg.train.parallel == "fsdp2"
 
     @property
     def is_main(self) -> bool:
@@ -66,7 +73,7 @@ class Run:
 
 def set_up(cfg: FullConfig, accelerator, show_progress: bool) -> Run:
     started = time.time()
-    check_distributed_type(accelerator)
+    check_distributed_type(accelerator, cfg)
     set_cpu_threads(cfg, accelerator)
     world = accelerator.num_processes
     if cfg.train.batch_size % (world * cfg.train.grad_accum):
@@ -110,13 +117,19 @@ def _prepare_training(run: Run) -> None:
     if run.conversion is not None:
         run.say(str(run.conversion))
     run.model.to(accelerator.device)
+    if run.sharded:  # before AdamW exists, so its state is built on the shards
+        run.made_process_group = ensure_process_group(accelerator.device)
+        apply_fsdp2(run.model, accelerator.device, fp8_all_gather=cfg.fp8.all_gather)
     if cfg.train.compile:
         compile_model(run.model)  # in place: state_dict keys (checkpoints) unchanged
     optimizer = _make_optimizer(run.model, cfg)
     run.lr_horizon["steps"] = cfg.train.max_steps
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_at(s, cfg, run.lr_horizon["steps"]))
-    run.ddp_model, run.optimizer = accelerator.prepare(run.model, optimizer)
+    if run.sharded:  # accelerate would wrap it in DDP: it keeps the plain optimizer and never sees the model
+        run.ddp_model, run.optimizer = run.model, optimizer
+    else:
+        run.ddp_model, run.optimizer = accelerator.prepare(run.model, optimizer)
     if run.ddp_model is not run.model and hasattr(run.ddp_model, "broadcast_buffers"):
         # DDP would copy rank 0's buffers over every rank's at each forward: that hides a rank whose FP8 state
         # went astray (update_fp8_scales' all-reduce keeps them equal; Fp8StateSync checks it) and overwrites

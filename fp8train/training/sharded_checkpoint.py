@@ -22,8 +22,9 @@ every rank's shard is on disk, rank 0 writes the manifest (with every rank's sha
 then renames the folder into place. A rank killed mid-save leaves only the temporary folder (removed by the next
 save); the previous checkpoint is untouched. Checkpoints must be on a file system every rank can see.
 
-`load_model_weights_any(path, model)` loads either format into a plain (unsharded) model in one process: what
-export and kv-eval need.
+For export and kv-eval, in one process: `latest_loadable_checkpoint(ckpt_dir)` finds the newest checkpoint of
+either format, `read_model_state(path)` returns its full model state dict (what the DDP format's
+model.safetensors holds), and `load_model_weights_any(path, model)` loads either into a model.
 """
 
 from __future__ import annotations
@@ -40,13 +41,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+from safetensors.torch import load_file
+
 from fp8train.nn.fp8_all_gather import unwrap_fp8_all_gather
 from fp8train.training.checkpoint import MANIFEST, list_checkpoints, load_model_weights, verify_checkpoint
 from fp8train.training.rundir import write_json_atomic
 
 __all__ = ["SHARDED_FORMAT", "COMPLETE_MARKER", "is_sharded_checkpoint", "save_sharded_checkpoint",
            "verify_sharded_checkpoint", "latest_valid_sharded_checkpoint", "load_sharded_checkpoint",
-           "load_model_weights_any", "latest_loadable_checkpoint", "MissingShardError"]
+           "load_model_weights_any", "read_model_state", "latest_loadable_checkpoint", "MissingShardError"]
 
 SHARDED_FORMAT = "fp8train-dcp-safetensors-1"
 COMPLETE_MARKER = "COMPLETE"
@@ -110,6 +113,10 @@ def _global_shapes(flat: dict) -> dict:
     return {name: list(t.shape) for name, t in flat.items()}
 
 
+def _dtypes(flat: dict) -> dict:
+    return {name: str(t.dtype).removeprefix("torch.") for name, t in flat.items()}
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Save
 # ------------------------------------------------------------------------------------------------------------
@@ -151,7 +158,7 @@ def save_sharded_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, s
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "optimizer_param_groups": optim_sd["param_groups"] if optim_sd is not None else None,
             "torch_rng_state": torch.get_rng_state().tolist(),
-            "extra": extra or {}, "tensors": _global_shapes(flat), "files": files,
+            "extra": extra or {}, "tensors": _global_shapes(flat), "dtypes": _dtypes(flat), "files": files,
         }
         write_json_atomic(tmp / MANIFEST, manifest)
         write_json_atomic(tmp / COMPLETE_MARKER, {"step": step})  # last: marks the checkpoint whole
@@ -287,7 +294,28 @@ def _param_groups(saved: list, current: list) -> list:
 
 
 def load_model_weights_any(path: str | Path, model) -> dict:
-    """Weights only (export, kv-eval): a checkpoint of either format into a plain model, in one process."""
+    """Weights only: a checkpoint of either format into `model` (plain, or sharded when distributed); the
+    model must be the one the run trained (same FP8 recipe: its scaling buffers are part of the state)."""
     if is_sharded_checkpoint(path):
         return load_sharded_checkpoint(path, model)
     return load_model_weights(path, model)
+
+
+def read_model_state(path: str | Path) -> dict:
+    """The full (unsharded) model state dict of a verified checkpoint of either format, {name: tensor} on the
+    CPU, as the DDP format's model.safetensors holds it (FP8 scaling buffers included), in one process: what
+    export and kv-eval read. The DDP format stores a tied tensor once; the sharded one under each name."""
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        problem = verify_checkpoint(path)
+        if problem is not None:
+            raise ValueError(f"checkpoint {path} cannot be loaded: {problem}")
+        return load_file(str(path / "model.safetensors"))
+    problem = verify_sharded_checkpoint(path)
+    if problem is not None:
+        raise ValueError(f"checkpoint {path} cannot be loaded: {problem}")
+    manifest = json.loads((path / MANIFEST).read_text())
+    flat = {name: torch.empty(shape, dtype=getattr(torch, manifest["dtypes"][name]))
+            for name, shape in manifest["tensors"].items() if name.startswith(_MODEL)}
+    dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(str(path)), no_dist=True)
+    return {name[len(_MODEL):]: tensor for name, tensor in flat.items()}

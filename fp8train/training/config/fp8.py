@@ -18,6 +18,7 @@ import yaml
 
 from fp8train.nn.convert import LayerPolicy
 from fp8train.nn.gemm import EMULATED_DTYPES
+from fp8train.nn.fp8_all_gather import FP8_ALL_GATHER_SCALINGS
 from fp8train.nn.overrides import normalize_overrides
 from fp8train.nn.te import te_config_refusal
 from fp8train.nn.recipes import AMAX_COMPUTE_ALGOS, BACKENDS, FORMAT_NAMES, RECIPE_NAMES, Fp8Recipe, recipe
@@ -69,6 +70,9 @@ class Fp8Config(_Section):
     quantize_kernel: str = "auto"
     """auto (fastest bit-exact kernel, measured once per machine and cached) | eager | compiled_cast |
     compiled_select."""
+    all_gather: bool = False
+    """train.parallel=fsdp2 only: all-gather Fp8Linear weights as FP8 codes + scale instead of fp32 (tensorwise
+    recipes delayed and current; rowwise and block weights have per-row / per-tile scales)."""
     fast_accum_forward: Optional[bool] = None
     """scaled_mm: fast (unpromoted) tensor-core accumulation in the forward GEMM (preset default: true)."""
     accumulator_bits: Optional[int] = None
@@ -84,6 +88,10 @@ class Fp8Config(_Section):
                      self._key("amax_outlier_factor"), self.amax_outlier_factor, "must be 0 (off) or > 1")
         self._in("recipe", FP8_RECIPE_CHOICES)
         self._in("backend", BACKENDS)
+        if self.all_gather:
+            _require(self.recipe in FP8_ALL_GATHER_SCALINGS, "fp8.all_gather", self.all_gather,
+                     f"needs a tensorwise fp8.recipe ({' or '.join(FP8_ALL_GATHER_SCALINGS)}); fp8.recipe="
+                     f"{self.recipe} has no single per-tensor weight scale to gather with (set fp8.all_gather=false)")
         if self.backend == "te":  # at config time, with the reason (nn/te.py), before anything is written
             raise ValueError(te_config_refusal(recipe("current" if self.recipe == BASELINE_RECIPE else self.recipe)))
         if self.margin is not None:  # 2**margin beyond 32 binades flushes every value of every format to zero
@@ -174,7 +182,8 @@ def fp8_recipe_from_config(cfg) -> Fp8Recipe | None:
     overrides: dict[str, Any] = {"backend": fp8.backend}
     for f in dataclasses.fields(Fp8Config):
         value = getattr(fp8, f.name)
-        if f.name in ("recipe", "backend") + EXECUTION_FIELDS or value is None:
+        # all_gather (how FSDP2 gathers) and the execution fields are not recipe fields
+        if f.name in ("recipe", "backend", "all_gather") + EXECUTION_FIELDS or value is None:
             continue
         overrides[f.name] = tuple(value) if f.name.endswith("_block") else value
     try:

@@ -25,6 +25,12 @@ class FullConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validate: ValidateConfig = field(default_factory=ValidateConfig)
 
+    def __post_init__(self) -> None:
+        if self.fp8.all_gather and self.train.parallel != "fsdp2":
+            raise ValueError(f"config fp8.all_gather=true is invalid: it changes how FSDP2 all-gathers weights, "
+                             f"and train.parallel={self.train.parallel}; set train.parallel=fsdp2 or "
+                             "fp8.all_gather=false")
+
     @property
     def run_dir(self) -> Path:
         """<run.dir>/<run.name> (fp8train.training.rundir says where everything in it lives)."""

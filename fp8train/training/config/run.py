@@ -19,6 +19,7 @@ MAX_THREADS = 512
 MAX_LR = 1e3
 DEVICES = ("auto", "cpu", "cuda")
 AUTOCAST_MODES = ("bf16", "none")
+PARALLEL_MODES = ("ddp", "fsdp2")  # data parallelism: replicated (DDP) or sharded (torch's FSDP2 fully_shard)
 
 
 @dataclass
@@ -67,6 +68,9 @@ class TrainConfig(_Section):
     resume: Any = False
     """true | false | auto: resume from the newest valid checkpoint in the run directory (true: one must exist;
     auto: start when there is none). Rules for what may change on resume: fp8train.training.resume."""
+    parallel: str = "ddp"
+    """Data parallelism over the launched processes: ddp (replicated weights) | fsdp2 (weights, gradients and
+    AdamW state sharded by torch's fully_shard, per decoder block then the root; sharded checkpoints)."""
     compile: bool = False
     """torch.compile the model (every recipe compiles without graph breaks; needs a C++ compiler on CPU)."""
 
@@ -90,6 +94,7 @@ class TrainConfig(_Section):
             self.resume = words[self.resume.lower()]
         _require(isinstance(self.resume, bool) or self.resume == "auto", "train.resume", self.resume,
                  "one of true, false, auto")
+        self._in("parallel", PARALLEL_MODES)
 
 
 @dataclass

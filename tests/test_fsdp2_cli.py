@@ -1,0 +1,77 @@
+"""train.parallel=fsdp2 from the command line, in one process (fp8train makes a one-rank group itself):
+bad input exits 2 with one line and writes nothing, and `fp8train validate` reaches the same verdict under fsdp2
+as under ddp. The 2-process claims are in tests/test_fsdp2_multiprocess.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fp8train.cli import main
+from fp8train.evidence.validate import run_validation
+from fp8train.training.config import load_config
+from refs import write_stdlib_corpus
+
+pytestmark = [pytest.mark.usefixtures("single_thread")]
+
+TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32", "train.batch_size=8",
+        "train.eval_batches=2", "optim.warmup_steps=2", "policy.min_features=16", "log.wandb=disabled",
+        "log.telemetry_every=0", "train.device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    write_stdlib_corpus(path)
+    return str(path)
+
+
+def _train(capsys, tmp_path, corpus, *overrides):
+    code = main(["train", "recipes/cpu_delayed.yaml", *TINY, f"data.path={corpus}", f"run.dir={tmp_path}",
+                 "run.name=r", "--quiet", *overrides])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["train.parallel=fsdp2", "fp8.all_gather=true", "fp8.recipe=rowwise"], "fp8.all_gather"),
+    (["train.parallel=fsdp2", "fp8.all_gather=true", "fp8.recipe=none"], "fp8.all_gather"),
+    (["fp8.all_gather=true"], "train.parallel=fsdp2"),
+    (["train.parallel=zero3"], "train.parallel"),
+])
+def test_bad_parallel_settings_exit_2_in_one_line_before_anything_is_written(capsys, tmp_path, corpus,
+                                                                              overrides, named):
+    code, err = _train(capsys, tmp_path, corpus, *overrides)
+    assert code == 2 and len(err) == 1 and named in err[0], err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_missing_shard_on_resume_exits_2_and_changes_nothing(capsys, tmp_path, corpus):
+    code, _ = _train(capsys, tmp_path, corpus, "train.parallel=fsdp2", "train.max_steps=4", "checkpoint.every=2")
+    assert code == 0
+    run = tmp_path / "r"
+    shard = next((run / "checkpoints" / "step_000004").glob("shard-*.safetensors"))
+    shard.unlink()
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    code, err = _train(capsys, tmp_path, corpus, "train.parallel=fsdp2", "train.max_steps=6",
+                       "checkpoint.every=2", "train.resume=true")
+    assert code == 2 and len(err) == 1 and "missing shard file" in err[0] and shard.name in err[0], err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.slow
+def test_validate_verdict_does_not_change_under_fsdp2(tmp_path, corpus):
+    verdicts = {}
+    for parallel in ("ddp", "fsdp2"):
+        cfg = load_config(None, [*TINY, f"data.path={corpus}", f"run.dir={tmp_path / parallel}", "run.name=v",
+                                 "train.max_steps=20", "train.eval_every=10", "log.every=5",
+                                 "validate.margin=0.05", "validate.final_window=2", "validate.extra_seeds=1",
+                                 f"train.parallel={parallel}"])
+        summary = run_validation(cfg, candidates=["current"], show_progress=False)
+        verdicts[parallel] = (summary["verdict"], {k: (v.get("verdict", v.get("pass")), v.get("gap_mean",
+                                                       v.get("gap_rel"))) for k, v in summary["candidates"].items()})
+        runs = tmp_path / parallel / "v" / "runs"
+        assert all(json.loads((d / "summary.json").read_text())["status"] == "completed" for d in runs.iterdir())
+        assert any((runs / "current" / "checkpoints").glob("*/COMPLETE")) == (parallel == "fsdp2")
+    assert verdicts["fsdp2"] == verdicts["ddp"]
