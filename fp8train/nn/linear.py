@@ -10,7 +10,10 @@ Every operand is FP8 (input and weight in E4M3; grad_output in E5M2 for the hybr
 for rowwise/block), each with its dequantization scale, and every GEMM accumulates in fp32 (gemm.fp8_mm).
 grad_bias = sum of grad_output over rows, in fp32 from the unquantized gradient, as in every FP8 recipe.
 The input is saved for backward as FP8 bytes + scale (1 byte per element), never in high precision; the weight's
-FP8 copy is saved too, so backward reuses exactly the operands the forward used.
+FP8 copy is saved too, so backward reuses exactly the operands the forward used - except where a backward GEMM
+contracts an operand's first dim across its scales (rowwise, mxfp8, non-square block tiles): that operand is
+quantized again along the other axis for that GEMM (recipes.Fp8Recipe.requantize_transposed), and the input is
+then saved in that form only, so every GEMM's scales factor out or tile K as the FP8 kernels need.
 
 The weight's FP8 copy (bytes, scale, and its values in the GEMM's compute dtype) is made once per weight version
 and reused by every micro-batch and by backward: it is remade when the weight changes in place (optimizer step,
