@@ -13,6 +13,7 @@ from safetensors import safe_open
 from fp8train.cli import main
 from fp8train.evidence.validate import run_validation
 from fp8train.training.config import load_config
+from fp8train.training.distributed import check_launch_settings
 from refs import write_stdlib_corpus
 
 pytestmark = [pytest.mark.usefixtures("single_thread")]
@@ -104,3 +105,12 @@ def test_export_and_kv_eval_read_sharded_checkpoints(capsys, tmp_path, corpus):
                 assert torch.equal(a.get_tensor(key).view(torch.uint8), b.get_tensor(key).view(torch.uint8)), key
     cells = {p: json.loads((tmp_path / f"kv_{p}" / "kv_eval.json").read_text())["cells"] for p in ("ddp", "fsdp2")}
     assert cells["ddp"] == cells["fsdp2"]
+
+
+def test_accelerate_fsdp_plugin_is_accepted_only_with_fsdp2():
+    env = {"ACCELERATE_USE_FSDP": "true"}
+    check_launch_settings(load_config(None, ["train.parallel=fsdp2"]), env)  # fp8train shards it itself
+    with pytest.raises(ValueError, match="train.parallel=fsdp2"):
+        check_launch_settings(load_config(None, []), env)
+    with pytest.raises(ValueError, match="DeepSpeed"):
+        check_launch_settings(load_config(None, ["train.parallel=fsdp2"]), {"ACCELERATE_USE_DEEPSPEED": "true"})
