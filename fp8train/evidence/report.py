@@ -16,7 +16,8 @@ import statistics
 from pathlib import Path
 
 from fp8train.training import telemetry
-from fp8train.training.rundir import read_json, write_json_atomic, write_text_atomic
+from fp8train.training.rundir import read_json, read_jsonl, write_json_atomic, write_text_atomic
+from fp8train.evidence.plan import shadow_table
 from fp8train.evidence.validate import BASELINE, PLAN_FILE, Curve, compare, load_curve
 
 __all__ = ["write_report", "write_validation_report", "write_run_report", "add_cli_arguments", "cli_main"]
@@ -213,6 +214,26 @@ def _validation_markdown(vdir, plan, summary, base, cands, seeds, health_png) ->
     return "\n".join(lines) + "\n"
 
 
+def _shadow_markdown(run_dir: Path) -> list[str]:
+    """The worst layer per shadow recipe and role (log.shadow_recipes), when the run recorded any."""
+    table = shadow_table(read_jsonl(run_dir / "telemetry.jsonl"))
+    if not table:
+        return []
+    lines = ["## Recipe shadowing", "", "What each shadowed recipe would have done to this run's real operands "
+             "(worst layer per role: lowest mean SQNR, highest overflow and underflow). "
+             f"`fp8train plan {run_dir} --out plan.yaml` turns it into a per-layer plan.", "",
+             "| recipe | role | min SQNR dB (layer) | max overflow | max underflow |", "|---|---|---|---|---|"]
+    for rname in sorted({r for per_layer in table.values() for r in per_layer}):
+        for role in telemetry.ROLES:
+            rows = [(layer, t[rname][role]) for layer, t in table.items() if role in t.get(rname, {})]
+            if rows:
+                layer, worst = min(rows, key=lambda row: row[1]["sqnr_db"])
+                lines.append(f"| {rname} | {role} | {worst['sqnr_db']:.1f} ({layer}) "
+                             f"| {max(r['overflow_frac'] for _, r in rows):.2%} "
+                             f"| {max(r['underflow_frac'] for _, r in rows):.2%} |")
+    return lines + [""]
+
+
 def _advisor_markdown(per_run: dict) -> list[str]:
     t = telemetry.ADVISOR_THRESHOLDS
     lines = ["## Advisor: layers to keep in bf16", "",
@@ -256,6 +277,7 @@ def write_run_report(run_dir: str | Path) -> dict:
     if health_png:
         lines += ["![per-layer FP8 health](health.png)", ""]
     lines += _advisor_markdown({run.label: (run.health, run.exclude_list())})
+    lines += _shadow_markdown(run_dir)
     write_text_atomic(run_dir / "report.md", "\n".join(lines) + "\n")
     return {"status": run.status, "advisor": telemetry.advise(run.health)}
 
