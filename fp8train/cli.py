@@ -25,7 +25,7 @@ from fp8train.training.rundir import write_error
 COMMANDS = {
     "formats": ("fp8train.numerics.formats_cli", "print the FP8 format table derived from the bit layouts"),
     "train": ("fp8train.training.loop", "train one run from a recipe YAML (also under accelerate launch)"),
-    "validate": ("fp8train.evidence.validate", "paired bf16-vs-FP8 runs, noise band, verdict and report"),
+    "validate": ("fp8train.evidence.validate", "paired bf16-vs-FP8 runs over seeds: bounds, PASS/FAIL/INCONCLUSIVE, report"),
     "plan": ("fp8train.evidence.plan", "per-layer recipe plan (policy.overrides) from a run's shadow telemetry and "
              "timings on this device"),
     "report": ("fp8train.evidence.report", "(re)write the report of a validation or run directory"),

@@ -51,7 +51,7 @@ WRONG_TYPE = {
     "bool": ["abc", "{a: 1}"],
     "str": ["{a: 1}"],
     "list": ["abc", "{a: 1}"],
-    "any": ["{a: 1}"],  # train.resume: true | false | auto (its other values are in OUT_OF_RANGE)
+    "any": ["{a: 1}"],  # train.resume: true | false | auto; validate.seeds (other values in OUT_OF_RANGE)
     "dict": ["abc", "[a, b]"],
 }
 
@@ -119,8 +119,9 @@ OUT_OF_RANGE = {
     "checkpoint.every": ["-1"],
     "checkpoint.keep_last": ["-1"],
     "validate.candidates": ["[]", "[none]", "[delayed, delayed]", "[fp16]"],
-    "validate.margin": ["-0.1"],
-    "validate.extra_seeds": ["-1"],
+    "validate.margin": ["-0.1", "0", "1"],
+    "validate.seeds": ["0", "[]", "[1, 1]", "[-1]", "abc", "1.5", "true"],
+    "validate.workers": ["0", "-2"],
     "validate.final_window": ["0"],
     "validate.stop_on_divergence": [],
     "validate.divergence_factor": ["1", "0.5"],

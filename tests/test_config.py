@@ -44,14 +44,14 @@ def test_cpu_recipes_convert_every_block_linear():
 def test_cpu_validate_job():
     cfg = load_config(str(RECIPES / "cpu_validate.yaml"))
     assert cfg.validate.candidates == ["delayed", "current", "rowwise", "block"]
-    assert cfg.validate.extra_seeds == 1 and cfg.validate.margin > 0
+    assert cfg.validate.seeds >= 2 and cfg.validate.margin > 0
     assert cfg.fp8.recipe == "none"
 
 
 def test_defaults():
     cfg = load_config(None)
     assert cfg == FullConfig()
-    assert cfg.log.wandb == "offline" and cfg.model.vocab_size == 256 and cfg.validate.extra_seeds == 1
+    assert cfg.log.wandb == "offline" and cfg.model.vocab_size == 256 and cfg.validate.seeds == 4
     assert cfg.train.resume is False and cfg.data.path == ""
 
 
@@ -158,7 +158,9 @@ def test_unknown_yaml_keys_nested_and_top_level(tmp_path):
         ("validate.candidates=[delayed,fp4]", "validate.candidates"),
         ("validate.candidates=[block,block]", "validate.candidates"),
         ("validate.margin=-0.1", "validate.margin"),
-        ("validate.extra_seeds=-1", "validate.extra_seeds"),
+        ("validate.seeds=0", "validate.seeds"),
+        ("validate.seeds=[3,3]", "validate.seeds"),
+        ("validate.workers=0", "validate.workers"),
         ("validate.final_window=0", "validate.final_window"),
         ("validate.divergence_factor=1.0", "validate.divergence_factor"),
         ("optim.betas=[0.9]", "optim.betas"),

@@ -66,12 +66,12 @@ def test_validate_verdict_does_not_change_under_fsdp2(tmp_path, corpus):
     for parallel in ("ddp", "fsdp2"):
         cfg = load_config(None, [*TINY, f"data.path={corpus}", f"run.dir={tmp_path / parallel}", "run.name=v",
                                  "train.max_steps=20", "train.eval_every=10", "log.every=5",
-                                 "validate.margin=0.05", "validate.final_window=2", "validate.extra_seeds=1",
+                                 "validate.margin=0.05", "validate.final_window=2", "validate.seeds=2",
                                  f"train.parallel={parallel}"])
         summary = run_validation(cfg, candidates=["current"], show_progress=False)
         verdicts[parallel] = (summary["verdict"], {k: (v.get("verdict", v.get("pass")), v.get("gap_mean",
                                                        v.get("gap_rel"))) for k, v in summary["candidates"].items()})
         runs = tmp_path / parallel / "v" / "runs"
-        assert all(json.loads((d / "summary.json").read_text())["status"] == "completed" for d in runs.iterdir())
-        assert any((runs / "current" / "checkpoints").glob("*/COMPLETE")) == (parallel == "fsdp2")
+        assert all(json.loads((d / "summary.json").read_text())["status"] == "completed" for d in runs.glob("*/seed*"))
+        assert any((runs / "current" / "seed1337" / "checkpoints").glob("*/COMPLETE")) == (parallel == "fsdp2")
     assert verdicts["fsdp2"] == verdicts["ddp"]

@@ -90,7 +90,7 @@ def test_fine_tune_starts_from_the_pretrained_weights(hf_root, hf_run):
 @pytest.mark.slow
 def test_validate_an_hf_fine_tune(hf_root):
     path = _recipe_yaml(hf_root / "val.yaml", hf_root, "val", validate__candidates=["current"],
-                        validate__extra_seeds=1, validate__margin=0.5, validate__final_window=2,
+                        validate__seeds=2, validate__margin=0.5, validate__final_window=2,
                         train__eval_every=4)
     code = main(["validate", "--quiet", path])
     summary = json.loads((hf_root / "val" / "summary.json").read_text())

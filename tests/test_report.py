@@ -1,6 +1,7 @@
 """Reports and FP8 health: telemetry of a hand-built tensor with known clipping and underflow, the per-layer
-aggregation and the advisor's thresholds, and report generation from a hand-written validation directory
-(no training: every number below is chosen so the expected verdict can be computed by hand)."""
+aggregation and the advisor's two kinds of thresholds (mean and worst step), and report generation from a
+hand-written validation directory (no training: every number below is chosen so that the expected verdict,
+bounds and MDG can be computed by hand)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import math
 import pytest
 import torch
 
-from fp8train.training import telemetry
+from fp8train.evidence import advisor
 from fp8train.evidence.report import write_report
+from fp8train.training import telemetry
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -50,8 +52,11 @@ def test_fp8linear_telemetry_counts_known_clipping_and_underflow():
     assert set(stats) == {"input", "weight", "grad_output"} and not layer.telemetry
 
 
-def _record(step, layers):
-    return {"step": step, "layers": layers}
+# ------------------------------------------------------------------------------------------------------------
+# Aggregation and the advisor
+# ------------------------------------------------------------------------------------------------------------
+def _record(step, layers, seed=None):
+    return {"step": step, "layers": layers, **({"seed": seed} if seed is not None else {})}
 
 
 def _stats(over=0.0, under=0.0, sqnr=30.0, stale=None):
@@ -59,20 +64,25 @@ def _stats(over=0.0, under=0.0, sqnr=30.0, stale=None):
             "staleness": stale, "nonfinite": False}
 
 
-def test_layer_table_aggregates_and_dedupes():
+def test_layer_table_aggregates_dedupes_and_keeps_the_worst_step():
     records = [
         _record(10, {"a": {"input": _stats(over=0.5, under=0.1, sqnr=10.0, stale=2.0)}}),
         _record(20, {"a": {"input": _stats(over=0.0, under=0.3, sqnr="inf")}}),
         _record(20, {"a": {"input": _stats(over=0.1, under=0.3, sqnr=20.0)}}),  # resumed run repeats step 20
     ]
-    row = telemetry.layer_table(records)["a"]["input"]
+    row = advisor.layer_table(records)["a"]["input"]
     assert row["samples"] == 2
     assert row["overflow_frac"] == pytest.approx(0.3) and row["overflow_frac_max"] == pytest.approx(0.5)
+    assert row["overflow_frac_max_at"] == {"step": 10, "seed": None}
     assert row["underflow_frac"] == pytest.approx(0.2) and row["underflow_frac_max"] == pytest.approx(0.3)
     assert row["sqnr_db"] == pytest.approx(15.0) and row["sqnr_db_min"] == pytest.approx(10.0)
-    assert row["staleness_max"] == pytest.approx(2.0)
-    exact = telemetry.layer_table([_record(10, {"b": {"weight": _stats(sqnr="inf")}})])["b"]["weight"]
+    assert row["staleness_max"] == pytest.approx(2.0) and row["staleness_max_at"]["step"] == 10
+    exact = advisor.layer_table([_record(10, {"b": {"weight": _stats(sqnr="inf")}})])["b"]["weight"]
     assert exact["sqnr_db"] == math.inf  # quantized exactly: never flagged
+    # Two seeds' records of the same step are two samples, not one
+    pooled = advisor.layer_table([_record(10, {"a": {"input": _stats()}}, seed=1),
+                                  _record(10, {"a": {"input": _stats(sqnr=5.0)}}, seed=2)])["a"]["input"]
+    assert pooled["samples"] == 2 and pooled["sqnr_db_min_at"] == {"step": 10, "seed": 2}
 
 
 @pytest.mark.parametrize("stats, flagged", [
@@ -81,34 +91,70 @@ def test_layer_table_aggregates_and_dedupes():
     (_stats(over=0.0011), True), (_stats(over=0.0009), False),
     (_stats(under=0.11), True), (_stats(under=0.09), False),
 ])
-def test_advisor_thresholds(stats, flagged):
-    table = telemetry.layer_table([_record(10, {"layers.0.mlp.down_proj": {"grad_output": stats}})])
-    assert bool(telemetry.advise(table)) == flagged
+def test_advisor_mean_thresholds(stats, flagged):
+    table = advisor.layer_table([_record(10, {"layers.0.mlp.down_proj": {"grad_output": stats}})])
+    assert bool(advisor.advise(table)) == flagged
+
+
+@pytest.mark.parametrize("spike, flagged", [
+    (_stats(sqnr=9.9), True), (_stats(sqnr=10.1), False),
+    (_stats(over=0.0101), True), (_stats(over=0.0099), False),
+    (_stats(under=0.51), True), (_stats(under=0.49), False),
+    (_stats(stale=4.1), True), (_stats(stale=3.9), False),
+])
+def test_advisor_worst_step_thresholds(spike, flagged):
+    """One spike among 20 sampled steps: every mean stays below its threshold (e.g. overflow 1.01% / 20 = 0.05%),
+    so only the worst-step rule can flag it, naming the step."""
+    records = [_record(10 * i, {"l": {"grad_output": spike if i == 7 else _stats(stale=1.0)}}) for i in range(1, 21)]
+    table = advisor.layer_table(records)
+    assert advisor.advise(table, worst_thresholds={k: math.inf if k != "sqnr_db_min" else -math.inf
+                                                   for k in advisor.WORST_STEP_THRESHOLDS}) == {}
+    reasons = advisor.advise(table).get("l", [])
+    assert bool(reasons) == flagged
+    if flagged:
+        assert len(reasons) == 1 and reasons[0].endswith("at step 70")
+
+
+def test_advisor_catches_the_spike_that_the_mean_hid():
+    """Issue 17: a grad_output at 2.2 dB SQNR with 11.6x staleness on one sampled step of three."""
+    healthy = {"grad_output": _stats(sqnr=29.0, stale=1.0)}
+    spike = {"grad_output": _stats(sqnr=2.2, stale=11.6)}
+    records = [_record(50, {"layers.1.mlp.down_proj": healthy}, seed=7),
+               _record(100, {"layers.1.mlp.down_proj": spike}, seed=7),
+               _record(150, {"layers.1.mlp.down_proj": healthy}, seed=7)]
+    table = advisor.layer_table(records)
+    assert table["layers.1.mlp.down_proj"]["grad_output"]["sqnr_db"] > advisor.MEAN_THRESHOLDS["sqnr_db_min"]
+    reasons = advisor.advise(table)["layers.1.mlp.down_proj"]
+    assert reasons == ["grad_output SQNR 2.2 dB < 10 at step 100 (seed 7)",
+                       "grad_output staleness 11.6x > 4x at step 100 (seed 7)"]
 
 
 def test_exclude_regex_matches_only_that_layer():
     import re
 
-    pattern = telemetry.exclude_regex("layers.1.mlp.up_proj")
+    pattern = advisor.exclude_regex("layers.1.mlp.up_proj")
     assert re.search(pattern, "layers.1.mlp.up_proj")
     assert not re.search(pattern, "layers.11.mlp.up_proj") and not re.search(pattern, "layers.1xmlp.up_proj")
 
 
 # ------------------------------------------------------------------------------------------------------------
-# A hand-written validation directory
+# A hand-written validation directory: 2 seeds, a good candidate and a broken one
 # ------------------------------------------------------------------------------------------------------------
 STEPS = (0, 10, 20, 30, 40)
-BASE_VAL = (5.5, 4.0, 3.5, 3.2, 3.0)
+SEEDS = (1, 2)
+BASE_VAL = {1: (5.5, 4.0, 3.5, 3.2, 3.0), 2: (5.6, 4.1, 3.6, 3.3, 3.1)}
+# good: final window (30, 40) means 3.10 x 1.005 (seed 1) and 3.20 x 1.007 (seed 2): gaps +0.5% and +0.7%
+GOOD_VAL = {1: (5.5, 4.0, 3.5, 3.2 * 1.005, 3.0 * 1.005), 2: (5.6, 4.1, 3.6, 3.3 * 1.007, 3.1 * 1.007)}
 
 
-def _write_run(root, label, val, status="completed", seed=1337, extra=None, health=None, reason=None):
-    run = root / "runs" / label
+def _write_run(vdir, label, seed, val, status="completed", extra=None, health=None, reason=None):
+    run = vdir / "runs" / label / f"seed{seed}"
     run.mkdir(parents=True)
     lines = []
     for step, v in zip(STEPS, val):
         rec = {"step": step, "val_loss": v, "lr": 1e-3}
         if step:
-            rec.update(loss=v + 0.1, tokens_per_s=1000.0 if label.startswith("bf16") else 500.0)
+            rec.update(loss=v + 0.1, tokens_per_s=1000.0 if label == "bf16" else 500.0)
         lines.append(json.dumps(rec))
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     summary = {"status": status, "reason": reason, "steps": 40, "loss": val[-1] + 0.1, "val_loss": val[-1],
@@ -116,7 +162,7 @@ def _write_run(root, label, val, status="completed", seed=1337, extra=None, heal
     (run / "summary.json").write_text(json.dumps(summary))
     (run / "config.yaml").write_text("policy:\n  exclude:\n  - ^(.*\\.)?(lm_head)$\n")
     if health:
-        (run / "telemetry.jsonl").write_text("".join(json.dumps(_record(s, health)) + "\n" for s in (20, 40)))
+        (run / "telemetry.jsonl").write_text("".join(json.dumps(_record(s, h)) + "\n" for s, h in health))
     return run
 
 
@@ -124,47 +170,57 @@ def _write_run(root, label, val, status="completed", seed=1337, extra=None, heal
 def validation_dir(tmp_path):
     vdir = tmp_path / "val"
     vdir.mkdir()
-    plan = {"margin": 0.02, "final_window": 2, "extra_seeds": 1, "baseline": "bf16", "config_hash": "ab" * 32,
+    plan = {"margin": 0.02, "final_window": 2, "seeds": list(SEEDS), "baseline": "bf16", "config_hash": "ab" * 32,
             "candidates": [{"label": "good", "recipe": "delayed", "overrides": [], "recipe_code": "delayed:x"},
                            {"label": "broken", "recipe": "current", "overrides": [], "recipe_code": "current:y"}],
-            "seeds": {"bf16": 1337, "bf16-seed1338": 1338}, "max_steps": 40, "created": "2025-01-01T00:00:00"}
+            "max_steps": 40, "created": "2025-01-01T00:00:00"}
     (vdir / "plan.json").write_text(json.dumps(plan))
-    _write_run(vdir, "bf16", BASE_VAL)
-    _write_run(vdir, "bf16-seed1338", (5.6, 4.1, 3.55, 3.23, 3.03), seed=1338)  # band 0.03 / 3.10 = 0.97%
     healthy = {"layers.0.attn.q_proj": {"input": _stats(), "weight": _stats(), "grad_output": _stats(under=0.01)},
                "layers.0.mlp.down_proj": {"input": _stats(), "weight": _stats(), "grad_output": _stats(under=0.4)}}
-    _write_run(vdir, "good", (5.5, 4.02, 3.51, 3.22, 3.02), health=healthy)  # +0.65% <= max(0.97%, 2%)
+    spiky = {"layers.0.attn.q_proj": {"input": _stats(), "weight": _stats(), "grad_output": _stats(sqnr=3.0)},
+             "layers.0.mlp.down_proj": {"input": _stats(), "weight": _stats(), "grad_output": _stats(under=0.4)}}
+    for seed in SEEDS:
+        _write_run(vdir, "bf16", seed, BASE_VAL[seed])
+        _write_run(vdir, "good", seed, GOOD_VAL[seed],
+                   health=[(20, healthy), (40, spiky if seed == 2 else healthy)])
     crash = {"layers.1.mlp.up_proj": {"input": dict(_stats(), amax="nan", nonfinite=True, sqnr_db="nan")},
              "layers.0.attn.q_proj": {"input": _stats(sqnr=29.0)}}
-    _write_run(vdir, "broken", (5.5, 4.0, 3.6), status="diverged", reason="loss became nan at step 23",
-                     extra={"divergence_telemetry": crash})
+    _write_run(vdir, "broken", 1, (5.5, 4.0, 3.6), status="diverged", reason="loss became nan at step 23",
+               extra={"divergence_telemetry": crash})
+    _write_run(vdir, "broken", 2, BASE_VAL[2])
     return vdir
 
 
 def test_validation_report_from_fixture(validation_dir):
     summary = write_report(validation_dir)
     good, broken = summary["candidates"]["good"], summary["candidates"]["broken"]
-    assert good["pass"] and good["gap_rel"] == pytest.approx(0.02 / 3.10)
-    assert good["noise_band_rel"] == pytest.approx(0.03 / 3.10) and good["threshold_rel"] == pytest.approx(0.02)
-    assert good["speed_vs_bf16"] == pytest.approx(0.5)
-    assert not broken["pass"] and "step 23" in broken["reason"]
-    assert broken["divergence_layers"][0].startswith("layers.1.mlp.up_proj input")
+    # gaps +0.5%, +0.7%: mean 0.6%, sd 0.1414%, se 0.1%; t(0.95, 1) = 6.314, t(0.80, 1) = 1.376
+    assert good["gaps"] == {"1": pytest.approx(0.005), "2": pytest.approx(0.007)}
+    assert good["gap_mean"] == pytest.approx(0.006) and good["seeds"] == 2
+    assert good["gap_upper"] == pytest.approx(0.006 + 6.314 * 0.001, abs=2e-6)
+    assert good["gap_lower"] == pytest.approx(0.006 - 6.314 * 0.001, abs=2e-6)
+    assert good["mdg"] == pytest.approx((6.314 + 1.376) * 0.001, abs=2e-6)
+    assert good["verdict"] == "pass" and good["speed_vs_bf16"] == pytest.approx(0.5)
+    assert broken["verdict"] == "fail" and "seed 1 diverged" in broken["reason"] and "step 23" in broken["reason"]
+    assert broken["divergence"][0]["layers"][0].startswith("layers.1.mlp.up_proj input")
     assert summary["verdict"] == "fail"
+    assert summary["baseline_seed_spread_rel"] == pytest.approx(math.sqrt(0.005) / 3.15)  # sd(3.10, 3.20) / mean
 
     on_disk = json.loads((validation_dir / "summary.json").read_text())
-    assert on_disk["verdict"] == "fail" and on_disk["candidates"]["good"]["pass"] is True
-    assert on_disk["candidates"]["good"]["noise_band_rel"] == pytest.approx(0.03 / 3.10)
-    for name in ("loss_curves.png", "gap.png", "health.png"):
+    assert on_disk["verdict"] == "fail" and on_disk["candidates"]["good"]["verdict"] == "pass"
+    assert on_disk["candidates"]["broken"]["gap_upper"] is None  # strict JSON: one usable seed, no bound (inf)
+    for name in ("forest.png", "gap.png", "loss_curves.png", "health.png"):
         assert (validation_dir / name).read_bytes()[:8] == PNG_MAGIC, name
 
     report = (validation_dir / "report.md").read_text()
     assert "**Verdict: FAIL**" in report and "2.00%" in report  # the declared margin
-    assert "| good | `delayed:x` | 3.1200 | +0.0200 | +0.65% | 0.97% | 2.00% | - | **PASS**" in report
-    assert "layers.1.mlp.up_proj" in report  # the divergence section names the broken layer
-    # Advisor: the down_proj's gradients underflow 40% > 10%; the snippet keeps the run's existing excludes.
+    assert "| good | `delayed:x` | 2 | +0.60% | [-0.03%, +1.23%] | 0.77% | **PASS** |" in report
+    assert "layers.1.mlp.up_proj" in report and "forest.png" in report
+    # Advisor: down_proj's gradients underflow 40% > 10% on average; q_proj's gradient SQNR fell to 3 dB on one
+    # step of seed 2 (its mean over the 4 samples, 23 dB, looks healthy). The snippet keeps existing excludes.
     assert "    - '^(.*\\.)?(lm_head)$'" in report
-    assert "    - '^layers\\.0\\.mlp\\.down_proj$'  # grad_output underflow 40.0% > 10%" in report
-    assert "q_proj$'" not in report
+    assert "    - '^layers\\.0\\.mlp\\.down_proj$'  # grad_output mean underflow 40.0% > 10.0%" in report
+    assert "    - '^layers\\.0\\.attn\\.q_proj$'  # grad_output SQNR 3.0 dB < 10 at step 40 (seed 2)" in report
 
 
 def test_all_pass_and_rewrite_is_stable(validation_dir):
@@ -181,23 +237,28 @@ def test_all_pass_and_rewrite_is_stable(validation_dir):
     assert (validation_dir / "summary.json").read_text() == text
 
 
-def test_missing_runs_are_reported_not_crashed(validation_dir):
+def test_missing_runs_make_it_inconclusive_not_a_crash(validation_dir):
     import shutil
 
-    shutil.rmtree(validation_dir / "runs" / "good")
+    shutil.rmtree(validation_dir / "runs" / "broken")
+    shutil.rmtree(validation_dir / "runs" / "good" / "seed2")
     summary = write_report(validation_dir)
-    assert summary["candidates"]["good"]["status"] == "missing" and summary["verdict"] == "fail"
+    good = summary["candidates"]["good"]
+    assert good["status"]["2"] == "missing" and good["verdict"] == "inconclusive" and "1 of 2" in good["reason"]
+    assert summary["candidates"]["broken"]["verdict"] == "inconclusive"  # no run at all: nothing to judge
+    assert summary["verdict"] == "inconclusive"
 
 
 def test_plain_run_report_and_cli(validation_dir, capsys):
     from fp8train.cli import main
 
-    run = validation_dir / "runs" / "good"
+    run = validation_dir / "runs" / "good" / "seed2"
     own_summary = (run / "summary.json").read_text()
     assert main(["report", str(run)]) == 0
     assert (run / "summary.json").read_text() == own_summary  # a run's summary is train()'s, never rewritten
     assert (run / "loss_curves.png").read_bytes()[:8] == PNG_MAGIC
     assert (run / "health.png").read_bytes()[:8] == PNG_MAGIC
-    assert "down_proj" in (run / "report.md").read_text()
+    text = (run / "report.md").read_text()
+    assert "down_proj" in text and "at step 40" in text
     assert main(["report", str(validation_dir.parent)]) == 2  # neither kind of directory: clear error
     assert "neither a validation directory" in capsys.readouterr().err

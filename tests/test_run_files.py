@@ -9,7 +9,8 @@ import math
 
 import pytest
 
-from fp8train.evidence.validate import load_curve
+from fp8train.evidence.curves import load_curve
+from fp8train.evidence import advisor
 from fp8train.training import telemetry
 from fp8train.training.rundir import read_jsonl, truncate_jsonl
 
@@ -36,7 +37,7 @@ def test_telemetry_load_drops_a_torn_last_line(tmp_path, cut):
     assert [r["step"] for r in records] == [4, 8]
     assert records[0]["layers"]["layers.0.attn.q_proj"]["input"]["sqnr_db"] == 31.25
     # SQNR inf (an exact tensor) survives the strict-JSON file as "inf" and reads back as inf.
-    table = telemetry.layer_table(records)
+    table = advisor.layer_table(records)
     assert table["layers.0.attn.q_proj"]["weight"]["sqnr_db"] == math.inf
 
 

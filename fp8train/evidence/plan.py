@@ -11,7 +11,7 @@ Two measurements decide each layer the run's layer policy converts (or would con
 
 A layer gets the FASTEST recipe whose numerics pass every threshold and whose speedup over the run's precision
 is at least `min_speedup`; otherwise it stays high precision ('bf16'). Thresholds (defaults: the report
-advisor's, telemetry.ADVISOR_THRESHOLDS, plus min_speedup 1.05 because FP8 costs accuracy and 5% is within the
+advisor's, advisor.MEAN_THRESHOLDS, plus min_speedup 1.05 because FP8 costs accuracy and 5% is within the
 timing noise of a loaded machine): mean SQNR >= sqnr_db_min in every role, worst overflow <= overflow_frac_max,
 mean underflow <= underflow_frac_max. The plan is written as `policy.overrides` (one anchored regex per layer,
 with a comment giving the speedups and SQNRs behind the choice) for `policy.plan=PLAN.yaml` or a validation
@@ -36,7 +36,7 @@ from fp8train.nn.convert import LayerPolicy, convert_to_fp8
 from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.overrides import OVERRIDE_BF16
 from fp8train.nn.recipes import ROLES, recipe
-from fp8train.training import telemetry
+from fp8train.evidence import advisor
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
 from fp8train.training.model import build_model, check_model_for_run
 from fp8train.training.rundir import read_jsonl, write_text_atomic
@@ -45,7 +45,7 @@ from fp8train.training.shadow import SHADOW_STAT_KEYS
 __all__ = ["DEFAULT_THRESHOLDS", "shadow_table", "planned_layers", "time_shapes", "choose", "make_plan",
            "plan_yaml", "check_fp8_conversion", "add_cli_arguments", "cli_main"]
 
-DEFAULT_THRESHOLDS = {**telemetry.ADVISOR_THRESHOLDS, "min_speedup": 1.05}
+DEFAULT_THRESHOLDS = {**advisor.MEAN_THRESHOLDS, "min_speedup": 1.05}
 
 
 def _as_float(value) -> float | None:

@@ -11,7 +11,6 @@ every layer and role) and a few worst-case numbers go into metrics.jsonl and wan
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 
 import torch
@@ -119,80 +118,3 @@ def capture_step(model, layers, x, y, autocast) -> dict:
 
 def load(path: str | Path) -> list[dict]:
     return read_jsonl(path)  # a torn last line (kill -9 mid-append) is dropped; damage elsewhere is named
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Aggregation for reports: telemetry.jsonl -> one row per layer and role, and the layers that should stay bf16
-# ------------------------------------------------------------------------------------------------------------
-# When a layer is better left in bf16 (the advisor's rule; stated in every report). SQNR: E4M3 keeps ~30 dB on
-# well-scaled Gaussian data and E5M2 ~25 dB, so below 15 dB (~18% relative error) something is wrong with the
-# layer's range, not with rounding. Overflow: a saturating cast turns clipped values into +-max, biased errors
-# that do not average out, so even 0.1% matters. Underflow: flushed values are small, so a few percent is
-# harmless; beyond 10% of a tensor the information loss shows in the loss.
-ADVISOR_THRESHOLDS = {"sqnr_db_min": 15.0, "overflow_frac_max": 1e-3, "underflow_frac_max": 0.10}
-
-
-def _number(value) -> float | None:
-    """A stat as float (telemetry.jsonl writes non-finite floats as strings such as "inf"), or None."""
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def layer_table(records: list[dict]) -> dict:
-    """{layer: {role: {overflow_frac, underflow_frac, sqnr_db (means over samples), overflow_frac_max,
-    underflow_frac_max, sqnr_db_min, staleness_max, samples}}} from telemetry.jsonl records (``load``).
-
-    A step logged twice (a resumed run repeats the steps after its checkpoint) counts once, the later line.
-    SQNR means are taken over finite samples (an exact tensor has SQNR inf)."""
-    by_step = {int(r["step"]): r["layers"] for r in records}
-    samples: dict = {}
-    for step in sorted(by_step):
-        for layer, roles in by_step[step].items():
-            for role, stats in roles.items():
-                samples.setdefault(layer, {}).setdefault(role, []).append(stats)
-    table = {}
-    for layer, roles in samples.items():
-        for role, rows in roles.items():
-            over = [v for v in (_number(r.get("overflow_frac")) for r in rows) if v is not None]
-            under = [v for v in (_number(r.get("underflow_frac")) for r in rows) if v is not None]
-            sqnr_all = [v for v in (_number(r.get("sqnr_db")) for r in rows) if v is not None]
-            sqnr = [v for v in sqnr_all if math.isfinite(v)]
-            stale = [v for v in (_number(r.get("staleness")) for r in rows) if v is not None]
-            table.setdefault(layer, {})[role] = {
-                "overflow_frac": _mean(over), "overflow_frac_max": max(over, default=None),
-                "underflow_frac": _mean(under), "underflow_frac_max": max(under, default=None),
-                "sqnr_db": _mean(sqnr) if sqnr else (math.inf if sqnr_all else None),
-                "sqnr_db_min": min(sqnr_all, default=None),
-                "staleness_max": max(stale, default=None), "samples": len(rows),
-            }
-    return table
-
-
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
-def advise(table: dict, thresholds: dict | None = None) -> dict:
-    """{layer: [reasons]} for layers whose mean telemetry crosses ADVISOR_THRESHOLDS in any role."""
-    t = {**ADVISOR_THRESHOLDS, **(thresholds or {})}
-    flagged: dict[str, list[str]] = {}
-    for layer, roles in table.items():
-        for role, s in roles.items():
-            if s["sqnr_db"] is not None and s["sqnr_db"] < t["sqnr_db_min"]:
-                flagged.setdefault(layer, []).append(f"{role} SQNR {s['sqnr_db']:.1f} dB < {t['sqnr_db_min']:g}")
-            if s["overflow_frac"] is not None and s["overflow_frac"] > t["overflow_frac_max"]:
-                flagged.setdefault(layer, []).append(
-                    f"{role} overflow {s['overflow_frac']:.2%} > {t['overflow_frac_max']:.2%}")
-            if s["underflow_frac"] is not None and s["underflow_frac"] > t["underflow_frac_max"]:
-                flagged.setdefault(layer, []).append(
-                    f"{role} underflow {s['underflow_frac']:.1%} > {t['underflow_frac_max']:.0%}")
-    return flagged
-
-
-def exclude_regex(layer: str) -> str:
-    """An anchored policy.exclude regex matching exactly this module name."""
-    return "^" + re.escape(layer) + "$"

@@ -1,40 +1,140 @@
-"""Config section of paired validation (`fp8train validate`): candidates, margin, seeds, divergence stop."""
+"""Config section of paired validation (`fp8train validate`): candidates, margin, paired seeds, workers.
+
+A candidate is a spec ``[LABEL=]RECIPE[:KEY=VALUE,...]``: an FP8 recipe preset, optionally with config overrides
+(bare keys are fp8.* fields, e.g. ``margin=3``; dotted keys are any config key, e.g. ``policy.exclude=[]``) and a
+folder label. From a shell, quote specs holding ``=`` inside the list:
+``'validate.candidates=[current,"slow=current:margin=3"]'``. `parse_candidate` checks the spec's shape here; the
+override keys and values are checked when the validation derives each run's config, before anything runs.
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import List
+from typing import Any, List, Optional
 
 from fp8train.nn.recipes import RECIPE_NAMES
-from fp8train.training.config.base import _Section, _require
+from fp8train.training.config.base import _is_int, _Section, _require
+
+__all__ = ["ValidateConfig", "Candidate", "parse_candidate", "resolve_seeds", "BASELINE_LABEL"]
+
+BASELINE_LABEL = "bf16"  # folder of the baseline runs; no candidate may take it
+_LABEL_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
+_SEED_LIMIT = 2**63  # torch.manual_seed's range
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One FP8 candidate: a recipe preset plus config overrides (a dotlist), under a folder label."""
+
+    label: str
+    recipe: str
+    overrides: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict:
+        return {"label": self.label, "recipe": self.recipe, "overrides": list(self.overrides)}
+
+
+def parse_candidate(spec: str | Candidate) -> Candidate:
+    """``current`` or ``[LABEL=]RECIPE[:KEY=VALUE,...]`` -> Candidate; a ValueError names the bad part."""
+    if isinstance(spec, Candidate):
+        return spec
+    spec = str(spec).strip()
+    head, _, tail = spec.partition(":")
+    label, _, recipe_name = head.rpartition("=")
+    if recipe_name == "none":
+        raise ValueError(f"validate.candidates: {spec!r} is the bf16 baseline, which always runs; list FP8 "
+                         f"recipes from {list(RECIPE_NAMES)}")
+    if recipe_name not in RECIPE_NAMES:
+        raise ValueError(f"validate.candidates: {recipe_name!r} in {spec!r} is not an FP8 recipe; allowed: "
+                         f"{list(RECIPE_NAMES)}, written [LABEL=]RECIPE[:KEY=VALUE,...]")
+    overrides = []
+    for item in (s.strip() for s in _split_top_level(tail)):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip() or not item:
+            raise ValueError(f"validate.candidates: {item!r} in {spec!r} must look like KEY=VALUE "
+                             "(e.g. margin=3 or policy.exclude=[])")
+        key = key.strip()
+        overrides.append(f"{key if '.' in key else 'fp8.' + key}={value.strip()}")
+    if tail and not overrides:
+        raise ValueError(f"validate.candidates: {spec!r} has ':' but no KEY=VALUE after it")
+    if not label:
+        label = recipe_name if not overrides else recipe_name + "+" + "+".join(
+            o.removeprefix("fp8.") for o in overrides)
+        label = re.sub(r"[^A-Za-z0-9._+=-]", "_", label)
+    if not _LABEL_OK.match(label) or label == BASELINE_LABEL:
+        raise ValueError(f"validate.candidates: label {label!r} of {spec!r} must be a plain folder name "
+                         f"(letters, digits, . _ + = -, not starting with a symbol) other than {BASELINE_LABEL!r}")
+    return Candidate(label, recipe_name, tuple(overrides))
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets, so ``policy.exclude=[a,b],margin=1`` is two overrides."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if text:
+        parts.append(text[start:])
+    return parts
+
+
+def resolve_seeds(seeds: Any, first_seed: int) -> list[int]:
+    """`validate.seeds` as the list of seeds to run: a count n means first_seed, first_seed + 1, ...,
+    first_seed + n - 1 (first_seed = train.seed); a list is taken as given."""
+    if _is_int(seeds):
+        return [first_seed + i for i in range(seeds)]
+    return [int(s) for s in seeds]
 
 
 @dataclass
 class ValidateConfig(_Section):
     _section = "validate"
     candidates: List[str] = field(default_factory=lambda: ["delayed"])
-    """FP8 recipes run against the bf16 baseline (the baseline always runs; do not list 'none')."""
+    """FP8 candidates run against the bf16 baseline: specs [LABEL=]RECIPE[:KEY=VALUE,...] (not 'none')."""
     margin: float = 0.02
-    """Allowed relative final-loss gap of a candidate over the baseline, declared before the runs."""
-    extra_seeds: int = 1
-    """Extra bf16 runs with other seeds; their spread is the seed-noise band."""
+    """Allowed relative validation-loss gap of a candidate over bf16, in (0, 1); declared before the runs."""
+    seeds: Any = 4
+    """Paired seeds: a count (seeds train.seed, +1, ...) or a list; each seed runs bf16 and every candidate."""
+    workers: Optional[int] = None
+    """Training runs at once; null = auto (CPU: cores // train.threads; CUDA: one run per GPU)."""
     final_window: int = 3
-    """Number of final evaluation points averaged into the compared loss."""
+    """Number of final evaluation points averaged into each run's compared loss."""
     stop_on_divergence: bool = True
     """Stop a candidate early when its loss exceeds divergence_factor * the baseline's at the same step."""
     divergence_factor: float = 1.5
     """Loss ratio to the baseline counted as divergence."""
 
     def _check(self) -> None:
-        allowed = f"a non-empty list of FP8 recipes from {list(RECIPE_NAMES)} ('none' is the baseline, always run)"
+        allowed = ("a non-empty list of candidate specs [LABEL=]RECIPE[:KEY=VALUE,...] with RECIPE from "
+                   f"{list(RECIPE_NAMES)} ('none', the baseline, always runs)")
         _require(len(self.candidates) > 0, "validate.candidates", list(self.candidates), allowed)
-        for spec in self.candidates:  # [LABEL=]RECIPE[:KEY=VALUE,...]; evidence/validate parses the rest
-            name = str(spec).partition(":")[0].rpartition("=")[2]
-            _require(name in RECIPE_NAMES, "validate.candidates", list(self.candidates),
-                     allowed + ", each optionally as [LABEL=]RECIPE[:KEY=VALUE,...]")
-        _require(len(set(self.candidates)) == len(self.candidates), "validate.candidates", list(self.candidates),
-                 "no duplicates")
-        self._at_least("margin", 0, "relative loss gap, must be >= 0")
-        self._at_least("extra_seeds", 0)
+        labels = [parse_candidate(spec).label for spec in self.candidates]
+        _require(len(set(labels)) == len(labels), "validate.candidates", list(self.candidates),
+                 f"labels must differ, got {labels} (give one a LABEL=)")
+        _require(0 < self.margin < 1, "validate.margin", self.margin,
+                 "a relative loss gap in (0, 1), e.g. 0.02 for 2%")
+        self._check_seeds()
+        if self.workers is not None:
+            _require(_is_int(self.workers) and self.workers >= 1, "validate.workers", self.workers,
+                     "an int >= 1, or null for auto (CPU: cores // train.threads; CUDA: one run per GPU)")
         self._at_least("final_window", 1)
         _require(self.divergence_factor > 1, "validate.divergence_factor", self.divergence_factor, "must be > 1")
+
+    def _check_seeds(self) -> None:
+        seeds = self.seeds
+        allowed = "a count >= 1 or a non-empty list of distinct ints in [0, 2**63)"
+        if _is_int(seeds):
+            _require(seeds >= 1, "validate.seeds", seeds, allowed)
+            return
+        _require(isinstance(seeds, (list, tuple)) and len(seeds) > 0, "validate.seeds", seeds, allowed)
+        seeds = list(seeds)
+        _require(all(_is_int(s) and 0 <= s < _SEED_LIMIT for s in seeds), "validate.seeds", seeds, allowed)
+        repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+        _require(not repeated, "validate.seeds", seeds, f"{allowed}; repeated: {repeated}")
+        self.seeds = seeds  # a plain list (OmegaConf hands over a ListConfig for an Any field)

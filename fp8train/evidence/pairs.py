@@ -1,0 +1,210 @@
+"""The paired runs of a validation: which runs, with which configs, declared in plan.json before any run.
+
+For every seed s of validate.seeds, the bf16 baseline (fp8.recipe=none) and every candidate train with
+train.seed=s: the same initial weights and the same batches in the same order (train() guarantees both), and the
+same validation batches (they do not depend on the seed), so within a seed the recipe is the only difference.
+
+Layout of the validation directory <run.dir>/<run.name>/:
+
+    plan.json                   written BEFORE any run: declared margin, candidates, seeds, config hashes
+    runs/<label>/seed<s>/       one normal run directory per run (label = bf16 or the candidate's label)
+    report.md, *.png, summary.json     written at the end (fp8train.evidence.report)
+
+A directory planned from another config, or with another declared margin, candidate list or seed list, is
+refused with a ValueError naming what differs, and nothing in it is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fp8train.evidence import stats
+from fp8train.evidence.plan import check_fp8_conversion
+from fp8train.training.config import HASH_EXCLUDE, FullConfig, config_hash, config_to_yaml, fp8_recipe_from_config, load_config
+from fp8train.training.config.validation import BASELINE_LABEL, Candidate, parse_candidate, resolve_seeds
+from fp8train.training.data import build_data, describe_fingerprint_change
+from fp8train.training.rundir import dir_state, read_json
+
+__all__ = ["PLAN_FILE", "BASELINE", "PlannedRun", "plan_runs", "fingerprint_runs", "make_plan", "check_plan", "validation_dir",
+           "run_dir", "derive_config"]
+
+PLAN_FILE = "plan.json"
+BASELINE = BASELINE_LABEL
+RUNS_DIR = "runs"
+# What must match between a new invocation and the plan on disk: the experiment and what was declared.
+# (validate.workers is absent on purpose: how many runs go at once changes nothing that is measured.)
+PLAN_KEYS = ("data_fingerprint", "config_hash", "margin", "final_window", "seeds", "stop_on_divergence", "divergence_factor",
+             "candidates", "runs", "confidence", "power")
+
+
+@dataclass
+class PlannedRun:
+    """One training run of the plan: ``label`` is bf16 or a candidate's label, ``seed`` its train.seed."""
+
+    label: str
+    seed: int
+    cfg: FullConfig
+    candidate: Candidate | None = None
+    data_fingerprint: dict | None = None  # what train() will train on (set by fingerprint_runs)
+    data_source: str = "the data"
+
+    @property
+    def key(self) -> str:
+        """The run's folder below runs/, e.g. ``current/seed1337``."""
+        return f"{self.label}/seed{self.seed}"
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.candidate is None
+
+
+def fingerprint_runs(runs: list[PlannedRun]) -> None:
+    """Read each run's data once per distinct data setting and record its content fingerprint: the plan, and
+    every check of a re-run against it, are then about the tokens, not just the path."""
+    seen: dict[str, tuple[dict, str]] = {}
+    for run in runs:
+        key = repr((run.cfg.data, run.cfg.model.seq_len, run.cfg.model.vocab_size))
+        if key not in seen:
+            data = build_data(run.cfg)
+            seen[key] = (data.fingerprint, data.source)
+        run.data_fingerprint, run.data_source = seen[key]
+
+
+def validation_dir(cfg: FullConfig) -> Path:
+    return Path(cfg.run.dir) / cfg.run.name
+
+
+def run_dir(vdir: Path, label: str, seed: int) -> Path:
+    return vdir / RUNS_DIR / label / f"seed{seed}"
+
+
+def derive_config(cfg: FullConfig, overrides: list[str], what: str = "") -> FullConfig:
+    """`cfg` with dotlist overrides applied, through load_config (strict keys, typed, range-checked)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(config_to_yaml(cfg))
+        f.flush()
+        try:
+            return load_config(f.name, list(overrides))
+        except ValueError as err:
+            if not what:
+                raise
+            raise ValueError(f"validate.candidates: {what}: {err}") from None
+
+
+def plan_runs(cfg: FullConfig, candidates=None) -> list[PlannedRun]:
+    """The runs of a validation, seed by seed: the baseline, then each candidate. Every check of the specs and of
+    the derived configs happens here, before anything is written."""
+    specs = list(cfg.validate.candidates) if candidates is None else list(candidates)
+    if not specs:
+        raise ValueError("validate.candidates is empty: list at least one FP8 recipe spec; the bf16 baseline "
+                         "always runs")
+    parsed = [parse_candidate(s) for s in specs]
+    labels = [c.label for c in parsed]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"validate.candidates: labels must differ, got {labels} (give one a LABEL=)")
+    seeds = resolve_seeds(cfg.validate.seeds, cfg.train.seed)
+    if max(seeds) >= 2**63:
+        raise ValueError(f"validate.seeds={cfg.validate.seeds} with train.seed={cfg.train.seed} reaches seed "
+                         f"{max(seeds)}; seeds must be < 2**63")
+    _check_eval_points(cfg)
+
+    vdir = validation_dir(cfg)
+    # Resumable by construction: every run resumes from its newest checkpoint, and there is one to resume from.
+    every = cfg.checkpoint.every or max(1, cfg.train.max_steps // 4)
+    common = ["train.resume=auto", f"checkpoint.every={every}"]
+    runs = []
+    for seed in seeds:
+        def where(label):
+            return [f"run.dir={vdir / RUNS_DIR / label}", f"run.name=seed{seed}", f"train.seed={seed}"]
+        runs.append(PlannedRun(BASELINE, seed, derive_config(cfg, common + where(BASELINE) + ["fp8.recipe=none"])))
+        for cand in parsed:
+            overrides = common + where(cand.label) + [f"fp8.recipe={cand.recipe}", *cand.overrides]
+            runs.append(PlannedRun(cand.label, seed, derive_config(cfg, overrides, repr(cand.label)), cand))
+            if seed == seeds[0]:
+                check_fp8_conversion(runs[-1].cfg)  # e.g. a policy.plan made for another model: refused now
+    return runs
+
+
+def _check_eval_points(cfg: FullConfig) -> None:
+    every, steps = cfg.train.eval_every, cfg.train.max_steps
+    points = len(set(range(every, steps + 1, every)) | {steps}) if every else 1
+    if points < cfg.validate.final_window:
+        raise ValueError(f"validate.final_window={cfg.validate.final_window} needs that many evaluation points, "
+                         f"but train.eval_every={every} with train.max_steps={steps} gives {points}")
+
+
+def _recipe_code(cfg: FullConfig) -> str:
+    recipe = fp8_recipe_from_config(cfg)
+    return recipe.code() if recipe is not None else "none"
+
+
+def make_plan(cfg: FullConfig, runs: list[PlannedRun]) -> dict:
+    """plan.json: what is declared before any run (the margin, candidates, seeds, method) and the runs' hashes."""
+    v = cfg.validate
+    first_seed = runs[0].seed
+    return {
+        "margin": v.margin, "final_window": v.final_window, "seeds": list(dict.fromkeys(r.seed for r in runs)),
+        "stop_on_divergence": v.stop_on_divergence, "divergence_factor": v.divergence_factor,
+        "confidence": stats.CONFIDENCE, "power": stats.POWER, "baseline": BASELINE,
+        "candidates": [dict(r.candidate.as_dict(), recipe_code=_recipe_code(r.cfg)) for r in runs
+                       if not r.is_baseline and r.seed == first_seed],
+        "runs": {r.key: {"label": r.label, "seed": r.seed, "config_hash": config_hash(r.cfg)} for r in runs},
+        # train.seed differs between the seeds' runs and is declared in "seeds", so the experiment's hash skips it
+        "config_hash": config_hash(runs[0].cfg, exclude=HASH_EXCLUDE + ("train.seed",)),
+        "data_fingerprint": runs[0].data_fingerprint,
+        "max_steps": cfg.train.max_steps, "eval_every": cfg.train.eval_every,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def check_plan(vdir: Path, plan: dict, data_source: str = "the data") -> dict | None:
+    """The plan already in ``vdir`` if it matches ``plan``; None if there is none (or a damaged one that no run
+    depends on); ValueError on a mismatch, naming what differs."""
+    state = dir_state(vdir, PLAN_FILE)
+    if state == "other":
+        raise ValueError(f"{vdir} exists and is not a validation directory (no {PLAN_FILE}); choose another "
+                         "run.name or run.dir (nothing was changed)")
+    if state != "run":
+        return None
+    try:
+        old = read_json(vdir / PLAN_FILE)
+    except ValueError:
+        if any((vdir / RUNS_DIR).glob("*")):  # runs were made under that plan: its declarations are lost
+            raise ValueError(f"{vdir / PLAN_FILE} is damaged and runs were already made under it, so what was "
+                             "declared before them cannot be checked; use a new run.name (nothing was changed)"
+                             ) from None
+        return None  # damaged before any run started: nothing depends on it, plan again
+    change = describe_fingerprint_change(old.get("data_fingerprint"), plan.get("data_fingerprint"), data_source)
+    if change is not None:
+        raise ValueError(f"{vdir}: {change}. Its runs were made on the old data, so a verdict now would compare "
+                         "runs on different data; use a new run.name (nothing was changed)")
+    diffs = [k for k in PLAN_KEYS if _canonical(k, old.get(k)) != _canonical(k, plan.get(k))]
+    if diffs:
+        detail = "; ".join(_describe_diff(k, old.get(k), plan.get(k)) for k in diffs)
+        raise ValueError(f"{vdir} was planned from a different config ({detail}). The margin, candidates and seeds "
+                         "are declared before the runs and cannot change afterwards; use a new run.name "
+                         "(nothing was changed)")
+    return old
+
+
+def _canonical(key: str, value):
+    if key == "candidates" and isinstance(value, list):  # recipe_code is derived (display only), not declared
+        value = [{k: v for k, v in c.items() if k != "recipe_code"} if isinstance(c, dict) else c for c in value]
+    if isinstance(value, float) and math.isfinite(value):
+        value = round(value, 12)
+    return json.dumps(value, sort_keys=True)
+
+
+def _describe_diff(key: str, old, new) -> str:
+    if key == "config_hash":
+        return "model/data/optimizer/train settings differ (config hash)"
+    if key == "data_fingerprint":
+        return "the data fingerprint differs (plan.json from an older fp8train?)"
+    if key == "runs":
+        return "the runs' configs differ"
+    return f"validate.{key}: plan.json has {old!r}, now {new!r}"
