@@ -261,7 +261,9 @@ def test_divergence_guard():
     ('validate.candidates=["x=current:nosuchkey=1"]', "nosuchkey"),
     ('validate.candidates=["x=current:margin=-1"]', "fp8.margin"),
     ("validate.candidates=[current,current]", "labels must differ"),
-    ('validate.candidates=["bf16=current"]', "label"), ("validate.final_window=99", "final_window"),
+    ('validate.candidates=["bf16=current"]', "label"),
+    ('validate.candidates=["x=current:train.seed=5"]', "train.seed"),
+    ('validate.candidates=["x=current:run.dir=/tmp"]', "run.dir"), ("validate.final_window=99", "final_window"),
 ])
 def test_bad_input_exits_2_before_anything_is_written(tmp_path, capsys, override, names):
     rc = main(["validate", str(RECIPES / "cpu_validate.yaml"), f"run.dir={tmp_path}", override])
