@@ -365,24 +365,6 @@ class Fp8Linear(nn.Linear):
         delayed, the stored scale once initialized, else (first step) the tensor's own; current, its own.
         fp8_all_gather uses it too, with the amax of the whole sharded weight."""
         r = self.recipe
-        own_scale = scale_from_amax(amax, r.format_of(role), r.margin, r.pow2_scales)
-        if not r.is_delayed:
-            return own_scale
-        return torch.where(getattr(self, f"{role}_initialized"), getattr(self, f"{role}_scale"), own_scale)
-
-    def _record_amax(self, role: str, amax: torch.Tensor) -> None:
-        """Count a non-finite amax; delayed scaling in training also folds it into this step's pending amax."""
-        finite = torch.isfinite(amax)
-        getattr(self, f"{role}_nonfinite_amax_count").add_((~finite).any().long())
-        if self.recipe.is_delayed and self.training:
-            pending = getattr(self, f"{role}_pending_amax")
-            pending.copy_(torch.where(finite, torch.maximum(pending, amax), pending))
-
-    def _tensorwise_scale(self, role: str, amax: torch.Tensor) -> torch.Tensor:
-        """The dequant scale a tensor of `role` with this `amax` is quantized with, under a tensorwise recipe:
-        delayed, the stored scale once initialized, else (first step) the tensor's own; current, its own.
-        fp8_all_gather uses it too, with the amax of the whole sharded weight."""
-        r = self.recipe
         if r.is_delayed and self._initialized_on_host[role]:  # known on the host: no fallback ops to compute
             return getattr(self, f"{role}_scale")
         own_scale = scale_from_amax(amax, self._formats[role], r.margin, r.pow2_scales)
