@@ -1,16 +1,19 @@
 """train.parallel=fsdp2 from the command line, in one process (fp8train makes a one-rank group itself):
-bad input exits 2 with one line and writes nothing, and `fp8train validate` reaches the same verdict under fsdp2
-as under ddp. The 2-process claims are in tests/test_fsdp2_multiprocess.py."""
+bad input exits 2 with one line and writes nothing, `fp8train validate` reaches the same verdict under fsdp2
+as under ddp, and export and kv-eval read sharded checkpoints. The 2-process claims are in tests/test_fsdp2_multiprocess.py."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
+from safetensors import safe_open
 
 from fp8train.cli import main
 from fp8train.evidence.validate import run_validation
 from fp8train.training.config import load_config
+from fp8train.training.distributed import check_launch_settings
 from refs import write_stdlib_corpus
 
 pytestmark = [pytest.mark.usefixtures("single_thread")]
@@ -75,3 +78,39 @@ def test_validate_verdict_does_not_change_under_fsdp2(tmp_path, corpus):
         assert all(json.loads((d / "summary.json").read_text())["status"] == "completed" for d in runs.glob("*/seed*"))
         assert any((runs / "current" / "seed1337" / "checkpoints").glob("*/COMPLETE")) == (parallel == "fsdp2")
     assert verdicts["fsdp2"] == verdicts["ddp"]
+
+
+@pytest.mark.slow
+def test_export_and_kv_eval_read_sharded_checkpoints(capsys, tmp_path, corpus):
+    """One process trains the same run twice, ddp and fsdp2 (bit for bit the same training at world size 1):
+    the export of the sharded checkpoint holds exactly the tensors of the DDP checkpoint's export, and kv-eval
+    measures the same."""
+    for parallel in ("ddp", "fsdp2"):
+        code = main(["train", "recipes/cpu_delayed.yaml", *TINY, f"data.path={corpus}", f"run.dir={tmp_path}",
+                     f"run.name={parallel}", "train.max_steps=4", f"train.parallel={parallel}", "--quiet"])
+        assert code == 0
+        assert main(["export", str(tmp_path / parallel), "--format", "e4m3fn", "--out",
+                     str(tmp_path / f"export_{parallel}")]) == 0
+        assert main(["kv-eval", str(tmp_path / parallel), "--out", str(tmp_path / f"kv_{parallel}"), "--format",
+                     "e4m3fn", "--batches", "1", "--calib-batches", "1", "--gen-prompts", "2",
+                     "--gen-tokens", "4"]) == 0
+    capsys.readouterr()
+    assert any((tmp_path / "fsdp2" / "checkpoints").glob("*/COMPLETE"))
+    exports = {p: {f.name: f for f in (tmp_path / f"export_{p}").glob("*.safetensors")} for p in ("ddp", "fsdp2")}
+    assert exports["ddp"].keys() == exports["fsdp2"].keys() and exports["ddp"]
+    for name, path in exports["ddp"].items():
+        with safe_open(str(path), "pt") as a, safe_open(str(exports["fsdp2"][name]), "pt") as b:
+            assert set(a.keys()) == set(b.keys())
+            for key in a.keys():
+                assert torch.equal(a.get_tensor(key).view(torch.uint8), b.get_tensor(key).view(torch.uint8)), key
+    cells = {p: json.loads((tmp_path / f"kv_{p}" / "kv_eval.json").read_text())["cells"] for p in ("ddp", "fsdp2")}
+    assert cells["ddp"] == cells["fsdp2"]
+
+
+def test_accelerate_fsdp_plugin_is_accepted_only_with_fsdp2():
+    env = {"ACCELERATE_USE_FSDP": "true"}
+    check_launch_settings(load_config(None, ["train.parallel=fsdp2"]), env)  # fp8train shards it itself
+    with pytest.raises(ValueError, match="train.parallel=fsdp2"):
+        check_launch_settings(load_config(None, []), env)
+    with pytest.raises(ValueError, match="DeepSpeed"):
+        check_launch_settings(load_config(None, ["train.parallel=fsdp2"]), {"ACCELERATE_USE_DEEPSPEED": "true"})

@@ -38,6 +38,14 @@ def test_shadow_telemetry_is_written_for_every_planned_layer(shadowed_run):
         assert all(set(roles) == {"input", "weight", "grad_output"} for roles in recipes.values())
 
 
+def test_run_report_carries_the_shadow_table(shadowed_run):
+    assert cli.main(["report", str(shadowed_run)]) == 0
+    report = (shadowed_run / "report.md").read_text()
+    assert "## Recipe shadowing" in report
+    for recipe in ("current", "rowwise", "mxfp8"):
+        assert f"| {recipe} | grad_output | " in report
+
+
 def test_plan_then_validate(shadowed_run, tmp_path, capsys):
     out = tmp_path / "plan.yaml"
     # --min-speedup 0: decide on numerics only, so this CPU's plan has FP8 layers to validate (with the default

@@ -8,12 +8,21 @@ The paired gaps are exact in float64 (powers of two), so the bounds below are co
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from fp8train.evidence.stats import GapEstimate, decide, estimate, t_quantile
+from fp8train.evidence.validate import run_validation
+from fp8train.training.config import load_config
 
+# 2 paired seeds of a tiny model (conftest's tiny corpus), 10 steps, evaluated at 5 and 10, no telemetry.
+TINY_VALIDATION = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32", "train.batch_size=8",
+                   "train.max_steps=10", "train.eval_every=5", "train.eval_batches=2", "optim.warmup_steps=2",
+                   "policy.min_features=16", "log.wandb=disabled", "log.every=5", "log.telemetry_every=0",
+                   "validate.seeds=2", "validate.final_window=1", "validate.margin=0.05", "validate.workers=1",
+                   "train.autocast=none", "train.threads=1"]
 STEP_UP = math.nextafter(0.25, math.inf)
 STEP_DOWN = math.nextafter(0.25, 0.0)
 
@@ -41,3 +50,37 @@ def test_hand_computed_bounds_of_two_seeds():
     assert est.mean == g and est.se == pytest.approx(d, rel=1e-15)
     assert est.upper == pytest.approx(g + t * d, rel=1e-15) and est.lower == pytest.approx(g - t * d, rel=1e-15)
     assert decide(est, est.upper, [])[0] == "pass"  # the margin set exactly to the bound
+
+
+def test_t_quantiles_of_one_and_two_degrees_of_freedom_have_closed_forms():
+    """Independent references for the bounds: t with 1 df is Cauchy, quantile tan(pi (p - 1/2)); with 2 df the
+    quantile is (2p - 1) / sqrt(2 p (1 - p))."""
+    assert t_quantile(0.95, 1) == pytest.approx(math.tan(math.pi * 0.45), rel=1e-10)
+    assert t_quantile(0.95, 2) == pytest.approx(0.9 / math.sqrt(2 * 0.95 * 0.05), rel=1e-10)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Through a real validation and `fp8train report`
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_real_validation_verdict_at_and_past_its_bounds(tmp_path, tiny, commands, capsys):
+    """A real 2-seed CPU validation of `current`; then plan.json's margin is set exactly on the candidate's upper
+    bound, one float step below it, exactly on its lower bound and one step below that, and `fp8train report`
+    recomputes the verdict from the run files each time: pass, inconclusive, inconclusive, fail, in summary.json
+    and in report.md."""
+    cfg = load_config(None, [f"run.dir={tmp_path}", "run.name=val", f"data.path={tiny.corpus}", *TINY_VALIDATION])
+    first = run_validation(cfg, candidates=["current"], show_progress=False)["candidates"]["current"]
+    lower, upper = first["gap_lower"], first["gap_upper"]
+    assert first["seeds"] == 2 and math.isfinite(lower) and lower < upper
+    vdir = tmp_path / "val"
+    plan = json.loads((vdir / "plan.json").read_text())
+    for margin, verdict in ((upper, "pass"), (math.nextafter(upper, -math.inf), "inconclusive"),
+                            (lower, "inconclusive"), (math.nextafter(lower, -math.inf), "fail")):
+        (vdir / "plan.json").write_text(json.dumps({**plan, "margin": margin}))
+        code, out, err = commands.main(["report", str(vdir)], capsys)
+        assert code == 0, err
+        summary = json.loads((vdir / "summary.json").read_text())
+        candidate = summary["candidates"]["current"]
+        assert (candidate["gap_lower"], candidate["gap_upper"]) == (lower, upper)  # the same runs, re-read
+        assert candidate["verdict"] == verdict and summary["verdict"] == verdict, (margin, candidate["reason"])
+        assert f"**Verdict: {verdict.upper()}**" in (vdir / "report.md").read_text()

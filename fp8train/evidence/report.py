@@ -14,7 +14,9 @@ from pathlib import Path
 
 from fp8train.evidence import advisor, plots
 from fp8train.evidence.pairs import BASELINE, PLAN_FILE
+from fp8train.evidence.plan import shadow_table
 from fp8train.evidence.verdict import METHOD, RunData, load_validation, summarize_validation
+from fp8train.nn.recipes import ROLES
 from fp8train.training.rundir import CONFIG_FILE, METRICS_FILE, write_json_atomic, write_text_atomic
 
 __all__ = ["write_report", "write_validation_report", "write_run_report", "add_cli_arguments", "cli_main"]
@@ -198,8 +200,29 @@ def write_run_report(path: str | Path) -> dict:
     if health_png:
         lines += ["![per-layer FP8 health](health.png)", ""]
     lines += _advisor_markdown({run.label: (table, _exclude_list(run))})
+    lines += _shadow_markdown(path, run.telemetry)
     write_text_atomic(path / "report.md", "\n".join(lines) + "\n")
     return {"status": run.status, "advisor": advisor.advise(table)}
+
+
+def _shadow_markdown(run_dir: Path, records: list[dict]) -> list[str]:
+    """The worst layer per shadow recipe and role (log.shadow_recipes), when the run recorded any."""
+    table = shadow_table(records)
+    if not table:
+        return []
+    lines = ["## Recipe shadowing", "", "What each shadowed recipe would have done to this run's real operands "
+             "(worst layer per role: lowest mean SQNR, highest overflow and underflow). "
+             f"`fp8train plan {run_dir} --out plan.yaml` turns it into a per-layer plan.", "",
+             "| recipe | role | min SQNR dB (layer) | max overflow | max underflow |", "|---|---|---|---|---|"]
+    for rname in sorted({r for per_layer in table.values() for r in per_layer}):
+        for role in ROLES:
+            rows = [(layer, t[rname][role]) for layer, t in table.items() if role in t.get(rname, {})]
+            if rows:
+                layer, worst = min(rows, key=lambda row: row[1]["sqnr_db"])
+                lines.append(f"| {rname} | {role} | {worst['sqnr_db']:.1f} ({layer}) "
+                             f"| {max(r['overflow_frac'] for _, r in rows):.2%} "
+                             f"| {max(r['underflow_frac'] for _, r in rows):.2%} |")
+    return lines + [""]
 
 
 # ------------------------------------------------------------------------------------------------------------

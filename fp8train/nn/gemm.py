@@ -74,8 +74,16 @@ class Fp8Operand:
         if key not in self._cache and self._transposed_from is not None:
             found = self._transposed_from._cache.get(key)
             if found is not None:
-                self._cache[key] = found.t()
+                self._store(key, found.t())
+                return found.t()
         return self._cache.get(key)
+
+    def _store(self, key, value: torch.Tensor) -> torch.Tensor:
+        # Not while torch.compile traces: the operand may come from outside the autograd.Function being traced,
+        # and mutating it there breaks the graph (inductor removes the recomputation instead).
+        if not torch.compiler.is_compiling():
+            self._cache[key] = value
+        return value
 
     @classmethod
     def from_fp8_tensor(cls, q, keep_values: bool = True) -> "Fp8Operand":
@@ -107,7 +115,7 @@ class Fp8Operand:
                           None)
             if values is None:
                 values = decode_fp8(self.data)
-            found = self._cache[dtype] = values if values.dtype == dtype else values.to(dtype)
+            found = self._store(dtype, values if values.dtype == dtype else values.to(dtype))
         return found
 
     @property
@@ -134,7 +142,7 @@ class Fp8Operand:
         found = self._cached(key)
         if found is None:
             found = self._dequantize_fp32()
-            found = self._cache[key] = found if found.dtype == dtype else found.to(dtype)
+            found = self._store(key, found if found.dtype == dtype else found.to(dtype))
         return found
 
     def _dequantize_fp32(self) -> torch.Tensor:
@@ -175,15 +183,21 @@ def resolve_backend(backend: str, device: torch.device | str, formats: tuple[str
     raise ValueError(f"unknown GEMM backend {backend!r}; allowed: {', '.join(GEMM_BACKENDS)}, te")
 
 
-@functools.lru_cache(maxsize=None)
-def cpu_has_bf16_gemm() -> bool:
-    """True when this CPU has bf16 GEMM instructions (avx512_bf16 or AMX-BF16), per /proc/cpuinfo's flags."""
+def _read_cpu_bf16_flags() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+_CPU_HAS_BF16_GEMM = _read_cpu_bf16_flags()  # read once at import (also keeps file I/O out of traced code)
+
+
+def cpu_has_bf16_gemm() -> bool:
+    """True when this CPU has bf16 GEMM instructions (avx512_bf16 or AMX-BF16), per /proc/cpuinfo's flags."""
+    return _CPU_HAS_BF16_GEMM
 
 
 def emulated_compute_dtype(device: torch.device | str, choice: str = "auto") -> torch.dtype:

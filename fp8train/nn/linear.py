@@ -52,8 +52,8 @@ Delayed scaling, exactly:
   when the largest history entry exceeds the factor times the second largest (and that is > 0), the scale comes
   from the second largest. Two outliers in the window are trusted.
 
-Execution options (same results, different speed): `layer.quantize_kernel` (quant.QUANT_KERNELS; tensors under
-`quant_kernel_min_numel` elements always run eagerly, where a compiled call costs more than it saves) and
+Execution options (same results, different speed): `layer.quantize_kernel` ('auto' or one of quant.QUANT_KERNELS;
+tensors under QUANT_KERNEL_MIN_NUMEL elements always run eagerly, where a compiled kernel does not pay) and
 `layer.emulated_dtype` ('auto' | 'fp32' | 'bf16', gemm.emulated_compute_dtype). `configure_execution(model, ...)`
 sets both on every Fp8Linear.
 
@@ -79,13 +79,16 @@ from fp8train.nn.fp8_all_gather import Fp8GatheredWeight
 from fp8train.nn.gemm import EMULATED_DTYPES, Fp8Operand, emulated_compute_dtype, fp8_mm, resolve_backend
 from fp8train.nn.recipes import ROLES, Fp8Recipe, recipe as make_recipe
 from fp8train.numerics.formats import get_format
+from fp8train.numerics.kernel_probe import KERNEL_CHOICES, resolve_kernel
 from fp8train.numerics.mx import quantize_mx
-from fp8train.numerics.quant import (QUANT_KERNELS, Fp8Tensor, compute_amax, decode_fp8, max_scale, quant_error,
+from fp8train.numerics.quant import (Fp8Tensor, compute_amax, decode_fp8, max_scale, quant_error,
                                      quantize, scale_from_amax, scale_rule)
 
 __all__ = ["Fp8Linear", "update_fp8_scales", "configure_execution"]
 
-QUANT_KERNEL_MIN_NUMEL = 1 << 16  # below this a compiled call (~50 us) costs more than the eager ops it saves
+# Below this a compiled kernel (a call costs ~50-100 us) gains less than its one-time compile (5-25 s per
+# configuration on CPU) costs in a typical run: smaller tensors always run eagerly, and 'auto' never measures.
+QUANT_KERNEL_MIN_NUMEL = 1 << 20
 
 
 # Loaded scaling state must be state this module could have produced: a NaN/inf/0/negative scale would quantize
@@ -126,7 +129,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.input_transposed = r.requantize_transposed("input") and weight.requires_grad
         if ctx.input_transposed:
             input_saved = layer._quantize_transposed("input", input_2d)   # (K, M)
-        ctx.save_for_backward(input_saved.data, input_saved.scale, weights.fp8.data, weights.fp8.scale)
+        input_scale = input_saved.scale
+        if torch.compiler.is_compiling():  # may be a view of a traced intermediate: dynamo must own what is saved
+            input_scale = input_scale.clone()
+        ctx.save_for_backward(input_saved.data, input_scale, weights.fp8.data, weights.fp8.scale)
         ctx.input_block = input_saved.block if input_saved.granularity == "block" else None
         ctx.weights, ctx.layer, ctx.backend = weights, layer, backend
         ctx.input_dtype, ctx.weight_dtype = input_2d.dtype, weight.dtype
@@ -258,7 +264,10 @@ class Fp8Linear(nn.Linear):
         return self
 
     def _gemm_options(self, device) -> dict:
-        return dict(record=self.gemm_paths, accumulation=self._accumulation,
+        # gemm_paths is eager-only bookkeeping: a traced graph may not mutate Python state from inside the
+        # autograd.Function (dynamo would break the graph there).
+        record = None if torch.compiler.is_compiling() else self.gemm_paths
+        return dict(record=record, accumulation=self._accumulation,
                     compute_dtype=emulated_compute_dtype(device, self.emulated_dtype))
 
     # ------------------------------------------------------------------------------------------------------
@@ -278,7 +287,11 @@ class Fp8Linear(nn.Linear):
         return output if input.dim() == 2 else output.reshape(*input.shape[:-1], self.out_features)
 
     def _kernel(self, numel: int) -> str:
-        return self.quantize_kernel if numel >= QUANT_KERNEL_MIN_NUMEL else "eager"
+        if numel < QUANT_KERNEL_MIN_NUMEL or torch.compiler.is_compiling():
+            return "eager"  # (a traced model inlines the math into its own graph anyway)
+        if self.quantize_kernel == "auto":  # measured once per machine on first need, then read from a cache
+            self.quantize_kernel = resolve_kernel("auto", self.weight.device)
+        return self.quantize_kernel
 
     def _weight_fp8(self, backend: str) -> _WeightFp8:
         """The weight's FP8 copy and its GEMM operands, made once per weight version (see the module docstring)."""
@@ -312,6 +325,8 @@ class Fp8Linear(nn.Linear):
         return weights
 
     def _decode(self, role: str, data: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # traced: the eager math, inlined (and no metadata reads on `data`)
+            return decode_fp8(data, self._formats[role])
         return decode_fp8(data, self._formats[role], self._kernel(data.numel()))
 
     def _quantize(self, role: str, tensor: torch.Tensor, keep_values: bool = True) -> Fp8Tensor:
@@ -344,24 +359,6 @@ class Fp8Linear(nn.Linear):
         if self.telemetry:
             self._record_stats(role, tensor, quantized)
         return quantized
-
-    def _tensorwise_scale(self, role: str, amax: torch.Tensor) -> torch.Tensor:
-        """The dequant scale a tensor of `role` with this `amax` is quantized with, under a tensorwise recipe:
-        delayed, the stored scale once initialized, else (first step) the tensor's own; current, its own.
-        fp8_all_gather uses it too, with the amax of the whole sharded weight."""
-        r = self.recipe
-        own_scale = scale_from_amax(amax, r.format_of(role), r.margin, r.pow2_scales)
-        if not r.is_delayed:
-            return own_scale
-        return torch.where(getattr(self, f"{role}_initialized"), getattr(self, f"{role}_scale"), own_scale)
-
-    def _record_amax(self, role: str, amax: torch.Tensor) -> None:
-        """Count a non-finite amax; delayed scaling in training also folds it into this step's pending amax."""
-        finite = torch.isfinite(amax)
-        getattr(self, f"{role}_nonfinite_amax_count").add_((~finite).any().long())
-        if self.recipe.is_delayed and self.training:
-            pending = getattr(self, f"{role}_pending_amax")
-            pending.copy_(torch.where(finite, torch.maximum(pending, amax), pending))
 
     def _tensorwise_scale(self, role: str, amax: torch.Tensor) -> torch.Tensor:
         """The dequant scale a tensor of `role` with this `amax` is quantized with, under a tensorwise recipe:
@@ -420,10 +417,11 @@ class Fp8Linear(nn.Linear):
 
 def configure_execution(model: nn.Module, *, quantize_kernel: str = "eager", emulated_dtype: str = "auto") -> int:
     """Set how every Fp8Linear in `model` runs (not what it computes): the quantize kernel (one of
-    quant.QUANT_KERNELS; resolve 'auto' first with kernel_probe.resolve_kernel) and the emulated GEMMs' input
-    dtype ('auto', 'fp32', 'bf16'). Returns the number of layers set. Read once, at set-up."""
-    if quantize_kernel not in QUANT_KERNELS:
-        raise ValueError(f"quantize_kernel must be one of {', '.join(QUANT_KERNELS)}; got {quantize_kernel!r}")
+    kernel_probe.KERNEL_CHOICES; 'auto' is measured once per machine when a layer first quantizes a tensor of
+    QUANT_KERNEL_MIN_NUMEL elements or more) and the emulated GEMMs' input dtype ('auto', 'fp32', 'bf16').
+    Returns the number of layers set. Read once, at set-up."""
+    if quantize_kernel not in KERNEL_CHOICES:
+        raise ValueError(f"quantize_kernel must be one of {', '.join(KERNEL_CHOICES)}; got {quantize_kernel!r}")
     if emulated_dtype != "auto" and emulated_dtype not in EMULATED_DTYPES:
         raise ValueError(f"emulated_dtype must be one of auto, {', '.join(EMULATED_DTYPES)}; got {emulated_dtype!r}")
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 
 from fp8train.numerics.formats import FORMATS, Fp8Format, get_format
@@ -60,6 +61,10 @@ def max_scale(fmt_max: float, pow2: bool) -> float:
     while cap * fmt_max > _FP32_MAX:  # ... then downward until the product fits (one step at most)
         cap = struct.unpack("f", struct.pack("I", struct.unpack("I", struct.pack("f", cap))[0] - 1))[0]
     return 2.0 ** math.floor(math.log2(cap)) if pow2 else cap
+
+
+# Per format, computed once at import: traced (compiled) code reads a constant instead of calling max_scale.
+_CAPS = {(f.name, p): max_scale(f.max, p) for f in FORMATS.values() for p in (False, True)}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -171,7 +176,7 @@ def _amax(x: torch.Tensor, granularity: str, axis: int) -> torch.Tensor:
 
 
 def _scale(amax: torch.Tensor, fmt: Fp8Format, margin: int, pow2: bool) -> torch.Tensor:
-    return scale_rule(amax, fmt.max, max_scale(fmt.max, pow2), margin, pow2)
+    return scale_rule(amax, fmt.max, _CAPS[(fmt.name, pow2)], margin, pow2)
 
 
 def scale_rule(amax: torch.Tensor, fmt_max, cap, margin: int, pow2: bool) -> torch.Tensor:
@@ -322,12 +327,16 @@ def _cast_kernel(x, scale_b, fmt: Fp8Format, saturate: bool, native: bool, keep_
     limit = fmt.max + fmt.step_at_max / 2
     max_is_even = (fmt.max / fmt.step_at_max) % 2 == 0
     overflow = None if saturate else (y.abs() > limit if max_is_even else y.abs() >= limit)
-    y = y.clamp_(-fmt.max, fmt.max)  # in place: y is fresh
+    if torch.compiler.is_compiling():
+        # inductor's clamp can flip a NaN's sign bit; eager keeps it, and so must the bytes: put it back
+        y = torch.where(torch.isnan(y), y, y.clamp(-fmt.max, fmt.max))
+    else:
+        y = y.clamp_(-fmt.max, fmt.max)  # in place: y is fresh
     if native:
-        data = y.to(fmt.torch_dtype)
-        if overflow is not None:
+        if overflow is not None:  # in fp32, then one cast (inductor has no select on float8 tensors)
             special = math.inf if fmt.has_inf else math.nan
-            data = torch.where(overflow, (y.sign() * special).to(fmt.torch_dtype), data)
+            y = torch.where(overflow, y.sign() * special, y)
+        data = y.to(fmt.torch_dtype)
         return data, (data.float() if keep_values else None)
     nan = torch.isnan(y)
     y = torch.where(nan, 0.0, y)
@@ -373,6 +382,10 @@ def _untile(tiles: torch.Tensor, shape, br: int, bc: int) -> torch.Tensor:
     flat = tiles.reshape(*lead, tiles.shape[-4] * br, tiles.shape[-2] * bc)
     if flat.shape[-2] != rows or flat.shape[-1] != cols:
         flat = flat[..., :rows, :cols].contiguous()
+    if torch.compiler.is_compiling():
+        # a view of the tiles would alias an intermediate of the traced graph when saved for backward, which
+        # dynamo cannot lift out of an autograd.Function; inductor fuses the copy into the cast
+        return flat.reshape(shape).clone()
     return flat.reshape(shape)
 
 
@@ -406,13 +419,11 @@ def _run(fn, key, *args, compiled: bool):
         return fn(*args)
     compiled_fn = _compiled.get((fn.__name__, key))
     if compiled_fn is None:
-        import torch._dynamo as dynamo  # binds `dynamo` only: a bare `import torch._dynamo` would make `torch` local
-
         # One compiled function per static configuration (format, granularity, options), each on its OWN copy
         # of the code object: dynamo keeps its cache per code object, and sharing one across formats made it
         # treat the format's integer fields (bias, mantissa bits) as symbolic after the second format, which
         # broke the graph into slow pieces. Shapes may still go dynamic within one configuration.
-        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         code = fn.__code__.replace(co_name=f"{fn.__name__}_{len(_compiled)}")
         clone = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
         compiled_fn = _compiled[(fn.__name__, key)] = torch.compile(clone, dynamic=None)

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file
 
 from fp8train import __version__
 from fp8train.nn.convert import convert_to_fp8, is_conv1d
 from fp8train.nn.recipes import ROLES, recipe
-from fp8train.training.checkpoint import MANIFEST, latest_valid_checkpoint
+from fp8train.training.checkpoint import MANIFEST
+from fp8train.training.sharded_checkpoint import latest_loadable_checkpoint, read_model_state
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
 from fp8train.training.hf import hf_kv_shape
 from fp8train.training.model import HFCausalLM, build_model, tied_weight_groups
@@ -80,14 +80,15 @@ def load_run(run_dir, log=None) -> LoadedRun:
     if not config_file.is_file():
         raise ValueError(f"run directory {str(run_dir)!r} has no config.yaml (is it a run made by fp8train train?)")
     cfg = load_config(str(config_file))
-    ckpt = latest_valid_checkpoint(run_dir / "checkpoints", log=log or (lambda m: None))
+    # either format: DDP's model.safetensors or train.parallel=fsdp2's per-rank shards
+    ckpt = latest_loadable_checkpoint(run_dir / "checkpoints", log=log or (lambda m: None))
     if ckpt is None:
         raise ValueError(f"run directory {str(run_dir)!r} has no valid checkpoint under checkpoints/ (train with "
                          "checkpoint.save_final=true, or check the run finished)")
     torch.manual_seed(0)  # the values are overwritten below; this only keeps construction deterministic
     model = build_model(cfg.model, load_weights=False)
     fp8_names = fp8_policy_names(model, cfg)
-    state = load_file(str(ckpt / "model.safetensors"))
+    state = read_model_state(ckpt)
     _load_master_weights(model, state, fp8_names, ckpt)
     model.eval()
     step = json.loads((ckpt / MANIFEST).read_text())["step"]

@@ -11,8 +11,9 @@ What stays the same as DDP, and why:
 - FP8 scaling state lives in module buffers, which FSDP2 does not shard: every rank holds all of it, kept
   identical by `update_fp8_scales` (one all-reduce MAX of all pending amaxes per optimizer step). Each rank
   quantizes the FULL gathered weight, so its weight amax is the same everywhere;
-- gradient accumulation skips the reduce-scatter on all but the last micro-batch (`no_gradient_sync`), as
-  DDP's no_sync skips its all-reduce.
+- gradient accumulation skips the reduce-scatter on all but the last micro-batch (the loop sets FSDP2's
+  `set_requires_gradient_sync` before each micro-batch: FSDP2 reads it in backward, DDP's no_sync in forward),
+  as DDP's no_sync skips its all-reduce.
 
 One difference, on purpose: gradients are SUMMED over ranks, and the loop divides each micro-batch's loss by
 the number of micro-batches in the global batch (world size x train.grad_accum) instead of by grad_accum. Same
@@ -27,8 +28,6 @@ With `fp8.all_gather: true` (tensorwise recipes) the Fp8Linear weights are gathe
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -41,7 +40,7 @@ from fp8train.nn.convert import fp8_layers
 from fp8train.nn.fp8_all_gather import check_fp8_all_gather_recipe, wrap_weight_for_fp8_all_gather
 
 __all__ = ["ensure_process_group", "release_process_group", "decoder_blocks", "apply_fsdp2", "is_fsdp2",
-           "no_gradient_sync", "clip_grad_norm", "grad_norm", "all_finite", "per_rank_state_bytes", "local_tensor",
+           "clip_grad_norm", "grad_norm", "all_finite", "per_rank_state_bytes", "local_tensor",
            "AllGatherByteCounter", "count_all_gather_bytes"]
 
 
@@ -105,20 +104,6 @@ def apply_fsdp2(model: nn.Module, device: torch.device, *, fp8_all_gather: bool 
 
 def is_fsdp2(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
-
-
-@contextmanager
-def no_gradient_sync(model: nn.Module, skip: bool):
-    """Gradient accumulation under FSDP2: with `skip`, this backward keeps its unsharded gradients local (no
-    reduce-scatter); the last micro-batch's backward reduces the sum."""
-    if not skip:
-        yield
-        return
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

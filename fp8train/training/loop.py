@@ -45,7 +45,7 @@ from fp8train.training.rank0 import on_main_process
 from fp8train.training.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from fp8train.training.config import FullConfig, add_config_arguments, load_config
 from fp8train.training.distributed import all_mean, fp8_state_digest, make_accelerator
-from fp8train.training.fsdp2 import all_finite, clip_grad_norm, grad_norm, no_gradient_sync, release_process_group
+from fp8train.training.fsdp2 import all_finite, clip_grad_norm, grad_norm, release_process_group
 from fp8train.training.run_log import MetricsLog, finish, start_logs, summarize, summary_line
 from fp8train.training.rundir import CHECKPOINTS_DIR, TELEMETRY_FILE
 from fp8train.training.setup import Run, set_up
@@ -214,8 +214,9 @@ def _forward_backward(run: Run, step: int) -> tuple[float, tuple]:
     for m in range(accum):
         x = x_rank[m * micro:(m + 1) * micro].to(device)
         y = y_rank[m * micro:(m + 1) * micro].to(device)
-        if run.sharded:  # FSDP2: reduce-scatter only after the last micro-batch, as DDP's no_sync
-            sync = no_gradient_sync(run.model, skip=m < accum - 1)
+        if run.sharded:  # FSDP2 decides in backward (DDP in forward): reduce-scatter the last micro-batch's only
+            run.model.set_requires_gradient_sync(m == accum - 1)
+            sync = nullcontext()
         else:
             sync = nullcontext() if m == accum - 1 else accelerator.no_sync(run.ddp_model)
         with sync, _autocast(cfg, device):

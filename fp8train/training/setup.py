@@ -18,6 +18,8 @@ import torch
 from fp8train.nn.convert import convert_to_fp8, fp8_layers
 from fp8train.training.claim import (check_backend_device, check_resume_origin, check_run_dir, claim_run_dir,
                                      run_hashes)
+from fp8train.nn.linear import configure_execution
+from fp8train.training.compile import check_compiler, compile_model
 from fp8train.training.config import (FullConfig, config_to_yaml, fp8_recipe_from_config, layer_policy_from_config)
 from fp8train.training.data import build_data
 from fp8train.training.distributed import Fp8StateSync, check_distributed_type, set_cpu_threads
@@ -93,8 +95,12 @@ def set_up(cfg: FullConfig, accelerator, show_progress: bool) -> Run:
         with warnings.catch_warnings():  # "nothing converted" is refused below, in one line
             warnings.simplefilter("ignore")
             conversion = convert_to_fp8(model, fp8_recipe, layer_policy_from_config(cfg))
+        # How the FP8 layers run (same numbers): read once here ("auto" kernel: measured once per machine).
+        configure_execution(model, quantize_kernel=cfg.fp8.quantize_kernel, emulated_dtype=cfg.fp8.emulated_dtype)
     check_model_for_run(model, data.vocab_size, conversion, cfg.policy.allow_no_fp8)
     check_backend_device(fp8_recipe, accelerator.device)
+    if cfg.train.compile:
+        check_compiler(accelerator.device)  # a missing compiler is a config error, before anything is written
     run_dir = run_dir_path(cfg.run.dir, cfg.run.name)
     log = (lambda m: print(m, file=sys.stderr)) if accelerator.is_main_process else (lambda m: None)
     dir_state = check_run_dir(run_dir)  # absent, empty or a run; no symlinks (every rank)
@@ -122,6 +128,8 @@ def _prepare_training(run: Run) -> None:
     if run.sharded:  # before AdamW exists, so its state is built on the shards
         run.made_process_group = ensure_process_group(accelerator.device)
         apply_fsdp2(run.model, accelerator.device, fp8_all_gather=cfg.fp8.all_gather)
+    if cfg.train.compile:
+        compile_model(run.model)  # in place: state_dict keys (checkpoints) unchanged
     optimizer = _make_optimizer(run.model, cfg)
     run.lr_horizon["steps"] = cfg.train.max_steps
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -263,7 +264,9 @@ def load_sharded_checkpoint(path: str | Path, model, optimizer=None, scheduler=N
     if optimizer is None:
         saved = {k: v for k, v in saved.items() if k.startswith(_MODEL)}
     _check_fits(path, saved, flat)
-    dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(str(path)), no_dist=not _distributed())
+    with warnings.catch_warnings():  # one process (export, a 1-rank run): DCP's single-process note is noise
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(str(path)), no_dist=not _distributed())
     model_sd = {k: flat[_MODEL + k] for k in model_sd}
     if optimizer is not None:
         for fqn, state in optim_sd["state"].items():
@@ -317,5 +320,7 @@ def read_model_state(path: str | Path) -> dict:
     manifest = json.loads((path / MANIFEST).read_text())
     flat = {name: torch.empty(shape, dtype=getattr(torch, manifest["dtypes"][name]))
             for name, shape in manifest["tensors"].items() if name.startswith(_MODEL)}
-    dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(str(path)), no_dist=True)
+    with warnings.catch_warnings():  # one process on purpose: DCP's "assuming a single process" is noise here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(str(path)), no_dist=True)
     return {name[len(_MODEL):]: tensor for name, tensor in flat.items()}

@@ -17,15 +17,18 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 from fp8train.nn.convert import LayerPolicy
+from fp8train.nn.gemm import EMULATED_DTYPES
 from fp8train.nn.fp8_all_gather import FP8_ALL_GATHER_SCALINGS
 from fp8train.nn.overrides import normalize_overrides
 from fp8train.nn.te import te_config_refusal
 from fp8train.nn.recipes import AMAX_COMPUTE_ALGOS, BACKENDS, FORMAT_NAMES, RECIPE_NAMES, Fp8Recipe, recipe
+from fp8train.numerics.kernel_probe import KERNEL_CHOICES
 from fp8train.training.config.base import _Section, _require
 
 # E5M2, the widest format, spans 32 binades from min subnormal to max: a larger margin flushes every value.
 MAX_MARGIN = 32
 
+EXECUTION_FIELDS = ("emulated_dtype", "quantize_kernel")  # fp8.* keys that are not Fp8Recipe fields
 BASELINE_RECIPE = "none"  # fp8.recipe of the bf16 baseline: no layer converted
 FP8_RECIPE_CHOICES = (BASELINE_RECIPE,) + RECIPE_NAMES
 _POLICY_DEFAULTS = LayerPolicy()
@@ -59,6 +62,14 @@ class Fp8Config(_Section):
     """Block recipe: scale block of weights, e.g. [128, 128]."""
     grad_output_block: Optional[List[int]] = None
     """Block recipe: scale block of output gradients, e.g. [1, 128]."""
+    amax_outlier_factor: Optional[float] = None
+    """Delayed scaling, opt-in: a history max above this factor x the second largest does not set the scale."""
+    # How the FP8 layers run (same numbers, different speed): not recipe fields, read once at set-up.
+    emulated_dtype: str = "auto"
+    """Emulated GEMMs' input dtype: auto (bf16 on CUDA and on CPUs with avx512_bf16/AMX, else fp32) | fp32 | bf16."""
+    quantize_kernel: str = "auto"
+    """auto (fastest bit-exact kernel, measured once per machine and cached) | eager | compiled_cast |
+    compiled_select."""
     all_gather: bool = False
     """train.parallel=fsdp2 only: all-gather Fp8Linear weights as FP8 codes + scale instead of fp32 (tensorwise
     recipes delayed and current; rowwise and block weights have per-row / per-tile scales)."""
@@ -70,6 +81,11 @@ class Fp8Config(_Section):
     """emulated with accumulator_bits: products along K between promotions to fp32 (default 128; 0 = never)."""
 
     def _check(self) -> None:
+        self._in("emulated_dtype", ("auto",) + tuple(EMULATED_DTYPES))
+        self._in("quantize_kernel", KERNEL_CHOICES)
+        if self.amax_outlier_factor is not None:
+            _require(self.amax_outlier_factor == 0 or self.amax_outlier_factor > 1,
+                     self._key("amax_outlier_factor"), self.amax_outlier_factor, "must be 0 (off) or > 1")
         self._in("recipe", FP8_RECIPE_CHOICES)
         self._in("backend", BACKENDS)
         if self.all_gather:
@@ -166,7 +182,8 @@ def fp8_recipe_from_config(cfg) -> Fp8Recipe | None:
     overrides: dict[str, Any] = {"backend": fp8.backend}
     for f in dataclasses.fields(Fp8Config):
         value = getattr(fp8, f.name)
-        if f.name in ("recipe", "backend", "all_gather") or value is None:  # all_gather: how FSDP2 gathers
+        # all_gather (how FSDP2 gathers) and the execution fields are not recipe fields
+        if f.name in ("recipe", "backend", "all_gather") + EXECUTION_FIELDS or value is None:
             continue
         overrides[f.name] = tuple(value) if f.name.endswith("_block") else value
     try:

@@ -72,6 +72,8 @@ class TrainConfig(_Section):
     parallel: str = "ddp"
     """Data parallelism over the launched processes: ddp (replicated weights) | fsdp2 (weights, gradients and
     AdamW state sharded by torch's fully_shard, per decoder block then the root; sharded checkpoints)."""
+    compile: bool = False
+    """torch.compile the model (every recipe compiles without graph breaks; needs a C++ compiler on CPU)."""
 
     def _check(self) -> None:
         for name in ("max_steps", "batch_size", "grad_accum", "eval_batches"):

@@ -21,6 +21,7 @@ __all__ = ["ValidateConfig", "Candidate", "parse_candidate", "resolve_seeds", "B
 BASELINE_LABEL = "bf16"  # folder of the baseline runs; no candidate may take it
 _LABEL_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
 _SEED_LIMIT = 2**63  # torch.manual_seed's range
+_UNPAIRED_KEYS = ("train.seed", "train.resume")  # a candidate setting these would no longer be paired / resumable
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ def parse_candidate(spec: str | Candidate) -> Candidate:
             raise ValueError(f"validate.candidates: {item!r} in {spec!r} must look like KEY=VALUE "
                              "(e.g. margin=3 or policy.exclude=[])")
         key = key.strip()
+        if key in _UNPAIRED_KEYS or key.split(".")[0] in ("run", "validate"):
+            raise ValueError(f"validate.candidates: {key!r} in {spec!r} cannot be set per candidate: the seed, "
+                             "the run directories and the validate section are the validation's own (pairing)")
         overrides.append(f"{key if '.' in key else 'fp8.' + key}={value.strip()}")
     if tail and not overrides:
         raise ValueError(f"validate.candidates: {spec!r} has ':' but no KEY=VALUE after it")

@@ -1,0 +1,162 @@
+"""The report of ``fp8train bench``: the issue's targets checked against the measured figures, and the tables
+(every heading names the CPU, its relevant flags and the emulated GEMMs' compute dtype)."""
+
+from __future__ import annotations
+
+from fp8train.bench.distributed import format_distributed
+from fp8train.bench.options import RECIPES, TARGET_SHAPE
+
+__all__ = ["check_targets", "format_report"]
+
+
+def check_targets(results: dict, device: str) -> list[dict]:
+    """The issue's targets against what this run measured (met: None when the figure was not measured)."""
+    out = []
+
+    def target(name, value, op, threshold, note=""):
+        met = None if value is None else {">=": value >= threshold, "<=": value <= threshold,
+                                          "<": value < threshold}[op]
+        out.append({"target": name, "value": value, "op": op, "threshold": threshold, "met": met, "note": note})
+
+    sections = results.get("sections", {})
+    quant = {(r["granularity"], r["format"], r["path"]): r for r in sections.get("quant", {}).get("rows", [])}
+    linear = {(tuple(r["shape"]), r["contender"]): r for r in sections.get("linear", {}).get("rows", [])}
+    train = {r["contender"]: r for r in sections.get("train", {}).get("rows", [])}
+    if device == "cpu":
+        _quant_targets(quant, target)
+        _ops_targets(sections.get("ops"), target)
+        shape = "x".join(map(str, TARGET_SHAPE))
+        for name in RECIPES:
+            r, ao = linear.get((TARGET_SHAPE, name)), linear.get((TARGET_SHAPE, "torchao"))
+            target(f"Fp8Linear {name} fwd+bwd {shape} (x fastest high-precision)", r and r["ratio_fastest_hp"],
+                   "<=", 1.3, "" if r is None else f"fastest: {r['fastest_hp']}; {r['ratio']:.2f}x bf16, "
+                   f"{r['ratio_fp32']:.2f}x fp32")
+            target(f"Fp8Linear {name} fwd+bwd {shape} (x torchao Float8Linear)", r and ao and r["ratio_torchao"],
+                   "<", 1.0, "" if ao else "torchao not measured")
+        for name in RECIPES:
+            r = train.get(name)
+            target(f"train step {name} (x bf16)", r and r["ratio"], "<=",
+                   1.3 if name in ("delayed", "current") else 1.5)
+    else:
+        for name in ("delayed", "current"):
+            r = linear.get(((8192, 8192, 8192), name))
+            target(f"Fp8Linear {name} fwd+bwd 8192^3 speedup vs bf16", r and r["speedup_vs_bf16"], ">=", 1.5,
+                   "" if r is None else f"{r['pct_of_2x']:.0f}% of the 2x FP8 ideal")
+            ao = linear.get(((8192, 8192, 8192), "torchao"))
+            target(f"Fp8Linear {name} 8192^3 time / torchao tensorwise", r and ao and r["ratio_torchao"],
+                   "<=", 1.0, "" if ao else "torchao not measured")
+        for name in ("delayed", "current"):
+            r = train.get(name)
+            target(f"train step {name} speedup vs bf16 (~1B recipe)", r and r.get("speedup_vs_bf16"), ">=", 1.2)
+    for r in sections.get("memory", {}).get("rows", []):
+        if r["contender"] != "bf16":
+            target(f"activation memory {r['contender']} (x bf16)", r["ratio"], "<=", 1.0)
+    return out
+
+
+def _quant_targets(quant: dict, target) -> None:
+    """The fastest fp8train kernel per layout (what `quantize_kernel: auto` picks), 16M fp32 elements."""
+    best: dict = {}
+    for (gran, fmt, path), r in quant.items():
+        if path.startswith("fp8train") and (gran, fmt) not in best or \
+                path.startswith("fp8train") and r["gelem_per_s"] > best[(gran, fmt)]["gelem_per_s"]:
+            best[(gran, fmt)] = r
+    for (gran, fmt), r in best.items():
+        target(f"quantize {gran} {fmt} {r['numel'] / 2**20:.0f}M (G el/s)", r["gelem_per_s"], ">=",
+               1.5 if gran == "tensor" else 1.0, r["path"])
+
+
+def _ops_targets(ops: dict | None, target) -> None:
+    rows = {r["contender"]: r for r in (ops or {}).get("rows", [])}
+    for name in RECIPES:
+        r = rows.get(name)
+        target(f"aten ops fwd+bwd 512x256->256 {name}", r and r["ops"], "<=", 50,
+               "" if r is None else f"{r['ops_fresh_weight']} with a fresh weight copy; nn.Linear bf16 "
+               f"{rows['nn.Linear bf16']['ops']}")
+    update = (ops or {}).get("delayed_update_ops", {})
+    target("aten ops of one delayed update, 8 layers (stacked)", update.get("8"), "<=", 60,
+           f"1 layer: {update.get('1')}" if update else "")
+
+
+def _fmt_ratio(r: dict, key: str = "ratio") -> str:
+    if r.get(key) is None:
+        return "-"
+    q1, q3 = r.get(f"{key}_q1"), r.get(f"{key}_q3")
+    return f"{r[key]:.2f}x" + (f" [{q1:.2f}-{q3:.2f}]" if q1 is not None else "")
+
+
+def _table(header: list, rows: list) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def format_report(results: dict) -> str:
+    m, parts = results["machine"], []
+    where = f"({m['cpu']}, {m.get('cpu_flags', '?')}; GEMMs in {m.get('emulated_dtype', '?')})"
+    parts.append(f"machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), flags "
+                 f"{m.get('cpu_flags', '?')}; emulated FP8 GEMMs in {m.get('emulated_dtype', '?')}; torch "
+                 f"{m['torch']}, python {m['python']}, load average {m['load_average']}"
+                 + (f"; GPU {m['gpu']} (sm{m['gpu_capability']}, CUDA {m['cuda']})" if "gpu" in m else ""))
+    s = results["settings"]
+    parts.append(f"settings: device {s['device']}, quick={s['quick']}, warm-up {s['warmup']}, repeats "
+                 f"{s['repeats']} (median; spreads are IQR of paired per-round ratios), contenders interleaved "
+                 f"round by round; malloc reuse (glibc mallopt, all contenders): {s['malloc_tuning']}; "
+                 f"linear/train quantize path: {s['fp8_path']}")
+    sec = results["sections"]
+    if "quant" in sec:
+        q = sec["quant"]
+        rows = [[r["granularity"], r["format"], r["path"], f"{r['gelem_per_s']:.2f}",
+                 f"{r['min_s'] * 1e3:.1f}-{r['max_s'] * 1e3:.1f}", f"{r['speedup_vs_naive']:.2f}x",
+                 "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"] for r in q["rows"]]
+        parts.append(f"\nquantize, {q['numel'] / 2**20:.0f}M fp32 elements {tuple(q['shape'])} {where}\n" + _table(
+            ["granularity", "format", "path", "G el/s", "min-max ms", "vs naive", "compile s"], rows))
+    if "ops" in sec:
+        o = sec["ops"]
+        rows = [[r["contender"], r["ops"], "-" if r["ops_fresh_weight"] is None else r["ops_fresh_weight"]]
+                for r in o["rows"]]
+        parts.append(f"\ntop-level aten ops, one forward + .float().sum().backward() of 512x256->256 under bf16 "
+                     f"autocast {where}; delayed update (stacked) for 1 / 8 layers: "
+                     f"{o['delayed_update_ops'].get('1')} / {o['delayed_update_ops'].get('8')}\n"
+                     + _table(["contender", "ops (weight copy reused)", "ops (fresh weight copy)"], rows))
+    if "linear" in sec:
+        rows = [["x".join(map(str, r["shape"])), r["contender"], f"{r['median_s'] * 1e3:.1f}",
+                 f"{r['q1_s'] * 1e3:.1f}-{r['q3_s'] * 1e3:.1f}", f"{r['tflops'] * 1e3:.1f}", _fmt_ratio(r),
+                 _fmt_ratio(r, "ratio_fp32"), "-" if r.get("ratio_torchao") is None else f"{r['ratio_torchao']:.2f}x"]
+                + ([f"{r['pct_of_2x']:.0f}%", "-" if r.get("pct_of_peak") is None else f"{r['pct_of_peak']:.0f}%"]
+                   if "pct_of_2x" in r else []) for r in sec["linear"]["rows"]]
+        header = ["MxKxN", "contender", "ms", "IQR ms", "GFLOP/s", "x bf16 [IQR]", "x fp32 [IQR]", "x torchao"]
+        if any("pct_of_2x" in r for r in sec["linear"]["rows"]):
+            header += ["% of 2x", "% of peak"]
+        parts.append(f"\nlinear forward+backward {where} (bf16 = nn.Linear under bf16 autocast; FP8 rows under "
+                     "autocast too)\n" + _table(header, rows))
+        kernels = {r["contender"]: r["gemm_paths"] for r in sec["linear"]["rows"] if r.get("gemm_paths")}
+        parts += [f"  {name} GEMMs: " + ", ".join(f"{g} {p}" for g, p in paths.items())
+                  for name, paths in kernels.items()]
+    if "train" in sec:
+        t = sec["train"]
+        rows = [[r["contender"], r["fp8_layers"], f"{r['median_s'] * 1e3:.1f}",
+                 f"{r['q1_s'] * 1e3:.1f}-{r['q3_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}", _fmt_ratio(r),
+                 f"{r['step_peak_mb']:.1f}", f"{r['resident_mb']:.1f}"] for r in t["rows"]]
+        md = t["model"]
+        parts.append(f"\ntrain step {where} ({t['config']}: {md['n_layers']} layers, d_model {md['d_model']}, "
+                     f"{md['batch_size']}x{md['seq_len']} tokens)\n" + _table(
+                         ["contender", "fp8 layers", "ms/step", "IQR ms", "tokens/s", "x bf16 [IQR]",
+                          "step peak MB", "resident MB"], rows))
+    if "memory" in sec:
+        rows = [[r["contender"], f"{r['saved_mb']:.2f}", f"{r['ratio']:.2f}x", f"{100 * r['saved_fraction']:.0f}%",
+                 ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["by_dtype_mb"].items()))]
+                for r in sec["memory"]["rows"]]
+        parts.append(f"\nactivation memory saved for backward, one forward of {sec['memory']['tokens']} tokens\n"
+                     + _table(["contender", "saved MB", "x bf16", "saved vs bf16", "by dtype (MB)"], rows))
+    if "distributed" in sec:
+        parts.append(format_distributed(sec["distributed"]))
+    if results.get("targets"):
+        rows = [[t["target"], "-" if t["value"] is None else f"{t['value']:.2f}", f"{t['op']} {t['threshold']}",
+                 {True: "met", False: "MISSED", None: "not measured"}[t["met"]], t["note"]] for t in results["targets"]]
+        parts.append("\ntargets\n" + _table(["target", "value", "target", "status", "note"], rows))
+    for note in results.get("notes", []):
+        parts.append(f"note: {note}")
+    for name, err in results.get("errors", {}).items():
+        parts.append(f"ERROR in section {name}: {err}")
+    return "\n".join(parts)
