@@ -202,10 +202,12 @@ def verify_checkpoint(path: str | Path) -> str | None:
     return None
 
 
-def latest_valid_checkpoint(ckpt_dir: str | Path, log=print) -> Path | None:
-    """The newest checkpoint that verifies; broken ones are named and skipped."""
+def latest_valid_checkpoint(ckpt_dir: str | Path, log=print, verify=None) -> Path | None:
+    """The newest checkpoint that verifies (`verify(path) -> problem or None`, default `verify_checkpoint`);
+    broken ones are named and skipped."""
+    verify = verify or verify_checkpoint
     for path in reversed(list_checkpoints(ckpt_dir)):
-        problem = verify_checkpoint(path)
+        problem = verify(path)
         if problem is None:
             return path
         log(f"skipping checkpoint {path}: {problem}")

@@ -45,7 +45,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from safetensors.torch import load_file
 
 from fp8train.nn.fp8_all_gather import unwrap_fp8_all_gather
-from fp8train.training.checkpoint import MANIFEST, list_checkpoints, load_model_weights, verify_checkpoint
+from fp8train.training.checkpoint import (MANIFEST, latest_valid_checkpoint, list_checkpoints, load_model_weights,
+                                          verify_checkpoint)
 from fp8train.training.rundir import write_json_atomic
 
 __all__ = ["SHARDED_FORMAT", "COMPLETE_MARKER", "is_sharded_checkpoint", "save_sharded_checkpoint",
@@ -219,12 +220,7 @@ def verify_sharded_checkpoint(path: str | Path) -> str | None:
 
 def latest_valid_sharded_checkpoint(ckpt_dir: str | Path, log=print) -> Path | None:
     """The newest sharded checkpoint that verifies; incomplete or corrupt ones are named and skipped."""
-    for path in reversed(list_checkpoints(ckpt_dir)):
-        problem = verify_sharded_checkpoint(path)
-        if problem is None:
-            return path
-        log(f"skipping checkpoint {path}: {problem}")
-    return None
+    return latest_valid_checkpoint(ckpt_dir, log=log, verify=verify_sharded_checkpoint)
 
 
 def latest_loadable_checkpoint(ckpt_dir: str | Path, log=print) -> Path | None:
