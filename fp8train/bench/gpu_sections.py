@@ -40,6 +40,8 @@ from fp8train.nn.gemm import Fp8Operand
 from fp8train.nn.linear import Fp8Linear, update_fp8_scales
 from fp8train.nn.recipes import RECIPE_NAMES, recipe
 from fp8train.nn.scaled_gemm import HAS_SCALED_MM_V2, call_scaled_mm, scaled_mm_arguments
+from fp8train.training.config import load_config
+from fp8train.training.loop import train
 from fp8train.training.rundir import write_json_atomic
 
 # name -> time limit (s), in the order the check runs them (information per second)
@@ -229,9 +231,6 @@ def section_cuda_tests(device: str, dry: bool, out_dir: Path, limit_s: float) ->
 
 
 def section_train(device: str, dry: bool, out_dir: Path, limit_s: float) -> dict:
-    from fp8train.training.config import load_config  # heavy: only this section needs the training stack
-    from fp8train.training.loop import train
-
     names = ("current",) if dry else RECIPE_NAMES
     steps = 2 if dry else 20
     runs = {}
