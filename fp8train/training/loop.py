@@ -28,7 +28,6 @@ What a run promises (tests/test_train.py, test_multiprocess.py, test_crash_resum
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 import warnings
@@ -52,7 +51,7 @@ from fp8train.training.fsdp2 import all_finite, clip_grad_norm_tensor, grad_norm
 from fp8train.training.run_log import MetricsLog, finish, start_logs, summarize, summary_line
 from fp8train.training.rundir import CHECKPOINTS_DIR, TELEMETRY_FILE
 from fp8train.training.setup import Run, set_up
-from fp8train.training.step_guard import MAX_CONSECUTIVE_SKIPS, StepGuard
+from fp8train.training.step_guard import MAX_CONSECUTIVE_SKIPS, StepGuard  # noqa: F401 (re-exported)
 
 __all__ = ["train", "cli_main", "add_cli_arguments", "fp8_state_digest", "make_accelerator", "summary_line",
            "MAX_CONSECUTIVE_SKIPS"]
@@ -208,24 +207,14 @@ def _account_steps(run: Run, state: _State) -> tuple[float, float] | None:
     """A sync point: the steps since the last one, read back in one host sync and counted as the host always
     counted them (skips, consecutive skips, divergence at the exact step); (loss, grad norm) of the newest, or
     None when one of them diverged."""
-    steps, device_diverged, device_consecutive = state.guard.read()
-    last = None
-    for step, step_loss, norm in steps:
-        grad_norm = norm if math.isfinite(step_loss) else math.nan  # a non-finite loss is reported as such
-        reason = _divergence_reason(run.cfg, state, step, step_loss, grad_norm)
-        if reason is not None:
-            _stop_diverged(run, state, step, reason)
-            return None
-        if math.isfinite(grad_norm):
-            state.consecutive_skips = 0
-        else:  # the guard: a step with NaN/inf gradients is skipped, counted and logged
-            state.skipped_steps += 1
-            state.consecutive_skips += 1
-        state.last["loss"], last = step_loss, (step_loss, grad_norm)
-    if device_diverged or device_consecutive != state.consecutive_skips:
-        raise RuntimeError(f"internal error: the device's skip/divergence state (diverged={device_diverged}, "
-                           f"consecutive={device_consecutive}) disagrees with the host's replay")
-    return last
+    counted = state.guard.account(state.skipped_steps, state.consecutive_skips)
+    state.skipped_steps, state.consecutive_skips = counted.skipped_steps, counted.consecutive_skips
+    if counted.last is not None:
+        state.last["loss"] = counted.last[0]
+    if counted.reason is not None:
+        _stop_diverged(run, state, counted.diverged_step, counted.reason)
+        return None
+    return counted.last
 
 
 def _stop_diverged(run: Run, state: _State, step: int, reason: str) -> None:
@@ -302,18 +291,6 @@ def _clip_grad_norm(run: Run) -> torch.Tensor:
     # how the gradient is split, so both, at any world size, clip by the same factor (fsdp2.grad_norm).
     clip = run.cfg.train.grad_clip
     return clip_grad_norm_tensor(run.model, clip) if clip > 0 else grad_norm_tensor(run.model)
-
-
-def _divergence_reason(cfg: FullConfig, state: _State, step: int, step_loss: float, grad_norm: float):
-    if not math.isfinite(step_loss):
-        return f"loss became {step_loss} at step {step + 1}"
-    if not math.isfinite(grad_norm) and not cfg.train.skip_nonfinite_grads:
-        return (f"gradient norm became {grad_norm} at step {step + 1} (train.skip_nonfinite_grads=false, so the "
-                "step was not applied)")
-    if not math.isfinite(grad_norm) and state.consecutive_skips + 1 >= MAX_CONSECUTIVE_SKIPS:
-        return (f"gradient norm non-finite for {state.consecutive_skips + 1} steps in a row (steps "
-                f"{step + 2 - MAX_CONSECUTIVE_SKIPS}-{step + 1}); every one was skipped")
-    return None
 
 
 def _autocast(cfg: FullConfig, device: torch.device):

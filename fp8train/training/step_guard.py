@@ -24,15 +24,44 @@ that is not a divergence the FP8 update runs as before (as the loop always did).
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from fp8train.nn.recipes import ROLES
 
-__all__ = ["MAX_CONSECUTIVE_SKIPS", "StepGuard"]
+__all__ = ["MAX_CONSECUTIVE_SKIPS", "StepGuard", "Accounted", "divergence_reason"]
 
 # With train.skip_nonfinite_grads, a run whose gradients stay non-finite this many optimizer steps in a row has
 # diverged (it is no longer training: every step is skipped), and stops as such.
 MAX_CONSECUTIVE_SKIPS = 5
+
+
+def divergence_reason(skip_nonfinite_grads: bool, consecutive_skips: int, step: int, step_loss: float,
+                      grad_norm: float) -> str | None:
+    """Why step `step` (0-based) ends the run, or None: the rules as the host states them."""
+    if not math.isfinite(step_loss):
+        return f"loss became {step_loss} at step {step + 1}"
+    if not math.isfinite(grad_norm) and not skip_nonfinite_grads:
+        return (f"gradient norm became {grad_norm} at step {step + 1} (train.skip_nonfinite_grads=false, so the "
+                "step was not applied)")
+    if not math.isfinite(grad_norm) and consecutive_skips + 1 >= MAX_CONSECUTIVE_SKIPS:
+        return (f"gradient norm non-finite for {consecutive_skips + 1} steps in a row (steps "
+                f"{step + 2 - MAX_CONSECUTIVE_SKIPS}-{step + 1}); every one was skipped")
+    return None
+
+
+@dataclass
+class Accounted:
+    """The steps since the last sync point, counted: the run's skip counters after them, the (loss, grad norm)
+    of the newest step that did not diverge (None: none did), and the divergence, if one did."""
+
+    skipped_steps: int
+    consecutive_skips: int
+    last: tuple[float, float] | None = None
+    diverged_step: int | None = None  # 0-based
+    reason: str | None = None
 
 
 class StepGuard:
@@ -77,6 +106,26 @@ class StepGuard:
         if self._counters:
             kept = torch.where(self._diverged_before, self._counters_at_start, torch.stack(self._counters))
             torch._foreach_copy_(self._counters, list(kept.unbind(0)))
+
+    def account(self, skipped_steps: int, consecutive_skips: int) -> Accounted:
+        """At a sync point: read the steps back and count them as the host counted every step before
+        (divergence_reason; a non-finite gradient norm under the guard is one skipped step)."""
+        steps, device_diverged, device_consecutive = self.read()
+        out = Accounted(skipped_steps, consecutive_skips)
+        for step, step_loss, norm in steps:
+            grad_norm = norm if math.isfinite(step_loss) else math.nan  # a non-finite loss is reported as such
+            reason = divergence_reason(self.skip_nonfinite_grads, out.consecutive_skips, step, step_loss, grad_norm)
+            if reason is not None:
+                out.diverged_step, out.reason = step, reason
+                return out
+            skipped = not math.isfinite(grad_norm)
+            out.skipped_steps += skipped
+            out.consecutive_skips = out.consecutive_skips + 1 if skipped else 0
+            out.last = (step_loss, grad_norm)
+        if device_diverged or device_consecutive != out.consecutive_skips:
+            raise RuntimeError(f"internal error: the device's skip/divergence state (diverged={device_diverged}, "
+                               f"consecutive={device_consecutive}) disagrees with the host's count")
+        return out
 
     def read(self) -> tuple[list[tuple[int, float, float]], bool, int]:
         """The one host sync: [(step, loss, grad norm)] since the last read, and the device's `diverged` and
