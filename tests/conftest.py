@@ -20,7 +20,9 @@ import pytest
 import torch
 import yaml
 
-torch.set_num_threads(2)
+# The suite runs in 2 pytest-xdist workers on 2 cores (README's test command): one intra-op thread each, or
+# the two OpenMP pools would oversubscribe the cores. Run alone (plain `pytest`), a test process gets both.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 SEED = 1234
 

@@ -92,71 +92,113 @@ def _table(header: list, rows: list) -> str:
 
 
 def format_report(results: dict) -> str:
-    m, parts = results["machine"], []
+    m = results["machine"]
     where = f"({m['cpu']}, {m.get('cpu_flags', '?')}; GEMMs in {m.get('emulated_dtype', '?')})"
-    parts.append(f"machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), flags "
-                 f"{m.get('cpu_flags', '?')}; emulated FP8 GEMMs in {m.get('emulated_dtype', '?')}; torch "
-                 f"{m['torch']}, python {m['python']}, load average {m['load_average']}"
-                 + (f"; GPU {m['gpu']} (sm{m['gpu_capability']}, CUDA {m['cuda']})" if "gpu" in m else ""))
-    s = results["settings"]
-    parts.append(f"settings: device {s['device']}, quick={s['quick']}, warm-up {s['warmup']}, repeats "
-                 f"{s['repeats']} (median; spreads are IQR of paired per-round ratios), contenders interleaved "
-                 f"round by round; malloc reuse (glibc mallopt, all contenders): {s['malloc_tuning']}; "
-                 f"linear/train quantize path: {s['fp8_path']}")
-    sec = results["sections"]
-    if "quant" in sec:
-        q = sec["quant"]
-        rows = [[r["granularity"], r["format"], r["path"], f"{r['gelem_per_s']:.2f}",
-                 f"{r['min_s'] * 1e3:.1f}-{r['max_s'] * 1e3:.1f}", f"{r['speedup_vs_naive']:.2f}x",
-                 "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"] for r in q["rows"]]
-        parts.append(f"\nquantize, {q['numel'] / 2**20:.0f}M fp32 elements {tuple(q['shape'])} {where}\n" + _table(
-            ["granularity", "format", "path", "G el/s", "min-max ms", "vs naive", "compile s"], rows))
-    if "ops" in sec:
-        o = sec["ops"]
-        rows = [[r["contender"], r["ops"], "-" if r["ops_fresh_weight"] is None else r["ops_fresh_weight"]]
-                for r in o["rows"]]
-        parts.append(f"\ntop-level aten ops, one forward + .float().sum().backward() of 512x256->256 under bf16 "
-                     f"autocast {where}; delayed update (stacked) for 1 / 8 layers: "
-                     f"{o['delayed_update_ops'].get('1')} / {o['delayed_update_ops'].get('8')}\n"
-                     + _table(["contender", "ops (weight copy reused)", "ops (fresh weight copy)"], rows))
-    if "linear" in sec:
-        rows = [["x".join(map(str, r["shape"])), r["contender"], f"{r['median_s'] * 1e3:.1f}",
-                 f"{r['q1_s'] * 1e3:.1f}-{r['q3_s'] * 1e3:.1f}", f"{r['tflops'] * 1e3:.1f}", _fmt_ratio(r),
-                 _fmt_ratio(r, "ratio_fp32"), "-" if r.get("ratio_torchao") is None else f"{r['ratio_torchao']:.2f}x"]
-                + ([f"{r['pct_of_2x']:.0f}%", "-" if r.get("pct_of_peak") is None else f"{r['pct_of_peak']:.0f}%"]
-                   if "pct_of_2x" in r else []) for r in sec["linear"]["rows"]]
-        header = ["MxKxN", "contender", "ms", "IQR ms", "GFLOP/s", "x bf16 [IQR]", "x fp32 [IQR]", "x torchao"]
-        if any("pct_of_2x" in r for r in sec["linear"]["rows"]):
-            header += ["% of 2x", "% of peak"]
-        parts.append(f"\nlinear forward+backward {where} (bf16 = nn.Linear under bf16 autocast; FP8 rows under "
-                     "autocast too)\n" + _table(header, rows))
-        kernels = {r["contender"]: r["gemm_paths"] for r in sec["linear"]["rows"] if r.get("gemm_paths")}
-        parts += [f"  {name} GEMMs: " + ", ".join(f"{g} {p}" for g, p in paths.items())
-                  for name, paths in kernels.items()]
-    if "train" in sec:
-        t = sec["train"]
-        rows = [[r["contender"], r["fp8_layers"], f"{r['median_s'] * 1e3:.1f}",
-                 f"{r['q1_s'] * 1e3:.1f}-{r['q3_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}", _fmt_ratio(r),
-                 f"{r['step_peak_mb']:.1f}", f"{r['resident_mb']:.1f}"] for r in t["rows"]]
-        md = t["model"]
-        parts.append(f"\ntrain step {where} ({t['config']}: {md['n_layers']} layers, d_model {md['d_model']}, "
-                     f"{md['batch_size']}x{md['seq_len']} tokens)\n" + _table(
-                         ["contender", "fp8 layers", "ms/step", "IQR ms", "tokens/s", "x bf16 [IQR]",
-                          "step peak MB", "resident MB"], rows))
-    if "memory" in sec:
-        rows = [[r["contender"], f"{r['saved_mb']:.2f}", f"{r['ratio']:.2f}x", f"{100 * r['saved_fraction']:.0f}%",
-                 ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["by_dtype_mb"].items()))]
-                for r in sec["memory"]["rows"]]
-        parts.append(f"\nactivation memory saved for backward, one forward of {sec['memory']['tokens']} tokens\n"
-                     + _table(["contender", "saved MB", "x bf16", "saved vs bf16", "by dtype (MB)"], rows))
-    if "distributed" in sec:
-        parts.append(format_distributed(sec["distributed"]))
+    parts = [_machine_line(m), _settings_line(results["settings"])]
+    sections = results["sections"]
+    for name, format_section in _SECTION_FORMATTERS:
+        if name in sections:
+            parts += format_section(sections, where)
     if results.get("targets"):
         rows = [[t["target"], "-" if t["value"] is None else f"{t['value']:.2f}", f"{t['op']} {t['threshold']}",
                  {True: "met", False: "MISSED", None: "not measured"}[t["met"]], t["note"]] for t in results["targets"]]
         parts.append("\ntargets\n" + _table(["target", "value", "target", "status", "note"], rows))
-    for note in results.get("notes", []):
-        parts.append(f"note: {note}")
-    for name, err in results.get("errors", {}).items():
-        parts.append(f"ERROR in section {name}: {err}")
+    parts += [f"note: {note}" for note in results.get("notes", [])]
+    parts += [f"ERROR in section {name}: {err}" for name, err in results.get("errors", {}).items()]
     return "\n".join(parts)
+
+
+def _machine_line(m: dict) -> str:
+    return (f"machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), flags "
+            f"{m.get('cpu_flags', '?')}; emulated FP8 GEMMs in {m.get('emulated_dtype', '?')}; torch "
+            f"{m['torch']}, python {m['python']}, load average {m['load_average']}"
+            + (f"; GPU {m['gpu']} (sm{m['gpu_capability']}, CUDA {m['cuda']})" if "gpu" in m else ""))
+
+
+def _settings_line(s: dict) -> str:
+    return (f"settings: device {s['device']}, quick={s['quick']}, warm-up {s['warmup']}, repeats "
+            f"{s['repeats']} (median; spreads are IQR of paired per-round ratios), contenders interleaved "
+            f"round by round; malloc reuse (glibc mallopt, all contenders): {s['malloc_tuning']}; "
+            f"linear/train quantize path: {s['fp8_path']}")
+
+
+def _format_quant(sec: dict, where: str) -> list[str]:
+    """Quantize throughput per granularity, format and kernel."""
+    parts: list[str] = []
+    q = sec["quant"]
+    rows = [[r["granularity"], r["format"], r["path"], f"{r['gelem_per_s']:.2f}",
+             f"{r['min_s'] * 1e3:.1f}-{r['max_s'] * 1e3:.1f}", f"{r['speedup_vs_naive']:.2f}x",
+             "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"] for r in q["rows"]]
+    parts.append(f"\nquantize, {q['numel'] / 2**20:.0f}M fp32 elements {tuple(q['shape'])} {where}\n" + _table(
+        ["granularity", "format", "path", "G el/s", "min-max ms", "vs naive", "compile s"], rows))
+    return parts
+
+
+def _format_ops(sec: dict, where: str) -> list[str]:
+    """Top-level aten op counts per contender."""
+    parts: list[str] = []
+    o = sec["ops"]
+    rows = [[r["contender"], r["ops"], "-" if r["ops_fresh_weight"] is None else r["ops_fresh_weight"]]
+            for r in o["rows"]]
+    parts.append(f"\ntop-level aten ops, one forward + .float().sum().backward() of 512x256->256 under bf16 "
+                 f"autocast {where}; delayed update (stacked) for 1 / 8 layers: "
+                 f"{o['delayed_update_ops'].get('1')} / {o['delayed_update_ops'].get('8')}\n"
+                 + _table(["contender", "ops (weight copy reused)", "ops (fresh weight copy)"], rows))
+    return parts
+
+
+def _format_linear(sec: dict, where: str) -> list[str]:
+    """Fp8Linear forward+backward against nn.Linear (and torchao)."""
+    parts: list[str] = []
+    rows = [["x".join(map(str, r["shape"])), r["contender"], f"{r['median_s'] * 1e3:.1f}",
+             f"{r['q1_s'] * 1e3:.1f}-{r['q3_s'] * 1e3:.1f}", f"{r['tflops'] * 1e3:.1f}", _fmt_ratio(r),
+             _fmt_ratio(r, "ratio_fp32"), "-" if r.get("ratio_torchao") is None else f"{r['ratio_torchao']:.2f}x"]
+            + ([f"{r['pct_of_2x']:.0f}%", "-" if r.get("pct_of_peak") is None else f"{r['pct_of_peak']:.0f}%"]
+               if "pct_of_2x" in r else []) for r in sec["linear"]["rows"]]
+    header = ["MxKxN", "contender", "ms", "IQR ms", "GFLOP/s", "x bf16 [IQR]", "x fp32 [IQR]", "x torchao"]
+    if any("pct_of_2x" in r for r in sec["linear"]["rows"]):
+        header += ["% of 2x", "% of peak"]
+    parts.append(f"\nlinear forward+backward {where} (bf16 = nn.Linear under bf16 autocast; FP8 rows under "
+                 "autocast too)\n" + _table(header, rows))
+    kernels = {r["contender"]: r["gemm_paths"] for r in sec["linear"]["rows"] if r.get("gemm_paths")}
+    parts += [f"  {name} GEMMs: " + ", ".join(f"{g} {p}" for g, p in paths.items())
+              for name, paths in kernels.items()]
+    return parts
+
+
+def _format_train(sec: dict, where: str) -> list[str]:
+    """Train steps of the CPU recipe."""
+    parts: list[str] = []
+    t = sec["train"]
+    rows = [[r["contender"], r["fp8_layers"], f"{r['median_s'] * 1e3:.1f}",
+             f"{r['q1_s'] * 1e3:.1f}-{r['q3_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}", _fmt_ratio(r),
+             f"{r['step_peak_mb']:.1f}", f"{r['resident_mb']:.1f}"] for r in t["rows"]]
+    md = t["model"]
+    parts.append(f"\ntrain step {where} ({t['config']}: {md['n_layers']} layers, d_model {md['d_model']}, "
+                 f"{md['batch_size']}x{md['seq_len']} tokens)\n" + _table(
+                     ["contender", "fp8 layers", "ms/step", "IQR ms", "tokens/s", "x bf16 [IQR]",
+                      "step peak MB", "resident MB"], rows))
+    return parts
+
+
+def _format_memory(sec: dict, where: str) -> list[str]:
+    """Activation memory saved for backward."""
+    parts: list[str] = []
+    rows = [[r["contender"], f"{r['saved_mb']:.2f}", f"{r['ratio']:.2f}x", f"{100 * r['saved_fraction']:.0f}%",
+             ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["by_dtype_mb"].items()))]
+            for r in sec["memory"]["rows"]]
+    parts.append(f"\nactivation memory saved for backward, one forward of {sec['memory']['tokens']} tokens\n"
+                 + _table(["contender", "saved MB", "x bf16", "saved vs bf16", "by dtype (MB)"], rows))
+    return parts
+
+
+def _format_distributed(sec: dict, where: str) -> list[str]:
+    """The multi-process section."""
+    parts: list[str] = []
+    parts.append(format_distributed(sec["distributed"]))
+    return parts
+
+
+# In the order they print (the order the suite runs them).
+_SECTION_FORMATTERS = (("quant", _format_quant), ("ops", _format_ops), ("linear", _format_linear),
+                       ("train", _format_train), ("memory", _format_memory), ("distributed", _format_distributed))

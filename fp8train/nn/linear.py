@@ -77,14 +77,15 @@ from torch.distributed.fsdp import FSDPModule
 
 from fp8train.nn.accumulation import HopperAccumulation
 from fp8train.nn.fp8_all_gather import Fp8GatheredWeight
-from fp8train.nn.gemm import EMULATED_DTYPES, Fp8Operand, emulated_compute_dtype, fp8_mm, resolve_backend
+from fp8train.nn.delayed_scaling import refuse_bad_fp8_state, update_group
+from fp8train.nn.gemm import EMULATED_DTYPES, Fp8Operand, emulated_compute_dtype, resolve_backend
+from fp8train.nn.linear_function import Fp8LinearFunction, WeightFp8, to_dtype
 from fp8train.nn.recipes import ROLES, Fp8Recipe, recipe as make_recipe
 from fp8train.numerics.formats import get_format
 from fp8train.numerics import native_cast
 from fp8train.numerics.kernel_probe import KERNEL_CHOICES, resolve_kernel
 from fp8train.numerics.mx import quantize_mx
-from fp8train.numerics.quant import (Fp8Tensor, compute_amax, decode_fp8, max_scale, quant_error,
-                                     quantize, scale_from_amax, scale_rule)
+from fp8train.numerics.quant import Fp8Tensor, compute_amax, decode_fp8, quant_error, quantize, scale_from_amax
 
 __all__ = ["Fp8Linear", "update_fp8_scales", "configure_execution"]
 
@@ -93,99 +94,9 @@ __all__ = ["Fp8Linear", "update_fp8_scales", "configure_execution"]
 QUANT_KERNEL_MIN_NUMEL = 1 << 20
 
 
-# Loaded scaling state must be state this module could have produced: a NaN/inf/0/negative scale would quantize
-# every later step wrongly (NaN loss many steps on, or a silently different curve) with nothing pointing at the
-# checkpoint it came from. So a bad value is refused at load time, naming the buffer.
-_LOADED_STATE_RULES = (("scale", "finite and > 0", lambda t: torch.isfinite(t) & (t > 0)),
-                       ("scale_amax", "finite and >= 0", lambda t: torch.isfinite(t) & (t >= 0)),
-                       ("amax_history", "finite and >= 0", lambda t: torch.isfinite(t) & (t >= 0)))
-
-
-def _refuse_bad_fp8_state(module, state_dict, prefix, *args) -> None:
-    for role in ROLES:
-        for suffix, allowed, ok in _LOADED_STATE_RULES:
-            key = f"{prefix}{role}_{suffix}"
-            value = state_dict.get(key)
-            if value is not None and not bool(ok(value.float()).all()):
-                shown = value.float()[~ok(value.float())].reshape(-1)[:3].tolist()
-                raise ValueError(f"FP8 scaling state {key} holds {shown}; it must be {allowed} (a damaged or "
-                                 "hand-edited state; nothing was loaded into this layer)")
-
-
-class _Fp8LinearFunction(torch.autograd.Function):
-    """output = input @ weight.T (+ bias) from FP8 operands; backward quantizes grad_output and runs the two
-    backward GEMMs from the saved FP8 input and the (cached) FP8 weight."""
-
-    @staticmethod
-    def forward(ctx, input_2d, weight, bias, weights: "_WeightFp8", layer, backend, out_dtype):
-        r = layer.recipe
-        input_fp8 = layer._quantize("input", input_2d, keep_values=backend == "emulated")
-        input_op = Fp8Operand.from_fp8_tensor(input_fp8)
-        # (M, N) in out_dtype straight from the GEMM; bias fused into it where the kernel can
-        output = fp8_mm(input_op, weights.op_t, backend, out_dtype=out_dtype, bias=bias, gemm="output",
-                        use_fast_accum=r.fast_accum_forward, **layer._gemm_options(input_2d.device))
-        # Saved in FP8: bytes + scales only (the weight's operands live in the layer's cache, made once per
-        # weight version). When grad_weight contracts the input's first dim across its scale layout, the saved
-        # copy is the input quantized along that dim instead (recipes.requantize_transposed): one byte per element.
-        input_saved = input_fp8
-        ctx.input_transposed = r.requantize_transposed("input") and weight.requires_grad
-        if ctx.input_transposed:
-            input_saved = layer._quantize_transposed("input", input_2d)   # (K, M)
-        input_scale = input_saved.scale
-        if torch.compiler.is_compiling():  # may be a view of a traced intermediate: dynamo must own what is saved
-            input_scale = input_scale.clone()
-        ctx.save_for_backward(input_saved.data, input_scale, weights.fp8.data, weights.fp8.scale)
-        ctx.input_block = input_saved.block if input_saved.granularity == "block" else None
-        ctx.weights, ctx.layer, ctx.backend = weights, layer, backend
-        ctx.input_dtype, ctx.weight_dtype = input_2d.dtype, weight.dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        input_data, input_scale, _, _ = ctx.saved_tensors
-        layer, backend, r, weights = ctx.layer, ctx.backend, ctx.layer.recipe, ctx.weights
-        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_input = grad_weight = grad_bias = None
-        options = layer._gemm_options(grad_output.device)
-        keep_values = backend == "emulated"
-        with torch.autocast(grad_output.device.type, enabled=False):
-            grad_output_fp8 = layer._quantize("grad_output", grad_output, keep_values=keep_values)
-            grad_output_op = Fp8Operand.from_fp8_tensor(grad_output_fp8)            # (M, N)
-            if need_input:    # grad_input = grad_output @ weight          (M, N) @ (N, K)
-                grad_input = fp8_mm(grad_output_op, weights.op_for_grad_input, backend, out_dtype=ctx.input_dtype,
-                                    gemm="grad_input", **options)
-            if need_weight:   # grad_weight = grad_output.T @ input        (N, M) @ (M, K)
-                grad_output_t_op = grad_output_op.t()
-                if r.requantize_transposed("grad_output"):
-                    grad_output_t_op = Fp8Operand.from_fp8_tensor(
-                        layer._quantize_transposed("grad_output", grad_output))   # (N, M), scales along N
-                input_values = layer._decode("input", input_data) if keep_values else None
-                input_op = Fp8Operand(input_data, input_scale, ctx.input_block, input_values)  # (M, K), or (K, M)
-                if ctx.input_transposed:
-                    input_op = input_op.t()
-                grad_weight = fp8_mm(grad_output_t_op, input_op, backend, out_dtype=ctx.weight_dtype,
-                                     gemm="grad_weight", **options)
-            if need_bias:     # grad_bias = sum over rows, fp32, from the unquantized gradient
-                grad_bias = _to(grad_output.sum(0, dtype=torch.float32), ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None
-
-
-class _WeightFp8:
-    """The weight's FP8 copy and the operands its GEMMs read, made once per weight version: `op_t` (K, N) for
-    output = input @ weight.T, `op_for_grad_input` (N, K) for grad_input = grad_output @ weight (requantized along
-    K when the recipe's scales would otherwise vary along that GEMM's contracted dim)."""
-
-    __slots__ = ("key", "fp8", "op_t", "op_for_grad_input")
-
-    def __init__(self, key, fp8: Fp8Tensor, op_t: Fp8Operand, op_for_grad_input: Fp8Operand):
-        self.key, self.fp8, self.op_t, self.op_for_grad_input = key, fp8, op_t, op_for_grad_input
-
-
-def _to(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)  # a no-op .to() is still a dispatched op
-
-
+# ------------------------------------------------------------------------------------------------------------
+# The layer (its autograd Function: nn/linear_function.py)
+# ------------------------------------------------------------------------------------------------------------
 class Fp8Linear(nn.Linear):
     """nn.Linear with FP8 GEMMs (see the module docstring). The weight/bias stay fp32 master Parameters."""
 
@@ -206,7 +117,7 @@ class Fp8Linear(nn.Linear):
         self.emulated_dtype = "auto"
         self._formats = {role: get_format(self.recipe.format_of(role)) for role in ROLES}
         self._init_scaling_state(self.weight.device)
-        self.register_load_state_dict_pre_hook(_refuse_bad_fp8_state)
+        self.register_load_state_dict_pre_hook(refuse_bad_fp8_state)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe | str = "current") -> "Fp8Linear":
@@ -285,7 +196,7 @@ class Fp8Linear(nn.Linear):
         # Our GEMMs pick their own precision; autocast must not recast them to bf16.
         with torch.autocast(device_type, enabled=False):
             weights = self._weight_fp8(backend)
-            output = _Fp8LinearFunction.apply(input_2d, self.weight, self.bias, weights, self, backend, out_dtype)
+            output = Fp8LinearFunction.apply(input_2d, self.weight, self.bias, weights, self, backend, out_dtype)
         return output if input.dim() == 2 else output.reshape(*input.shape[:-1], self.out_features)
 
     def _kernel(self, numel: int) -> str:
@@ -300,7 +211,7 @@ class Fp8Linear(nn.Linear):
             self.quantize_kernel = resolve_kernel("auto", self.weight.device)
         return self.quantize_kernel
 
-    def _weight_fp8(self, backend: str) -> _WeightFp8:
+    def _weight_fp8(self, backend: str) -> WeightFp8:
         """The weight's FP8 copy and its GEMM operands, made once per weight version (see the module docstring)."""
         weight = self.weight
         # FSDP2 refills the unsharded weight by all-gather (no version bump) or hands over an FP8-gathered one:
@@ -317,7 +228,7 @@ class Fp8Linear(nn.Linear):
             weight_fp8 = self._quantize("weight", weight, keep_values=emulated)
             if weight_fp8.values is not None and weight_fp8.granularity != "block":
                 # Only the dtype the GEMM reads is kept (block-scaled weights are dequantized in fp32).
-                weight_fp8.values = _to(weight_fp8.values, emulated_compute_dtype(weight.device, self.emulated_dtype))
+                weight_fp8.values = to_dtype(weight_fp8.values, emulated_compute_dtype(weight.device, self.emulated_dtype))
             weight_op = Fp8Operand.from_fp8_tensor(weight_fp8)
             if self.recipe.requantize_transposed("weight"):  # scales along K, constant along the contracted N
                 weight_op_grad = Fp8Operand.from_fp8_tensor(self._quantize_transposed("weight", weight)).t()
@@ -326,7 +237,7 @@ class Fp8Linear(nn.Linear):
             for op in {id(weight_op): weight_op, id(weight_op_grad): weight_op_grad}.values():
                 if emulated and op.block is not None:
                     op.dequantize(torch.float32)  # tiles vary along K: the GEMMs read the dequantized weight
-            weights = _WeightFp8(key, weight_fp8, weight_op.t(), weight_op_grad)
+            weights = WeightFp8(key, weight_fp8, weight_op.t(), weight_op_grad)
         if key is not None and not torch.compiler.is_compiling():  # compiled graphs re-derive (and fuse) it
             self._weight_cache = weights
         return weights
@@ -439,11 +350,8 @@ def configure_execution(model: nn.Module, *, quantize_kernel: str = "native", em
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Delayed scaling: one update for all layers, on stacked buffers
+# Delayed scaling: one update for all layers, on stacked buffers (the arithmetic: nn/delayed_scaling.py)
 # ------------------------------------------------------------------------------------------------------------
-_STATE = ("amax_history", "scale", "scale_amax", "initialized", "stale_scale_steps")
-
-
 @torch.no_grad()
 def update_fp8_scales(model: nn.Module, process_group=None) -> None:
     """Roll delayed-scaling histories once per optimizer step (after optimizer.step()). No-op for other recipes.
@@ -469,50 +377,7 @@ def update_fp8_scales(model: nn.Module, process_group=None) -> None:
     for indices in groups.values():
         rows = step_amax if len(indices) == len(layers) else \
             step_amax.view(-1, len(ROLES))[indices].reshape(-1)
-        _update_group([layers[i] for i in indices], rows)
+        update_group([layers[i] for i in indices], rows)
     torch._foreach_copy_(pendings, [torch.full_like(step_amax[0], -1.0)] * len(pendings))
     for layer in layers:
         layer._scale_generation += 1
-
-
-def _update_group(layers: list, step_amax: torch.Tensor) -> None:
-    """The documented delayed-scaling step for `layers` (same recipe options), rows = (layer, role)."""
-    r = layers[0].recipe
-    state = {name: [getattr(m, f"{role}_{name}") for m in layers for role in ROLES] for name in _STATE}
-    history, scale, scale_amax, initialized, stale = (torch.stack(state[name]) for name in _STATE)
-    formats = [m._formats[role] for m in layers for role in ROLES]
-    fmt_max, min_normal, cap = (torch.tensor(values, dtype=torch.float64, device=step_amax.device) for values in (
-        [f.max for f in formats], [f.min_normal for f in formats], [max_scale(f.max, r.pow2_scales) for f in formats]))
-    recorded = step_amax >= 0  # pending stays at -1 when no micro-batch recorded an amax
-    # A step whose amax lands below the smallest normal under the scale in force: an outlier blinds the layer.
-    stale.add_(recorded & initialized & (step_amax > 0) & (step_amax.double() < scale.double() * min_normal))
-    rolled = torch.cat([step_amax.unsqueeze(1), history[:, :-1]], dim=1)
-    history = torch.where(recorded.unsqueeze(1), rolled, history)
-    amax = _history_amax(history, r)
-    usable = recorded & (amax > 0)
-    new_scale = scale_rule(amax, fmt_max, cap, r.margin, r.pow2_scales)
-    scale = torch.where(usable, new_scale, scale)
-    scale_amax = torch.where(usable, amax, scale_amax)
-    initialized = initialized | usable
-    new = {"amax_history": history, "scale": scale, "scale_amax": scale_amax, "initialized": initialized,
-           "stale_scale_steps": stale}
-    torch._foreach_copy_([b for name in _STATE for b in state[name]],
-                         [row for name in _STATE for row in new[name].unbind(0)])
-    if not all(all(m._initialized_on_host.values()) for m in layers):  # one host sync, only until all are set
-        flags = iter(initialized.tolist())
-        for m in layers:
-            for role in ROLES:
-                m._initialized_on_host[role] = next(flags)
-
-
-def _history_amax(history: torch.Tensor, r: Fp8Recipe) -> torch.Tensor:
-    """Per row: max of the history ('max') or its newest entry ('most_recent'); with amax_outlier_factor, a
-    single entry above factor x the second largest (> 0) is passed over for that second largest."""
-    if r.amax_compute_algo == "most_recent":
-        return history[:, 0]
-    if not r.amax_outlier_factor or history.shape[1] < 2:
-        return history.amax(dim=1)
-    top2 = history.topk(2, dim=1).values
-    largest, second = top2[:, 0], top2[:, 1]
-    outlier = (second > 0) & (largest > second * r.amax_outlier_factor)
-    return torch.where(outlier, second, largest)

@@ -34,8 +34,9 @@ import torch
 
 from fp8train.numerics.formats import FORMATS, Fp8Format
 
-__all__ = ["available", "unavailable_reason", "layout", "NativeLayout", "CastOptions", "quantize", "compute_amax",
-           "decode", "decodable", "RULE_GIVEN", "RULE_AMAX", "RULE_MX", "COMPILER_NAMES", "SOURCE"]
+__all__ = ["available", "unavailable_reason", "layout", "usable_layout", "capped_block", "NativeLayout",
+           "CastOptions", "quantize", "compute_amax", "decode", "decodable", "RULE_GIVEN", "RULE_AMAX", "RULE_MX",
+           "COMPILER_NAMES", "SOURCE"]
 
 SOURCE = Path(__file__).with_name("native_cast.c")
 COMPILER_NAMES = ("gcc", "cc")
@@ -195,6 +196,21 @@ def layout(x: torch.Tensor, granularity: str, block_rows: int = 1, block_cols: i
     grid_r, grid_c = -(-rows // block_rows), -(-cols // block_cols)
     return NativeLayout(batch, rows, cols, block_rows, block_cols, False, shape[:-2] + (grid_r, grid_c),
                         batch * grid_r, grid_c)
+
+
+def capped_block(x: torch.Tensor, block_rows: int, block_cols: int) -> tuple[int, int]:
+    """A block no larger than the tensor's last two dims (as quant.quantize records it)."""
+    rows, cols = (1, x.shape[0]) if x.dim() == 1 else x.shape[-2:] if x.dim() else (1, 1)
+    return max(min(block_rows, rows), 1), max(min(block_cols, cols), 1)
+
+
+def usable_layout(x: torch.Tensor, granularity: str, block_rows: int, block_cols: int,
+                  axis: int) -> Optional[NativeLayout]:
+    """``layout()`` with the block capped to the tensor, or None when the kernel is not built or torch.compile is
+    tracing (there the eager math is traced inline and fused instead)."""
+    if torch.compiler.is_compiling() or not available():
+        return None
+    return layout(x, granularity, *capped_block(x, block_rows, block_cols), axis)
 
 
 # ------------------------------------------------------------------------------------------------------------

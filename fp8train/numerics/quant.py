@@ -11,6 +11,8 @@ Granularities, for a tensor ``x``:
 - ``block``: one scale per (br, bc) tile of the last two dims, shape (*lead, ceil(R/br), ceil(C/bc)). Dims that
   are not a multiple of the block are zero-padded for the amax, which leaves the amax unchanged.
 
+The amax and the scale rule are in ``fp8train.numerics.scaling`` (re-exported here); this module casts.
+
 Kernels (``kernel=``, all bit-identical, each checked against ml_dtypes by the tests):
 
 - ``eager``: torch ops run one by one, torch's own float8 cast. No compile; the default.
@@ -28,47 +30,27 @@ Inside a region that torch.compile is already tracing (``train.compile``), the c
 
 from __future__ import annotations
 
-import functools
 import math
-import numbers
-import struct
 import types
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch._dynamo
-import torch.nn.functional as F
 
 from fp8train.numerics import native_cast
 from fp8train.numerics.formats import FORMATS, Fp8Format, get_format
+from fp8train.numerics.scaling import (_CAPS, GRANULARITIES, _amax, _as_blocks, _check_amax_range, _fp32_exact,
+                                       _check_input, _check_layout, _check_margin, _compact, _scale, _scale_shape,
+                                       compute_amax, expand_scale, max_scale, scale_from_amax, scale_rule)
 
 __all__ = [
     "Fp8Tensor", "quantize", "compute_amax", "scale_from_amax", "expand_scale", "cast_to_fp8", "decode_fp8",
     "quant_error", "convert_dialect", "GRANULARITIES", "QUANT_KERNELS", "max_scale", "scale_rule", "native_quantize",
 ]
 
-GRANULARITIES = ("tensor", "row", "block")
 QUANT_KERNELS = ("eager", "compiled_cast", "compiled_select", "native")
-_FP32_TINY = torch.finfo(torch.float32).tiny  # 2^-126: scales never go below it, so x / scale stays finite
-_FP32_MAX = torch.finfo(torch.float32).max
-_AMINMAX_MIN_NUMEL = 1 << 20
 
-
-@functools.lru_cache(maxsize=None)
-def max_scale(fmt_max: float, pow2: bool) -> float:
-    """The largest fp32 scale with ``fmt_max * scale <= FLT_MAX`` (a power of two when ``pow2``).
-
-    A larger scale would let a saturated value dequantize to inf: FLT_MAX with pow2 scales used to become
-    256 * 2**120 = 2**128 = inf. Capped, the largest values clip to fmt.max instead and stay finite."""
-    cap = struct.unpack("f", struct.pack("f", _FP32_MAX / fmt_max))[0]  # nearest fp32 ...
-    while cap * fmt_max > _FP32_MAX:  # ... then downward until the product fits (one step at most)
-        cap = struct.unpack("f", struct.pack("I", struct.unpack("I", struct.pack("f", cap))[0] - 1))[0]
-    return 2.0 ** math.floor(math.log2(cap)) if pow2 else cap
-
-
-# Per format, computed once at import: traced (compiled) code reads a constant instead of calling max_scale.
-_CAPS = {(f.name, p): max_scale(f.max, p) for f in FORMATS.values() for p in (False, True)}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -109,171 +91,13 @@ class Fp8Tensor:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Argument checks (user-facing errors name the argument and what is allowed)
+# Argument checks (the shared ones live in fp8train.numerics.scaling)
 # ------------------------------------------------------------------------------------------------------------
-def _check_input(x: torch.Tensor) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
-        raise ValueError(f"x must be a float32/float16/bfloat16/float64 tensor, got dtype {x.dtype}")
-
-
-def _check_margin(margin) -> int:
-    # An int: a fractional margin (1.5) used to be truncated silently; 2.0 is accepted as 2.
-    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not float(margin).is_integer():
-        raise ValueError(f"margin must be an integer number of powers of two, got {margin!r}")
-    if abs(margin) > 256:
-        raise ValueError(f"margin must be within [-256, 256] (fp32 scales span 2^-126..2^128), got {margin!r}")
-    return int(margin)
-
 
 def _check_kernel(kernel: str) -> None:
     if kernel not in QUANT_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(QUANT_KERNELS)}, got {kernel!r} "
                          "('auto' is resolved by fp8train.numerics.kernel_probe.resolve_kernel)")
-
-
-def _check_layout(granularity: str, block, axis: int, ndim: int) -> tuple[int, int]:
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    if granularity != "tensor" and ndim == 0:
-        raise ValueError(f"a 0-d tensor has no rows or blocks: use granularity='tensor', not {granularity!r}")
-    if granularity == "row" and not -max(ndim, 1) <= axis < max(ndim, 1):
-        raise ValueError(f"axis={axis} is out of range for a {ndim}-d tensor")
-    try:
-        br, bc = (int(b) for b in block)
-    except (TypeError, ValueError):
-        raise ValueError(f"block must be two positive ints like (1, 128), got {block!r}") from None
-    if br <= 0 or bc <= 0:
-        raise ValueError(f"block sizes must be positive, got {block!r}")
-    return br, bc
-
-
-# ------------------------------------------------------------------------------------------------------------
-# amax and scales
-# ------------------------------------------------------------------------------------------------------------
-def _as_blocks(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
-    """View the last two dims as (Rb, br, Cb, bc) tiles, zero-padding ragged edges."""
-    if x.dim() == 1:
-        x = x.unsqueeze(0)
-    rows, cols = x.shape[-2:]
-    pad_r, pad_c = -rows % br, -cols % bc
-    if pad_r or pad_c:
-        x = F.pad(x, (0, pad_c, 0, pad_r))
-    return x.reshape(*x.shape[:-2], (rows + pad_r) // br, br, (cols + pad_c) // bc, bc)
-
-
-def _amax(x: torch.Tensor, granularity: str, axis: int) -> torch.Tensor:
-    """max |x| (fp32; float64 for a float64 x, whose amax may lie beyond fp32's range). For blocks ``x`` is the
-    tiles (``_as_blocks``) and the amax keeps the tile dims ((*lead, Rb, 1, Cb, 1)), so it broadcasts onto them."""
-    if torch.compiler.is_compiling():  # abs + amax fuse into one pass when compiled
-        dims = () if granularity == "tensor" else (axis,) if granularity == "row" else (-3, -1)
-        amax = x.abs().amax(dim=dims, keepdim=granularity != "tensor")
-    elif granularity == "tensor" and x.numel() >= _AMINMAX_MIN_NUMEL:
-        low, high = torch.aminmax(x)  # eagerly the fastest pass over a big tensor: no |x| temporary
-        amax = torch.maximum(high, low.neg())  # NaN propagates through both
-    else:  # the inf-norm is max |x| in one op, without an |x| temporary (fewer ops on small tensors)
-        dims = None if granularity == "tensor" else axis if granularity == "row" else (-3, -1)
-        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32  # exact: a max, no arithmetic
-        amax = torch.linalg.vector_norm(x, math.inf, dim=dims, keepdim=granularity != "tensor", dtype=dtype)
-    return amax if amax.dtype in (torch.float32, torch.float64) else amax.float()
-
-
-def _scale(amax: torch.Tensor, fmt: Fp8Format, margin: int, pow2: bool) -> torch.Tensor:
-    return scale_rule(amax, fmt.max, _CAPS[(fmt.name, pow2)], margin, pow2)
-
-
-def scale_rule(amax: torch.Tensor, fmt_max, cap, margin: int, pow2: bool) -> torch.Tensor:
-    """The documented scale rule; ``fmt_max`` and ``cap`` (``max_scale``) may be floats or tensors broadcasting
-    against ``amax`` (one row per layer and role in the stacked delayed-scaling update).
-
-    As if computed in float64 and rounded once to fp32: fmt_max * 2**-margin is exact, so one division gives
-    amax / max * 2**margin; for an fp32 amax and an fp32-exact divisor that division is done in fp32, which
-    gives the same bits (a correctly rounded fp32 quotient equals the float64 quotient rounded to fp32: 53 >=
-    2 * 24 + 2 bits). Power-of-2 rounding runs in float64, where log2 of a value just above a power of two
-    stays above it (in fp32 it can round down onto it, and the scale would then clip amax)."""
-    divisor = fmt_max * 2.0 ** -margin
-    # fp32 only where the quotient cannot overflow fp32 (divisor >= 1): an overflow would read as an inf amax
-    if pow2 or amax.dtype != torch.float32 or not _fp32_exact(divisor) or divisor < 1:
-        scale = amax.double() / divisor
-    else:
-        scale = amax / divisor
-    if pow2:  # round UP to a power of two, so amax / scale <= max and nothing clips
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    # amax 0 / NaN / inf never becomes a scale: NaN and 0 fail amax > 0, inf makes an inf quotient (finite amaxes
-    # never do: in fp32 the divisor is >= 1, else float64). Tested on amax, not the quotient, which can underflow.
-    scale = torch.where(amax > 0, scale, 1.0)
-    scale = scale.nan_to_num(posinf=1.0)
-    if isinstance(cap, torch.Tensor):
-        scale = torch.minimum(scale.clamp_min(_FP32_TINY), cap)
-    else:
-        scale = scale.clamp(_FP32_TINY, cap)
-    return scale if scale.dtype == torch.float32 else scale.float()
-
-
-def _fp32_exact(value) -> bool:
-    """A float that fp32 holds exactly, in its normal range (a tensor of them: answered no)."""
-    if isinstance(value, torch.Tensor):
-        return False
-    return _FP32_TINY <= abs(value) <= _FP32_MAX and struct.unpack("f", struct.pack("f", value))[0] == value
-
-
-def _check_amax_range(amax: torch.Tensor, fmt: Fp8Format, margin: int) -> None:
-    """float64 inputs only (a host sync): values so large that no fp32 scale can hold them are an error, not a
-    silent 448 with scale 1 (amax 1e300 once became inf in fp32 and fell back to scale 1)."""
-    finite = amax[torch.isfinite(amax)]
-    if finite.numel() and float(finite.max()) / fmt.max * 2.0 ** margin > max_scale(fmt.max, False):
-        raise ValueError(f"x (float64) has |values| up to {float(finite.max()):.3g}: beyond what an fp32 "
-                         f"{fmt.name} scale can represent (amax / {fmt.max:g} * 2**margin must stay below "
-                         f"{max_scale(fmt.max, False):.3g}); rescale x first")
-
-
-def compute_amax(x, granularity: str = "tensor", block=(1, 128), axis: int = -1, kernel: str = "eager"):
-    """max |x| per tensor, row or block (fp32, shaped like the scale). NaN propagates into the amax.
-    ``kernel='native'`` reduces in the C kernel where it takes x (same values), else eagerly."""
-    _check_input(x)
-    br, bc = _check_layout(granularity, block, axis, x.dim())
-    if x.numel() == 0:
-        return torch.zeros(_scale_shape(x.shape, granularity, br, bc, axis), device=x.device)
-    if kernel == "native" and _native_layout(x, granularity, br, bc, axis) is not None:
-        return native_cast.compute_amax(x, granularity, *_capped_block(x, br, bc), axis)
-    with torch.no_grad():  # not x.detach(): that is one more dispatched op per call on the hot path
-        x = _as_blocks(x, br, bc) if granularity == "block" else x
-        amax = _amax(x, granularity, axis)
-        amax = amax if amax.dtype == torch.float32 else amax.float()
-    return _compact(amax) if granularity == "block" else amax
-
-
-def scale_from_amax(amax: torch.Tensor, fmt, margin: int = 0, pow2: bool = False) -> torch.Tensor:
-    """Dequantization scale ``amax / max * 2**margin`` (fp32). amax 0 or non-finite gives 1.0, never 0/inf/NaN;
-    scales are capped so that ``fmt.max * scale`` stays finite (``max_scale``)."""
-    fmt = get_format(fmt)
-    amax = torch.as_tensor(amax, dtype=torch.float32)
-    return _scale(amax, fmt, _check_margin(margin), bool(pow2))
-
-
-def expand_scale(scale: torch.Tensor, shape, granularity: str = "tensor", block=(1, 128), axis: int = -1):
-    """Broadcast a compact scale back to ``shape`` (tensor and row scales broadcast as they are)."""
-    if granularity != "block":
-        return scale
-    br, bc = int(block[0]), int(block[1])
-    rows, cols = (1, shape[0]) if len(shape) == 1 else tuple(shape[-2:])
-    full = scale.repeat_interleave(br, dim=-2).repeat_interleave(bc, dim=-1)[..., :rows, :cols]
-    return full.reshape(shape)
-
-
-def _compact(tile_scale: torch.Tensor) -> torch.Tensor:
-    """(*lead, Rb, 1, Cb, 1) -> (*lead, Rb, Cb): the documented block-scale shape."""
-    return tile_scale.reshape(*tile_scale.shape[:-4], tile_scale.shape[-4], tile_scale.shape[-2])
-
-
-def _scale_shape(shape, granularity: str, br: int, bc: int, axis: int) -> tuple:
-    if granularity == "tensor":
-        return ()
-    if granularity == "row":
-        return tuple(1 if d == axis % len(shape) else n for d, n in enumerate(shape))
-    rows, cols = (1, shape[0]) if len(shape) == 1 else tuple(shape[-2:])
-    return (*shape[:-2], -(-rows // br), -(-cols // bc))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -492,7 +316,7 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
         _check_amax_range(x.detach().abs().amax(), fmt, margin)
     if kernel == "native":
         native = native_quantize(x, fmt, granularity, br, bc, axis, margin, bool(pow2), saturate, scale,
-                                  keep_values)
+                                 keep_values)
         if native is not None:
             return native
         kernel = "eager"  # not a case the C kernel takes: the same bytes eagerly
@@ -509,34 +333,21 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
     return Fp8Tensor(data, scale, fmt, granularity, (br, bc), axis, amax, grid)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# The native kernel (numerics/native_cast.py): the same chain in C, one op; None where it does not apply
-# ------------------------------------------------------------------------------------------------------------
-def _native_layout(x: torch.Tensor, granularity: str, br: int, bc: int, axis: int):
-    if torch.compiler.is_compiling() or not native_cast.available():  # traced: the eager math fuses instead
-        return None
-    return native_cast.layout(x, granularity, *_capped_block(x, br, bc), axis)
-
-
-def _capped_block(x: torch.Tensor, br: int, bc: int) -> tuple[int, int]:
-    rows, cols = (1, x.shape[0]) if x.dim() == 1 else x.shape[-2:] if x.dim() else (1, 1)
-    return max(min(br, rows), 1), max(min(bc, cols), 1)
-
-
 def native_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, margin: int, pow2: bool,
-                     saturate: bool, scale, keep_values: bool, rule: int = native_cast.RULE_AMAX):
-    """quantize() through the C kernel with the documented scale rule (the constants scale_rule uses: the
-    divisor fmt.max * 2**-margin, the cap, and whether the division is the fp32 one), or None."""
-    br, bc = _capped_block(x, br, bc)
-    lay = _native_layout(x, granularity, br, bc, axis)
+                    saturate: bool, scale, keep_values: bool, rule: int = native_cast.RULE_AMAX):
+    """quantize() through the C kernel (one op), or None where it does not apply. The scale rule's constants
+    are scaling.scale_rule's: the divisor fmt.max * 2**-margin, the cap, and whether the division is its fp32
+    one (tests/test_native_cast.py checks the scales bit for bit against the eager rule and a reference)."""
+    br, bc = native_cast.capped_block(x, br, bc)
+    lay = native_cast.usable_layout(x, granularity, br, bc, axis)
     if lay is None or (scale is not None and tuple(scale.shape) != lay.scale_shape
                        and not (granularity == "tensor" and scale.numel() == 1 and scale.dim() <= 1 <= x.dim())):
         return None
     divisor = fmt.max * 2.0 ** -margin
     fp32_divide = not pow2 and _fp32_exact(divisor) and divisor >= 1
-    mx_emax = math.frexp(fmt.max)[1] - 1
     options = native_cast.CastOptions(fmt.name, granularity, br, bc, axis, rule, divisor, _CAPS[(fmt.name, pow2)],
-                                      pow2, fp32_divide, mx_emax, bool(saturate), bool(keep_values))
+                                      pow2, fp32_divide, math.frexp(fmt.max)[1] - 1, bool(saturate),
+                                      bool(keep_values))
     data, scale_out, amax, values = native_cast.quantize(x, scale, options)
     return Fp8Tensor(data, scale if scale is not None else scale_out, fmt, granularity, (br, bc), axis,
                      None if scale is not None else amax, values if keep_values else None)

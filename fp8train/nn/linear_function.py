@@ -1,0 +1,90 @@
+"""The autograd Function behind Fp8Linear: the forward GEMM from FP8 operands, and a backward that quantizes
+grad_output and runs the two backward GEMMs from the saved FP8 input and the layer's cached FP8 weight.
+
+It calls back into its layer (``layer._quantize``, ``layer._quantize_transposed``, ``layer._decode``,
+``layer._gemm_options``) for everything recipe-specific, so the three GEMMs read top to bottom here while the
+scaling rules stay in one place (fp8train.nn.linear). Shapes: input (M, K), weight (N, K), grad_output (M, N).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8train.nn.gemm import Fp8Operand, fp8_mm
+from fp8train.numerics.quant import Fp8Tensor
+
+__all__ = ["Fp8LinearFunction", "WeightFp8", "to_dtype"]
+
+
+class Fp8LinearFunction(torch.autograd.Function):
+    """output = input @ weight.T (+ bias) from FP8 operands; backward quantizes grad_output and runs the two
+    backward GEMMs from the saved FP8 input and the (cached) FP8 weight."""
+
+    @staticmethod
+    def forward(ctx, input_2d, weight, bias, weights: "WeightFp8", layer, backend, out_dtype):
+        r = layer.recipe
+        input_fp8 = layer._quantize("input", input_2d, keep_values=backend == "emulated")
+        input_op = Fp8Operand.from_fp8_tensor(input_fp8)
+        # (M, N) in out_dtype straight from the GEMM; bias fused into it where the kernel can
+        output = fp8_mm(input_op, weights.op_t, backend, out_dtype=out_dtype, bias=bias, gemm="output",
+                        use_fast_accum=r.fast_accum_forward, **layer._gemm_options(input_2d.device))
+        # Saved in FP8: bytes + scales only (the weight's operands live in the layer's cache, made once per
+        # weight version). When grad_weight contracts the input's first dim across its scale layout, the saved
+        # copy is the input quantized along that dim instead (recipes.requantize_transposed): one byte per element.
+        input_saved = input_fp8
+        ctx.input_transposed = r.requantize_transposed("input") and weight.requires_grad
+        if ctx.input_transposed:
+            input_saved = layer._quantize_transposed("input", input_2d)   # (K, M)
+        input_scale = input_saved.scale
+        if torch.compiler.is_compiling():  # may be a view of a traced intermediate: dynamo must own what is saved
+            input_scale = input_scale.clone()
+        ctx.save_for_backward(input_saved.data, input_scale, weights.fp8.data, weights.fp8.scale)
+        ctx.input_block = input_saved.block if input_saved.granularity == "block" else None
+        ctx.weights, ctx.layer, ctx.backend = weights, layer, backend
+        ctx.input_dtype, ctx.weight_dtype = input_2d.dtype, weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_data, input_scale, _, _ = ctx.saved_tensors
+        layer, backend, r, weights = ctx.layer, ctx.backend, ctx.layer.recipe, ctx.weights
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_input = grad_weight = grad_bias = None
+        options = layer._gemm_options(grad_output.device)
+        keep_values = backend == "emulated"
+        with torch.autocast(grad_output.device.type, enabled=False):
+            grad_output_fp8 = layer._quantize("grad_output", grad_output, keep_values=keep_values)
+            grad_output_op = Fp8Operand.from_fp8_tensor(grad_output_fp8)            # (M, N)
+            if need_input:    # grad_input = grad_output @ weight          (M, N) @ (N, K)
+                grad_input = fp8_mm(grad_output_op, weights.op_for_grad_input, backend, out_dtype=ctx.input_dtype,
+                                    gemm="grad_input", **options)
+            if need_weight:   # grad_weight = grad_output.T @ input        (N, M) @ (M, K)
+                grad_output_t_op = grad_output_op.t()
+                if r.requantize_transposed("grad_output"):
+                    grad_output_t_op = Fp8Operand.from_fp8_tensor(
+                        layer._quantize_transposed("grad_output", grad_output))   # (N, M), scales along N
+                input_values = layer._decode("input", input_data) if keep_values else None
+                input_op = Fp8Operand(input_data, input_scale, ctx.input_block, input_values)  # (M, K), or (K, M)
+                if ctx.input_transposed:
+                    input_op = input_op.t()
+                grad_weight = fp8_mm(grad_output_t_op, input_op, backend, out_dtype=ctx.weight_dtype,
+                                     gemm="grad_weight", **options)
+            if need_bias:     # grad_bias = sum over rows, fp32, from the unquantized gradient
+                grad_bias = to_dtype(grad_output.sum(0, dtype=torch.float32), ctx.bias_dtype)
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+class WeightFp8:
+    """The weight's FP8 copy and the operands its GEMMs read, made once per weight version: `op_t` (K, N) for
+    output = input @ weight.T, `op_for_grad_input` (N, K) for grad_input = grad_output @ weight (requantized along
+    K when the recipe's scales would otherwise vary along that GEMM's contracted dim)."""
+
+    __slots__ = ("key", "fp8", "op_t", "op_for_grad_input")
+
+    def __init__(self, key, fp8: Fp8Tensor, op_t: Fp8Operand, op_for_grad_input: Fp8Operand):
+        self.key, self.fp8, self.op_t, self.op_for_grad_input = key, fp8, op_t, op_for_grad_input
+
+
+def to_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)  # a no-op .to() is still a dispatched op
