@@ -257,3 +257,19 @@ def test_no_host_sync_in_forward_backward_and_scale_update(name):
         step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_no_host_sync_in_loop_steps_between_logging_steps(tmp_path):
+    """The loop's promise on a GPU: the steps between sync points (here 2-3 and 5-7) make no host sync, the
+    fused AdamW with found_inf, the device-side guard, clipping and the FP8 scale update included."""
+    from fp8train.bench.gpu_sections import train_watching_syncs
+    from fp8train.training.config import load_config
+
+    overrides = [f"run.dir={tmp_path / 'runs'}", "run.name=nosync", "fp8.recipe=delayed", "model.n_layers=2",
+                 "model.d_model=128", "model.n_heads=4", "model.seq_len=64", "train.max_steps=8",
+                 "train.batch_size=8", "train.eval_every=0", "train.eval_batches=1", "train.device=cuda",
+                 "log.wandb=disabled", "log.every=4", "log.telemetry_every=0", "checkpoint.every=0",
+                 "checkpoint.save_final=false", "policy.min_features=64", "data.max_bytes=200000"]
+    summary, syncs = train_watching_syncs(load_config(None, overrides))
+    assert summary["status"] == "completed", summary.get("reason")
+    assert syncs == []

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ from fp8train.nn.gemm import Fp8Operand
 from fp8train.nn.linear import Fp8Linear, update_fp8_scales
 from fp8train.nn.recipes import RECIPE_NAMES, recipe
 from fp8train.nn.scaled_gemm import HAS_SCALED_MM_V2, call_scaled_mm, scaled_mm_arguments
+from fp8train.training import loop as loop_module
 from fp8train.training.config import load_config
 from fp8train.training.loop import train
 from fp8train.training.rundir import write_json_atomic
@@ -241,19 +243,48 @@ def section_train(device: str, dry: bool, out_dir: Path, limit_s: float) -> dict
                      "model.n_layers=2", "model.d_model=256", "model.n_heads=4", "model.seq_len=128",
                      f"train.max_steps={steps}", "train.batch_size=8", f"train.eval_every={steps}",
                      "train.eval_batches=1", f"train.device={device}", "optim.warmup_steps=1", "log.wandb=disabled",
-                     "log.every=1", "checkpoint.every=0", "checkpoint.save_final=false", "data.max_bytes=300000"]
+                     "log.every=5", "log.telemetry_every=0", "checkpoint.every=0", "checkpoint.save_final=false",
+                     "data.max_bytes=300000"]
         if dry:
             overrides += ["model.d_model=64", "model.seq_len=32", "train.batch_size=2", "train.autocast=none",
                           "policy.min_features=16"]
         overrides += extra
         t0 = time.perf_counter()
-        summary = train(load_config(None, overrides), show_progress=False)
+        summary, syncs = train_watching_syncs(load_config(None, overrides))
         wall = summary.get("wall_time_s") or math.nan
         runs[label] = dict(status=summary.get("status"), loss=summary.get("loss"), seconds=time.perf_counter() - t0,
-                          tokens_per_s=(summary.get("tokens") or 0) / wall, fp8_layers=summary.get("fp8_layers"))
+                           tokens_per_s=(summary.get("tokens") or 0) / wall, fp8_layers=summary.get("fp8_layers"),
+                           host_syncs_between_logging_steps=len(syncs), sync_warnings=syncs[:5],
+                           checked_sync_mode=device == "cuda")
         write_json_atomic(out_dir / "train.partial.json", dict(runs=runs))
-    ok = all(r["status"] == "completed" and r["loss"] is not None and math.isfinite(r["loss"]) for r in runs.values())
+    ok = all(r["status"] == "completed" and r["loss"] is not None and math.isfinite(r["loss"])
+             and r["host_syncs_between_logging_steps"] == 0 for r in runs.values())
     return dict(ok=ok, runs=runs)
+
+
+def train_watching_syncs(cfg) -> tuple[dict, list[str]]:
+    """train(cfg), with every step that is no sync point of the loop (loop.is_sync_step; telemetry off) run
+    under torch.cuda.set_sync_debug_mode("warn") on CUDA, after the first step (kernel probes, caches, the first
+    FP8 scales may sync once). Returns the summary and one line per host sync such a step made."""
+    real_step, synced = loop_module.optimizer_step, []
+
+    def watched(run, state, step):
+        if run.accelerator.device.type != "cuda" or step == 0 or loop_module.is_sync_step(cfg, step + 1, False):
+            return real_step(run, state, step)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return real_step(run, state, step)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                synced.extend(f"step {step + 1}: {str(w.message).splitlines()[0][:200]}" for w in seen
+                              if "synchroniz" in str(w.message))
+    loop_module.optimizer_step = watched
+    try:
+        return train(cfg, show_progress=False), synced
+    finally:
+        loop_module.optimizer_step = real_step
 
 
 def section_bench(device: str, dry: bool, out_dir: Path, limit_s: float) -> dict:

@@ -7,6 +7,8 @@ to a group of layers sharing recipe options with a fixed number of tensor ops, h
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fp8train.nn.recipes import ROLES, Fp8Recipe
@@ -40,9 +42,8 @@ def update_group(layers: list, step_amax: torch.Tensor) -> None:
     r = layers[0].recipe
     state = {name: [getattr(m, f"{role}_{name}") for m in layers for role in ROLES] for name in _STATE}
     history, scale, scale_amax, initialized, stale = (torch.stack(state[name]) for name in _STATE)
-    formats = [m._formats[role] for m in layers for role in ROLES]
-    fmt_max, min_normal, cap = (torch.tensor(values, dtype=torch.float64, device=step_amax.device) for values in (
-        [f.max for f in formats], [f.min_normal for f in formats], [max_scale(f.max, r.pow2_scales) for f in formats]))
+    formats = tuple(m._formats[role] for m in layers for role in ROLES)
+    fmt_max, min_normal, cap = _format_constants(formats, r.pow2_scales, step_amax.device)
     recorded = step_amax >= 0  # pending stays at -1 when no micro-batch recorded an amax
     # A step whose amax lands below the smallest normal under the scale in force: an outlier blinds the layer.
     stale.add_(recorded & initialized & (step_amax > 0) & (step_amax.double() < scale.double() * min_normal))
@@ -63,6 +64,14 @@ def update_group(layers: list, step_amax: torch.Tensor) -> None:
         for m in layers:
             for role in ROLES:
                 m._initialized_on_host[role] = next(flags)
+
+
+@functools.lru_cache(maxsize=256)
+def _format_constants(formats: tuple, pow2: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Per row: the format's max, min normal and the scale cap, made once per group of layers: a tensor built
+    from a Python list on a GPU is a blocking host-to-device copy, i.e. a host sync, and this runs every step."""
+    return tuple(torch.tensor(values, dtype=torch.float64, device=device) for values in (
+        [f.max for f in formats], [f.min_normal for f in formats], [max_scale(f.max, pow2) for f in formats]))
 
 
 def _history_amax(history: torch.Tensor, r: Fp8Recipe) -> torch.Tensor:

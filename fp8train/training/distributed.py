@@ -27,7 +27,8 @@ from accelerate import Accelerator
 
 from fp8train.nn.recipes import ROLES
 
-__all__ = ["make_accelerator", "check_launch_settings", "set_cpu_threads", "all_mean", "fp8_state_digest",
+__all__ = ["make_accelerator", "check_launch_settings", "set_cpu_threads", "all_mean", "all_mean_tensor",
+           "fp8_state_digest",
            "Fp8StateSync"]
 
 # accelerate launch exports its choices as these environment variables (accelerate.commands.launch).
@@ -98,6 +99,13 @@ def all_mean(accelerator, value: float) -> float:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=accelerator.device)
     return float(accelerator.reduce(t, reduction="mean"))
+
+
+def all_mean_tensor(accelerator, value: torch.Tensor) -> torch.Tensor:
+    """all_mean of a () tensor on the device, without a host sync: the same all-reduce and division."""
+    if accelerator.num_processes == 1:
+        return value
+    return accelerator.reduce(value.reshape(1), reduction="mean").reshape(())
 
 
 def fp8_state_digest(layers) -> str:

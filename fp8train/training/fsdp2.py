@@ -40,7 +40,8 @@ from fp8train.nn.convert import fp8_layers
 from fp8train.nn.fp8_all_gather import check_fp8_all_gather_recipe, wrap_weight_for_fp8_all_gather
 
 __all__ = ["ensure_process_group", "release_process_group", "decoder_blocks", "apply_fsdp2", "is_fsdp2",
-           "clip_grad_norm", "grad_norm", "all_finite", "per_rank_state_bytes", "local_tensor",
+           "clip_grad_norm", "grad_norm", "clip_grad_norm_tensor", "grad_norm_tensor",
+           "all_finite", "per_rank_state_bytes", "local_tensor",
            "AllGatherByteCounter", "count_all_gather_bytes"]
 
 
@@ -124,27 +125,43 @@ def grad_norm(model: nn.Module) -> float:
     across ranks or summed (fp32 sums in another order differ in the last bits, the clip factor with them, and
     FP8 rounding amplifies one-ulp weight differences into visibly different runs within tens of steps). So DDP,
     FSDP2 and any world size clip by the same factor."""
+    return float(grad_norm_tensor(model))
+
+
+def grad_norm_tensor(model: nn.Module) -> torch.Tensor:
+    """grad_norm as a () fp32 tensor on the gradients' device, without a host sync (the training loop reads it
+    back on logging steps only)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
-        return 0.0
+        return torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
     sharded = any(isinstance(g, DTensor) for g in grads)
     squares = torch.zeros((), dtype=torch.float64, device=grads[0].device)
     for g in grads:
         squares = squares + local_tensor(g).detach().double().pow(2).sum()
-    return float(_sum_over_ranks(squares, sharded).sqrt().float())
+    return _sum_over_ranks(squares, sharded).sqrt().float()
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     """Scale all gradients so their global norm is at most `max_norm` (the rule of
     torch.nn.utils.clip_grad_norm_, with grad_norm's float64 norm); returns the norm before clipping. A
     non-finite norm leaves the gradients as they are (the loop skips or stops that step)."""
-    norm = grad_norm(model)
-    if norm == norm and norm != float("inf"):
-        factor = min(1.0, max_norm / (norm + 1e-6))
-        if factor < 1.0:
-            for p in model.parameters():
-                if p.grad is not None:
-                    local_tensor(p.grad).mul_(factor)
+    return float(clip_grad_norm_tensor(model, max_norm))
+
+
+@torch.no_grad()
+def clip_grad_norm_tensor(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm decided on the device (no host sync); returns the () fp32 norm before clipping.
+
+    The factor is computed as the host rule did, bit for bit: min(1, max_norm / (norm + 1e-6)) in float64 from
+    the fp32 norm, then rounded once to fp32 as a Python scalar is in `mul_`. A factor of exactly 1 (no
+    clipping, or a non-finite norm) multiplies by 1.0, which changes no value."""
+    norm = grad_norm_tensor(model)
+    denominator = norm.double() + 1e-6
+    factor = torch.full_like(denominator, max_norm).div_(denominator).clamp_(max=1.0)  # IEEE division, not reciprocal
+    factor = torch.where(torch.isfinite(norm), factor, torch.ones_like(factor)).float()
+    grads = [local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor)
     return norm
 
 

@@ -18,6 +18,9 @@ What a run promises (tests/test_train.py, test_multiprocess.py, test_crash_resum
   (train.skip_nonfinite_grads) does not skip, after MAX_CONSECUTIVE_SKIPS skipped steps in a row, or before
   saving non-finite weights; summary.json names the step, the reason and the last good checkpoint, and no
   checkpoint is ever written from a diverged state;
+- a step that logs nothing syncs nothing: the skip/divergence decision is made on the device
+  (fp8train.training.step_guard, optim.AdamW's found_inf) and read back at the next sync point (a logging,
+  evaluation, checkpoint or telemetry step, or the last step), which reports the exact step it happened at;
 - with several processes, every rank ends every step with the same FP8 scaling state (checked on every logged
   step: a SHA-256 of all FP8 buffers is compared across ranks), and the non-finite amax counters count the
   events of all ranks.
@@ -25,7 +28,6 @@ What a run promises (tests/test_train.py, test_multiprocess.py, test_crash_resum
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 import warnings
@@ -44,18 +46,15 @@ from fp8train.training.claim import holding
 from fp8train.training.rank0 import on_main_process
 from fp8train.training.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from fp8train.training.config import FullConfig, add_config_arguments, load_config
-from fp8train.training.distributed import all_mean, fp8_state_digest, make_accelerator
-from fp8train.training.fsdp2 import all_finite, clip_grad_norm, grad_norm, release_process_group
+from fp8train.training.distributed import all_mean_tensor, fp8_state_digest, make_accelerator
+from fp8train.training.fsdp2 import all_finite, clip_grad_norm_tensor, grad_norm_tensor, release_process_group
 from fp8train.training.run_log import MetricsLog, finish, start_logs, summarize, summary_line
 from fp8train.training.rundir import CHECKPOINTS_DIR, TELEMETRY_FILE
 from fp8train.training.setup import Run, set_up
+from fp8train.training.step_guard import MAX_CONSECUTIVE_SKIPS, StepGuard  # noqa: F401 (re-exported)
 
 __all__ = ["train", "cli_main", "add_cli_arguments", "fp8_state_digest", "make_accelerator", "summary_line",
            "MAX_CONSECUTIVE_SKIPS"]
-
-# With train.skip_nonfinite_grads, a run whose gradients stay non-finite this many optimizer steps in a row has
-# diverged (it is no longer training: every step is skipped), and stops as such.
-MAX_CONSECUTIVE_SKIPS = 5
 
 
 @dataclass
@@ -73,6 +72,9 @@ class _State:
     consecutive_skips: int = 0
     last: dict = field(default_factory=dict)  # latest loss, val_loss (and divergence telemetry)
     sampled: bool = False  # this step's FP8 telemetry was recorded (log.telemetry_every)
+    guard: StepGuard | None = None  # the device-side skip/divergence decision (step_guard.py)
+    window_seconds: float = 0.0  # host time of the steps since the last sync point (for tokens_per_s)
+    window_steps: int = 0
 
     def counts(self) -> dict:
         return {"skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips}
@@ -92,6 +94,7 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
         return already_complete(run)
     with holding(run):  # the run directory's lock, released however the run ends
         state = resume(run)
+        _start_guard(run, state)
         metrics = start_logs(run, state)
         if state.start_step == 0:
             log_initial_evaluation(run, state, metrics)
@@ -102,8 +105,10 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
             record = optimizer_step(run, state, step)
             if record is None:  # diverged; state says where and why
                 break
-            finish_step(run, state, record, metrics)
             progress.update(1)
+            if not record:  # a step without a host sync: nothing to log, check or save
+                continue
+            finish_step(run, state, record, metrics)
             progress.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
             stop_reason = should_stop(record) if should_stop is not None else None
             if stop_reason:
@@ -152,6 +157,11 @@ def resume(run: Run) -> _State:
     return state
 
 
+def _start_guard(run: Run, state: _State) -> None:
+    state.guard = StepGuard(run.accelerator.device, run.layers, run.cfg.train.skip_nonfinite_grads,
+                            state.consecutive_skips)
+
+
 def log_initial_evaluation(run: Run, state: _State, metrics: MetricsLog) -> None:
     """Step 0: the untrained model's validation loss, in metrics.jsonl and the trackers."""
     state.last["val_loss"] = evaluate(run.model, run.val_batches, run.cfg, run.accelerator)
@@ -164,56 +174,102 @@ def log_initial_evaluation(run: Run, state: _State, metrics: MetricsLog) -> None
 # One optimizer step
 # ------------------------------------------------------------------------------------------------------------
 def optimizer_step(run: Run, state: _State, step: int) -> dict | None:
-    """Train step `step` -> `step + 1`; its metrics record, or None when the run diverged (state says why)."""
+    """Train step `step` -> `step + 1`. Returns its metrics record on a sync step, {} on the others (which make
+    no host sync), or None when the run diverged (state says where and why)."""
     cfg, t0 = run.cfg, time.perf_counter()
     every = cfg.log.telemetry_every
     state.sampled = (bool(run.layers) or run.shadow is not None) and every > 0 and (step + 1) % every == 0
     telemetry.enable(run.layers, state.sampled)
     if run.shadow is not None:
         run.shadow.arm(state.sampled)
-    step_loss, last_micro = _forward_backward(run, step)
-
-    # Divergence: stop BEFORE the step is applied, so the weights (and every checkpoint) stay finite.
-    grad_norm = _clip_grad_norm(run) if math.isfinite(step_loss) else math.nan
-    reason = _divergence_reason(cfg, state, step, step_loss, grad_norm)
-    if reason is not None:
-        state.status, state.reason, state.diverged_at = "diverged", reason, step + 1
-        # Re-run this rank's last micro-batch on the plain module (no DDP hooks, so no collectives that the
-        # other ranks might not join) with telemetry on: which layer broke, in which role.
-        run.optimizer.zero_grad(set_to_none=True)
-        state.last["divergence_telemetry"] = telemetry.capture_step(
-            run.model, run.layers, *last_micro, lambda: _autocast(cfg, run.accelerator.device))
+    state.guard.begin_step()
+    step_loss = _forward_backward(run, step)
+    found_inf = state.guard.decide(step, step_loss, _clip_grad_norm(run))
+    synced = is_sync_step(cfg, step + 1, state.sampled)
+    # Divergence: stop BEFORE the step is applied, so the weights (and every checkpoint) stay finite. Between
+    # sync points the device does the same: a diverged step and every one after it change nothing.
+    last = _account_steps(run, state) if synced else None
+    if synced and last is None:
         return None
-
-    if math.isfinite(grad_norm):
-        run.optimizer.step()
-        state.consecutive_skips = 0
-    else:  # the guard: a step with NaN/inf gradients is skipped, counted and logged
-        state.skipped_steps += 1
-        state.consecutive_skips += 1
+    _unwrapped(run.optimizer).found_inf = found_inf  # 1.0: skipped (non-finite gradients) or diverged
+    run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
+    state.guard.freeze_fp8_state()
     update_fp8_scales(run.model)  # delayed scaling: one all-reduce of all amaxes, then new scales
-    seconds = time.perf_counter() - t0
     state.done = step + 1
+    state.window_seconds += time.perf_counter() - t0
+    state.window_steps += 1
+    return _record(run, state, *last) if synced else {}
+
+
+def _account_steps(run: Run, state: _State) -> tuple[float, float] | None:
+    """A sync point: the steps since the last one, read back in one host sync and counted as the host always
+    counted them (skips, consecutive skips, divergence at the exact step); (loss, grad norm) of the newest, or
+    None when one of them diverged."""
+    counted = state.guard.account(state.skipped_steps, state.consecutive_skips)
+    state.skipped_steps, state.consecutive_skips = counted.skipped_steps, counted.consecutive_skips
+    if counted.last is not None:
+        state.last["loss"] = counted.last[0]
+    if counted.reason is not None:
+        _stop_diverged(run, state, counted.diverged_step, counted.reason)
+        return None
+    return counted.last
+
+
+def _stop_diverged(run: Run, state: _State, step: int, reason: str) -> None:
+    """Step `step` diverged: the run ends there, in the state that step began with (the device froze it)."""
+    state.status, state.reason, state.diverged_at, state.done = "diverged", reason, step + 1, step
+    state.guard.freeze_fp8_state()  # the current step's forward/backward counted nothing, if it came later
+    # Re-run this rank's last micro-batch of that step on the plain module (no DDP hooks, so no collectives
+    # that the other ranks might not join) with telemetry on: which layer broke, in which role.
+    run.optimizer.zero_grad(set_to_none=True)
+    x, y = list(_micro_batches(run, step))[-1]
+    state.last["divergence_telemetry"] = telemetry.capture_step(
+        run.model, run.layers, x, y, lambda: _autocast(run.cfg, run.accelerator.device))
+
+
+def _record(run: Run, state: _State, step_loss: float, grad_norm: float) -> dict:
+    """The metrics line of a sync step; throughput over the steps since the previous one (their host time: on
+    CUDA the steps between syncs are only queued, the sync waits for all of them)."""
+    cfg, seconds = run.cfg, state.window_seconds / max(state.window_steps, 1)
+    state.window_seconds, state.window_steps = 0.0, 0
     return {"step": state.done, "loss": step_loss, "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
             "tokens_per_s": cfg.train.batch_size * cfg.model.seq_len / seconds, "step_s": seconds,
             "elapsed_s": time.time() - run.started, "skipped_steps": state.skipped_steps}
 
 
-def _forward_backward(run: Run, step: int) -> tuple[float, tuple]:
-    """This rank's slice of the global batch, in micro-batches (gradient accumulation); the loss averaged over
-    micro-batches and ranks, and this rank's last micro-batch."""
+def _unwrapped(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer holds the AdamW
+
+
+def _micro_batches(run: Run, step: int):
+    """This rank's slice of step `step`'s global batch, as (x, y) micro-batches on the device."""
     cfg, accelerator, device = run.cfg, run.accelerator, run.accelerator.device
     accum = cfg.train.grad_accum
     micro = cfg.train.batch_size // accelerator.num_processes // accum
     x_all, y_all = run.data.train_batch(step)
     rank_rows = slice(accelerator.process_index * micro * accum, (accelerator.process_index + 1) * micro * accum)
     x_rank, y_rank = x_all[rank_rows], y_all[rank_rows]
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # on the device: one host sync per step
     for m in range(accum):
-        x = x_rank[m * micro:(m + 1) * micro].to(device)
-        y = y_rank[m * micro:(m + 1) * micro].to(device)
+        yield _to_device(x_rank[m * micro:(m + 1) * micro], device), _to_device(y_rank[m * micro:(m + 1) * micro], device)
+
+
+def _to_device(tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # A blocking host-to-GPU copy waits for all queued GPU work (a host sync each micro-batch): copy from pinned
+    # memory without blocking (the pinned block is not reused before its copy has run).
+    if device.type == "cuda":
+        return tokens.pin_memory().to(device, non_blocking=True)
+    return tokens.to(device)
+
+
+def _forward_backward(run: Run, step: int) -> torch.Tensor:
+    """Forward/backward of this rank's micro-batches (gradient accumulation); the loss averaged over
+    micro-batches and ranks, a () float64 tensor on the device (no host sync)."""
+    cfg, accelerator, device = run.cfg, run.accelerator, run.accelerator.device
+    accum = cfg.train.grad_accum
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for m, (x, y) in enumerate(_micro_batches(run, step)):
         if run.sharded:  # FSDP2 decides in backward (DDP in forward): reduce-scatter the last micro-batch's only
             run.model.set_requires_gradient_sync(m == accum - 1)
             sync = nullcontext()
@@ -225,26 +281,16 @@ def _forward_backward(run: Run, step: int) -> tuple[float, tuple]:
         # the global batch): a rank's grad_output, hence its FP8 scale history, is the same at any world size.
         accelerator.backward(loss / (accum * accelerator.num_processes if run.sharded else accum))
         loss_sum += loss.detach().double()  # the same float64 sum as before, without a sync per micro-batch
-    return all_mean(accelerator, float(loss_sum) / accum), (x, y)
+    # an IEEE float64 division by a device tensor, as the host's float(loss_sum) / accum was (on CUDA a Python
+    # scalar divisor becomes a multiply by its reciprocal)
+    return all_mean_tensor(accelerator, loss_sum / torch.full((), float(accum), dtype=torch.float64, device=device))
 
 
-def _clip_grad_norm(run: Run) -> float:
+def _clip_grad_norm(run: Run) -> torch.Tensor:
     # One rule for DDP (replicated gradients) and FSDP2 (DTensor shards): a float64 norm that does not depend on
     # how the gradient is split, so both, at any world size, clip by the same factor (fsdp2.grad_norm).
     clip = run.cfg.train.grad_clip
-    return clip_grad_norm(run.model, clip) if clip > 0 else grad_norm(run.model)
-
-
-def _divergence_reason(cfg: FullConfig, state: _State, step: int, step_loss: float, grad_norm: float):
-    if not math.isfinite(step_loss):
-        return f"loss became {step_loss} at step {step + 1}"
-    if not math.isfinite(grad_norm) and not cfg.train.skip_nonfinite_grads:
-        return (f"gradient norm became {grad_norm} at step {step + 1} (train.skip_nonfinite_grads=false, so the "
-                "step was not applied)")
-    if not math.isfinite(grad_norm) and state.consecutive_skips + 1 >= MAX_CONSECUTIVE_SKIPS:
-        return (f"gradient norm non-finite for {state.consecutive_skips + 1} steps in a row (steps "
-                f"{step + 2 - MAX_CONSECUTIVE_SKIPS}-{step + 1}); every one was skipped")
-    return None
+    return clip_grad_norm_tensor(run.model, clip) if clip > 0 else grad_norm_tensor(run.model)
 
 
 def _autocast(cfg: FullConfig, device: torch.device):
@@ -260,14 +306,25 @@ def is_periodic_checkpoint(cfg: FullConfig, done: int) -> bool:
     return bool(cfg.checkpoint.every) and done % cfg.checkpoint.every == 0 and done < cfg.train.max_steps
 
 
+def _step_kinds(cfg: FullConfig, done: int) -> tuple[bool, bool]:
+    """(evaluation step, logged step) for the step that made `done` steps."""
+    is_eval = done == cfg.train.max_steps or (cfg.train.eval_every > 0 and done % cfg.train.eval_every == 0)
+    return is_eval, is_eval or done % cfg.log.every == 0 or done == cfg.train.max_steps
+
+
+def is_sync_step(cfg: FullConfig, done: int, sampled: bool) -> bool:
+    """The steps where the loop reads anything back from the device: logged (evaluation and last steps
+    included), periodic checkpoint and telemetry steps. Every other step issues no host sync."""
+    return _step_kinds(cfg, done)[1] or is_periodic_checkpoint(cfg, done) or sampled
+
+
 def finish_step(run: Run, state: _State, record: dict, metrics: MetricsLog) -> None:
     """Complete `record` (FP8 counters and telemetry, validation loss on evaluation steps) and log it."""
     cfg, done = run.cfg, state.done
-    is_eval = done == cfg.train.max_steps or (cfg.train.eval_every > 0 and done % cfg.train.eval_every == 0)
-    is_logged = is_eval or done % cfg.log.every == 0 or done == cfg.train.max_steps
+    is_eval, is_logged = _step_kinds(cfg, done)
     if is_logged or is_periodic_checkpoint(cfg, done):
         run.fp8_sync.check(done)  # every rank holds the same FP8 state (raises if not); counters summed
-    if run.layers:
+    if run.layers and is_logged:
         record.update(telemetry.counters(run.layers))
     if state.sampled:
         stats = telemetry.collect(run.layers)

@@ -25,6 +25,7 @@ from fp8train.training.data import build_data
 from fp8train.training.distributed import Fp8StateSync, check_distributed_type, set_cpu_threads
 from fp8train.training.fsdp2 import apply_fsdp2, ensure_process_group
 from fp8train.training.model import build_model, check_model_for_run
+from fp8train.training.optim import AdamW
 from fp8train.training.resume import ResumePlan, plan_resume
 from fp8train.training.rundir import CONFIG_FILE, run_dir_path, write_text_atomic
 from fp8train.training.shadow import RecipeShadow, shadowed_layers
@@ -164,7 +165,9 @@ def _make_optimizer(model: torch.nn.Module, cfg: FullConfig) -> torch.optim.Opti
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # CUDA: the fused kernel (one launch for all parameters); CPU keeps the per-parameter loop it was tuned with.
+    # CUDA: the fused kernel (one launch for all parameters); CPU keeps the per-parameter loop it was tuned with
+    # (torch's fused CPU kernel rounds differently). Either way the loop's skip is decided on the device and
+    # handed over as found_inf (fp8train.training.optim).
     on_cuda = any(p.is_cuda for p in decay + no_decay)
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-                             foreach=False if not on_cuda else None, fused=True if on_cuda else None)
+    return AdamW(groups, lr=cfg.train.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+                 foreach=False if not on_cuda else None, fused=True if on_cuda else None)
