@@ -192,3 +192,17 @@ class Commands:
 @pytest.fixture(scope="session")
 def commands() -> Commands:
     return Commands()
+
+
+# A one-rank process group and a tiny model for the single-process FSDP2 and sharded-checkpoint tests.
+TINY_FSDP2_MODEL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.seq_len=16",
+                    "policy.min_features=16"]
+
+
+@pytest.fixture
+def one_rank_group():
+    from fp8train.training import fsdp2
+
+    created = fsdp2.ensure_process_group(torch.device("cpu"))
+    yield
+    fsdp2.release_process_group(created)

@@ -22,17 +22,12 @@ from fp8train.training import fsdp2
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
 from fp8train.training.model import build_model
 
+from conftest import TINY_FSDP2_MODEL  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-TINY = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.seq_len=16", "policy.min_features=16"]
+TINY = TINY_FSDP2_MODEL
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def one_rank_group():
-    created = fsdp2.ensure_process_group(CPU)
-    yield
-    fsdp2.release_process_group(created)
 
 
 def _model(recipe_name: str, mode: str):

@@ -26,17 +26,12 @@ from fp8train.training.sharded_checkpoint import (COMPLETE_MARKER, MissingShardE
                                                   latest_valid_sharded_checkpoint, load_model_weights_any,
                                                   load_sharded_checkpoint, save_sharded_checkpoint)
 
+from conftest import TINY_FSDP2_MODEL  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-TINY = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.seq_len=16", "policy.min_features=16"]
+TINY = TINY_FSDP2_MODEL
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def one_rank_group():
-    created = fsdp2.ensure_process_group(CPU)
-    yield
-    fsdp2.release_process_group(created)
 
 
 def _model(sharded: bool, overrides=(), seed: int = 0):

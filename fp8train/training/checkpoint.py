@@ -31,20 +31,12 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 
 from fp8train.training.data import describe_fingerprint_change
 from fp8train.training.model import tied_weight_groups
-from fp8train.training.rundir import as_os_error, dumps, give_default_mode
+from fp8train.training.rundir import as_os_error, dumps, give_default_mode, sha256_file
 
 MANIFEST = "manifest.json"
 MANIFEST_CHECKSUM = "manifest_sha256"
 FILES = ("model.safetensors", "optimizer.safetensors")
 _PREFIX = "step_"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -119,7 +111,7 @@ def _write_files(tmp: Path, step: int, model, optimizer, scheduler, extra: dict 
     for name in FILES:
         path = tmp / name
         give_default_mode(path)
-        manifest["files"][name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        manifest["files"][name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
     manifest[MANIFEST_CHECKSUM] = _manifest_digest(manifest)
     (tmp / MANIFEST).write_text(dumps(manifest, indent=1))
     for path in tmp.iterdir():  # data on disk before the rename makes the checkpoint visible
@@ -197,7 +189,7 @@ def verify_checkpoint(path: str | Path) -> str | None:
             return f"missing {name}"
         if file.stat().st_size != size:
             return f"{name} is {file.stat().st_size} bytes, manifest says {size} (truncated?)"
-        if _sha256(file) != sha256:
+        if sha256_file(file) != sha256:
             return f"{name} checksum mismatch (corrupt)"
     return None
 

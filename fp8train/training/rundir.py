@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -327,3 +328,12 @@ def truncate_jsonl(path: str | os.PathLike, last_step: int) -> list[dict]:
     if path.exists():
         write_text_atomic(path, "".join(dumps(r) + "\n" for r in kept))
     return kept
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks (checkpoint shards can be large)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

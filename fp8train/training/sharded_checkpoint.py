@@ -29,7 +29,6 @@ model.safetensors holds), and `load_model_weights_any(path, model)` loads either
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -47,7 +46,7 @@ from safetensors.torch import load_file
 from fp8train.nn.fp8_all_gather import unwrap_fp8_all_gather
 from fp8train.training.checkpoint import (MANIFEST, latest_valid_checkpoint, list_checkpoints, load_model_weights,
                                           verify_checkpoint)
-from fp8train.training.rundir import write_json_atomic
+from fp8train.training.rundir import sha256_file, write_json_atomic
 
 __all__ = ["SHARDED_FORMAT", "COMPLETE_MARKER", "is_sharded_checkpoint", "save_sharded_checkpoint",
            "verify_sharded_checkpoint", "latest_valid_sharded_checkpoint", "load_sharded_checkpoint",
@@ -62,14 +61,6 @@ _MODEL, _OPTIM = "model.", "optim."  # key prefixes inside the shards
 class MissingShardError(ValueError):
     """A checkpoint marked complete lacks a shard file: not a crash leftover (that has no marker) but lost data,
     or ranks writing to disks that are not shared. Never silently skipped for an older checkpoint."""
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _distributed() -> bool:
@@ -138,7 +129,7 @@ def save_sharded_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, s
 
     flat, _, optim_sd = _flat_state(model, optimizer)
     dcp.save(flat, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
-    mine = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    mine = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
             for p in tmp.glob(f"shard-{_rank() + 1:05d}-*{_SHARD_SUFFIX}")}
     for path in tmp.glob(f"shard-{_rank() + 1:05d}-*{_SHARD_SUFFIX}"):
         with open(path, "rb") as f:
@@ -213,7 +204,7 @@ def verify_sharded_checkpoint(path: str | Path) -> str | None:
         actual = (path / name).stat().st_size
         if actual != size:
             return f"{name} is {actual} bytes, manifest says {size} (truncated?)"
-        if _sha256(path / name) != sha256:
+        if sha256_file(path / name) != sha256:
             return f"{name} checksum mismatch (corrupt)"
     return None
 
