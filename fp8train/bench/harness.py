@@ -22,6 +22,7 @@ __all__ = ["Timing", "side_by_side", "paired_ratio", "machine_info", "enable_mal
            "cpu_flags_summary"]
 
 FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+OP_NAMESPACES = ("aten::", "fp8train::")  # what count_top_level_ops counts as one dispatched op
 
 
 def cpu_model() -> str:
@@ -157,19 +158,22 @@ def paired_ratio(timing: Timing, base: Optional[Timing]) -> dict:
 
 
 def count_top_level_ops(fn: Callable) -> int:
-    """aten ops that `fn` dispatches from Python (nested ops inside another aten op not counted), by
+    """aten (and fp8train::) ops that `fn` dispatches from Python (ops nested inside another not counted), by
     torch.profiler on CPU: what a GPU would see as launches, and what costs ~5-20 us each eagerly on a CPU."""
     from torch.profiler import ProfilerActivity, profile  # the profiler is heavy to import; only this uses it
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
 
+    def is_op(event) -> bool:  # torch's ops and fp8train's own (native_cast: one op each, like an aten op)
+        return event.name.startswith(OP_NAMESPACES)
+
     def nested(event) -> bool:
         parent = event.cpu_parent
         while parent is not None:
-            if parent.name.startswith("aten::"):
+            if is_op(parent):
                 return True
             parent = parent.cpu_parent
         return False
 
-    return sum(1 for e in prof.events() if e.name.startswith("aten::") and not nested(e))
+    return sum(1 for e in prof.events() if is_op(e) and not nested(e))

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from fp8train.nn.recipes import RECIPE_NAMES
+from fp8train.numerics import native_cast
 from fp8train.numerics.kernel_probe import resolve_kernel
 
 __all__ = ["BenchOptions", "parse_shapes", "parse_list", "resolve_fp8_kernel", "log", "SECTIONS", "OPTIONAL_SECTIONS",
@@ -91,12 +92,16 @@ def parse_list(text: str, allowed: tuple, key: str) -> tuple:
 
 
 def resolve_fp8_kernel(opts: BenchOptions) -> tuple[str, str]:
-    """(quantize kernel for the linear/train sections, why): --compile on -> the per-machine probe's choice
-    (kernel_probe), off -> eager; auto -> eager for --quick on CPU (a compile costs 5-25 s there), else the probe."""
+    """(quantize kernel for the linear/train sections, why): on a CPU where the C kernel builds, native (no
+    compile; bit-exact); else --compile on -> the per-machine probe's choice (kernel_probe), off -> eager;
+    auto -> eager for --quick on CPU (a compile costs 5-25 s there), else the probe."""
+    if opts.device == "cpu" and native_cast.available():
+        return "native", "native: fp8train's C kernel (numerics/native_cast.c), built for this CPU"
+    why_native = f" (native C kernel unavailable: {native_cast.unavailable_reason()})" if opts.device == "cpu" else ""
     if opts.compile == "off":
-        return "eager", "--compile off"
+        return "eager", "--compile off" + why_native
     if opts.compile == "auto" and opts.quick and opts.device == "cpu":
-        return "eager", "auto: eager for --quick on CPU (each kernel compile costs 5-25 s here)"
+        return "eager", "auto: eager for --quick on CPU (each kernel compile costs 5-25 s here)" + why_native
     return resolve_kernel("auto", opts.device, log=log), f"--compile {opts.compile}: measured per machine (kernel_probe)"
 
 

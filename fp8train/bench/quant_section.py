@@ -1,8 +1,9 @@
 """``fp8train bench`` section quant: quantize throughput (G elements/s) per granularity, format and kernel.
 
 Contenders: a naive eager chain (amax, divide, clamp, torch's float8 cast: the reference speedups are relative
-to), fp8train's eager kernel, its compiled kernels (compile time reported apart, never inside the timing), and
-an amax-only pass (one read of the tensor: what the memory system allows).
+to), fp8train's eager kernel, its native C kernel (numerics/native_cast.c, on CPU where it builds), its compiled
+kernels (compile time reported apart, never inside the timing), and an amax-only pass (one read of the tensor:
+what the memory system allows).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from fp8train.bench.harness import paired_ratio, side_by_side
 from fp8train.bench.options import QUANT_FORMATS, QUANT_LAYOUTS, BenchOptions, log
+from fp8train.numerics import native_cast
 from fp8train.numerics.formats import get_format
 from fp8train.numerics.quant import quantize
 
@@ -56,6 +58,8 @@ def bench_quant(opts: BenchOptions, warmup: int, repeats: int) -> dict:
             return _naive_quantize(x, f, g, b)
 
         contenders = {"naive eager": naive, "fp8train eager": run("eager")}
+        if native_cast.available() and opts.device == "cpu":  # the C kernel: no compile, timed like the others
+            contenders["fp8train native"] = run("native")
         if granularity == "tensor" and fmt_name == "e4m3fn":  # what the memory system allows right now
             contenders["reference: amax only (1 read)"] = lambda: torch.amax(x)
         if opts.compile != "off" and not (opts.quick and (granularity, fmt_name) != ("tensor", "e4m3fn")):

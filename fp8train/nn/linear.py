@@ -53,7 +53,8 @@ Delayed scaling, exactly:
   from the second largest. Two outliers in the window are trusted.
 
 Execution options (same results, different speed): `layer.quantize_kernel` ('auto' or one of quant.QUANT_KERNELS;
-tensors under QUANT_KERNEL_MIN_NUMEL elements always run eagerly, where a compiled kernel does not pay) and
+default 'native': the C kernel on CPU at every size, eager elsewhere; 'auto' is native on a CPU where it builds,
+else measured; tensors under QUANT_KERNEL_MIN_NUMEL elements never run a compiled kernel, which does not pay) and
 `layer.emulated_dtype` ('auto' | 'fp32' | 'bf16', gemm.emulated_compute_dtype). `configure_execution(model, ...)`
 sets both on every Fp8Linear.
 
@@ -81,6 +82,7 @@ from fp8train.nn.gemm import EMULATED_DTYPES, Fp8Operand, emulated_compute_dtype
 from fp8train.nn.linear_function import Fp8LinearFunction, WeightFp8, to_dtype
 from fp8train.nn.recipes import ROLES, Fp8Recipe, recipe as make_recipe
 from fp8train.numerics.formats import get_format
+from fp8train.numerics import native_cast
 from fp8train.numerics.kernel_probe import KERNEL_CHOICES, resolve_kernel
 from fp8train.numerics.mx import quantize_mx
 from fp8train.numerics.quant import Fp8Tensor, compute_amax, decode_fp8, quant_error, quantize, scale_from_amax
@@ -111,7 +113,7 @@ class Fp8Linear(nn.Linear):
         self.gemm_paths: dict[str, str] = {}
         self._accumulation = None if not self.recipe.accumulator_bits else HopperAccumulation(
             self.recipe.accumulator_bits, self.recipe.accumulator_promotion)
-        self.quantize_kernel = "eager"
+        self.quantize_kernel = "native"  # the C kernel where it builds, else eager (same bytes either way)
         self.emulated_dtype = "auto"
         self._formats = {role: get_format(self.recipe.format_of(role)) for role in ROLES}
         self._init_scaling_state(self.weight.device)
@@ -198,8 +200,13 @@ class Fp8Linear(nn.Linear):
         return output if input.dim() == 2 else output.reshape(*input.shape[:-1], self.out_features)
 
     def _kernel(self, numel: int) -> str:
-        if numel < QUANT_KERNEL_MIN_NUMEL or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             return "eager"  # (a traced model inlines the math into its own graph anyway)
+        if self.quantize_kernel in ("native", "auto") and self.weight.device.type == "cpu" \
+                and native_cast.available():
+            return "native"  # no compile, no probe: at every size (quant.quantize runs eager where it cannot)
+        if self.quantize_kernel == "native" or numel < QUANT_KERNEL_MIN_NUMEL:
+            return "eager"  # (native: not built here, or not a CPU layer)
         if self.quantize_kernel == "auto":  # measured once per machine on first need, then read from a cache
             self.quantize_kernel = resolve_kernel("auto", self.weight.device)
         return self.quantize_kernel
@@ -251,14 +258,14 @@ class Fp8Linear(nn.Linear):
             return quantized  # no weight telemetry: the fp32 weight is not gathered
         kernel = self._kernel(tensor.numel())
         if r.is_delayed:
-            amax = compute_amax(tensor)
+            amax = compute_amax(tensor, kernel=kernel)
             self._record_amax(role, amax)
             # the scale is finite and > 0 by construction (_tensorwise_scale): no per-call host sync
             quantized = quantize(tensor, fmt, scale=self._tensorwise_scale(role, amax), keep_values=keep_values,
                                  validate_scale=False, kernel=kernel)
             quantized.amax = amax
         elif r.scaling == "mxfp8":
-            quantized = quantize_mx(tensor, fmt, keep_values=True)
+            quantized = quantize_mx(tensor, fmt, keep_values=True, kernel=kernel)
             nonfinite_count.add_((~torch.isfinite(quantized.amax)).any().long())
         else:
             quantized = quantize(tensor, fmt, granularity=r.granularity_of(role), block=r.block_of(role),
@@ -300,7 +307,7 @@ class Fp8Linear(nn.Linear):
         with torch.no_grad():
             tensor_t = tensor.t()
             if r.scaling == "mxfp8":
-                return quantize_mx(tensor_t, r.format_of(role))
+                return quantize_mx(tensor_t, r.format_of(role), kernel=self._kernel(tensor.numel()))
             return quantize(tensor_t, self._formats[role], granularity=r.granularity_of(role),
                             block=r.block_of(role), axis=-1, margin=r.margin, pow2=r.pow2_scales,
                             keep_values=True, kernel=self._kernel(tensor.numel()))
@@ -326,7 +333,7 @@ class Fp8Linear(nn.Linear):
         )
 
 
-def configure_execution(model: nn.Module, *, quantize_kernel: str = "eager", emulated_dtype: str = "auto") -> int:
+def configure_execution(model: nn.Module, *, quantize_kernel: str = "native", emulated_dtype: str = "auto") -> int:
     """Set how every Fp8Linear in `model` runs (not what it computes): the quantize kernel (one of
     kernel_probe.KERNEL_CHOICES; 'auto' is measured once per machine when a layer first quantizes a tensor of
     QUANT_KERNEL_MIN_NUMEL elements or more) and the emulated GEMMs' input dtype ('auto', 'fp32', 'bf16').

@@ -8,6 +8,10 @@ one-time compile, which is not timed), keeps only kernels whose bytes equal the 
 fastest median. The answer is cached in ``<cache dir>/quant_kernel.json`` keyed by machine (CPU model, flags,
 cores; or GPU name) and torch version, so later runs read it in microseconds. `resolve_kernel(kernel)` with a
 concrete kernel name returns it unchanged (the override, e.g. ``fp8.quantize_kernel: eager``).
+
+On a CPU where fp8train's C kernel builds (``native``, numerics/native_cast.py) 'auto' is ``native`` without
+measuring: it is bit-exact, needs no torch.compile, and beat every torch kernel on each CPU measured (README);
+the probe is for GPUs and for CPUs without a C compiler.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from fp8train.numerics import native_cast
 from fp8train.numerics.quant import QUANT_KERNELS, quantize
 
 __all__ = ["KERNEL_CHOICES", "resolve_kernel", "probe_kernels", "machine_key", "default_cache_path"]
@@ -65,6 +70,8 @@ def resolve_kernel(kernel: str, device: torch.device | str = "cpu", cache_path: 
     if kernel != "auto":
         return kernel
     device = torch.device(device)
+    if device.type == "cpu" and native_cast.available():
+        return "native"  # bit-exact, no compile, and faster than every torch kernel on the CPUs measured
     path = Path(cache_path) if cache_path is not None else default_cache_path()
     key = machine_key(device)
     if (key, str(path)) in _resolved:
@@ -91,6 +98,9 @@ def probe_kernels(device: torch.device | str = "cpu", numel: int = PROBE_NUMEL, 
     reference = quantize(x, "e4m3fn", keep_values=True, kernel="eager")
     speeds: dict[str, float | None] = {}
     for kernel in QUANT_KERNELS:
+        if kernel == "native" and not (device.type == "cpu" and native_cast.available()):
+            speeds[kernel] = None  # it would run the eager kernel: not a candidate of its own
+            continue
         try:
             q = quantize(x, "e4m3fn", keep_values=True, kernel=kernel)  # compiles here, untimed
             exact = torch.equal(q.data.view(torch.uint8), reference.data.view(torch.uint8)) \

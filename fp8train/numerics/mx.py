@@ -21,8 +21,9 @@ import math
 
 import torch
 
+from fp8train.numerics import native_cast
 from fp8train.numerics.formats import get_format
-from fp8train.numerics.quant import Fp8Tensor, compute_amax, quantize
+from fp8train.numerics.quant import Fp8Tensor, native_quantize, compute_amax, quantize
 
 __all__ = ["MX_BLOCK_SIZE", "E8M0_BIAS", "mx_scale_from_amax", "e8m0_codes", "quantize_mx"]
 
@@ -55,9 +56,15 @@ def e8m0_codes(scale: torch.Tensor) -> torch.Tensor:
     return (exponent - 1 + E8M0_BIAS).to(torch.uint8)
 
 
-def quantize_mx(x: torch.Tensor, fmt="e4m3fn", *, keep_values: bool = False) -> Fp8Tensor:
-    """MX-quantize the last dim of a 2-D `x` in blocks of 32 (a ragged last block is padded for its amax)."""
+def quantize_mx(x: torch.Tensor, fmt="e4m3fn", *, keep_values: bool = False, kernel: str = "eager") -> Fp8Tensor:
+    """MX-quantize the last dim of a 2-D `x` in blocks of 32 (a ragged last block is padded for its amax).
+    ``kernel='native'``: amax, the MX scale rule and the cast in the C kernel (same bytes), where it takes x."""
     block = (1, MX_BLOCK_SIZE)
+    if kernel == "native" and x.dim() == 2 and x.numel():
+        native = native_quantize(x, get_format(fmt), "block", 1, MX_BLOCK_SIZE, -1, 0, False, True, None,
+                                  keep_values, rule=native_cast.RULE_MX)
+        if native is not None:
+            return native
     amax = compute_amax(x, "block", block)
     scale = mx_scale_from_amax(amax, fmt)
     # Elements are clamped to +-max (saturate=True): the spec's rule for values that scale past max normal.

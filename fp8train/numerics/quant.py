@@ -20,6 +20,9 @@ Kernels (``kernel=``, all bit-identical, each checked against ml_dtypes by the t
   fused into a couple of passes. Fast where inductor vectorizes the float8 cast (avx512 CPUs, GPUs).
 - ``compiled_select``: torch.compile of a cast written with compare-and-select arithmetic (``_round_and_encode``),
   for CPUs where the compiled float8 cast stays a scalar routine.
+- ``native``: fp8train's C kernel (``fp8train.numerics.native_cast``, built with the system C compiler on first
+  use): amax, scale and cast in one op and one pass per tile row, for fp32/bf16 CPU tensors (contiguous or a
+  transposed 2-D view); anything else, or a machine where it does not build, runs ``eager`` (same bytes).
 Which one is fastest differs per machine: ``fp8train.numerics.kernel_probe`` measures them once and caches the
 answer per machine and torch version (``kernel="auto"`` in Fp8Linear and the config key ``fp8.quantize_kernel``).
 Inside a region that torch.compile is already tracing (``train.compile``), the chosen math is traced inline.
@@ -35,17 +38,18 @@ from typing import Optional
 import torch
 import torch._dynamo
 
+from fp8train.numerics import native_cast
 from fp8train.numerics.formats import FORMATS, Fp8Format, get_format
-from fp8train.numerics.scaling import (GRANULARITIES, _amax, _as_blocks, _check_amax_range,
+from fp8train.numerics.scaling import (_CAPS, GRANULARITIES, _amax, _as_blocks, _check_amax_range, _fp32_exact,
                                        _check_input, _check_layout, _check_margin, _compact, _scale, _scale_shape,
                                        compute_amax, expand_scale, max_scale, scale_from_amax, scale_rule)
 
 __all__ = [
     "Fp8Tensor", "quantize", "compute_amax", "scale_from_amax", "expand_scale", "cast_to_fp8", "decode_fp8",
-    "quant_error", "convert_dialect", "GRANULARITIES", "QUANT_KERNELS", "max_scale", "scale_rule",
+    "quant_error", "convert_dialect", "GRANULARITIES", "QUANT_KERNELS", "max_scale", "scale_rule", "native_quantize",
 ]
 
-QUANT_KERNELS = ("eager", "compiled_cast", "compiled_select")
+QUANT_KERNELS = ("eager", "compiled_cast", "compiled_select", "native")
 
 
 
@@ -262,7 +266,10 @@ def decode_fp8(data: torch.Tensor, fmt=None, kernel: str = "eager") -> torch.Ten
     the bytes with integer ops (torch's own float8 -> fp32 cast is a slow scalar routine on CPU)."""
     fmt = get_format(fmt) if fmt is not None else _format_of(data.dtype)
     _check_kernel(kernel)
-    if kernel == "eager" or data.numel() == 0:
+    if kernel == "native" and not torch.compiler.is_compiling() and native_cast.decodable(data, torch.float32) \
+            and native_cast.available():  # a 256-entry table, vectorized
+        return native_cast.decode(data, fmt.name, torch.float32)
+    if kernel in ("eager", "native") or data.numel() == 0:
         return (data if data.dtype == fmt.torch_dtype else data.view(fmt.torch_dtype)).float()
     return _run(_decode_impl, fmt.name, data, fmt, compiled=True)
 
@@ -307,6 +314,12 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
         return _quantize_empty(x, fmt, granularity, br, bc, axis, scale, keep_values)
     if scale is None and x.dtype == torch.float64:
         _check_amax_range(x.detach().abs().amax(), fmt, margin)
+    if kernel == "native":
+        native = native_quantize(x, fmt, granularity, br, bc, axis, margin, bool(pow2), saturate, scale,
+                                 keep_values)
+        if native is not None:
+            return native
+        kernel = "eager"  # not a case the C kernel takes: the same bytes eagerly
     key = (fmt.name, granularity, br, bc, axis, margin, bool(pow2), bool(saturate), scale is None,
            bool(keep_values), kernel)
     with torch.no_grad():  # not x.detach(): one dispatched op less per call
@@ -318,6 +331,26 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
         grid = _untile(grid, x.shape, br, bc) if grid is not None else None
     data = data if data.dtype == fmt.torch_dtype else data.view(fmt.torch_dtype)
     return Fp8Tensor(data, scale, fmt, granularity, (br, bc), axis, amax, grid)
+
+
+def native_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, margin: int, pow2: bool,
+                    saturate: bool, scale, keep_values: bool, rule: int = native_cast.RULE_AMAX):
+    """quantize() through the C kernel (one op), or None where it does not apply. The scale rule's constants
+    are scaling.scale_rule's: the divisor fmt.max * 2**-margin, the cap, and whether the division is its fp32
+    one (tests/test_native_cast.py checks the scales bit for bit against the eager rule and a reference)."""
+    br, bc = native_cast.capped_block(x, br, bc)
+    lay = native_cast.usable_layout(x, granularity, br, bc, axis)
+    if lay is None or (scale is not None and tuple(scale.shape) != lay.scale_shape
+                       and not (granularity == "tensor" and scale.numel() == 1 and scale.dim() <= 1 <= x.dim())):
+        return None
+    divisor = fmt.max * 2.0 ** -margin
+    fp32_divide = not pow2 and _fp32_exact(divisor) and divisor >= 1
+    options = native_cast.CastOptions(fmt.name, granularity, br, bc, axis, rule, divisor, _CAPS[(fmt.name, pow2)],
+                                      pow2, fp32_divide, math.frexp(fmt.max)[1] - 1, bool(saturate),
+                                      bool(keep_values))
+    data, scale_out, amax, values = native_cast.quantize(x, scale, options)
+    return Fp8Tensor(data, scale if scale is not None else scale_out, fmt, granularity, (br, bc), axis,
+                     None if scale is not None else amax, values if keep_values else None)
 
 
 def _quantize_empty(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, scale, keep_values: bool):

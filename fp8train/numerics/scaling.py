@@ -17,6 +17,7 @@ import struct
 import torch
 import torch.nn.functional as F
 
+from fp8train.numerics import native_cast
 from fp8train.numerics.formats import FORMATS, Fp8Format, get_format
 
 __all__ = ["GRANULARITIES", "compute_amax", "scale_from_amax", "expand_scale", "max_scale", "scale_rule"]
@@ -157,12 +158,15 @@ def _check_amax_range(amax: torch.Tensor, fmt: Fp8Format, margin: int) -> None:
                          f"{max_scale(fmt.max, False):.3g}); rescale x first")
 
 
-def compute_amax(x, granularity: str = "tensor", block=(1, 128), axis: int = -1) -> torch.Tensor:
-    """max |x| per tensor, row or block (fp32, shaped like the scale). NaN propagates into the amax."""
+def compute_amax(x, granularity: str = "tensor", block=(1, 128), axis: int = -1, kernel: str = "eager"):
+    """max |x| per tensor, row or block (fp32, shaped like the scale). NaN propagates into the amax.
+    ``kernel='native'`` reduces in one pass of the C kernel (native_cast) where it takes x: the same values."""
     _check_input(x)
     br, bc = _check_layout(granularity, block, axis, x.dim())
     if x.numel() == 0:
         return torch.zeros(_scale_shape(x.shape, granularity, br, bc, axis), device=x.device)
+    if kernel == "native" and native_cast.usable_layout(x, granularity, br, bc, axis) is not None:
+        return native_cast.compute_amax(x, granularity, *native_cast.capped_block(x, br, bc), axis)
     with torch.no_grad():  # not x.detach(): that is one more dispatched op per call on the hot path
         x = _as_blocks(x, br, bc) if granularity == "block" else x
         amax = _amax(x, granularity, axis)

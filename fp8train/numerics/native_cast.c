@@ -1,0 +1,563 @@
+/* fp8train native cast: amax, the scale rule and the fp32/bf16 -> FP8 cast, and the FP8 -> fp32/bf16 decode.
+ *
+ * Built by fp8train/numerics/native_cast.py with the system C compiler (-O3 -march=native) on first use and
+ * loaded with ctypes; the Python side passes raw pointers of contiguous CPU tensors. Every byte must equal
+ * fp8train's eager quantize (torch ops one by one), which the tests check against ml_dtypes, so this file only
+ * restates that chain in a form gcc vectorizes (no branches in the element loops):
+ *
+ *   amax  = max |x| over a tile, NaN propagating: on the IEEE bit patterns with the sign cleared, unsigned integer
+ *           order is float order with every NaN above inf, so an integer max finds a NaN if there is one.
+ *   scale = the documented rule (quant.scale_rule, or the OCP MX rule), computed per tile in scalar code.
+ *   y     = x / scale in fp32 (a true IEEE division, like torch's div; bf16 inputs are widened exactly first).
+ *   code  = round-to-nearest-even of clamp(y, -max, max) onto the FP8 grid, in the integer domain: in the normal
+ *           range, adding 2^(22-m) - 1 plus the lowest kept mantissa bit to the fp32 bits and shifting right by
+ *           23 - m rounds the mantissa to m bits (a carry moves into the exponent, as it should); below the FP8
+ *           format's smallest normal, adding 2^(emin - m + 23) in fp32 makes the FPU round |y| to a multiple of
+ *           the FP8 subnormal spacing, and the low bits of the sum are that multiple.
+ *   NaN keeps its sign (OCP) or becomes 0x80 (FNUZ); without saturation values past max + half the top spacing
+ *   (ties to even at exactly that point) become inf (e5m2) or NaN.
+ * The tile is given in memory coordinates of a row-major (rows, cols) matrix, batch of `batch` such matrices:
+ * (rows, cols) for per-tensor, (1, cols) per row, (rows, 1) per column, (br, bc) blocks.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SPECIAL_IEEE 0 /* e5m2: inf and NaN at the all-ones exponent */
+#define SPECIAL_FN 1   /* e4m3fn: only S.1111.111 is NaN */
+#define SPECIAL_FNUZ 2 /* no inf, no -0: 0x80 is the NaN */
+
+#define RULE_GIVEN 0   /* scales given per tile */
+#define RULE_AMAX 1    /* scale = amax / (max * 2^-margin), optional power-of-two rounding, capped */
+#define RULE_MX 2      /* scale = 2^(floor(log2 amax) - emax), E8M0 range */
+
+typedef struct {
+    int32_t mantissa_bits, bias, special, saturate, max_is_even;
+    int32_t rule, pow2, fp32_divide, mx_emax;
+    uint32_t max_bits, limit_bits; /* fp32 bits of fmt.max and of max + step_at_max / 2 */
+    double divisor, cap, tiny;     /* fmt.max * 2^-margin, max_scale(fmt.max, pow2), 2^-126 */
+    float lut[256];                /* FP8 code -> fp32 value (torch's own decode, NaN payloads included) */
+} fp8_params;
+
+typedef struct {
+    const fp8_params *p;
+    const void *x;
+    int32_t x_bf16;
+    int64_t batch, rows, cols, tile_r, tile_c;
+    const float *scale_in;
+    uint8_t *data;
+    float *scale_out, *amax_out, *values;
+    int32_t nthreads;
+    /* single tile row mode: phase 0 amax, phase 1 cast */
+    int32_t phase;
+    uint32_t *partial_amax; /* nthreads x tiles per band */
+    float *band_scale;      /* tiles per band */
+} job_t;
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* ---- amax ---------------------------------------------------------------------------------------------- */
+static uint32_t absmax_f32(const float *x, int64_t n) {
+    const uint32_t *u = (const uint32_t *)x;
+    uint32_t m = 0;
+    for (int64_t i = 0; i < n; i++) { uint32_t a = u[i] & 0x7FFFFFFFu; m = a > m ? a : m; }
+    return m;
+}
+
+static uint32_t absmax_bf16(const uint16_t *x, int64_t n) {
+    uint32_t m = 0;
+    for (int64_t i = 0; i < n; i++) { uint32_t a = ((uint32_t)x[i] << 16) & 0x7FFFFFFFu; m = a > m ? a : m; }
+    return m;
+}
+
+static void colmax_f32(const float *x, int64_t n, uint32_t *acc) {
+    const uint32_t *u = (const uint32_t *)x;
+    for (int64_t i = 0; i < n; i++) { uint32_t a = u[i] & 0x7FFFFFFFu; acc[i] = a > acc[i] ? a : acc[i]; }
+}
+
+static void colmax_bf16(const uint16_t *x, int64_t n, uint32_t *acc) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t a = ((uint32_t)x[i] << 16) & 0x7FFFFFFFu;
+        acc[i] = a > acc[i] ? a : acc[i];
+    }
+}
+
+static uint32_t absmax_any(const job_t *j, int64_t offset, int64_t n) {
+    return j->x_bf16 ? absmax_bf16((const uint16_t *)j->x + offset, n) : absmax_f32((const float *)j->x + offset, n);
+}
+
+/* Tile amaxes (abs bits) of rows [r0, r1) of matrix b, for every tile column; `work` holds cols uint32. */
+static void rows_amax(const job_t *j, int64_t b, int64_t r0, int64_t r1, uint32_t *tile_amax, uint32_t *work) {
+    const int64_t cols = j->cols, tc = j->tile_c, ntc = (cols + tc - 1) / tc;
+    const int64_t base = b * j->rows * cols;
+    for (int64_t t = 0; t < ntc; t++) tile_amax[t] = 0;
+    if (tc >= cols || r1 - r0 == 1) { /* reduce each row segment straight away */
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t t = 0; t < ntc; t++) {
+                int64_t c0 = t * tc, n = (c0 + tc < cols ? tc : cols - c0);
+                uint32_t m = absmax_any(j, base + r * cols + c0, n);
+                tile_amax[t] = m > tile_amax[t] ? m : tile_amax[t];
+            }
+        return;
+    }
+    memset(work, 0, (size_t)cols * 4); /* column maxima over the rows, then per tile column */
+    for (int64_t r = r0; r < r1; r++) {
+        if (j->x_bf16) colmax_bf16((const uint16_t *)j->x + base + r * cols, cols, work);
+        else colmax_f32((const float *)j->x + base + r * cols, cols, work);
+    }
+    for (int64_t t = 0; t < ntc; t++) {
+        int64_t c0 = t * tc, n = (c0 + tc < cols ? tc : cols - c0);
+        uint32_t m = 0;
+        for (int64_t c = 0; c < n; c++) m = work[c0 + c] > m ? work[c0 + c] : m;
+        tile_amax[t] = m;
+    }
+}
+
+/* ---- scale rules (scalar, once per tile) ---------------------------------------------------------------- */
+static float rule_scale(const fp8_params *p, float amax) {
+    if (p->rule == RULE_MX) {
+        if (!(isfinite(amax) && amax > 0.0f)) return 1.0f;
+        int e;
+        frexpf(amax, &e); /* amax = f * 2^e, f in [0.5, 1): floor(log2 amax) = e - 1 */
+        int shared = e - 1 - p->mx_emax;
+        shared = shared < -127 ? -127 : shared > 127 ? 127 : shared;
+        return (float)ldexp(1.0, shared);
+    }
+    if (p->fp32_divide) { /* quant.scale_rule's fp32 branch: one correctly rounded fp32 division */
+        float s = amax / (float)p->divisor;
+        if (!(amax > 0.0f)) s = 1.0f;
+        if (isinf(s)) s = 1.0f;
+        s = s < (float)p->tiny ? (float)p->tiny : s;
+        return s > (float)p->cap ? (float)p->cap : s;
+    }
+    double s = (double)amax / p->divisor;
+    if (p->pow2 && isfinite(s) && s > 0.0) { /* round UP to a power of two (exactly: frexp, not log2) */
+        int e;
+        double f = frexp(s, &e);
+        s = ldexp(1.0, f == 0.5 ? e - 1 : e);
+    }
+    if (!(amax > 0.0f)) s = 1.0;
+    if (isinf(s)) s = 1.0;
+    s = s < p->tiny ? p->tiny : s;
+    s = s > p->cap ? p->cap : s;
+    return (float)s;
+}
+
+/* ---- the cast ------------------------------------------------------------------------------------------- */
+/* The cast's constants as plain values: the loops keep a local copy (uint8 stores may alias any pointer, so
+ * constants read through one would be reloaded after every store, and the loop would not vectorize). The three
+ * special-value conventions are constants too (no branch on the format inside the loop):
+ *                   NaN code            overflow code (not saturating)   sign of a value that rounds to 0
+ *   ieee (e5m2)     0x7F | sign         0x7C | sign (+-inf)              kept (-0)
+ *   fn (e4m3fn)     0x7F | sign         0x7F (eager makes it a +NaN)     kept (-0)
+ *   fnuz            0x80                0x80                             dropped (0x80 is the NaN)
+ * (ieee and fn share one loop: they differ only in the overflow code, a constant.) */
+typedef struct {
+    uint32_t shift, round_half, rebias, min_normal_bits, max_bits, overflow_from;
+    uint32_t overflow_code, overflow_sign;
+    float magic;
+    /* fp32 values of the NaN and overflow codes, + and - (from the decode table: torch's NaN payloads) */
+    float nan_value[2], overflow_value[2];
+} enc_t;
+
+static enc_t enc_of(const fp8_params *p) {
+    const int32_t m = p->mantissa_bits;
+    enc_t e;
+    e.shift = (uint32_t)(23 - m);
+    e.round_half = (1u << (22 - m)) - 1u;
+    e.rebias = (uint32_t)(127 - p->bias) << m;
+    e.min_normal_bits = (uint32_t)(127 + 1 - p->bias) << 23;
+    e.max_bits = p->max_bits;
+    /* |y| bits at or above this overflow; exactly at max + half a step is a tie: it goes to even, which is
+     * down to max when max's last mantissa bit is 0 */
+    e.overflow_from = p->saturate ? 0xFFFFFFFFu : p->limit_bits + (p->max_is_even ? 1u : 0u);
+    e.overflow_code = p->special == SPECIAL_FNUZ ? 0x80u : p->special == SPECIAL_FN ? 0x7Fu : 0x7Cu;
+    e.overflow_sign = p->special == SPECIAL_IEEE ? 0x80u : 0u;
+    e.magic = u2f((uint32_t)(127 + 1 - p->bias - m + 23) << 23); /* 2^(emin - m + 23): ulp = subnormal step */
+    const uint32_t nan_code = p->special == SPECIAL_FNUZ ? 0x80u : 0x7Fu;
+    const uint32_t nan_sign = p->special == SPECIAL_FNUZ ? 0u : 0x80u;
+    e.nan_value[0] = p->lut[nan_code];
+    e.nan_value[1] = p->lut[nan_code | nan_sign];
+    e.overflow_value[0] = p->lut[e.overflow_code];
+    e.overflow_value[1] = p->lut[e.overflow_code | e.overflow_sign];
+    return e;
+}
+
+/* One fp32 value y (already x / scale) -> FP8 code. Branch-free, so the loop vectorizes; `saturate` and `kind`
+ * are compile-time constants at every call (one specialized loop each: fewer live vectors, no spills). */
+static inline uint32_t select_u32(uint32_t cond, uint32_t a, uint32_t b) { /* cond ? a : b, cond 0 or 1 */
+    const uint32_t mask = 0u - cond; /* gcc if-converts this; some ternaries here it would not */
+    return (a & mask) | (b & ~mask);
+}
+
+static inline __attribute__((always_inline)) uint32_t encode(const enc_t *e, float y, const int saturate,
+                                                              const int kind) {
+    const uint32_t u = f2u(y), sign_byte = (u >> 24) & 0x80u, a = u & 0x7FFFFFFFu;
+    const uint32_t is_nan = a > 0x7F800000u;
+    const uint32_t clamped = a < e->max_bits ? a : e->max_bits;
+    /* normal range: round the fp32 mantissa to m bits (ties to even), then rebias the exponent */
+    const uint32_t rounded = (clamped + e->round_half + ((clamped >> e->shift) & 1u)) >> e->shift;
+    const uint32_t normal_code = rounded - e->rebias;
+    /* below the smallest normal: the FPU's addition rounds to the subnormal spacing */
+    const uint32_t sub_code = f2u(u2f(clamped) + e->magic) - f2u(e->magic);
+    const uint32_t magnitude = select_u32(clamped < e->min_normal_bits, sub_code, normal_code);
+    uint32_t code;
+    if (kind == SPECIAL_FNUZ) {
+        code = magnitude | (sign_byte & (0u - (uint32_t)(magnitude != 0)));
+        code = select_u32(is_nan, 0x80u, code);
+    } else {
+        code = magnitude | sign_byte;
+        code = select_u32(is_nan, 0x7Fu | sign_byte, code);
+    }
+    if (!saturate) {
+        const uint32_t overflow = (a >= e->overflow_from) & !is_nan;
+        code = select_u32(overflow, e->overflow_code | (sign_byte & e->overflow_sign), code);
+    }
+    return code;
+}
+
+static inline __attribute__((always_inline)) void encode_loop(const enc_t *e_in, const float *y, int64_t n,
+                                                               uint8_t *out, const int saturate, const int kind) {
+    const enc_t e = *e_in; /* a local copy: the byte stores below cannot alias it */
+    for (int64_t i = 0; i < n; i++) out[i] = (uint8_t)encode(&e, y[i], saturate, kind);
+}
+
+static void encode_chunk(const enc_t *e, int32_t saturate, int32_t kind, const float *y, int64_t n, uint8_t *out) {
+    if (kind == SPECIAL_FNUZ) {
+        if (saturate) encode_loop(e, y, n, out, 1, SPECIAL_FNUZ);
+        else encode_loop(e, y, n, out, 0, SPECIAL_FNUZ);
+    } else {
+        if (saturate) encode_loop(e, y, n, out, 1, SPECIAL_FN);
+        else encode_loop(e, y, n, out, 0, SPECIAL_FN);
+    }
+}
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* The same encode, 8 lanes at a time with AVX2 intrinsics (gcc's own vectorization of `encode` spills and
+ * converts masks back and forth: half the speed). Also gives the FP8 values: for a normal result the rounded
+ * fp32 bits are `rounded << shift`, for a subnormal one the sum minus the magic constant, for NaN/overflow the
+ * table's values. */
+typedef struct {
+    __m256i abs_mask, max_bits, round_half, one, rebias, min_normal, magic_bits, inf_bits, x80, x7f;
+    __m256i overflow_below, overflow_code, overflow_sign, zero;
+    __m256 magic, nan_pos, nan_neg, overflow_pos, overflow_neg;
+    __m128i shift;
+} venc_t;
+
+static venc_t venc_of(const enc_t *e) {
+    venc_t v;
+    v.abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    v.max_bits = _mm256_set1_epi32((int)e->max_bits);
+    v.round_half = _mm256_set1_epi32((int)e->round_half);
+    v.one = _mm256_set1_epi32(1);
+    v.rebias = _mm256_set1_epi32((int)e->rebias);
+    v.min_normal = _mm256_set1_epi32((int)e->min_normal_bits);
+    v.magic_bits = _mm256_set1_epi32((int)f2u(e->magic));
+    v.inf_bits = _mm256_set1_epi32(0x7F800000);
+    v.x80 = _mm256_set1_epi32(0x80);
+    v.x7f = _mm256_set1_epi32(0x7F);
+    /* a >= overflow_from as a signed a > overflow_from - 1 (every |y| bit pattern is below 2^31) */
+    v.overflow_below = _mm256_set1_epi32((int)(e->overflow_from > 0x7FFFFFFFu ? 0x7FFFFFFFu : e->overflow_from - 1));
+    v.overflow_code = _mm256_set1_epi32((int)e->overflow_code);
+    v.overflow_sign = _mm256_set1_epi32((int)e->overflow_sign);
+    v.zero = _mm256_setzero_si256();
+    v.magic = _mm256_set1_ps(e->magic);
+    v.nan_pos = _mm256_set1_ps(e->nan_value[0]);
+    v.nan_neg = _mm256_set1_ps(e->nan_value[1]);
+    v.overflow_pos = _mm256_set1_ps(e->overflow_value[0]);
+    v.overflow_neg = _mm256_set1_ps(e->overflow_value[1]);
+    v.shift = _mm_cvtsi32_si128((int)e->shift);
+    return v;
+}
+
+static inline __attribute__((always_inline)) __m256i vencode(const venc_t *v, __m256 y, float *values,
+                                                              const int saturate, const int fnuz) {
+    const __m256i u = _mm256_castps_si256(y);
+    const __m256i a = _mm256_and_si256(u, v->abs_mask);
+    const __m256i sign32 = _mm256_andnot_si256(v->abs_mask, u);
+    const __m256i sign_byte = _mm256_srli_epi32(sign32, 24);
+    const __m256i clamped = _mm256_min_epu32(a, v->max_bits);
+    const __m256i low_bit = _mm256_and_si256(_mm256_srl_epi32(clamped, v->shift), v->one);
+    const __m256i rounded = _mm256_srl_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(clamped, v->round_half), low_bit), v->shift);
+    const __m256i normal_code = _mm256_sub_epi32(rounded, v->rebias);
+    const __m256 sum = _mm256_add_ps(_mm256_castsi256_ps(clamped), v->magic);
+    const __m256i sub_code = _mm256_sub_epi32(_mm256_castps_si256(sum), v->magic_bits);
+    const __m256i is_sub = _mm256_cmpgt_epi32(v->min_normal, clamped);
+    const __m256i magnitude = _mm256_blendv_epi8(normal_code, sub_code, is_sub);
+    const __m256i is_nan = _mm256_cmpgt_epi32(a, v->inf_bits);
+    /* FNUZ has no -0: the sign goes only on a nonzero magnitude */
+    const __m256i sign_kept = fnuz ? _mm256_andnot_si256(_mm256_cmpeq_epi32(magnitude, v->zero), sign32) : sign32;
+    __m256i code = _mm256_or_si256(magnitude, _mm256_srli_epi32(sign_kept, 24));
+    code = _mm256_blendv_epi8(code, fnuz ? v->x80 : _mm256_or_si256(v->x7f, sign_byte), is_nan);
+    __m256i overflow = v->zero;
+    if (!saturate) {
+        overflow = _mm256_andnot_si256(is_nan, _mm256_cmpgt_epi32(a, v->overflow_below));
+        code = _mm256_blendv_epi8(code, _mm256_or_si256(v->overflow_code, _mm256_and_si256(sign_byte,
+                                                                                      v->overflow_sign)), overflow);
+    }
+    if (values) {
+        const __m256 normal_value = _mm256_castsi256_ps(_mm256_sll_epi32(rounded, v->shift));
+        const __m256 sub_value = _mm256_sub_ps(sum, v->magic);
+        __m256 value = _mm256_blendv_ps(normal_value, sub_value, _mm256_castsi256_ps(is_sub));
+        value = _mm256_or_ps(value, _mm256_castsi256_ps(sign_kept));
+        value = _mm256_blendv_ps(value, fnuz ? v->nan_pos : _mm256_blendv_ps(v->nan_pos, v->nan_neg, y),
+                                 _mm256_castsi256_ps(is_nan));
+        if (!saturate)
+            value = _mm256_blendv_ps(value, _mm256_blendv_ps(v->overflow_pos, v->overflow_neg, y),
+                                     _mm256_castsi256_ps(overflow));
+        _mm256_storeu_ps(values, value);
+    }
+    return code;
+}
+
+/* 32 values per step -> 32 bytes: two saturating packs (codes are 0..255) and a lane fix-up. */
+static inline __attribute__((always_inline)) int64_t vencode_loop(const enc_t *e, const float *y, int64_t n,
+                                                                   uint8_t *out, float *values,
+                                                                   const int saturate, const int fnuz) {
+    const venc_t v = venc_of(e);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        float *vals = values ? values + i : NULL;
+        const __m256i c0 = vencode(&v, _mm256_loadu_ps(y + i), vals, saturate, fnuz);
+        const __m256i c1 = vencode(&v, _mm256_loadu_ps(y + i + 8), vals ? vals + 8 : NULL, saturate, fnuz);
+        const __m256i c2 = vencode(&v, _mm256_loadu_ps(y + i + 16), vals ? vals + 16 : NULL, saturate, fnuz);
+        const __m256i c3 = vencode(&v, _mm256_loadu_ps(y + i + 24), vals ? vals + 24 : NULL, saturate, fnuz);
+        const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+        _mm256_storeu_si256((__m256i *)(out + i), _mm256_permutevar8x32_epi32(bytes, order));
+    }
+    return i; /* the caller encodes the tail */
+}
+
+static int64_t encode_chunk_avx2(const enc_t *e, int32_t saturate, int32_t kind, const float *y, int64_t n,
+                                 uint8_t *out, float *values) {
+    const int fnuz = kind == SPECIAL_FNUZ;
+    if (saturate) return fnuz ? vencode_loop(e, y, n, out, values, 1, 1) : vencode_loop(e, y, n, out, values, 1, 0);
+    return fnuz ? vencode_loop(e, y, n, out, values, 0, 1) : vencode_loop(e, y, n, out, values, 0, 0);
+}
+#endif
+
+#define CHUNK 512
+
+/* y = x / scale for one chunk (one scale, or one per column); bf16 is widened exactly first. */
+static void divide_chunk(const void *x, int32_t x_bf16, int64_t offset, int64_t n, const float *col_scale,
+                         float scale, float *y) {
+    if (x_bf16) {
+        const uint16_t *xb = (const uint16_t *)x + offset;
+        if (col_scale) for (int64_t i = 0; i < n; i++) y[i] = u2f((uint32_t)xb[i] << 16) / col_scale[i];
+        else for (int64_t i = 0; i < n; i++) y[i] = u2f((uint32_t)xb[i] << 16) / scale;
+    } else {
+        const float *xf = (const float *)x + offset;
+        if (col_scale) for (int64_t i = 0; i < n; i++) y[i] = xf[i] / col_scale[i];
+        else for (int64_t i = 0; i < n; i++) y[i] = xf[i] / scale;
+    }
+}
+
+/* Row segment [offset, offset + n): x / scale (one scale, or one per column), cast, values. */
+static void cast_segment(const job_t *j, int64_t offset, int64_t n, const float *col_scale, float scale) {
+    const enc_t e = enc_of(j->p);
+    const int32_t saturate = j->p->saturate, kind = j->p->special;
+    const float *lut = j->p->lut;
+    float y[CHUNK];
+    for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+        const int64_t len = n - c0 < CHUNK ? n - c0 : CHUNK;
+        uint8_t *o = j->data + offset + c0;
+        divide_chunk(j->x, j->x_bf16, offset + c0, len, col_scale ? col_scale + c0 : NULL, scale, y);
+        float *v = j->values ? j->values + offset + c0 : NULL;
+        int64_t done = 0;
+#if defined(__AVX2__)
+        done = encode_chunk_avx2(&e, saturate, kind, y, len, o, v);
+#endif
+        encode_chunk(&e, saturate, kind, y + done, len - done, o + done);
+        if (v) /* the values of the tail (all of them without AVX2), while the codes are in L1 */
+            for (int64_t i = done; i < len; i++) v[i] = lut[o[i]];
+    }
+}
+
+/* Cast rows [r0, r1) of matrix b, whose tile row has scales `tile_scale` (one per tile column). */
+static void cast_rows(const job_t *j, int64_t b, int64_t r0, int64_t r1, const float *tile_scale, float *col_scale,
+                      int backward) {
+    const int64_t cols = j->cols, tc = j->tile_c, ntc = (cols + tc - 1) / tc;
+    const int64_t base = b * j->rows * cols;
+    const int per_column = tc < 16 && ntc > 1; /* short tiles: expand to one scale per column, one loop */
+    if (per_column)
+        for (int64_t c = 0; c < cols; c++) col_scale[c] = tile_scale[c / tc];
+    for (int64_t k = r0; k < r1; k++) {
+        const int64_t r = backward ? r0 + r1 - 1 - k : k;
+        if (per_column) {
+            cast_segment(j, base + r * cols, cols, col_scale, 0.0f);
+            continue;
+        }
+        for (int64_t t = 0; t < ntc; t++) {
+            int64_t c0 = t * tc, n = (c0 + tc < cols ? tc : cols - c0);
+            cast_segment(j, base + r * cols + c0, n, NULL, tile_scale[t]);
+        }
+    }
+}
+
+/* Scales (and amax) of one tile row from its tile amax bits; writes the outputs at grid row `grid_row`. */
+static void tile_row_scales(const job_t *j, int64_t grid_row, const uint32_t *tile_amax, float *scale_row) {
+    const int64_t ntc = (j->cols + j->tile_c - 1) / j->tile_c;
+    for (int64_t t = 0; t < ntc; t++) {
+        float amax = tile_amax[t] > 0x7F800000u ? NAN : u2f(tile_amax[t]);
+        float s = j->p->rule != RULE_GIVEN ? rule_scale(j->p, amax) : j->scale_in ? j->scale_in[grid_row * ntc + t] : 1.0f;
+        scale_row[t] = s;
+        if (j->scale_out) j->scale_out[grid_row * ntc + t] = s;
+        if (j->amax_out) j->amax_out[grid_row * ntc + t] = amax;
+    }
+}
+
+/* ---- threads -------------------------------------------------------------------------------------------- */
+typedef struct { job_t *job; int32_t id; } worker_t;
+
+static int64_t ntile_rows(const job_t *j) { return (j->rows + j->tile_r - 1) / j->tile_r; }
+
+/* Many tile rows: each thread takes a contiguous range of them, amax + scales + cast per tile row while its
+ * rows are still in cache. */
+static void *band_worker(void *arg) {
+    worker_t *w = (worker_t *)arg;
+    job_t *j = w->job;
+    const int64_t ntr = ntile_rows(j), ntc = (j->cols + j->tile_c - 1) / j->tile_c, nbands = j->batch * ntr;
+    const int64_t lo = nbands * w->id / j->nthreads, hi = nbands * (w->id + 1) / j->nthreads;
+    uint32_t *tile_amax = malloc((size_t)ntc * 4);
+    float *tile_scale = malloc((size_t)ntc * 4);
+    uint32_t *work = malloc((size_t)j->cols * 4);
+    for (int64_t band = lo; band < hi; band++) {
+        const int64_t b = band / ntr, r0 = (band % ntr) * j->tile_r;
+        const int64_t r1 = r0 + j->tile_r < j->rows ? r0 + j->tile_r : j->rows;
+        if (j->p->rule != RULE_GIVEN || j->amax_out) rows_amax(j, b, r0, r1, tile_amax, work);
+        tile_row_scales(j, band, tile_amax, tile_scale);
+        if (j->data) cast_rows(j, b, r0, r1, tile_scale, (float *)work, 0);
+    }
+    free(tile_amax); free(tile_scale); free(work);
+    return NULL;
+}
+
+/* One tile row (per tensor, per column): the threads split its rows for the amax (phase 0), the scales are
+ * made from the combined amaxes, then the threads split the rows again for the cast (phase 1). */
+static void *single_band_worker(void *arg) {
+    worker_t *w = (worker_t *)arg;
+    job_t *j = w->job;
+    const int64_t ntc = (j->cols + j->tile_c - 1) / j->tile_c;
+    const int64_t lo = j->rows * w->id / j->nthreads, hi = j->rows * (w->id + 1) / j->nthreads;
+    uint32_t *work = malloc((size_t)j->cols * 4);
+    if (j->phase == 0) {
+        uint32_t *mine = j->partial_amax + (size_t)w->id * ntc;
+        if (hi > lo) rows_amax(j, 0, lo, hi, mine, work);
+        else memset(mine, 0, (size_t)ntc * 4);
+    } else if (hi > lo) {
+        /* backward: the rows the amax pass read last are the ones still in the last-level cache */
+        cast_rows(j, 0, lo, hi, j->band_scale, (float *)work, 1);
+    }
+    free(work);
+    return NULL;
+}
+
+/* Runs fn for workers 0..nthreads-1: worker 0 on this thread, the others on new threads; a thread that cannot
+ * be started has its share run here instead (slower, never wrong). */
+static void run_workers(job_t *j, void *(*fn)(void *)) {
+    worker_t workers[64];
+    pthread_t threads[64];
+    int started[64] = {0};
+    for (int32_t i = 0; i < j->nthreads; i++) workers[i] = (worker_t){j, i};
+    for (int32_t i = 1; i < j->nthreads; i++) started[i] = pthread_create(&threads[i], NULL, fn, &workers[i]) == 0;
+    fn(&workers[0]);
+    for (int32_t i = 1; i < j->nthreads; i++) {
+        if (started[i]) pthread_join(threads[i], NULL);
+        else fn(&workers[i]);
+    }
+}
+
+static int32_t thread_count(int64_t numel, int64_t units, int32_t nthreads) {
+    int64_t want = numel / (1 << 18); /* below ~256K elements a thread costs more than it saves */
+    want = want < 1 ? 1 : want;
+    want = want < nthreads ? want : nthreads;
+    want = want < units ? want : units;
+    want = want < 1 ? 1 : want > 64 ? 64 : want;
+    return (int32_t)want;
+}
+
+/* Quantize (data != NULL) or only reduce to amax (data == NULL, rule RULE_GIVEN, scale_in NULL).
+ * Returns 0, or a negative number on an internal error (the Python side then raises). */
+int fp8_quantize(const fp8_params *p, const void *x, int32_t x_bf16, int64_t batch, int64_t rows, int64_t cols,
+                 int64_t tile_r, int64_t tile_c, const float *scale_in, uint8_t *data, float *scale_out,
+                 float *amax_out, float *values, int32_t nthreads) {
+    if (rows <= 0 || cols <= 0 || batch <= 0 || tile_r <= 0 || tile_c <= 0) return -100;
+    job_t j = {p, x, x_bf16, batch, rows, cols, tile_r, tile_c, scale_in, data, scale_out, amax_out, values, 1};
+    const int64_t numel = batch * rows * cols, ntc = (cols + tile_c - 1) / tile_c;
+    const int64_t nbands = batch * ((rows + tile_r - 1) / tile_r);
+    if (nbands >= 2 || rows < 2) {
+        j.nthreads = thread_count(numel, nbands, nthreads);
+        run_workers(&j, band_worker);
+        return 0;
+    }
+    j.nthreads = thread_count(numel, rows, nthreads);
+    j.partial_amax = malloc((size_t)j.nthreads * ntc * 4);
+    j.band_scale = malloc((size_t)ntc * 4);
+    if (!j.partial_amax || !j.band_scale) { free(j.partial_amax); free(j.band_scale); return -101; }
+    const int need_amax = p->rule != RULE_GIVEN || amax_out;
+    if (need_amax) {
+        j.phase = 0;
+        run_workers(&j, single_band_worker);
+        for (int32_t t = 1; t < j.nthreads; t++)
+            for (int64_t c = 0; c < ntc; c++) {
+                uint32_t v = j.partial_amax[t * ntc + c];
+                j.partial_amax[c] = v > j.partial_amax[c] ? v : j.partial_amax[c];
+            }
+    }
+    tile_row_scales(&j, 0, j.partial_amax, j.band_scale);
+    if (data) {
+        j.phase = 1;
+        run_workers(&j, single_band_worker);
+    }
+    free(j.partial_amax); free(j.band_scale);
+    return 0;
+}
+
+/* ---- decode --------------------------------------------------------------------------------------------- */
+typedef struct { const float *lut; const uint8_t *codes; void *out; int32_t bf16; int64_t n; int32_t nthreads, id; } decode_job;
+
+static void *decode_worker(void *arg) {
+    decode_job *d = (decode_job *)arg;
+    const int64_t lo = d->n * d->id / d->nthreads, hi = d->n * (d->id + 1) / d->nthreads;
+    const float *lut = d->lut;
+    if (d->bf16) { /* FP8 values are exact in bf16: the top half of their fp32 bits */
+        uint16_t lut16[256];
+        for (int i = 0; i < 256; i++) /* NaN: torch's canonical bf16 NaN (FNUZ's 0x7F800001 would truncate to inf) */
+            lut16[i] = isnan(lut[i]) ? (uint16_t)0x7FC0 : (uint16_t)(f2u(lut[i]) >> 16);
+        uint16_t *o = (uint16_t *)d->out;
+        for (int64_t i = lo; i < hi; i++) o[i] = lut16[d->codes[i]];
+    } else {
+        float *o = (float *)d->out;
+        for (int64_t i = lo; i < hi; i++) o[i] = lut[d->codes[i]];
+    }
+    return NULL;
+}
+
+int fp8_decode(const float *lut, const uint8_t *codes, int64_t n, void *out, int32_t out_bf16, int32_t nthreads) {
+    decode_job jobs[64];
+    pthread_t threads[64];
+    int64_t want = n / (1 << 18);
+    want = want < 1 ? 1 : want;
+    nthreads = nthreads < 1 ? 1 : nthreads > 64 ? 64 : nthreads;
+    nthreads = (int32_t)(want < nthreads ? want : nthreads);
+    for (int32_t i = 0; i < nthreads; i++) jobs[i] = (decode_job){lut, codes, out, out_bf16, n, nthreads, i};
+    int32_t started = 1;
+    for (int32_t i = 1; i < nthreads; i++) {
+        if (pthread_create(&threads[i], NULL, decode_worker, &jobs[i]) != 0) break;
+        started++;
+    }
+    for (int32_t i = started; i < nthreads; i++) decode_worker(&jobs[i]); /* threads that did not start */
+    decode_worker(&jobs[0]);
+    for (int32_t i = 1; i < started; i++) pthread_join(threads[i], NULL);
+    return 0;
+}
+
+/* The ABI version the Python side checks before using this library. */
+int fp8_abi_version(void) { return 1; }
+int fp8_params_size(void) { return (int)sizeof(fp8_params); }

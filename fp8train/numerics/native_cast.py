@@ -1,0 +1,438 @@
+"""The native FP8 cast: a small C kernel (native_cast.c) for amax, scale and cast in one op, and a table decode.
+
+Why: on CPUs without avx512 torch's fp32 -> float8 cast and float8 -> fp32 conversion are scalar routines
+(~0.1 G elements/s for a whole eager quantize on a 2-core avx2 EPYC), and the eager chain makes several
+full-size passes. The C file restates the same chain (quant.py's module docstring; every byte equal, checked
+against ml_dtypes by tests/test_native_cast.py) in loops gcc vectorizes, one pass per tile row.
+
+Build: on first use, with the system C compiler (``gcc``, else ``cc``, from PATH) and
+``-O3 -march=native -pthread``, into ``$XDG_CACHE_HOME/fp8train/native/`` (default ``~/.cache``), keyed by the
+source's hash, the compiler's version and the CPU's flags; later processes load the cached library in
+milliseconds. Without a compiler, or when the build or load fails, ``available()`` is False, the reason is
+warned once (``unavailable_reason()``), and quantize runs its eager kernel instead (same bytes, slower).
+
+Ops (torch.library, so each is ONE op in a profile and torch.compile can trace it, via its fake impl):
+``fp8train::quantize_fp8`` (amax -> scale -> x / scale -> FP8 bytes, optionally the FP8 values in fp32),
+``fp8train::amax`` and ``fp8train::decode_fp8``. Inputs: fp32 or bf16 CPU tensors, contiguous or the transpose
+of a contiguous 2-D tensor; ``layout()`` says whether a call is supported (None: use the eager kernel).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from fp8train.numerics.formats import FORMATS, Fp8Format
+
+__all__ = ["available", "unavailable_reason", "layout", "usable_layout", "capped_block", "NativeLayout",
+           "CastOptions", "quantize", "compute_amax", "decode", "decodable", "RULE_GIVEN", "RULE_AMAX", "RULE_MX",
+           "COMPILER_NAMES", "SOURCE"]
+
+SOURCE = Path(__file__).with_name("native_cast.c")
+COMPILER_NAMES = ("gcc", "cc")
+_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
+RULE_GIVEN, RULE_AMAX, RULE_MX = 0, 1, 2  # as in native_cast.c
+_SPECIAL = {"ieee": 0, "fn": 1, "fnuz": 2}
+_ABI_VERSION = 1
+_INPUT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class _Params(ctypes.Structure):
+    """fp8_params in native_cast.c (its size is checked against the library's)."""
+    _fields_ = [(name, ctypes.c_int32) for name in ("mantissa_bits", "bias", "special", "saturate", "max_is_even",
+                                                     "rule", "pow2", "fp32_divide", "mx_emax")] + \
+               [("max_bits", ctypes.c_uint32), ("limit_bits", ctypes.c_uint32), ("divisor", ctypes.c_double),
+                ("cap", ctypes.c_double), ("tiny", ctypes.c_double), ("lut", ctypes.c_float * 256)]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Build and load (once per process; the result, good or bad, is kept)
+# ------------------------------------------------------------------------------------------------------------
+_state: dict = {}  # "lib": the loaded library, or "reason": why there is none
+
+
+def available() -> bool:
+    """Whether the native kernel is built and loaded (builds it on the first call; never raises)."""
+    if not _state:
+        try:
+            _state["lib"] = _load()
+        except Exception as err:  # no compiler, a failed build, a library that does not load: use eager
+            _state["reason"] = f"{type(err).__name__}: {err}"
+            warnings.warn(f"fp8train: the native FP8 cast is unavailable ({_state['reason']}); quantize uses its "
+                          "eager kernel (same bytes, slower). Install gcc to enable it.", RuntimeWarning,
+                          stacklevel=2)
+    return "lib" in _state
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the native kernel is not in use (None when it is, or before the first ``available()``)."""
+    return _state.get("reason")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "fp8train" / "native"
+
+
+def _find_compiler() -> str:
+    for name in COMPILER_NAMES:
+        found = shutil.which(name)
+        if found:
+            return found
+    raise FileNotFoundError(f"no C compiler on PATH (looked for {', '.join(COMPILER_NAMES)})")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")) and ":" in line:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _load() -> ctypes.CDLL:
+    compiler = _find_compiler()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), version.encode(), " ".join(_FLAGS).encode(),
+                                     _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:20]
+    path = _cache_dir() / f"native_cast-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # concurrent builders each rename a whole file
+        try:
+            done = subprocess.run([compiler, *_FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
+                                  text=True, timeout=120)
+            if done.returncode != 0:
+                raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr.strip()[:400]}")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    lib = ctypes.CDLL(str(path))
+    if lib.fp8_abi_version() != _ABI_VERSION or lib.fp8_params_size() != ctypes.sizeof(_Params):
+        raise RuntimeError(f"{path} does not match this fp8train (ABI {lib.fp8_abi_version()})")
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+    lib.fp8_quantize.argtypes = [ctypes.POINTER(_Params), ptr, i32, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
+                                 ptr, i32]
+    lib.fp8_quantize.restype = ctypes.c_int
+    lib.fp8_decode.argtypes = [ptr, ptr, i64, ptr, i32, i32]
+    lib.fp8_decode.restype = ctypes.c_int
+    return lib
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Memory layout: which (batch, rows, cols) matrix and which tile in memory a call is
+# ------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NativeLayout:
+    batch: int
+    rows: int  # of the row-major matrix in memory
+    cols: int
+    tile_rows: int  # the scale's tile in memory coordinates
+    tile_cols: int
+    transposed: bool  # x is the transpose of a contiguous 2-D tensor
+    scale_shape: tuple  # the documented (logical) shape of the scale
+    grid_rows: int  # the scale grid in memory order
+    grid_cols: int
+
+
+def _dense_kind(x: torch.Tensor) -> Optional[str]:
+    if x.is_contiguous():
+        return "contiguous"
+    if x.dim() == 2 and x.stride(0) == 1 and x.stride(1) == x.shape[0]:
+        return "transposed"
+    return None
+
+
+def layout(x: torch.Tensor, granularity: str, block_rows: int = 1, block_cols: int = 1,
+           axis: int = -1) -> Optional[NativeLayout]:
+    """The native kernel's view of quantizing ``x`` (``axis`` normalized, blocks already capped to the tensor),
+    or None when the native kernel does not take it (device, dtype, memory layout, an inner row axis)."""
+    if x.device.type != "cpu" or x.dtype not in _INPUT_DTYPES or x.numel() == 0:
+        return None
+    kind = _dense_kind(x)
+    if kind is None:
+        return None
+    shape, ndim = tuple(x.shape), x.dim()
+    axis = axis % max(ndim, 1)
+    if kind == "transposed":  # the memory matrix is x.T, contiguous: its rows are x's columns
+        rows_l, cols_l = shape
+        if granularity == "tensor":
+            return NativeLayout(1, cols_l, rows_l, cols_l, rows_l, True, (), 1, 1)
+        if granularity == "row":
+            if axis % 2 == 1:  # one scale per row of x = per column of memory
+                return NativeLayout(1, cols_l, rows_l, cols_l, 1, True, (rows_l, 1), 1, rows_l)
+            return NativeLayout(1, cols_l, rows_l, 1, rows_l, True, (1, cols_l), cols_l, 1)
+        grid_r, grid_c = -(-rows_l // block_rows), -(-cols_l // block_cols)
+        return NativeLayout(1, cols_l, rows_l, block_cols, block_rows, True, (grid_r, grid_c), grid_c, grid_r)
+    numel = x.numel()
+    if granularity == "tensor":
+        cols = shape[-1] if ndim >= 1 else 1
+        if numel // max(cols, 1) < 64 and numel % 1024 == 0:  # few long rows: 1024-wide rows split over threads
+            cols = 1024
+        return NativeLayout(1, numel // cols, cols, numel // cols, cols, False, (), 1, 1)
+    if granularity == "row":
+        if ndim == 1 or axis == ndim - 1:
+            cols = shape[-1]
+            return NativeLayout(1, numel // cols, cols, 1, cols, False, shape[:-1] + (1,), numel // cols, 1)
+        if axis == 0:  # one scale per column of the (shape[0], rest) matrix
+            rest = numel // shape[0]
+            return NativeLayout(1, shape[0], rest, shape[0], 1, False, (1,) + shape[1:], 1, rest)
+        return None
+    rows, cols = (1, shape[0]) if ndim == 1 else shape[-2:]
+    batch = numel // (rows * cols)
+    grid_r, grid_c = -(-rows // block_rows), -(-cols // block_cols)
+    return NativeLayout(batch, rows, cols, block_rows, block_cols, False, shape[:-2] + (grid_r, grid_c),
+                        batch * grid_r, grid_c)
+
+
+def capped_block(x: torch.Tensor, block_rows: int, block_cols: int) -> tuple[int, int]:
+    """A block no larger than the tensor's last two dims (as quant.quantize records it)."""
+    rows, cols = (1, x.shape[0]) if x.dim() == 1 else x.shape[-2:] if x.dim() else (1, 1)
+    return max(min(block_rows, rows), 1), max(min(block_cols, cols), 1)
+
+
+def usable_layout(x: torch.Tensor, granularity: str, block_rows: int, block_cols: int,
+                  axis: int) -> Optional[NativeLayout]:
+    """``layout()`` with the block capped to the tensor, or None when the kernel is not built or torch.compile is
+    tracing (there the eager math is traced inline and fused instead)."""
+    if torch.compiler.is_compiling() or not available():
+        return None
+    return layout(x, granularity, *capped_block(x, block_rows, block_cols), axis)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Parameters (one ctypes struct per configuration, built once)
+# ------------------------------------------------------------------------------------------------------------
+_params_cache: dict = {}
+
+
+def _f32_bits(value: float) -> int:
+    return torch.tensor(value, dtype=torch.float32).view(torch.int32).item() & 0xFFFFFFFF
+
+
+def _params(fmt: Fp8Format, saturate: bool, rule: int, divisor: float, cap: float, pow2: bool,
+            fp32_divide: bool, mx_emax: int) -> _Params:
+    key = (fmt.name, saturate, rule, divisor, cap, pow2, fp32_divide, mx_emax)
+    found = _params_cache.get(key)
+    if found is None:
+        found = _Params()
+        found.mantissa_bits, found.bias, found.special = fmt.mantissa_bits, fmt.bias, _SPECIAL[fmt.special]
+        found.saturate, found.max_is_even = int(saturate), int((fmt.max / fmt.step_at_max) % 2 == 0)
+        found.rule, found.pow2, found.fp32_divide, found.mx_emax = rule, int(pow2), int(fp32_divide), mx_emax
+        found.max_bits, found.limit_bits = _f32_bits(fmt.max), _f32_bits(fmt.max + fmt.step_at_max / 2)
+        found.divisor, found.cap, found.tiny = divisor, cap, float(torch.finfo(torch.float32).tiny)
+        # raw bits: through Python floats a signaling-NaN payload (FNUZ's 0x7F800001) would come back quieted
+        ctypes.memmove(found.lut, _decode_table(fmt).data_ptr(), 256 * 4)
+        _params_cache[key] = found
+    return found
+
+
+_tables: dict = {}
+
+
+def _decode_table(fmt: Fp8Format) -> torch.Tensor:
+    """fp32 value of each of the 256 codes: torch's own float8 -> fp32 conversion (the eager kernel's), NaN
+    payloads included, so native and eager values are the same bits."""
+    table = _tables.get(fmt.name)
+    if table is None:
+        table = _tables[fmt.name] = torch.arange(256, dtype=torch.uint8).view(fmt.torch_dtype).float()
+    return table
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The ops
+# ------------------------------------------------------------------------------------------------------------
+def _outputs(x: torch.Tensor, lay: NativeLayout, fmt: Fp8Format, with_amax: bool, keep_values: bool):
+    """Empty outputs in the layouts the kernel writes (transposed inputs give transposed outputs, as eager)."""
+    def like_x(dtype):
+        if lay.transposed:
+            return torch.empty_strided(x.shape, (1, x.shape[0]), dtype=dtype)
+        return torch.empty(x.shape, dtype=dtype)
+
+    def grid():
+        if lay.transposed and len(lay.scale_shape) == 2 and lay.grid_rows > 1 and lay.grid_cols > 1:
+            return torch.empty_strided(lay.scale_shape, (1, lay.scale_shape[0]), dtype=torch.float32)
+        return torch.empty(lay.scale_shape, dtype=torch.float32)
+
+    data = like_x(fmt.torch_dtype)
+    scale = grid()
+    amax = grid() if with_amax else torch.empty(0)
+    values = like_x(torch.float32) if keep_values else torch.empty(0)
+    return data, scale, amax, values
+
+
+def _layout_or_raise(x, granularity, block_rows, block_cols, axis) -> NativeLayout:
+    lay = layout(x, granularity, block_rows, block_cols, axis)
+    if lay is None:
+        raise ValueError(f"fp8train native cast: unsupported input (dtype {x.dtype}, shape {tuple(x.shape)}, "
+                         f"strides {x.stride()}, granularity {granularity}, axis {axis}); check layout() first")
+    return lay
+
+
+def _scale_in_memory_order(scale: torch.Tensor, lay: NativeLayout) -> torch.Tensor:
+    if lay.transposed and scale.dim() == 2:
+        scale = scale.t()
+    return scale.float().contiguous()
+
+
+def _ptr(t: torch.Tensor):
+    return t.data_ptr() if t.numel() else None
+
+
+# Registered with the low-level torch.library API: torch.library.custom_op wraps every call in autograd and
+# dynamo-disable layers that cost ~100 us, more than the whole cast of a 512x256 tensor. The static options
+# travel as ONE string argument ("e4m3fn,tensor,1,128,..."): each boxed argument costs ~1 us in the dispatcher.
+_LIB = torch.library.Library("fp8train", "DEF")
+_LIB.define("quantize_fp8(Tensor x, Tensor? scale, str options) -> (Tensor, Tensor, Tensor, Tensor)")
+_LIB.define("amax(Tensor x, str options) -> Tensor")
+_LIB.define("decode_fp8(Tensor data, str fmt, ScalarType dtype) -> Tensor")
+
+
+@dataclass(frozen=True)
+class CastOptions:
+    """The static options of one quantize_fp8 call (see quant.native_quantize for the rule's constants)."""
+    fmt: str
+    granularity: str
+    block_rows: int
+    block_cols: int
+    axis: int
+    rule: int
+    divisor: float
+    cap: float
+    pow2: bool
+    fp32_divide: bool
+    mx_emax: int
+    saturate: bool
+    keep_values: bool
+
+    def encode(self) -> str:
+        text = _encoded.get(self)
+        if text is None:  # repr of a float round-trips exactly
+            text = _encoded[self] = ",".join(repr(getattr(self, f)) for f in self.__dataclass_fields__)
+            _decoded[text] = self
+        return text
+
+
+_encoded: dict = {}
+_decoded: dict = {}
+_FIELD_TYPES = (str, str, int, int, int, int, float, float, bool, bool, int, bool, bool)
+
+
+def _options(text: str) -> CastOptions:
+    found = _decoded.get(text)
+    if found is None:  # a string made elsewhere (e.g. by a traced graph in another process)
+        parts = text.split(",")
+        found = CastOptions(*(t(p.strip("'")) if t is not bool else p == "True" for t, p in zip(_FIELD_TYPES, parts)))
+        _decoded[text] = found
+    return found
+
+
+def quantize(x: torch.Tensor, scale: Optional[torch.Tensor], options: CastOptions):
+    """(data, scale, amax, values) through the one op (see ``_quantize_fp8_cpu``)."""
+    return quantize_fp8(x, scale, options.encode())
+
+
+def _quantize_fp8_cpu(x, scale, options):
+    """(data, scale, amax, values) of quantizing x: amax per tile -> scale by ``rule`` (or the given ``scale``,
+    then amax is empty) -> x / scale -> FP8 bytes; values (the FP8 values in fp32) only with ``keep_values``."""
+    o = _options(options)
+    lay = _layout_or_raise(x, o.granularity, o.block_rows, o.block_cols, o.axis)
+    fmt = FORMATS[o.fmt]
+    data, scale_out, amax, values = _outputs(x, lay, fmt, scale is None, o.keep_values)
+    scale_in, rule = None, o.rule
+    if scale is not None:
+        scale_in = _scale_in_memory_order(scale, lay)
+        rule = RULE_GIVEN
+    params = _params(fmt, o.saturate, rule, o.divisor, o.cap, o.pow2, o.fp32_divide, o.mx_emax)
+    rc = _state["lib"].fp8_quantize(
+        ctypes.byref(params), x.data_ptr(), int(x.dtype == torch.bfloat16), lay.batch, lay.rows, lay.cols,
+        lay.tile_rows, lay.tile_cols, None if scale_in is None else scale_in.data_ptr(), data.data_ptr(),
+        scale_out.data_ptr(), _ptr(amax), _ptr(values), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"internal error: fp8train native cast returned {rc}")
+    return data, scale_out, amax, values
+
+
+def _quantize_fp8_fake(x, scale, options):
+    o = _options(options)
+    lay = _layout_or_raise(x, o.granularity, o.block_rows, o.block_cols, o.axis)
+    return _outputs(x, lay, FORMATS[o.fmt], scale is None, o.keep_values)
+
+
+def _amax_out(lay: NativeLayout) -> torch.Tensor:
+    if lay.transposed and len(lay.scale_shape) == 2 and lay.grid_rows > 1 and lay.grid_cols > 1:
+        return torch.empty_strided(lay.scale_shape, (1, lay.scale_shape[0]), dtype=torch.float32)
+    return torch.empty(lay.scale_shape, dtype=torch.float32)
+
+
+def _amax_layout(x, options: str) -> NativeLayout:
+    granularity, block_rows, block_cols, axis = options.split(",")
+    return _layout_or_raise(x, granularity, int(block_rows), int(block_cols), int(axis))
+
+
+def compute_amax(x: torch.Tensor, granularity: str, block_rows: int, block_cols: int, axis: int) -> torch.Tensor:
+    """max |x| per tensor, row or block through the one op (``_amax_cpu``)."""
+    return amax(x, f"{granularity},{block_rows},{block_cols},{axis}")
+
+
+def _amax_cpu(x, options):
+    """max |x| per tensor, row or block (fp32, shaped like the scale), NaN propagating; one pass."""
+    lay = _amax_layout(x, options)
+    out = _amax_out(lay)
+    params = _params(FORMATS["e4m3fn"], True, RULE_GIVEN, 1.0, 1.0, False, False, 0)  # no scale is made
+    rc = _state["lib"].fp8_quantize(ctypes.byref(params), x.data_ptr(), int(x.dtype == torch.bfloat16), lay.batch,
+                                    lay.rows, lay.cols, lay.tile_rows, lay.tile_cols, None, None, None,
+                                    out.data_ptr(), None, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"internal error: fp8train native amax returned {rc}")
+    return out
+
+
+def _amax_fake(x, options):
+    return _amax_out(_amax_layout(x, options))
+
+
+def _decode_cpu(data, fmt, dtype):
+    """FP8 bytes (contiguous, or any dense layout: the output keeps it) -> their values in fp32 or bf16 (exact),
+    through a 256-entry table."""
+    out = torch.empty_strided(data.shape, data.stride(), dtype=dtype)
+    table = _decode_table(FORMATS[fmt])
+    rc = _state["lib"].fp8_decode(table.data_ptr(), data.data_ptr(), data.numel(), out.data_ptr(),
+                                  int(dtype == torch.bfloat16), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"internal error: fp8train native decode returned {rc}")
+    return out
+
+
+def _decode_fake(data, fmt, dtype):
+    return torch.empty_strided(data.shape, data.stride(), dtype=dtype)
+
+
+_LIB.impl("quantize_fp8", _quantize_fp8_cpu, "CPU")
+_LIB.impl("amax", _amax_cpu, "CPU")
+_LIB.impl("decode_fp8", _decode_cpu, "CPU")
+torch.library.register_fake("fp8train::quantize_fp8", _quantize_fp8_fake, lib=_LIB)
+torch.library.register_fake("fp8train::amax", _amax_fake, lib=_LIB)
+torch.library.register_fake("fp8train::decode_fp8", _decode_fake, lib=_LIB)
+quantize_fp8 = torch.ops.fp8train.quantize_fp8.default
+amax = torch.ops.fp8train.amax.default
+decode = torch.ops.fp8train.decode_fp8.default
+
+
+def decodable(data: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``decode_fp8`` takes these bytes: CPU, dense (contiguous or a transpose), fp32/bf16 out."""
+    return (data.device.type == "cpu" and data.numel() > 0 and dtype in _INPUT_DTYPES
+            and _dense_kind(data) is not None)

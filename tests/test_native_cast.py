@@ -1,0 +1,277 @@
+"""The native C kernel (numerics/native_cast.c): bytes, scales and values against ml_dtypes and the documented
+scale rule (the independent reference of test_quant.py), and bit for bit against the eager kernel, for every
+format over all special values, ties, the overflow boundary and subnormal edges, at every granularity; the
+256-code decode; one op per call; traceable by torch.compile; and the eager fallback when there is no compiler.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from fp8train.bench.harness import count_top_level_ops
+from fp8train.nn.linear import Fp8Linear
+from fp8train.numerics import native_cast
+from fp8train.numerics.formats import get_format
+from fp8train.numerics.mx import quantize_mx
+from fp8train.numerics.quant import compute_amax, decode_fp8, quantize
+
+from refs import ALL_FORMATS, ML_DTYPES, TORCH_DTYPES
+from test_quant import assert_codes_equal, ml_decode, ref_quantize, ref_scale
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+needs_native = pytest.mark.skipif(not native_cast.available(), reason=f"no native kernel here: "
+                                  f"{native_cast.unavailable_reason()} (the fallback tests still run)")
+
+F32 = np.float32
+
+
+def _f32(bits) -> np.ndarray:
+    return np.asarray(bits, dtype=np.uint32).view(F32)
+
+
+def crafted_values(name: str) -> np.ndarray:
+    """Every FP8 value, the midpoints between neighbours (ties) and one fp32 ulp either side of each, the
+    overflow boundary max + step/2 and its neighbours, subnormal edges, fp32 specials; both signs."""
+    fmt = get_format(name)
+    grid = ml_decode(np.arange(256), name)
+    grid = np.unique(grid[np.isfinite(grid) & (grid >= 0)]).astype(F32)  # sorted non-negative values
+    mids = ((grid[1:].astype(np.float64) + grid[:-1]) / 2).astype(F32)  # exact in fp32 (one more bit)
+    limit = F32(fmt.max + fmt.step_at_max / 2)
+    edges = np.array([fmt.min_subnormal / 2, fmt.min_normal, fmt.min_normal / 2, limit, fmt.max * 4,
+                      np.finfo(F32).max, np.finfo(F32).tiny, 1e-45, 2.0 ** -149, 1e30], dtype=F32)
+    core = np.concatenate([grid, mids, edges])
+    with np.errstate(over="ignore"):  # FLT_MAX's upper neighbour is inf: wanted
+        around = np.concatenate([core, np.nextafter(core, F32(np.inf)), np.nextafter(core, F32(0))])
+    specials = _f32([0x7F800000, 0x7FC00000, 0x7F800001, 0x7FFFFFFF, 0x00000001, 0x007FFFFF])
+    values = np.concatenate([around, specials])
+    return np.concatenate([values, -values]).astype(F32)
+
+
+def wide_random(rng, n: int) -> np.ndarray:
+    """Random signs, mantissas and binades from far below the FP8 subnormals to far above max."""
+    bits = rng.integers(0, 1 << 23, n, dtype=np.uint32) | (rng.integers(80, 175, n, dtype=np.uint32) << 23)
+    bits |= rng.integers(0, 2, n, dtype=np.uint32) << 31
+    return bits.view(F32)
+
+
+@pytest.fixture
+def native_calls(monkeypatch):
+    """Counts the calls that reach the C kernel (a case it does not take would silently run eagerly)."""
+    calls = []
+    real = native_cast.quantize
+    monkeypatch.setattr(native_cast, "quantize", lambda *args: calls.append(1) or real(*args))
+    return calls
+
+
+def assert_same_as_eager(x: torch.Tensor, name: str, calls: list, **kwargs):
+    """Native and eager quantize give the same bytes (NaN signs included), scale, amax and values bits."""
+    before = len(calls)
+    native = quantize(x, name, kernel="native", keep_values=True, **kwargs)
+    assert len(calls) == before + 1, "the native kernel did not run"
+    eager = quantize(x, name, kernel="eager", keep_values=True, **kwargs)
+    assert torch.equal(native.data.view(torch.uint8), eager.data.view(torch.uint8))
+    assert native.data.dtype == eager.data.dtype and native.data.shape == eager.data.shape
+    assert native.scale.shape == eager.scale.shape and torch.equal(native.scale, eager.scale)
+    assert torch.equal(native.values.view(torch.int32), eager.values.view(torch.int32))
+    if eager.amax is not None:
+        assert torch.equal(torch.isnan(native.amax), torch.isnan(eager.amax))
+        assert torch.equal(native.amax.nan_to_num(), eager.amax.nan_to_num())
+    return native
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The cast: every special and crafted value plus random ones, each format, saturating or not
+# ------------------------------------------------------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("saturate", [True, False])
+@pytest.mark.parametrize("name", ALL_FORMATS)
+def test_cast_matches_ml_dtypes_on_crafted_and_random_values(name, saturate, rng, native_calls):
+    x = np.concatenate([crafted_values(name), wide_random(rng, 60_000)])
+    for scale in (1.0, 0.375, 2.0 ** -20):  # the division too: x / scale in fp32, then the cast
+        q = assert_same_as_eager(torch.from_numpy(x), name, native_calls, scale=torch.tensor(scale),
+                                 saturate=saturate)
+        expected, _ = ref_quantize(x, name, saturate=saturate, scale=np.float32(scale))
+        assert_codes_equal(q.data.view(torch.uint8).numpy(), expected, name)
+        np.testing.assert_array_equal(q.values.numpy(), ml_decode(expected, name))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Granularities, with the documented scale rule (amax -> scale) done by the kernel
+# ------------------------------------------------------------------------------------------------------------
+LAYOUTS = [("tensor", (1, 128), -1), ("row", (1, 128), -1), ("row", (1, 128), 0), ("block", (1, 128), -1),
+           ("block", (128, 128), -1), ("block", (3, 5), -1)]
+
+
+@needs_native
+@pytest.mark.parametrize("granularity, block, axis", LAYOUTS)
+@pytest.mark.parametrize("shape", [(130, 257), (3, 40, 50)])  # ragged tiles; lead dims (1-D: above)
+@pytest.mark.parametrize("name", ALL_FORMATS)
+def test_granularities_match_reference_and_eager(name, shape, granularity, block, axis, rng, native_calls):
+    x = (rng.standard_normal(shape) * np.exp2(rng.integers(-8, 8, shape))).astype(F32)
+    flat = x.reshape(-1)
+    flat[[3, 77, 101]] = [np.nan, np.inf, -np.inf]
+    flat[rng.integers(0, flat.size, 20)] = 0.0
+    for margin, pow2 in ((0, False), (0, True), (-3, False)):
+        kwargs = dict(granularity=granularity, block=block, axis=axis, margin=margin, pow2=pow2)
+        q = assert_same_as_eager(torch.from_numpy(x), name, native_calls, **kwargs)
+        codes, scale = ref_quantize(x, name, **kwargs)
+        assert_codes_equal(q.data.view(torch.uint8).numpy(), codes, name)
+        np.testing.assert_array_equal(q.scale.numpy(), scale)
+
+
+@needs_native
+@pytest.mark.parametrize("granularity, block, axis", LAYOUTS)
+@pytest.mark.parametrize("name", ["e4m3fn", "e5m2"])
+def test_transposed_views_and_bf16_inputs_match_eager(name, granularity, block, axis, rng, native_calls):
+    """What Fp8Linear hands the kernel: bf16 activations under autocast, and x.t() for the backward GEMMs."""
+    base = torch.from_numpy((rng.standard_normal((257, 130)) * 5).astype(F32))
+    base[4, 9] = math.nan
+    for x in (base, base.t(), base.bfloat16(), base.bfloat16().t()):
+        q = assert_same_as_eager(x, name, native_calls, granularity=granularity, block=block, axis=axis, pow2=True)
+        codes, scale = ref_quantize(x.float().numpy(), name, granularity=granularity, block=block, axis=axis,
+                                    pow2=True)
+        assert_codes_equal(q.data.view(torch.uint8).numpy(), codes, name)
+        np.testing.assert_array_equal(q.scale.numpy(), scale)
+
+
+@needs_native
+def test_given_scales_per_row_and_block_match_eager(rng, native_calls):
+    x = torch.from_numpy((rng.standard_normal((96, 300)) * 30).astype(F32))
+    for granularity, block in (("row", (1, 1)), ("block", (1, 128)), ("block", (32, 64))):
+        amax = compute_amax(x, granularity, block)
+        scale = torch.from_numpy(ref_scale(amax.numpy(), "e4m3fn", margin=1))
+        for saturate in (True, False):
+            assert_same_as_eager(x, "e4m3fn", native_calls, granularity=granularity, block=block, scale=scale, saturate=saturate)
+
+
+@needs_native
+def test_amax_and_mx_match_eager(rng):
+    x = torch.from_numpy((rng.standard_normal((64, 200)) * 7).astype(F32))
+    x[3, 5] = math.nan
+    for granularity, block in (("tensor", (1, 1)), ("row", (1, 1)), ("block", (1, 32)), ("block", (16, 16))):
+        native, eager = compute_amax(x, granularity, block, kernel="native"), compute_amax(x, granularity, block)
+        assert native.shape == eager.shape
+        assert torch.equal(native.nan_to_num(), eager.nan_to_num()) and torch.equal(native.isnan(), eager.isnan())
+    for name in ("e4m3fn", "e5m2"):
+        native, eager = (quantize_mx(x, name, keep_values=True, kernel=k) for k in ("native", "eager"))
+        assert torch.equal(native.data.view(torch.uint8), eager.data.view(torch.uint8))
+        assert torch.equal(native.scale, eager.scale) and torch.equal(native.values.isnan(), eager.values.isnan())
+        assert torch.equal(native.values.nan_to_num(), eager.values.nan_to_num())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Decode: all 256 codes
+# ------------------------------------------------------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("name", ALL_FORMATS)
+def test_decode_all_codes_matches_ml_dtypes(name):
+    codes = torch.arange(256, dtype=torch.uint8).view(TORCH_DTYPES[name])
+    expected = np.arange(256, dtype=np.uint8).view(ML_DTYPES[name]).astype(np.float32)
+    got = decode_fp8(codes, name, kernel="native")
+    assert got.dtype == torch.float32
+    np.testing.assert_array_equal(got.numpy(), expected)  # NaN == NaN here
+    finite = ~np.isnan(expected)
+    assert np.array_equal(np.signbit(got.numpy())[finite], np.signbit(expected)[finite])  # -0 stays -0
+    transposed = codes.reshape(16, 16).t()  # a transposed view: decoded in memory order, same strides out
+    got_t = decode_fp8(transposed, name, kernel="native")
+    assert got_t.stride() == transposed.stride()
+    np.testing.assert_array_equal(got_t.numpy(), expected.reshape(16, 16).T)
+    for bits_of in (got, got_t):  # and the eager conversion's bits, NaN payloads included
+        source = codes if bits_of is got else transposed
+        assert torch.equal(bits_of.view(torch.int32), source.float().view(torch.int32))
+    bf16 = native_cast.decode(codes, name, torch.bfloat16)
+    keep = torch.from_numpy(~np.isnan(expected))  # (torch itself gives NaNs different bf16 bits per code path)
+    assert torch.equal(bf16.view(torch.int16)[keep], codes.float().bfloat16().view(torch.int16)[keep])
+    np.testing.assert_array_equal(bf16.float().numpy(), expected)
+    assert np.array_equal(np.signbit(bf16.float().numpy())[finite], np.signbit(expected)[finite])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# One op, traceable
+# ------------------------------------------------------------------------------------------------------------
+@needs_native
+def test_each_native_call_is_one_op():
+    x = torch.randn(64, 96)
+    assert count_top_level_ops(lambda: quantize(x, "e4m3fn", granularity="block", keep_values=True,
+                                                kernel="native")) == 1
+    q = quantize(x, "e5m2", kernel="native")
+    assert count_top_level_ops(lambda: decode_fp8(q.data, kernel="native")) == 1
+
+
+@needs_native
+@pytest.mark.compiled  # dynamo only (backend "eager"): ~3 s, most of it dynamo's first use
+def test_the_op_traces_into_one_graph():
+    x = torch.randn(32, 256)
+    options = native_cast.CastOptions("e4m3fn", "block", 1, 128, 1, native_cast.RULE_AMAX, 448.0,
+                                      1e30, False, True, 8, True, True)
+
+    def fn(t):
+        data, scale, _, values = native_cast.quantize(t * 2, None, options)
+        return data.view(torch.uint8), scale, values
+
+    compiled = torch.compile(fn, backend="eager", fullgraph=True)  # fullgraph: a graph break would raise
+    for got, expected in zip(compiled(x), fn(x)):
+        assert torch.equal(got, expected)
+
+
+@needs_native
+def test_fp8linear_uses_it_by_default():
+    layer = Fp8Linear(64, 32, recipe="current")
+    x = torch.randn(16, 64, requires_grad=True)
+    assert layer.quantize_kernel == "native" and layer._kernel(x.numel()) == "native"
+    layer(x).sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Build cache and the fallback without a compiler (runs also where the kernel is unavailable)
+# ------------------------------------------------------------------------------------------------------------
+def _fresh_native_state(monkeypatch, tmp_path, path: str):
+    monkeypatch.setattr(native_cast, "_state", {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", path)
+
+
+def test_without_a_compiler_quantize_falls_back_to_eager_and_says_why(monkeypatch, tmp_path):
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    _fresh_native_state(monkeypatch, tmp_path, str(empty))
+    x = torch.randn(40, 70)
+    with pytest.warns(RuntimeWarning, match="native FP8 cast is unavailable.*no C compiler"):
+        q = quantize(x, "e4m3fn", granularity="row", kernel="native", keep_values=True)
+    assert not native_cast.available() and "no C compiler" in native_cast.unavailable_reason()
+    eager = quantize(x, "e4m3fn", granularity="row", kernel="eager", keep_values=True)
+    assert torch.equal(q.data.view(torch.uint8), eager.data.view(torch.uint8)) and torch.equal(q.scale, eager.scale)
+    assert Fp8Linear(70, 8)._kernel(x.numel()) == "eager"  # the layer's default runs eagerly, no probe
+
+
+def test_a_failing_compiler_falls_back_too(monkeypatch, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in native_cast.COMPILER_NAMES:  # a "gcc" that prints a version and fails every build
+        script = bin_dir / name
+        script.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\n"
+                          "echo 'fatal: no space' >&2; exit 3\n")
+        script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    _fresh_native_state(monkeypatch, tmp_path, f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    with pytest.warns(RuntimeWarning, match="failed \\(3\\): fatal: no space"):
+        assert not native_cast.available()
+    assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-written is left to be loaded
+
+
+@needs_native
+def test_build_goes_to_a_cache_keyed_by_source_compiler_and_cpu(monkeypatch, tmp_path):
+    _fresh_native_state(monkeypatch, tmp_path, os.environ.get("PATH", ""))
+    assert native_cast.available()
+    built = list((tmp_path / "cache" / "fp8train" / "native").glob("native_cast-*.so"))
+    assert len(built) == 1
+    monkeypatch.setattr(native_cast, "_state", {})  # a second process: loads the cached library, no build
+    mtime = built[0].stat().st_mtime_ns
+    assert native_cast.available() and built[0].stat().st_mtime_ns == mtime
