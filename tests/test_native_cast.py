@@ -166,6 +166,27 @@ def test_amax_and_mx_match_eager(rng):
         assert torch.equal(native.values.nan_to_num(), eager.values.nan_to_num())
 
 
+@needs_native
+@pytest.mark.parametrize("block", [(1, 128), (128, 128), (3, 5)])
+def test_dequantized_values_are_value_times_scale(block, rng):
+    """What the block recipes' emulated GEMMs read, written by the quantize pass or by the dequantize op from
+    saved bytes: data * scale per tile, one fp32 product each (numpy's float32 product as the reference)."""
+    base = torch.from_numpy((rng.standard_normal((200, 300)) * 9).astype(F32))
+    base[1, 2] = math.nan
+    for x in (base, base.t()):
+        q = quantize(x, "e4m3fn", granularity="block", block=block, pow2=False, kernel="native",
+                     keep_dequantized=True)
+        eager = quantize(x, "e4m3fn", granularity="block", block=block, kernel="eager", keep_dequantized=True)
+        assert q.values is None and torch.equal(q.data.view(torch.uint8), eager.data.view(torch.uint8))
+        with np.errstate(invalid="ignore"):
+            expected = ml_decode(q.data.view(torch.uint8).numpy(), "e4m3fn") * q.expanded_scale().numpy()
+        for got in (q.dequantized, native_cast.dequantize(q.data, q.scale, "block", *q.block), eager.dequantized):
+            assert got.dtype == torch.float32 and got.shape == x.shape
+            np.testing.assert_array_equal(got.numpy(), expected.astype(F32))
+    mx = quantize_mx(base, "e5m2", kernel="native", keep_dequantized=True)
+    assert torch.equal(mx.dequantized.nan_to_num(), quantize_mx(base, "e5m2").dequantize().nan_to_num())
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Decode: all 256 codes
 # ------------------------------------------------------------------------------------------------------------

@@ -52,12 +52,15 @@ class Fp8Operand:
     __slots__ = ("_data", "_transposed_from", "scale", "block", "_cache")
 
     def __init__(self, data: torch.Tensor | None, scale: torch.Tensor, block: tuple[int, int] | None = None,
-                 values: torch.Tensor | None = None):
+                 values: torch.Tensor | None = None, dequantized: torch.Tensor | None = None):
         assert data is None or data.dim() == 2, "Fp8Operand is 2-D; flatten leading dims first"
         self._data, self.scale, self.block = data, scale, block
         self._transposed_from: Fp8Operand | None = None  # set by t(): views of it are taken on first use
-        # `values`: the FP8 values the quantizer already produced, keyed by dtype (saves a decode pass).
+        # `values`: the FP8 values the quantizer already produced, keyed by dtype (saves a decode pass);
+        # `dequantized`: values * scale in fp32, when the quantizer wrote those instead (saves that pass too).
         self._cache: dict = {} if values is None else {values.dtype: values}
+        if dequantized is not None:
+            self._cache[("dequantized", torch.float32)] = dequantized
 
     @property
     def data(self) -> torch.Tensor:
@@ -91,7 +94,7 @@ class Fp8Operand:
         if q.granularity == "row" and q.axis % 2 != 1:
             raise ValueError("Fp8Operand takes row scales shared along the last dim (axis=-1)")
         return cls(q.data, q.scale, q.block if q.granularity == "block" else None,
-                   q.values if keep_values else None)
+                   q.values if keep_values else None, q.dequantized if keep_values else None)
 
     @property
     def shape(self) -> torch.Size:

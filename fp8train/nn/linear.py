@@ -247,6 +247,16 @@ class Fp8Linear(nn.Linear):
             return decode_fp8(data, self._formats[role])
         return decode_fp8(data, self._formats[role], self._kernel(data.numel()))
 
+    def _saved_operand(self, role: str, data: torch.Tensor, scale: torch.Tensor, block, keep_values: bool):
+        """The operand of FP8 bytes saved for backward, with what the emulated GEMM reads: the values, or for
+        block tiles value * scale in one native op (bytes, scale grid -> fp32) where the C kernel runs."""
+        if not keep_values:
+            return Fp8Operand(data, scale, block)
+        if block is not None and self._kernel(data.numel()) == "native" and \
+                native_cast.dequantizable(data, scale, "block", *block):
+            return Fp8Operand(data, scale, block, dequantized=native_cast.dequantize(data, scale, "block", *block))
+        return Fp8Operand(data, scale, block, self._decode(role, data))
+
     def _quantize(self, role: str, tensor: torch.Tensor, keep_values: bool = True) -> Fp8Tensor:
         """FP8 copy of a 2-D operand with the recipe's format/granularity for `role`; updates scaling state."""
         r = self.recipe
@@ -257,6 +267,10 @@ class Fp8Linear(nn.Linear):
             self._record_amax(role, quantized.amax)
             return quantized  # no weight telemetry: the fp32 weight is not gathered
         kernel = self._kernel(tensor.numel())
+        # Block tiles (block, mxfp8) vary along K, so the emulated GEMMs read value * scale: the C kernel writes
+        # that in the same pass instead of the values (eager and CUDA paths unchanged).
+        blocked = kernel == "native" and r.granularity_of(role) == "block"
+        keep = dict(keep_values=keep_values and not blocked, keep_dequantized=keep_values and blocked)
         if r.is_delayed:
             amax = compute_amax(tensor, kernel=kernel)
             self._record_amax(role, amax)
@@ -265,12 +279,12 @@ class Fp8Linear(nn.Linear):
                                  validate_scale=False, kernel=kernel)
             quantized.amax = amax
         elif r.scaling == "mxfp8":
-            quantized = quantize_mx(tensor, fmt, keep_values=True, kernel=kernel)
+            quantized = quantize_mx(tensor, fmt, kernel=kernel,
+                                    **(keep if blocked else dict(keep_values=True)))
             nonfinite_count.add_((~torch.isfinite(quantized.amax)).any().long())
         else:
             quantized = quantize(tensor, fmt, granularity=r.granularity_of(role), block=r.block_of(role),
-                                 axis=-1, margin=r.margin, pow2=r.pow2_scales, keep_values=keep_values,
-                                 kernel=kernel)
+                                 axis=-1, margin=r.margin, pow2=r.pow2_scales, kernel=kernel, **keep)
         if r.scaling in ("current", "rowwise", "block"):
             nonfinite = quantized.amax.isfinite().logical_not()
             nonfinite_count.add_(nonfinite if r.is_tensorwise else nonfinite.any())
@@ -304,13 +318,15 @@ class Fp8Linear(nn.Linear):
         dim, written straight in the layout its backward GEMM reads (no separate FP8 transpose). Counters and
         telemetry come from the primary quantization of the same tensor."""
         r = self.recipe
+        kernel = self._kernel(tensor.numel())
+        blocked = kernel == "native" and r.granularity_of(role) == "block"  # as in _quantize
         with torch.no_grad():
             tensor_t = tensor.t()
             if r.scaling == "mxfp8":
-                return quantize_mx(tensor_t, r.format_of(role), kernel=self._kernel(tensor.numel()))
+                return quantize_mx(tensor_t, r.format_of(role), kernel=kernel, keep_dequantized=blocked)
             return quantize(tensor_t, self._formats[role], granularity=r.granularity_of(role),
                             block=r.block_of(role), axis=-1, margin=r.margin, pow2=r.pow2_scales,
-                            keep_values=True, kernel=self._kernel(tensor.numel()))
+                            keep_values=not blocked, keep_dequantized=blocked, kernel=kernel)
 
     def _record_stats(self, role: str, tensor: torch.Tensor, quantized: Fp8Tensor) -> None:
         stats = quant_error(tensor, quantized)

@@ -64,8 +64,8 @@ class Fp8LinearFunction(torch.autograd.Function):
                 if r.requantize_transposed("grad_output"):
                     grad_output_t_op = Fp8Operand.from_fp8_tensor(
                         layer._quantize_transposed("grad_output", grad_output))   # (N, M), scales along N
-                input_values = layer._decode("input", input_data) if keep_values else None
-                input_op = Fp8Operand(input_data, input_scale, ctx.input_block, input_values)  # (M, K), or (K, M)
+                input_op = layer._saved_operand("input", input_data, input_scale, ctx.input_block,
+                                                keep_values)  # (M, K), or (K, M)
                 if ctx.input_transposed:
                     input_op = input_op.t()
                 grad_weight = fp8_mm(grad_output_t_op, input_op, backend, out_dtype=ctx.weight_dtype,

@@ -56,19 +56,21 @@ def e8m0_codes(scale: torch.Tensor) -> torch.Tensor:
     return (exponent - 1 + E8M0_BIAS).to(torch.uint8)
 
 
-def quantize_mx(x: torch.Tensor, fmt="e4m3fn", *, keep_values: bool = False, kernel: str = "eager") -> Fp8Tensor:
+def quantize_mx(x: torch.Tensor, fmt="e4m3fn", *, keep_values: bool = False, kernel: str = "eager",
+                keep_dequantized: bool = False) -> Fp8Tensor:
     """MX-quantize the last dim of a 2-D `x` in blocks of 32 (a ragged last block is padded for its amax).
-    ``kernel='native'``: amax, the MX scale rule and the cast in the C kernel (same bytes), where it takes x."""
+    ``kernel='native'``: amax, the MX scale rule and the cast in the C kernel (same bytes), where it takes x;
+    ``keep_dequantized`` as in quant.quantize."""
     block = (1, MX_BLOCK_SIZE)
     if kernel == "native" and x.dim() == 2 and x.numel():
         native = native_quantize(x, get_format(fmt), "block", 1, MX_BLOCK_SIZE, -1, 0, False, True, None,
-                                  keep_values, rule=native_cast.RULE_MX)
+                                 keep_values, rule=native_cast.RULE_MX, keep_dequantized=keep_dequantized)
         if native is not None:
             return native
     amax = compute_amax(x, "block", block)
     scale = mx_scale_from_amax(amax, fmt)
     # Elements are clamped to +-max (saturate=True): the spec's rule for values that scale past max normal.
     q = quantize(x, fmt, granularity="block", block=block, scale=scale, keep_values=keep_values,
-                 validate_scale=False)
+                 validate_scale=False, keep_dequantized=keep_dequantized)
     q.amax = amax
     return q

@@ -36,6 +36,7 @@
 typedef struct {
     int32_t mantissa_bits, bias, special, saturate, max_is_even;
     int32_t rule, pow2, fp32_divide, mx_emax;
+    int32_t dequantize;            /* values out = FP8 value * scale (what a GEMM with scales along K reads) */
     uint32_t max_bits, limit_bits; /* fp32 bits of fmt.max and of max + step_at_max / 2 */
     double divisor, cap, tiny;     /* fmt.max * 2^-margin, max_scale(fmt.max, pow2), 2^-126 */
     float lut[256];                /* FP8 code -> fp32 value (torch's own decode, NaN payloads included) */
@@ -376,6 +377,10 @@ static void cast_segment(const job_t *j, int64_t offset, int64_t n, const float 
         encode_chunk(&e, saturate, kind, y + done, len - done, o + done);
         if (v) /* the values of the tail (all of them without AVX2), while the codes are in L1 */
             for (int64_t i = done; i < len; i++) v[i] = lut[o[i]];
+        if (v && j->p->dequantize) { /* one fp32 product per value, as torch's values * scale */
+            if (col_scale) for (int64_t i = 0; i < len; i++) v[i] = v[i] * col_scale[c0 + i];
+            else for (int64_t i = 0; i < len; i++) v[i] = v[i] * scale;
+        }
     }
 }
 
@@ -558,6 +563,55 @@ int fp8_decode(const float *lut, const uint8_t *codes, int64_t n, void *out, int
     return 0;
 }
 
+/* ---- dequantize: FP8 bytes and their tile scales -> value * scale in fp32 ------------------------------ */
+typedef struct {
+    const float *lut, *scale;
+    const uint8_t *codes;
+    float *out;
+    int64_t batch, rows, cols, tile_r, tile_c;
+    int32_t nthreads, id;
+} dequant_job;
+
+static void *dequant_worker(void *arg) {
+    dequant_job *d = (dequant_job *)arg;
+    const int64_t total = d->batch * d->rows, ntc = (d->cols + d->tile_c - 1) / d->tile_c;
+    const int64_t ntr = (d->rows + d->tile_r - 1) / d->tile_r;
+    const int64_t lo = total * d->id / d->nthreads, hi = total * (d->id + 1) / d->nthreads;
+    float *col_scale = malloc((size_t)d->cols * 4);
+    int64_t expanded_row = -1;
+    for (int64_t g = lo; g < hi; g++) { /* g: a row of the (batch * rows, cols) matrix */
+        const int64_t b = g / d->rows, grid_row = b * ntr + (g % d->rows) / d->tile_r;
+        const float *scales = d->scale + grid_row * ntc;
+        const uint8_t *c = d->codes + g * d->cols;
+        float *o = d->out + g * d->cols;
+        if (grid_row != expanded_row) { /* one scale per column, remade when the tile row changes */
+            for (int64_t col = 0; col < d->cols; col++) col_scale[col] = scales[col / d->tile_c];
+            expanded_row = grid_row;
+        }
+        for (int64_t col = 0; col < d->cols; col++) o[col] = d->lut[c[col]] * col_scale[col];
+    }
+    free(col_scale);
+    return NULL;
+}
+
+int fp8_dequantize(const float *lut, const uint8_t *codes, int64_t batch, int64_t rows, int64_t cols, int64_t tile_r,
+                   int64_t tile_c, const float *scale, float *out, int32_t nthreads) {
+    if (rows <= 0 || cols <= 0 || batch <= 0 || tile_r <= 0 || tile_c <= 0) return -100;
+    dequant_job jobs[64];
+    pthread_t threads[64];
+    int started[64] = {0};
+    nthreads = thread_count(batch * rows * cols, batch * rows, nthreads);
+    for (int32_t i = 0; i < nthreads; i++)
+        jobs[i] = (dequant_job){lut, scale, codes, out, batch, rows, cols, tile_r, tile_c, nthreads, i};
+    for (int32_t i = 1; i < nthreads; i++) started[i] = pthread_create(&threads[i], NULL, dequant_worker, &jobs[i]) == 0;
+    dequant_worker(&jobs[0]);
+    for (int32_t i = 1; i < nthreads; i++) {
+        if (started[i]) pthread_join(threads[i], NULL);
+        else dequant_worker(&jobs[i]);
+    }
+    return 0;
+}
+
 /* The ABI version the Python side checks before using this library. */
-int fp8_abi_version(void) { return 1; }
+int fp8_abi_version(void) { return 2; }
 int fp8_params_size(void) { return (int)sizeof(fp8_params); }

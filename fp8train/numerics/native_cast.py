@@ -43,14 +43,15 @@ COMPILER_NAMES = ("gcc", "cc")
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
 RULE_GIVEN, RULE_AMAX, RULE_MX = 0, 1, 2  # as in native_cast.c
 _SPECIAL = {"ieee": 0, "fn": 1, "fnuz": 2}
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 _INPUT_DTYPES = (torch.float32, torch.bfloat16)
+_FP8_DTYPES = tuple(f.torch_dtype for f in FORMATS.values())
 
 
 class _Params(ctypes.Structure):
     """fp8_params in native_cast.c (its size is checked against the library's)."""
     _fields_ = [(name, ctypes.c_int32) for name in ("mantissa_bits", "bias", "special", "saturate", "max_is_even",
-                                                     "rule", "pow2", "fp32_divide", "mx_emax")] + \
+                                                     "rule", "pow2", "fp32_divide", "mx_emax", "dequantize")] + \
                [("max_bits", ctypes.c_uint32), ("limit_bits", ctypes.c_uint32), ("divisor", ctypes.c_double),
                 ("cap", ctypes.c_double), ("tiny", ctypes.c_double), ("lut", ctypes.c_float * 256)]
 
@@ -129,6 +130,8 @@ def _load() -> ctypes.CDLL:
     lib.fp8_quantize.restype = ctypes.c_int
     lib.fp8_decode.argtypes = [ptr, ptr, i64, ptr, i32, i32]
     lib.fp8_decode.restype = ctypes.c_int
+    lib.fp8_dequantize.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, i32]
+    lib.fp8_dequantize.restype = ctypes.c_int
     return lib
 
 
@@ -156,11 +159,12 @@ def _dense_kind(x: torch.Tensor) -> Optional[str]:
     return None
 
 
-def layout(x: torch.Tensor, granularity: str, block_rows: int = 1, block_cols: int = 1,
-           axis: int = -1) -> Optional[NativeLayout]:
+def layout(x: torch.Tensor, granularity: str, block_rows: int = 1, block_cols: int = 1, axis: int = -1,
+           dtypes: tuple = _INPUT_DTYPES) -> Optional[NativeLayout]:
     """The native kernel's view of quantizing ``x`` (``axis`` normalized, blocks already capped to the tensor),
-    or None when the native kernel does not take it (device, dtype, memory layout, an inner row axis)."""
-    if x.device.type != "cpu" or x.dtype not in _INPUT_DTYPES or x.numel() == 0:
+    or None when the native kernel does not take it (device, dtype, memory layout, an inner row axis).
+    ``dtypes``: what x may be (fp32/bf16 to quantize; the FP8 dtypes to dequantize)."""
+    if x.device.type != "cpu" or x.dtype not in dtypes or x.numel() == 0:
         return None
     kind = _dense_kind(x)
     if kind is None:
@@ -204,13 +208,13 @@ def capped_block(x: torch.Tensor, block_rows: int, block_cols: int) -> tuple[int
     return max(min(block_rows, rows), 1), max(min(block_cols, cols), 1)
 
 
-def usable_layout(x: torch.Tensor, granularity: str, block_rows: int, block_cols: int,
-                  axis: int) -> Optional[NativeLayout]:
+def usable_layout(x: torch.Tensor, granularity: str, block_rows: int, block_cols: int, axis: int,
+                  dtypes: tuple = _INPUT_DTYPES) -> Optional[NativeLayout]:
     """``layout()`` with the block capped to the tensor, or None when the kernel is not built or torch.compile is
     tracing (there the eager math is traced inline and fused instead)."""
     if torch.compiler.is_compiling() or not available():
         return None
-    return layout(x, granularity, *capped_block(x, block_rows, block_cols), axis)
+    return layout(x, granularity, *capped_block(x, block_rows, block_cols), axis, dtypes)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -224,14 +228,15 @@ def _f32_bits(value: float) -> int:
 
 
 def _params(fmt: Fp8Format, saturate: bool, rule: int, divisor: float, cap: float, pow2: bool,
-            fp32_divide: bool, mx_emax: int) -> _Params:
-    key = (fmt.name, saturate, rule, divisor, cap, pow2, fp32_divide, mx_emax)
+            fp32_divide: bool, mx_emax: int, dequantize: bool = False) -> _Params:
+    key = (fmt.name, saturate, rule, divisor, cap, pow2, fp32_divide, mx_emax, dequantize)
     found = _params_cache.get(key)
     if found is None:
         found = _Params()
         found.mantissa_bits, found.bias, found.special = fmt.mantissa_bits, fmt.bias, _SPECIAL[fmt.special]
         found.saturate, found.max_is_even = int(saturate), int((fmt.max / fmt.step_at_max) % 2 == 0)
         found.rule, found.pow2, found.fp32_divide, found.mx_emax = rule, int(pow2), int(fp32_divide), mx_emax
+        found.dequantize = int(dequantize)
         found.max_bits, found.limit_bits = _f32_bits(fmt.max), _f32_bits(fmt.max + fmt.step_at_max / 2)
         found.divisor, found.cap, found.tiny = divisor, cap, float(torch.finfo(torch.float32).tiny)
         # raw bits: through Python floats a signaling-NaN payload (FNUZ's 0x7F800001) would come back quieted
@@ -299,6 +304,7 @@ _LIB = torch.library.Library("fp8train", "DEF")
 _LIB.define("quantize_fp8(Tensor x, Tensor? scale, str options) -> (Tensor, Tensor, Tensor, Tensor)")
 _LIB.define("amax(Tensor x, str options) -> Tensor")
 _LIB.define("decode_fp8(Tensor data, str fmt, ScalarType dtype) -> Tensor")
+_LIB.define("dequantize_fp8(Tensor data, Tensor scale, str options) -> Tensor")
 
 
 @dataclass(frozen=True)
@@ -317,6 +323,7 @@ class CastOptions:
     mx_emax: int
     saturate: bool
     keep_values: bool
+    dequantize: bool = False  # the kept values are value * scale (fp32), not the FP8 values
 
     def encode(self) -> str:
         text = _encoded.get(self)
@@ -328,7 +335,7 @@ class CastOptions:
 
 _encoded: dict = {}
 _decoded: dict = {}
-_FIELD_TYPES = (str, str, int, int, int, int, float, float, bool, bool, int, bool, bool)
+_FIELD_TYPES = (str, str, int, int, int, int, float, float, bool, bool, int, bool, bool, bool)
 
 
 def _options(text: str) -> CastOptions:
@@ -356,7 +363,7 @@ def _quantize_fp8_cpu(x, scale, options):
     if scale is not None:
         scale_in = _scale_in_memory_order(scale, lay)
         rule = RULE_GIVEN
-    params = _params(fmt, o.saturate, rule, o.divisor, o.cap, o.pow2, o.fp32_divide, o.mx_emax)
+    params = _params(fmt, o.saturate, rule, o.divisor, o.cap, o.pow2, o.fp32_divide, o.mx_emax, o.dequantize)
     rc = _state["lib"].fp8_quantize(
         ctypes.byref(params), x.data_ptr(), int(x.dtype == torch.bfloat16), lay.batch, lay.rows, lay.cols,
         lay.tile_rows, lay.tile_cols, None if scale_in is None else scale_in.data_ptr(), data.data_ptr(),
@@ -421,7 +428,50 @@ def _decode_fake(data, fmt, dtype):
     return torch.empty_strided(data.shape, data.stride(), dtype=dtype)
 
 
+def dequantize(data: torch.Tensor, scale: torch.Tensor, granularity: str, block_rows: int, block_cols: int,
+               axis: int = -1) -> torch.Tensor:
+    """FP8 bytes and their scales (shaped per the granularity, as quantize made them) -> value * scale in fp32,
+    through the one op (``_dequantize_cpu``); the output has the bytes' layout."""
+    return dequantize_fp8(data, scale, f"{granularity},{block_rows},{block_cols},{axis}")
+
+
+def dequantizable(data: torch.Tensor, scale: torch.Tensor, granularity: str, block_rows: int, block_cols: int,
+                  axis: int = -1) -> bool:
+    lay = usable_layout(data, granularity, block_rows, block_cols, axis, _FP8_DTYPES)
+    return lay is not None and lay.batch == 1 and tuple(scale.shape) == lay.scale_shape and \
+        scale.dtype == torch.float32
+
+
+def _dequantize_layout(data, options: str) -> NativeLayout:
+    granularity, block_rows, block_cols, axis = options.split(",")
+    lay = layout(data, granularity, int(block_rows), int(block_cols), int(axis), dtypes=_FP8_DTYPES)
+    if lay is None:
+        raise ValueError(f"fp8train native dequantize: unsupported bytes (dtype {data.dtype}, shape "
+                         f"{tuple(data.shape)}, strides {data.stride()}, {options})")
+    return lay
+
+
+def _dequantize_cpu(data, scale, options):
+    lay = _dequantize_layout(data, options)
+    out = torch.empty_strided(data.shape, data.stride(), dtype=torch.float32)
+    fmt = next(f for f in FORMATS.values() if f.torch_dtype == data.dtype)
+    scale_grid = _scale_in_memory_order(scale, lay)
+    rc = _state["lib"].fp8_dequantize(_decode_table(fmt).data_ptr(), data.data_ptr(), lay.batch, lay.rows, lay.cols,
+                                      lay.tile_rows, lay.tile_cols, scale_grid.data_ptr(), out.data_ptr(),
+                                      torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"internal error: fp8train native dequantize returned {rc}")
+    return out
+
+
+def _dequantize_fake(data, scale, options):
+    _dequantize_layout(data, options)
+    return torch.empty_strided(data.shape, data.stride(), dtype=torch.float32)
+
+
 _LIB.impl("quantize_fp8", _quantize_fp8_cpu, "CPU")
+_LIB.impl("dequantize_fp8", _dequantize_cpu, "CPU")
+torch.library.register_fake("fp8train::dequantize_fp8", _dequantize_fake, lib=_LIB)
 _LIB.impl("amax", _amax_cpu, "CPU")
 _LIB.impl("decode_fp8", _decode_cpu, "CPU")
 torch.library.register_fake("fp8train::quantize_fp8", _quantize_fp8_fake, lib=_LIB)
@@ -430,6 +480,7 @@ torch.library.register_fake("fp8train::decode_fp8", _decode_fake, lib=_LIB)
 quantize_fp8 = torch.ops.fp8train.quantize_fp8.default
 amax = torch.ops.fp8train.amax.default
 decode = torch.ops.fp8train.decode_fp8.default
+dequantize_fp8 = torch.ops.fp8train.dequantize_fp8.default
 
 
 def decodable(data: torch.Tensor, dtype: torch.dtype) -> bool:

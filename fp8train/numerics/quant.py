@@ -66,6 +66,7 @@ class Fp8Tensor:
     axis: int = -1
     amax: Optional[torch.Tensor] = None  # the amax the scale was made from (None when the scale was given)
     values: Optional[torch.Tensor] = field(default=None, repr=False)  # data as fp32, when the kernel kept it
+    dequantized: Optional[torch.Tensor] = field(default=None, repr=False)  # data * scale in fp32, when kept
 
     @property
     def shape(self) -> torch.Size:
@@ -82,6 +83,8 @@ class Fp8Tensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``data * scale`` in ``dtype``. The product is taken in float64 when that is asked for (exact: an FP8
         value has at most 4 significant bits, a scale 24), else in float32 and then rounded to ``dtype``."""
+        if dtype == torch.float32 and self.dequantized is not None:
+            return self.dequantized
         compute = torch.float64 if dtype == torch.float64 else torch.float32
         return (self.unscaled(compute) * self.expanded_scale().to(compute)).to(dtype)
 
@@ -286,13 +289,16 @@ def _format_of(dtype: torch.dtype) -> Fp8Format:
 # ------------------------------------------------------------------------------------------------------------
 def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", block=(1, 128), axis: int = -1,
              margin: int = 0, pow2: bool = False, saturate: bool = True, scale=None,
-             keep_values: bool = False, validate_scale: bool = True, kernel: str = "eager") -> Fp8Tensor:
+             keep_values: bool = False, validate_scale: bool = True, kernel: str = "eager",
+             keep_dequantized: bool = False) -> Fp8Tensor:
     """Quantize ``x`` to FP8. ``scale`` (a dequant scale, shaped per the granularity) skips the amax.
 
     ``keep_values`` also keeps the fp32 copy of the FP8 values the kernel produced (saves a decode when the
     caller feeds them straight into a GEMM). ``validate_scale=False`` skips checking that a given scale is finite
     and positive, a host sync per call on a GPU: for scales from ``scale_from_amax``, which guarantees both.
     ``kernel``: one of QUANT_KERNELS (see the module docstring); all give the same bits.
+    ``keep_dequantized`` also keeps ``data * scale`` in fp32 (``.dequantized``: what an emulated GEMM whose scales
+    vary along its contracted dim reads); the native kernel writes it in the same pass, instead of the values.
     A block larger than the tensor is one block over the whole tensor (it is recorded at the tensor's size).
     """
     _check_input(x)
@@ -316,7 +322,7 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
         _check_amax_range(x.detach().abs().amax(), fmt, margin)
     if kernel == "native":
         native = native_quantize(x, fmt, granularity, br, bc, axis, margin, bool(pow2), saturate, scale,
-                                 keep_values)
+                                 keep_values, keep_dequantized=keep_dequantized)
         if native is not None:
             return native
         kernel = "eager"  # not a case the C kernel takes: the same bytes eagerly
@@ -330,11 +336,15 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
         data = _untile(data, x.shape, br, bc)
         grid = _untile(grid, x.shape, br, bc) if grid is not None else None
     data = data if data.dtype == fmt.torch_dtype else data.view(fmt.torch_dtype)
-    return Fp8Tensor(data, scale, fmt, granularity, (br, bc), axis, amax, grid)
+    quantized = Fp8Tensor(data, scale, fmt, granularity, (br, bc), axis, amax, grid)
+    if keep_dequantized:
+        quantized.dequantized = quantized.dequantize(torch.float32)
+    return quantized
 
 
 def native_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, margin: int, pow2: bool,
-                    saturate: bool, scale, keep_values: bool, rule: int = native_cast.RULE_AMAX):
+                    saturate: bool, scale, keep_values: bool, rule: int = native_cast.RULE_AMAX,
+                    keep_dequantized: bool = False):
     """quantize() through the C kernel (one op), or None where it does not apply. The scale rule's constants
     are scaling.scale_rule's: the divisor fmt.max * 2**-margin, the cap, and whether the division is its fp32
     one (tests/test_native_cast.py checks the scales bit for bit against the eager rule and a reference)."""
@@ -345,12 +355,16 @@ def native_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis:
         return None
     divisor = fmt.max * 2.0 ** -margin
     fp32_divide = not pow2 and _fp32_exact(divisor) and divisor >= 1
+    dequantized_only = keep_dequantized and not keep_values  # the kernel's values buffer holds value * scale
     options = native_cast.CastOptions(fmt.name, granularity, br, bc, axis, rule, divisor, _CAPS[(fmt.name, pow2)],
                                       pow2, fp32_divide, math.frexp(fmt.max)[1] - 1, bool(saturate),
-                                      bool(keep_values))
+                                      bool(keep_values or keep_dequantized), dequantized_only)
     data, scale_out, amax, values = native_cast.quantize(x, scale, options)
-    return Fp8Tensor(data, scale if scale is not None else scale_out, fmt, granularity, (br, bc), axis,
-                     None if scale is not None else amax, values if keep_values else None)
+    quantized = Fp8Tensor(data, scale if scale is not None else scale_out, fmt, granularity, (br, bc), axis,
+                          None if scale is not None else amax, values if keep_values else None)
+    if keep_dequantized:
+        quantized.dequantized = values if dequantized_only else quantized.dequantize(torch.float32)
+    return quantized
 
 
 def _quantize_empty(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, scale, keep_values: bool):
