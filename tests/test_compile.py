@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from fp8train.nn.linear import Fp8Linear, configure_execution
 from fp8train.nn.recipes import RECIPE_NAMES
-from fp8train.numerics import kernel_probe, native_cast
+from fp8train.numerics import kernel_probe, native_build, native_cast
 from fp8train.numerics.quant import QUANT_KERNELS, quantize
 from fp8train.training.compile import check_compiler
 from fp8train.training.config import load_config
@@ -98,7 +98,7 @@ def test_auto_reads_the_cached_answer_for_this_machine(tmp_path, monkeypatch):
     if native_cast.available():
         assert kernel_probe.resolve_kernel("auto", "cpu", cache_path=tmp_path / "unused.json") == "native"
         assert not (tmp_path / "unused.json").exists()  # nothing measured, nothing cached
-    monkeypatch.setattr(native_cast, "_state", {"reason": "test: as on a machine without a C compiler"})
+    monkeypatch.setattr(native_build, "_state", {"reason": "test: as on a machine without a C compiler"})
     path = tmp_path / "k.json"
     key = kernel_probe.machine_key("cpu")
     path.write_text(json.dumps({key: {"kernel": "compiled_select"}, "another machine": {"kernel": "eager"}}))

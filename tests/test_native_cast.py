@@ -17,7 +17,7 @@ import torch
 
 from fp8train.bench.harness import count_top_level_ops
 from fp8train.nn.linear import Fp8Linear
-from fp8train.numerics import native_cast
+from fp8train.numerics import native_build, native_cast
 from fp8train.numerics.formats import get_format
 from fp8train.numerics.mx import quantize_mx
 from fp8train.numerics.quant import compute_amax, decode_fp8, quantize
@@ -255,7 +255,7 @@ def test_fp8linear_uses_it_by_default():
 # Build cache and the fallback without a compiler (runs also where the kernel is unavailable)
 # ------------------------------------------------------------------------------------------------------------
 def _fresh_native_state(monkeypatch, tmp_path, path: str):
-    monkeypatch.setattr(native_cast, "_state", {})
+    monkeypatch.setattr(native_build, "_state", {})
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("PATH", path)
 
@@ -276,7 +276,7 @@ def test_without_a_compiler_quantize_falls_back_to_eager_and_says_why(monkeypatc
 def test_a_failing_compiler_falls_back_too(monkeypatch, tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name in native_cast.COMPILER_NAMES:  # a "gcc" that prints a version and fails every build
+    for name in native_build.COMPILER_NAMES:  # a "gcc" that prints a version and fails every build
         script = bin_dir / name
         script.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\n"
                           "echo 'fatal: no space' >&2; exit 3\n")
@@ -293,6 +293,6 @@ def test_build_goes_to_a_cache_keyed_by_source_compiler_and_cpu(monkeypatch, tmp
     assert native_cast.available()
     built = list((tmp_path / "cache" / "fp8train" / "native").glob("native_cast-*.so"))
     assert len(built) == 1
-    monkeypatch.setattr(native_cast, "_state", {})  # a second process: loads the cached library, no build
+    monkeypatch.setattr(native_build, "_state", {})  # a second process: loads the cached library, no build
     mtime = built[0].stat().st_mtime_ns
     assert native_cast.available() and built[0].stat().st_mtime_ns == mtime

@@ -131,7 +131,8 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"sections (default {','.join(SECTIONS)}; also: {','.join(OPTIONAL_SECTIONS)})")
     parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
-                        help="quantize kernel in the ops/linear/train sections: on = the fastest bit-exact kernel "
+                        help="quantize kernel in the ops/linear/train sections: on a CPU where fp8train's C kernel "
+                        "builds, native (it compiles nothing of torch's); else on = the fastest bit-exact kernel "
                         "measured for this machine, off = eager (auto: eager for --quick on CPU)")
     parser.add_argument("--no-malloc-tuning", action="store_true", help="leave glibc's allocator settings alone")
     parser.add_argument("--train-config", metavar="YAML", help="recipe whose model/batch the train and memory "

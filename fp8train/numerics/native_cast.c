@@ -344,10 +344,15 @@ static int64_t encode_chunk_avx2(const enc_t *e, int32_t saturate, int32_t kind,
 #endif
 
 #define CHUNK 512
+#define PREFETCH_AHEAD (4 * CHUNK) /* elements */
 
 /* y = x / scale for one chunk (one scale, or one per column); bf16 is widened exactly first. */
 static void divide_chunk(const void *x, int32_t x_bf16, int64_t offset, int64_t n, const float *col_scale,
                          float scale, float *y) {
+    /* the next chunks' input, requested now: the encode below is long enough that the hardware prefetcher
+     * alone falls behind (measured: half the read bandwidth of a plain amax pass) */
+    const char *ahead = (const char *)x + (offset + PREFETCH_AHEAD) * (x_bf16 ? 2 : 4);
+    for (int64_t b = 0; b < n * (x_bf16 ? 2 : 4); b += 64) __builtin_prefetch(ahead + b, 0, 0);
     if (x_bf16) {
         const uint16_t *xb = (const uint16_t *)x + offset;
         if (col_scale) for (int64_t i = 0; i < n; i++) y[i] = u2f((uint32_t)xb[i] << 16) / col_scale[i];

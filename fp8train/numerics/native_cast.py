@@ -5,135 +5,36 @@ Why: on CPUs without avx512 torch's fp32 -> float8 cast and float8 -> fp32 conve
 full-size passes. The C file restates the same chain (quant.py's module docstring; every byte equal, checked
 against ml_dtypes by tests/test_native_cast.py) in loops gcc vectorizes, one pass per tile row.
 
-Build: on first use, with the system C compiler (``gcc``, else ``cc``, from PATH) and
-``-O3 -march=native -pthread``, into ``$XDG_CACHE_HOME/fp8train/native/`` (default ``~/.cache``), keyed by the
-source's hash, the compiler's version and the CPU's flags; later processes load the cached library in
-milliseconds. Without a compiler, or when the build or load fails, ``available()`` is False, the reason is
-warned once (``unavailable_reason()``), and quantize runs its eager kernel instead (same bytes, slower).
+Build: on first use with the system C compiler, cached per machine (native_build.py). Without a compiler, or
+when the build or load fails, ``available()`` is False, the reason is warned once (``unavailable_reason()``),
+and quantize runs its eager kernel instead (same bytes, slower).
 
 Ops (torch.library, so each is ONE op in a profile and torch.compile can trace it, via its fake impl):
 ``fp8train::quantize_fp8`` (amax -> scale -> x / scale -> FP8 bytes, optionally the FP8 values in fp32),
-``fp8train::amax`` and ``fp8train::decode_fp8``. Inputs: fp32 or bf16 CPU tensors, contiguous or the transpose
+``fp8train::amax``, ``fp8train::decode_fp8`` (a 256-entry table) and ``fp8train::dequantize_fp8`` (bytes and
+tile scales -> value * scale). Inputs: fp32 or bf16 CPU tensors, contiguous or the transpose
 of a contiguous 2-D tensor; ``layout()`` says whether a call is supported (None: use the eager kernel).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
 
 from fp8train.numerics.formats import FORMATS, Fp8Format
+from fp8train.numerics.native_build import Params, available, library, unavailable_reason
 
 __all__ = ["available", "unavailable_reason", "layout", "usable_layout", "capped_block", "NativeLayout",
-           "CastOptions", "quantize", "compute_amax", "decode", "decodable", "RULE_GIVEN", "RULE_AMAX", "RULE_MX",
-           "COMPILER_NAMES", "SOURCE"]
+           "CastOptions", "quantize", "compute_amax", "decode", "decodable", "dequantize", "dequantizable",
+           "RULE_GIVEN", "RULE_AMAX", "RULE_MX"]
 
-SOURCE = Path(__file__).with_name("native_cast.c")
-COMPILER_NAMES = ("gcc", "cc")
-_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
 RULE_GIVEN, RULE_AMAX, RULE_MX = 0, 1, 2  # as in native_cast.c
 _SPECIAL = {"ieee": 0, "fn": 1, "fnuz": 2}
-_ABI_VERSION = 2
 _INPUT_DTYPES = (torch.float32, torch.bfloat16)
 _FP8_DTYPES = tuple(f.torch_dtype for f in FORMATS.values())
-
-
-class _Params(ctypes.Structure):
-    """fp8_params in native_cast.c (its size is checked against the library's)."""
-    _fields_ = [(name, ctypes.c_int32) for name in ("mantissa_bits", "bias", "special", "saturate", "max_is_even",
-                                                     "rule", "pow2", "fp32_divide", "mx_emax", "dequantize")] + \
-               [("max_bits", ctypes.c_uint32), ("limit_bits", ctypes.c_uint32), ("divisor", ctypes.c_double),
-                ("cap", ctypes.c_double), ("tiny", ctypes.c_double), ("lut", ctypes.c_float * 256)]
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Build and load (once per process; the result, good or bad, is kept)
-# ------------------------------------------------------------------------------------------------------------
-_state: dict = {}  # "lib": the loaded library, or "reason": why there is none
-
-
-def available() -> bool:
-    """Whether the native kernel is built and loaded (builds it on the first call; never raises)."""
-    if not _state:
-        try:
-            _state["lib"] = _load()
-        except Exception as err:  # no compiler, a failed build, a library that does not load: use eager
-            _state["reason"] = f"{type(err).__name__}: {err}"
-            warnings.warn(f"fp8train: the native FP8 cast is unavailable ({_state['reason']}); quantize uses its "
-                          "eager kernel (same bytes, slower). Install gcc to enable it.", RuntimeWarning,
-                          stacklevel=2)
-    return "lib" in _state
-
-
-def unavailable_reason() -> Optional[str]:
-    """Why the native kernel is not in use (None when it is, or before the first ``available()``)."""
-    return _state.get("reason")
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "fp8train" / "native"
-
-
-def _find_compiler() -> str:
-    for name in COMPILER_NAMES:
-        found = shutil.which(name)
-        if found:
-            return found
-    raise FileNotFoundError(f"no C compiler on PATH (looked for {', '.join(COMPILER_NAMES)})")
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")) and ":" in line:
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _load() -> ctypes.CDLL:
-    compiler = _find_compiler()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), version.encode(), " ".join(_FLAGS).encode(),
-                                     _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:20]
-    path = _cache_dir() / f"native_cast-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # concurrent builders each rename a whole file
-        try:
-            done = subprocess.run([compiler, *_FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
-                                  text=True, timeout=120)
-            if done.returncode != 0:
-                raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr.strip()[:400]}")
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-    lib = ctypes.CDLL(str(path))
-    if lib.fp8_abi_version() != _ABI_VERSION or lib.fp8_params_size() != ctypes.sizeof(_Params):
-        raise RuntimeError(f"{path} does not match this fp8train (ABI {lib.fp8_abi_version()})")
-    i64, i32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
-    lib.fp8_quantize.argtypes = [ctypes.POINTER(_Params), ptr, i32, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
-                                 ptr, i32]
-    lib.fp8_quantize.restype = ctypes.c_int
-    lib.fp8_decode.argtypes = [ptr, ptr, i64, ptr, i32, i32]
-    lib.fp8_decode.restype = ctypes.c_int
-    lib.fp8_dequantize.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, i32]
-    lib.fp8_dequantize.restype = ctypes.c_int
-    return lib
-
 
 # ------------------------------------------------------------------------------------------------------------
 # Memory layout: which (batch, rows, cols) matrix and which tile in memory a call is
@@ -228,11 +129,11 @@ def _f32_bits(value: float) -> int:
 
 
 def _params(fmt: Fp8Format, saturate: bool, rule: int, divisor: float, cap: float, pow2: bool,
-            fp32_divide: bool, mx_emax: int, dequantize: bool = False) -> _Params:
+            fp32_divide: bool, mx_emax: int, dequantize: bool = False) -> Params:
     key = (fmt.name, saturate, rule, divisor, cap, pow2, fp32_divide, mx_emax, dequantize)
     found = _params_cache.get(key)
     if found is None:
-        found = _Params()
+        found = Params()
         found.mantissa_bits, found.bias, found.special = fmt.mantissa_bits, fmt.bias, _SPECIAL[fmt.special]
         found.saturate, found.max_is_even = int(saturate), int((fmt.max / fmt.step_at_max) % 2 == 0)
         found.rule, found.pow2, found.fp32_divide, found.mx_emax = rule, int(pow2), int(fp32_divide), mx_emax
@@ -364,7 +265,7 @@ def _quantize_fp8_cpu(x, scale, options):
         scale_in = _scale_in_memory_order(scale, lay)
         rule = RULE_GIVEN
     params = _params(fmt, o.saturate, rule, o.divisor, o.cap, o.pow2, o.fp32_divide, o.mx_emax, o.dequantize)
-    rc = _state["lib"].fp8_quantize(
+    rc = library().fp8_quantize(
         ctypes.byref(params), x.data_ptr(), int(x.dtype == torch.bfloat16), lay.batch, lay.rows, lay.cols,
         lay.tile_rows, lay.tile_cols, None if scale_in is None else scale_in.data_ptr(), data.data_ptr(),
         scale_out.data_ptr(), _ptr(amax), _ptr(values), torch.get_num_threads())
@@ -400,7 +301,7 @@ def _amax_cpu(x, options):
     lay = _amax_layout(x, options)
     out = _amax_out(lay)
     params = _params(FORMATS["e4m3fn"], True, RULE_GIVEN, 1.0, 1.0, False, False, 0)  # no scale is made
-    rc = _state["lib"].fp8_quantize(ctypes.byref(params), x.data_ptr(), int(x.dtype == torch.bfloat16), lay.batch,
+    rc = library().fp8_quantize(ctypes.byref(params), x.data_ptr(), int(x.dtype == torch.bfloat16), lay.batch,
                                     lay.rows, lay.cols, lay.tile_rows, lay.tile_cols, None, None, None,
                                     out.data_ptr(), None, torch.get_num_threads())
     if rc != 0:
@@ -417,7 +318,7 @@ def _decode_cpu(data, fmt, dtype):
     through a 256-entry table."""
     out = torch.empty_strided(data.shape, data.stride(), dtype=dtype)
     table = _decode_table(FORMATS[fmt])
-    rc = _state["lib"].fp8_decode(table.data_ptr(), data.data_ptr(), data.numel(), out.data_ptr(),
+    rc = library().fp8_decode(table.data_ptr(), data.data_ptr(), data.numel(), out.data_ptr(),
                                   int(dtype == torch.bfloat16), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"internal error: fp8train native decode returned {rc}")
@@ -456,7 +357,7 @@ def _dequantize_cpu(data, scale, options):
     out = torch.empty_strided(data.shape, data.stride(), dtype=torch.float32)
     fmt = next(f for f in FORMATS.values() if f.torch_dtype == data.dtype)
     scale_grid = _scale_in_memory_order(scale, lay)
-    rc = _state["lib"].fp8_dequantize(_decode_table(fmt).data_ptr(), data.data_ptr(), lay.batch, lay.rows, lay.cols,
+    rc = library().fp8_dequantize(_decode_table(fmt).data_ptr(), data.data_ptr(), lay.batch, lay.rows, lay.cols,
                                       lay.tile_rows, lay.tile_cols, scale_grid.data_ptr(), out.data_ptr(),
                                       torch.get_num_threads())
     if rc != 0:
