@@ -86,8 +86,9 @@ class _State:
 def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_stop=None) -> dict:
     """Train one run as configured; returns the summary that is also written to summary.json.
 
-    ``should_stop(record) -> str | None`` is asked after every logged step (record = the metrics line); a
-    reason string stops the run there with status "stopped" (validate uses it to cut a diverging candidate).
+    ``should_stop(record) -> str | None`` is asked after every step that syncs (logged, evaluation, checkpoint
+    and telemetry steps; record = the metrics line); a reason string stops the run there with status "stopped"
+    (validate uses it to cut a diverging candidate).
     """
     run = set_up(cfg, accelerator or make_accelerator(cfg), show_progress)
     if run.plan.kind == "complete":
@@ -354,8 +355,8 @@ def evaluate(model, batches, cfg: FullConfig, accelerator) -> float:
         x, y = batches[0 if i is None else i]
         with _autocast(cfg, accelerator.device):
             _, loss = model(x.to(accelerator.device), y.to(accelerator.device))
-        if i is not None:
-            total += torch.tensor([float(loss), 1.0], dtype=torch.float64, device=accelerator.device)
+        if i is not None:  # summed on the device: one host sync per evaluation, not one per batch
+            total += torch.stack([loss.detach().double(), torch.ones((), dtype=torch.float64, device=loss.device)])
     if accelerator.num_processes > 1:
         total = accelerator.reduce(total, reduction="sum")
     model.train()

@@ -65,20 +65,27 @@ def summarize(stats: dict) -> dict:
 
 
 def counters(layers) -> dict:
-    """Running event counts over all layers (non-finite amaxes that were kept out of the scales)."""
-    out = {}
+    """Running event counts over all layers (non-finite amaxes that were kept out of the scales), read in one
+    device-to-host copy (the loop calls this on logged steps; a read per buffer was a host sync each)."""
+    keys, buffers = [], []
     for role in ROLES:
-        total = 0
-        for _, layer in layers:
-            buf = getattr(layer, f"{role}_nonfinite_amax_count", None)
-            if buf is not None:
-                total += int(buf)
-        out[f"fp8/{role}/nonfinite_amax_events"] = total
-        # Delayed scaling: steps whose whole tensor fell below the smallest normal under a stale (outlier) scale.
-        stale = [int(b) for b in (getattr(layer, f"{role}_stale_scale_steps", None) for _, layer in layers)
-                 if b is not None]
-        if stale:
-            out[f"fp8/{role}/stale_scale_steps"] = sum(stale)
+        for kind, suffix in (("nonfinite_amax_events", "nonfinite_amax_count"),
+                             # delayed scaling: steps whose whole tensor fell below the smallest normal under a
+                             # stale (outlier) scale
+                             ("stale_scale_steps", "stale_scale_steps")):
+            for _, layer in layers:
+                buf = getattr(layer, f"{role}_{suffix}", None)
+                if buf is not None:
+                    keys.append(f"fp8/{role}/{kind}")
+                    buffers.append(buf.reshape(()).long())
+    values = torch.stack(buffers).tolist() if buffers else []
+    out = {}
+    for role in ROLES:  # keys in the order the metrics line always had
+        out[f"fp8/{role}/nonfinite_amax_events"] = 0
+        if f"fp8/{role}/stale_scale_steps" in keys:
+            out[f"fp8/{role}/stale_scale_steps"] = 0
+    for key, value in zip(keys, values):
+        out[key] += value
     return out
 
 
