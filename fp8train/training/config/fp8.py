@@ -68,8 +68,8 @@ class Fp8Config(_Section):
     emulated_dtype: str = "auto"
     """Emulated GEMMs' input dtype: auto (bf16 on CUDA and on CPUs with avx512_bf16/AMX, else fp32) | fp32 | bf16."""
     quantize_kernel: str = "auto"
-    """auto (fastest bit-exact kernel, measured once per machine and cached) | eager | compiled_cast |
-    compiled_select."""
+    """auto (native on a CPU where fp8train's C kernel builds, else the fastest bit-exact kernel, measured once
+    per machine and cached) | eager | compiled_cast | compiled_select | native."""
     all_gather: bool = False
     """train.parallel=fsdp2 only: all-gather Fp8Linear weights as FP8 codes + scale instead of fp32 (tensorwise
     recipes delayed and current; rowwise and block weights have per-row / per-tile scales)."""
