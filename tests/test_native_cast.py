@@ -148,7 +148,8 @@ def test_given_scales_per_row_and_block_match_eager(rng, native_calls):
         amax = compute_amax(x, granularity, block)
         scale = torch.from_numpy(ref_scale(amax.numpy(), "e4m3fn", margin=1))
         for saturate in (True, False):
-            assert_same_as_eager(x, "e4m3fn", native_calls, granularity=granularity, block=block, scale=scale, saturate=saturate)
+            assert_same_as_eager(x, "e4m3fn", native_calls, granularity=granularity, block=block, scale=scale,
+                                 saturate=saturate)
 
 
 @needs_native
@@ -240,6 +241,15 @@ def test_the_op_traces_into_one_graph():
     compiled = torch.compile(fn, backend="eager", fullgraph=True)  # fullgraph: a graph break would raise
     for got, expected in zip(compiled(x), fn(x)):
         assert torch.equal(got, expected)
+
+
+@needs_native
+def test_outputs_never_require_grad_like_eager():
+    x = torch.randn(8, 64, requires_grad=True)
+    q = quantize(x, "e4m3fn", granularity="block", block=(1, 32), kernel="native", keep_values=True)
+    for t in (q.data, q.scale, q.amax, q.values, compute_amax(x, kernel="native"),
+              decode_fp8(q.data, kernel="native"), native_cast.dequantize(q.data, q.scale, "block", 1, 32)):
+        assert not t.requires_grad
 
 
 @needs_native

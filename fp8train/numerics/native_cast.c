@@ -1,6 +1,6 @@
 /* fp8train native cast: amax, the scale rule and the fp32/bf16 -> FP8 cast, and the FP8 -> fp32/bf16 decode.
  *
- * Built by fp8train/numerics/native_cast.py with the system C compiler (-O3 -march=native) on first use and
+ * Built by fp8train/numerics/native_build.py with the system C compiler (-O3 -march=native) on first use and
  * loaded with ctypes; the Python side passes raw pointers of contiguous CPU tensors. Every byte must equal
  * fp8train's eager quantize (torch ops one by one), which the tests check against ml_dtypes, so this file only
  * restates that chain in a form gcc vectorizes (no branches in the element loops):
@@ -415,7 +415,8 @@ static void tile_row_scales(const job_t *j, int64_t grid_row, const uint32_t *ti
     const int64_t ntc = (j->cols + j->tile_c - 1) / j->tile_c;
     for (int64_t t = 0; t < ntc; t++) {
         float amax = tile_amax[t] > 0x7F800000u ? NAN : u2f(tile_amax[t]);
-        float s = j->p->rule != RULE_GIVEN ? rule_scale(j->p, amax) : j->scale_in ? j->scale_in[grid_row * ntc + t] : 1.0f;
+        float s = j->p->rule != RULE_GIVEN ? rule_scale(j->p, amax)
+                  : j->scale_in ? j->scale_in[grid_row * ntc + t] : 1.0f; /* no scale_in: amax only */
         scale_row[t] = s;
         if (j->scale_out) j->scale_out[grid_row * ntc + t] = s;
         if (j->amax_out) j->amax_out[grid_row * ntc + t] = amax;
@@ -530,7 +531,14 @@ int fp8_quantize(const fp8_params *p, const void *x, int32_t x_bf16, int64_t bat
 }
 
 /* ---- decode --------------------------------------------------------------------------------------------- */
-typedef struct { const float *lut; const uint8_t *codes; void *out; int32_t bf16; int64_t n; int32_t nthreads, id; } decode_job;
+typedef struct {
+    const float *lut;
+    const uint8_t *codes;
+    void *out;
+    int32_t bf16;
+    int64_t n;
+    int32_t nthreads, id;
+} decode_job;
 
 static void *decode_worker(void *arg) {
     decode_job *d = (decode_job *)arg;
@@ -608,7 +616,8 @@ int fp8_dequantize(const float *lut, const uint8_t *codes, int64_t batch, int64_
     nthreads = thread_count(batch * rows * cols, batch * rows, nthreads);
     for (int32_t i = 0; i < nthreads; i++)
         jobs[i] = (dequant_job){lut, scale, codes, out, batch, rows, cols, tile_r, tile_c, nthreads, i};
-    for (int32_t i = 1; i < nthreads; i++) started[i] = pthread_create(&threads[i], NULL, dequant_worker, &jobs[i]) == 0;
+    for (int32_t i = 1; i < nthreads; i++)
+        started[i] = pthread_create(&threads[i], NULL, dequant_worker, &jobs[i]) == 0;
     dequant_worker(&jobs[0]);
     for (int32_t i = 1; i < nthreads; i++) {
         if (started[i]) pthread_join(threads[i], NULL);

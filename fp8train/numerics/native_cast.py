@@ -370,6 +370,10 @@ def _dequantize_fake(data, scale, options):
     return torch.empty_strided(data.shape, data.stride(), dtype=torch.float32)
 
 
+# Not differentiable (FP8 bytes, scales, amaxes, values of a rounding): autograd falls through, so the outputs
+# never require grad, as eager quantize's (made under no_grad) do not.
+for _name in ("quantize_fp8", "dequantize_fp8", "amax", "decode_fp8"):
+    _LIB.impl(_name, torch.library.fallthrough_kernel, "Autograd")
 _LIB.impl("quantize_fp8", _quantize_fp8_cpu, "CPU")
 _LIB.impl("dequantize_fp8", _dequantize_cpu, "CPU")
 torch.library.register_fake("fp8train::dequantize_fp8", _dequantize_fake, lib=_LIB)
