@@ -47,6 +47,7 @@ from fp8train.training.rank0 import on_main_process
 from fp8train.training.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from fp8train.training.config import FullConfig, add_config_arguments, load_config
 from fp8train.training.distributed import all_mean_tensor, fp8_state_digest, make_accelerator
+from fp8train.training.evaluation import evaluate, run_autocast
 from fp8train.training.fsdp2 import all_finite, clip_grad_norm_tensor, grad_norm_tensor, release_process_group
 from fp8train.training.run_log import MetricsLog, finish, start_logs, summarize, summary_line
 from fp8train.training.rundir import CHECKPOINTS_DIR, TELEMETRY_FILE
@@ -227,7 +228,7 @@ def _stop_diverged(run: Run, state: _State, step: int, reason: str) -> None:
     run.optimizer.zero_grad(set_to_none=True)
     x, y = list(_micro_batches(run, step))[-1]
     state.last["divergence_telemetry"] = telemetry.capture_step(
-        run.model, run.layers, x, y, lambda: _autocast(run.cfg, run.accelerator.device))
+        run.model, run.layers, x, y, lambda: run_autocast(run.cfg, run.accelerator.device))
 
 
 def _record(run: Run, state: _State, step_loss: float, grad_norm: float) -> dict:
@@ -276,7 +277,7 @@ def _forward_backward(run: Run, step: int) -> torch.Tensor:
             sync = nullcontext()
         else:
             sync = nullcontext() if m == accum - 1 else accelerator.no_sync(run.ddp_model)
-        with sync, _autocast(cfg, device):
+        with sync, run_autocast(cfg, device):
             _, loss = run.ddp_model(x, y)
         # FSDP2 sums gradients over ranks (fsdp2.apply_fsdp2), so each micro-batch counts 1 / (its number in
         # the global batch): a rank's grad_output, hence its FP8 scale history, is the same at any world size.
@@ -292,12 +293,6 @@ def _clip_grad_norm(run: Run) -> torch.Tensor:
     # how the gradient is split, so both, at any world size, clip by the same factor (fsdp2.grad_norm).
     clip = run.cfg.train.grad_clip
     return clip_grad_norm_tensor(run.model, clip) if clip > 0 else grad_norm_tensor(run.model)
-
-
-def _autocast(cfg: FullConfig, device: torch.device):
-    if cfg.train.autocast == "none":
-        return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -338,29 +333,6 @@ def finish_step(run: Run, state: _State, record: dict, metrics: MetricsLog) -> N
     if is_logged:
         metrics.write(record)
         run.trackers.log(record, step=done)
-
-
-@torch.no_grad()
-def evaluate(model, batches, cfg: FullConfig, accelerator) -> float:
-    """Mean validation loss over the fixed batches (split across ranks, summed back). `model` is the plain
-    module, not the DDP wrapper: ranks may run different numbers of batches, and a DDP forward can start a
-    collective (buffer broadcast) that the other ranks would never join."""
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-    world, rank = accelerator.num_processes, accelerator.process_index
-    mine = list(range(rank, len(batches), world))
-    if cfg.train.parallel == "fsdp2":  # every forward all-gathers: each rank runs as many as the busiest one
-        mine += [None] * (-(-len(batches) // world) - len(mine))  # None: batch 0 again, not counted
-    for i in mine:
-        x, y = batches[0 if i is None else i]
-        with _autocast(cfg, accelerator.device):
-            _, loss = model(x.to(accelerator.device), y.to(accelerator.device))
-        if i is not None:  # summed on the device: one host sync per evaluation, not one per batch
-            total += torch.stack([loss.detach().double(), torch.ones((), dtype=torch.float64, device=loss.device)])
-    if accelerator.num_processes > 1:
-        total = accelerator.reduce(total, reduction="sum")
-    model.train()
-    return float(total[0] / total[1])
 
 
 # ------------------------------------------------------------------------------------------------------------
