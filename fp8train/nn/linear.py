@@ -81,8 +81,8 @@ from fp8train.nn.delayed_scaling import refuse_bad_fp8_state, update_group
 from fp8train.nn.gemm import EMULATED_DTYPES, Fp8Operand, emulated_compute_dtype, resolve_backend
 from fp8train.nn.linear_function import Fp8LinearFunction, WeightFp8, to_dtype
 from fp8train.nn.recipes import ROLES, Fp8Recipe, recipe as make_recipe
-from fp8train.numerics.formats import get_format
 from fp8train.numerics import native_cast
+from fp8train.numerics.formats import get_format
 from fp8train.numerics.kernel_probe import KERNEL_CHOICES, resolve_kernel
 from fp8train.numerics.mx import quantize_mx
 from fp8train.numerics.quant import Fp8Tensor, compute_amax, decode_fp8, quant_error, quantize, scale_from_amax
