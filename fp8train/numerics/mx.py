@@ -23,7 +23,7 @@ import torch
 
 from fp8train.numerics import native_cast
 from fp8train.numerics.formats import get_format
-from fp8train.numerics.quant import Fp8Tensor, native_quantize, compute_amax, quantize
+from fp8train.numerics.quant import Fp8Tensor, compute_amax, native_quantize, quantize
 
 __all__ = ["MX_BLOCK_SIZE", "E8M0_BIAS", "mx_scale_from_amax", "e8m0_codes", "quantize_mx"]
 

@@ -40,9 +40,10 @@ import torch._dynamo
 
 from fp8train.numerics import native_cast
 from fp8train.numerics.formats import FORMATS, Fp8Format, get_format
-from fp8train.numerics.scaling import (_CAPS, GRANULARITIES, _amax, _as_blocks, _check_amax_range, _fp32_exact,
-                                       _check_input, _check_layout, _check_margin, _compact, _scale, _scale_shape,
-                                       compute_amax, expand_scale, max_scale, scale_from_amax, scale_rule)
+from fp8train.numerics.scaling import (_CAPS, GRANULARITIES, _amax, _as_blocks, _check_amax_range,
+                                       _check_input, _check_layout, _check_margin, _compact, _fp32_exact, _scale,
+                                       _scale_shape, compute_amax, expand_scale, max_scale, scale_from_amax,
+                                       scale_rule)
 
 __all__ = [
     "Fp8Tensor", "quantize", "compute_amax", "scale_from_amax", "expand_scale", "cast_to_fp8", "decode_fp8",
