@@ -563,6 +563,11 @@ def test_delayed_update_ops_do_not_grow_with_layers():
     counts = []
     for n_layers in (2, 8):
         model = nn.Sequential(*[Fp8Linear(32, 32, recipe="delayed") for _ in range(n_layers)])
-        model(torch.randn(4, 32)).sum().backward()
-        counts.append(top_level_aten_ops(lambda: update_fp8_scales(model)))
+        # A steady step, counted after a first one: the first step of a group also builds its per-format
+        # constants (cached across models, so its count would depend on which tests ran before) and reads the
+        # new `initialized` flags back once.
+        for _ in range(2):
+            model(torch.randn(4, 32)).sum().backward()
+            count = top_level_aten_ops(lambda: update_fp8_scales(model))
+        counts.append(count)
     assert counts[0] == counts[1] and counts[0] <= 60, counts

@@ -18,8 +18,8 @@ Kernels (``kernel=``, all bit-identical, each checked against ml_dtypes by the t
 - ``eager``: torch ops run one by one, torch's own float8 cast. No compile; the default.
 - ``compiled_cast``: the same chain (amax -> scale -> divide -> clamp -> float8 cast) through torch.compile,
   fused into a couple of passes. Fast where inductor vectorizes the float8 cast (avx512 CPUs, GPUs).
-- ``compiled_select``: torch.compile of a cast written with compare-and-select arithmetic (``_round_and_encode``),
-  for CPUs where the compiled float8 cast stays a scalar routine.
+- ``compiled_select``: torch.compile of a cast written with compare-and-select arithmetic
+  (``arithmetic_codec.round_and_encode``), for CPUs where the compiled float8 cast stays a scalar routine.
 - ``native``: fp8train's C kernel (``fp8train.numerics.native_cast``, built with the system C compiler on first
   use): amax, scale and cast in one op and one pass per tile row, for fp32/bf16 CPU tensors (contiguous or a
   transposed 2-D view); anything else, or a machine where it does not build, runs ``eager`` (same bytes).
@@ -39,6 +39,7 @@ import torch
 import torch._dynamo
 
 from fp8train.numerics import native_cast
+from fp8train.numerics.arithmetic_codec import decode_arithmetic, round_and_encode
 from fp8train.numerics.formats import FORMATS, Fp8Format, get_format
 from fp8train.numerics.scaling import (_CAPS, GRANULARITIES, _amax, _as_blocks, _check_amax_range,
                                        _check_input, _check_layout, _check_margin, _compact, _fp32_exact, _scale,
@@ -107,36 +108,6 @@ def _check_kernel(kernel: str) -> None:
 # ------------------------------------------------------------------------------------------------------------
 # The cast: scale, clamp, round to the FP8 grid, assemble the byte
 # ------------------------------------------------------------------------------------------------------------
-def _round_and_encode(y: torch.Tensor, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round finite fp32 values in [-max, max] to the nearest FP8 value (ties to even) and build their codes.
-
-    Compare-and-select arithmetic only, so the compiler vectorizes it: float/int bitcasts become scalar loops in
-    inductor's CPU code, and vectorized log2/exp2 cost more than the whole cast. With e the binade of |y| (found
-    by comparing against each power of two in the format's range, floored at the smallest normal's), the FP8
-    spacing there is 2^(e - m) (below the smallest normal the grid keeps that spacing: the subnormals), so
-    n = round(|y| * 2^(m - e)) is the round-to-nearest-even count of spacings (scaling by a power of two is
-    exact), the FP8 value is n * 2^(e - m), and its code is (e + bias - 1) * 2^m + n: exponent field and mantissa
-    in one small integer, right also when rounding carries into the next binade and for subnormals.
-    """
-    m_bits, bias = fmt.mantissa_bits, fmt.bias
-    magnitude = y.abs()
-    exponent = torch.full_like(magnitude, 1.0 - bias)  # the smallest normal's binade (and the subnormals')
-    inv_spacing = torch.full_like(magnitude, 2.0 ** (m_bits - 1 + bias))
-    top_exponent = math.frexp(fmt.max)[1] - 1
-    for k in range(2 - bias, top_exponent + 1):
-        in_or_above = magnitude >= 2.0 ** k
-        exponent = torch.where(in_or_above, float(k), exponent)
-        inv_spacing = torch.where(in_or_above, 2.0 ** (m_bits - k), inv_spacing)
-    steps = torch.round(magnitude * inv_spacing)  # torch.round: half to even
-    rounded = steps / inv_spacing
-    code_magnitude = (exponent + (bias - 1)) * (2.0 ** m_bits) + steps
-    negative = (y < 0) | ((y == 0) & (1.0 / y < 0))  # -0.0 counts: 1 / -0.0 = -inf
-    grid = torch.where(negative, -rounded, rounded)
-    sign = negative if fmt.has_negative_zero else negative & (steps > 0)  # FNUZ: 0x80 is NaN, not -0
-    codes = (code_magnitude + torch.where(sign, 128.0, 0.0)).to(torch.int32)
-    return grid, codes
-
-
 def _divide(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x / scale in fp32 (a fresh tensor). A float64 x is divided in float64 first: its values may lie beyond
     fp32's range while x / scale does not. bf16/fp16 inputs are widened first (a 0-d fp32 scale would not
@@ -153,7 +124,7 @@ def _cast_kernel(x, scale_b, fmt: Fp8Format, saturate: bool, native: bool, keep_
     inf/NaN by the format's rule; an input inf saturates to max, like the OCP saturating conversion.
 
     ``native`` uses torch's own float8 cast; otherwise the grid rounding and byte assembly are written out with
-    compare-and-select arithmetic (``_round_and_encode``). Both give the same bits.
+    compare-and-select arithmetic (``arithmetic_codec.round_and_encode``). Both give the same bits.
     """
     y = _divide(x, scale_b)
     # past max + half the top spacing a value rounds beyond max: clipped, or inf/NaN when not saturating.
@@ -175,7 +146,7 @@ def _cast_kernel(x, scale_b, fmt: Fp8Format, saturate: bool, native: bool, keep_
         return data, (data.float() if keep_values else None)
     nan = torch.isnan(y)
     y = torch.where(nan, 0.0, y)
-    grid, codes = _round_and_encode(y, fmt)
+    grid, codes = round_and_encode(y, fmt)
     if overflow is not None and fmt.has_inf:
         inf_code = (0x7F >> fmt.mantissa_bits) << fmt.mantissa_bits  # exponent all ones, mantissa 0
         codes = torch.where(overflow, (codes & 0x80) | inf_code, codes)
@@ -224,26 +195,6 @@ def _untile(tiles: torch.Tensor, shape, br: int, bc: int) -> torch.Tensor:
     return flat.reshape(shape)
 
 
-def _decode_impl(codes: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """fp32 values of FP8 bytes, with integer ops (torch's own float8 -> fp32 cast is slow on CPU)."""
-    u = codes.view(torch.uint8).to(torch.int32)
-    m_bits = fmt.mantissa_bits
-    exp_field = (u >> m_bits) & ((0xFF >> (m_bits + 1)))
-    man_field = u & ((1 << m_bits) - 1)
-    sign = torch.where(u >= 0x80, -1.0, 1.0)
-    normal = ((exp_field - fmt.bias + 127) << 23 | man_field << (23 - m_bits)).view(torch.float32)
-    subnormal = man_field.float() * fmt.min_subnormal
-    value = sign * torch.where(exp_field == 0, subnormal, normal)
-    if fmt.special == "ieee":  # all-ones exponent: inf (mantissa 0) or NaN
-        top = exp_field == (0xFF >> (m_bits + 1))
-        value = torch.where(top & (man_field == 0), sign * math.inf, value)
-        value = torch.where(top & (man_field != 0), math.nan, value)
-    else:
-        for nan_code in fmt.nan_codes:
-            value = torch.where(u == nan_code, math.nan, value)
-    return value
-
-
 _compiled: dict = {}
 
 
@@ -275,7 +226,7 @@ def decode_fp8(data: torch.Tensor, fmt=None, kernel: str = "eager") -> torch.Ten
         return native_cast.decode(data, fmt.name, torch.float32)
     if kernel in ("eager", "native") or data.numel() == 0:
         return (data if data.dtype == fmt.torch_dtype else data.view(fmt.torch_dtype)).float()
-    return _run(_decode_impl, fmt.name, data, fmt, compiled=True)
+    return _run(decode_arithmetic, fmt.name, data, fmt, compiled=True)
 
 
 def _format_of(dtype: torch.dtype) -> Fp8Format:
