@@ -119,11 +119,11 @@ def _divide(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.float().div_(scale)
 
 
-def _cast_kernel(x, scale_b, fmt: Fp8Format, saturate: bool, native: bool, keep_values: bool):
+def _cast_kernel(x, scale_b, fmt: Fp8Format, saturate: bool, torch_cast: bool, keep_values: bool):
     """(float8 data, fp32 grid values or None) for x / scale. NaN stays NaN. Out-of-range: clip (saturate) or
     inf/NaN by the format's rule; an input inf saturates to max, like the OCP saturating conversion.
 
-    ``native`` uses torch's own float8 cast; otherwise the grid rounding and byte assembly are written out with
+    ``torch_cast`` uses torch's own float8 cast; otherwise the grid rounding and byte assembly are written out with
     compare-and-select arithmetic (``arithmetic_codec.round_and_encode``). Both give the same bits.
     """
     y = _divide(x, scale_b)
@@ -138,7 +138,7 @@ def _cast_kernel(x, scale_b, fmt: Fp8Format, saturate: bool, native: bool, keep_
         y = torch.where(torch.isnan(y), y, y.clamp(-fmt.max, fmt.max))
     else:
         y = y.clamp_(-fmt.max, fmt.max)  # in place: y is fresh
-    if native:
+    if torch_cast:
         if overflow is not None:  # in fp32, then one cast (inductor has no select on float8 tensors)
             special = math.inf if fmt.has_inf else math.nan
             y = torch.where(overflow, y.sign() * special, y)
@@ -161,7 +161,7 @@ def _cast_kernel(x, scale_b, fmt: Fp8Format, saturate: bool, native: bool, keep_
 
 
 def _quantize_impl(x, scale, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, margin: int,
-                   pow2: bool, saturate: bool, keep_values: bool, native: bool):
+                   pow2: bool, saturate: bool, keep_values: bool, torch_cast: bool):
     """amax -> scale -> cast in one function, so torch.compile fuses it into a couple of passes."""
     amax = None
     source = _as_blocks(x, br, bc) if granularity == "block" else x  # blocks: padded tiles; quantize() crops
@@ -170,7 +170,7 @@ def _quantize_impl(x, scale, fmt: Fp8Format, granularity: str, br: int, bc: int,
         scale = _scale(amax, fmt, margin, pow2)
     elif granularity == "block":
         scale = scale.reshape(*scale.shape[:-1], 1, scale.shape[-1], 1)  # (.., Rb, Cb) -> tile dims
-    data, grid = _cast_kernel(source, scale, fmt, saturate, native, keep_values)
+    data, grid = _cast_kernel(source, scale, fmt, saturate, torch_cast, keep_values)
     if granularity == "block":
         scale = _compact(scale)
         amax = None if amax is None else _compact(amax)
@@ -273,10 +273,10 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
     if scale is None and x.dtype == torch.float64:
         _check_amax_range(x.detach().abs().amax(), fmt, margin)
     if kernel == "native":
-        native = native_quantize(x, fmt, granularity, br, bc, axis, margin, bool(pow2), saturate, scale,
-                                 keep_values, keep_dequantized=keep_dequantized)
-        if native is not None:
-            return native
+        quantized = native_quantize(x, fmt, granularity, br, bc, axis, margin, bool(pow2), saturate, scale,
+                                    keep_values, keep_dequantized=keep_dequantized)
+        if quantized is not None:
+            return quantized
         kernel = "eager"  # not a case the C kernel takes: the same bytes eagerly
     key = (fmt.name, granularity, br, bc, axis, margin, bool(pow2), bool(saturate), scale is None,
            bool(keep_values), kernel)
