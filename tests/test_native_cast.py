@@ -216,6 +216,47 @@ def test_decode_all_codes_matches_ml_dtypes(name):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Several threads (the tests above run on one): each thread's share, and the amax combined across them
+# ------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def two_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
+THREADED_LAYOUTS = [("tensor", (1, 128)), ("row", (1, 128)), ("block", (1, 128)), ("block", (128, 128))]
+
+
+def assert_threaded_quantize_matches_reference(name: str, rng, calls: list):
+    """A tensor big enough for two threads (1M elements), NaN and inf in the second thread's half only, every
+    layout: bytes and scales against the documented recipe, amax against numpy; decode against ml_dtypes."""
+    x = (rng.standard_normal((1024, 1024)) * np.exp2(rng.integers(-8, 8, (1024, 1024)))).astype(F32)
+    x[700, 3], x[900, 1000] = np.nan, -np.inf  # the global amax must see them wherever they fall
+    finite = np.where(np.isfinite(x), x, F32(0.5))
+    inputs = [torch.from_numpy(x), torch.from_numpy(finite), torch.from_numpy(finite).bfloat16()]  # bf16: autocast
+    for granularity, block in THREADED_LAYOUTS:
+        for data in inputs:  # with and without the specials
+            q = assert_same_as_eager(data, name, calls, granularity=granularity, block=block)
+            codes, scale = ref_quantize(data.float().numpy(), name, granularity=granularity, block=block)
+            assert_codes_equal(q.data.view(torch.uint8).numpy(), codes, name)
+            np.testing.assert_array_equal(q.scale.numpy(), scale)
+    # the second half's NaN reached the combined amax; the first half alone has none
+    assert math.isnan(float(compute_amax(torch.from_numpy(x), kernel="native")))
+    assert math.isfinite(float(compute_amax(torch.from_numpy(x[:512]), kernel="native")))
+    codes = torch.from_numpy(rng.integers(0, 256, 1 << 20, dtype=np.uint8)).view(TORCH_DTYPES[name])
+    np.testing.assert_array_equal(decode_fp8(codes, name, kernel="native").numpy(),
+                                  ml_decode(codes.view(torch.uint8).numpy(), name))
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["e4m3fn", "e5m2"])
+def test_threaded_quantize_and_decode_match_the_reference(name, rng, two_threads, native_calls):
+    assert_threaded_quantize_matches_reference(name, rng, native_calls)
+
+
+# ------------------------------------------------------------------------------------------------------------
 # One op, traceable
 # ------------------------------------------------------------------------------------------------------------
 @needs_native
@@ -306,3 +347,31 @@ def test_build_goes_to_a_cache_keyed_by_source_compiler_and_cpu(monkeypatch, tmp
     monkeypatch.setattr(native_build, "_state", {})  # a second process: loads the cached library, no build
     mtime = built[0].stat().st_mtime_ns
     assert native_cast.available() and built[0].stat().st_mtime_ns == mtime
+
+
+@needs_native
+def test_the_library_runs_on_the_process_openmp_runtime():
+    """Built with -fopenmp, the kernel's threads are torch's own OpenMP threads: one libgomp in the process."""
+    assert native_build.threading_kind() == "openmp"
+    if os.path.exists("/proc/self/maps") and "libgomp" in torch.__config__.parallel_info() + open(
+            "/proc/self/maps").read():
+        loaded = {line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line}
+        assert len(loaded) == 1, loaded
+
+
+@needs_native
+def test_a_compiler_without_openmp_builds_the_pthreads_variant(monkeypatch, tmp_path, rng, two_threads,
+                                                              native_calls):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    real = native_build._find_compiler()
+    for name in native_build.COMPILER_NAMES:  # the real compiler, refusing -fopenmp as a bare clang would
+        script = bin_dir / name
+        script.write_text(f"#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = -fopenmp ] && "
+                          f"{{ echo 'unsupported option -fopenmp' >&2; exit 1; }}; done\nexec {real} \"$@\"\n")
+        script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    _fresh_native_state(monkeypatch, tmp_path, f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert native_cast.available() and native_build.threading_kind() == "pthreads"
+    built = [p.name for p in (tmp_path / "cache").rglob("*.so")]
+    assert len(built) == 1 and built[0].endswith("-pthreads.so")
+    assert_threaded_quantize_matches_reference("e4m3fn", rng, native_calls)

@@ -56,7 +56,7 @@ class BenchOptions:
     train_config: Optional[str] = None
     """Recipe YAML whose model/batch the train and memory sections use; None = the device's default."""
     quant_numel: Optional[int] = None
-    """Elements quantized per call; None = 16M (quick: 4M)."""
+    """Elements quantized per call; None = 16M (the size the targets are stated at, --quick too)."""
     warmup: Optional[int] = None
     repeats: Optional[int] = None
     threads: Optional[int] = None

@@ -1,9 +1,10 @@
 """Building and loading the native FP8 cast's C library (native_cast.c), once per machine.
 
 On first use the system C compiler (``gcc``, else ``cc``, from PATH) builds the source shipped in the package with
-``-O3 -march=native -pthread`` (about a second) into ``$XDG_CACHE_HOME/fp8train/native/`` (default ``~/.cache``),
-under a name keyed by the source's hash, the compiler's path and version, the flags and the CPU's flags: another
-CPU, compiler or fp8train version builds its own, and later processes load the cached library in milliseconds.
+``-O3 -march=native -fopenmp`` (about a second; without ``-fopenmp`` where the compiler lacks it) into
+``$XDG_CACHE_HOME/fp8train/native/`` (default ``~/.cache``), under a name keyed by the source's hash, the
+compiler's path and version, the flags and the CPU's flags: another CPU, compiler or fp8train version builds its
+own, and later processes load the cached library in milliseconds.
 A build goes to a temporary file renamed into place, so concurrent processes never load half a library.
 Without a compiler, or when the build or load fails, ``available()`` is False, the reason is warned once
 (``unavailable_reason()``), and fp8train quantizes with its eager kernel (same bytes, slower).
@@ -21,12 +22,16 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["available", "unavailable_reason", "library", "Params", "COMPILER_NAMES", "SOURCE"]
+__all__ = ["available", "unavailable_reason", "library", "threading_kind", "Params", "COMPILER_NAMES", "SOURCE"]
 
 SOURCE = Path(__file__).with_name("native_cast.c")
 COMPILER_NAMES = ("gcc", "cc")
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
-_ABI_VERSION = 2
+# OpenMP first: the kernel's threads are then those of the process's OpenMP runtime (torch's own libgomp.so.1
+# where torch uses GNU OpenMP), not threads of its own competing with torch's spinning ones. A compiler without
+# OpenMP (a bare clang) builds the pthreads variant instead.
+_VARIANTS = (("openmp", ("-fopenmp",)), ("pthreads", ()))
+_ABI_VERSION = 3
 
 
 class Params(ctypes.Structure):
@@ -92,21 +97,20 @@ def _cpu_flags() -> str:
 def _load() -> ctypes.CDLL:
     compiler = _find_compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), version.encode(), " ".join(_FLAGS).encode(),
-                                     _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:20]
-    path = _cache_dir() / f"native_cast-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # concurrent builders each rename a whole file
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), compiler.encode(), version.encode(),
+                                     " ".join(_FLAGS).encode(), _cpu_flags().encode(),
+                                     platform.machine().encode()])).hexdigest()[:20]
+    paths = {name: _cache_dir() / f"native_cast-{key}-{name}.so" for name, _ in _VARIANTS}
+    path = next((p for p in paths.values() if p.exists()), None)  # built by an earlier process
+    failures = []
+    for name, extra in _VARIANTS if path is None else ():
         try:
-            done = subprocess.run([compiler, *_FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
-                                  text=True, timeout=120)
-            if done.returncode != 0:
-                raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr.strip()[:400]}")
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+            path = _build(compiler, (*_FLAGS, *extra), paths[name])
+            break
+        except RuntimeError as err:
+            failures.append(f"{name}: {err}")
+    if path is None:
+        raise RuntimeError("; ".join(failures))
     lib = ctypes.CDLL(str(path))
     if lib.fp8_abi_version() != _ABI_VERSION or lib.fp8_params_size() != ctypes.sizeof(Params):
         raise RuntimeError(f"{path} does not match this fp8train (ABI {lib.fp8_abi_version()})")
@@ -119,3 +123,22 @@ def _load() -> ctypes.CDLL:
     lib.fp8_dequantize.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, i32]
     lib.fp8_dequantize.restype = ctypes.c_int
     return lib
+
+
+def _build(compiler: str, flags: tuple, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # concurrent builders each rename a whole file
+    try:
+        done = subprocess.run([compiler, *flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
+                              text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr.strip()[:400]}")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def threading_kind() -> str:
+    """How the loaded library runs its threads: "openmp" (the process's OpenMP runtime) or "pthreads"."""
+    return "openmp" if library().fp8_uses_openmp() else "pthreads"

@@ -20,6 +20,9 @@
  * (rows, cols) for per-tensor, (1, cols) per row, (rows, 1) per column, (br, bc) blocks.
  */
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -61,18 +64,68 @@ static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
 /* ---- amax ---------------------------------------------------------------------------------------------- */
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define STREAMS 4 /* a thread reads this many places of its range at once (below) */
+/* Max of the abs bits over n values, read as STREAMS equal parts in lockstep: a core with one sequential stream
+ * has too few cache misses in flight to fill the memory bus; four streams each run by the hardware prefetcher
+ * measured 1.4x the read speed of one (2-core EPYC, 64 MB). */
+static uint32_t absmax_f32(const float *x, int64_t n) {
+    const uint32_t *u = (const uint32_t *)x;
+    const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    const int64_t part = n / STREAMS / 8 * 8;
+    __m256i m[STREAMS];
+    for (int s = 0; s < STREAMS; s++) m[s] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < part; i += 8)
+        for (int s = 0; s < STREAMS; s++)
+            m[s] = _mm256_max_epu32(m[s], _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(u + s * part + i)),
+                                                           abs_mask));
+    for (int s = 1; s < STREAMS; s++) m[0] = _mm256_max_epu32(m[0], m[s]);
+    uint32_t lanes[8], mx = 0;
+    _mm256_storeu_si256((__m256i *)lanes, m[0]);
+    for (int k = 0; k < 8; k++) mx = lanes[k] > mx ? lanes[k] : mx;
+    for (int64_t i = STREAMS * part; i < n; i++) { uint32_t a = u[i] & 0x7FFFFFFFu; mx = a > mx ? a : mx; }
+    return mx;
+}
+#else
 static uint32_t absmax_f32(const float *x, int64_t n) {
     const uint32_t *u = (const uint32_t *)x;
     uint32_t m = 0;
     for (int64_t i = 0; i < n; i++) { uint32_t a = u[i] & 0x7FFFFFFFu; m = a > m ? a : m; }
     return m;
 }
+#endif
 
+#if defined(__AVX2__)
+/* The same on bf16 bit patterns (the top halves of fp32 ones: the same order, NaN above inf), 16 per vector. */
+static uint32_t absmax_bf16(const uint16_t *x, int64_t n) {
+    const __m256i abs_mask = _mm256_set1_epi16(0x7FFF);
+    const int64_t part = n / STREAMS / 16 * 16;
+    __m256i m[STREAMS];
+    for (int s = 0; s < STREAMS; s++) m[s] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < part; i += 16)
+        for (int s = 0; s < STREAMS; s++)
+            m[s] = _mm256_max_epu16(m[s], _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + s * part + i)),
+                                                           abs_mask));
+    for (int s = 1; s < STREAMS; s++) m[0] = _mm256_max_epu16(m[0], m[s]);
+    uint16_t lanes[16];
+    uint32_t mx = 0;
+    _mm256_storeu_si256((__m256i *)lanes, m[0]);
+    for (int k = 0; k < 16; k++) mx = lanes[k] > mx ? lanes[k] : mx;
+    mx <<= 16;
+    for (int64_t i = STREAMS * part; i < n; i++) {
+        uint32_t a = ((uint32_t)x[i] << 16) & 0x7FFFFFFFu;
+        mx = a > mx ? a : mx;
+    }
+    return mx;
+}
+#else
 static uint32_t absmax_bf16(const uint16_t *x, int64_t n) {
     uint32_t m = 0;
     for (int64_t i = 0; i < n; i++) { uint32_t a = ((uint32_t)x[i] << 16) & 0x7FFFFFFFu; m = a > m ? a : m; }
     return m;
 }
+#endif
 
 static void colmax_f32(const float *x, int64_t n, uint32_t *acc) {
     const uint32_t *u = (const uint32_t *)x;
@@ -95,7 +148,11 @@ static void rows_amax(const job_t *j, int64_t b, int64_t r0, int64_t r1, uint32_
     const int64_t cols = j->cols, tc = j->tile_c, ntc = (cols + tc - 1) / tc;
     const int64_t base = b * j->rows * cols;
     for (int64_t t = 0; t < ntc; t++) tile_amax[t] = 0;
-    if (tc >= cols || r1 - r0 == 1) { /* reduce each row segment straight away */
+    if (tc >= cols) { /* whole rows: one contiguous range */
+        tile_amax[0] = absmax_any(j, base + r0 * cols, (r1 - r0) * cols);
+        return;
+    }
+    if (r1 - r0 == 1) { /* reduce each row segment straight away */
         for (int64_t r = r0; r < r1; r++)
             for (int64_t t = 0; t < ntc; t++) {
                 int64_t c0 = t * tc, n = (c0 + tc < cols ? tc : cols - c0);
@@ -316,43 +373,72 @@ static inline __attribute__((always_inline)) __m256i vencode(const venc_t *v, __
     return code;
 }
 
+/* x / scale for 8 lanes from element i of x (one scale, or one per column from col_scale + i): the same IEEE
+ * division as divide_chunk, kept in registers (through a buffer, the cast pass measured 1.3x slower). */
+static inline __attribute__((always_inline)) __m256 vdivide(const void *x, int64_t i, const float *col_scale,
+                                                             __m256 scale, const int bf16) {
+    __m256 xv;
+    if (bf16) /* bf16 is the top half of an fp32: widen exactly */
+        xv = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i))), 16));
+    else
+        xv = _mm256_loadu_ps((const float *)x + i);
+    return _mm256_div_ps(xv, col_scale ? _mm256_loadu_ps(col_scale + i) : scale);
+}
+
 /* 32 values per step -> 32 bytes: two saturating packs (codes are 0..255) and a lane fix-up. */
-static inline __attribute__((always_inline)) int64_t vencode_loop(const enc_t *e, const float *y, int64_t n,
+static inline __attribute__((always_inline)) int64_t vencode_loop(const enc_t *e, const void *x, int64_t n,
+                                                                   const float *col_scale, float scale,
                                                                    uint8_t *out, float *values,
-                                                                   const int saturate, const int fnuz) {
+                                                                   const int saturate, const int fnuz,
+                                                                   const int bf16) {
     const venc_t v = venc_of(e);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256 s = _mm256_set1_ps(scale);
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
         float *vals = values ? values + i : NULL;
-        const __m256i c0 = vencode(&v, _mm256_loadu_ps(y + i), vals, saturate, fnuz);
-        const __m256i c1 = vencode(&v, _mm256_loadu_ps(y + i + 8), vals ? vals + 8 : NULL, saturate, fnuz);
-        const __m256i c2 = vencode(&v, _mm256_loadu_ps(y + i + 16), vals ? vals + 16 : NULL, saturate, fnuz);
-        const __m256i c3 = vencode(&v, _mm256_loadu_ps(y + i + 24), vals ? vals + 24 : NULL, saturate, fnuz);
+        const __m256i c0 = vencode(&v, vdivide(x, i, col_scale, s, bf16), vals, saturate, fnuz);
+        const __m256i c1 = vencode(&v, vdivide(x, i + 8, col_scale, s, bf16), vals ? vals + 8 : NULL, saturate,
+                                   fnuz);
+        const __m256i c2 = vencode(&v, vdivide(x, i + 16, col_scale, s, bf16), vals ? vals + 16 : NULL,
+                                   saturate, fnuz);
+        const __m256i c3 = vencode(&v, vdivide(x, i + 24, col_scale, s, bf16), vals ? vals + 24 : NULL,
+                                   saturate, fnuz);
         const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
         _mm256_storeu_si256((__m256i *)(out + i), _mm256_permutevar8x32_epi32(bytes, order));
     }
     return i; /* the caller encodes the tail */
 }
 
-static int64_t encode_chunk_avx2(const enc_t *e, int32_t saturate, int32_t kind, const float *y, int64_t n,
-                                 uint8_t *out, float *values) {
+/* x points at the segment's first element (fp32 or bf16). */
+static int64_t encode_chunk_avx2(const enc_t *e, int32_t saturate, int32_t kind, const void *x, int32_t x_bf16,
+                                 int64_t n, const float *col_scale, float scale, uint8_t *out, float *values) {
     const int fnuz = kind == SPECIAL_FNUZ;
-    if (saturate) return fnuz ? vencode_loop(e, y, n, out, values, 1, 1) : vencode_loop(e, y, n, out, values, 1, 0);
-    return fnuz ? vencode_loop(e, y, n, out, values, 0, 1) : vencode_loop(e, y, n, out, values, 0, 0);
+#define VLOOP(SAT, FNUZ, BF16) vencode_loop(e, x, n, col_scale, scale, out, values, SAT, FNUZ, BF16)
+    if (x_bf16) {
+        if (saturate) return fnuz ? VLOOP(1, 1, 1) : VLOOP(1, 0, 1);
+        return fnuz ? VLOOP(0, 1, 1) : VLOOP(0, 0, 1);
+    }
+    if (saturate) return fnuz ? VLOOP(1, 1, 0) : VLOOP(1, 0, 0);
+    return fnuz ? VLOOP(0, 1, 0) : VLOOP(0, 0, 0);
+#undef VLOOP
 }
 #endif
 
 #define CHUNK 512
 #define PREFETCH_AHEAD (16 * CHUNK) /* elements (32 KB of fp32): nearer was slower, 2-core EPYC, 16M elements */
 
+/* The next chunks' input, requested now: the encode is long enough that the hardware prefetcher alone falls
+ * behind (measured: half the read bandwidth of a plain amax pass). */
+static inline void prefetch_ahead(const void *x, int32_t x_bf16, int64_t offset, int64_t n) {
+    const char *ahead = (const char *)x + (offset + PREFETCH_AHEAD) * (x_bf16 ? 2 : 4);
+    for (int64_t b = 0; b < n * (x_bf16 ? 2 : 4); b += 64) __builtin_prefetch(ahead + b, 0, 3);
+}
+
 /* y = x / scale for one chunk (one scale, or one per column); bf16 is widened exactly first. */
 static void divide_chunk(const void *x, int32_t x_bf16, int64_t offset, int64_t n, const float *col_scale,
                          float scale, float *y) {
-    /* the next chunks' input, requested now: the encode below is long enough that the hardware prefetcher
-     * alone falls behind (measured: half the read bandwidth of a plain amax pass) */
-    const char *ahead = (const char *)x + (offset + PREFETCH_AHEAD) * (x_bf16 ? 2 : 4);
-    for (int64_t b = 0; b < n * (x_bf16 ? 2 : 4); b += 64) __builtin_prefetch(ahead + b, 0, 3);
     if (x_bf16) {
         const uint16_t *xb = (const uint16_t *)x + offset;
         if (col_scale) for (int64_t i = 0; i < n; i++) y[i] = u2f((uint32_t)xb[i] << 16) / col_scale[i];
@@ -373,13 +459,18 @@ static void cast_segment(const job_t *j, int64_t offset, int64_t n, const float 
     for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
         const int64_t len = n - c0 < CHUNK ? n - c0 : CHUNK;
         uint8_t *o = j->data + offset + c0;
-        divide_chunk(j->x, j->x_bf16, offset + c0, len, col_scale ? col_scale + c0 : NULL, scale, y);
+        const float *cs = col_scale ? col_scale + c0 : NULL;
+        prefetch_ahead(j->x, j->x_bf16, offset + c0, len);
         float *v = j->values ? j->values + offset + c0 : NULL;
         int64_t done = 0;
 #if defined(__AVX2__)
-        done = encode_chunk_avx2(&e, saturate, kind, y, len, o, v);
+        const void *xs = (const char *)j->x + (offset + c0) * (j->x_bf16 ? 2 : 4);
+        done = encode_chunk_avx2(&e, saturate, kind, xs, j->x_bf16, len, cs, scale, o, v);
 #endif
-        encode_chunk(&e, saturate, kind, y + done, len - done, o + done);
+        if (done < len) {
+            divide_chunk(j->x, j->x_bf16, offset + c0 + done, len - done, cs ? cs + done : NULL, scale, y);
+            encode_chunk(&e, saturate, kind, y, len - done, o + done);
+        }
         if (v) /* the values of the tail (all of them without AVX2), while the codes are in L1 */
             for (int64_t i = done; i < len; i++) v[i] = lut[o[i]];
         if (v && j->p->dequantize) { /* one fp32 product per value, as torch's values * scale */
@@ -425,6 +516,29 @@ static void tile_row_scales(const job_t *j, int64_t grid_row, const uint32_t *ti
 }
 
 /* ---- threads -------------------------------------------------------------------------------------------- */
+/* fn(items + i * size) for i in 0..n-1, on n threads. With OpenMP these are the threads of the process's OpenMP
+ * runtime, which is torch's own when torch uses GNU OpenMP (one libgomp.so.1 in the process): they spin-wait
+ * between torch's ops, and threads of our own would compete with them for the cores (measured on 2 cores: a
+ * quantize 40-60% slower right after a torch op). Without OpenMP, pthreads started here; a thread that cannot
+ * be started has its share run by the caller (slower, never wrong). */
+static void parallel_run(int32_t n, void *(*fn)(void *), void *items, size_t size) {
+    char *base = (char *)items;
+    if (n <= 1) { fn(base); return; }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(n)
+    for (int32_t i = omp_get_thread_num(); i < n; i += omp_get_num_threads()) fn(base + (size_t)i * size);
+#else
+    pthread_t threads[64];
+    int started[64] = {0};
+    for (int32_t i = 1; i < n; i++) started[i] = pthread_create(&threads[i], NULL, fn, base + (size_t)i * size) == 0;
+    fn(base);
+    for (int32_t i = 1; i < n; i++) {
+        if (started[i]) pthread_join(threads[i], NULL);
+        else fn(base + (size_t)i * size);
+    }
+#endif
+}
+
 typedef struct { job_t *job; int32_t id; } worker_t;
 
 static int64_t ntile_rows(const job_t *j) { return (j->rows + j->tile_r - 1) / j->tile_r; }
@@ -463,27 +577,18 @@ static void *single_band_worker(void *arg) {
         if (hi > lo) rows_amax(j, 0, lo, hi, mine, work);
         else memset(mine, 0, (size_t)ntc * 4);
     } else if (hi > lo) {
-        /* forward, as the prefetch in divide_chunk expects (backward, to reuse what the amax pass left in the
-         * last-level cache, measured 20-30% slower on a 2-core EPYC) */
+        /* forward, as the prefetch in cast_segment expects (backward, or the rows the amax pass read last
+         * first, to reuse the last-level cache: no gain or 20-30% slower on a 2-core EPYC) */
         cast_rows(j, 0, lo, hi, j->band_scale, (float *)work);
     }
     free(work);
     return NULL;
 }
 
-/* Runs fn for workers 0..nthreads-1: worker 0 on this thread, the others on new threads; a thread that cannot
- * be started has its share run here instead (slower, never wrong). */
 static void run_workers(job_t *j, void *(*fn)(void *)) {
     worker_t workers[64];
-    pthread_t threads[64];
-    int started[64] = {0};
     for (int32_t i = 0; i < j->nthreads; i++) workers[i] = (worker_t){j, i};
-    for (int32_t i = 1; i < j->nthreads; i++) started[i] = pthread_create(&threads[i], NULL, fn, &workers[i]) == 0;
-    fn(&workers[0]);
-    for (int32_t i = 1; i < j->nthreads; i++) {
-        if (started[i]) pthread_join(threads[i], NULL);
-        else fn(&workers[i]);
-    }
+    parallel_run(j->nthreads, fn, workers, sizeof(worker_t));
 }
 
 static int32_t thread_count(int64_t numel, int64_t units, int32_t nthreads) {
@@ -561,20 +666,12 @@ static void *decode_worker(void *arg) {
 
 int fp8_decode(const float *lut, const uint8_t *codes, int64_t n, void *out, int32_t out_bf16, int32_t nthreads) {
     decode_job jobs[64];
-    pthread_t threads[64];
     int64_t want = n / (1 << 18);
     want = want < 1 ? 1 : want;
     nthreads = nthreads < 1 ? 1 : nthreads > 64 ? 64 : nthreads;
     nthreads = (int32_t)(want < nthreads ? want : nthreads);
     for (int32_t i = 0; i < nthreads; i++) jobs[i] = (decode_job){lut, codes, out, out_bf16, n, nthreads, i};
-    int32_t started = 1;
-    for (int32_t i = 1; i < nthreads; i++) {
-        if (pthread_create(&threads[i], NULL, decode_worker, &jobs[i]) != 0) break;
-        started++;
-    }
-    for (int32_t i = started; i < nthreads; i++) decode_worker(&jobs[i]); /* threads that did not start */
-    decode_worker(&jobs[0]);
-    for (int32_t i = 1; i < started; i++) pthread_join(threads[i], NULL);
+    parallel_run(nthreads, decode_worker, jobs, sizeof(decode_job));
     return 0;
 }
 
@@ -613,21 +710,20 @@ int fp8_dequantize(const float *lut, const uint8_t *codes, int64_t batch, int64_
                    int64_t tile_c, const float *scale, float *out, int32_t nthreads) {
     if (rows <= 0 || cols <= 0 || batch <= 0 || tile_r <= 0 || tile_c <= 0) return -100;
     dequant_job jobs[64];
-    pthread_t threads[64];
-    int started[64] = {0};
     nthreads = thread_count(batch * rows * cols, batch * rows, nthreads);
     for (int32_t i = 0; i < nthreads; i++)
         jobs[i] = (dequant_job){lut, scale, codes, out, batch, rows, cols, tile_r, tile_c, nthreads, i};
-    for (int32_t i = 1; i < nthreads; i++)
-        started[i] = pthread_create(&threads[i], NULL, dequant_worker, &jobs[i]) == 0;
-    dequant_worker(&jobs[0]);
-    for (int32_t i = 1; i < nthreads; i++) {
-        if (started[i]) pthread_join(threads[i], NULL);
-        else dequant_worker(&jobs[i]);
-    }
+    parallel_run(nthreads, dequant_worker, jobs, sizeof(dequant_job));
     return 0;
 }
 
 /* The ABI version the Python side checks before using this library. */
-int fp8_abi_version(void) { return 2; }
+int fp8_abi_version(void) { return 3; }
 int fp8_params_size(void) { return (int)sizeof(fp8_params); }
+
+/* Whether the threads are the process's OpenMP runtime's (built with -fopenmp) or pthreads of its own. */
+#ifdef _OPENMP
+int fp8_uses_openmp(void) { return 1; }
+#else
+int fp8_uses_openmp(void) { return 0; }
+#endif
