@@ -138,7 +138,8 @@ def test_tiny_run_json_schema(tiny_run):
     paths = {r["path"] for r in quant}
     assert {"naive eager", "fp8train eager"} <= paths and not any("compiled" in p for p in paths)  # --compile off
     assert ("fp8train native" in paths) is native_cast.available()
-    assert all(timing_keys <= set(r) and r["gelem_per_s"] > 0 for r in quant)
+    assert all(timing_keys <= set(r) and r["gelem_per_s"] > 0 and r["repeats"] == 2 for r in quant)  # --repeats
+    assert results["settings"]["quant_repeats"] == 2
     linear = sections["linear"]["rows"]
     assert [r["contender"] for r in linear] == ["bf16", "fp32", "current", "block"]
     for r in linear:

@@ -96,7 +96,8 @@ def resolve_fp8_kernel(opts: BenchOptions) -> tuple[str, str]:
     compile; bit-exact); else --compile on -> the per-machine probe's choice (kernel_probe), off -> eager;
     auto -> eager for --quick on CPU (a compile costs 5-25 s there), else the probe."""
     if opts.device == "cpu" and native_cast.available():
-        return "native", "native: fp8train's C kernel (numerics/native_cast.c), built for this CPU"
+        return "native", ("native: fp8train's C kernel (numerics/native_cast.c), built for this CPU, threads: "
+                          f"{native_cast.threading_kind()}")
     why_native = f" (native C kernel unavailable: {native_cast.unavailable_reason()})" if opts.device == "cpu" else ""
     if opts.compile == "off":
         return "eager", "--compile off" + why_native

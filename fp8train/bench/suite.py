@@ -70,9 +70,13 @@ def run_bench(opts: BenchOptions) -> dict:
     kernel, why = resolve_fp8_kernel(opts)
     warmup = opts.warmup if opts.warmup is not None else (1 if opts.quick else 2)
     repeats = opts.repeats if opts.repeats is not None else (5 if opts.quick else 9)
+    # a quantize round is ~0.3 s for all its contenders on CPU: the full count even with --quick (its median is the
+    # one most moved by a neighbour's memory traffic)
+    quant_repeats = opts.repeats if opts.repeats is not None else 9
     results = {
         "machine": machine_info(opts.device),
         "settings": {"device": opts.device, "quick": opts.quick, "warmup": warmup, "repeats": repeats,
+                     "quant_repeats": quant_repeats,
                      "sections": list(opts.sections), "recipes": list(opts.recipes), "malloc_tuning": malloc,
                      "fp8_path": f"{kernel} ({why})"},
         "sections": {}, "notes": [], "errors": {},
@@ -83,7 +87,7 @@ def run_bench(opts: BenchOptions) -> dict:
         log(f"section {name} ...")
         try:
             if name == "quant":
-                results["sections"]["quant"] = bench_quant(opts, warmup, repeats)
+                results["sections"]["quant"] = bench_quant(opts, warmup, quant_repeats)
             elif name == "ops":
                 results["sections"]["ops"] = bench_ops(opts, kernel)
             elif name == "linear":

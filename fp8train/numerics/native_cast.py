@@ -25,9 +25,9 @@ from typing import Optional
 import torch
 
 from fp8train.numerics.formats import FORMATS, Fp8Format
-from fp8train.numerics.native_build import Params, available, library, unavailable_reason
+from fp8train.numerics.native_build import Params, available, library, threading_kind, unavailable_reason
 
-__all__ = ["available", "unavailable_reason", "layout", "usable_layout", "capped_block", "NativeLayout",
+__all__ = ["available", "unavailable_reason", "threading_kind", "layout", "usable_layout", "capped_block", "NativeLayout",
            "CastOptions", "quantize", "compute_amax", "decode", "decodable", "dequantize", "dequantizable",
            "RULE_GIVEN", "RULE_AMAX", "RULE_MX"]
 
