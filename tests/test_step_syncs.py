@@ -273,3 +273,36 @@ def test_clip_grad_norm_tensor_follows_the_float64_rule(max_norm, poison):
     factor = min(1.0, max_norm / (float(expect_norm) + 1e-6)) if np.isfinite(expect_norm) else 1.0
     for b, p in zip(before, model.parameters()):
         np.testing.assert_array_equal(p.grad.numpy(), b * np.float32(factor) if factor < 1.0 else b)
+
+
+def test_a_role_whose_amax_stays_zero_reads_its_flags_back_only_at_powers_of_two(monkeypatch):
+    """A zero weight (a zero-initialized projection) never gets a usable amax, so its role never initializes;
+    the host mirror of the flags is read back on updates 1, 2, 4, 8, ..., not every step, and the forward's
+    bits are those of a layer whose mirror is read back every step."""
+    from fp8train.nn.linear import Fp8Linear, update_fp8_scales
+    torch.manual_seed(0)
+    layers = [Fp8Linear(32, 16, recipe="delayed") for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    for layer in layers:
+        with torch.no_grad():
+            layer.weight.zero_()
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self, *a, **k: reads.append(1) or real_tolist(self, *a, **k))
+    synced, outputs = [], {0: [], 1: []}
+    for step in range(1, 41):
+        x = torch.randn(8, 32)
+        for i, layer in enumerate(layers):
+            out = layer(x.clone().requires_grad_())
+            out.float().sum().backward()
+            outputs[i].append(out.detach())
+            before = len(reads)
+            with SyncCounter() as counter:
+                update_fp8_scales(layer)
+            if i == 0 and (len(reads) > before or counter.count):
+                synced.append(step)
+            if i == 1:  # the reference: its mirror forgotten every step, so the forward always falls back
+                layer._initialized_on_host = dict.fromkeys(layer._initialized_on_host, False)
+    assert synced == [1, 2, 4, 8, 16, 32]
+    assert layers[0]._initialized_on_host == {"input": True, "weight": False, "grad_output": True}
+    assert all(torch.equal(a, b) for a, b in zip(outputs[0], outputs[1]))

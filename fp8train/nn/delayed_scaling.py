@@ -59,11 +59,23 @@ def update_group(layers: list, step_amax: torch.Tensor) -> None:
            "stale_scale_steps": stale}
     torch._foreach_copy_([b for name in _STATE for b in state[name]],
                          [row for name in _STATE for row in new[name].unbind(0)])
-    if not all(all(m._initialized_on_host.values()) for m in layers):  # one host sync, only until all are set
-        flags = iter(initialized.tolist())
-        for m in layers:
-            for role in ROLES:
-                m._initialized_on_host[role] = next(flags)
+    _refresh_host_mirror(layers, initialized)
+
+
+def _refresh_host_mirror(layers: list, initialized: torch.Tensor) -> None:
+    """Reads the `initialized` flags back to the layers' host mirrors (one host sync) while some are still False,
+    on the 1st, 2nd, 4th, 8th, ... update since the mirror was reset. A role whose amax stays 0 (a zero-initialized
+    projection, a branch whose gradient is always zero) never turns True; reading it every step would sync every
+    step. Until the mirror learns a flag the forward takes the on-device fallback, which gives the same bits."""
+    pending = [m for m in layers if not all(m._initialized_on_host.values())]
+    for m in pending:
+        m._mirror_updates += 1
+    if not any(m._mirror_updates & (m._mirror_updates - 1) == 0 for m in pending):  # no power of two
+        return
+    flags = iter(initialized.tolist())
+    for m in layers:
+        for role in ROLES:
+            m._initialized_on_host[role] = next(flags)
 
 
 @functools.lru_cache(maxsize=256)

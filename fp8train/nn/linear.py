@@ -147,6 +147,7 @@ class Fp8Linear(nn.Linear):
         # Host-side mirror of `{role}_initialized` (it only ever turns True between loads): once True the forward
         # uses the stored scale without computing its own amax-based fallback.
         self._initialized_on_host = {role: False for role in ROLES}
+        self._mirror_updates = 0  # delayed updates since then (the mirror is read back at powers of two)
         self._scale_generation = 0  # bumped by every delayed-scale update: part of the weight cache's key
         self._weight_cache = None
         # False when something refills the weight's storage in place without a version bump, so the cache key
