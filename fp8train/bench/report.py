@@ -117,9 +117,9 @@ def _machine_line(m: dict) -> str:
 
 def _settings_line(s: dict) -> str:
     return (f"settings: device {s['device']}, quick={s['quick']}, warm-up {s['warmup']}, repeats "
-            f"{s['repeats']} (quant {s.get('quant_repeats', s['repeats'])}; median; spreads are IQR of paired per-round ratios), contenders interleaved "
-            f"round by round; malloc reuse (glibc mallopt, all contenders): {s['malloc_tuning']}; "
-            f"linear/train quantize path: {s['fp8_path']}")
+            f"{s['repeats']} (quant {s.get('quant_repeats', s['repeats'])}; median; spreads are IQR of paired "
+            f"per-round ratios), contenders interleaved round by round; malloc reuse (glibc mallopt, all "
+            f"contenders): {s['malloc_tuning']}; linear/train quantize path: {s['fp8_path']}")
 
 
 def _format_quant(sec: dict, where: str) -> list[str]:

@@ -141,7 +141,8 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--no-malloc-tuning", action="store_true", help="leave glibc's allocator settings alone")
     parser.add_argument("--train-config", metavar="YAML", help="recipe whose model/batch the train and memory "
                         "sections use (default recipes/cpu_validate.yaml, on CUDA recipes/gpu_1b.yaml)")
-    parser.add_argument("--quant-numel", type=int, help="elements per quantize call (default 16M, the size the targets are stated at)")
+    parser.add_argument("--quant-numel", type=int,
+                        help="elements per quantize call (default 16M, the size the targets are stated at)")
     parser.add_argument("--warmup", type=int, help="untimed calls per contender before timing")
     parser.add_argument("--repeats", type=int, help="timed rounds")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (CPU)")

@@ -294,7 +294,6 @@ static void encode_chunk(const enc_t *e, int32_t saturate, int32_t kind, const f
 }
 
 #if defined(__AVX2__)
-#include <immintrin.h>
 /* The same encode, 8 lanes at a time with AVX2 intrinsics (gcc's own vectorization of `encode` spills and
  * converts masks back and forth: half the speed). Also gives the FP8 values: for a normal result the rounded
  * fp32 bits are `rounded << shift`, for a subnormal one the sum minus the magic constant, for NaN/overflow the
@@ -666,10 +665,7 @@ static void *decode_worker(void *arg) {
 
 int fp8_decode(const float *lut, const uint8_t *codes, int64_t n, void *out, int32_t out_bf16, int32_t nthreads) {
     decode_job jobs[64];
-    int64_t want = n / (1 << 18);
-    want = want < 1 ? 1 : want;
-    nthreads = nthreads < 1 ? 1 : nthreads > 64 ? 64 : nthreads;
-    nthreads = (int32_t)(want < nthreads ? want : nthreads);
+    nthreads = thread_count(n, n, nthreads);
     for (int32_t i = 0; i < nthreads; i++) jobs[i] = (decode_job){lut, codes, out, out_bf16, n, nthreads, i};
     parallel_run(nthreads, decode_worker, jobs, sizeof(decode_job));
     return 0;

@@ -25,11 +25,12 @@ from typing import Optional
 import torch
 
 from fp8train.numerics.formats import FORMATS, Fp8Format
-from fp8train.numerics.native_build import Params, available, library, threading_kind, unavailable_reason
+from fp8train.numerics.native_build import (Params, available, library, threading_kind,
+                                             unavailable_reason)
 
-__all__ = ["available", "unavailable_reason", "threading_kind", "layout", "usable_layout", "capped_block", "NativeLayout",
-           "CastOptions", "quantize", "compute_amax", "decode", "decodable", "dequantize", "dequantizable",
-           "RULE_GIVEN", "RULE_AMAX", "RULE_MX"]
+__all__ = ["available", "unavailable_reason", "threading_kind", "layout", "usable_layout", "capped_block",
+           "NativeLayout", "CastOptions", "quantize", "compute_amax", "decode", "decodable", "dequantize",
+           "dequantizable", "RULE_GIVEN", "RULE_AMAX", "RULE_MX"]
 
 RULE_GIVEN, RULE_AMAX, RULE_MX = 0, 1, 2  # as in native_cast.c
 _SPECIAL = {"ieee": 0, "fn": 1, "fnuz": 2}
