@@ -6,8 +6,12 @@ The numerics core is imported eagerly; the training-side names are imported on f
 
 from importlib.metadata import PackageNotFoundError, version as _distribution_version
 
-from fp8train.numerics.formats import FORMATS, Fp8Format, get_format
-from fp8train.numerics.quant import Fp8Tensor, compute_amax, convert_dialect, quant_error, quantize, scale_from_amax
+from fp8train.torch_support import check_torch_version
+
+check_torch_version()  # before anything touches torch's FP8 API: one line, not a traceback from deep inside
+
+from fp8train.numerics.formats import FORMATS, Fp8Format, get_format  # noqa: E402
+from fp8train.numerics.quant import Fp8Tensor, compute_amax, convert_dialect, quant_error, quantize, scale_from_amax  # noqa: E402,E501
 
 try:  # the version is pyproject.toml's, as installed; a source tree that was never installed has none
     __version__ = _distribution_version("fp8train")

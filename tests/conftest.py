@@ -27,8 +27,33 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 SEED = 1234
 
 
+def pytest_addoption(parser):
+    # Every CPU code path on any CPU (README, "Testing"): CI runs the numerics, nn and GEMM tests once per setting.
+    group = parser.getgroup("fp8train", "fp8train's CPU code paths")
+    group.addoption("--emulated-auto", choices=("cpu", "bf16", "fp32"), default="cpu",
+                    help="what fp8.emulated_dtype 'auto' resolves to on CPU in the test processes: as this CPU's "
+                         "flags say (cpu, the default), or forced (fp8train.nn.gemm.set_cpu_bf16_gemm)")
+    group.addoption("--native-cast", choices=("on", "off"), default="on",
+                    help="off: every quantize runs its eager kernel, as on a machine without a C compiler "
+                         "(fp8train.numerics.native_cast.set_enabled)")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "compiled: runs fp8train's torch.compile path; slow")
+    from fp8train.nn.gemm import set_cpu_bf16_gemm
+    from fp8train.numerics.native_cast import set_enabled
+
+    set_cpu_bf16_gemm({"cpu": None, "bf16": True, "fp32": False}[config.getoption("--emulated-auto")])
+    set_enabled(config.getoption("--native-cast") == "on")
+
+
+def pytest_report_header(config):
+    from fp8train.nn.gemm import cpu_has_bf16_gemm
+    from fp8train.numerics import native_cast
+
+    return (f"fp8train: emulated_dtype auto -> {'bf16' if cpu_has_bf16_gemm() else 'fp32'} on CPU "
+            f"(--emulated-auto={config.getoption('--emulated-auto')}); native cast "
+            f"{'on' if native_cast.available() else 'off: ' + str(native_cast.unavailable_reason() or 'switched off')}")
 
 
 @pytest.fixture(autouse=True)

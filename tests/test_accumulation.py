@@ -37,7 +37,7 @@ def test_promotion_removes_most_of_the_narrow_accumulator_error():
     a, b = _long_k_operands()
     exact = a.data.double() @ b.data.double()  # FP8 values are exact in fp64
     rel = lambda out: float((out.double() - exact).norm() / exact.norm())  # noqa: E731
-    fp32 = rel(fp8_mm(a, b, "emulated"))
+    fp32 = rel(fp8_mm(a, b, "emulated", compute_dtype=torch.float32))  # pinned: fp32 inputs and accumulator
     never = rel(fp8_mm(a, b, "emulated", accumulation=HopperAccumulation(14, promotion_interval=0)))
     every_128 = rel(fp8_mm(a, b, "emulated", accumulation=HopperAccumulation(14, promotion_interval=128)))
     # 14 bits truncated 256 times over K = 8192: a visible, biased error (~2^-14 per step, growing with K)

@@ -1,6 +1,8 @@
 """GEMM backends: the emulated backend against an fp64 reference, and against torch._scaled_mm (CPU) for
 tensorwise and rowwise scales, in the layouts of all three linear-layer GEMMs."""
 
+import ml_dtypes
+import numpy as np
 import pytest
 import torch
 
@@ -38,9 +40,10 @@ def _check_close(out, ref):
 M, K, N = 48, 256, 80
 
 
+@pytest.mark.parametrize("emulated", ["fp32", "bf16"])  # fp32 output: both modes must accumulate and keep fp32
 @pytest.mark.parametrize("kind", ["tensor", "row_outer", "row_contracted", "block"])
 @pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)])
-def test_emulated_matches_fp64_reference(kind, dtypes):
+def test_emulated_matches_fp64_reference(kind, dtypes, emulated):
     a_data, b_data = _fp8((M, K), dtypes[0], 1), _fp8((K, N), dtypes[1], 2)
     if kind == "tensor":
         sa, sb = _pow2((), 3) * 0.7, _pow2((), 4) * 1.3  # non-pow2 tensor scales factor out exactly enough
@@ -59,7 +62,8 @@ def test_emulated_matches_fp64_reference(kind, dtypes):
         a, b = Fp8Operand(a_data, sa, (1, 128)), Fp8Operand(b_data, sb, (128, 128))
         fa = sa.repeat_interleave(128, 1)
         fb = sb.repeat_interleave(128, 0).expand(K, N)
-    _check_close(fp8_mm(a, b, "emulated"), _reference(a_data, fa, b_data, fb))
+    compute_dtype = emulated_compute_dtype("cpu", emulated)
+    _check_close(fp8_mm(a, b, "emulated", compute_dtype=compute_dtype), _reference(a_data, fa, b_data, fb))
 
 
 def test_transposed_operand_is_a_view_with_transposed_scales():
@@ -132,13 +136,29 @@ def test_scaled_mm_refused_without_capable_gpu():
         resolve_backend("scaled_mm", "cpu")
 
 
-def test_backend_resolution_on_cpu():
+@pytest.fixture
+def cpu_flags_override():
+    """Restores whatever --emulated-auto set for the session after a test that changes it."""
+    previous = gemm._cpu_bf16_gemm_override
+    yield gemm.set_cpu_bf16_gemm
+    gemm.set_cpu_bf16_gemm(previous)
+
+
+def test_backend_resolution_on_cpu(cpu_flags_override):
     assert resolve_backend("auto", "cpu") == "emulated"
     assert resolve_backend("emulated", "cpu") == "emulated"
     # auto: bf16 only on CPUs with bf16 GEMM instructions (read from /proc/cpuinfo independently here)
+    cpu_flags_override(None)
     flags = next((line.split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
     has_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
     assert emulated_compute_dtype("cpu") == (torch.bfloat16 if has_bf16 else torch.float32)
+    # either CPU path can be forced on any CPU
+    cpu_flags_override(True)
+    assert emulated_compute_dtype("cpu") == torch.bfloat16
+    cpu_flags_override(False)
+    assert emulated_compute_dtype("cpu") == torch.float32
+    with pytest.raises(TypeError, match="True, False or None"):
+        gemm.set_cpu_bf16_gemm("bf16")
     assert emulated_compute_dtype("cuda") == torch.bfloat16
     assert emulated_compute_dtype("cpu", "fp32") == torch.float32
     assert emulated_compute_dtype("cpu", "bf16") == torch.bfloat16
@@ -150,24 +170,68 @@ def test_backend_resolution_on_cpu():
         resolve_backend("cublas", "cpu")
 
 
+def _bf16_round(x: np.ndarray) -> np.ndarray:
+    """Round to the nearest bf16, ties to even (ml_dtypes' cast, independent of torch), back in float64."""
+    return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _bf16_ulp(x: np.ndarray) -> np.ndarray:
+    """The bf16 spacing at |x| (8 significant bits): 2^(floor(log2|x|) - 7)."""
+    return np.exp2(np.floor(np.log2(np.maximum(np.abs(x), 2.0 ** -126))) - 7)
+
+
+@pytest.mark.parametrize("pow2_scales", [True, False])
+@pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)])
-def test_fp32_and_bf16_emulation_agree_on_fp8_operands(dtypes):
-    """FP8 values are exact in bf16 and their products exact in fp32. With sums that bf16 also holds exactly
-    (integer FP8 values in [-2, 2], K = 4: |sum| <= 16), both compute dtypes return the fp64 reference bit for
-    bit; in general the bf16 path on CPU equals the fp32 result rounded once to bf16 (torch has no
-    bf16 x bf16 -> fp32 GEMM on CPU; oneDNN accumulates in fp32 and rounds the result)."""
-    g = torch.Generator().manual_seed(9)
-    scale_a, scale_b = torch.tensor(2.0), torch.tensor(0.75)
-    for k, low, high, divisor in ((4, -2, 3, 1), (64, -8, 9, 4)):
-        a_data = (torch.randint(low, high, (24, k), generator=g).float() / divisor).to(dtypes[0])
-        b_data = (torch.randint(low, high, (k, 8), generator=g).float() / divisor).to(dtypes[1])
-        a, b = Fp8Operand(a_data, scale_a), Fp8Operand(b_data, scale_b)
-        ref = (a_data.double() @ b_data.double()) * 2.0 * 0.75
-        fp32 = fp8_mm(a, b, "emulated", compute_dtype=torch.float32)
-        bf16 = fp8_mm(a, b, "emulated", compute_dtype=torch.bfloat16)
-        assert fp32.dtype == bf16.dtype == torch.float32
-        assert torch.equal(fp32.double(), ref)  # every partial sum exact in fp32
-        unscaled_fp32 = torch.mm(a_data.float(), b_data.float())
-        assert torch.equal(bf16, unscaled_fp32.bfloat16().float() * 2.0 * 0.75)
-        if k == 4:
-            assert torch.equal(bf16, fp32)
+def test_bf16_emulation_rounds_where_documented(dtypes, with_bias, pow2_scales):
+    """emulated_dtype bf16, bf16 output (gemm.py's docstring): the fp32 accumulator of the exact FP8 products is
+    rounded once to bf16 by the GEMM, then multiplied by scale_a and scale_b and added to the bias in fp32, and
+    rounded to bf16 again. The reference applies that rule with numpy: exact sums in float64, float32 products,
+    ml_dtypes' bf16 rounding. The CPU's fp32 summation order moves the accumulator by at most
+    k * 2^-24 * sum|products| (the standard bound for recursive or blocked summation of k terms): only an
+    accumulator that close to a bf16 rounding midpoint may round the other way, so every other element must be
+    bit-equal, and those few within one bf16 ulp (times the scales) of the reference."""
+    k = 64  # a short K keeps the order bound small against bf16's step, so almost every element is decided
+    a_data, b_data = _fp8((M, k), dtypes[0], 11), _fp8((k, N), dtypes[1], 12)
+    scale_a, scale_b = (torch.tensor(0.25), torch.tensor(2.0 ** -5)) if pow2_scales else \
+        (torch.tensor(0.0371), torch.tensor(1.3))
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(13)) if with_bias else None
+    out = fp8_mm(Fp8Operand(a_data, scale_a), Fp8Operand(b_data, scale_b), "emulated",
+                 compute_dtype=torch.bfloat16, out_dtype=torch.bfloat16, bias=bias)
+    assert out.dtype == torch.bfloat16
+
+    a64, b64 = a_data.double().numpy(), b_data.double().numpy()
+    exact = a64 @ b64  # FP8 products and their sums over k terms are exact in float64 (< 53 bits)
+    order_error = k * 2.0 ** -24 * (np.abs(a64) @ np.abs(b64))
+    accumulator = _bf16_round(exact)
+    step = np.float32(accumulator) * np.float32(scale_a.item())  # float32 arithmetic, as the rule says
+    step = step * np.float32(scale_b.item())
+    if bias is not None:
+        step = step + bias.numpy().astype(np.float32)
+    expected = _bf16_round(step)
+
+    got = out.double().numpy()
+    # an accumulator this close to a midpoint between bf16 neighbours may round either way
+    midpoint_distance = np.abs(np.abs(exact) - (np.abs(accumulator) + _bf16_ulp(exact) / 2 *
+                                                 np.sign(np.abs(exact) - np.abs(accumulator))))
+    undecided = midpoint_distance <= order_error
+    assert undecided.mean() < 0.05  # the bound leaves most elements decided, or the test would be vacuous
+    assert np.array_equal(got[~undecided], expected[~undecided])
+    slack = _bf16_ulp(expected) * 2 + _bf16_ulp(exact) * abs(scale_a.item() * scale_b.item())
+    assert np.all(np.abs(got - expected)[undecided] <= slack[undecided])
+
+
+@pytest.mark.parametrize("emulated", ["fp32", "bf16"])
+def test_fp32_output_is_never_rounded_to_bf16(emulated):
+    """A GEMM whose result is kept in fp32 (grad_weight for fp32 master weights: the GPU's FP8 wgrad GEMM writes
+    fp32) runs in fp32 in both modes: bit-equal between them, and exact for small-integer operands whose every
+    partial sum fits in fp32's 24 bits while bf16's 8 bits would round it."""
+    a_data, b_data = _int_fp8((32, 256), E4M3, 21), _int_fp8((256, 24), E5M2, 22)
+    a, b = Fp8Operand(a_data, torch.tensor(0.5)), Fp8Operand(b_data, torch.tensor(0.125))
+    exact = (a_data.double() @ b_data.double()) * 0.5 * 0.125
+    assert (exact.abs() * 16 > 256).any()  # sums beyond bf16's integer range: a bf16 rounding would show
+    out = fp8_mm(a, b, "emulated", compute_dtype=emulated_compute_dtype("cpu", emulated), out_dtype=torch.float32)
+    assert out.dtype == torch.float32 and torch.equal(out.double(), exact)
+    assert gemm.gemm_compute_dtype(torch.bfloat16, torch.float32) == torch.float32
+    assert gemm.gemm_compute_dtype(torch.bfloat16, torch.bfloat16) == torch.bfloat16
+    assert gemm.gemm_compute_dtype(torch.float32, torch.bfloat16) == torch.float32

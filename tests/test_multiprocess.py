@@ -15,7 +15,8 @@ and then trains Fp8Linear under torch's FSDP2 (`fully_shard`) and under DDP with
 What is proven, and the tolerances:
 - every rank holds bit-identical scales, amax histories and scale amaxes after every step (torch.equal);
 - losses equal the single-process run with the same global batch and micro-batches to 1e-6 relative (the only
-  differences are the order of two-term sums: DDP averages (g0 + g1) / 2, one process adds g0 / 2 + g1 / 2);
+  differences are the order of two-term sums: DDP averages (g0 + g1) / 2, one process adds g0 / 2 + g1 / 2; fp32
+  activations and pinned fp32 GEMMs keep CPU-specific bf16 roundings out: see SECTIONS);
 - input and weight scales equal the single-process ones to 1e-5 relative; grad_output scales are exactly
   world_size (2) times larger to 1e-5, because each rank's loss is a mean over its own tokens and DDP averages
   the gradients afterwards (a power-of-two factor: the FP8 codes are the same);
@@ -47,7 +48,12 @@ WORLD = 2
 STEPS = 5
 LOSS_RTOL = 1e-6
 SCALE_RTOL = 1e-5
-SECTIONS = dict(train={"max_steps": STEPS, "eval_every": STEPS}, log={"telemetry_every": 0},
+# fp32 activations and fp32 emulated GEMMs (pinned): then the runs differ only in the order of two-term fp32 sums
+# (one fp32 rounding, 2^-24 relative, per gradient element), carried through 5 AdamW steps, and 1e-6 holds on any
+# CPU. Under bf16 autocast each such difference can also flip bf16 roundings of activations (2^-8 steps) in later
+# forwards, by an amount that depends on the CPU's bf16 GEMM kernel: 4.4e-6 was seen on an AMX Xeon.
+SECTIONS = dict(train={"max_steps": STEPS, "eval_every": STEPS, "autocast": "none"}, fp8={"emulated_dtype": "fp32"},
+                log={"telemetry_every": 0},
                 checkpoint={"every": 0, "save_final": False})
 # The hook sits on the MLP block (build_model's modules; its Linears are swapped for Fp8Linears later): the MLP's
 # output is down_proj's output, so the NaN lands in down_proj's grad_output first.

@@ -307,6 +307,7 @@ def test_fp8linear_uses_it_by_default():
 # ------------------------------------------------------------------------------------------------------------
 def _fresh_native_state(monkeypatch, tmp_path, path: str):
     monkeypatch.setattr(native_build, "_state", {})
+    monkeypatch.setattr(native_cast, "_enabled", True)  # the build itself is under test, even under --native-cast=off
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("PATH", path)
 

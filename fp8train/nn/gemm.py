@@ -3,14 +3,27 @@
 Backends
 - `emulated` (any device). FP8 values are exactly representable in bf16 and fp32, and the product of two FP8
   values is exact in fp32 (at most 2 * 4 = 8 significant bits), so a GEMM over the FP8-valued operands with fp32
-  accumulation reproduces an FP8 tensor-core GEMM up to accumulation order. The compute dtype is a deliberate,
-  per-device choice (`emulated_compute_dtype`, overridable with `fp8.emulated_dtype: auto|fp32|bf16`):
-    * CPU without bf16 GEMM instructions (no avx512_bf16 / AMX): fp32. Exact for these operands and ~5-8x
-      faster than bf16 GEMM there (AMD EPYC, 2 cores, avx2: 77 vs ~10 GFLOP/s at 4096x1024x1024).
-    * CPU with avx512_bf16 or AMX (read from /proc/cpuinfo): bf16 inputs; oneDNN accumulates in fp32, but torch
-      has no bf16 x bf16 -> fp32 GEMM on CPU, so the GEMM's result is rounded to bf16 once.
-    * CUDA: bf16 inputs, fp32 accumulation (tensor cores); the result is rounded to bf16 only if torch cannot
-      return fp32 from a bf16 GEMM.
+  accumulation reproduces an FP8 tensor-core GEMM up to accumulation order. Each emulated dtype has ONE meaning
+  (`emulated_compute_dtype`, chosen with `fp8.emulated_dtype: auto|fp32|bf16`), the same on every CPU:
+    * `fp32`: every GEMM runs on fp32 copies of the FP8 values with fp32 accumulation; scales and bias are applied
+      to the fp32 accumulator and the result is rounded once to the output dtype. Exact up to fp32 summation
+      order: against fp64 of the FP8 operands, within K * 2^-24 of the sum of |products|.
+    * `bf16`: what a GPU's scaled GEMM computes, rounding where it rounds. A GEMM whose output dtype is bf16 (the
+      forward and grad_input GEMMs under bf16 autocast) reads bf16 copies of the FP8 values (exact), accumulates
+      in fp32, and its result is rounded to bf16 by the GEMM itself: torch has no bf16 x bf16 -> fp32 GEMM on CPU
+      (aten::mm.dtype is CUDA-only in torch 2.13), so the unscaled accumulator is rounded once to bf16, then
+      scales and bias are applied in fp32 and the result rounded to bf16 again. With power-of-two scales and no
+      bias the second rounding is exact, so the output equals bf16(fp32 accumulator * scales), the GPU's; with
+      non-power-of-two scales it can differ from the GPU's single rounding by one bf16 step, and with a bias by
+      half a bf16 step of the product before the bias (more than a step of the output where the bias cancels).
+      A GEMM whose output is fp32 runs in fp32 in this mode too: that is grad_weight for fp32 master weights
+      (the GPU's FP8 wgrad GEMM writes fp32, so its 24-bit gradient is never rounded to 8 bits) and any GEMM
+      fed fp32 activations outside autocast. bf16 inputs would only pay off where the output is bf16 anyway.
+    * `auto`: bf16 on CUDA and on CPUs with bf16 GEMM instructions (avx512_bf16 or AMX-BF16, from
+      /proc/cpuinfo), where bf16 GEMMs are several times faster than fp32; fp32 on other CPUs, where fp32 GEMMs
+      are the fast ones (AMD EPYC, 2 cores, avx2 only: 77 vs ~10 GFLOP/s at 4096x1024x1024). `auto` therefore
+      gives different bf16-rounding points on different CPUs; pin `fp32` for results that must not depend on
+      the CPU (every exactness test does).
   Scales that are per tensor, or per row of a / per column of b (i.e. along the NON-contracted dims), factor out
   of the sum and are applied to the fp32 result: out = (a_fp8 @ b_fp8) * scale_a * scale_b. Scales that vary
   along the contracted dim (block tiles; per-row scales of an operand used transposed in a backward GEMM) do not
@@ -34,7 +47,7 @@ from fp8train.nn.recipes import BACKENDS
 from fp8train.numerics.quant import decode_fp8
 
 __all__ = ["Fp8Operand", "fp8_mm", "resolve_backend", "scaled_mm_available", "emulated_compute_dtype",
-           "GEMM_BACKENDS", "EMULATED_DTYPES", "cpu_has_bf16_gemm"]
+           "GEMM_BACKENDS", "EMULATED_DTYPES", "cpu_has_bf16_gemm", "set_cpu_bf16_gemm", "gemm_compute_dtype"]
 
 GEMM_BACKENDS = tuple(b for b in BACKENDS if b != "te")  # te runs through nn/te.py, not a GEMM here
 EMULATED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # plus "auto" (emulated_compute_dtype)
@@ -196,16 +209,30 @@ def _read_cpu_bf16_flags() -> bool:
 
 
 _CPU_HAS_BF16_GEMM = _read_cpu_bf16_flags()  # read once at import (also keeps file I/O out of traced code)
+_cpu_bf16_gemm_override: bool | None = None
 
 
 def cpu_has_bf16_gemm() -> bool:
-    """True when this CPU has bf16 GEMM instructions (avx512_bf16 or AMX-BF16), per /proc/cpuinfo's flags."""
-    return _CPU_HAS_BF16_GEMM
+    """True when this CPU has bf16 GEMM instructions (avx512_bf16 or AMX-BF16), per /proc/cpuinfo's flags, unless
+    `set_cpu_bf16_gemm` said otherwise for this process."""
+    return _CPU_HAS_BF16_GEMM if _cpu_bf16_gemm_override is None else _cpu_bf16_gemm_override
+
+
+def set_cpu_bf16_gemm(enabled: bool | None) -> None:
+    """Resolve `emulated_dtype: auto` on CPU as if this CPU had (True) or lacked (False) bf16 GEMM instructions;
+    None goes back to /proc/cpuinfo. Either path runs on any x86-64 CPU (bf16 GEMMs are only slower without the
+    instructions), so a suite can be run under both on one machine. Set it before building layers: a layer's
+    cached weight copy keeps the dtype it was made in until the weight changes."""
+    global _cpu_bf16_gemm_override
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"set_cpu_bf16_gemm takes True, False or None; got {enabled!r}")
+    _cpu_bf16_gemm_override = enabled
 
 
 def emulated_compute_dtype(device: torch.device | str, choice: str = "auto") -> torch.dtype:
-    """The emulated GEMMs' input dtype: `choice` 'fp32' or 'bf16', or 'auto': bf16 on CUDA (tensor cores, fp32
-    accumulation) and on CPUs with bf16 GEMM instructions, fp32 on other CPUs (exact, and much faster there)."""
+    """The emulated GEMMs' input dtype for GEMMs with a bf16 output: `choice` 'fp32' or 'bf16', or 'auto': bf16
+    on CUDA (tensor cores, fp32 accumulation) and on CPUs with bf16 GEMM instructions, fp32 on other CPUs (exact,
+    and much faster there). GEMMs with an fp32 output always run in fp32 (module docstring)."""
     if choice != "auto":
         if choice not in EMULATED_DTYPES:
             raise ValueError(f"emulated_dtype must be one of auto, {', '.join(EMULATED_DTYPES)}; got {choice!r}")
@@ -215,6 +242,12 @@ def emulated_compute_dtype(device: torch.device | str, choice: str = "auto") -> 
         else torch.float32
 
 
+def gemm_compute_dtype(compute_dtype: torch.dtype, out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype an emulated GEMM reads its FP8 values in: bf16 only when both the emulated dtype and the GEMM's
+    output are bf16; a GEMM whose result is kept in fp32 (or fp16) must not round its accumulator to 8 bits."""
+    return torch.bfloat16 if compute_dtype == torch.bfloat16 and out_dtype == torch.bfloat16 else torch.float32
+
+
 def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
            compute_dtype: torch.dtype | None = None, out_dtype: torch.dtype = torch.float32,
            bias: torch.Tensor | None = None, use_fast_accum: bool = False, accumulation=None,
@@ -222,7 +255,8 @@ def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
     """`dequant(a) @ dequant(b) (+ bias)` for a (M, K), b (K, N), accumulated in fp32, returned in `out_dtype`.
 
     backend 'scaled_mm': the FP8 kernel (`use_fast_accum` is its fast-accumulation switch; `record[gemm]` says
-    which kernel or fallback ran). backend 'emulated': exact FP8 products in `compute_dtype`, bias added in fp32;
+    which kernel or fallback ran). backend 'emulated': exact FP8 products read in `compute_dtype` where the
+    output is bf16 (gemm_compute_dtype; else fp32), scales and bias applied in fp32;
     `accumulation` (an `accumulation.HopperAccumulation`) models a tensor core's narrow accumulator instead."""
     if backend == "scaled_mm":
         if not scaled_mm_available(a.device):
@@ -234,7 +268,8 @@ def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
     if accumulation is not None:
         out = hopper_accumulated_mm(a.dequantize(torch.float32), b.dequantize(torch.float32), accumulation)
     else:
-        out = _emulated_gemm(a, b, compute_dtype or emulated_compute_dtype(a.device))
+        compute_dtype = compute_dtype or emulated_compute_dtype(a.device)
+        out = _emulated_gemm(a, b, gemm_compute_dtype(compute_dtype, out_dtype))
     if bias is not None:  # bias in fp32, one rounding to the output dtype below (no no-op casts: each is an op)
         out.add_(bias if bias.dtype == torch.float32 else bias.float())
     return out if out_dtype == torch.float32 else out.to(out_dtype)

@@ -25,17 +25,35 @@ from typing import Optional
 import torch
 
 from fp8train.numerics.formats import FORMATS, Fp8Format
-from fp8train.numerics.native_build import (Params, available, library, threading_kind,
-                                             unavailable_reason)
+from fp8train.numerics import native_build
+from fp8train.numerics.native_build import Params, library, threading_kind, unavailable_reason
 
-__all__ = ["available", "unavailable_reason", "threading_kind", "layout", "usable_layout", "capped_block",
-           "NativeLayout", "CastOptions", "quantize", "compute_amax", "decode", "decodable", "dequantize",
+__all__ = ["available", "set_enabled", "unavailable_reason", "threading_kind", "layout", "usable_layout",
+           "capped_block", "NativeLayout", "CastOptions", "quantize", "compute_amax", "decode", "decodable", "dequantize",
            "dequantizable", "RULE_GIVEN", "RULE_AMAX", "RULE_MX"]
 
 RULE_GIVEN, RULE_AMAX, RULE_MX = 0, 1, 2  # as in native_cast.c
 _SPECIAL = {"ieee": 0, "fn": 1, "fnuz": 2}
 _INPUT_DTYPES = (torch.float32, torch.bfloat16)
 _FP8_DTYPES = tuple(f.torch_dtype for f in FORMATS.values())
+
+_enabled = True
+
+
+def available() -> bool:
+    """True when the native kernel is built and loaded here and not switched off by `set_enabled(False)`."""
+    return _enabled and native_build.available()
+
+
+def set_enabled(enabled: bool) -> None:
+    """Use (True, the default) or bypass (False) the native kernel in this process. False runs every quantize,
+    decode and dequantize on the eager kernels, the path of a machine without a C compiler (the same bytes,
+    slower), so that path can be tested on a machine that builds the kernel."""
+    global _enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_enabled takes True or False; got {enabled!r}")
+    _enabled = enabled
+
 
 # ------------------------------------------------------------------------------------------------------------
 # Memory layout: which (batch, rows, cols) matrix and which tile in memory a call is

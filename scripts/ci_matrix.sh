@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# CI's second half (.ci/run runs README's test command first): every CPU code path and every torch release of
+# the supported range, on whatever CPU CI has.
+#   1. the numerics, nn and GEMM tests with `emulated_dtype: auto` forced to bf16, then to fp32 (the two CPU
+#      kinds: avx512_bf16/AMX, and AVX2-only), with the native cast switched off (the eager kernels), and on a
+#      PATH without any C compiler and an empty build cache (what a machine without gcc gets);
+#   2. those tests plus the core training tests under the oldest and the newest torch of pyproject's range
+#      (torch_support.py), each in a venv of its own beside README's (2.13.0 is README's pin).
+# Run from the repository root with README's venv active. Each step prints pytest's own closing line.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+CORE=(tests/test_formats.py tests/test_quant.py tests/test_mx.py tests/test_native_cast.py tests/test_dialect.py
+      tests/test_gemm.py tests/test_scaled_gemm.py tests/test_accumulation.py tests/test_linear.py tests/test_recipes.py
+      tests/test_convert.py tests/test_overrides.py tests/test_policy_defaults.py tests/test_shadow.py
+      tests/test_step_syncs.py tests/test_te_mapping.py tests/test_torch_support.py)
+TRAINING=(tests/test_config.py tests/test_train.py tests/test_checkpoint.py tests/test_resume_rules.py tests/test_model.py)
+PYTEST=(python -m pytest -q -rs -n 2 --dist loadfile -p no:cacheprovider)
+
+step() { echo; echo "=== ci_matrix: $*"; }
+
+step "emulated_dtype auto forced to bf16 (the avx512_bf16 / AMX path)"
+"${PYTEST[@]}" --emulated-auto=bf16 "${CORE[@]}"
+step "emulated_dtype auto forced to fp32 (the AVX2-only path)"
+"${PYTEST[@]}" --emulated-auto=fp32 "${CORE[@]}"
+step "native cast switched off (every quantize on the eager kernels)"
+"${PYTEST[@]}" --native-cast=off "${CORE[@]}"
+
+step "no C compiler on PATH, empty build cache (torch.compile needs one too: its tests are deselected)"
+no_cc="$(mktemp -d)"
+cache="$(mktemp -d)"
+for dir in /usr/local/bin /usr/bin /bin; do
+    for tool in "$dir"/*; do
+        name="$(basename "$tool")"
+        case "$name" in
+            gcc*|cc|c89*|c99*|clang*|tcc|*-gcc*|*-cc|g++*|c++*|*-g++*|cpp*) ;;  # every C/C++ compiler driver
+            *) [ -e "$no_cc/$name" ] || ln -s "$tool" "$no_cc/$name" ;;
+        esac
+    done
+done
+PATH="$VIRTUAL_ENV/bin:$no_cc" XDG_CACHE_HOME="$cache" "${PYTEST[@]}" -m "not compiled" "${CORE[@]}"
+rm -rf "$no_cc" "$cache"
+
+for release in 2.11.0 2.14.1; do
+    step "torch $release: core numerics, nn and training tests"
+    venv=".venv-torch$release"
+    # pip resolves fp8train's other dependencies as for README's venv; torch comes first, so it stays this one
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q "torch==$release"
+    "$venv/bin/pip" install -q -e ".[test]"
+    "$venv/bin/python" -c "import torch, fp8train; print('torch', torch.__version__, 'fp8train', fp8train.__file__)"
+    "$venv/bin/python" -m pytest -q -rs -n 2 --dist loadfile -p no:cacheprovider "${CORE[@]}" "${TRAINING[@]}"
+done
