@@ -2,7 +2,8 @@
 ```bash blocks runs. The two set-up commands are checked against `.ci/run` (which runs the test one, character for
 character); every `fp8train ...` command runs for real, in README's order, in an empty folder with recipes/
 beside it, with only size overrides appended (fewer steps, one seed, smaller evaluations) so the whole file takes
-seconds, not the minutes the full-size commands take."""
+seconds, not the minutes the full-size commands take. Commands named in README's prose that are slow or need a GPU
+(accelerate with 2 processes, the GPU check, bench, plan) must be run by the test named in RUN_ELSEWHERE."""
 
 from __future__ import annotations
 
@@ -33,6 +34,16 @@ SMALLER = {
     "report": [], "export": [], "formats": [],
 }
 EXIT_CODES = {"validate": (0, 1, 3)}  # a one-seed verdict may be inconclusive; anything else must succeed
+# Commands README names in its prose (inline code), too slow or needing other hardware to run here, and the test
+# that runs each for real: (test file, strings of the call it makes).
+RUN_ELSEWHERE = {
+    "accelerate launch --multi_gpu --num_processes 2 scripts/train.py --config recipes/cpu_delayed.yaml":
+        ("test_launch.py", ['"accelerate.commands.launch"', '"--multi_gpu", "--num_processes", "2"']),
+    "scripts/gpu_check.sh OUT_DIR": ("test_gpu_check.py", ['["bash", str(SCRIPT), str(out), "--dry-run"]']),
+    "fp8train plan": ("test_plan_e2e.py", ['cli.main(["plan", str(shadowed_run), "--out"']),
+    "fp8train bench": ("test_bench.py", ['main(["bench", "--json", "--out", str(out), "--quick"']),
+}
+COMMAND_START = re.compile(r"(fp8train|accelerate|torchrun|python3?|pip|bash|scripts/)\b")
 
 
 def bash_lines(text: str) -> list[str]:
@@ -93,6 +104,19 @@ def test_every_readme_command_has_a_runner_here():
     assert commands, "no fp8train command found in README"
     unknown = [" ".join(argv) for argv in commands if argv[0] != "fp8train" or argv[1] not in SMALLER]
     assert not unknown, f"README commands that no test runs (add them to SMALLER): {unknown}"
+
+
+def test_commands_in_readme_prose_are_run_by_a_test():
+    prose = re.sub(r"^```.*?^```", "", README.read_text(), flags=re.S | re.M)
+    spans = [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose)]
+    commands = [span for span in spans if COMMAND_START.match(span)]
+    assert commands, "the prose check found no command: is the pattern stale?"
+    unrun = [command for command in commands if command not in RUN_ELSEWHERE]
+    assert not unrun, f"README commands that no test runs (add them to RUN_ELSEWHERE or a bash block): {unrun}"
+    for command, (test_file, calls) in RUN_ELSEWHERE.items():
+        text = (ROOT / "tests" / test_file).read_text()
+        missing = [call for call in calls if call not in text]
+        assert not missing, f"{test_file} no longer runs {command!r}: {missing} not found"
 
 
 @pytest.mark.slow
