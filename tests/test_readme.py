@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from fp8train import cli
+from fp8train.nn.linear import Fp8Linear
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -137,3 +140,24 @@ def test_every_readme_command_runs(tmp_path, monkeypatch, capsys):
                                                                                        "inconclusive")
     assert json.loads(Path("try1_fp8/config.json").read_text())["quantization_config"]
     assert Path("runs/try1/kv_eval/kv_eval.md").exists()
+
+
+class _ReadmeModel(torch.nn.Module):
+    """MyModel of README's API example: two FP8-eligible linears and a loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)
+
+    def forward(self, batch):
+        return self.down(torch.relu(self.up(batch))).pow(2).mean()
+
+
+def test_the_api_example_runs():
+    (block,) = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+    scope = {"MyModel": _ReadmeModel, "loader": [torch.randn(16, 64) for _ in range(3)]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # autocast("cuda") on a machine without CUDA says it is disabled
+        exec(compile(block, "README.md", "exec"), scope)
+    layers = [m for m in scope["model"].modules() if isinstance(m, Fp8Linear)]
+    assert len(layers) == 2 and all(layer.weight_initialized.item() for layer in layers)  # scales were updated
