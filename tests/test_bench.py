@@ -154,7 +154,7 @@ def test_tiny_run_json_schema(tiny_run):
     assert memory["current"]["saved_mb"] < memory["bf16"]["saved_mb"]  # FP8 inputs kept for backward
     assert any("torchao" in n for n in results["notes"])
     targets = {t["target"]: t for t in results["targets"]}
-    # A target's status is its measured figure against README's threshold (train step: <= 1.3x bf16 for the
+    # A target's status is its measured figure against docs/benchmarks.md's threshold (train step: <= 1.3x bf16 for the
     # tensorwise recipes, <= 1.5x for block), recomputed here from the section's own row.
     for name, threshold in (("current", 1.3), ("block", 1.5)):
         target = targets[f"train step {name} (x bf16)"]

@@ -1,8 +1,8 @@
 """FP8 formats: derived numbers, every one of the 256 codes, and the reference encode/decode.
 
 References are independent of fp8train: ml_dtypes (numpy float8 dtypes), torch's own float8 casts and
-``torch.finfo``, and numbers computed by hand from the bit layout (the DESIGN.md table). Tests are parametrized
-over the formats and, in the ml_dtypes style, over capabilities (has inf, has negative zero).
+``torch.finfo``, and numbers computed by hand from the bit layout (the docs/design.md table). Tests are
+parametrized over the formats and, in the ml_dtypes style, over capabilities (has inf, has negative zero).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 from refs import ALL_FORMATS, ML_DTYPES, TORCH_DTYPES  # noqa: E402
 
-# The DESIGN.md table, written out by hand. Max values as hex floats read off the bit layout:
+# The docs/design.md table, written out by hand. Max values as hex floats read off the bit layout:
 #   e4m3fn   S.1111.110 = 1.75  * 2^8  = 0x1.cp8  = 448   (S.1111.111 is NaN)
 #   e5m2     S.11110.11 = 1.75  * 2^15 = 0x1.cp15 = 57344 (exponent 11111 is inf/NaN)
 #   e4m3fnuz S.1111.111 = 1.875 * 2^7  = 0x1.ep7  = 240   (bias 8; NaN is 0x80)
@@ -323,7 +323,7 @@ def test_encode_saturating_is_clip_then_cast(name):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Worked cases from DESIGN.md
+# Worked cases from docs/design.md
 # ------------------------------------------------------------------------------------------------------------
 def test_worked_cases_e4m3():
     e4m3 = FORMATS["e4m3fn"]
@@ -367,7 +367,7 @@ def test_get_format_unknown_name_lists_allowed(bad):
 
 def test_format_table_contains_the_numbers():
     """Every cell of `fp8train formats`, column by column (cells are separated by two or more spaces), against
-    DESIGN.md's table; the max cell's derivation is evaluated and must give the max."""
+    docs/design.md's table; the max cell's derivation is evaluated and must give the max."""
     lines = format_table().splitlines()
     header = re.split(r"\s{2,}", lines[0].strip())
     rows = {cells[0]: dict(zip(header, cells)) for cells in (re.split(r"\s{2,}", line.strip()) for line in lines[2:6])}

@@ -260,7 +260,7 @@ def test_kill_9_of_one_rank_during_a_save_leaves_the_previous_checkpoint(runs):
 
 
 def test_bench_distributed_bytes_meet_the_targets():
-    """fp8train bench --sections distributed: the per-rank bytes and all-gather bytes README quotes."""
+    """fp8train bench --sections distributed: the per-rank bytes and all-gather bytes docs/distributed.md quotes."""
     section = bench_distributed(steps=2)
     rows = {(r["model"], r["contender"]): r for r in section["rows"]}
     for model, _ in MODEL_SHAPES:

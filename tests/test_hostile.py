@@ -115,8 +115,8 @@ def hostile_tensor(kind: str, shape, seed: int) -> torch.Tensor:
 
 
 class DelayedReference:
-    """Delayed scaling for one role, written from DESIGN.md: a step's amax enters the history only if finite; the
-    scale is max(history) / fmt.max once that is > 0, else the previous scale."""
+    """Delayed scaling for one role, written from docs/design.md: a step's amax enters the history only if finite;
+    the scale is max(history) / fmt.max once that is > 0, else the previous scale."""
 
     def __init__(self, fmt, length: int):
         self.fmt, self.length, self.history, self.scale = fmt, length, [], None

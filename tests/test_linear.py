@@ -246,7 +246,7 @@ def test_eval_forward_of_a_fresh_layer_does_not_initialize_it():
         assert getattr(layer, f"{role}_scale").item() == 1.0, role
 
 
-# The grad_output format of each preset, from DESIGN.md / README (not read from the recipe objects): E5M2 for the
+# The grad_output format of each preset, from docs/design.md (not read from the recipe objects): E5M2 for the
 # hybrid tensorwise recipes, E4M3 for rowwise and block.
 GRAD_OUTPUT_FORMAT = {"delayed": "e5m2", "current": "e5m2", "rowwise": "e4m3fn", "block": "e4m3fn"}
 ML_FORMAT = {"e5m2": (ml_dtypes.float8_e5m2, 57344.0), "e4m3fn": (ml_dtypes.float8_e4m3fn, 448.0)}

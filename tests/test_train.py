@@ -1,6 +1,6 @@
 """The training system end to end, in-process on CPU: loss goes down, runs are deterministic and resumable bit for
-bit, the run directory holds what DESIGN.md promises, user mistakes fail before anything is written, and a diverging
-run stops with its step, reason, layer telemetry and the last good checkpoint.
+bit, the run directory holds what docs/design.md promises, user mistakes fail before anything is written, and a
+diverging run stops with its step, reason, layer telemetry and the last good checkpoint.
 
 Every run here is tiny (d_model 64, 2 layers, seq_len 32, batch 8, <= 12 steps) on a ~200 KB corpus cut from the
 Python standard library, one intra-op thread, so the whole file takes well under a minute on 2 cores.

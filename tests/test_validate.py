@@ -118,7 +118,7 @@ def test_seeds_needed_by_hand():
 # Calibration on synthetic curves: known gap, known noise, many draws, through the same functions
 # ------------------------------------------------------------------------------------------------------------
 # The paired spread of the main job (recipes/cpu_validate.yaml): measured 0.15 points over 6 seeds for `current`
-# on AMD EPYC (2 cores), see README's validation section; the synthetic draws use twice that as "main-job noise".
+# on AMD EPYC (2 cores), see docs/validation.md; the synthetic draws use twice that as "main-job noise".
 MAIN_JOB_PAIRED_SD = 0.003
 STEPS = list(range(0, 301, 25))
 

@@ -6,8 +6,8 @@
 The swap is in place and reuses the Linear's Parameter objects, so an optimizer built before the swap still
 updates the right tensors and the model's parameter count does not change.
 
-The default policy keeps out of FP8 what usually hurts or does not pay (DESIGN.md): embeddings, the output head
-(its logits feed a softmax over the vocabulary), MoE routers (a small top-k decision that flips under rounding)
+The default policy keeps out of FP8 what usually hurts or does not pay (docs/design.md): embeddings, the output
+head (its logits feed a softmax over the vocabulary), MoE routers (a small top-k decision that flips under rounding)
 and layers too small or oddly shaped for FP8 tensor cores (dims must be multiples of 16).
 """
 

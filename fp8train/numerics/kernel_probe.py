@@ -10,8 +10,8 @@ cores; or GPU name) and torch version, so later runs read it in microseconds. `r
 concrete kernel name returns it unchanged (the override, e.g. ``fp8.quantize_kernel: eager``).
 
 On a CPU where fp8train's C kernel builds (``native``, numerics/native_cast.py) 'auto' is ``native`` without
-measuring: it is bit-exact, needs no torch.compile, and beat every torch kernel on each CPU measured (README);
-the probe is for GPUs and for CPUs without a C compiler.
+measuring: it is bit-exact, needs no torch.compile, and beat every torch kernel on each CPU measured
+(docs/benchmarks.md); the probe is for GPUs and for CPUs without a C compiler.
 """
 
 from __future__ import annotations

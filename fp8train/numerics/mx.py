@@ -10,7 +10,8 @@ The OCP MX specification v1.0 (section 6.3) converts a block of 32 values V_i as
 So the block's largest value lands in the element format's top binade, [2^emax, 2^(emax+1)): for E4M3 values
 in (448, 512) are clamped to 448 (the spec's rule, which TE and cuBLAS replace with rounding the scale up; here
 we follow the spec). E8M0 covers 2^-127 .. 2^127 (0xFF is NaN); shared exponents are clamped into that range.
-fp8train's convention for amax 0 or NaN/inf (DESIGN.md) holds here too: such a block gets scale 1 (E8M0 127).
+fp8train's convention for amax 0 or NaN/inf (docs/design.md) holds here too: such a block gets scale 1
+(E8M0 127).
 The FP8 values and the power-of-two scales are exact in fp32, so dequantization and an fp32 GEMM over them
 reproduce an MX tensor core up to accumulation order.
 """

@@ -2,10 +2,26 @@
 
 On first use the system C compiler (``gcc``, else ``cc``, from PATH) builds the source shipped in the package with
 ``-O3 -march=native -fopenmp`` (about a second; without ``-fopenmp`` where the compiler lacks it) into
-``$XDG_CACHE_HOME/fp8train/native/`` (default ``~/.cache``), under a name keyed by the source's hash, the
-compiler's path and version, the flags and the CPU's flags: another CPU, compiler or fp8train version builds its
-own, and later processes load the cached library in milliseconds.
-A build goes to a temporary file renamed into place, so concurrent processes never load half a library.
+``$XDG_CACHE_HOME/fp8train/native/`` (default ``~/.cache``). Later processes load the cached library in
+milliseconds. The cache, file by file:
+
+- ``native_cast-<family>-<source>-<variant>.so``: ``family`` hashes what the machine gives (the compiler's resolved
+  path, size and mtime, the flags, the CPU's flags), ``source`` what fp8train gives (native_cast.c, the ABI and
+  this cache's layout). Another CPU, compiler or fp8train version builds its own. The compiler is identified by
+  its file, not by running ``gcc --version``: loading a cached library forks nothing.
+- ``<library>.json`` beside it: its size and sha256, written at build. A library is loaded only after its bytes
+  match that record: a truncated or altered file (a full disk, a copy cut short) would otherwise crash the
+  process with SIGBUS inside ``dlopen``; instead it is rebuilt with a one-line warning saying what was wrong.
+- ``build.lock``: builders take it (``flock``), so of the ranks or test workers that start at once one compiles
+  and the others load its result; a builder that gets the lock first looks again for a good library.
+- ``builds.log``: one line per build (when, which process, which file, how long).
+
+A build is written to a temporary file named by pid and a random suffix, fsync'd with its record, then renamed into
+place and the folder fsync'd: a crash leaves either no library or a whole one. Under the lock, builds of this
+machine's family for another source (older fp8train versions, also those named before the records) unused for a
+week are deleted, as are temporary files of builders that died. The week keeps two installed versions used in
+turn from deleting each other's library on every start.
+
 Without a compiler, or when the build or load fails, ``available()`` is False, the reason is warned once
 (``unavailable_reason()``), and fp8train quantizes with its eager kernel (same bytes, slower).
 """
@@ -14,24 +30,41 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import platform
+import re
+import secrets
 import shutil
 import subprocess
+import threading
+import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["available", "unavailable_reason", "library", "threading_kind", "Params", "COMPILER_NAMES", "SOURCE"]
+try:
+    import fcntl
+except ImportError:  # not POSIX: builds are not serialized across processes (each still renames a whole file)
+    fcntl = None
+
+__all__ = ["available", "unavailable_reason", "library", "threading_kind", "Params", "COMPILER_NAMES", "SOURCE",
+           "cache_dir", "BUILD_LOG"]
 
 SOURCE = Path(__file__).with_name("native_cast.c")
 COMPILER_NAMES = ("gcc", "cc")
+BUILD_LOG = "builds.log"
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
 # OpenMP first: the kernel's threads are then those of the process's OpenMP runtime (torch's own libgomp.so.1
 # where torch uses GNU OpenMP), not threads of its own competing with torch's spinning ones. A compiler without
 # OpenMP (a bare clang) builds the pthreads variant instead.
 _VARIANTS = (("openmp", ("-fopenmp",)), ("pthreads", ()))
 _ABI_VERSION = 3
+_CACHE_LAYOUT = 2  # 2: family-source names, a size+sha256 record per library, the build lock
+_PRUNE_UNUSED_S = 7 * 24 * 3600  # another version's build, unused this long, is deleted at the next build
+_ORPHAN_TMP_S = 600  # a temporary file this old belongs to a builder that died
+_LAYOUT_1 = re.compile(r"native_cast-[0-9a-f]{20}-(openmp|pthreads)\.so")  # fp8train's names before layout 2
 
 
 class Params(ctypes.Structure):
@@ -43,21 +76,32 @@ class Params(ctypes.Structure):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Build and load (once per process; the result, good or bad, is kept)
+# The process's state: loaded once (the result, good or bad, is kept), by one thread
 # ------------------------------------------------------------------------------------------------------------
 _state: dict = {}  # "lib": the loaded library, or "reason": why there is none
+_load_lock = threading.Lock()
+
+
+def _new_lock_in_child() -> None:  # a fork while another thread held the lock must not leave the child blocked
+    global _load_lock
+    _load_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def available() -> bool:
-    """Whether the native kernel is built and loaded (builds it on the first call; never raises)."""
+    """Whether the native kernel is built and loaded (builds it on the first call; never raises; thread-safe)."""
     if not _state:
-        try:
-            _state["lib"] = _load()
-        except Exception as err:  # no compiler, a failed build, a library that does not load: use eager
-            _state["reason"] = f"{type(err).__name__}: {err}"
-            warnings.warn(f"fp8train: the native FP8 cast is unavailable ({_state['reason']}); quantize uses its "
-                          "eager kernel (same bytes, slower). Install gcc to enable it.", RuntimeWarning,
-                          stacklevel=2)
+        with _load_lock:
+            if not _state:  # another thread may have loaded it while this one waited
+                result = _load_or_reason()
+                if "reason" in result:
+                    warnings.warn(f"fp8train: the native FP8 cast is unavailable ({result['reason']}); quantize "
+                                  f"uses its eager kernel (same bytes, slower). {result['hint']}", RuntimeWarning,
+                                  stacklevel=2)
+                _state.update(result)
     return "lib" in _state
 
 
@@ -71,9 +115,28 @@ def library() -> ctypes.CDLL:
     return _state["lib"]
 
 
-def _cache_dir() -> Path:
+def threading_kind() -> str:
+    """How the loaded library runs its threads: "openmp" (the process's OpenMP runtime) or "pthreads"."""
+    return "openmp" if library().fp8_uses_openmp() else "pthreads"
+
+
+def cache_dir() -> Path:
+    """Where libraries are built: ``$XDG_CACHE_HOME/fp8train/native`` (default ``~/.cache/fp8train/native``)."""
     root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(root) / "fp8train" / "native"
+
+
+def _load_or_reason() -> dict:
+    try:
+        compiler = _find_compiler()
+    except FileNotFoundError as err:
+        return {"reason": f"{type(err).__name__}: {err}", "hint": "Install gcc (or a C compiler named cc) to "
+                "enable it."}
+    try:
+        return {"lib": _load(compiler)}
+    except Exception as err:  # a failed build, a library that does not load: say what failed, no install advice
+        return {"reason": f"{type(err).__name__}: {err}", "hint": "A failed build is not cached: the next process "
+                "tries again."}
 
 
 def _find_compiler() -> str:
@@ -84,6 +147,9 @@ def _find_compiler() -> str:
     raise FileNotFoundError(f"no C compiler on PATH (looked for {', '.join(COMPILER_NAMES)})")
 
 
+# ------------------------------------------------------------------------------------------------------------
+# Names: what the machine gives (family) and what fp8train gives (source)
+# ------------------------------------------------------------------------------------------------------------
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -94,24 +160,170 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def _load() -> ctypes.CDLL:
-    compiler = _find_compiler()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), compiler.encode(), version.encode(),
-                                     " ".join(_FLAGS).encode(), _cpu_flags().encode(),
-                                     platform.machine().encode()])).hexdigest()[:20]
-    paths = {name: _cache_dir() / f"native_cast-{key}-{name}.so" for name, _ in _VARIANTS}
-    path = next((p for p in paths.values() if p.exists()), None)  # built by an earlier process
+def _compiler_identity(compiler: str) -> str:
+    """The compiler's file (resolved through symlinks such as gcc -> gcc-12) with its size and mtime: an upgrade or
+    a switch of alternatives changes it, and reading it forks no ``--version``."""
+    real = os.path.realpath(compiler)
+    st = os.stat(real)
+    return f"{compiler} -> {real} size {st.st_size} mtime_ns {st.st_mtime_ns}"
+
+
+def _digest(*parts: str | bytes, length: int = 12) -> str:
+    return hashlib.sha256(b"\0".join(p.encode() if isinstance(p, str) else p for p in parts)).hexdigest()[:length]
+
+
+def _library_paths(compiler: str) -> tuple[str, dict]:
+    """(family, {variant: path}) of this machine's and this fp8train's library."""
+    family = _digest(_compiler_identity(compiler), " ".join(_FLAGS), _cpu_flags(), platform.machine())
+    source = _digest(SOURCE.read_bytes(), str(_ABI_VERSION), str(_CACHE_LAYOUT))
+    folder = cache_dir()
+    return family, {name: folder / f"native_cast-{family}-{source}-{name}.so" for name, _ in _VARIANTS}
+
+
+def _record_path(library_path: Path) -> Path:
+    return library_path.with_name(library_path.name + ".json")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Verify, build, prune, load
+# ------------------------------------------------------------------------------------------------------------
+def _problem(path: Path) -> Optional[str]:
+    """None when ``path`` holds the bytes its build recorded (size and sha256), else what is wrong with it."""
+    try:
+        record = json.loads(_record_path(path).read_text())
+        size, digest = int(record["size"]), str(record["sha256"])
+    except FileNotFoundError:
+        return "no build record beside it"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"its build record {_record_path(path).name} is unreadable ({type(err).__name__})"
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        return f"unreadable ({err.strerror})"
+    if len(data) != size:
+        return f"{len(data)} bytes where the build wrote {size}"
+    if hashlib.sha256(data).hexdigest() != digest:
+        return "its sha256 differs from the one recorded at build"
+    return None
+
+
+def _good_library(paths: dict) -> tuple[Optional[Path], list]:
+    """(the first variant whose file checks out, or None; [(path, problem)] of those present that do not)."""
+    damaged = []
+    for path in paths.values():
+        if path.exists():
+            problem = _problem(path)
+            if problem is None:
+                return path, damaged
+            damaged.append((path, problem))
+    return None, damaged
+
+
+@contextmanager
+def _build_lock(folder: Path):
+    fd = os.open(folder / "build.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd closes, also when the process dies
+        yield
+    finally:
+        os.close(fd)
+
+
+def _load(compiler: str) -> ctypes.CDLL:
+    family, paths = _library_paths(compiler)
+    path, _ = _good_library(paths)  # the common case: built by an earlier process, no lock needed
+    if path is None:
+        folder = cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        with _build_lock(folder):
+            path, damaged = _good_library(paths)  # built by another process while this one waited?
+            if path is None:
+                for bad, problem in damaged:
+                    warnings.warn(f"fp8train: the cached native library {bad} is damaged ({problem}); rebuilding "
+                                  "it", RuntimeWarning, stacklevel=4)
+                    bad.unlink(missing_ok=True)
+                    _record_path(bad).unlink(missing_ok=True)
+                path = _build_a_variant(compiler, paths)
+                _prune(folder, family, set(paths.values()))
+    try:
+        os.utime(_record_path(path))  # "last used", which pruning reads
+    except OSError:
+        pass  # a read-only cache still loads
+    return _bind(ctypes.CDLL(str(path)), path)
+
+
+def _build_a_variant(compiler: str, paths: dict) -> Path:
     failures = []
-    for name, extra in _VARIANTS if path is None else ():
+    for name, extra in _VARIANTS:
         try:
-            path = _build(compiler, (*_FLAGS, *extra), paths[name])
-            break
+            return _build(compiler, (*_FLAGS, *extra), paths[name])
         except RuntimeError as err:
             failures.append(f"{name}: {err}")
-    if path is None:
-        raise RuntimeError("; ".join(failures))
-    lib = ctypes.CDLL(str(path))
+    raise RuntimeError("; ".join(failures))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _build(compiler: str, flags: tuple, path: Path) -> Path:
+    started = time.monotonic()
+    unique = f"{os.getpid()}.{secrets.token_hex(4)}"  # pids repeat across containers sharing a cache
+    tmp = path.with_name(f".{path.name}.{unique}.tmp")
+    record_tmp = path.with_name(f".{path.name}.json.{unique}.tmp")
+    try:
+        done = subprocess.run([compiler, *flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
+                              text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"the C compiler {compiler} failed ({done.returncode}): {done.stderr.strip()[:400]}")
+        data = tmp.read_bytes()
+        _fsync(tmp)
+        record_tmp.write_text(json.dumps({"size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                                          "compiler": _compiler_identity(compiler), "flags": list(flags)}))
+        _fsync(record_tmp)
+        os.replace(record_tmp, _record_path(path))  # the record first: a library is never there without one
+        os.replace(tmp, path)
+        _fsync(path.parent)  # the renames themselves survive a crash
+    finally:
+        tmp.unlink(missing_ok=True)
+        record_tmp.unlink(missing_ok=True)
+    with open(path.parent / BUILD_LOG, "a") as log:
+        log.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} pid {os.getpid()} built {path.name} ({len(data)} bytes, "
+                  f"{time.monotonic() - started:.1f} s) with {compiler}\n")
+    return path
+
+
+def _prune(folder: Path, family: str, keep: set) -> None:
+    """Delete this family's builds for other sources and builds named as before the records (unused for a week),
+    and dead builders' temporary files (called under the build lock, so no builder of this fp8train is writing
+    them)."""
+    now = time.time()
+    ours = set(folder.glob(f"native_cast-{family}-*.so"))
+    ours |= {p.with_suffix("") for p in folder.glob(f"native_cast-{family}-*.so.json")}  # records left alone
+    ours |= {p for p in folder.glob("native_cast-*.so") if _LAYOUT_1.fullmatch(p.name)}  # before the record
+    for old in ours - keep:
+        record = _record_path(old)
+        try:
+            last_used = max((p.stat().st_mtime for p in (old, record) if p.exists()), default=0.0)
+        except OSError:
+            continue
+        if now - last_used > _PRUNE_UNUSED_S:
+            old.unlink(missing_ok=True)
+            record.unlink(missing_ok=True)
+    for tmp in folder.glob(".native_cast-*.tmp"):
+        try:
+            if now - tmp.stat().st_mtime > _ORPHAN_TMP_S:
+                tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def _bind(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
     if lib.fp8_abi_version() != _ABI_VERSION or lib.fp8_params_size() != ctypes.sizeof(Params):
         raise RuntimeError(f"{path} does not match this fp8train (ABI {lib.fp8_abi_version()})")
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
@@ -123,22 +335,3 @@ def _load() -> ctypes.CDLL:
     lib.fp8_dequantize.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, i32]
     lib.fp8_dequantize.restype = ctypes.c_int
     return lib
-
-
-def _build(compiler: str, flags: tuple, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # concurrent builders each rename a whole file
-    try:
-        done = subprocess.run([compiler, *flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
-                              text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr.strip()[:400]}")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
-def threading_kind() -> str:
-    """How the loaded library runs its threads: "openmp" (the process's OpenMP runtime) or "pthreads"."""
-    return "openmp" if library().fp8_uses_openmp() else "pthreads"
