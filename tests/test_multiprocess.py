@@ -15,8 +15,9 @@ and then trains Fp8Linear under torch's FSDP2 (`fully_shard`) and under DDP with
 What is proven, and the tolerances:
 - every rank holds bit-identical scales, amax histories and scale amaxes after every step (torch.equal);
 - losses equal the single-process run with the same global batch and micro-batches to 1e-6 relative (the only
-  differences are the order of two-term sums: DDP averages (g0 + g1) / 2, one process adds g0 / 2 + g1 / 2; fp32
-  activations and pinned fp32 GEMMs keep CPU-specific bf16 roundings out: see SECTIONS);
+  differences are the order of two-term sums: DDP averages (g0 + g1) / 2, one process adds g0 / 2 + g1 / 2); with
+  2 micro-batches per rank the association of the 4-term sum differs too, and the allowance is derived from one
+  E4M3 rounding step (LOSS_RTOL_REASSOCIATED);
 - input and weight scales equal the single-process ones to 1e-5 relative; grad_output scales are exactly
   world_size (2) times larger to 1e-5, because each rank's loss is a mean over its own tokens and DDP averages
   the gradients afterwards (a power-of-two factor: the FP8 codes are the same);
@@ -46,13 +47,18 @@ pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.slow]
 
 WORLD = 2
 STEPS = 5
+# accum1: DDP averages fl(g0 + g1) / 2; one process accumulates fl(g0 / 2 + g1 / 2), the same number (halving is
+# exact in binary floating point), so the runs stay bit-close: 1e-6 covers the fp32 reductions of the loss itself.
 LOSS_RTOL = 1e-6
+# accum2: the 4 micro-batch gradients are summed in another association (DDP: (a + b) + (c + d); one process:
+# ((a + b) + c) + d), so from step 2 on the weights differ in their last fp32 bit. A later forward can then round
+# an activation or weight that lies that close to an E4M3 rounding boundary to the neighbouring code (how many do
+# depends on the CPU's GEMM arithmetic: 1.7e-6 and 4.4e-6 relative were seen on two CPUs). The allowance is one
+# token's loss moved by one E4M3 step (2^-3 relative) in a mean over the TOKENS_PER_STEP tokens of a step.
+TOKENS_PER_STEP = 8 * 32  # conftest.TINY_CONFIG: batch_size x seq_len
+LOSS_RTOL_REASSOCIATED = 2.0 ** -3 / TOKENS_PER_STEP
 SCALE_RTOL = 1e-5
-# fp32 activations and fp32 emulated GEMMs (pinned): then the runs differ only in the order of two-term fp32 sums
-# (one fp32 rounding, 2^-24 relative, per gradient element), carried through 5 AdamW steps, and 1e-6 holds on any
-# CPU. Under bf16 autocast each such difference can also flip bf16 roundings of activations (2^-8 steps) in later
-# forwards, by an amount that depends on the CPU's bf16 GEMM kernel: 4.4e-6 was seen on an AMX Xeon.
-SECTIONS = dict(train={"max_steps": STEPS, "eval_every": STEPS, "autocast": "none"}, fp8={"emulated_dtype": "fp32"},
+SECTIONS = dict(train={"max_steps": STEPS, "eval_every": STEPS},
                 log={"telemetry_every": 0},
                 checkpoint={"every": 0, "save_final": False})
 # The hook sits on the MLP block (build_model's modules; its Linears are swapped for Fp8Linears later): the MLP's
@@ -260,7 +266,8 @@ def test_losses_and_scales_match_single_process(launched, tag):
     for a, b in zip(ddp, single):
         for key in ("loss", "val_loss", "grad_norm"):
             if key in b:
-                assert _rel(a[key], b[key]) <= LOSS_RTOL, (a["step"], key, a[key], b[key])
+                tolerance = LOSS_RTOL if tag == "accum1" else LOSS_RTOL_REASSOCIATED
+                assert _rel(a[key], b[key]) <= tolerance, (a["step"], key, a[key], b[key])
         assert a["lr"] == b["lr"]
     ddp_state = _scaling(load_file(str(out / f"{tag}_rank0.safetensors")))
     _, single_state = references[tag]
