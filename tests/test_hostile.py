@@ -27,12 +27,12 @@ from fp8train.training.config import load_config
 from fp8train.numerics.formats import get_format
 from fp8train.nn.linear import Fp8Linear, update_fp8_scales
 from fp8train.numerics.quant import compute_amax, expand_scale, quantize
-from fp8train.nn.recipes import recipe
+from fp8train.nn.recipes import RECIPE_NAMES, recipe
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 FORMATS = ["e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz"]
-RECIPES = ["delayed", "current", "rowwise", "block"]
+RECIPES = list(RECIPE_NAMES)  # every preset, mxfp8 included
 NAN, INF = float("nan"), float("inf")
 SPECIALS = [NAN, INF, -INF, 0.0, -0.0, 1e30, -1e30, 3e38, -3.4e38, 1e-40, -1e-45, 1.2e-38, 448.0, 57344.0, 6e4]
 # Deterministic and bounded for the suite (derandomize: the same examples every run; database=None: no
