@@ -31,7 +31,7 @@ from fp8train.training.config.validation import BASELINE_LABEL, Candidate, parse
 from fp8train.training.data import build_data, describe_fingerprint_change
 from fp8train.training.rundir import dir_state, read_json
 
-__all__ = ["PLAN_FILE", "BASELINE", "PlannedRun", "plan_runs", "fingerprint_runs", "make_plan", "check_plan", "validation_dir",
+__all__ = ["PLAN_FILE", "BASELINE", "PlannedRun", "plan_runs", "fingerprint_runs", "validation_plan", "check_plan", "validation_dir",
            "run_dir", "derive_config"]
 
 PLAN_FILE = "plan.json"
@@ -148,7 +148,7 @@ def _recipe_code(cfg: FullConfig) -> str:
     return recipe.code() if recipe is not None else BASELINE_RECIPE
 
 
-def make_plan(cfg: FullConfig, runs: list[PlannedRun]) -> dict:
+def validation_plan(cfg: FullConfig, runs: list[PlannedRun]) -> dict:
     """plan.json: what is declared before any run (the margin, candidates, seeds, method) and the runs' hashes."""
     v = cfg.validate
     first_seed = runs[0].seed
