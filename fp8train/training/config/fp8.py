@@ -3,7 +3,9 @@ turn them into the objects the FP8 code uses (`Fp8Recipe`, `LayerPolicy`).
 
 Every name and default here comes from fp8train.nn, where it is defined once: recipe, backend and format names
 from `nn.recipes`, the layer-policy defaults from `nn.convert.LayerPolicy`. So `convert_to_fp8(model, recipe)`
-and `fp8train train` with an unset `policy` section convert exactly the same layers.
+and `fp8train train` with an unset `policy` section convert exactly the same layers. The fp8 section's recipe
+keys are generated from `Fp8Recipe`'s fields (typed and documented there) and checked by `Fp8Recipe` itself, the
+one place a recipe is validated; only the keys that are not recipe fields are declared here.
 """
 
 from __future__ import annotations
