@@ -27,12 +27,12 @@ from fp8train.training.config import load_config
 from fp8train.numerics.formats import get_format
 from fp8train.nn.linear import Fp8Linear, update_fp8_scales
 from fp8train.numerics.quant import compute_amax, expand_scale, quantize
-from fp8train.nn.recipes import recipe
+from fp8train.nn.recipes import RECIPE_NAMES, recipe
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 FORMATS = ["e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz"]
-RECIPES = ["delayed", "current", "rowwise", "block"]
+RECIPES = list(RECIPE_NAMES)  # every preset, mxfp8 included
 NAN, INF = float("nan"), float("inf")
 SPECIALS = [NAN, INF, -INF, 0.0, -0.0, 1e30, -1e30, 3e38, -3.4e38, 1e-40, -1e-45, 1.2e-38, 448.0, 57344.0, 6e4]
 # Deterministic and bounded for the suite (derandomize: the same examples every run; database=None: no
@@ -253,7 +253,7 @@ def test_telemetry_reports_nonfinite_events(recipe_name):
 # The loop's guard
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_skip_guard_skips_a_nonfinite_step_counts_and_logs_it(tmp_path, monkeypatch, tiny):
+def test_skip_guard_skips_a_nonfinite_step_counts_and_logs_it(tmp_path, tiny):
     """One NaN in one block's output gradient at step 2 (a tensor hook): the gradients are NaN, the guard skips
     that optimizer step (weights and AdamW state unchanged), the events are counted and reported, the scales stay
     finite, and training goes on."""
@@ -262,12 +262,10 @@ def test_skip_guard_skips_a_nonfinite_step_counts_and_logs_it(tmp_path, monkeypa
     config = tiny.write(tmp_path, run={"name": "guard"}, train={"max_steps": 4, "eval_every": 0, "eval_batches": 1},
                         optim={"warmup_steps": 1}, log={"telemetry_every": 0},
                         checkpoint={"every": 1, "keep_last": 0})
-    import fp8train.training.setup as setup_module
-
-    real_build = setup_module.build_model
+    from fp8train.training.model import build_model
 
     def build_with_nan_gradient(model_cfg):
-        model = real_build(model_cfg)
+        model = build_model(model_cfg)
         calls = {"n": 0}
 
         def poison(grad):
@@ -284,8 +282,7 @@ def test_skip_guard_skips_a_nonfinite_step_counts_and_logs_it(tmp_path, monkeypa
         model.layers[1].mlp.register_forward_hook(hook)
         return model
 
-    monkeypatch.setattr(setup_module, "build_model", build_with_nan_gradient)
-    summary = train_module.train(load_config(str(config)), show_progress=False)
+    summary = train_module.train(load_config(str(config)), show_progress=False, model_factory=build_with_nan_gradient)
     assert summary["status"] == "completed" and summary["skipped_steps"] == 1 and summary["steps"] == 4
     run_dir = tmp_path / "runs" / "guard"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]

@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 
 from fp8train.nn.linear import Fp8Linear, update_fp8_scales
-from fp8train.nn.recipes import recipe
+from fp8train.nn.recipes import RECIPE_NAMES, recipe
 
-RECIPES = ("delayed", "current", "rowwise", "block")
+RECIPES = RECIPE_NAMES  # every preset, mxfp8 included
 ROLES = ("input", "weight", "grad_output")
 
 
@@ -20,8 +20,11 @@ pytestmark = pytest.mark.usefixtures("single_thread")  # tiny tensors: a second 
 
 # SQNR thresholds (dB) against fp32 nn.Linear on Gaussian data. One E4M3 cast of a Gaussian gives ~31 dB;
 # a GEMM of two such operands ~28 dB. E5M2 (2 mantissa bits) costs ~6 dB more on the gradients.
-OUTPUT_DB = 25.0
-GRAD_DB = {"delayed": 20.0, "current": 20.0, "rowwise": 25.0, "block": 25.0}
+# mxfp8: the OCP MX rule rounds a block's E8M0 scale DOWN (2^(floor(log2 amax) - 8)), so in a block whose amax is
+# just under a power of two the largest elements (up to 512 x scale) clip at 448 x scale. nn.Linear's uniform
+# +-1/16 weight at K=256 is exactly that case: ~24.8 dB on the GEMMs that read the weight, ~28 dB at K=192.
+OUTPUT_DB = {"delayed": 25.0, "current": 25.0, "rowwise": 25.0, "block": 25.0, "mxfp8": 22.0}
+GRAD_DB = {"delayed": 20.0, "current": 20.0, "rowwise": 25.0, "block": 25.0, "mxfp8": 22.0}
 
 
 def sqnr_db(actual, expected):
@@ -52,7 +55,7 @@ def test_sqnr_against_nn_linear(name, shape):
     x, grad = torch.randn(b, t, k), torch.randn(b, t, n)
     expected, got = _fwd_bwd(ref, x, grad), _fwd_bwd(fp8, x, grad)
     assert got[0].shape == (b, t, n)
-    assert sqnr_db(got[0], expected[0]) > OUTPUT_DB
+    assert sqnr_db(got[0], expected[0]) > OUTPUT_DB[name]
     assert sqnr_db(got[1], expected[1]) > GRAD_DB[name]  # grad_input
     assert sqnr_db(got[2], expected[2]) > GRAD_DB[name]  # grad_weight
     torch.testing.assert_close(got[3], expected[3])      # grad_bias comes from the unquantized gradient
@@ -248,7 +251,8 @@ def test_eval_forward_of_a_fresh_layer_does_not_initialize_it():
 
 # The grad_output format of each preset, from docs/design.md (not read from the recipe objects): E5M2 for the
 # hybrid tensorwise recipes, E4M3 for rowwise and block.
-GRAD_OUTPUT_FORMAT = {"delayed": "e5m2", "current": "e5m2", "rowwise": "e4m3fn", "block": "e4m3fn"}
+GRAD_OUTPUT_FORMAT = {"delayed": "e5m2", "current": "e5m2", "rowwise": "e4m3fn", "block": "e4m3fn",
+                      "mxfp8": "e4m3fn"}
 ML_FORMAT = {"e5m2": (ml_dtypes.float8_e5m2, 57344.0), "e4m3fn": (ml_dtypes.float8_e4m3fn, 448.0)}
 
 
@@ -422,7 +426,9 @@ def test_telemetry_records_every_role():
         assert set(layer.last_stats) == set(ROLES)
         stats = layer.last_stats["input"]
         assert stats["amax"] == pytest.approx(x.abs().max().item())
-        assert stats["sqnr_db"] > 25 and stats["overflow_frac"] == 0.0 and not stats["nonfinite"]
+        assert stats["sqnr_db"] > 25 and not stats["nonfinite"]
+        # a scale from the tensor's own amax clips nothing, except mxfp8's rounded-down E8M0 scale (OUTPUT_DB)
+        assert stats["overflow_frac"] == 0.0 if name != "mxfp8" else 0.0 < stats["overflow_frac"] < 0.05
         assert set(stats) == {"amax", "scale", "overflow_frac", "underflow_frac", "sqnr_db", "staleness",
                               "nonfinite"}
         if name == "delayed":

@@ -521,13 +521,11 @@ def test_10_symlinks_in_a_run_directory_are_refused(finished_run, tmp_path, caps
 # 13. Minor
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_13_nonfinite_values_are_strict_json_with_a_status(root, tmp_path, monkeypatch):
-    import fp8train.training.setup as setup
-
-    real_build = setup.build_model
+def test_13_nonfinite_values_are_strict_json_with_a_status(root, tmp_path):
+    from fp8train.training.model import build_model
 
     def build_poisoned(model_cfg):  # from step 3 on, the first block's MLP outputs NaN
-        model = real_build(model_cfg)
+        model = build_model(model_cfg)
         calls = {"n": 0}
 
         def poison(module, args, output):
@@ -539,9 +537,8 @@ def test_13_nonfinite_values_are_strict_json_with_a_status(root, tmp_path, monke
         model.layers[0].mlp.register_forward_hook(poison)
         return model
 
-    monkeypatch.setattr(setup, "build_model", build_poisoned)
     summary = train(cfg_of(root, "nan", f"run.dir={tmp_path}", "train.skip_nonfinite_grads=false"),
-                    show_progress=False)
+                    show_progress=False, model_factory=build_poisoned)
     assert summary["status"] == "diverged"
     run_dir = tmp_path / "nan"
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()

@@ -28,9 +28,9 @@ from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8train.training.loop as loop_module
-import fp8train.training.setup as training_setup
 from fp8train.training.config import load_config
 from fp8train.training.fsdp2 import clip_grad_norm_tensor
+from fp8train.training.model import build_model
 from fp8train.training.optim import AdamW
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -83,10 +83,10 @@ def counted(monkeypatch):
     return counter, per_step
 
 
-def _poison_gradient_at(monkeypatch, forward_number: int, last: int | None = None):
-    """At the model's `forward_number`-th training forward (through `last`), one element of a block's output
-    gradient is NaN (what tests/test_hostile.py injects): that step's gradient norm is NaN, the guard skips it."""
-    real_build = training_setup.build_model
+def _poison_gradient_at(forward_number: int, last: int | None = None):
+    """A model factory: at the model's `forward_number`-th training forward (through `last`), one element of a
+    block's output gradient is NaN (what tests/test_hostile.py injects): that step's gradient norm is NaN, the
+    guard skips it."""
 
     def poison(grad):
         grad = grad.clone()
@@ -94,7 +94,7 @@ def _poison_gradient_at(monkeypatch, forward_number: int, last: int | None = Non
         return grad
 
     def build(model_cfg):
-        model, calls = real_build(model_cfg), {"n": 0}
+        model, calls = build_model(model_cfg), {"n": 0}
 
         def hook(module, args, output):
             if module.training:
@@ -103,14 +103,13 @@ def _poison_gradient_at(monkeypatch, forward_number: int, last: int | None = Non
                     output.register_hook(poison)
         model.layers[1].mlp.register_forward_hook(hook)
         return model
-    monkeypatch.setattr(training_setup, "build_model", build)
+    return build
 
 
-def _poison_loss_from(monkeypatch, forward_number: int):
-    real_build = training_setup.build_model
-
+def _poison_loss_from(forward_number: int):
+    """A model factory: from the `forward_number`-th training forward on, the first block's MLP outputs NaN."""
     def build(model_cfg):
-        model, calls = real_build(model_cfg), {"n": 0}
+        model, calls = build_model(model_cfg), {"n": 0}
 
         def hook(module, args, output):
             if module.training:
@@ -120,18 +119,18 @@ def _poison_loss_from(monkeypatch, forward_number: int):
             return None
         model.layers[0].mlp.register_forward_hook(hook)
         return model
-    monkeypatch.setattr(training_setup, "build_model", build)
+    return build
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
-def test_only_sync_points_sync(tmp_path, counted, monkeypatch, recipe):
+def test_only_sync_points_sync(tmp_path, counted, recipe):
     counter, per_step = counted
-    _poison_gradient_at(monkeypatch, 2 * 6 - 1)  # step 6's first micro-batch (grad_accum=2): a skipped step
+    build = _poison_gradient_at(2 * 6 - 1)  # step 6's first micro-batch (grad_accum=2): a skipped step
     cfg = load_config(None, [f"run.dir={tmp_path}", "run.name=count", *SMALL, "train.max_steps=8",
                              "train.grad_accum=2", "train.eval_every=0", "log.every=4", "log.wandb=disabled",
                              "checkpoint.save_final=false", f"fp8.recipe={recipe}"])
     with counter:
-        summary = loop_module.train(cfg, show_progress=False)
+        summary = loop_module.train(cfg, show_progress=False, model_factory=build)
     counts = per_step()
     assert summary["status"] == "completed" and summary["skipped_steps"] == 1
     # Steps 1-3 and 5-7 are no sync points (the NaN-gradient step 6 among them). Step 1 of a delayed recipe
@@ -143,11 +142,11 @@ def test_only_sync_points_sync(tmp_path, counted, monkeypatch, recipe):
     assert [(r["step"], r["skipped_steps"]) for r in records[1:]] == [(4, 0), (8, 1)]
 
 
-def _run(root: Path, name: str, every: int, *extra: str) -> tuple[dict, list, str | None]:
+def _run(root: Path, name: str, every: int, *extra: str, model_factory=None) -> tuple[dict, list, str | None]:
     cfg = load_config(None, [f"run.dir={root}", f"run.name={name}", *SMALL, "train.max_steps=10",
                              "train.eval_every=5", "log.wandb=disabled", "checkpoint.every=4",
                              "checkpoint.save_final=true", f"log.every={every}", *extra])
-    summary = loop_module.train(cfg, show_progress=False)
+    summary = loop_module.train(cfg, show_progress=False, model_factory=model_factory)
     for key in ("wall_time_s", "peak_memory_mb", "config_hash", "resume_hash", "last_good_checkpoint"):
         summary.pop(key)
     summary = json.loads(json.dumps(summary))  # one NaN object for every NaN (NaN != NaN otherwise)
@@ -171,22 +170,20 @@ def _run(root: Path, name: str, every: int, *extra: str) -> tuple[dict, list, st
 # (poison, what happens, config). Steps are 1-based; log.every=4 makes steps 1-3, 5-7, 9 no sync points
 # (checkpoint.every=4, eval_every=5 add 5; the last step is 10).
 CASES = {
-    "nan_gradient_skipped": (lambda mp: _poison_gradient_at(mp, 3), "completed", ["fp8.recipe=delayed"]),
-    "nan_loss_at_step_6": (lambda mp: _poison_loss_from(mp, 6), "diverged", ["fp8.recipe=delayed"]),
-    "nan_gradient_unguarded": (lambda mp: _poison_gradient_at(mp, 7), "diverged",
+    "nan_gradient_skipped": (lambda: _poison_gradient_at(3), "completed", ["fp8.recipe=delayed"]),
+    "nan_loss_at_step_6": (lambda: _poison_loss_from(6), "diverged", ["fp8.recipe=delayed"]),
+    "nan_gradient_unguarded": (lambda: _poison_gradient_at(7), "diverged",
                                ["fp8.recipe=current", "train.skip_nonfinite_grads=false"]),
-    "five_skips_in_a_row": (lambda mp: _poison_gradient_at(mp, 2, 99), "diverged", ["fp8.recipe=none"]),
+    "five_skips_in_a_row": (lambda: _poison_gradient_at(2, 99), "diverged", ["fp8.recipe=none"]),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_deferred_decision_reports_what_the_every_step_sync_reports(tmp_path, monkeypatch, case):
+def test_deferred_decision_reports_what_the_every_step_sync_reports(tmp_path, case):
     poison, status, extra = CASES[case]
     results = {}
-    for every in (1, 4):
-        poison(monkeypatch)
-        results[every] = _run(tmp_path, f"{case}_{every}", every, *extra)
-        monkeypatch.undo()
+    for every in (1, 4):  # a fresh factory (its forward counter at 0) per run
+        results[every] = _run(tmp_path, f"{case}_{every}", every, *extra, model_factory=poison())
     (summary1, records1, final1), (summary4, records4, final4) = results[1], results[4]
     assert summary1["status"] == status and summary4 == summary1
     logged = {r["step"] for r in records4}

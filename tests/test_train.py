@@ -246,17 +246,13 @@ def _assert_last_good_checkpoint(run_dir: Path, summary: dict, expected_step: in
     assert max(r["step"] for r in metrics_of(run_dir)) == summary["steps"]
 
 
-def test_nan_loss_stops_with_step_telemetry_and_last_good_checkpoint(workdir, monkeypatch):
+def test_nan_loss_stops_with_step_telemetry_and_last_good_checkpoint(workdir):
     """From step 4 on, the first block's MLP outputs NaN (a test hook standing in for a model that blows up):
     the run stops at step 4, before applying it, with the layer telemetry of that step."""
-    import fp8train.training.loop as train_module
-
-    import fp8train.training.setup as setup_module
-
-    real_build = setup_module.build_model
+    from fp8train.training.model import build_model
 
     def build_poisoned(model_cfg):
-        model = real_build(model_cfg)
+        model = build_model(model_cfg)
         calls = {"train": 0}
 
         def poison(module, args, output):
@@ -269,8 +265,8 @@ def test_nan_loss_stops_with_step_telemetry_and_last_good_checkpoint(workdir, mo
         model.layers[0].mlp.register_forward_hook(poison)
         return model
 
-    monkeypatch.setattr(setup_module, "build_model", build_poisoned)
-    summary = train(cfg_of(workdir, "nan-loss", "checkpoint.every=1", "checkpoint.keep_last=2"), show_progress=False)
+    summary = train(cfg_of(workdir, "nan-loss", "checkpoint.every=1", "checkpoint.keep_last=2"), show_progress=False,
+                    model_factory=build_poisoned)
     run_dir = workdir / "runs" / "nan-loss"
     assert summary["status"] == "diverged" and summary["diverged_at_step"] == 4 and summary["steps"] == 3
     assert summary["reason"] == "loss became nan at step 4"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fp8train.bench.distributed import format_distributed
 from fp8train.bench.options import RECIPES, TARGET_SHAPE
+from fp8train.nn.recipes import TENSORWISE_SCALINGS
 
 __all__ = ["check_targets", "format_report"]
 
@@ -36,16 +37,16 @@ def check_targets(results: dict, device: str) -> list[dict]:
         for name in RECIPES:
             r = train.get(name)
             target(f"train step {name} (x bf16)", r and r["ratio"], "<=",
-                   1.3 if name in ("delayed", "current") else 1.5)
+                   1.3 if name in TENSORWISE_SCALINGS else 1.5)
     else:
-        for name in ("delayed", "current"):
+        for name in TENSORWISE_SCALINGS:
             r = linear.get(((8192, 8192, 8192), name))
             target(f"Fp8Linear {name} fwd+bwd 8192^3 speedup vs bf16", r and r["speedup_vs_bf16"], ">=", 1.5,
                    "" if r is None else f"{r['pct_of_2x']:.0f}% of the 2x FP8 ideal")
             ao = linear.get(((8192, 8192, 8192), "torchao"))
             target(f"Fp8Linear {name} 8192^3 time / torchao tensorwise", r and ao and r["ratio_torchao"],
                    "<=", 1.0, "" if ao else "torchao not measured")
-        for name in ("delayed", "current"):
+        for name in TENSORWISE_SCALINGS:
             r = train.get(name)
             target(f"train step {name} speedup vs bf16 (~1B recipe)", r and r.get("speedup_vs_bf16"), ">=", 1.2)
     for r in sections.get("memory", {}).get("rows", []):

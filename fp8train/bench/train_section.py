@@ -15,6 +15,7 @@ from fp8train.bench.harness import paired_ratio, side_by_side
 from fp8train.bench.options import REPO_RECIPES, BenchOptions, log
 from fp8train.nn.convert import convert_to_fp8
 from fp8train.nn.linear import configure_execution, update_fp8_scales
+from fp8train.nn.recipes import BASELINE_RECIPE, ScalingKind
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
 from fp8train.training.data import build_data
 from fp8train.training.model import build_model
@@ -24,7 +25,7 @@ __all__ = ["bench_train", "bench_memory", "saved_tensor_bytes"]
 
 def _train_cfg(opts: BenchOptions, recipe_name: str):
     overrides = [f"fp8.recipe={recipe_name}", "data.max_bytes=2000000", "log.wandb=disabled"]
-    if recipe_name == "mxfp8":  # its 1x32 blocks are fixed (OCP MX): the recipe file's block tiles are for `block`
+    if recipe_name == ScalingKind.MXFP8:  # its 1x32 blocks are fixed (OCP MX): the recipe file's block tiles are for `block`
         overrides += ["fp8.input_block=null", "fp8.weight_block=null", "fp8.grad_output_block=null"]
     path = opts.train_config
     if path is None:
@@ -111,14 +112,14 @@ def _step_peak_bytes(step: Callable, device: str) -> int:
 
 
 def bench_train(opts: BenchOptions, warmup: int, repeats: int, kernel: str = "eager") -> dict:
-    cfg, path = _train_cfg(opts, "none")
+    cfg, path = _train_cfg(opts, BASELINE_RECIPE)
     data = build_data(cfg)
     n_batches = warmup + repeats
     batches = [tuple(t.to(opts.device) for t in data.train_batch(s)) for s in range(n_batches)]
     tokens = cfg.train.batch_size * cfg.model.seq_len
     steps, extras = {}, {}
     for name in ("bf16", *opts.recipes):
-        cfg_r, _ = _train_cfg(opts, "none" if name == "bf16" else name)
+        cfg_r, _ = _train_cfg(opts, BASELINE_RECIPE if name == "bf16" else name)
         model, converted = _build(cfg_r, opts.device, kernel)
         step, optimizer, state = _train_step_fn(model, cfg_r, batches, opts.device)
         steps[name] = step
@@ -174,11 +175,11 @@ def saved_tensor_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, devic
 
 
 def bench_memory(opts: BenchOptions) -> dict:
-    cfg, _ = _train_cfg(opts, "none")
+    cfg, _ = _train_cfg(opts, BASELINE_RECIPE)
     x, y = (t.to(opts.device) for t in build_data(cfg).train_batch(0))
     rows, base = [], None
     for name in ("bf16", *opts.recipes):
-        cfg_r, _ = _train_cfg(opts, "none" if name == "bf16" else name)
+        cfg_r, _ = _train_cfg(opts, BASELINE_RECIPE if name == "bf16" else name)
         model, converted = _build(cfg_r, opts.device)
         saved = saved_tensor_bytes(model, x, y, opts.device)
         base = base or saved["total_bytes"]

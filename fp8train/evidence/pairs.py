@@ -25,12 +25,13 @@ from pathlib import Path
 
 from fp8train.evidence import stats
 from fp8train.evidence.plan import check_fp8_conversion
-from fp8train.training.config import HASH_EXCLUDE, FullConfig, config_hash, config_to_yaml, fp8_recipe_from_config, load_config
+from fp8train.training.config import (BASELINE_RECIPE, HASH_EXCLUDE, FullConfig, config_hash, config_to_yaml,
+                                      fp8_recipe_from_config, load_config)
 from fp8train.training.config.validation import BASELINE_LABEL, Candidate, parse_candidate, resolve_seeds
 from fp8train.training.data import build_data, describe_fingerprint_change
 from fp8train.training.rundir import dir_state, read_json
 
-__all__ = ["PLAN_FILE", "BASELINE", "PlannedRun", "plan_runs", "fingerprint_runs", "make_plan", "check_plan", "validation_dir",
+__all__ = ["PLAN_FILE", "BASELINE", "PlannedRun", "plan_runs", "fingerprint_runs", "validation_plan", "check_plan", "validation_dir",
            "run_dir", "derive_config"]
 
 PLAN_FILE = "plan.json"
@@ -144,10 +145,10 @@ def _check_eval_points(cfg: FullConfig) -> None:
 
 def _recipe_code(cfg: FullConfig) -> str:
     recipe = fp8_recipe_from_config(cfg)
-    return recipe.code() if recipe is not None else "none"
+    return recipe.code() if recipe is not None else BASELINE_RECIPE
 
 
-def make_plan(cfg: FullConfig, runs: list[PlannedRun]) -> dict:
+def validation_plan(cfg: FullConfig, runs: list[PlannedRun]) -> dict:
     """plan.json: what is declared before any run (the margin, candidates, seeds, method) and the runs' hashes."""
     v = cfg.validate
     first_seed = runs[0].seed

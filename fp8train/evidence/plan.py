@@ -35,9 +35,9 @@ import torch.nn as nn
 from fp8train.nn.convert import LayerPolicy, convert_to_fp8
 from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.overrides import OVERRIDE_BF16
-from fp8train.nn.recipes import ROLES, recipe
+from fp8train.nn.recipes import BASELINE_RECIPE, ROLES, recipe
 from fp8train.evidence import advisor
-from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
+from fp8train.training.config import layer_policy_from_config, load_config
 from fp8train.training.model import build_model, check_model_for_run
 from fp8train.training.rundir import read_jsonl, write_text_atomic
 from fp8train.training.shadow import SHADOW_STAT_KEYS
@@ -83,7 +83,7 @@ def shadow_table(records: list[dict]) -> dict:
 
 def _meta_conversion(cfg, policy: LayerPolicy):
     """convert_to_fp8 on a meta-device copy of the run's model (no memory, no data): (report, skeleton)."""
-    run_recipe = (fp8_recipe_from_config(cfg) or recipe("current")).replace(backend="emulated")
+    run_recipe = cfg.fp8.to_recipe().replace(backend="emulated")  # a bf16 run's: the default preset's
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no nn.Linear was eligible" is the caller's to report
         skeleton = build_model(cfg.model, load_weights=False)  # the architecture only: no weights read
@@ -93,7 +93,7 @@ def _meta_conversion(cfg, policy: LayerPolicy):
 def check_fp8_conversion(cfg) -> None:
     """Raise the ValueError `fp8train train` would raise at conversion (e.g. a policy.plan made for another
     model), without building anything: validation calls it for every candidate before the first run."""
-    if cfg.fp8.recipe != "none":
+    if cfg.fp8.recipe != BASELINE_RECIPE:
         report, skeleton = _meta_conversion(cfg, layer_policy_from_config(cfg))
         check_model_for_run(skeleton, 0, report, cfg.policy.allow_no_fp8)  # e.g. an all-bf16 plan
 

@@ -18,7 +18,7 @@ import math
 import sys
 from pathlib import Path
 
-from fp8train.evidence.pairs import PLAN_FILE, check_plan, fingerprint_runs, make_plan, plan_runs, validation_dir
+from fp8train.evidence.pairs import PLAN_FILE, check_plan, fingerprint_runs, plan_runs, validation_dir, validation_plan
 from fp8train.evidence.report import write_validation_report
 from fp8train.evidence.runner import default_workers, run_plan
 from fp8train.training.config import FullConfig, add_config_arguments, load_config
@@ -57,7 +57,7 @@ def run_validation(cfg: FullConfig, candidates=None, accelerator=None, show_prog
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     runs = plan_runs(cfg, candidates)
     fingerprint_runs(runs)
-    plan = make_plan(cfg, runs)
+    plan = validation_plan(cfg, runs)
     vdir = validation_dir(cfg)
     check_plan(vdir, plan, runs[0].data_source)  # every rank checks (and fails alike) before rank 0 writes
     _check_run_dirs(runs, vdir)

@@ -1,6 +1,6 @@
 """Swap a model's eligible `nn.Linear` layers for `Fp8Linear`, following a `LayerPolicy`, and say what was done.
 
-    report = convert_to_fp8(model, recipe("current"))
+    report = convert_to_fp8(model, recipe("delayed"))
     print(report)             # every Linear: converted, or skipped with the reason
 
 The swap is in place and reuses the Linear's Parameter objects, so an optimizer built before the swap still
@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from fp8train.nn.linear import Fp8Linear, update_fp8_scales  # noqa: F401  (update_fp8_scales re-exported)
 from fp8train.nn.overrides import OVERRIDE_BF16, first_override, normalize_overrides, unmatched_patterns
-from fp8train.nn.recipes import Fp8Recipe, recipe as make_recipe
+from fp8train.nn.recipes import DEFAULT_RECIPE, Fp8Recipe, recipe as make_recipe
 
 __all__ = ["LayerPolicy", "ConversionReport", "convert_to_fp8", "fp8_layers", "update_fp8_scales",
            "DEFAULT_EXCLUDE", "block_index", "fp8_from_conv1d", "is_conv1d"]
@@ -218,7 +218,7 @@ def _as_linear_shape(module: nn.Module):
     return None
 
 
-def fp8_from_conv1d(conv: nn.Module, recipe: Fp8Recipe | str = "current") -> Fp8Linear:
+def fp8_from_conv1d(conv: nn.Module, recipe: Fp8Recipe | str = DEFAULT_RECIPE) -> Fp8Linear:
     """An Fp8Linear computing what `conv` computes. Its weight is a NEW Parameter holding conv.weight.T (the
     nn.Linear layout, so the three GEMMs are the ones written in linear.py); build the optimizer after the swap.
     `conv1d_layout = True` tells savers to transpose it back to the Hugging Face (in, out) layout."""

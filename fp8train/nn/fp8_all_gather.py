@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
+from fp8train.nn.recipes import TENSORWISE_SCALINGS, OperandRole
 from fp8train.numerics.formats import get_format
 from fp8train.numerics.quant import Fp8Tensor, compute_amax, quantize
 
@@ -41,7 +42,7 @@ __all__ = ["Fp8AllGatherWeight", "Fp8GatheredWeight", "check_fp8_all_gather_reci
            "unwrap_fp8_all_gather", "FP8_ALL_GATHER_SCALINGS"]
 
 # Recipes whose weight has one scale per tensor: the only ones whose FP8 shards can be gathered without scales.
-FP8_ALL_GATHER_SCALINGS = ("delayed", "current")
+FP8_ALL_GATHER_SCALINGS = TENSORWISE_SCALINGS
 
 # Ops through which FSDP2 (and the optimizer's in-place updates through DTensor) manipulate the shard while it
 # must stay an Fp8AllGatherWeight: views, slices, copies and allocation "like" it. Everything else returns plain
@@ -60,7 +61,7 @@ def check_fp8_all_gather_recipe(recipe) -> None:
     if recipe is None:
         raise ValueError("fp8.all_gather=true needs an FP8 recipe (fp8.recipe is none: nothing is FP8); "
                          f"use one of {', '.join(FP8_ALL_GATHER_SCALINGS)} or set fp8.all_gather=false")
-    if recipe.scaling not in FP8_ALL_GATHER_SCALINGS:
+    if not recipe.is_tensorwise:
         raise ValueError(f"fp8.all_gather=true supports the tensorwise recipes {', '.join(FP8_ALL_GATHER_SCALINGS)}"
                          f"; fp8.recipe={recipe.scaling} has per-row/per-tile weight scales that would have to be "
                          "gathered too; set fp8.all_gather=false")
@@ -110,14 +111,14 @@ class Fp8AllGatherWeight(torch.Tensor):
         """What this rank contributes to the all-gather: its shard's FP8 codes as bytes (padded to FSDP2's
         padded shard size), plus metadata (scale, amax) that is the same on every rank."""
         layer = self._layer
-        fmt = get_format(layer.recipe.format_of("weight"))
+        fmt = get_format(layer.recipe.format_of(OperandRole.WEIGHT))
         shard = self._weight_fp32.detach()
         amax = compute_amax(shard) if shard.numel() else torch.zeros((), device=shard.device)
         # NaN would not survive a MAX all-reduce reliably (max(nan, x) depends on the order); inf does.
         amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
         if mesh.size() > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
-        scale = layer._tensorwise_scale("weight", amax)
+        scale = layer._tensorwise_scale(OperandRole.WEIGHT, amax)
         codes = quantize(shard, fmt, scale=scale, validate_scale=False).data.view(torch.uint8)
         rows = -(-outer_size[0] // mesh.size())  # FSDP2 pads every shard to the first one's row count
         if codes.shape[0] < rows:
@@ -126,7 +127,7 @@ class Fp8AllGatherWeight(torch.Tensor):
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         (codes,), (scale, amax) = all_gather_outputs, metadata
-        fmt = get_format(self._layer.recipe.format_of("weight"))
+        fmt = get_format(self._layer.recipe.format_of(OperandRole.WEIGHT))
         if out is not None:
             # Every gather after the first writes into the same storage, so `out` (the unsharded Parameter, which
             # autograd may have saved for backward) already holds the new codes; its scale and amax are updated

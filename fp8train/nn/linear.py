@@ -53,8 +53,9 @@ Delayed scaling, exactly:
   from the second largest. Two outliers in the window are trusted.
 
 Execution options (same results, different speed): `layer.quantize_kernel` ('auto' or one of quant.QUANT_KERNELS;
-default 'native': the C kernel on CPU at every size, eager elsewhere; 'auto' is native on a CPU where it builds,
-else measured; tensors under QUANT_KERNEL_MIN_NUMEL elements never run a compiled kernel, which does not pay) and
+default kernel_probe.DEFAULT_QUANTIZE_KERNEL, 'auto': native (the C kernel) on a CPU where it builds, at every
+size, else measured once per machine; 'native' where it does not build runs eager; tensors under
+QUANT_KERNEL_MIN_NUMEL elements never run a compiled kernel, which does not pay) and
 `layer.emulated_dtype` ('auto' | 'fp32' | 'bf16', gemm.emulated_compute_dtype). `configure_execution(model, ...)`
 sets both on every Fp8Linear.
 
@@ -80,10 +81,10 @@ from fp8train.nn.fp8_all_gather import Fp8GatheredWeight
 from fp8train.nn.delayed_scaling import refuse_bad_fp8_state, update_group
 from fp8train.nn.gemm import EMULATED_DTYPES, Fp8Operand, emulated_compute_dtype, resolve_backend
 from fp8train.nn.linear_function import Fp8LinearFunction, WeightFp8, to_dtype
-from fp8train.nn.recipes import ROLES, Fp8Recipe, recipe as make_recipe
+from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe, OperandRole, recipe as make_recipe
 from fp8train.numerics import native_cast
 from fp8train.numerics.formats import get_format
-from fp8train.numerics.kernel_probe import KERNEL_CHOICES, resolve_kernel
+from fp8train.numerics.kernel_probe import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES, resolve_kernel
 from fp8train.numerics.mx import quantize_mx
 from fp8train.numerics.quant import Fp8Tensor, compute_amax, decode_fp8, quant_error, quantize, scale_from_amax
 
@@ -101,7 +102,7 @@ class Fp8Linear(nn.Linear):
     """nn.Linear with FP8 GEMMs (see the module docstring). The weight/bias stay fp32 master Parameters."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 recipe: Fp8Recipe | str = "current", device=None, dtype=None):
+                 recipe: Fp8Recipe | str = DEFAULT_RECIPE, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = make_recipe(recipe) if isinstance(recipe, str) else recipe
         if self.recipe.backend == "te":
@@ -113,14 +114,14 @@ class Fp8Linear(nn.Linear):
         self.gemm_paths: dict[str, str] = {}
         self._accumulation = None if not self.recipe.accumulator_bits else HopperAccumulation(
             self.recipe.accumulator_bits, self.recipe.accumulator_promotion)
-        self.quantize_kernel = "native"  # the C kernel where it builds, else eager (same bytes either way)
+        self.quantize_kernel = DEFAULT_QUANTIZE_KERNEL  # same bytes whichever kernel runs
         self.emulated_dtype = "auto"
         self._formats = {role: get_format(self.recipe.format_of(role)) for role in ROLES}
         self._init_scaling_state(self.weight.device)
         self.register_load_state_dict_pre_hook(refuse_bad_fp8_state)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe | str = "current") -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe | str = DEFAULT_RECIPE) -> "Fp8Linear":
         """An Fp8Linear that reuses `linear`'s weight and bias Parameter objects (no copy)."""
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, recipe=recipe,
                   device="meta")
@@ -226,13 +227,13 @@ class Fp8Linear(nn.Linear):
             return cached
         emulated = backend == "emulated"
         with torch.no_grad():
-            weight_fp8 = self._quantize("weight", weight, keep_values=emulated)
+            weight_fp8 = self._quantize(OperandRole.WEIGHT, weight, keep_values=emulated)
             if weight_fp8.values is not None and weight_fp8.granularity != "block":
                 # Only the dtype the GEMM reads is kept (block-scaled weights are dequantized in fp32).
                 weight_fp8.values = to_dtype(weight_fp8.values, emulated_compute_dtype(weight.device, self.emulated_dtype))
             weight_op = Fp8Operand.from_fp8_tensor(weight_fp8)
-            if self.recipe.requantize_transposed("weight"):  # scales along K, constant along the contracted N
-                weight_op_grad = Fp8Operand.from_fp8_tensor(self._quantize_transposed("weight", weight)).t()
+            if self.recipe.requantize_transposed(OperandRole.WEIGHT):  # scales along K, constant along the contracted N
+                weight_op_grad = Fp8Operand.from_fp8_tensor(self._quantize_transposed(OperandRole.WEIGHT, weight)).t()
             else:
                 weight_op_grad = weight_op
             for op in {id(weight_op): weight_op, id(weight_op_grad): weight_op_grad}.values():
@@ -279,14 +280,14 @@ class Fp8Linear(nn.Linear):
             quantized = quantize(tensor, fmt, scale=self._tensorwise_scale(role, amax), keep_values=keep_values,
                                  validate_scale=False, kernel=kernel)
             quantized.amax = amax
-        elif r.scaling == "mxfp8":
+        elif r.is_mx:
             quantized = quantize_mx(tensor, fmt, kernel=kernel,
                                     **(keep if blocked else dict(keep_values=True)))
             nonfinite_count.add_((~torch.isfinite(quantized.amax)).any().long())
         else:
             quantized = quantize(tensor, fmt, granularity=r.granularity_of(role), block=r.block_of(role),
                                  axis=-1, margin=r.margin, pow2=r.pow2_scales, kernel=kernel, **keep)
-        if r.scaling in ("current", "rowwise", "block"):
+        if not r.is_delayed and not r.is_mx:  # (delayed: _record_amax counted it; mxfp8: counted above)
             nonfinite = quantized.amax.isfinite().logical_not()
             nonfinite_count.add_(nonfinite if r.is_tensorwise else nonfinite.any())
         if self.telemetry:
@@ -323,7 +324,7 @@ class Fp8Linear(nn.Linear):
         blocked = kernel == "native" and r.granularity_of(role) == "block"  # as in _quantize
         with torch.no_grad():
             tensor_t = tensor.t()
-            if r.scaling == "mxfp8":
+            if r.is_mx:
                 return quantize_mx(tensor_t, r.format_of(role), kernel=kernel, keep_dequantized=blocked)
             return quantize(tensor_t, self._formats[role], granularity=r.granularity_of(role),
                             block=r.block_of(role), axis=-1, margin=r.margin, pow2=r.pow2_scales,
@@ -350,7 +351,8 @@ class Fp8Linear(nn.Linear):
         )
 
 
-def configure_execution(model: nn.Module, *, quantize_kernel: str = "native", emulated_dtype: str = "auto") -> int:
+def configure_execution(model: nn.Module, *, quantize_kernel: str = DEFAULT_QUANTIZE_KERNEL,
+                        emulated_dtype: str = "auto") -> int:
     """Set how every Fp8Linear in `model` runs (not what it computes): the quantize kernel (one of
     kernel_probe.KERNEL_CHOICES; 'auto' is measured once per machine when a layer first quantizes a tensor of
     QUANT_KERNEL_MIN_NUMEL elements or more) and the emulated GEMMs' input dtype ('auto', 'fp32', 'bf16').

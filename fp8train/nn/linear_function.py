@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from fp8train.nn.gemm import Fp8Operand, fp8_mm
+from fp8train.nn.recipes import GemmRole, OperandRole
 from fp8train.numerics.quant import Fp8Tensor
 
 __all__ = ["Fp8LinearFunction", "WeightFp8", "to_dtype"]
@@ -23,18 +24,18 @@ class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_2d, weight, bias, weights: "WeightFp8", layer, backend, out_dtype):
         r = layer.recipe
-        input_fp8 = layer._quantize("input", input_2d, keep_values=backend == "emulated")
+        input_fp8 = layer._quantize(OperandRole.INPUT, input_2d, keep_values=backend == "emulated")
         input_op = Fp8Operand.from_fp8_tensor(input_fp8)
         # (M, N) in out_dtype straight from the GEMM; bias fused into it where the kernel can
-        output = fp8_mm(input_op, weights.op_t, backend, out_dtype=out_dtype, bias=bias, gemm="output",
+        output = fp8_mm(input_op, weights.op_t, backend, out_dtype=out_dtype, bias=bias, gemm=GemmRole.OUTPUT,
                         use_fast_accum=r.fast_accum_forward, **layer._gemm_options(input_2d.device))
         # Saved in FP8: bytes + scales only (the weight's operands live in the layer's cache, made once per
         # weight version). When grad_weight contracts the input's first dim across its scale layout, the saved
         # copy is the input quantized along that dim instead (recipes.requantize_transposed): one byte per element.
         input_saved = input_fp8
-        ctx.input_transposed = r.requantize_transposed("input") and weight.requires_grad
+        ctx.input_transposed = r.requantize_transposed(OperandRole.INPUT) and weight.requires_grad
         if ctx.input_transposed:
-            input_saved = layer._quantize_transposed("input", input_2d)   # (K, M)
+            input_saved = layer._quantize_transposed(OperandRole.INPUT, input_2d)   # (K, M)
         input_scale = input_saved.scale
         if torch.compiler.is_compiling():  # may be a view of a traced intermediate: dynamo must own what is saved
             input_scale = input_scale.clone()
@@ -54,22 +55,22 @@ class Fp8LinearFunction(torch.autograd.Function):
         options = layer._gemm_options(grad_output.device)
         keep_values = backend == "emulated"
         with torch.autocast(grad_output.device.type, enabled=False):
-            grad_output_fp8 = layer._quantize("grad_output", grad_output, keep_values=keep_values)
+            grad_output_fp8 = layer._quantize(OperandRole.GRAD_OUTPUT, grad_output, keep_values=keep_values)
             grad_output_op = Fp8Operand.from_fp8_tensor(grad_output_fp8)            # (M, N)
             if need_input:    # grad_input = grad_output @ weight          (M, N) @ (N, K)
                 grad_input = fp8_mm(grad_output_op, weights.op_for_grad_input, backend, out_dtype=ctx.input_dtype,
-                                    gemm="grad_input", **options)
+                                    gemm=GemmRole.GRAD_INPUT, **options)
             if need_weight:   # grad_weight = grad_output.T @ input        (N, M) @ (M, K)
                 grad_output_t_op = grad_output_op.t()
-                if r.requantize_transposed("grad_output"):
+                if r.requantize_transposed(OperandRole.GRAD_OUTPUT):
                     grad_output_t_op = Fp8Operand.from_fp8_tensor(
-                        layer._quantize_transposed("grad_output", grad_output))   # (N, M), scales along N
-                input_op = layer._saved_operand("input", input_data, input_scale, ctx.input_block,
+                        layer._quantize_transposed(OperandRole.GRAD_OUTPUT, grad_output))   # (N, M), scales along N
+                input_op = layer._saved_operand(OperandRole.INPUT, input_data, input_scale, ctx.input_block,
                                                 keep_values)  # (M, K), or (K, M)
                 if ctx.input_transposed:
                     input_op = input_op.t()
                 grad_weight = fp8_mm(grad_output_t_op, input_op, backend, out_dtype=ctx.weight_dtype,
-                                     gemm="grad_weight", **options)
+                                     gemm=GemmRole.GRAD_WEIGHT, **options)
             if need_bias:     # grad_bias = sum over rows, fp32, from the unquantized gradient
                 grad_bias = to_dtype(grad_output.sum(0, dtype=torch.float32), ctx.bias_dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import re
 
-from fp8train.nn.recipes import RECIPE_NAMES
+from fp8train.nn.recipes import OVERRIDE_BF16, RECIPE_NAMES
 
 __all__ = ["OVERRIDE_BF16", "OVERRIDE_CHOICES", "normalize_overrides", "first_override", "unmatched_patterns"]
 
-OVERRIDE_BF16 = "bf16"  # keep the layer in high precision
 OVERRIDE_CHOICES = (OVERRIDE_BF16,) + RECIPE_NAMES
 
 

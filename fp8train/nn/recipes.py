@@ -29,32 +29,101 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from enum import Enum
 
 from fp8train.numerics.formats import ALIASES, FORMAT_NAMES
 
-__all__ = ["Fp8Recipe", "recipe", "RECIPE_NAMES", "SCALINGS", "BACKENDS", "ROLES", "AMAX_COMPUTE_ALGOS", "FORMAT_NAMES"]
+__all__ = ["Fp8Recipe", "recipe", "RECIPE_NAMES", "SCALINGS", "BACKENDS", "ROLES", "GEMMS", "AMAX_COMPUTE_ALGOS",
+           "FORMAT_NAMES", "ScalingKind", "OperandRole", "GemmRole", "RecipeFieldError", "DEFAULT_RECIPE",
+           "BASELINE_RECIPE", "OVERRIDE_BF16", "TENSORWISE_SCALINGS", "MAX_MARGIN"]
 
-SCALINGS = ("delayed", "current", "rowwise", "block", "mxfp8")
-RECIPE_NAMES = SCALINGS  # one preset per scaling kind
+
+class _StrName(str, Enum):
+    """A name that is its own string: equal to, hashed, formatted and printed as its value, so YAML values, dict
+    keys, f-strings and comparisons with plain strings keep working (enum.StrEnum needs Python 3.11)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class ScalingKind(_StrName):
+    """How an operand's scale is taken; each kind is also the name of its preset (`recipe(kind)`)."""
+
+    DELAYED = "delayed"    # per tensor, from the amax history of earlier steps
+    CURRENT = "current"    # per tensor, from the tensor itself
+    ROWWISE = "rowwise"    # per token (input, grad_output), per output channel (weight)
+    BLOCK = "block"        # tiles given by the *_block fields
+    MXFP8 = "mxfp8"        # OCP MX: 1x32 blocks along the contracted dim, E8M0 scales
+
+    @property
+    def granularity(self) -> str:
+        """quant.quantize granularity: 'tensor', 'row' or 'block'."""
+        return "tensor" if self.is_tensorwise else "row" if self is ScalingKind.ROWWISE else "block"
+
+    @property
+    def is_tensorwise(self) -> bool:
+        """One scale per tensor (delayed, current)."""
+        return self in (ScalingKind.DELAYED, ScalingKind.CURRENT)
+
+
+class OperandRole(_StrName):
+    """The three operands of a linear layer (also the prefixes of its recipe fields and scaling buffers)."""
+
+    INPUT = "input"
+    WEIGHT = "weight"
+    GRAD_OUTPUT = "grad_output"
+
+
+class GemmRole(_StrName):
+    """The three GEMMs of a linear layer: output = input @ weight.T, grad_input = grad_output @ weight,
+    grad_weight = grad_output.T @ input (the keys of `Fp8Linear.gemm_paths`)."""
+
+    OUTPUT = "output"
+    GRAD_INPUT = "grad_input"
+    GRAD_WEIGHT = "grad_weight"
+
+
+SCALINGS = tuple(ScalingKind)
+TENSORWISE_SCALINGS = tuple(kind for kind in ScalingKind if kind.is_tensorwise)
 BACKENDS = ("auto", "emulated", "scaled_mm", "te")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 MX_BLOCK = (1, 32)  # OCP MX: 32 elements along the contracted dim share one E8M0 scale
-ROLES = ("input", "weight", "grad_output")
+ROLES = tuple(OperandRole)
+GEMMS = tuple(GemmRole)
+# E5M2, the widest format, spans 32 binades from min subnormal to max: a larger margin flushes every value.
+MAX_MARGIN = 32
 # The one list of each kind of name: config, bench, telemetry, GEMM and serving import these. Format names are
 # those of fp8train.numerics.formats (FORMAT_NAMES, re-exported here; "e4m3" is an alias of "e4m3fn").
 _CANONICAL_FORMAT = ALIASES
 _SHORT_FORMAT = {"e4m3fn": "e4m3", "e5m2": "e5m2", "e4m3fnuz": "e4m3fnuz", "e5m2fnuz": "e5m2fnuz"}
+# The default recipe of Fp8Recipe(), Fp8Linear, convert_to_fp8's callers, fp8.recipe and validate.candidates:
+# TE's DelayedScaling default (hybrid formats, 1024-step history).
+DEFAULT_RECIPE = ScalingKind.DELAYED.value
+# High precision where a recipe name could stand. Both spellings are public: `fp8.recipe: none` is the baseline
+# run (no layer converted); `bf16` is the policy.overrides choice that keeps a layer out of FP8, and the label of
+# a validation's baseline runs.
+BASELINE_RECIPE = "none"
+OVERRIDE_BF16 = "bf16"
+
+
+class RecipeFieldError(ValueError):
+    """An Fp8Recipe field holds a value it cannot take: `field` names it (the config names it `fp8.<field>`)."""
+
+    def __init__(self, field: str, value, allowed: str):
+        self.field, self.value = field, value
+        super().__init__(f"{field} must be {allowed}, got {value!r}")
 
 
 @dataclass(frozen=True)
 class Fp8Recipe:
     """How an `Fp8Linear` quantizes its three operands. Build one with `recipe(name, **overrides)`."""
 
-    name: str = "current"
+    name: str = DEFAULT_RECIPE
     """Preset this recipe came from (free text, shown in logs)."""
-    scaling: str = "current"
-    """'delayed' (per tensor, amax history of earlier steps), 'current' (per tensor, own amax),
-    'rowwise' (per token / per output channel) or 'block' (tiles given by the *_block fields)."""
+    scaling: ScalingKind = ScalingKind(DEFAULT_RECIPE)
+    """A ScalingKind or its name: 'delayed' (per tensor, amax history of earlier steps), 'current' (per tensor,
+    own amax), 'rowwise' (per token / per output channel), 'block' (tiles given by the *_block fields) or 'mxfp8'
+    (1x32 blocks, E8M0 scales)."""
     input_format: str = "e4m3fn"
     """FP8 format of the layer input (forward activations)."""
     weight_format: str = "e4m3fn"
@@ -62,7 +131,7 @@ class Fp8Recipe:
     grad_output_format: str = "e5m2"
     """FP8 format of the gradient flowing into the layer's output (backward)."""
     margin: int = 0
-    """Scale headroom in powers of two: scale = amax / fmt.max * 2**margin."""
+    """Scale headroom in powers of two, in [0, MAX_MARGIN]: scale = amax / fmt.max * 2**margin."""
     pow2_scales: bool = False
     """Round every scale up to a power of two (exact rescaling, nothing clips)."""
     amax_history_len: int = 1024
@@ -74,7 +143,7 @@ class Fp8Recipe:
     this factor times the second largest (> 0), the scale comes from the second largest, so one outlier step
     does not flush the next amax_history_len steps to zero (see fp8train.nn.linear)."""
     input_block: tuple[int, int] = (1, 128)
-    """Block scaling only: tile (rows, cols) of the input (M, K) sharing one scale."""
+    """Block scaling only: tile (rows, cols) of the input (M, K) sharing one scale (a list is taken too: YAML)."""
     weight_block: tuple[int, int] = (128, 128)
     """Block scaling only: tile (rows, cols) of the weight (N, K) sharing one scale."""
     grad_output_block: tuple[int, int] = (1, 128)
@@ -91,7 +160,11 @@ class Fp8Recipe:
     """emulated with accumulator_bits > 0: products along K between promotions to fp32; 0 = never."""
 
     def __post_init__(self) -> None:
-        _check_choice("scaling", self.scaling, SCALINGS)
+        """Every field's check, the one place a recipe is validated (the fp8 config section is checked here too):
+        a RecipeFieldError names the field; strings and lists from YAML become ScalingKind and tuples here."""
+        if self.scaling not in SCALINGS:
+            raise RecipeFieldError("scaling", self.scaling, f"one of {', '.join(SCALINGS)}")
+        object.__setattr__(self, "scaling", ScalingKind(self.scaling))
         _check_choice("amax_compute_algo", self.amax_compute_algo, AMAX_COMPUTE_ALGOS)
         _check_choice("backend", self.backend, BACKENDS)
         for role in ROLES:
@@ -100,37 +173,34 @@ class Fp8Recipe:
             _check_choice(key, value, FORMAT_NAMES)
             object.__setattr__(self, key, _CANONICAL_FORMAT.get(value, value))
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int):
-            raise ValueError(f"margin must be an int (powers of two of headroom), got {self.margin!r}")
-        if not isinstance(self.pow2_scales, bool):
-            raise ValueError(f"pow2_scales must be a bool, got {self.pow2_scales!r}")
-        if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
-                or self.amax_history_len < 1:
-            raise ValueError(f"amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
+            raise RecipeFieldError("name", self.name, "a non-empty string")
+        if not _is_int(self.margin) or not 0 <= self.margin <= MAX_MARGIN:
+            raise RecipeFieldError("margin", self.margin, f"an int in [0, {MAX_MARGIN}] (powers of two of headroom; "
+                                   f"above {MAX_MARGIN} every FP8 value of every format underflows to zero)")
+        for key in ("pow2_scales", "fast_accum_forward"):
+            if not isinstance(getattr(self, key), bool):
+                raise RecipeFieldError(key, getattr(self, key), "a bool")
+        if not _is_int(self.amax_history_len) or self.amax_history_len < 1:
+            raise RecipeFieldError("amax_history_len", self.amax_history_len, "an int >= 1")
         factor = self.amax_outlier_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
                 or not (factor == 0 or factor > 1):
-            raise ValueError(f"amax_outlier_factor must be 0 (off) or a number > 1, got {factor!r}")
+            raise RecipeFieldError("amax_outlier_factor", factor, "0 (off) or a number > 1")
         object.__setattr__(self, "amax_outlier_factor", float(factor))
         for role in ROLES:
             key = f"{role}_block"
             block = getattr(self, key)
-            ok = isinstance(block, (tuple, list)) and len(block) == 2 and all(
-                isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)
-            if not ok:
-                raise ValueError(f"{key} must be two positive ints (rows, cols), got {block!r}")
+            if not (isinstance(block, (tuple, list)) and len(block) == 2 and all(
+                    _is_int(b) and b >= 1 for b in block)):
+                raise RecipeFieldError(key, block, "two positive ints (rows, cols), e.g. [1, 128] or [128, 128]")
             object.__setattr__(self, key, tuple(block))
-        for key in ("fast_accum_forward",):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"{key} must be a bool, got {getattr(self, key)!r}")
         bits, promotion = self.accumulator_bits, self.accumulator_promotion
-        if isinstance(bits, bool) or not isinstance(bits, int) or not (bits == 0 or 2 <= bits <= 24):
-            raise ValueError(f"accumulator_bits must be 0 (exact fp32) or an int in [2, 24], got {bits!r}")
-        if isinstance(promotion, bool) or not isinstance(promotion, int) or promotion < 0 or promotion % 32:
-            raise ValueError(f"accumulator_promotion must be 0 (never) or a positive multiple of 32 (the MMA "
-                             f"depth), got {promotion!r}")
-        if self.scaling == "mxfp8":
+        if not _is_int(bits) or not (bits == 0 or 2 <= bits <= 24):
+            raise RecipeFieldError("accumulator_bits", bits, "0 (exact fp32) or an int in [2, 24]")
+        if not _is_int(promotion) or promotion < 0 or promotion % 32:
+            raise RecipeFieldError("accumulator_promotion", promotion,
+                                   "0 (never) or a positive multiple of 32 (the MMA depth)")
+        if self.is_mx:
             self._check_mxfp8()
         # Multi-field rule: FNUZ (MI300) and OCP formats cannot be mixed inside one GEMM.
         dialects = {self.format_of(r).endswith("fnuz") for r in ROLES}
@@ -157,8 +227,7 @@ class Fp8Recipe:
 
     def granularity_of(self, role: str) -> str:
         """quant.quantize granularity of `role`: 'tensor', 'row' or 'block'."""
-        return {"delayed": "tensor", "current": "tensor", "rowwise": "row", "block": "block",
-                "mxfp8": "block"}[self.scaling]
+        return self.scaling.granularity
 
     def requantize_transposed(self, role: str) -> bool:
         """Whether `role` is quantized again along its other axis for the backward GEMM that contracts its
@@ -166,7 +235,7 @@ class Fp8Recipe:
         tiles would otherwise vary along that GEMM's contracted dim."""
         if self.is_tensorwise:
             return False
-        if self.scaling == "rowwise":
+        if self.scaling is ScalingKind.ROWWISE:
             return True
         rows, cols = self.block_of(role)
         return rows != cols
@@ -177,21 +246,33 @@ class Fp8Recipe:
 
     @property
     def is_delayed(self) -> bool:
-        return self.scaling == "delayed"
+        """Scales from the amax history of earlier steps (the layer keeps per-role history buffers)."""
+        return self.scaling is ScalingKind.DELAYED
 
     @property
     def is_tensorwise(self) -> bool:
-        return self.scaling in ("delayed", "current")
+        """One scale per tensor (delayed, current): the only kind whose FP8 weight shards gather as codes."""
+        return self.scaling.is_tensorwise
+
+    @property
+    def is_mx(self) -> bool:
+        """OCP MX scaling (mxfp8): 1x32 blocks with E8M0 scales from the MX rule, not from margin or pow2."""
+        return self.scaling is ScalingKind.MXFP8
+
+    @property
+    def is_tiled(self) -> bool:
+        """Scales per tile (block, mxfp8): the *_block fields apply."""
+        return self.scaling.granularity == "block"
 
     def code(self) -> str:
         """Compact code for extra_repr and logs, e.g. 'delayed:e4m3/e4m3/e5m2:h1024max:m0'."""
         fmts = "/".join(_SHORT_FORMAT[self.format_of(r)] for r in ROLES)
         parts = [self.scaling, fmts]
-        if self.scaling == "delayed":
+        if self.is_delayed:
             parts.append(f"h{self.amax_history_len}{'max' if self.amax_compute_algo == 'max' else 'recent'}")
             if self.amax_outlier_factor:
                 parts.append(f"o{self.amax_outlier_factor:g}")
-        if self.scaling in ("block", "mxfp8"):
+        if self.is_tiled:
             parts.append("b" + ",".join(f"{r}x{c}" for r, c in (self.block_of(x) for x in ROLES)))
         parts.append(f"m{self.margin}")
         if self.pow2_scales:
@@ -210,20 +291,22 @@ class Fp8Recipe:
         return dataclasses.replace(self, **overrides)
 
 
-_PRESETS: dict[str, dict] = {
+# One preset per scaling kind, named after it (its `scaling`); the field values each preset sets.
+_PRESETS: dict[ScalingKind, dict] = {
     # TE's DelayedScaling defaults: HYBRID formats, 1024-step history, max.
-    "delayed": dict(scaling="delayed", grad_output_format="e5m2", amax_history_len=1024, amax_compute_algo="max"),
+    ScalingKind.DELAYED: dict(grad_output_format="e5m2", amax_history_len=1024, amax_compute_algo="max"),
     # torchao's default float8 recipe: dynamic tensorwise, E4M3 forward, E5M2 backward.
-    "current": dict(scaling="current", grad_output_format="e5m2"),
+    ScalingKind.CURRENT: dict(grad_output_format="e5m2"),
     # torchao's "rowwise": per-row scales are narrow enough that E4M3 suffices for gradients too.
-    "rowwise": dict(scaling="rowwise", grad_output_format="e4m3fn", pow2_scales=True),
+    ScalingKind.ROWWISE: dict(grad_output_format="e4m3fn", pow2_scales=True),
     # DeepSeek-V3: 1x128 activation/gradient tiles, 128x128 weight tiles, all E4M3, pow2 scales.
-    "block": dict(scaling="block", grad_output_format="e4m3fn", pow2_scales=True,
-                  input_block=(1, 128), weight_block=(128, 128), grad_output_block=(1, 128)),
+    ScalingKind.BLOCK: dict(grad_output_format="e4m3fn", pow2_scales=True,
+                            input_block=(1, 128), weight_block=(128, 128), grad_output_block=(1, 128)),
     # OCP MX: E4M3 elements in 1x32 blocks along the contracted dim, one E8M0 (power-of-two) scale per block.
-    "mxfp8": dict(scaling="mxfp8", grad_output_format="e4m3fn", input_block=(1, 32), weight_block=(1, 32),
-                  grad_output_block=(1, 32)),
+    ScalingKind.MXFP8: dict(grad_output_format="e4m3fn", input_block=MX_BLOCK, weight_block=MX_BLOCK,
+                            grad_output_block=MX_BLOCK),
 }
+RECIPE_NAMES = tuple(kind.value for kind in _PRESETS)  # plain strings, in preset order
 
 
 def recipe(name: str, **overrides) -> Fp8Recipe:
@@ -233,7 +316,8 @@ def recipe(name: str, **overrides) -> Fp8Recipe:
     if name not in _PRESETS:
         raise ValueError(f"unknown FP8 recipe {name!r}; allowed: {', '.join(RECIPE_NAMES)}")
     _check_fields(overrides)
-    return Fp8Recipe(**{"name": name, **_PRESETS[name], **overrides})
+    kind = ScalingKind(name)
+    return Fp8Recipe(**{"name": kind.value, "scaling": kind, **_PRESETS[kind], **overrides})
 
 
 def _check_fields(overrides: dict) -> None:
@@ -245,4 +329,8 @@ def _check_fields(overrides: dict) -> None:
 
 def _check_choice(key: str, value, allowed: tuple) -> None:
     if value not in allowed:
-        raise ValueError(f"{key} must be one of {', '.join(allowed)}; got {value!r}")
+        raise RecipeFieldError(key, value, f"one of {', '.join(allowed)}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

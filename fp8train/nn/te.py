@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from fp8train.nn.recipes import Fp8Recipe
+from fp8train.nn.recipes import Fp8Recipe, ScalingKind
 
 __all__ = ["te_recipe_kwargs", "make_te_recipe", "make_te_linear"]
 
@@ -53,19 +53,19 @@ def te_recipe_kwargs(recipe: Fp8Recipe, capability: tuple[int, int] | None = Non
     the same scaling granularity as fp8train's emulated backend.
     """
     fp8_format = _fp8_format_name(recipe)
-    if recipe.scaling != "delayed" and recipe.margin != 0:
+    if not recipe.is_delayed and recipe.margin != 0:
         raise ValueError(f"margin={recipe.margin}: TE supports a margin only for delayed scaling; set margin=0 "
                          f"or use backend='emulated'")
-    if recipe.scaling == "delayed":
+    if recipe.is_delayed:
         kwargs = dict(fp8_format=fp8_format, margin=recipe.margin, amax_history_len=recipe.amax_history_len,
                       amax_compute_algo=recipe.amax_compute_algo)
         return dict(recipe_class="DelayedScaling", kwargs=kwargs, exact=not recipe.pow2_scales,
                     note="TE's delayed scales are not rounded to powers of two" if recipe.pow2_scales else "")
-    if recipe.scaling == "current":
+    if recipe.scaling is ScalingKind.CURRENT:
         return dict(recipe_class="Float8CurrentScaling", kwargs=dict(fp8_format=fp8_format),
                     exact=not recipe.pow2_scales,
                     note="TE's current scales are not rounded to powers of two" if recipe.pow2_scales else "")
-    if recipe.scaling in ("rowwise", "mxfp8"):
+    if recipe.scaling in (ScalingKind.ROWWISE, ScalingKind.MXFP8):
         if capability is None or tuple(capability) < MXFP8_MIN_CAPABILITY:
             where = "an unknown GPU" if capability is None else f"sm{capability[0]}{capability[1]}"
             raise ValueError(f"recipe {recipe.name!r} with backend te needs TE's MXFP8BlockScaling, which needs an "
@@ -74,7 +74,7 @@ def te_recipe_kwargs(recipe: Fp8Recipe, capability: tuple[int, int] | None = Non
         if fp8_format != "E4M3":
             raise ValueError("the te backend's MXFP8BlockScaling needs all-e4m3fn formats")
         note = ("TE has no per-row recipe; MXFP8 uses 1x32 blocks with power-of-two (E8M0) scales"
-                if recipe.scaling == "rowwise" else "TE rounds E8M0 scales up; the OCP MX rule rounds down")
+                if recipe.scaling is ScalingKind.ROWWISE else "TE rounds E8M0 scales up; the OCP MX rule rounds down")
         return dict(recipe_class="MXFP8BlockScaling", kwargs=dict(fp8_format="E4M3"), exact=False, note=note)
     # block
     if fp8_format != "E4M3":

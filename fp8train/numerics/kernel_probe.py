@@ -29,9 +29,13 @@ import torch
 from fp8train.numerics import native_cast
 from fp8train.numerics.quant import QUANT_KERNELS, quantize
 
-__all__ = ["KERNEL_CHOICES", "resolve_kernel", "probe_kernels", "machine_key", "default_cache_path"]
+__all__ = ["KERNEL_CHOICES", "DEFAULT_QUANTIZE_KERNEL", "resolve_kernel", "probe_kernels", "machine_key",
+           "default_cache_path"]
 
 KERNEL_CHOICES = ("auto",) + QUANT_KERNELS
+# Fp8Linear's, configure_execution's and fp8.quantize_kernel's default: native on a CPU where the C kernel
+# builds, else measured once per machine (tensors under Fp8Linear's QUANT_KERNEL_MIN_NUMEL always run eagerly).
+DEFAULT_QUANTIZE_KERNEL = KERNEL_CHOICES[0]
 PROBE_NUMEL = 1 << 22
 _resolved: dict = {}  # per process: (device type, cache path) -> kernel
 

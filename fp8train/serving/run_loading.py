@@ -24,10 +24,10 @@ import torch.nn as nn
 
 from fp8train import __version__
 from fp8train.nn.convert import convert_to_fp8, is_conv1d
-from fp8train.nn.recipes import ROLES, recipe
+from fp8train.nn.recipes import ROLES
 from fp8train.training.checkpoint import MANIFEST
 from fp8train.training.sharded_checkpoint import latest_loadable_checkpoint, read_model_state
-from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
+from fp8train.training.config import layer_policy_from_config, load_config
 from fp8train.training.hf import hf_kv_shape
 from fp8train.training.model import HFCausalLM, build_model, tied_weight_groups
 
@@ -65,7 +65,7 @@ def package_version() -> str:
 def fp8_policy_names(model: nn.Module, cfg) -> list[str]:
     """Names of the Linears that the run's recipe and layer policy convert to FP8 (a dry run: ``model`` is
     not changed). A bf16 run (recipe none) reports what its policy would convert."""
-    run_recipe = fp8_recipe_from_config(cfg) or recipe("current")
+    run_recipe = cfg.fp8.to_recipe()  # a bf16 run's: the default preset's
     report = convert_to_fp8(model, run_recipe.replace(backend="emulated"), layer_policy_from_config(cfg),
                             dry_run=True)
     return [name for name, _ in report.converted]

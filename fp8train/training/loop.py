@@ -84,14 +84,16 @@ class _State:
 # ------------------------------------------------------------------------------------------------------------
 # The run
 # ------------------------------------------------------------------------------------------------------------
-def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_stop=None) -> dict:
+def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_stop=None,
+          model_factory=None) -> dict:
     """Train one run as configured; returns the summary that is also written to summary.json.
 
     ``should_stop(record) -> str | None`` is asked after every step that syncs (logged, evaluation, checkpoint
     and telemetry steps; record = the metrics line); a reason string stops the run there with status "stopped"
-    (validate uses it to cut a diverging candidate).
+    (validate uses it to cut a diverging candidate). ``model_factory(cfg.model) -> nn.Module`` builds the model
+    before conversion (default: training.model.build_model).
     """
-    run = set_up(cfg, accelerator or make_accelerator(cfg), show_progress)
+    run = set_up(cfg, accelerator or make_accelerator(cfg), show_progress, model_factory)
     if run.plan.kind == "complete":
         return already_complete(run)
     with holding(run):  # the run directory's lock, released however the run ends

@@ -85,7 +85,7 @@ def save_pretrained(model: nn.Module, folder, tokenizer=None) -> Path:
 
 def _recipe_from_dict(fields: dict) -> Fp8Recipe:
     names = {f.name for f in dataclasses.fields(Fp8Recipe)}
-    return Fp8Recipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items() if k in names})
+    return Fp8Recipe(**{k: v for k, v in fields.items() if k in names})  # JSON lists become tuples in Fp8Recipe
 
 
 def from_pretrained(folder, device="cpu") -> nn.Module:

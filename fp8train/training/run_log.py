@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from fp8train.nn.recipes import BASELINE_RECIPE
 from fp8train.training import telemetry
 from fp8train.training.distributed import fp8_state_digest
 from fp8train.training.model import count_params
@@ -62,7 +63,7 @@ def summarize(run, state) -> dict:
         "loss": state.last.get("loss"), "val_loss": state.last.get("val_loss"),
         "world_size": run.accelerator.num_processes, "tokens": done * cfg.train.batch_size * cfg.model.seq_len,
         "wall_time_s": time.time() - run.started, "peak_memory_mb": _peak_memory_mb(run.accelerator.device),
-        "recipe": run.fp8_recipe.code() if run.fp8_recipe is not None else "none",
+        "recipe": run.fp8_recipe.code() if run.fp8_recipe is not None else BASELINE_RECIPE,
         "params": count_params(run.model), "fp8_layers": len(layers), "skipped_steps": state.skipped_steps,
         "resumed_from": state.resumed_from, "seed": cfg.train.seed, **run.hashes,
         "diverged_at_step": state.diverged_at,

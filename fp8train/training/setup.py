@@ -77,7 +77,9 @@ class Run:
 
 
 
-def set_up(cfg: FullConfig, accelerator, show_progress: bool) -> Run:
+def set_up(cfg: FullConfig, accelerator, show_progress: bool, model_factory=None) -> Run:
+    """Everything a run needs before its first step, checked before anything is written; `model_factory(cfg.model)`
+    builds the model (training.model.build_model unless given, e.g. a model with hooks of your own)."""
     started = time.time()
     check_distributed_type(accelerator, cfg)
     set_cpu_threads(cfg, accelerator)
@@ -89,7 +91,7 @@ def set_up(cfg: FullConfig, accelerator, show_progress: bool) -> Run:
     data = build_data(cfg)
     val_batches = data.val_batches()
     torch.manual_seed(cfg.train.seed)  # same seed -> same initial weights in every run of a pair, any recipe
-    model = build_model(cfg.model)
+    model = (model_factory or build_model)(cfg.model)
     fp8_recipe = fp8_recipe_from_config(cfg)
     conversion = None
     if fp8_recipe is not None:

@@ -19,20 +19,20 @@ import torch.nn as nn
 
 from fp8train.nn.convert import block_index
 from fp8train.nn.linear import Fp8Linear
-from fp8train.nn.recipes import RECIPE_NAMES, Fp8Recipe, recipe
+from fp8train.nn.recipes import RECIPE_NAMES, Fp8Recipe, OperandRole, recipe
 from fp8train.numerics.mx import quantize_mx
 from fp8train.numerics.quant import Fp8Tensor, quant_error, quantize
 
 __all__ = ["SHADOW_RECIPES", "RecipeShadow", "shadow_quantize", "SHADOW_STAT_KEYS", "shadowed_layers", "gemm_paths"]
 
-SHADOW_RECIPES = tuple(n for n in RECIPE_NAMES if n != "delayed")  # delayed needs a history a shadow lacks
+SHADOW_RECIPES = tuple(n for n in RECIPE_NAMES if not recipe(n).is_delayed)  # delayed needs a history a shadow lacks
 SHADOW_STAT_KEYS = ("sqnr_db", "overflow_frac", "underflow_frac")
 
 
 def shadow_quantize(r: Fp8Recipe, role: str, tensor_2d: torch.Tensor) -> Fp8Tensor:
     """`tensor_2d` quantized as recipe `r` quantizes operand `role` for its forward / grad_input GEMM."""
     fmt = r.format_of(role)
-    if r.scaling == "mxfp8":
+    if r.is_mx:
         return quantize_mx(tensor_2d, fmt)
     return quantize(tensor_2d, fmt, granularity=r.granularity_of(role), block=r.block_of(role), axis=-1,
                     margin=r.margin, pow2=r.pow2_scales)
@@ -80,8 +80,8 @@ class RecipeShadow:
                 weight = module.weight.detach()
                 for rname, r in self.recipes.items():
                     entry = self.records.setdefault(name, {}).setdefault(rname, {})
-                    entry["input"] = _stats(r, "input", input_2d)
-                    entry["weight"] = _stats(r, "weight", weight)
+                    entry[OperandRole.INPUT] = _stats(r, OperandRole.INPUT, input_2d)
+                    entry[OperandRole.WEIGHT] = _stats(r, OperandRole.WEIGHT, weight)
             if output.requires_grad:
                 output.register_hook(self._grad_hook(name, module.out_features))
         return forward_hook
@@ -91,7 +91,7 @@ class RecipeShadow:
             if self.armed:
                 grad_2d = grad_output.detach().reshape(-1, out_features)
                 for rname, r in self.recipes.items():
-                    self.records[name][rname]["grad_output"] = _stats(r, "grad_output", grad_2d)
+                    self.records[name][rname][OperandRole.GRAD_OUTPUT] = _stats(r, OperandRole.GRAD_OUTPUT, grad_2d)
             return None  # the gradient flows on unchanged
         return grad_hook
 

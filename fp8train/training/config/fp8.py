@@ -3,120 +3,113 @@ turn them into the objects the FP8 code uses (`Fp8Recipe`, `LayerPolicy`).
 
 Every name and default here comes from fp8train.nn, where it is defined once: recipe, backend and format names
 from `nn.recipes`, the layer-policy defaults from `nn.convert.LayerPolicy`. So `convert_to_fp8(model, recipe)`
-and `fp8train train` with an unset `policy` section convert exactly the same layers.
+and `fp8train train` with an unset `policy` section convert exactly the same layers. The fp8 section's recipe
+keys are generated from `Fp8Recipe`'s fields (typed and documented there) and checked by `Fp8Recipe` itself, the
+one place a recipe is validated; only the keys that are not recipe fields are declared here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import yaml
 
 from fp8train.nn.convert import LayerPolicy
 from fp8train.nn.gemm import EMULATED_DTYPES
-from fp8train.nn.fp8_all_gather import FP8_ALL_GATHER_SCALINGS
 from fp8train.nn.overrides import normalize_overrides
 from fp8train.nn.te import te_config_refusal
-from fp8train.nn.recipes import AMAX_COMPUTE_ALGOS, BACKENDS, FORMAT_NAMES, RECIPE_NAMES, Fp8Recipe, recipe
-from fp8train.numerics.kernel_probe import KERNEL_CHOICES
+from fp8train.nn.recipes import (BASELINE_RECIPE, DEFAULT_RECIPE, RECIPE_NAMES, TENSORWISE_SCALINGS, Fp8Recipe,
+                                 RecipeFieldError, recipe)
+from fp8train.numerics.kernel_probe import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES
 from fp8train.training.config.base import _Section, _require
 
-# E5M2, the widest format, spans 32 binades from min subnormal to max: a larger margin flushes every value.
-MAX_MARGIN = 32
-
-EXECUTION_FIELDS = ("emulated_dtype", "quantize_kernel")  # fp8.* keys that are not Fp8Recipe fields
-BASELINE_RECIPE = "none"  # fp8.recipe of the bf16 baseline: no layer converted
 FP8_RECIPE_CHOICES = (BASELINE_RECIPE,) + RECIPE_NAMES
+# Fp8Recipe fields that fp8.recipe decides (the preset's name and its scaling kind): not fp8.* keys of their own.
+PRESET_FIELDS = ("name", "scaling")
+# Recipe fields given whole rather than as preset overrides: no preset sets them, so the resolved config shows
+# the value that runs (backend: auto) instead of null.
+_WHOLE_FIELDS = ("backend",)
 _POLICY_DEFAULTS = LayerPolicy()
 
 
 @dataclass
-class Fp8Config(_Section):
+class _Fp8RunSection(_Section):
+    """The fp8.* keys that are not Fp8Recipe fields: which preset, how the layers run, how FSDP2 gathers."""
+
     _section = "fp8"
-    recipe: str = "delayed"
+    recipe: str = DEFAULT_RECIPE
     """none (bf16 baseline) | delayed | current | rowwise | block | mxfp8."""
-    backend: str = "auto"
-    """FP8 GEMM backend: auto | emulated (any device) | scaled_mm (CUDA sm89+) | te (Transformer Engine)."""
-    # Optional per-field overrides of the named preset; None keeps the preset's value.
-    margin: Optional[int] = None
-    """Scale headroom in powers of two (scale = amax / max * 2**margin)."""
-    pow2_scales: Optional[bool] = None
-    """Round scales up to powers of two."""
-    amax_history_len: Optional[int] = None
-    """Delayed scaling: length of the amax history."""
-    amax_compute_algo: Optional[str] = None
-    """Delayed scaling: max | most_recent over the history."""
-    input_format: Optional[str] = None
-    """FP8 format of activations: e4m3fn | e5m2 | e4m3fnuz | e5m2fnuz."""
-    weight_format: Optional[str] = None
-    """FP8 format of weights."""
-    grad_output_format: Optional[str] = None
-    """FP8 format of output gradients."""
-    input_block: Optional[List[int]] = None
-    """Block recipe: scale block (rows, cols) of activations, e.g. [1, 128]."""
-    weight_block: Optional[List[int]] = None
-    """Block recipe: scale block of weights, e.g. [128, 128]."""
-    grad_output_block: Optional[List[int]] = None
-    """Block recipe: scale block of output gradients, e.g. [1, 128]."""
-    amax_outlier_factor: Optional[float] = None
-    """Delayed scaling, opt-in: a history max above this factor x the second largest does not set the scale."""
     # How the FP8 layers run (same numbers, different speed): not recipe fields, read once at set-up.
     emulated_dtype: str = "auto"
     """Emulated GEMMs' input dtype: auto (bf16 on CUDA and on CPUs with avx512_bf16/AMX, else fp32) | fp32 | bf16."""
-    quantize_kernel: str = "auto"
+    quantize_kernel: str = DEFAULT_QUANTIZE_KERNEL
     """auto (native on a CPU where fp8train's C kernel builds, else the fastest bit-exact kernel, measured once
     per machine and cached) | eager | compiled_cast | compiled_select | native."""
     all_gather: bool = False
     """train.parallel=fsdp2 only: all-gather Fp8Linear weights as FP8 codes + scale instead of fp32 (tensorwise
-    recipes delayed and current; rowwise and block weights have per-row / per-tile scales)."""
-    fast_accum_forward: Optional[bool] = None
-    """scaled_mm: fast (unpromoted) tensor-core accumulation in the forward GEMM (preset default: true)."""
-    accumulator_bits: Optional[int] = None
-    """emulated: model a tensor core keeping this many accumulator bits (Hopper ~14); 0 = exact fp32."""
-    accumulator_promotion: Optional[int] = None
-    """emulated with accumulator_bits: products along K between promotions to fp32 (default 128; 0 = never)."""
+    recipes delayed and current; rowwise and block weights have per-row / per-tile weight scales)."""
 
     def _check(self) -> None:
         self._in("emulated_dtype", ("auto",) + tuple(EMULATED_DTYPES))
         self._in("quantize_kernel", KERNEL_CHOICES)
-        if self.amax_outlier_factor is not None:
-            _require(self.amax_outlier_factor == 0 or self.amax_outlier_factor > 1,
-                     self._key("amax_outlier_factor"), self.amax_outlier_factor, "must be 0 (off) or > 1")
         self._in("recipe", FP8_RECIPE_CHOICES)
-        self._in("backend", BACKENDS)
+        run_recipe = self.to_recipe()  # every recipe field checked by Fp8Recipe, and only there
+        if run_recipe.backend == "te":  # at config time, with the reason (nn/te.py), before anything is written
+            raise ValueError(te_config_refusal(run_recipe))
         if self.all_gather:
-            _require(self.recipe in FP8_ALL_GATHER_SCALINGS, "fp8.all_gather", self.all_gather,
-                     f"needs a tensorwise fp8.recipe ({' or '.join(FP8_ALL_GATHER_SCALINGS)}); fp8.recipe="
+            _require(self.recipe != BASELINE_RECIPE and run_recipe.is_tensorwise, "fp8.all_gather", self.all_gather,
+                     f"needs a tensorwise fp8.recipe ({' or '.join(TENSORWISE_SCALINGS)}); fp8.recipe="
                      f"{self.recipe} has no single per-tensor weight scale to gather with (set fp8.all_gather=false)")
-        if self.backend == "te":  # at config time, with the reason (nn/te.py), before anything is written
-            raise ValueError(te_config_refusal(recipe("current" if self.recipe == BASELINE_RECIPE else self.recipe)))
-        if self.margin is not None:  # 2**margin beyond 32 binades flushes every value of every format to zero
-            _require(0 <= self.margin <= MAX_MARGIN, self._key("margin"), self.margin,
-                     f"must be in [0, {MAX_MARGIN}] (powers of two of headroom; above {MAX_MARGIN} every FP8 value "
-                     "of every format underflows to zero)")
-        if self.amax_history_len is not None:
-            self._at_least("amax_history_len", 1)
-        if self.accumulator_bits is not None:
-            _require(self.accumulator_bits == 0 or 2 <= self.accumulator_bits <= 24, self._key("accumulator_bits"),
-                     self.accumulator_bits, "0 (exact fp32) or an int in [2, 24] (significant bits kept)")
-        if self.accumulator_promotion is not None:
-            _require(self.accumulator_promotion >= 0 and self.accumulator_promotion % 32 == 0,
-                     self._key("accumulator_promotion"), self.accumulator_promotion,
-                     "0 (never) or a positive multiple of 32 (the MMA depth)")
-        if self.amax_compute_algo is not None:
-            self._in("amax_compute_algo", AMAX_COMPUTE_ALGOS)
-        for name in ("input_format", "weight_format", "grad_output_format"):
-            if getattr(self, name) is not None:
-                self._in(name, FORMAT_NAMES)
-        for name in ("input_block", "weight_block", "grad_output_block"):
-            block = getattr(self, name)
-            if block is not None:
-                _require(len(block) == 2 and all(b >= 1 for b in block), self._key(name), list(block),
-                         "two positive ints [rows, cols], e.g. [1, 128] or [128, 128]")
+
+    def recipe_overrides(self) -> dict:
+        """The recipe fields this section sets (None = keep the preset's value), as given."""
+        return {name: getattr(self, name) for name in RECIPE_KEYS if getattr(self, name) is not None}
+
+    def to_recipe(self) -> Fp8Recipe:
+        """The Fp8Recipe of fp8.recipe with the set fields applied (for the baseline 'none', the default preset:
+        its fields are checked all the same). A field's bad value is a ValueError naming fp8.<field>."""
+        name = DEFAULT_RECIPE if self.recipe == BASELINE_RECIPE else self.recipe
+        overrides = self.recipe_overrides()
+        try:
+            return recipe(name, **overrides)  # lists (YAML) become tuples in Fp8Recipe, the one conversion
+        except RecipeFieldError as e:
+            raise ValueError(f"config fp8.{e.field}={_plain(e.value)!r} is invalid: {e}") from None
+        except (ValueError, TypeError) as e:  # a rule over several fields (e.g. mixed OCP / FNUZ formats)
+            raise ValueError(f"config fp8 (recipe {name!r} with {overrides}): {e}") from None
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _recipe_keys() -> list[tuple[str, type, dataclasses.Field]]:
+    """The fp8.* key of every Fp8Recipe field but PRESET_FIELDS, typed as the field (YAML primitives: a tuple
+    becomes a list) and Optional with default None (keep the preset's value), _WHOLE_FIELDS with the field's
+    default. Documented once, on Fp8Recipe."""
+    hints = typing.get_type_hints(Fp8Recipe)
+    keys = []
+    for f in dataclasses.fields(Fp8Recipe):
+        if f.name in PRESET_FIELDS:
+            continue
+        tp = List[int] if typing.get_origin(hints[f.name]) is tuple else hints[f.name]
+        if f.name in _WHOLE_FIELDS:
+            keys.append((f.name, tp, field(default=f.default)))
+        else:
+            keys.append((f.name, Optional[tp], field(default=None)))
+    return keys
+
+
+RECIPE_KEYS = tuple(name for name, _, _ in _recipe_keys())
+# The fp8 section: _Fp8RunSection's keys, then one key per Fp8Recipe field (generated: the recipe is the config).
+Fp8Config = dataclasses.make_dataclass("Fp8Config", _recipe_keys(), bases=(_Fp8RunSection,), namespace={
+    "__module__": __name__,
+    "__doc__": "The fp8 section: the preset (fp8.recipe), its overrides (one key per Fp8Recipe field, typed and "
+               "documented there; null keeps the preset's value), and how the layers run."})
 
 
 @dataclass
@@ -176,23 +169,7 @@ def read_plan_overrides(path: str) -> tuple[tuple[str, str], ...]:
 
 def fp8_recipe_from_config(cfg) -> Fp8Recipe | None:
     """The `Fp8Recipe` for `cfg.fp8` (named preset plus the non-None overrides), or None for recipe 'none'."""
-    fp8 = cfg.fp8
-    if fp8.recipe == BASELINE_RECIPE:
-        return None
-    overrides: dict[str, Any] = {"backend": fp8.backend}
-    for f in dataclasses.fields(Fp8Config):
-        value = getattr(fp8, f.name)
-        # all_gather (how FSDP2 gathers) and the execution fields are not recipe fields
-        if f.name in ("recipe", "backend", "all_gather") + EXECUTION_FIELDS or value is None:
-            continue
-        overrides[f.name] = tuple(value) if f.name.endswith("_block") else value
-    try:
-        run_recipe = recipe(fp8.recipe, **overrides)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"fp8 (recipe {fp8.recipe!r} with overrides {overrides}): {e}") from e
-    if run_recipe.backend == "te":  # refused here, before any run directory or model exists
-        raise ValueError(te_config_refusal(run_recipe))
-    return run_recipe
+    return None if cfg.fp8.recipe == BASELINE_RECIPE else cfg.fp8.to_recipe()
 
 
 def layer_policy_from_config(cfg) -> LayerPolicy:

@@ -13,12 +13,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from fp8train.nn.recipes import RECIPE_NAMES
+from fp8train.nn.recipes import BASELINE_RECIPE, DEFAULT_RECIPE, OVERRIDE_BF16, RECIPE_NAMES
 from fp8train.training.config.base import _is_int, _Section, _require
 
 __all__ = ["ValidateConfig", "Candidate", "parse_candidate", "resolve_seeds", "BASELINE_LABEL"]
 
-BASELINE_LABEL = "bf16"  # folder of the baseline runs; no candidate may take it
+BASELINE_LABEL = OVERRIDE_BF16  # folder of the baseline (high-precision) runs; no candidate may take it
 _LABEL_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
 _SEED_LIMIT = 2**63  # torch.manual_seed's range
 _UNPAIRED_KEYS = ("train.seed", "train.resume")  # a candidate setting these would no longer be paired / resumable
@@ -43,7 +43,7 @@ def parse_candidate(spec: str | Candidate) -> Candidate:
     spec = str(spec).strip()
     head, _, tail = spec.partition(":")
     label, _, recipe_name = head.rpartition("=")
-    if recipe_name == "none":
+    if recipe_name == BASELINE_RECIPE:
         raise ValueError(f"validate.candidates: {spec!r} is the bf16 baseline, which always runs; list FP8 "
                          f"recipes from {list(RECIPE_NAMES)}")
     if recipe_name not in RECIPE_NAMES:
@@ -99,7 +99,7 @@ def resolve_seeds(seeds: Any, first_seed: int) -> list[int]:
 @dataclass
 class ValidateConfig(_Section):
     _section = "validate"
-    candidates: List[str] = field(default_factory=lambda: ["delayed"])
+    candidates: List[str] = field(default_factory=lambda: [DEFAULT_RECIPE])
     """FP8 candidates run against the bf16 baseline: specs [LABEL=]RECIPE[:KEY=VALUE,...] (not 'none')."""
     margin: float = 0.02
     """Allowed relative validation-loss gap of a candidate over bf16, in (0, 1); declared before the runs."""
@@ -116,7 +116,7 @@ class ValidateConfig(_Section):
 
     def _check(self) -> None:
         allowed = ("a non-empty list of candidate specs [LABEL=]RECIPE[:KEY=VALUE,...] with RECIPE from "
-                   f"{list(RECIPE_NAMES)} ('none', the baseline, always runs)")
+                   f"{list(RECIPE_NAMES)} ('{BASELINE_RECIPE}', the baseline, always runs)")
         _require(len(self.candidates) > 0, "validate.candidates", list(self.candidates), allowed)
         labels = [parse_candidate(spec).label for spec in self.candidates]
         _require(len(set(labels)) == len(labels), "validate.candidates", list(self.candidates),
