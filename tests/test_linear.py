@@ -391,9 +391,9 @@ def test_output_dtype_follows_autocast(name, emulated):
             return torch.exp2(torch.floor(torch.log2(v.float().abs().clamp_min(2.0 ** -126))) - 7)
         product = y_fp32.detach() - layer.bias.detach()
         assert ((y.float() - once.float()).abs() <= step(product) / 2 + step(once)).all()
-        # the bias makes a second rounding that shows; block tiles vary along K, so those GEMMs run on the
-        # dequantized fp32 operands in either mode (nn/gemm.py) and round once
-        assert torch.equal(y, once) == (name == "block")
+        # the bias makes a second rounding that shows; tiles (block, mxfp8) vary along K, so those GEMMs run on
+        # the dequantized fp32 operands in either mode (nn/gemm.py) and round once
+        assert torch.equal(y, once) == layer.recipe.is_tiled
     y_fp32.sum().backward()
     assert torch.equal(grads_autocast[0], x.grad) and torch.equal(grads_autocast[1], layer.weight.grad)
     xb = x.detach().bfloat16().requires_grad_(True)
