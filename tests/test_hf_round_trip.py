@@ -1,0 +1,71 @@
+"""The Hugging Face user's round trip with nothing silently wrong: the pretrained folder's own tokenizer (or a
+refusal), policy.exclude adding to the defaults and matching the names users see, HF's own save_pretrained of a
+converted GPT-2 in Conv1D's layout, folders holding scaling buffers accepted by model.hf_path, the dense export,
+delayed scaling under a real transformers.Trainer, and the FP8 export read by compressed-tensors itself. Tiny
+models built from local configs; nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from fp8train.training.config import load_config
+from fp8train.training.data import build_data
+from hf_helpers import VOCAB, hf_config, local_text, make_pretrained, make_tokenizer
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("round_trip")
+    make_tokenizer(root / "tokenizer")
+    out = {"root": root, "tokenizer": root / "tokenizer"}
+    for arch in ("llama", "gpt2"):
+        bare = make_pretrained(root / f"{arch}_bare", arch)  # weights and config only, as in tests/test_hf.py
+        with_tokenizer = root / f"{arch}_full"
+        shutil.copytree(bare, with_tokenizer)
+        shutil.copytree(root / "tokenizer", with_tokenizer, dirs_exist_ok=True)
+        out[f"{arch}_bare"], out[arch] = bare, with_tokenizer
+    (root / "text.txt").write_text(local_text(40_000))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _token_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 2. The tokenizer of a pretrained folder
+# ------------------------------------------------------------------------------------------------------------
+def _data(folders, hf_path, *extra):
+    return build_data(load_config(None, [f"model.hf_path={hf_path}", "model.seq_len=32",
+                                         f"data.path={folders['root'] / 'text.txt'}", *extra]))
+
+
+def test_pretrained_folder_tokenizer_is_used_when_data_tokenizer_is_empty(folders):
+    from transformers import AutoTokenizer
+
+    data = _data(folders, folders["llama"])
+    text = (folders["root"] / "text.txt").read_text()
+    ids = AutoTokenizer.from_pretrained(str(folders["tokenizer"]))(text, add_special_tokens=False)["input_ids"]
+    tokens = np.concatenate([data.train_tokens, data.val_tokens])
+    assert not data.byte_level and tokens.tolist() == ids + [0]  # + EOS (id 0, the first special token)
+
+
+def test_pretrained_folder_without_tokenizer_is_refused_naming_data_tokenizer(folders):
+    with pytest.raises(ValueError, match=r"data\.tokenizer is empty and model\.hf_path .* holds no tokenizer.*"
+                                         r"data\.tokenizer=bytes"):
+        _data(folders, folders["llama_bare"])
+    explicit = _data(folders, folders["llama_bare"], f"data.tokenizer={folders['tokenizer']}")
+    assert not explicit.byte_level
+    raw = _data(folders, folders["llama_bare"], "data.tokenizer=bytes")  # bytes on purpose
+    text = (folders["root"] / "text.txt").read_bytes()
+    assert raw.byte_level and np.concatenate([raw.train_tokens, raw.val_tokens]).tobytes() == \
+        np.frombuffer(text, dtype=np.uint8).astype(raw.train_tokens.dtype).tobytes()
