@@ -69,3 +69,41 @@ def test_pretrained_folder_without_tokenizer_is_refused_naming_data_tokenizer(fo
     text = (folders["root"] / "text.txt").read_bytes()
     assert raw.byte_level and np.concatenate([raw.train_tokens, raw.val_tokens]).tobytes() == \
         np.frombuffer(text, dtype=np.uint8).astype(raw.train_tokens.dtype).tobytes()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 5. policy.exclude: adds to the defaults, unmatched patterns refused, names with and without `hf.`
+# ------------------------------------------------------------------------------------------------------------
+def _converted(folders, *policy):
+    from fp8train import convert_to_fp8
+    from fp8train.training.config import layer_policy_from_config
+    from fp8train.training.model import build_model
+
+    cfg = load_config(None, [f"model.hf_path={folders['llama']}", "model.seq_len=32", "policy.min_features=16",
+                             *policy])
+    report = convert_to_fp8(build_model(cfg.model), "current", layer_policy_from_config(cfg), dry_run=True)
+    return [name for name, _ in report.converted]
+
+
+def test_policy_exclude_adds_to_the_defaults(folders):
+    every = _converted(folders)
+    assert "hf.lm_head" not in every and len(every) == 14
+    fewer = _converted(folders, r"policy.exclude=[q_proj]")
+    assert "hf.lm_head" not in fewer  # the default output-head pattern still applies
+    assert sorted(fewer) == sorted(n for n in every if not n.endswith("q_proj"))
+    replaced = _converted(folders, "policy.exclude_defaults=false", r"policy.exclude=[q_proj]")
+    assert "hf.lm_head" in replaced and not any(n.endswith("q_proj") for n in replaced)
+
+
+@pytest.mark.parametrize("pattern", [r"^model\.layers\.0\.", r"^hf\.model\.layers\.0\."])
+def test_policy_patterns_match_names_with_and_without_the_hf_prefix(folders, pattern):
+    kept = _converted(folders, f"policy.exclude=['{pattern}']")
+    assert kept and not any(n.startswith("hf.model.layers.0.") for n in kept)
+    assert all(n.startswith("hf.model.layers.1.") for n in kept)
+    overridden = _converted(folders, f"policy.overrides={{'{pattern}': bf16}}")
+    assert overridden == kept
+
+
+def test_policy_exclude_pattern_matching_nothing_is_refused(folders):
+    with pytest.raises(ValueError, match=r"policy\.exclude: 'q_prj' matches no nn\.Linear"):
+        _converted(folders, "policy.exclude=[q_prj]")
