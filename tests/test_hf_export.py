@@ -250,7 +250,7 @@ def test_gpt2_fp8_run_loads_back_to_conv1d_and_its_folder_export_is_refused(hf_r
     master = load_file(str(sorted((hf_root / "gpt2" / "checkpoints").glob("step_*"))[-1] / "model.safetensors"))
     conv = run.model.get_submodule("hf.transformer.h.0.attn.c_attn")
     assert type(conv).__name__ == "Conv1D" and "hf.transformer.h.0.attn.c_attn" in run.fp8_names
-    assert torch.equal(conv.weight, master["hf.transformer.h.0.attn.c_attn.weight"].t())  # trained as (out, in)
+    assert torch.equal(conv.weight, master["hf.transformer.h.0.attn.c_attn.weight"])  # checkpointed as (in, out)
     capsys.readouterr()
     assert main(["export", str(hf_root / "gpt2"), "--format", "e4m3fn", "--out", str(tmp_path / "fp8")]) == 2
     err = capsys.readouterr().err.strip()

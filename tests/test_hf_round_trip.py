@@ -107,3 +107,86 @@ def test_policy_patterns_match_names_with_and_without_the_hf_prefix(folders, pat
 def test_policy_exclude_pattern_matching_nothing_is_refused(folders):
     with pytest.raises(ValueError, match=r"policy\.exclude: 'q_prj' matches no nn\.Linear"):
         _converted(folders, "policy.exclude=[q_prj]")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 3 and 6. transformers' own save_pretrained of a converted model; model.hf_path of such a folder
+# ------------------------------------------------------------------------------------------------------------
+def _converted_gpt2(steps=2):
+    """A GPT-2 with its Conv1D layers (square attn.c_proj included) trained a few steps in FP8 (delayed)."""
+    from transformers import AutoModelForCausalLM
+
+    from fp8train import LayerPolicy, convert_to_fp8, update_fp8_scales
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config("gpt2"), dtype=torch.float32)
+    originals = {n: m for n, m in model.named_modules() if type(m).__name__ == "Conv1D"}
+    convert_to_fp8(model, "delayed", LayerPolicy(min_features=16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(step))
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        update_fp8_scales(model)
+    return model.eval(), sorted(originals)
+
+
+def test_transformers_save_pretrained_of_converted_gpt2_keeps_conv1d_layout(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, conv_names = _converted_gpt2()
+    assert "transformer.h.0.attn.c_proj" in conv_names  # square: 64 -> 64, a transposed load would fit silently
+    model.save_pretrained(str(tmp_path / "saved"))  # transformers' own, not fp8train's
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"), dtype=torch.float32).eval()
+    for name in conv_names:
+        conv, trained = plain.get_submodule(name), model.get_submodule(name)
+        assert type(conv).__name__ == "Conv1D"
+        assert torch.equal(conv.weight, trained.weight.detach().t()), name  # (in, out) = the (out, in) master^T
+    # the plain model computes what the FP8 model's master weights compute in high precision
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        fp8_logits, plain_logits = model(input_ids=x).logits, plain(input_ids=x).logits
+    assert torch.nn.functional.kl_div(plain_logits.log_softmax(-1), fp8_logits.log_softmax(-1), log_target=True,
+                                      reduction="batchmean") < 1e-2
+
+
+def test_converted_state_dict_round_trips_into_a_converted_model(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model, _ = _converted_gpt2()
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied to wte
+    assert tuple(state["transformer.h.0.attn.c_attn.weight"].shape) == (64, 192)  # Conv1D's (in, out)
+    save_file(state, str(tmp_path / "s.safetensors"))
+    again, _ = _converted_gpt2(steps=0)
+    again.load_state_dict(load_file(str(tmp_path / "s.safetensors")), strict=False)
+    for name, module in model.named_modules():
+        if hasattr(module, "conv1d_layout"):
+            assert torch.equal(again.get_submodule(name).weight, module.weight), name
+    for key, value in model.state_dict().items():
+        assert torch.equal(again.state_dict()[key], value), key
+
+
+def test_hf_path_accepts_a_folder_saved_from_a_converted_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fp8train.training.config import ModelConfig
+    from fp8train.training.model import build_model
+
+    model, conv_names = _converted_gpt2()
+    model.save_pretrained(str(tmp_path / "saved"))
+    loaded = build_model(ModelConfig(hf_path=str(tmp_path / "saved"), seq_len=32)).eval()  # buffers dropped
+    assert not any(hasattr(m, "recipe") for m in loaded.modules())
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"), dtype=torch.float32)
+    for name in conv_names:
+        assert torch.equal(loaded.hf.get_submodule(name).weight, plain.get_submodule(name).weight), name
+
+
+def test_hf_path_refuses_a_run_directory_saying_how_to_export_it(tmp_path):
+    from fp8train.training.config import ModelConfig
+    from fp8train.training.model import build_model
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "config.yaml").write_text("run: {}\n")
+    with pytest.raises(ValueError, match=r"fp8train run directory.*fp8train export .* --format hf --out DIR"):
+        build_model(ModelConfig(hf_path=str(tmp_path / "run"), seq_len=32))

@@ -265,7 +265,7 @@ def _as_linear_shape(module: nn.Module):
 def fp8_from_conv1d(conv: nn.Module, recipe: Fp8Recipe | str = "current") -> Fp8Linear:
     """An Fp8Linear computing what `conv` computes. Its weight is a NEW Parameter holding conv.weight.T (the
     nn.Linear layout, so the three GEMMs are the ones written in linear.py); build the optimizer after the swap.
-    `conv1d_layout = True` tells savers to transpose it back to the Hugging Face (in, out) layout."""
+    `conv1d_layout = True`: its state_dict holds the weight in Conv1D's (in, out) layout (Fp8Linear)."""
     layer = Fp8Linear(conv.nx, conv.nf, bias=conv.bias is not None, recipe=recipe, device="meta")
     layer.weight = nn.Parameter(conv.weight.detach().t().contiguous(), requires_grad=conv.weight.requires_grad)
     layer.bias = conv.bias

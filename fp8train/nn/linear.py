@@ -87,7 +87,17 @@ from fp8train.numerics.kernel_probe import KERNEL_CHOICES, resolve_kernel
 from fp8train.numerics.mx import quantize_mx
 from fp8train.numerics.quant import Fp8Tensor, compute_amax, decode_fp8, quant_error, quantize, scale_from_amax
 
-__all__ = ["Fp8Linear", "update_fp8_scales", "configure_execution"]
+__all__ = ["Fp8Linear", "update_fp8_scales", "configure_execution", "SCALING_BUFFERS", "is_scaling_buffer"]
+
+# The per-role scaling buffers an Fp8Linear may hold (`{role}_{name}`, the module docstring).
+SCALING_BUFFERS = ("nonfinite_amax_count", "amax_history", "scale", "scale_amax", "pending_amax", "initialized",
+                   "stale_scale_steps")
+
+
+def is_scaling_buffer(key: str) -> bool:
+    """True for a state_dict key naming an Fp8Linear scaling buffer (`...q_proj.input_amax_history`)."""
+    last = key.rpartition(".")[2]
+    return any(last == f"{role}_{name}" for role in ROLES for name in SCALING_BUFFERS)
 
 # Below this a compiled kernel (a call costs ~50-100 us) gains less than its one-time compile (5-25 s per
 # configuration on CPU) costs in a typical run: smaller tensors always run eagerly, and 'auto' never measures.
@@ -154,7 +164,25 @@ class Fp8Linear(nn.Linear):
         # cannot see the change: FSDP2's all-gather into a block's unsharded weights (set by fsdp2.apply_fsdp2).
         self.weight_cache_allowed = getattr(self, "weight_cache_allowed", True)
 
+    # A layer born from a transformers Conv1D (GPT-2) computes with its weight in the nn.Linear layout (out, in),
+    # but its state_dict holds it in Conv1D's (in, out), the model's own layout: transformers' save_pretrained,
+    # a Trainer checkpoint or fp8train's checkpoints of the converted model are then read by the plain model's
+    # from_pretrained as they should be (a square attn.c_proj would otherwise load silently transposed).
+    conv1d_layout = False
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        key = f"{prefix}weight"
+        if self.conv1d_layout and key in destination:
+            destination[key] = destination[key].t() if keep_vars else destination[key].t().contiguous()
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = f"{prefix}weight"
+        # Conv1D's (in, out) comes back to (out, in). A rectangular (out, in) weight is a checkpoint written before
+        # state dicts held Conv1D's layout and loads as it is; a square one cannot tell, and is read as (in, out).
+        if self.conv1d_layout and key in state_dict and tuple(state_dict[key].shape) == \
+                (self.in_features, self.out_features):
+            state_dict[key] = state_dict[key].t()
         self._reset_caches()
         for role in ROLES:  # checkpoints from before the stale-scale counter load with it at 0
             key = f"{prefix}{role}_stale_scale_steps"

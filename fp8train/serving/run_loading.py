@@ -5,8 +5,9 @@ once: a Hugging Face run's architecture comes from its config.json, its pretrain
 checkpoint is). A run trained in FP8 is loaded into the plain model by name: its Fp8Linear layers keep their
 fp32 master weights under the same names as nn.Linear (`layers.0.attn.q_proj.weight`), and the FP8 scaling
 buffers they add (`*_amax_history`, `*_scale`, `*_nonfinite_amax_count`, ...) are training state, dropped after
-checking that they belong to layers the run's policy converted. A GPT-2 Conv1D layer trained as Fp8Linear holds
-its weight in the nn.Linear layout (out, in) and goes back to Conv1D's (in, out). Anything else missing or
+checking that they belong to layers the run's policy converted. A GPT-2 Conv1D layer trained as Fp8Linear is
+checkpointed in Conv1D's (in, out) layout (Fp8Linear's state_dict) and loads as it is; a rectangular (out, in)
+weight comes from a checkpoint written before that rule and is transposed back. Anything else missing or
 unexpected is an error.
 
 Which layers are FP8: those the run's recipe and layer policy convert (for a bf16 run: those its policy would
@@ -98,10 +99,11 @@ def load_run(run_dir, log=None) -> LoadedRun:
 def _load_master_weights(model: nn.Module, state: dict, fp8_names: list, ckpt: Path) -> None:
     expected = model.state_dict()
     converted = set(fp8_names)
-    for name in fp8_names:  # an Fp8Linear born from a Conv1D trained in the (out, in) layout
-        trained_fp8 = f"{name}.{ROLES[0]}_nonfinite_amax_count" in state  # every recipe has this buffer
-        if trained_fp8 and is_conv1d(model.get_submodule(name)) and f"{name}.weight" in state:
-            state[f"{name}.weight"] = state[f"{name}.weight"].t().contiguous()
+    for name in fp8_names:  # an older checkpoint's Conv1D-born Fp8Linear weight, in the (out, in) layout
+        module, key = model.get_submodule(name), f"{name}.weight"
+        if is_conv1d(module) and key in state and module.nx != module.nf \
+                and tuple(state[key].shape) == (module.nf, module.nx):
+            state[key] = state[key].t().contiguous()
     extra = [k for k in state if k not in expected]
     foreign = [k for k in extra
                if not (k.rpartition(".")[0] in converted and k.rpartition(".")[2].startswith(tuple(f"{r}_" for r in ROLES)))]
