@@ -174,7 +174,7 @@ def test_existing_folder_is_not_replaced_without_force(tiny_fp8_run, tmp_path, c
     assert main(["export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(out), "--no-check"]) == 2
     assert "already exists" in capsys.readouterr().err and (out / "keep.txt").read_text() == "precious"
     assert main(["export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(out), "--force"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     assert "top-1 agreement" in capsys.readouterr().out
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folders left
 

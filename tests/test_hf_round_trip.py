@@ -190,3 +190,79 @@ def test_hf_path_refuses_a_run_directory_saying_how_to_export_it(tmp_path):
     (tmp_path / "run" / "config.yaml").write_text("run: {}\n")
     with pytest.raises(ValueError, match=r"fp8train run directory.*fp8train export .* --format hf --out DIR"):
         build_model(ModelConfig(hf_path=str(tmp_path / "run"), seq_len=32))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 1. The dense export: a folder from_pretrained loads and the next run fine-tunes from
+# ------------------------------------------------------------------------------------------------------------
+def _recipe(folders, name, hf_path, *, steps=3, recipe="current", **sections) -> str:
+    import yaml
+
+    root = folders["root"]
+    config = {"run": {"dir": str(root / "runs"), "name": name}, "model": {"hf_path": str(hf_path), "seq_len": 32},
+              "data": {"path": str(root / "text.txt")},
+              "train": {"max_steps": steps, "batch_size": 2, "eval_every": steps, "eval_batches": 1, "lr": 3e-3,
+                        "device": "cpu", "threads": 1, "autocast": "none"},
+              "optim": {"warmup_steps": 1}, "fp8": {"recipe": recipe}, "policy": {"min_features": 16},
+              "log": {"wandb": "disabled", "telemetry_every": 0}}
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def runs(folders):
+    from fp8train.cli import main
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(folders["root"] / "cache"))
+        for arch in ("llama", "gpt2"):
+            assert main(["train", "--quiet", _recipe(folders, f"ft_{arch}", folders[arch])]) == 0
+    return {arch: folders["root"] / "runs" / f"ft_{arch}" for arch in ("llama", "gpt2")}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_dense_export_loads_in_transformers_and_is_the_next_hf_path(runs, folders, tmp_path, arch, capsys):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fp8train.cli import main
+    from fp8train.serving.export import load_run
+    from fp8train.training.config import ModelConfig
+    from fp8train.training.model import build_model
+
+    out = tmp_path / "dense"
+    assert main(["export", str(runs[arch]), "--format", "hf", "--out", str(out)]) == 0
+    assert "transformers_vs_source" in capsys.readouterr().out
+    files = {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= files
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "float32" and "torch_dtype" not in config
+    run = load_run(runs[arch])
+    own = {k[len("hf."):]: v for k, v in run.model.state_dict().items()}  # the plain model: Conv1D for GPT-2
+    saved = load_file(str(out / "model.safetensors"))
+    assert not any(k.startswith("hf.") or "amax" in k for k in saved)
+    for key, value in saved.items():
+        assert value.dtype == torch.float32 and torch.equal(value, own[key]), key
+    if arch == "gpt2":
+        assert tuple(saved["transformer.h.0.attn.c_attn.weight"].shape) == (64, 192)  # Conv1D's (in, out)
+    theirs = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, local_files_only=True).eval()
+    nxt = build_model(ModelConfig(hf_path=str(out), seq_len=32)).eval()  # the next run's model.hf_path
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        reference = run.model(x)[0]
+        assert torch.equal(theirs(input_ids=x).logits, reference) and torch.equal(nxt(x)[0], reference)
+    text = "def main(argv):\n    return 0\n"
+    assert AutoTokenizer.from_pretrained(str(out))(text)["input_ids"] == \
+        AutoTokenizer.from_pretrained(str(folders["tokenizer"]))(text)["input_ids"]
+
+
+def test_gpt2_fp8_export_is_refused_offering_the_dense_folder(runs, tmp_path, capsys):
+    from fp8train.cli import main
+
+    assert main(["export", str(runs["gpt2"]), "--format", "e4m3fn", "--out", str(tmp_path / "fp8")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Conv1D" in err and f"fp8train export {runs['gpt2']} --format hf --out DIR" in err
+    assert not (tmp_path / "fp8").exists()

@@ -52,7 +52,8 @@ def fp8_linear_names(run: LoadedRun) -> list[str]:
     if not names and run.fp8_names:
         raise ValueError(f"every FP8 layer of {run.run_dir} is a transformers Conv1D (GPT-2); FP8 weight exports hold "
                          "nn.Linear weights only (compressed-tensors quantizes nn.Linear), so there is nothing to "
-                         "export in FP8")
+                         f"export in FP8. Write the dense Hugging Face folder instead, which transformers and vLLM "
+                         f"load as GPT-2: fp8train export {run.run_dir} --format hf --out DIR")
     if not names:
         raise ValueError(f"the layer policy of {run.run_dir}/config.yaml keeps every Linear out of FP8 (policy.* "
                          "keys); nothing to export in FP8")

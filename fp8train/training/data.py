@@ -207,7 +207,8 @@ def _load_bin(path: Path, vocab_size: int, val_fraction: float, seq_len: int, so
     return train, val
 
 
-def _is_pretokenized(d) -> bool:
+def is_pretokenized(d) -> bool:
+    """True when data section ``d`` reads token ids (a nanoGPT .bin), not text."""
     path = Path(os.path.expanduser(d.path)) if d.path and not d.hf_dataset else None
     return path is not None and (path.suffix == ".bin" or (path.is_dir() and (path / "train.bin").exists()))
 
@@ -217,7 +218,7 @@ def build_data(cfg) -> TextData:
     d, T = cfg.data, cfg.model.seq_len
     # Byte-level text, or a local HF tokenizer's ids (fp8train.training.tokenized; cached on disk): a pretrained
     # model's own tokenizer unless data.tokenizer says otherwise, never bytes by default under its weights.
-    tokenizer = run_tokenizer(cfg, pretokenized=_is_pretokenized(d))
+    tokenizer = run_tokenizer(cfg, pretokenized=is_pretokenized(d))
     encoder = TokenEncoder(tokenizer) if tokenizer else None
     encode = encoder or _join
     byte_level, train_files, val_files, presplit = encoder is None, [], [], None
