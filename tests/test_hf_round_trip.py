@@ -266,3 +266,112 @@ def test_gpt2_fp8_export_is_refused_offering_the_dense_folder(runs, tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert "Conv1D" in err and f"fp8train export {runs['gpt2']} --format hf --out DIR" in err
     assert not (tmp_path / "fp8").exists()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 4. Delayed scaling under a real transformers.Trainer
+# ------------------------------------------------------------------------------------------------------------
+class _Windows(torch.utils.data.Dataset):
+    def __init__(self, n=8, length=16):
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, VOCAB, (n, length), generator=gen)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _trainer(tmp_path, model, callbacks, steps=3, accumulation=2, **args):
+    from transformers import Trainer, TrainingArguments
+
+    arguments = TrainingArguments(output_dir=str(tmp_path / "trainer"), max_steps=steps, per_device_train_batch_size=2,
+                                  gradient_accumulation_steps=accumulation, learning_rate=1e-3, use_cpu=True,
+                                  report_to="none", logging_strategy="no", dataloader_num_workers=0,
+                                  save_strategy=args.pop("save_strategy", "no"), **args)
+    return Trainer(model=model, args=arguments, train_dataset=_Windows(), callbacks=callbacks)
+
+
+def _delayed_llama():
+    from transformers import AutoModelForCausalLM
+
+    from fp8train import LayerPolicy, convert_to_fp8
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config("llama"), dtype=torch.float32)
+    convert_to_fp8(model, "delayed", LayerPolicy(min_features=16))
+    return model
+
+
+def test_trainer_without_the_callback_warns_once_that_scales_never_update(tmp_path, monkeypatch):
+    monkeypatch.setattr("fp8train.nn.linear._missing_update_warned", False)
+    model = _delayed_llama()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, model, callbacks=[]).train()
+    ours = [w for w in caught if "update_fp8_scales" in str(w.message)]
+    assert len(ours) == 1 and "Fp8ScalingCallback" in str(ours[0].message)
+    layer = model.get_submodule("model.layers.0.self_attn.q_proj")
+    assert not bool(layer.input_initialized) and float(layer.input_pending_amax) > 0  # what the warning is about
+
+
+def test_trainer_with_the_callback_updates_scales_from_the_max_over_micro_batches(tmp_path, monkeypatch):
+    import fp8train
+
+    monkeypatch.setattr("fp8train.nn.linear._missing_update_warned", False)
+    model = _delayed_llama()
+    layer = model.get_submodule("model.layers.0.self_attn.q_proj")
+    seen = []
+    layer.register_forward_pre_hook(lambda module, args: seen.append(float(args[0].detach().abs().max())))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, model, callbacks=[fp8train.Fp8ScalingCallback()]).train()
+    assert not [w for w in caught if "update_fp8_scales" in str(w.message)]
+    assert len(seen) == 6  # 3 optimizer steps x 2 micro-batches
+    step_amax = [max(seen[i:i + 2]) for i in range(0, 6, 2)]  # the documented rule, written out
+    history = layer.input_amax_history.tolist()
+    assert history[:3] == pytest.approx(step_amax[::-1], rel=0, abs=0) and not any(history[3:])
+    assert bool(layer.input_initialized) and float(layer.input_pending_amax) == -1.0
+    assert float(layer.input_scale) == pytest.approx(max(step_amax) / 448, rel=1e-6)  # history "max", margin 0
+
+
+def test_trainer_checkpoint_of_a_converted_gpt2_loads_in_its_own_layout(tmp_path):
+    """A Trainer checkpoint (transformers' save_pretrained inside) of an FP8 GPT-2: from_pretrained reads the
+    Conv1D weights right, and model.hf_path fine-tunes from the folder (its scaling buffers dropped)."""
+    from transformers import AutoModelForCausalLM
+
+    import fp8train
+    from fp8train.training.config import ModelConfig
+    from fp8train.training.model import build_model
+
+    model, conv_names = _converted_gpt2(steps=0)
+    model.train()
+    _trainer(tmp_path, model, callbacks=[fp8train.Fp8ScalingCallback()], steps=2, accumulation=1,
+             save_strategy="steps", save_steps=2).train()
+    folder = tmp_path / "trainer" / "checkpoint-2"
+    plain = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    for name in conv_names:
+        assert torch.equal(plain.get_submodule(name).weight, model.get_submodule(name).weight.detach().t()), name
+    loaded = build_model(ModelConfig(hf_path=str(folder), seq_len=16))
+    assert torch.equal(loaded.hf.get_submodule(conv_names[0]).weight, plain.get_submodule(conv_names[0]).weight)
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "rowwise"])
+def test_fused_adamw_step_is_seen_by_the_weight_cache(recipe_name):
+    """Fused AdamW (the Trainer's default optimizer) writes weights without bumping tensor._version: the next
+    forward must still quantize the new weight, as a layer with no cache does."""
+    from fp8train import Fp8Linear
+
+    torch.manual_seed(0)
+    layer = Fp8Linear(64, 64, recipe=recipe_name)
+    layer.emulated_dtype = "fp32"
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1, fused=True)
+    x = torch.randn(8, 64)
+    layer(x).sum().backward()
+    optimizer.step()
+    with torch.no_grad():
+        cached = layer(x)
+        layer._weight_cache = None  # what a fresh layer would compute from the same weight
+        fresh = layer(x)
+    assert torch.equal(cached, fresh)
