@@ -375,3 +375,35 @@ def test_fused_adamw_step_is_seen_by_the_weight_cache(recipe_name):
         layer._weight_cache = None  # what a fresh layer would compute from the same weight
         fresh = layer(x)
     assert torch.equal(cached, fresh)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 7. Minor: the summary line of a run with no FP8 layer; export from a Hugging Face folder
+# ------------------------------------------------------------------------------------------------------------
+def test_summary_line_says_when_no_layer_ran_in_fp8():
+    from fp8train.training.run_log import summary_line
+
+    base = {"status": "completed", "steps": 3, "val_loss": 1.0, "wall_time_s": 1.0, "recipe": "delayed:e4m3"}
+    assert "0 FP8 layers" in summary_line("r", {**base, "fp8_layers": 0})
+    assert "FP8 layers" not in summary_line("r", {**base, "fp8_layers": 4})
+    assert "FP8 layers" not in summary_line("r", {**base, "recipe": "none", "fp8_layers": 0})
+
+
+def test_fp8_export_of_a_hugging_face_folder(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fp8train.serving.dense_export import export_dense_folder
+    from fp8train.serving.export import compare_logits
+    from fp8train.serving.hf_export import export_hf_folder, load_hf_export
+
+    dense = tmp_path / "dense"
+    export_dense_folder(runs["llama"], dense)
+    result = export_hf_folder(dense, tmp_path / "fp8")  # a folder, not a run directory
+    assert result["fp8_layers"] == 10 and result["step"] == 0  # the default policy: k/v_proj (32 wide) < 64
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and "torch_dtype" not in config
+    assert (tmp_path / "fp8" / "generation_config.json").is_file() and (tmp_path / "fp8" / "tokenizer.json").is_file()
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp8"), dtype=torch.float32)
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    agreement = compare_logits(load_hf_export(tmp_path / "fp8"), theirs, [(x, None)], autocast=False)
+    assert agreement["max_abs_logit_diff"] < 1e-3

@@ -304,7 +304,8 @@ def check_export(path, run_dir, batches: int = 2) -> dict:
 # Command line
 # ------------------------------------------------------------------------------------------------------------
 def add_cli_arguments(parser) -> None:
-    parser.add_argument("run_dir", nargs="?", help="run directory to export (its newest valid checkpoint)")
+    parser.add_argument("run_dir", nargs="?", help="run directory to export (its newest valid checkpoint), or a "
+                        "Hugging Face folder (config.json + safetensors)")
     parser.add_argument("--format", required=True, help=f"FP8 weight format: {' | '.join(EXPORT_FORMATS)}, or "
                         f"{DENSE_FORMAT} (a dense Hugging Face folder, no FP8)")
     parser.add_argument("--dtype", default="float32", choices=list(DENSE_DTYPES),

@@ -10,6 +10,10 @@ checkpointed in Conv1D's (in, out) layout (Fp8Linear's state_dict) and loads as 
 weight comes from a checkpoint written before that rule and is transposed back. Anything else missing or
 unexpected is an error.
 
+A Hugging Face folder (config.json and safetensors weights, e.g. a dense export) is loaded too, as the run a
+default config with `model.hf_path` set to it would start from (step 0; model.seq_len = min(128, its maximum
+positions); data: the built-in corpus with the folder's own tokenizer), so export and kv-eval take either.
+
 Which layers are FP8: those the run's recipe and layer policy convert (for a bf16 run: those its policy would
 convert), found by a dry run of `convert_to_fp8` on the same model, before its weights are loaded.
 """
@@ -79,8 +83,11 @@ def load_run(run_dir, log=None) -> LoadedRun:
     if not run_dir.is_dir():
         raise ValueError(f"run directory {str(run_dir)!r} does not exist")
     config_file = run_dir / "config.yaml"
+    if not config_file.is_file() and (run_dir / "config.json").is_file():
+        return _load_hf_folder(run_dir)
     if not config_file.is_file():
-        raise ValueError(f"run directory {str(run_dir)!r} has no config.yaml (is it a run made by fp8train train?)")
+        raise ValueError(f"run directory {str(run_dir)!r} has no config.yaml (is it a run made by fp8train train?) "
+                         "and no config.json (a Hugging Face folder)")
     cfg = load_config(str(config_file))
     # either format: DDP's model.safetensors or train.parallel=fsdp2's per-rank shards
     ckpt = latest_loadable_checkpoint(run_dir / "checkpoints", log=log or (lambda m: None))
@@ -95,6 +102,14 @@ def load_run(run_dir, log=None) -> LoadedRun:
     model.eval()
     step = json.loads((ckpt / MANIFEST).read_text())["step"]
     return LoadedRun(model, cfg, run_dir, ckpt, int(step), fp8_names)
+
+
+def _load_hf_folder(folder: Path) -> LoadedRun:
+    config = json.loads((folder / "config.json").read_text())
+    max_pos = config.get("max_position_embeddings") or config.get("n_positions") or 128
+    cfg = load_config(None, [f"model.hf_path={folder}", f"model.seq_len={min(128, int(max_pos))}"])
+    model = build_model(cfg.model).eval()  # its weights, checked (fp8train.training.hf)
+    return LoadedRun(model, cfg, folder, folder, 0, fp8_policy_names(model, cfg))
 
 
 def _load_master_weights(model: nn.Module, state: dict, fp8_names: list, ckpt: Path) -> None:
