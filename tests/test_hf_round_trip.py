@@ -407,3 +407,39 @@ def test_fp8_export_of_a_hugging_face_folder(runs, tmp_path):
     x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
     agreement = compare_logits(load_hf_export(tmp_path / "fp8"), theirs, [(x, None)], autocast=False)
     assert agreement["max_abs_logit_diff"] < 1e-3
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The FP8 export read by compressed-tensors' own decompression
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("weight_block", [0, 32], ids=["channel", "block32"])
+def test_fp8_export_decompresses_with_compressed_tensors_model_compressor(runs, tmp_path, weight_block):
+    import ml_dtypes
+    from compressed_tensors.compressors import ModelCompressor
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    from fp8train.serving.export import load_run
+    from fp8train.serving.hf_export import export_hf_folder
+
+    out = tmp_path / "fp8"
+    export_hf_folder(runs["llama"], out, weight_block=weight_block)
+    scheme = json.loads((out / "config.json").read_text())["quantization_config"]
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, local_files_only=True)
+    ModelCompressor.from_compression_config(CompressedTensorsConfig(**scheme)).decompress_model(model)
+    files = load_file(str(out / "model.safetensors"))
+    master = load_run(runs["llama"]).model
+    names = [k[:-len(".weight_scale")] for k in files if k.endswith(".weight_scale")]
+    assert len(names) == 14
+    for name in names:
+        codes = files[f"{name}.weight"].view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        scale = files[f"{name}.weight_scale"].numpy()
+        if weight_block:  # one scale per b x b tile, written out
+            scale = np.repeat(np.repeat(scale, weight_block, axis=0), weight_block, axis=1)[:codes.shape[0],
+                                                                                           :codes.shape[1]]
+        decompressed = model.get_submodule(name).weight.detach()
+        assert decompressed.dtype == torch.float32
+        np.testing.assert_array_equal(decompressed.numpy(), codes * scale)  # the scheme, read back exactly
+        w = master.get_submodule(f"hf.{name}").weight.detach()
+        assert float((decompressed - w).norm() / w.norm()) < 0.04  # E4M3: half a step of 2**-3 at worst, per value
