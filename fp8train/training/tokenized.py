@@ -126,9 +126,14 @@ def _load_tokenizer(path: Path, folder: str):
                          f"{' '.join(str(err).split())[:200]}") from None
 
 
+# A tokenizer folder may be a whole model folder (model.hf_path's own tokenizer): its weights are not the
+# tokenizer, and hashing gigabytes of them on every run would be slow.
+_NOT_TOKENIZER = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".onnx", ".index.json")
+
+
 def _folder_digest(path: Path) -> str:
     digest = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+    for file in sorted(p for p in path.rglob("*") if p.is_file() and not p.name.endswith(_NOT_TOKENIZER)):
         digest.update(f"{file.relative_to(path).as_posix()}\n".encode())
         digest.update(hashlib.sha256(file.read_bytes()).digest())
     return digest.hexdigest()
