@@ -63,8 +63,10 @@ def test_the_pages_commands_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     for argv, expected in commands:
         assert _run(argv) == expected, " ".join(argv)
+        said = capsys.readouterr()
         if expected == 2:
-            assert "--format hf" in capsys.readouterr().err  # the refusal names the dense export
+            assert "--format hf" in said.err  # the refusal names the dense export
+        assert "vLLM fuses" not in said.out  # the page's FP8 export is one vLLM can load
     for folder in ("hf_tiny/ft1", "hf_tiny/ft2-fp8", "hf_gpt2/ft1", "hf_gpt2/ft2"):
         assert (tmp_path / folder / "config.json").is_file() and (tmp_path / folder / "tokenizer.json").is_file()
     assert not (tmp_path / "hf_gpt2" / "ft2-fp8").exists()

@@ -225,7 +225,7 @@ def test_readme_flow_with_the_shipped_script_and_recipe(tmp_path, monkeypatch):
     script.main()
     recipe = str(repo / "recipes" / "hf_tiny.yaml")
     assert main(["train", "--quiet", recipe, "train.max_steps=4", "train.eval_every=4", "data.max_bytes=300000"]) == 0
-    assert json.loads((tmp_path / "runs" / "hf_tiny" / "summary.json").read_text())["fp8_layers"] == 10
+    assert json.loads((tmp_path / "runs" / "hf_tiny" / "summary.json").read_text())["fp8_layers"] == 14
     assert main(["export", "runs/hf_tiny", "--format", "e4m3fn", "--out", "hf_tiny/fp8", "--no-check"]) == 0
     tokenizer = AutoTokenizer.from_pretrained("hf_tiny/fp8")
     model = AutoModelForCausalLM.from_pretrained("hf_tiny/fp8", dtype=torch.float32)

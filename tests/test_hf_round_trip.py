@@ -400,6 +400,9 @@ def test_fp8_export_of_a_hugging_face_folder(runs, tmp_path):
     export_dense_folder(runs["llama"], dense)
     result = export_hf_folder(dense, tmp_path / "fp8")  # a folder, not a run directory
     assert result["fp8_layers"] == 10 and result["step"] == 0  # the default policy: k/v_proj (32 wide) < 64
+    qkv = "model.layers.{0}.self_attn.q_proj + model.layers.{0}.self_attn.k_proj + model.layers.{0}.self_attn.v_proj"
+    assert result["vllm_mixed_fused"] == [qkv.format(i) for i in range(2)]  # q in FP8, k and v in bf16
+    assert export_hf_folder(runs["llama"], tmp_path / "all")["vllm_mixed_fused"] == []  # min_features 16: all FP8
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())
     assert config["dtype"] == "bfloat16" and "torch_dtype" not in config
     assert (tmp_path / "fp8" / "generation_config.json").is_file() and (tmp_path / "fp8" / "tokenizer.json").is_file()

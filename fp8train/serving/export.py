@@ -340,6 +340,11 @@ def _cli_folder(args) -> int:
     print(f"exported step {result['step']} of {args.run_dir}: {result['fp8_layers']} FP8 Linears (e4m3fn, "
           f"{scales}, {result['activations']} input scales) -> {result['path']}/ (compressed-tensors, "
           f"{result['bytes']} bytes of weights)")
+    mixed = result["vllm_mixed_fused"]
+    if mixed:  # transformers loads it; vLLM fuses these layers and needs one precision per fused layer
+        print(f"  note: vLLM fuses {mixed[0]}" + (f" (and {len(mixed) - 1} more groups)" if len(mixed) > 1 else "")
+              + " into one layer and refuses parts of different precision; this export has some in FP8 and some "
+              "in bf16 (layer policy: lower policy.min_features, or exclude them together)")
     if not args.no_check:
         run = load_run(args.run_dir)
         val = build_data(run.cfg).val_batches()[:2]

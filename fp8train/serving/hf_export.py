@@ -48,7 +48,7 @@ from fp8train.training.tokenized import run_tokenizer
 
 __all__ = ["export_hf_folder", "load_hf_export", "hf_export_names", "quantization_config", "llama_config_of",
            "hf_config_dict", "run_tokenizer_folder", "generation_config_of", "source_record", "write_folder",
-           "refuse_unsafe_out"]
+           "refuse_unsafe_out", "vllm_mixed_groups", "VLLM_FUSED"]
 
 _DECODER_TO_LLAMA = (
     (r"^embed\.", "model.embed_tokens."),
@@ -59,6 +59,9 @@ _DECODER_TO_LLAMA = (
     (r"^norm\.", "model.norm."),
 )
 E4M3_MAX = get_format("e4m3fn").max
+# Sibling projections vLLM fuses into one layer (qkv_proj, gate_up_proj); it refuses a fused layer whose parts
+# differ in precision (some FP8, some in `ignore`), so an export that splits one is flagged.
+VLLM_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def hf_export_names(model: nn.Module):
@@ -100,6 +103,18 @@ def hf_config_dict(run: LoadedRun) -> dict:
         config.pop("_attn_implementation", None)
         return config
     return llama_config_of(run.cfg.model)
+
+
+def vllm_mixed_groups(model: nn.Module, fp8_names: list, to_hf) -> list[str]:
+    """The fused groups (VLLM_FUSED) whose members the export splits between FP8 and `ignore`, by HF name."""
+    fp8, mixed = set(fp8_names), []
+    for parent, module in model.named_modules():
+        for group in VLLM_FUSED:
+            members = [f"{parent}.{child}" if parent else child for child in group
+                       if isinstance(getattr(module, child, None), nn.Linear)]
+            if len(members) > 1 and len({m in fp8 for m in members}) > 1:
+                mixed.append(" + ".join(to_hf(m) for m in members))
+    return mixed
 
 
 def source_record(run: LoadedRun) -> dict:
@@ -267,6 +282,7 @@ def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", w
     write_folder(out, tensors, config, run_tokenizer_folder(run), force, generation_config_of(run, config))
     return {"path": str(out), "format": "e4m3fn", "fp8_layers": len(names), "step": run.step,
             "activations": activations, "weight_block": weight_block,
+            "vllm_mixed_fused": vllm_mixed_groups(run.model, names, to_hf),
             "bytes": (out / "model.safetensors").stat().st_size}
 
 
