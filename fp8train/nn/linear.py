@@ -17,9 +17,10 @@ then saved in that form only, so every GEMM's scales factor out or tile K as the
 
 The weight's FP8 copy (bytes, scale, and its values in the GEMM's compute dtype) is made once per weight version
 and reused by every micro-batch and by backward: it is remade when the weight changes in place (optimizer step,
-checkpoint load: tensor._version; any torch.optim optimizer's step, counted by a global step hook, because fused
-AdamW updates weights in place without bumping their version), when it is replaced, when delayed scales are updated, and when the layer
-switches between train and eval. An fp32 (or bf16) copy of FP8 values exists only where a GEMM reads it.
+checkpoint load: tensor._version; and any torch.optim optimizer's step, counted by a global step hook, because
+fused AdamW updates weights in place without bumping their version), when it is replaced, when delayed scales
+are updated, and when the layer switches between train and eval. An fp32 (or bf16) copy of FP8 values exists
+only where a GEMM reads it.
 
 Scaling state (module buffers, hence in state_dict and checkpoints):
 - every recipe: `{role}_nonfinite_amax_count` (int64), incremented whenever a tensor of that role (any row or

@@ -6,8 +6,8 @@
     fp8train export RUN_DIR --format hf --out model/                      dense: from_pretrained, next model.hf_path
 
 An --out ending in `.safetensors` writes the single-file export below; any other --out writes a Hugging Face
-folder (fp8train.serving.hf_export), and `--format hf` the dense one (fp8train.serving.dense_export). Which model: fp8train.serving.run_loading (the newest valid checkpoint,
-loaded once).
+folder (fp8train.serving.hf_export), and `--format hf` the dense one (fp8train.serving.dense_export). Which
+model: fp8train.serving.run_loading (the newest valid checkpoint, loaded once).
 
 Layout of a single-file export (the serving-engine convention for per-channel FP8 weights):
 

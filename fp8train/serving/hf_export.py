@@ -4,9 +4,10 @@
 
 The folder holds `model.safetensors`, `config.json` (`dtype: bfloat16`, the dtype of its high-precision
 tensors), `generation_config.json` and, when the run tokenized text with a tokenizer (`data.tokenizer`, or the
-model.hf_path folder's own), the tokenizer's files. Names are Hugging Face names: an HF run's own (`model.layers.0.self_attn.q_proj`, the `hf.`
-prefix of fp8train's wrapper dropped); fp8train's Decoder is written as the Llama it is (RMSNorm, RoPE in the
-rotate-half layout, SwiGLU, grouped-query attention: `LlamaForCausalLM`, names mapped by `_DECODER_TO_LLAMA`).
+model.hf_path folder's own), the tokenizer's files. Names are Hugging Face names: an HF run's own
+(`model.layers.0.self_attn.q_proj`, the `hf.` prefix of fp8train's wrapper dropped); fp8train's Decoder is
+written as the Llama it is (RMSNorm, RoPE in the rotate-half layout, SwiGLU, grouped-query attention:
+`LlamaForCausalLM`, names mapped by `_DECODER_TO_LLAMA`).
 
 config.json carries a compressed-tensors `quantization_config` (format `float-quantized`), the scheme
 transformers 5 and vLLM read for FP8 checkpoints:
