@@ -446,3 +446,13 @@ def test_fp8_export_decompresses_with_compressed_tensors_model_compressor(runs, 
         np.testing.assert_array_equal(decompressed.numpy(), codes * scale)  # the scheme, read back exactly
         w = master.get_submodule(f"hf.{name}").weight.detach()
         assert float((decompressed - w).norm() / w.norm()) < 0.04  # E4M3: half a step of 2**-3 at worst, per value
+
+
+def test_kv_eval_names_fp32_weights_fp32(runs, tmp_path):
+    from fp8train.serving.kv_report import write_report
+    from fp8train.serving.kvcache import KvEvalOptions, kv_eval
+
+    result = kv_eval(runs["llama"], KvEvalOptions(formats=("e4m3fn",), gen_prompts=0), log=lambda m: None)
+    assert result["weights_dtype"] == "fp32"  # the run trained with train.autocast=none
+    text = open(write_report(result, tmp_path / "kv")["md"]).read()
+    assert "| fp32 | bf16 |" in text and "| bf16 | bf16 |" not in text  # weights fp32, K/V through a bf16 cache
