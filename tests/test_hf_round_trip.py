@@ -223,6 +223,7 @@ def runs(folders):
     return {arch: folders["root"] / "runs" / f"ft_{arch}" for arch in ("llama", "gpt2")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_dense_export_loads_in_transformers_and_is_the_next_hf_path(runs, folders, tmp_path, arch, capsys):
     from safetensors.torch import load_file
@@ -259,6 +260,7 @@ def test_dense_export_loads_in_transformers_and_is_the_next_hf_path(runs, folder
         AutoTokenizer.from_pretrained(str(folders["tokenizer"]))(text)["input_ids"]
 
 
+@pytest.mark.slow
 def test_gpt2_fp8_export_is_refused_offering_the_dense_folder(runs, tmp_path, capsys):
     from fp8train.cli import main
 
@@ -389,6 +391,7 @@ def test_summary_line_says_when_no_layer_ran_in_fp8():
     assert "FP8 layers" not in summary_line("r", {**base, "recipe": "none", "fp8_layers": 0})
 
 
+@pytest.mark.slow
 def test_fp8_export_of_a_hugging_face_folder(runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -415,6 +418,7 @@ def test_fp8_export_of_a_hugging_face_folder(runs, tmp_path):
 # ------------------------------------------------------------------------------------------------------------
 # The FP8 export read by compressed-tensors' own decompression
 # ------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("weight_block", [0, 32], ids=["channel", "block32"])
 def test_fp8_export_decompresses_with_compressed_tensors_model_compressor(runs, tmp_path, weight_block):
     import ml_dtypes
@@ -448,6 +452,7 @@ def test_fp8_export_decompresses_with_compressed_tensors_model_compressor(runs, 
         assert float((decompressed - w).norm() / w.norm()) < 0.04  # E4M3: half a step of 2**-3 at worst, per value
 
 
+@pytest.mark.slow
 def test_kv_eval_names_fp32_weights_fp32(runs, tmp_path):
     from fp8train.serving.kv_report import write_report
     from fp8train.serving.kvcache import KvEvalOptions, kv_eval
