@@ -461,3 +461,16 @@ def test_kv_eval_names_fp32_weights_fp32(runs, tmp_path):
     assert result["weights_dtype"] == "fp32"  # the run trained with train.autocast=none
     text = open(write_report(result, tmp_path / "kv")["md"]).read()
     assert "| fp32 | bf16 |" in text and "| bf16 | bf16 |" not in text  # weights fp32, K/V through a bf16 cache
+
+
+def test_checkpoint_from_before_the_layout_rule_still_loads_its_rectangular_conv1d_weights():
+    """Checkpoints written before state dicts held Conv1D's layout stored these weights (out, in): a rectangular
+    one is recognised by its shape and loads right."""
+    model, _ = _converted_gpt2()
+    old_style = {k: v.clone() for k, v in model.state_dict().items()}
+    key = "transformer.h.0.attn.c_attn.weight"
+    old_style[key] = old_style[key].t().contiguous()  # (192, 64): the (out, in) layout it trained in
+    again, _ = _converted_gpt2(steps=0)
+    again.load_state_dict(old_style)
+    assert torch.equal(again.get_submodule("transformer.h.0.attn.c_attn").weight,
+                       model.get_submodule("transformer.h.0.attn.c_attn").weight)
