@@ -29,6 +29,7 @@ _LAZY = {
     "fp8_layers": "fp8train.nn.convert",
     "save_pretrained": "fp8train.training.pretrained",
     "from_pretrained": "fp8train.training.pretrained",
+    "Fp8ScalingCallback": "fp8train.training.hf_trainer",
 }
 
 __all__ = [

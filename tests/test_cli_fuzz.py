@@ -134,6 +134,7 @@ OUT_OF_RANGE = {
 }
 # Free-form strings and switches: any value of the right type is in range.
 NO_RANGE = {"data.path", "model.hf_config", "model.hf_path", "data.tokenizer", "data.hf_dataset", "policy.allow_no_fp8",
+            "policy.exclude_defaults",
             "log.wandb_project", "model.tie_embeddings", "train.skip_nonfinite_grads",
             "checkpoint.save_final"}
 

@@ -255,7 +255,7 @@ def test_layer_policy_from_config():
     cfg = load_config(None, ["policy.min_features=32", "policy.skip_first_blocks=1"])
     policy = layer_policy_from_config(cfg)
     assert policy.min_features == 32 and policy.skip_first_blocks == 1 and policy.divisible_by == 16
-    assert list(policy.exclude) == list(DEFAULT_EXCLUDE)
+    assert list(policy.exclude) == [] and policy.exclude_patterns == DEFAULT_EXCLUDE  # exclude adds to these
 
 
 def test_empty_override_value_is_the_empty_string():

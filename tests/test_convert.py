@@ -93,7 +93,7 @@ def test_skip_first_and_last_blocks():
 
 def test_custom_policy_exclude_and_sizes():
     model = TinyLM()
-    policy = LayerPolicy(min_features=16, divisible_by=8, exclude=[r"\.attn\."])
+    policy = LayerPolicy(min_features=16, divisible_by=8, exclude=[r"\.attn\."], exclude_defaults=False)
     names = [n for n, _ in convert_to_fp8(model, "current", policy).converted]
     assert "small" in names and "odd" in names and "lm_head" in names and "layers.0.mlp.gate" in names
     assert not any(".attn." in n for n in names)

@@ -88,7 +88,7 @@ def test_bad_hf_path_exits_2_with_one_line_and_writes_nothing(pretrained, tmp_pa
     folder = _partial_copy(pretrained["llama"], tmp_path / "part", drop="lm_head")
     recipe_file = tmp_path / "hf.yaml"
     recipe_file.write_text(f"run:\n  dir: {tmp_path / 'runs'}\nmodel:\n  hf_path: {folder}\n  seq_len: 32\n"
-                           "log:\n  wandb: disabled\nfp8:\n  recipe: none\n")
+                           "data:\n  tokenizer: bytes\nlog:\n  wandb: disabled\nfp8:\n  recipe: none\n")
     assert main(["train", "--quiet", str(recipe_file)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "model.hf_path" in err and "lm_head" in err

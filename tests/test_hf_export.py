@@ -174,7 +174,7 @@ def test_existing_folder_is_not_replaced_without_force(tiny_fp8_run, tmp_path, c
     assert main(["export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(out), "--no-check"]) == 2
     assert "already exists" in capsys.readouterr().err and (out / "keep.txt").read_text() == "precious"
     assert main(["export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(out), "--force"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     assert "top-1 agreement" in capsys.readouterr().out
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folders left
 
@@ -225,7 +225,7 @@ def test_readme_flow_with_the_shipped_script_and_recipe(tmp_path, monkeypatch):
     script.main()
     recipe = str(repo / "recipes" / "hf_tiny.yaml")
     assert main(["train", "--quiet", recipe, "train.max_steps=4", "train.eval_every=4", "data.max_bytes=300000"]) == 0
-    assert json.loads((tmp_path / "runs" / "hf_tiny" / "summary.json").read_text())["fp8_layers"] == 10
+    assert json.loads((tmp_path / "runs" / "hf_tiny" / "summary.json").read_text())["fp8_layers"] == 14
     assert main(["export", "runs/hf_tiny", "--format", "e4m3fn", "--out", "hf_tiny/fp8", "--no-check"]) == 0
     tokenizer = AutoTokenizer.from_pretrained("hf_tiny/fp8")
     model = AutoModelForCausalLM.from_pretrained("hf_tiny/fp8", dtype=torch.float32)
@@ -250,7 +250,7 @@ def test_gpt2_fp8_run_loads_back_to_conv1d_and_its_folder_export_is_refused(hf_r
     master = load_file(str(sorted((hf_root / "gpt2" / "checkpoints").glob("step_*"))[-1] / "model.safetensors"))
     conv = run.model.get_submodule("hf.transformer.h.0.attn.c_attn")
     assert type(conv).__name__ == "Conv1D" and "hf.transformer.h.0.attn.c_attn" in run.fp8_names
-    assert torch.equal(conv.weight, master["hf.transformer.h.0.attn.c_attn.weight"].t())  # trained as (out, in)
+    assert torch.equal(conv.weight, master["hf.transformer.h.0.attn.c_attn.weight"])  # checkpointed as (in, out)
     capsys.readouterr()
     assert main(["export", str(hf_root / "gpt2"), "--format", "e4m3fn", "--out", str(tmp_path / "fp8")]) == 2
     err = capsys.readouterr().err.strip()

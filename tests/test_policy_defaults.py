@@ -26,7 +26,8 @@ def test_policy_section_defaults_are_layer_policy_defaults():
     policy = layer_policy_from_config(load_config(None, []))
     assert policy == LayerPolicy()
     assert PolicyConfig().min_features == LayerPolicy().min_features
-    assert tuple(PolicyConfig().exclude) == DEFAULT_EXCLUDE
+    assert tuple(PolicyConfig().exclude) == () and PolicyConfig().exclude_defaults is True
+    assert LayerPolicy().exclude_patterns == DEFAULT_EXCLUDE
 
 
 @pytest.mark.parametrize("name", ["score", "model.score", "classifier", "head.classifier", "output_proj",

@@ -295,7 +295,7 @@ TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.seq_le
         "train.max_steps=40", "train.eval_every=10", "train.eval_batches=4", "optim.warmup_steps=5",
         "policy.min_features=16", "log.wandb=disabled", "log.every=5", "log.telemetry_every=10",
         "data.max_bytes=300000", "validate.margin=0.02", "validate.final_window=2", "validate.seeds=4"]
-BROKEN = "broken=current:margin=20,policy.exclude=[]"
+BROKEN = "broken=current:margin=20,policy.exclude_defaults=false"
 DEGRADED = "degraded=current:margin=17"
 
 

@@ -6,9 +6,19 @@
 The swap is in place and reuses the Linear's Parameter objects, so an optimizer built before the swap still
 updates the right tensors and the model's parameter count does not change.
 
-The default policy keeps out of FP8 what usually hurts or does not pay (docs/design.md): embeddings, the output
-head (its logits feed a softmax over the vocabulary), MoE routers (a small top-k decision that flips under rounding)
-and layers too small or oddly shaped for FP8 tensor cores (dims must be multiples of 16).
+The default policy keeps out of FP8 what usually hurts or does not pay (docs/design.md): embeddings, the output head (its logits
+feed a softmax over the vocabulary), MoE routers (a small top-k decision that flips under rounding) and layers
+too small or oddly shaped for FP8 tensor cores (dims must be multiples of 16).
+
+`LayerPolicy.exclude` ADDS patterns to `DEFAULT_EXCLUDE`; `exclude_defaults=False` drops the defaults, so the
+patterns given are the whole list. A given pattern that matches no Linear of the model is an error (a typo, or a
+pattern written for another model), raised before anything is swapped; the defaults may match nothing.
+
+Which names patterns see: the dotted module names of the model converted, and, for a model that wraps another
+under a prefix (fp8train's HFCausalLM holds the transformers model as `hf.`, declared by its
+`wrapped_name_prefix`), the same names without that prefix too: `^model\.layers\.0\.` and
+`^hf\.model\.layers\.0\.` both match `hf.model.layers.0.mlp.up_proj`. A layer matches when any of its names
+does (exclude and policy.overrides alike).
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from fp8train.nn.overrides import OVERRIDE_BF16, first_override, normalize_overr
 from fp8train.nn.recipes import DEFAULT_RECIPE, Fp8Recipe, recipe as make_recipe
 
 __all__ = ["LayerPolicy", "ConversionReport", "convert_to_fp8", "fp8_layers", "update_fp8_scales",
-           "DEFAULT_EXCLUDE", "block_index", "fp8_from_conv1d", "is_conv1d"]
+           "DEFAULT_EXCLUDE", "block_index", "fp8_from_conv1d", "is_conv1d", "policy_names"]
 
 # THE default exclude list (fp8train.training.config's policy.exclude defaults to it). Each pattern is anchored
 # on a whole name component, ^(.*\.)?NAME$, so it means the same under re.search, re.match and re.fullmatch:
@@ -47,8 +57,11 @@ class LayerPolicy:
     """Skip layers whose in_features or out_features is smaller: too little work to gain from FP8."""
     divisible_by: int = 16
     """Skip layers whose in_features or out_features is not a multiple (FP8 tensor-core GEMMs need 16)."""
-    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
-    """Regexes (re.search on the dotted module name); a match keeps the layer in high precision."""
+    exclude: tuple[str, ...] = ()
+    """Regexes (re.search on the dotted module name) ADDED to DEFAULT_EXCLUDE; a match keeps the layer in high
+    precision. Each must match some Linear of the model converted."""
+    exclude_defaults: bool = True
+    """Apply DEFAULT_EXCLUDE as well; False: `exclude` is the whole list (e.g. to put the output head in FP8)."""
     skip_first_blocks: int = 0
     """Keep the first N transformer blocks (names matching r'layers\\.(\\d+)\\.') in high precision."""
     skip_last_blocks: int = 0
@@ -72,12 +85,28 @@ class LayerPolicy:
             except re.error as exc:
                 raise ValueError(f"LayerPolicy.exclude: invalid regex {pattern!r}: {exc}") from None
         object.__setattr__(self, "exclude", exclude)
+        if not isinstance(self.exclude_defaults, bool):
+            raise ValueError(f"LayerPolicy.exclude_defaults must be true or false, got {self.exclude_defaults!r}")
 
-    def skip_reason(self, name: str, linear: nn.Linear, n_blocks: int) -> str | None:
-        """Why `linear` (called `name`) stays in high precision, or None when it converts."""
-        for pattern in self.exclude:
-            if re.search(pattern, name):
+    @property
+    def exclude_patterns(self) -> tuple[str, ...]:
+        """Every pattern applied: the defaults (unless exclude_defaults=False), then `exclude`, each once."""
+        return tuple(dict.fromkeys((DEFAULT_EXCLUDE if self.exclude_defaults else ()) + self.exclude))
+
+    @property
+    def checked_exclude(self) -> tuple[str, ...]:
+        """The given patterns that must match a Linear: `exclude` without copies of a default pattern (a run
+        config written when the defaults were spelled out in policy.exclude loads as it did)."""
+        return tuple(p for p in self.exclude if p not in DEFAULT_EXCLUDE)
+
+    def skip_reason(self, name, linear: nn.Linear, n_blocks: int) -> str | None:
+        """Why `linear` (called `name`: a dotted name, or a tuple of the names it goes by) stays in high
+        precision, or None when it converts."""
+        names = (name,) if isinstance(name, str) else tuple(name)
+        for pattern in self.exclude_patterns:
+            if any(re.search(pattern, n) for n in names):
                 return f"excluded by pattern {pattern!r}"
+        name = names[0]
         idx = block_index(name)
         if idx is not None and idx < self.skip_first_blocks:
             return f"block {idx} is in the first {self.skip_first_blocks} (skip_first_blocks)"
@@ -140,6 +169,9 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
     n_blocks = max(block_ids) + 1 if block_ids else 0
     report = ConversionReport(recipe=recipe)
 
+    def seen_as(name: str) -> tuple[str, ...]:
+        return policy_names(model, name)
+
     # Collect first, swap after: named_modules must not see a half-modified tree.
     swaps = []
     for name, module in model.named_modules():
@@ -155,8 +187,8 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
         elif linear is module and type(module) is not nn.Linear:
             reason = f"{type(module).__name__} is a subclass of nn.Linear; only plain nn.Linear is swapped"
         else:
-            reason = policy.skip_reason(name, linear, n_blocks)
-        override = first_override(policy.overrides, name) if reason is None else None
+            reason = policy.skip_reason(seen_as(name), linear, n_blocks)
+        override = first_override(policy.overrides, seen_as(name)) if reason is None else None
         layer_recipe = recipe
         if override is not None and override[1] == OVERRIDE_BF16:
             reason = f"policy.overrides {override[0]!r} -> bf16"
@@ -171,11 +203,16 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
             report.skipped.append((name, reason))
             report.skipped_params += numel
     linear_names = [n for n, m in model.named_modules() if _as_linear_shape(m) is not None]
-    unmatched = unmatched_patterns(policy.overrides, linear_names)
+    seen_names = [n for name in linear_names for n in seen_as(name)]
+    listed = f"its Linear layers: {', '.join(linear_names[:8])}" + (", ..." if len(linear_names) > 8 else "")
+    unmatched = unmatched_patterns(policy.overrides, seen_names)
     if unmatched:  # before any swap: the model is left as it was
         raise ValueError(f"policy.overrides: {', '.join(map(repr, unmatched))} matches no nn.Linear of this model "
-                         f"(a plan made for another model?); its Linear layers: {', '.join(linear_names[:8])}"
-                         + (", ..." if len(linear_names) > 8 else ""))
+                         f"(a plan made for another model?); {listed}")
+    unmatched = [p for p in policy.checked_exclude if not any(re.search(p, n) for n in seen_names)]
+    if unmatched:
+        raise ValueError(f"policy.exclude: {', '.join(map(repr, unmatched))} matches no nn.Linear of this model "
+                         f"(a typo, or a pattern for another model?); {listed}")
     if dry_run:
         return report
     for name, module, layer_recipe in swaps:
@@ -188,6 +225,13 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
         warnings.warn(f"convert_to_fp8: no nn.Linear was eligible for FP8 ({len(report.skipped)} skipped); "
                       f"the model runs in high precision. Skip reasons:\n{report}", stacklevel=2)
     return report
+
+
+def policy_names(model: nn.Module, name: str) -> tuple[str, ...]:
+    """The names layer-policy patterns see for module `name` of `model`: itself, and without the model's
+    `wrapped_name_prefix` (module docstring)."""
+    prefix = getattr(model, "wrapped_name_prefix", "")
+    return (name, name[len(prefix):]) if prefix and name.startswith(prefix) else (name,)
 
 
 def fp8_layers(model: nn.Module) -> list[tuple[str, Fp8Linear]]:
@@ -221,7 +265,7 @@ def _as_linear_shape(module: nn.Module):
 def fp8_from_conv1d(conv: nn.Module, recipe: Fp8Recipe | str = DEFAULT_RECIPE) -> Fp8Linear:
     """An Fp8Linear computing what `conv` computes. Its weight is a NEW Parameter holding conv.weight.T (the
     nn.Linear layout, so the three GEMMs are the ones written in linear.py); build the optimizer after the swap.
-    `conv1d_layout = True` tells savers to transpose it back to the Hugging Face (in, out) layout."""
+    `conv1d_layout = True`: its state_dict holds the weight in Conv1D's (in, out) layout (Fp8Linear)."""
     layer = Fp8Linear(conv.nx, conv.nf, bias=conv.bias is not None, recipe=recipe, device="meta")
     layer.weight = nn.Parameter(conv.weight.detach().t().contiguous(), requires_grad=conv.weight.requires_grad)
     layer.bias = conv.bias

@@ -17,8 +17,10 @@ then saved in that form only, so every GEMM's scales factor out or tile K as the
 
 The weight's FP8 copy (bytes, scale, and its values in the GEMM's compute dtype) is made once per weight version
 and reused by every micro-batch and by backward: it is remade when the weight changes in place (optimizer step,
-checkpoint load: tensor._version), when it is replaced, when delayed scales are updated, and when the layer
-switches between train and eval. An fp32 (or bf16) copy of FP8 values exists only where a GEMM reads it.
+checkpoint load: tensor._version; and any torch.optim optimizer's step, counted by a global step hook, because
+fused AdamW updates weights in place without bumping their version), when it is replaced, when delayed scales
+are updated, and when the layer switches between train and eval. An fp32 (or bf16) copy of FP8 values exists
+only where a GEMM reads it.
 
 Scaling state (module buffers, hence in state_dict and checkpoints):
 - every recipe: `{role}_nonfinite_amax_count` (int64), incremented whenever a tensor of that role (any row or
@@ -45,6 +47,11 @@ Delayed scaling, exactly:
    gradient) enters the history but keeps the previous scale, and leaves an uninitialized role on current
    scaling. pending_amax goes back to -1. A role that recorded nothing this step is left untouched.
 
+   A loop that never calls it (transformers' Trainer without `fp8train.Fp8ScalingCallback`, a hand-written
+   loop) would silently train with current scaling while pending_amax only grows: the first training forward
+   that finds amaxes pending from before an optimizer step (any torch.optim optimizer's step since the layer's
+   first pending record, with no update in between) warns, once per process, saying what to call.
+
 - delayed scaling, per role: `{role}_stale_scale_steps` (int64), the number of optimizer steps whose amax was
   above 0 but below `scale * fmt.min_normal`: the step's largest value, and so all of it, quantized below the
   smallest normal (mostly to zero) because an earlier, much larger amax (an outlier) still set the scale.
@@ -69,12 +76,14 @@ host syncs and an extra pass over each tensor.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fp8train.nn.accumulation import HopperAccumulation
 from fp8train.nn.fp8_all_gather import Fp8GatheredWeight
@@ -88,7 +97,38 @@ from fp8train.numerics.kernel_probe import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOIC
 from fp8train.numerics.mx import quantize_mx
 from fp8train.numerics.quant import Fp8Tensor, compute_amax, decode_fp8, quant_error, quantize, scale_from_amax
 
-__all__ = ["Fp8Linear", "update_fp8_scales", "configure_execution"]
+__all__ = ["Fp8Linear", "update_fp8_scales", "configure_execution", "SCALING_BUFFERS", "is_scaling_buffer",
+           "MISSING_UPDATE_WARNING"]
+
+# The per-role scaling buffers an Fp8Linear may hold (`{role}_{name}`, the module docstring).
+SCALING_BUFFERS = ("nonfinite_amax_count", "amax_history", "scale", "scale_amax", "pending_amax", "initialized",
+                   "stale_scale_steps")
+
+
+_optimizer_steps = 0  # steps of any torch.optim optimizer in this process (the hook below)
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+# Fused AdamW (transformers' Trainer default, fp8train's on CUDA) writes the weights in place without bumping
+# tensor._version, so the weight cache could not see its updates: every optimizer step counts instead.
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+_missing_update_warned = False  # the delayed-scaling warning (module docstring, 3.) is given once per process
+MISSING_UPDATE_WARNING = (
+    "Fp8Linear with delayed scaling: a forward runs with amaxes pending from an earlier optimizer step, so "
+    "update_fp8_scales(model) was not called after that optimizer.step(): the delayed scales never update and "
+    "every step is scaled from its own amax (current scaling). Call fp8train.update_fp8_scales(model) after each "
+    "optimizer.step(); with transformers.Trainer pass callbacks=[fp8train.Fp8ScalingCallback()]")
+
+
+def is_scaling_buffer(key: str) -> bool:
+    """True for a state_dict key naming an Fp8Linear scaling buffer (`...q_proj.input_amax_history`)."""
+    last = key.rpartition(".")[2]
+    return any(last == f"{role}_{name}" for role in ROLES for name in SCALING_BUFFERS)
 
 # Below this a compiled kernel (a call costs ~50-100 us) gains less than its one-time compile (5-25 s per
 # configuration on CPU) costs in a typical run: smaller tensors always run eagerly, and 'auto' never measures.
@@ -151,11 +191,32 @@ class Fp8Linear(nn.Linear):
         self._mirror_updates = 0  # delayed updates since then (the mirror is read back at powers of two)
         self._scale_generation = 0  # bumped by every delayed-scale update: part of the weight cache's key
         self._weight_cache = None
+        # The optimizer-step count when this step's first amax was recorded (delayed scaling): a later forward
+        # that sees another count with amaxes still pending ran past an optimizer step without update_fp8_scales.
+        self._pending_since_step = None
         # False when something refills the weight's storage in place without a version bump, so the cache key
         # cannot see the change: FSDP2's all-gather into a block's unsharded weights (set by fsdp2.apply_fsdp2).
         self.weight_cache_allowed = getattr(self, "weight_cache_allowed", True)
 
+    # A layer born from a transformers Conv1D (GPT-2) computes with its weight in the nn.Linear layout (out, in),
+    # but its state_dict holds it in Conv1D's (in, out), the model's own layout: transformers' save_pretrained,
+    # a Trainer checkpoint or fp8train's checkpoints of the converted model are then read by the plain model's
+    # from_pretrained as they should be (a square attn.c_proj would otherwise load silently transposed).
+    conv1d_layout = False
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        key = f"{prefix}weight"
+        if self.conv1d_layout and key in destination:
+            destination[key] = destination[key].t() if keep_vars else destination[key].t().contiguous()
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = f"{prefix}weight"
+        # Conv1D's (in, out) comes back to (out, in). A rectangular (out, in) weight is a checkpoint written before
+        # state dicts held Conv1D's layout and loads as it is; a square one cannot tell, and is read as (in, out).
+        if self.conv1d_layout and key in state_dict and tuple(state_dict[key].shape) == \
+                (self.in_features, self.out_features):
+            state_dict[key] = state_dict[key].t()
         self._reset_caches()
         for role in ROLES:  # checkpoints from before the stale-scale counter load with it at 0
             key = f"{prefix}{role}_stale_scale_steps"
@@ -194,12 +255,22 @@ class Fp8Linear(nn.Linear):
         input_2d = input if input.dim() == 2 else input.reshape(-1, self.in_features)  # (M, K)
         if input_2d.shape[0] == 0:
             return F.linear(input, self.weight.to(out_dtype), None if self.bias is None else self.bias.to(out_dtype))
+        if self.training and self.recipe.is_delayed and not torch.compiler.is_compiling():
+            self._check_scales_updated()
         backend = resolve_backend(self.recipe.backend, input.device, tuple(map(self.recipe.format_of, ROLES)))
         # Our GEMMs pick their own precision; autocast must not recast them to bf16.
         with torch.autocast(device_type, enabled=False):
             weights = self._weight_fp8(backend)
             output = Fp8LinearFunction.apply(input_2d, self.weight, self.bias, weights, self, backend, out_dtype)
         return output if input.dim() == 2 else output.reshape(*input.shape[:-1], self.out_features)
+
+    def _check_scales_updated(self) -> None:
+        global _missing_update_warned
+        if self._pending_since_step is None:
+            self._pending_since_step = _optimizer_steps
+        elif self._pending_since_step != _optimizer_steps and not _missing_update_warned:
+            _missing_update_warned = True
+            warnings.warn(MISSING_UPDATE_WARNING, RuntimeWarning, stacklevel=3)
 
     def _kernel(self, numel: int) -> str:
         if torch.compiler.is_compiling():
@@ -220,7 +291,8 @@ class Fp8Linear(nn.Linear):
         # then there is nothing to cache across forwards.
         cacheable = (self.weight_cache_allowed and not isinstance(weight, Fp8GatheredWeight)
                      and not isinstance(self, FSDPModule))
-        key = (weight._version, weight.data_ptr(), self.training, self._scale_generation, backend,
+        cacheable = cacheable and not torch.compiler.is_compiling()  # (a traced graph re-derives it anyway)
+        key = (weight._version, _optimizer_steps, weight.data_ptr(), self.training, self._scale_generation, backend,
                self.emulated_dtype, self.quantize_kernel) if cacheable else None
         cached = self._weight_cache
         if cached is not None and key is not None and cached.key == key and not self.telemetry:
@@ -400,3 +472,4 @@ def update_fp8_scales(model: nn.Module, process_group=None) -> None:
     torch._foreach_copy_(pendings, [torch.full_like(step_amax[0], -1.0)] * len(pendings))
     for layer in layers:
         layer._scale_generation += 1
+        layer._pending_since_step = None

@@ -34,9 +34,11 @@ def normalize_overrides(overrides, key: str = "policy.overrides") -> tuple[tuple
     return tuple((str(p), str(c)) for p, c in pairs)
 
 
-def first_override(overrides: tuple[tuple[str, str], ...], name: str) -> tuple[str, str] | None:
-    """The first (pattern, choice) whose pattern re.searches `name`, or None."""
-    return next(((p, c) for p, c in overrides if re.search(p, name)), None)
+def first_override(overrides: tuple[tuple[str, str], ...], name) -> tuple[str, str] | None:
+    """The first (pattern, choice) whose pattern re.searches `name` (or any name of a tuple of the names one
+    layer goes by), or None."""
+    names = (name,) if isinstance(name, str) else tuple(name)
+    return next(((p, c) for p, c in overrides if any(re.search(p, n) for n in names)), None)
 
 
 def unmatched_patterns(overrides: tuple[tuple[str, str], ...], linear_names: list[str]) -> list[str]:

@@ -3,10 +3,11 @@
     fp8train export RUN_DIR --format e4m3fn --out model-fp8/              a folder transformers and vLLM load
     fp8train export RUN_DIR --format e4m3fn --out model-fp8.safetensors   one file, fp8train's own layout
     fp8train export --convert model-fp8.safetensors --format e4m3fnuz --out model-fnuz.safetensors
+    fp8train export RUN_DIR --format hf --out model/                      dense: from_pretrained, next model.hf_path
 
 An --out ending in `.safetensors` writes the single-file export below; any other --out writes a Hugging Face
-folder (fp8train.serving.hf_export). Which model: fp8train.serving.run_loading (the newest valid checkpoint,
-loaded once).
+folder (fp8train.serving.hf_export), and `--format hf` the dense one (fp8train.serving.dense_export). Which
+model: fp8train.serving.run_loading (the newest valid checkpoint, loaded once).
 
 Layout of a single-file export (the serving-engine convention for per-channel FP8 weights):
 
@@ -43,6 +44,7 @@ from fp8train.numerics.formats import get_format
 from fp8train.numerics.quant import Fp8Tensor, convert_dialect, quantize
 from fp8train.serving.fp8_weights import (ACTIVATION_SCHEMES, Fp8WeightLinear, dequantized_weight_model,
                                           fp8_weight_model, quantize_weight_per_channel)
+from fp8train.serving.dense_export import DENSE_DTYPES, DENSE_FORMAT, export_dense_folder
 from fp8train.serving.hf_export import export_hf_folder, load_hf_export
 from fp8train.serving.run_loading import (LoadedRun, fp8_linear_names, fp8_policy_names, load_run, package_version,
                                           tied_aliases)
@@ -55,6 +57,7 @@ __all__ = [
     "EXPORT_FORMATS", "SCALE_CONVENTION", "LoadedRun", "load_run", "fp8_policy_names", "quantize_weight_per_channel",
     "Fp8WeightLinear", "fp8_weight_model", "export_run", "read_export_metadata", "load_export", "convert_export",
     "compare_logits", "check_export", "add_cli_arguments", "cli_main", "export_hf_folder", "load_hf_export",
+    "export_dense_folder",
 ]
 
 EXPORT_FORMATS = ("e4m3fn", "e4m3fnuz")
@@ -301,8 +304,12 @@ def check_export(path, run_dir, batches: int = 2) -> dict:
 # Command line
 # ------------------------------------------------------------------------------------------------------------
 def add_cli_arguments(parser) -> None:
-    parser.add_argument("run_dir", nargs="?", help="run directory to export (its newest valid checkpoint)")
-    parser.add_argument("--format", required=True, help=f"FP8 weight format: {' | '.join(EXPORT_FORMATS)}")
+    parser.add_argument("run_dir", nargs="?", help="run directory to export (its newest valid checkpoint), or a "
+                        "Hugging Face folder (config.json + safetensors)")
+    parser.add_argument("--format", required=True, help=f"FP8 weight format: {' | '.join(EXPORT_FORMATS)}, or "
+                        f"{DENSE_FORMAT} (a dense Hugging Face folder, no FP8)")
+    parser.add_argument("--dtype", default="float32", choices=list(DENSE_DTYPES),
+                        help=f"--format {DENSE_FORMAT}: dtype of the weights (float32: the master weights exactly)")
     parser.add_argument("--out", required=True,
                         help="output folder (Hugging Face, compressed-tensors), or a .safetensors file")
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
@@ -333,11 +340,34 @@ def _cli_folder(args) -> int:
     print(f"exported step {result['step']} of {args.run_dir}: {result['fp8_layers']} FP8 Linears (e4m3fn, "
           f"{scales}, {result['activations']} input scales) -> {result['path']}/ (compressed-tensors, "
           f"{result['bytes']} bytes of weights)")
+    mixed = result["vllm_mixed_fused"]
+    if mixed:  # transformers loads it; vLLM fuses these layers and needs one precision per fused layer
+        print(f"  note: vLLM fuses {mixed[0]}" + (f" (and {len(mixed) - 1} more groups)" if len(mixed) > 1 else "")
+              + " into one layer and refuses parts of different precision; this export has some in FP8 and some "
+              "in bf16 (layer policy: lower policy.min_features, or exclude them together)")
     if not args.no_check:
         run = load_run(args.run_dir)
         val = build_data(run.cfg).val_batches()[:2]
         _print_check({"vs_source": compare_logits(run.model, load_hf_export(args.out), val,
                                                   run.cfg.train.autocast == "bf16")})
+    return 0
+
+
+def _cli_dense(args) -> int:
+    if args.out.endswith(".safetensors"):
+        raise ValueError(f"--format {DENSE_FORMAT} writes a Hugging Face folder; give --out a folder path, not "
+                         f"{args.out!r}")
+    result = export_dense_folder(args.run_dir, args.out, args.dtype, force=args.force)
+    print(f"exported step {result['step']} of {args.run_dir}: {result['tensors']} {result['dtype']} tensors in the "
+          f"model's own names and layout -> {result['path']}/ ({result['bytes']} bytes of weights; "
+          "from_pretrained loads it, model.hf_path fine-tunes from it)")
+    if not args.no_check:
+        from transformers import AutoModelForCausalLM
+
+        run = load_run(args.run_dir)
+        val = build_data(run.cfg).val_batches()[:2]
+        loaded = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32, local_files_only=True).eval()
+        _print_check({"transformers_vs_source": compare_logits(run.model, loaded, val, autocast=False)})
     return 0
 
 
@@ -350,6 +380,8 @@ def cli_main(args) -> int:
         print(f"converted {args.convert} ({result['from']}) -> {result['path']} ({result['format']}), "
               f"{result['changed_values']} values changed, {result['bytes']} bytes")
         return 0
+    if args.format == DENSE_FORMAT:
+        return _cli_dense(args)
     if not args.out.endswith(".safetensors"):
         return _cli_folder(args)
     result = export_run(args.run_dir, args.out, args.format, force=args.force)

@@ -2,10 +2,12 @@
 
     fp8train export RUN_DIR --format e4m3fn --out model-fp8/ [--activations dynamic|static] [--weight-block 128]
 
-The folder holds `model.safetensors`, `config.json` and, when the run tokenized with `data.tokenizer`, the
-tokenizer's files. Names are Hugging Face names: an HF run's own (`model.layers.0.self_attn.q_proj`, the `hf.`
-prefix of fp8train's wrapper dropped); fp8train's Decoder is written as the Llama it is (RMSNorm, RoPE in the
-rotate-half layout, SwiGLU, grouped-query attention: `LlamaForCausalLM`, names mapped by `_DECODER_TO_LLAMA`).
+The folder holds `model.safetensors`, `config.json` (`dtype: bfloat16`, the dtype of its high-precision
+tensors), `generation_config.json` and, when the run tokenized text with a tokenizer (`data.tokenizer`, or the
+model.hf_path folder's own), the tokenizer's files. Names are Hugging Face names: an HF run's own
+(`model.layers.0.self_attn.q_proj`, the `hf.` prefix of fp8train's wrapper dropped); fp8train's Decoder is
+written as the Llama it is (RMSNorm, RoPE in the rotate-half layout, SwiGLU, grouped-query attention:
+`LlamaForCausalLM`, names mapped by `_DECODER_TO_LLAMA`).
 
 config.json carries a compressed-tensors `quantization_config` (format `float-quantized`), the scheme
 transformers 5 and vLLM read for FP8 checkpoints:
@@ -17,7 +19,8 @@ transformers 5 and vLLM read for FP8 checkpoints:
   train split after its last step (never the validation tokens), under the run's autocast;
 - `ignore`: every Linear the run's layer policy kept out of FP8 (lm_head, routers, ...), which stay bf16 as do
   embeddings and norms. GPT-2's Conv1D layers are not nn.Linear, which compressed-tensors quantizes, so they are
-  written dense in bf16 and not listed.
+  written dense in bf16 and not listed; a run whose FP8 layers are all Conv1D (GPT-2) is refused, pointing at
+  the dense folder (`--format hf`, fp8train.serving.dense_export), which transformers and vLLM load as GPT-2.
 
 `load_hf_export(folder)` is fp8train's own loader: the architecture from config.json, each FP8 Linear run as
 `Fp8ActivationLinear` (the same W8A8 arithmetic, written from the scheme above, in fp32).
@@ -39,11 +42,14 @@ from fp8train.numerics.formats import get_format
 from fp8train.serving.fp8_weights import (ACTIVATION_SCHEMES, Fp8ActivationLinear, quantize_weight_blocks,
                                           quantize_weight_per_channel)
 from fp8train.serving.run_loading import LoadedRun, fp8_linear_names, load_run, package_version, tied_aliases
-from fp8train.training.data import build_data
+from fp8train.training.data import build_data, is_pretokenized
 from fp8train.training.model import HFCausalLM
 from fp8train.training.rundir import CHECKPOINTS_DIR, give_default_mode
+from fp8train.training.tokenized import run_tokenizer
 
-__all__ = ["export_hf_folder", "load_hf_export", "hf_export_names", "quantization_config", "llama_config_of"]
+__all__ = ["export_hf_folder", "load_hf_export", "hf_export_names", "quantization_config", "llama_config_of",
+           "hf_config_dict", "run_tokenizer_folder", "generation_config_of", "source_record", "write_folder",
+           "refuse_unsafe_out", "vllm_mixed_groups", "VLLM_FUSED"]
 
 _DECODER_TO_LLAMA = (
     (r"^embed\.", "model.embed_tokens."),
@@ -54,6 +60,9 @@ _DECODER_TO_LLAMA = (
     (r"^norm\.", "model.norm."),
 )
 E4M3_MAX = get_format("e4m3fn").max
+# Sibling projections vLLM fuses into one layer (qkv_proj, gate_up_proj); it refuses a fused layer whose parts
+# differ in precision (some FP8, some in `ignore`), so an export that splits one is flagged.
+VLLM_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def hf_export_names(model: nn.Module):
@@ -86,7 +95,8 @@ def llama_config_of(model_cfg) -> dict:
     return config.to_dict()
 
 
-def _hf_config_dict(run: LoadedRun) -> dict:
+def hf_config_dict(run: LoadedRun) -> dict:
+    """The model's own transformers config (a Decoder run: the Llama it is) as a dict, fp8train keys left out."""
     if isinstance(run.model, HFCausalLM):
         config = json.loads(run.model.hf.config.to_json_string(use_diff=False))
         for key in ("fp8train", "quantization_config", "_attn_implementation_autoset"):
@@ -94,6 +104,24 @@ def _hf_config_dict(run: LoadedRun) -> dict:
         config.pop("_attn_implementation", None)
         return config
     return llama_config_of(run.cfg.model)
+
+
+def vllm_mixed_groups(model: nn.Module, fp8_names: list, to_hf) -> list[str]:
+    """The fused groups (VLLM_FUSED) whose members the export splits between FP8 and `ignore`, by HF name."""
+    fp8, mixed = set(fp8_names), []
+    for parent, module in model.named_modules():
+        for group in VLLM_FUSED:
+            members = [f"{parent}.{child}" if parent else child for child in group
+                       if isinstance(getattr(module, child, None), nn.Linear)]
+            if len(members) > 1 and len({m in fp8 for m in members}) > 1:
+                mixed.append(" + ".join(to_hf(m) for m in members))
+    return mixed
+
+
+def source_record(run: LoadedRun) -> dict:
+    """Where an exported folder came from (its config.json's `fp8train_export`)."""
+    return {"source_run": str(run.run_dir.resolve()), "source_step": run.step, "source_recipe": run.cfg.fp8.recipe,
+            "fp8train_version": package_version()}
 
 
 def quantization_config(ignore: list, activations: str, weight_block: int) -> dict:
@@ -171,7 +199,23 @@ def _fp8_tensors(run: LoadedRun, names: list, to_hf, weight_block: int, input_am
     return tensors
 
 
-def _write_folder(out: Path, tensors: dict, config: dict, tokenizer_folder: str, force: bool) -> None:
+def run_tokenizer_folder(run: LoadedRun) -> str | None:
+    """The tokenizer folder the run tokenized its text with (None: bytes, or pre-tokenized ids)."""
+    return run_tokenizer(run.cfg, pretokenized=is_pretokenized(run.cfg.data))
+
+
+def generation_config_of(run: LoadedRun, config: dict):
+    """The generation config a folder of ``run`` carries: an HF model's own, else one from config.json's ids."""
+    from transformers import GenerationConfig
+
+    if isinstance(run.model, HFCausalLM) and getattr(run.model.hf, "generation_config", None) is not None:
+        return run.model.hf.generation_config
+    ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+    return GenerationConfig(**ids)
+
+
+def write_folder(out: Path, tensors: dict, config: dict, tokenizer_folder: str | None, force: bool,
+                  generation_config=None) -> None:
     # Written aside and renamed into place: a failure never leaves half a folder at `out`; with --force the old
     # folder is replaced only once the new one is complete.
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
@@ -181,6 +225,8 @@ def _write_folder(out: Path, tensors: dict, config: dict, tokenizer_folder: str,
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         give_default_mode(tmp / "model.safetensors")  # safetensors writes 0600
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if generation_config is not None:
+            generation_config.save_pretrained(str(tmp))
         if tokenizer_folder:
             from transformers import AutoTokenizer
 
@@ -195,10 +241,8 @@ def _write_folder(out: Path, tensors: dict, config: dict, tokenizer_folder: str,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", weight_block: int = 0,
-                     calib_batches: int = 4, force: bool = False) -> dict:
-    """Write the Hugging Face FP8 folder of ``run_dir``'s newest valid checkpoint to ``out``."""
-    _check_options(fmt, activations, weight_block)
+def refuse_unsafe_out(run_dir, out, force: bool) -> Path:
+    """``out`` as a Path, or an error when it exists (without force) or lies inside the run's checkpoints."""
     out = Path(out)
     if out.exists() and not force:
         raise FileExistsError(f"export path {str(out)!r} already exists; pass --force (force=True) to replace it "
@@ -206,6 +250,14 @@ def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", w
     if out.resolve().is_relative_to((Path(run_dir) / CHECKPOINTS_DIR).resolve()):  # --force would replace the source
         raise ValueError(f"export path {str(out)!r} is inside the checkpoints it is exported from; write it "
                          f"outside {run_dir}/checkpoints (nothing was written)")
+    return out
+
+
+def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", weight_block: int = 0,
+                     calib_batches: int = 4, force: bool = False) -> dict:
+    """Write the Hugging Face FP8 folder of ``run_dir``'s newest valid checkpoint to ``out``."""
+    _check_options(fmt, activations, weight_block)
+    out = refuse_unsafe_out(run_dir, out, force)
     run = load_run(run_dir)
     names = fp8_linear_names(run)
     ragged = [n for n in names if weight_block and run.model.get_submodule(n).in_features % weight_block]
@@ -223,14 +275,15 @@ def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", w
         value = value.detach()
         tensors[to_hf(key)] = (value.to(torch.bfloat16) if value.is_floating_point() else value).contiguous()
     linears = [n for n, m in run.model.named_modules() if isinstance(m, nn.Linear)]
-    config = _hf_config_dict(run)
-    config.update(torch_dtype="bfloat16", quantization_config=quantization_config(
+    config = hf_config_dict(run)
+    config.pop("torch_dtype", None)  # transformers 5 reads `dtype`; one key, the dtype of the bf16 tensors
+    config.update(dtype="bfloat16", quantization_config=quantization_config(
         [to_hf(n) for n in linears if n not in names], activations, weight_block))
-    config["fp8train_export"] = {"source_run": str(run.run_dir.resolve()), "source_step": run.step,
-                                 "source_recipe": run.cfg.fp8.recipe, "fp8train_version": package_version()}
-    _write_folder(out, tensors, config, run.cfg.data.tokenizer, force)
+    config["fp8train_export"] = source_record(run)
+    write_folder(out, tensors, config, run_tokenizer_folder(run), force, generation_config_of(run, config))
     return {"path": str(out), "format": "e4m3fn", "fp8_layers": len(names), "step": run.step,
             "activations": activations, "weight_block": weight_block,
+            "vllm_mixed_fused": vllm_mixed_groups(run.model, names, to_hf),
             "bytes": (out / "model.safetensors").stat().st_size}
 
 

@@ -6,11 +6,17 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["write_report", "format_stat", "kib"]
+__all__ = ["write_report", "format_stat", "kib", "weights_label"]
 
 # ------------------------------------------------------------------------------------------------------------
 # Report files
 # ------------------------------------------------------------------------------------------------------------
+
+def weights_label(result: dict, cell: dict) -> str:
+    """How a cell's weights are named to a reader: the high-precision ones by the dtype they computed in (kv-eval
+    keys them "bf16"; a run without bf16 autocast computed in fp32)."""
+    return result.get("weights_dtype", "bf16") if cell["weights"] == "bf16" else cell["weights"]
+
 def format_stat(stat: dict, scale: float = 1.0, digits: int = 4) -> str:
     mean, ci = stat["mean"] * scale, stat["ci95"] * scale
     return f"{mean:.{digits}g} ± {ci:.2g}" if math.isfinite(ci) else f"{mean:.{digits}g}"
@@ -60,7 +66,8 @@ def _markdown(r: dict) -> str:
         health = {t: f"{100 * v['clip_frac']:.3g}% / {100 * v['underflow_frac']:.3g}%"
                   for t, v in (h["overall"].items() if h else [])}
         greedy = "-" if g is None else f"{100 * g['exact_match']:.0f}% (prefix {g['mean_agreeing_prefix']:.1f})"
-        lines.append(f"| {cell['weights']} | {cell['cache']} | {format_stat(o['loss'])} | {format_stat(o['loss_delta'])} | "
+        lines.append(f"| {weights_label(r, cell)} | {cell['cache']} | {format_stat(o['loss'])} | "
+                     f"{format_stat(o['loss_delta'])} | "
                      f"{format_stat(o['kl'])} | {format_stat(o['accuracy'])} | {format_stat(o['accuracy_delta'])} | {greedy} | "
                      f"{health.get('k', '-')} | {health.get('v', '-')} |")
     if m["matrix"]:
@@ -68,13 +75,13 @@ def _markdown(r: dict) -> str:
                   "| weights | cache | Δloss | KL |", "|---|---|---|---|"]
         for cell in r["cells"]:
             o = cell["overall"]
-            lines.append(f"| {cell['weights']} | {cell['cache']} | {format_stat(o['loss_delta_vs_bf16_bf16'])} | "
+            lines.append(f"| {weights_label(r, cell)} | {cell['cache']} | {format_stat(o['loss_delta_vs_bf16_bf16'])} | "
                          f"{format_stat(o['kl_vs_bf16_bf16']) if 'kl_vs_bf16_bf16' in o else '-'} |")
     lines += ["", "## By context position", ""]
     for cell in r["cells"]:
         if cell["cache"] == "bf16":
             continue
-        lines += [f"### weights {cell['weights']}, cache {cell['cache']}", "",
+        lines += [f"### weights {weights_label(r, cell)}, cache {cell['cache']}", "",
                   "| positions | Δloss | KL | accuracy | Δaccuracy |", "|---|---|---|---|---|"]
         for b in cell["by_position"]:
             lines.append(f"| {b['positions'][0]}-{b['positions'][1]} | {format_stat(b['loss_delta'])} | {format_stat(b['kl'])} | "

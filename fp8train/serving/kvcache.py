@@ -50,7 +50,7 @@ import torch
 from fp8train.numerics.formats import get_format
 from fp8train.serving.fp8_weights import fp8_weight_model
 from fp8train.serving.kv_memory import kv_bytes_per_token, kv_scale_bytes, memory_report
-from fp8train.serving.kv_report import format_stat, kib, write_report
+from fp8train.serving.kv_report import format_stat, kib, weights_label, write_report
 from fp8train.serving.kv_scoring import (agreement, bucket_stats, greedy_generate, mean_ci, position_buckets,
                                          score_caches)
 from fp8train.serving.kv_transform import (CACHE_FORMATS, GRANULARITIES, SCALE_SOURCES, Fp8KvCache, KvCacheConfig,
@@ -135,7 +135,10 @@ def kv_eval(run_dir, opts: KvEvalOptions = KvEvalOptions(), log=print) -> dict:
                                           for g in GRANULARITIES}},
         "buckets": [[lo, hi - 1] for lo, hi in buckets],
         "cells": _report_cells(cells, configs, fp8_caches, generation, buckets, n_pos, opts.matrix),
+        # what the high-precision weights (cells' weights "bf16") compute in: the run's autocast, else fp32
+        "weights_dtype": "bf16" if autocast else "fp32",
     }
+
 
 
 def _calibrate(run, data, opts: KvEvalOptions, n_pos: int, autocast: bool):
@@ -280,5 +283,5 @@ def _print_summary(r: dict) -> None:
               f"{kib(row['bytes_per_context']):>12} per {row['seq_len']}-token context")
     for cell in r["cells"]:
         o = cell["overall"]
-        print(f"  weights {cell['weights']:<4} cache {cell['cache']:<34} loss {format_stat(o['loss'])}  "
+        print(f"  weights {weights_label(r, cell):<4} cache {cell['cache']:<34} loss {format_stat(o['loss'])}  "
               f"Δloss {format_stat(o['loss_delta'])}  KL {format_stat(o['kl'])}")

@@ -5,9 +5,14 @@ once: a Hugging Face run's architecture comes from its config.json, its pretrain
 checkpoint is). A run trained in FP8 is loaded into the plain model by name: its Fp8Linear layers keep their
 fp32 master weights under the same names as nn.Linear (`layers.0.attn.q_proj.weight`), and the FP8 scaling
 buffers they add (`*_amax_history`, `*_scale`, `*_nonfinite_amax_count`, ...) are training state, dropped after
-checking that they belong to layers the run's policy converted. A GPT-2 Conv1D layer trained as Fp8Linear holds
-its weight in the nn.Linear layout (out, in) and goes back to Conv1D's (in, out). Anything else missing or
+checking that they belong to layers the run's policy converted. A GPT-2 Conv1D layer trained as Fp8Linear is
+checkpointed in Conv1D's (in, out) layout (Fp8Linear's state_dict) and loads as it is; a rectangular (out, in)
+weight comes from a checkpoint written before that rule and is transposed back. Anything else missing or
 unexpected is an error.
+
+A Hugging Face folder (config.json and safetensors weights, e.g. a dense export) is loaded too, as the run a
+default config with `model.hf_path` set to it would start from (step 0; model.seq_len = min(128, its maximum
+positions); data: the built-in corpus with the folder's own tokenizer), so export and kv-eval take either.
 
 Which layers are FP8: those the run's recipe and layer policy convert (for a bf16 run: those its policy would
 convert), found by a dry run of `convert_to_fp8` on the same model, before its weights are loaded.
@@ -51,7 +56,8 @@ def fp8_linear_names(run: LoadedRun) -> list[str]:
     if not names and run.fp8_names:
         raise ValueError(f"every FP8 layer of {run.run_dir} is a transformers Conv1D (GPT-2); FP8 weight exports hold "
                          "nn.Linear weights only (compressed-tensors quantizes nn.Linear), so there is nothing to "
-                         "export in FP8")
+                         f"export in FP8. Write the dense Hugging Face folder instead, which transformers and vLLM "
+                         f"load as GPT-2: fp8train export {run.run_dir} --format hf --out DIR")
     if not names:
         raise ValueError(f"the layer policy of {run.run_dir}/config.yaml keeps every Linear out of FP8 (policy.* "
                          "keys); nothing to export in FP8")
@@ -77,8 +83,11 @@ def load_run(run_dir, log=None) -> LoadedRun:
     if not run_dir.is_dir():
         raise ValueError(f"run directory {str(run_dir)!r} does not exist")
     config_file = run_dir / "config.yaml"
+    if not config_file.is_file() and (run_dir / "config.json").is_file():
+        return _load_hf_folder(run_dir)
     if not config_file.is_file():
-        raise ValueError(f"run directory {str(run_dir)!r} has no config.yaml (is it a run made by fp8train train?)")
+        raise ValueError(f"run directory {str(run_dir)!r} has no config.yaml (is it a run made by fp8train train?) "
+                         "and no config.json (a Hugging Face folder)")
     cfg = load_config(str(config_file))
     # either format: DDP's model.safetensors or train.parallel=fsdp2's per-rank shards
     ckpt = latest_loadable_checkpoint(run_dir / "checkpoints", log=log or (lambda m: None))
@@ -95,13 +104,22 @@ def load_run(run_dir, log=None) -> LoadedRun:
     return LoadedRun(model, cfg, run_dir, ckpt, int(step), fp8_names)
 
 
+def _load_hf_folder(folder: Path) -> LoadedRun:
+    config = json.loads((folder / "config.json").read_text())
+    max_pos = config.get("max_position_embeddings") or config.get("n_positions") or 128
+    cfg = load_config(None, [f"model.hf_path={folder}", f"model.seq_len={min(128, int(max_pos))}"])
+    model = build_model(cfg.model).eval()  # its weights, checked (fp8train.training.hf)
+    return LoadedRun(model, cfg, folder, folder, 0, fp8_policy_names(model, cfg))
+
+
 def _load_master_weights(model: nn.Module, state: dict, fp8_names: list, ckpt: Path) -> None:
     expected = model.state_dict()
     converted = set(fp8_names)
-    for name in fp8_names:  # an Fp8Linear born from a Conv1D trained in the (out, in) layout
-        trained_fp8 = f"{name}.{ROLES[0]}_nonfinite_amax_count" in state  # every recipe has this buffer
-        if trained_fp8 and is_conv1d(model.get_submodule(name)) and f"{name}.weight" in state:
-            state[f"{name}.weight"] = state[f"{name}.weight"].t().contiguous()
+    for name in fp8_names:  # an older checkpoint's Conv1D-born Fp8Linear weight, in the (out, in) layout
+        module, key = model.get_submodule(name), f"{name}.weight"
+        if is_conv1d(module) and key in state and module.nx != module.nf \
+                and tuple(state[key].shape) == (module.nf, module.nx):
+            state[key] = state[key].t().contiguous()
     extra = [k for k in state if k not in expected]
     foreign = [k for k in extra
                if not (k.rpartition(".")[0] in converted and k.rpartition(".")[2].startswith(tuple(f"{r}_" for r in ROLES)))]

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fp8train.training.tokenized import TokenEncoder, dataset_docs
+from fp8train.training.tokenized import TokenEncoder, dataset_docs, run_tokenizer
 
 __all__ = ["TextData", "build_data", "stdlib_files", "data_fingerprint", "describe_fingerprint_change"]
 
@@ -207,11 +207,19 @@ def _load_bin(path: Path, vocab_size: int, val_fraction: float, seq_len: int, so
     return train, val
 
 
+def is_pretokenized(d) -> bool:
+    """True when data section ``d`` reads token ids (a nanoGPT .bin), not text."""
+    path = Path(os.path.expanduser(d.path)) if d.path and not d.hf_dataset else None
+    return path is not None and (path.suffix == ".bin" or (path.is_dir() and (path / "train.bin").exists()))
+
+
 def build_data(cfg) -> TextData:
     """The corpus of `cfg.data` batched per `cfg.train` and `cfg.model` (see the module docstring)."""
     d, T = cfg.data, cfg.model.seq_len
-    # Byte-level text, or a local HF tokenizer's ids (fp8train.training.tokenized; cached on disk).
-    encoder = TokenEncoder(d.tokenizer) if d.tokenizer else None
+    # Byte-level text, or a local HF tokenizer's ids (fp8train.training.tokenized; cached on disk): a pretrained
+    # model's own tokenizer unless data.tokenizer says otherwise, never bytes by default under its weights.
+    tokenizer = run_tokenizer(cfg, pretokenized=is_pretokenized(d))
+    encoder = TokenEncoder(tokenizer) if tokenizer else None
     encode = encoder or _join
     byte_level, train_files, val_files, presplit = encoder is None, [], [], None
     if d.hf_dataset:

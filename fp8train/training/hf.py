@@ -6,7 +6,11 @@
 Nothing is downloaded (`local_files_only`). A pretrained folder is checked before anything is trained: it must
 hold config.json and safetensors weights (`model.safetensors`, or shards listed in `model.safetensors.index.json`),
 every parameter of the architecture must be in them with the shape config.json implies, and nothing else may be
-(a tied output head is the one tensor allowed to be absent). Weights load as fp32: they are the master weights.
+(a tied output head is the one tensor allowed to be absent) except FP8 scaling buffers (`*_amax_history`,
+`*_scale`, ...) of the model's Linear / Conv1D layers: a folder saved from a converted model (by
+fp8train.save_pretrained, transformers' save_pretrained or a Trainer checkpoint) holds them, and they are dropped:
+the run starts the scaling state of its own recipe. Weights load as fp32: they are the master weights. An fp8train
+run directory is not such a folder: `fp8train export RUN_DIR --format hf --out DIR` writes one.
 
 The recipe's own architecture fields (`model.d_model`, `model.n_layers`, ...) describe fp8train's Decoder, not an
 HF model: a config that sets them together with an HF model is refused (see `check_hf_model_fields`).
@@ -19,7 +23,6 @@ unset the wrapped implementation is the original one, so logits are unchanged.
 
 from __future__ import annotations
 
-import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,7 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from fp8train.nn.recipes import ROLES
+from fp8train.nn.convert import is_conv1d
+from fp8train.nn.linear import is_scaling_buffer
 
 __all__ = ["HF_ONLY_SOURCE_KEYS", "DECODER_ONLY_FIELDS", "check_hf_model_fields", "hf_config_of",
            "build_hf_model", "enable_kv_hook", "hf_kv_shape", "quiet_transformers", "drop_decoder_fields"]
@@ -81,6 +85,9 @@ def _config_folder(path: str, key: str) -> Path:
     if not folder.is_dir():
         raise ValueError(f"model.{key}: {path!r} is not a folder")
     if not (folder / "config.json").is_file():
+        if (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir():
+            raise ValueError(f"model.{key}: {path!r} is an fp8train run directory, not a Hugging Face folder; write "
+                             f"one from it with `fp8train export {path} --format hf --out DIR` and give DIR")
         raise ValueError(f"model.{key}: folder {path!r} has no config.json")
     return folder
 
@@ -133,8 +140,8 @@ def _load_pretrained(folder: Path, config) -> nn.Module:
                          f"{' '.join(str(err).split())[:300]}") from None
     tied = _tied_names(model)
     missing = [k for k in info.get("missing_keys", []) if k not in tied]
-    saved_fp8 = (json.loads((folder / "config.json").read_text()).get("fp8train") or {}).get("layers", {})
-    unexpected = [k for k in info.get("unexpected_keys", []) if not _is_saved_scaling_state(k, saved_fp8)]
+    linears = {name for name, module in model.named_modules() if isinstance(module, nn.Linear) or is_conv1d(module)}
+    unexpected = [k for k in info.get("unexpected_keys", []) if not _is_saved_scaling_state(k, linears)]
     problems = {"missing": missing, "unexpected": unexpected,
                 "wrong shape": [str(m[0]) if isinstance(m, tuple) else str(m) for m in info.get("mismatched_keys", [])]}
     problems = {kind: names for kind, names in problems.items() if names}
@@ -145,11 +152,10 @@ def _load_pretrained(folder: Path, config) -> nn.Module:
     return model
 
 
-def _is_saved_scaling_state(key: str, saved_fp8_layers: dict) -> bool:
-    """A scaling buffer of an FP8 layer that fp8train.save_pretrained recorded: fine-tuning starts from the
-    master weights, and the run's own recipe starts its own scaling state."""
-    layer, _, buffer = key.rpartition(".")
-    return layer in saved_fp8_layers and buffer.startswith(tuple(f"{role}_" for role in ROLES))
+def _is_saved_scaling_state(key: str, linear_names: set) -> bool:
+    """A scaling buffer of one of the model's Linear / Conv1D layers, saved from its converted form: fine-tuning
+    starts from the master weights, and the run's own recipe starts its own scaling state."""
+    return key.rpartition(".")[0] in linear_names and is_scaling_buffer(key)
 
 
 @contextmanager

@@ -171,7 +171,10 @@ def lm_loss(logits: torch.Tensor, targets: Optional[torch.Tensor]) -> Optional[t
 
 class HFCausalLM(nn.Module):
     """A Hugging Face causal LM with fp8train's `forward(idx, targets) -> (logits, loss)`. Its state_dict names
-    carry the prefix `hf.`; Hugging Face files (save_pretrained, export) use the names without it."""
+    carry the prefix `hf.`; Hugging Face files (save_pretrained, export) use the names without it, and layer-policy
+    patterns match either (`wrapped_name_prefix`, read by fp8train.nn.convert)."""
+
+    wrapped_name_prefix = "hf."
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()

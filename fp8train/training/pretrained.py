@@ -9,6 +9,12 @@ Face names, in the Hugging Face layout (a GPT-2 Conv1D weight is stored (in, out
 buffers (`*_amax_history`, `*_scale`, ...) of the converted layers. transformers' own from_pretrained reads it
 as the plain model (it reports the scaling buffers as unused), and `model.hf_path` fine-tunes from it; only
 `fp8train.from_pretrained` restores the FP8 layers with their state, bit for bit.
+
+The rule for the scaling buffers, whoever saves: they are in the converted model's state_dict, so every save of
+it keeps them (this one, transformers' own `save_pretrained`, a `Trainer` checkpoint, which a Trainer resuming
+into the converted model restores), and every load into a plain model drops them (`model.hf_path` accepts such a
+folder and starts the run's own scaling state; transformers lists them as unused). The weights of every such
+save are in the model's own layout, Conv1D's (in, out) included (Fp8Linear's state_dict).
 """
 
 from __future__ import annotations
@@ -43,15 +49,13 @@ def unwrap_hf(model: nn.Module) -> nn.Module:
 
 
 def hf_layout_state(model: nn.Module) -> dict:
-    """state_dict in the Hugging Face layout: tied aliases once, Conv1D-born Fp8Linear weights back to (in, out)."""
-    conv1d_weights = {f"{name}.weight" for name, layer in fp8_layers(model) if getattr(layer, "conv1d_layout", False)}
+    """state_dict with tied aliases once (a Conv1D-born Fp8Linear's state_dict holds Conv1D's (in, out) already)."""
     tensors, seen = {}, set()
     for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        value = tensor.detach()
-        tensors[name] = (value.t() if name in conv1d_weights else value).contiguous().clone()
+        tensors[name] = tensor.detach().contiguous().clone()
     return tensors
 
 
@@ -112,9 +116,7 @@ def from_pretrained(folder, device="cpu") -> nn.Module:
         module = getattr(parent, child)
         swap = fp8_from_conv1d if is_conv1d(module) else Fp8Linear.from_linear
         setattr(parent, child, swap(module, recipes[index]))
-    tensors = load_file(str(folder / WEIGHTS_NAME), device=str(device))
-    for name in section.get("conv1d_layout", []):
-        tensors[f"{name}.weight"] = tensors[f"{name}.weight"].t().contiguous()
+    tensors = load_file(str(folder / WEIGHTS_NAME), device=str(device))  # Conv1D-born layers read (in, out)
     _load_exact(hf, tensors, folder)
     return hf.eval()
 

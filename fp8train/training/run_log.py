@@ -99,5 +99,8 @@ def summary_line(name: str, summary: dict) -> str:
     delayed:e4m3/e4m3/e5m2:h1024max:m0`."""
     val = f"{summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "n/a"
     reason = f" ({summary['reason']})" if summary.get("reason") else ""
+    # policy.allow_no_fp8 lets an FP8 recipe convert nothing: say so rather than name a recipe nothing ran
+    unused = " with 0 FP8 layers (all high precision)" if summary.get("fp8_layers") == 0 and \
+        summary.get("recipe") not in (None, "none") else ""
     return (f"[{name}] {summary['status']}: {summary['steps']} steps, val_loss {val}, "
-            f"{summary['wall_time_s']:.1f}s, recipe {summary['recipe']}{reason}")
+            f"{summary['wall_time_s']:.1f}s, recipe {summary['recipe']}{unused}{reason}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from fp8train.nn.convert import block_index
+from fp8train.nn.convert import block_index, policy_names
 from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.recipes import RECIPE_NAMES, Fp8Recipe, OperandRole, recipe
 from fp8train.numerics.mx import quantize_mx
@@ -105,7 +105,7 @@ def shadowed_layers(model: nn.Module, policy) -> list[tuple[str, nn.Module]]:
     blocks = [i for i in map(block_index, names) if i is not None]
     n_blocks = max(blocks) + 1 if blocks else 0
     return [(n, m) for n, m in model.named_modules()
-            if type(m) is nn.Linear and n and policy.skip_reason(n, m, n_blocks) is None]
+            if type(m) is nn.Linear and n and policy.skip_reason(policy_names(model, n), m, n_blocks) is None]
 
 
 def gemm_paths(layers) -> dict:

@@ -11,8 +11,13 @@ a file or the tokenizer makes a new entry and nothing stale is ever read. Batche
 `data.hf_dataset` (a folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`): the rows' text
 column `data.text_field` are the documents. A DatasetDict with a "validation" (or "test") split uses it as the
 validation split and "train" as the training split; a single Dataset is split by row on a hash of the row index,
-as folders are split by file. Without data.tokenizer the text is byte-level like any other text corpus.
-Nothing is downloaded: tokenizers and datasets are read from local folders only.
+as folders are split by file. Nothing is downloaded: tokenizers and datasets are read from local folders only.
+
+Which tokenizer (`run_tokenizer`): `data.tokenizer` when set; `data.tokenizer: bytes` means byte-level text on
+purpose. Left empty, a fine-tune of pretrained weights (`model.hf_path`) uses the tokenizer saved in that folder
+(its vocabulary is the one the weights learned; bytes would feed them ids that mean other tokens), and a
+model.hf_path folder without tokenizer files is refused, naming data.tokenizer. Otherwise (fp8train's Decoder, a
+`model.hf_config` random init) empty means byte-level text. Pre-tokenized ids (a nanoGPT .bin) need none.
 """
 
 from __future__ import annotations
@@ -23,15 +28,42 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["TokenEncoder", "dataset_docs", "UINT16_IDS"]
+__all__ = ["TokenEncoder", "dataset_docs", "UINT16_IDS", "BYTE_TOKENIZER", "TOKENIZER_FILES", "has_tokenizer",
+           "run_tokenizer"]
 
 UINT16_IDS = 2**16
+BYTE_TOKENIZER = "bytes"  # data.tokenizer value: byte-level text, chosen on purpose
+# Any of these makes a folder one that transformers' AutoTokenizer can read.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _VAL_SPLITS = ("validation", "valid", "val", "test")
 
 
 def _cache_root() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "fp8train" / "tokens"
+
+
+def has_tokenizer(folder) -> bool:
+    path = Path(os.path.expanduser(str(folder)))
+    return path.is_dir() and any((path / name).is_file() for name in TOKENIZER_FILES)
+
+
+def run_tokenizer(cfg, pretokenized: bool = False) -> str | None:
+    """The tokenizer folder the run of ``cfg`` tokenizes its text with, or None for byte-level text (see the
+    module docstring). ``pretokenized``: the corpus is already token ids (.bin), so no tokenizer is implied."""
+    chosen, pretrained = cfg.data.tokenizer, cfg.model.hf_path
+    if chosen == BYTE_TOKENIZER:
+        return None
+    if chosen:
+        return chosen
+    if not pretrained or pretokenized:
+        return None
+    if has_tokenizer(pretrained):
+        return pretrained
+    raise ValueError(f"config data.tokenizer is empty and model.hf_path {pretrained!r} holds no tokenizer "
+                     f"({' / '.join(TOKENIZER_FILES)}): its pretrained weights would read byte-level ids as "
+                     "other tokens. Set data.tokenizer to the model's tokenizer folder, or data.tokenizer=bytes "
+                     "to train on raw bytes on purpose")
 
 
 class TokenEncoder:
@@ -94,9 +126,14 @@ def _load_tokenizer(path: Path, folder: str):
                          f"{' '.join(str(err).split())[:200]}") from None
 
 
+# A tokenizer folder may be a whole model folder (model.hf_path's own tokenizer): its weights are not the
+# tokenizer, and hashing gigabytes of them on every run would be slow.
+_NOT_TOKENIZER = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".onnx", ".index.json")
+
+
 def _folder_digest(path: Path) -> str:
     digest = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+    for file in sorted(p for p in path.rglob("*") if p.is_file() and not p.name.endswith(_NOT_TOKENIZER)):
         digest.update(f"{file.relative_to(path).as_posix()}\n".encode())
         digest.update(hashlib.sha256(file.read_bytes()).digest())
     return digest.hexdigest()

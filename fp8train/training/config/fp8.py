@@ -119,8 +119,11 @@ class PolicyConfig(_Section):
     """Linears with in_features or out_features below this stay in high precision (too small to gain)."""
     divisible_by: int = _POLICY_DEFAULTS.divisible_by
     """in_features and out_features must be multiples of this (FP8 GEMM alignment)."""
-    exclude: List[str] = field(default_factory=lambda: list(_POLICY_DEFAULTS.exclude))
-    """Regexes over module names kept out of FP8 (default: embeddings, output head, MoE routers)."""
+    exclude: List[str] = field(default_factory=list)
+    """Regexes over module names kept out of FP8, ADDED to the defaults (embeddings, output head, MoE routers:
+    fp8train.nn.convert.DEFAULT_EXCLUDE). Each must match a Linear; names match with or without `hf.`."""
+    exclude_defaults: bool = _POLICY_DEFAULTS.exclude_defaults
+    """Apply the default exclude list too; false: policy.exclude is the whole list (e.g. lm_head in FP8)."""
     skip_first_blocks: int = _POLICY_DEFAULTS.skip_first_blocks
     """Keep the first N transformer blocks in high precision."""
     skip_last_blocks: int = _POLICY_DEFAULTS.skip_last_blocks
@@ -179,6 +182,7 @@ def layer_policy_from_config(cfg) -> LayerPolicy:
         min_features=p.min_features,
         divisible_by=p.divisible_by,
         exclude=list(p.exclude),
+        exclude_defaults=p.exclude_defaults,
         skip_first_blocks=p.skip_first_blocks,
         skip_last_blocks=p.skip_last_blocks,
         overrides=(read_plan_overrides(p.plan) if p.plan else ()) + normalize_overrides(dict(p.overrides)),

@@ -74,7 +74,8 @@ class DataConfig(_Section):
     max_bytes: int = 32_000_000
     """Cap on text corpora: files are read in sorted order until this many bytes; 0 = no cap. Not for .bin."""
     tokenizer: str = ""
-    """Local Hugging Face tokenizer folder (tokenizer.json): text is tokenized with it, once, and cached."""
+    """Local Hugging Face tokenizer folder (tokenizer.json): text is tokenized with it, once, and cached. "" =
+    model.hf_path's own tokenizer (refused if it has none), else bytes; "bytes" = byte-level text on purpose."""
     hf_dataset: str = ""
     """Local `datasets` dataset saved with save_to_disk (its text is data.text_field); replaces data.path."""
     text_field: str = "text"

@@ -1,8 +1,8 @@
 """Config section of paired validation (`fp8train validate`): candidates, margin, paired seeds, workers.
 
 A candidate is a spec ``[LABEL=]RECIPE[:KEY=VALUE,...]``: an FP8 recipe preset, optionally with config overrides
-(bare keys are fp8.* fields, e.g. ``margin=3``; dotted keys are any config key, e.g. ``policy.exclude=[]``) and a
-folder label. From a shell, quote specs holding ``=`` inside the list:
+(bare keys are fp8.* fields, e.g. ``margin=3``; dotted keys are any config key, e.g.
+``policy.exclude_defaults=false``) and a folder label. From a shell, quote specs holding ``=`` inside the list:
 ``'validate.candidates=[current,"slow=current:margin=3"]'``. `parse_candidate` checks the spec's shape here; the
 override keys and values are checked when the validation derives each run's config, before anything runs.
 """
@@ -54,7 +54,7 @@ def parse_candidate(spec: str | Candidate) -> Candidate:
         key, eq, value = item.partition("=")
         if not eq or not key.strip() or not item:
             raise ValueError(f"validate.candidates: {item!r} in {spec!r} must look like KEY=VALUE "
-                             "(e.g. margin=3 or policy.exclude=[])")
+                             "(e.g. margin=3 or policy.exclude_defaults=false)")
         key = key.strip()
         if key in _UNPAIRED_KEYS or key.split(".")[0] in ("run", "validate"):
             raise ValueError(f"validate.candidates: {key!r} in {spec!r} cannot be set per candidate: the seed, "
