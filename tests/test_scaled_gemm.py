@@ -136,10 +136,30 @@ def test_scaled_mm_path_matches_emulated_numerics(name):
         torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
 
 
-def test_mxfp8_falls_back_with_a_reason():
-    layer, trace, _ = _layer_fwd_bwd("mxfp8")
-    assert trace.calls == []
-    assert all(p.startswith("fallback:scales vary along K in tiles (1, 32)") for p in layer.gemm_paths.values())
+def test_mxfp8_reaches_the_mx_kernel_call_and_reports_the_cpu_refusal():
+    layer, _, _ = _layer_fwd_bwd("mxfp8")
+    # the MX kind is planned (1x32 E8M0 scales, swizzled); this CPU's torch has no MX kernel and says so
+    assert all(p.startswith("fallback:ValueError") for p in layer.gemm_paths.values()), layer.gemm_paths
+
+
+def _block_operands(m, k, n):
+    a = Fp8Operand(torch.ones(m, k).to(torch.float8_e4m3fn), torch.ones(m, k // 128), (1, 128))
+    w = Fp8Operand(torch.ones(n, k).to(torch.float8_e4m3fn), torch.ones(n // 128, k // 128), (128, 128))
+    return a, w.t()
+
+
+def test_a_kernel_refusal_is_remembered_per_shape_not_per_kind():
+    if not scaled_gemm.HAS_SCALED_MM_V2:
+        pytest.skip("blockwise falls back before any kernel call without torch.nn.functional.scaled_mm")
+    scaled_gemm._kernel_answers.clear()
+    traces = []
+    for shape in ((128, 256, 128), (128, 256, 128), (256, 512, 256)):
+        trace = KernelTrace()
+        with trace:
+            fp8_mm(*_block_operands(*shape), "scaled_mm", out_dtype=torch.bfloat16)
+        traces.append(len(trace.calls))
+    # first shape: tried (CPU refuses blockwise); again: remembered; a new shape: tried again
+    assert traces[0] >= 1 and traces[1] == 0 and traces[2] >= 1, traces
 
 
 def test_forward_fast_accum_and_dtype_and_bias_go_to_the_kernel():
@@ -148,6 +168,9 @@ def test_forward_fast_accum_and_dtype_and_bias_go_to_the_kernel():
     assert fast == [True, False, False]  # forward only: the backward GEMMs keep the precise accumulation
     _, trace, _ = _layer_fwd_bwd("current", fast_accum_forward=False)
     assert trace.calls[0]["named"]["use_fast_accum"] is False
+    # block scales: cuBLAS refuses fast accumulation with 1x128 / 128x128 tiles, so it is never asked for
+    _, trace, _ = _layer_fwd_bwd("block", fast_accum_forward=True)
+    assert trace.calls and all(c["named"]["use_fast_accum"] is False for c in trace.calls)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
