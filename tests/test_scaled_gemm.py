@@ -228,3 +228,18 @@ def test_fnuz_refused_on_ocp_gpus_and_allowed_emulated(monkeypatch):
     layer = Fp8Linear(64, 64, recipe=recipe("current", input_format="e4m3fnuz", weight_format="e4m3fnuz",
                                             grad_output_format="e5m2fnuz"))
     assert layer(torch.randn(4, 64)).shape == (4, 64)  # FNUZ numerics stay available emulated
+
+
+def test_cached_weight_is_made_column_major_once_per_weight_version():
+    """grad_input = grad_output @ weight reads the (N, K) weight column-major: the copy is made with the cached
+    FP8 weight, not once per micro-batch."""
+    layer = Fp8Linear(K, N, recipe=recipe("current", backend="scaled_mm"))
+    pointers = []
+    for _ in range(2):  # two micro-batches, same weight version
+        trace = KernelTrace()
+        with trace:
+            layer(torch.randn(M, K, requires_grad=True)).sum().backward()
+        mat_b = trace.calls[1]["args"][1]  # the grad_input call's weight operand
+        assert mat_b.stride(0) == 1  # column-major
+        pointers.append(mat_b.data_ptr())
+    assert pointers[0] == pointers[1]
