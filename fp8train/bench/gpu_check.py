@@ -14,7 +14,6 @@ checks found no usable GPU or a missing module, in which case nothing else runs.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import signal
@@ -24,7 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
-from fp8train.bench.gpu_sections import OFFLINE_ENV, SECTION_FUNCTIONS, SECTION_NEEDS, SECTIONS
+from fp8train.bench.gpu_sections import OFFLINE_ENV, SECTION_FUNCTIONS, SECTION_NEEDS, SECTIONS, module_missing
 from fp8train.training.rundir import write_json_atomic
 
 DEFAULT_BUDGET_S, MAX_BUDGET_S = 470, 480
@@ -75,7 +74,7 @@ def run_one_section(name: str, out_dir: Path, dry: bool, limit_s: float) -> int:
     """Inside the section's process: run it, write <name>.json (also on error), exit 0 only when ok."""
     device = "cpu" if dry else "cuda"
     start = time.monotonic()
-    lacking = [m for m in SECTION_NEEDS.get(name, ()) if importlib.util.find_spec(m) is None]
+    lacking = [m for m in SECTION_NEEDS.get(name, ()) if module_missing(m)]
     try:
         if lacking:  # said at once, so the budget goes to the sections that can run
             raise ModuleNotFoundError(f"section {name} needs {', '.join(lacking)}: run scripts/prepare_gpu_wheels.sh "

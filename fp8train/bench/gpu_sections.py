@@ -6,7 +6,7 @@ or crash keeps everything learned before it:
 
 | section     | what it answers                                                                 | limit (s) |
 |-------------|---------------------------------------------------------------------------------|-----------|
-| checks      | CUDA visible, capability, C compiler and Python.h (inductor), imports, offline   | 30        |
+| checks      | CUDA visible, capability, C compiler and Python.h (inductor), imports, offline   | 45        |
 | capability  | which `_scaled_mm` calls this torch+GPU accept: dtype pairs x scaling kinds x    | 45        |
 |             | operand layouts x output dtype, each with its error against a dequantized GEMM   |           |
 | gemm_tflops | bf16 vs FP8 GEMM TFLOP/s per kind (1x128 x 1x128 wgrad and MX included) at       | 60        |
@@ -52,7 +52,7 @@ from fp8train.training.rundir import write_json_atomic  # (plain file I/O: no om
 # may lack them, and the other sections must run anyway)
 
 # name -> time limit (s), in the order the check runs them (information per second)
-SECTIONS = {"checks": 30, "capability": 45, "gemm_tflops": 60, "sync": 45, "e2e": 100, "cuda_tests": 100,
+SECTIONS = {"checks": 45, "capability": 45, "gemm_tflops": 60, "sync": 45, "e2e": 100, "cuda_tests": 100,
             "train": 70, "bench": 200}
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REQUIRED_MODULES = ("torch", "numpy", "ml_dtypes", "fp8train")  # without these nothing runs
@@ -78,7 +78,7 @@ def section_checks(device: str, dry: bool, out_dir: Path, limit_s: float) -> dic
         try:  # the required ones are imported; the others only looked up (importing transformers costs seconds)
             if name in REQUIRED_MODULES:
                 found[name] = getattr(importlib.import_module(name), "__version__", "present")
-            elif importlib.util.find_spec(name) is None:
+            elif module_missing(name):
                 found[name] = "missing (not installed)"
             else:
                 found[name] = _distribution_version(name)
@@ -107,6 +107,16 @@ def section_checks(device: str, dry: bool, out_dir: Path, limit_s: float) -> dic
         compiler is None)
     problems += ["Python.h missing (inductor cannot build its kernels)"] * (not python_h.exists())
     return dict(ok=not missing and gpu_ok, problems=problems, **info)
+
+
+def module_missing(name: str) -> bool:
+    """True when `name` cannot be imported here (not installed, or blocked by a None in sys.modules)."""
+    if name in sys.modules:
+        return sys.modules[name] is None
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):
+        return True
 
 
 def _distribution_version(module: str) -> str:
