@@ -56,8 +56,9 @@ SECTIONS = {"checks": 45, "capability": 45, "gemm_tflops": 60, "sync": 45, "e2e"
             "train": 70, "bench": 200}
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REQUIRED_MODULES = ("torch", "numpy", "ml_dtypes", "fp8train")  # without these nothing runs
+# per section; scripts/prepare_gpu_wheels.sh carries omegaconf and pytest where the image lacks them
 SECTION_NEEDS = {"cuda_tests": ("pytest",), "train": ("omegaconf", "accelerate", "safetensors"),
-                 "e2e": ("omegaconf", "accelerate", "safetensors"), "bench": ("omegaconf", "accelerate")}  # carried by scripts/prepare_gpu_wheels.sh where missing
+                 "e2e": ("omegaconf", "accelerate", "safetensors"), "bench": ("omegaconf", "accelerate")}
 OPTIONAL_MODULES = ("torchao", "transformer_engine", "transformers", "wandb", "tensorboard")
 PLANNED_GPUS = {"sm90": (9, 0), "sm100": (10, 0)}  # the GEMM paths each recipe would take there (target_gpu)
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",

@@ -4,14 +4,14 @@ A pure function of the operands' shapes, dtypes, scale layouts and the target GP
 no device and runs nothing, so the exact call fp8train would make on an sm90 or sm100 GPU can be planned (and
 replayed against torch's meta checks) on any machine, meta tensors included.
 
-| kind                     | scale_a                        | scale_b                          | needs                  |
-|--------------------------|--------------------------------|----------------------------------|------------------------|
-| tensorwise               | () fp32                        | () fp32                          | K, N % 16              |
-| rowwise                  | (M, 1) fp32, contiguous        | (1, N) fp32, contiguous          | K, N % 16              |
-| blockwise_1x128_128x128  | (M, K/128), stride (1, M)      | (L4, N/128), stride (1, L4)      | K, N % 128, v2, sm90   |
-| blockwise_1x128_1x128    | (M, K/128), stride (1, M)      | (N, K/128), stride (1, N)        | K % 128, v2, sm90      |
-| blockwise_128x128_1x128  | (L4, M/128), stride (1, L4)    | (N, K/128), stride (1, N)        | M, K % 128, v2, sm90   |
-| mx_1x32                  | E8M0, (M, K/32) swizzled       | E8M0, (N, K/32) swizzled         | K % 32, v2, sm100      |
+| kind                     | scale_a                        | scale_b                          | needs                 |
+|--------------------------|--------------------------------|----------------------------------|-----------------------|
+| tensorwise               | () fp32                        | () fp32                          | K, N % 16             |
+| rowwise                  | (M, 1) fp32, contiguous        | (1, N) fp32, contiguous          | K, N % 16             |
+| blockwise_1x128_128x128  | (M, K/128), stride (1, M)      | (L4, N/128), stride (1, L4)      | K, N % 128, v2, sm90  |
+| blockwise_1x128_1x128    | (M, K/128), stride (1, M)      | (N, K/128), stride (1, N)        | K % 128, v2, sm90     |
+| blockwise_128x128_1x128  | (L4, M/128), stride (1, L4)    | (N, K/128), stride (1, N)        | M, K % 128, v2, sm90  |
+| mx_1x32                  | E8M0, (M, K/32) swizzled       | E8M0, (N, K/32) swizzled         | K % 32, v2, sm100     |
 
 L4 = K/128 rounded up to a multiple of 4. "Swizzled" is cuBLAS's 1D block-scaling-factor layout (torch's
 SwizzleType.SWIZZLE_32_4_4): the scale grid padded to 128 rows x a multiple of 4 columns, cut into 128x4 tiles
