@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The prepared GPU check: scripts/gpu_check.sh OUT_DIR [--dry-run] [--budget SECONDS] [--sections a,b,...]
 #
-# Runs on a machine with one CUDA GPU (sm89+) and no network; installs nothing: this checkout is put on PYTHONPATH
-# and torch, numpy, omegaconf, accelerate, pytest, ml_dtypes and safetensors must already be importable by
-# python3 (or $PYTHON). Sections, in order of information per second, each writing OUT_DIR/<section>.json as soon
-# as it ends (see fp8train/bench/gpu_check.py): checks, capability, gemm_tflops, sync, cuda_tests, train, bench.
+# Runs on a machine with one CUDA GPU (sm89+) and no network; installs nothing: this checkout is put on PYTHONPATH,
+# with .gpu_site/ when it was carried along (scripts/prepare_gpu_wheels.sh, run where there is network, unpacks
+# omegaconf and pytest there). torch, numpy and ml_dtypes must be importable by python3 (or $PYTHON); a section
+# whose own needs are missing (train, bench: omegaconf, accelerate; cuda_tests: pytest) says so in its JSON and the
+# others still run. Sections, in order of information per second, each writing OUT_DIR/<section>.json as soon as
+# it ends (see fp8train/bench/gpu_check.py): checks, capability, gemm_tflops, sync, cuda_tests, train, bench.
 # At most 8 minutes in all. --dry-run runs everything on the CPU at toy sizes (the test suite does).
 # Exit status: 0 all ok; 1 a section failed / timed out / was skipped; 2 usage error or no usable GPU.
 set -u
@@ -14,5 +16,7 @@ if ! command -v "$PYTHON" > /dev/null 2>&1; then
     echo "gpu_check: $PYTHON not found; set PYTHON to a Python 3 interpreter with torch installed" >&2
     exit 2
 fi
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+SITE=""
+[ -d "$REPO/.gpu_site" ] && SITE=":$REPO/.gpu_site"  # the carried pure-Python wheels, after the checkout
+export PYTHONPATH="$REPO$SITE${PYTHONPATH:+:$PYTHONPATH}"
 exec "$PYTHON" -m fp8train.bench.gpu_check "$@"

@@ -217,3 +217,18 @@ def test_bench_wrapper_script_runs(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         runpy.run_path(str(ROOT / "scripts" / "bench.py"), run_name="__main__")
     assert exit_.value.code == 2 and "'12x'" in capsys.readouterr().err
+
+
+def test_linear_timing_makes_every_contender_recast_its_weight():
+    """Each timed call starts from a changed weight, as after an optimizer step: the FP8 layer's cached copy is
+    remade every call (its key holds the weight's version), as bf16 autocast re-casts its weight."""
+    from fp8train.bench.linear_section import _fwd_bwd
+    from fp8train.nn.linear import Fp8Linear
+
+    layer = Fp8Linear(64, 32, bias=False, recipe="current")
+    step = _fwd_bwd(layer, torch.randn(16, 64), torch.randn(16, 32), False, "cpu")
+    keys = []
+    for _ in range(3):
+        step()
+        keys.append(layer._weight_cache.key)
+    assert len(set(keys)) == 3, keys

@@ -137,3 +137,16 @@ def test_decoder_blocks_are_the_largest_module_list():
     assert fsdp2.decoder_blocks(model) == list(model.layers)
     with pytest.raises(ValueError, match="decoder blocks"):
         fsdp2.decoder_blocks(torch.nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 22])
+def test_grad_norm_is_the_float64_norm_whatever_the_chunking(monkeypatch, chunk):
+    """The norm sums float64 squares a slice at a time (never a float64 copy of a whole gradient): the same fp32
+    value as numpy's float64 norm over all gradients, for slices that split tensors and for whole tensors."""
+    monkeypatch.setattr(fsdp2, "GRAD_NORM_CHUNK", chunk)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(33, 17), torch.nn.Linear(17, 5))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e3
+    reference = np.sqrt(sum(np.sum(p.grad.numpy().astype(np.float64) ** 2) for p in model.parameters()))
+    assert fsdp2.grad_norm(model) == float(np.float32(reference))

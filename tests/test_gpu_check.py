@@ -1,9 +1,12 @@
 """scripts/gpu_check.sh: the dry run on this CPU exercises every section end to end (subprocesses, time limits,
-JSON written per section), and bad usage exits 2 before anything runs."""
+JSON written per section) with what the GPU image lacks (wandb, torchao, transformer_engine, transformers)
+blocked in every process, sections whose modules are missing say so and the others still run, and bad usage
+exits 2 before anything runs."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,11 +25,24 @@ def test_script_uses_python3_and_the_module():
     assert "\npython " not in text and " python -" not in text  # never a bare `python`
 
 
+IMAGE_LACKS = ("wandb", "torchao", "transformer_engine", "transformers")
+
+
+def _blocking_env(tmp_path, names) -> dict:
+    """An environment whose Python processes (the check and every section it starts) cannot import `names`: a
+    sitecustomize on PYTHONPATH puts None for them in sys.modules, as for a package that is not installed."""
+    site = tmp_path / "block_site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text("import sys\n" + "".join(f"sys.modules[{n!r}] = None\n" for n in names))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+            "PYTHON": sys.executable}
+
+
 @pytest.mark.slow
 def test_dry_run_runs_every_section_and_writes_json(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(["bash", str(SCRIPT), str(out), "--dry-run"], capture_output=True, text=True,
-                          timeout=400)
+                          timeout=560, env=_blocking_env(tmp_path, IMAGE_LACKS))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["sections"]) == list(SECTIONS)  # in the documented order
@@ -44,6 +60,43 @@ def test_dry_run_runs_every_section_and_writes_json(tmp_path):
     assert all(set(r["gemm_paths"]) == {"output", "grad_input", "grad_weight"} for r in sync.values())
     train = json.loads((out / "train.json").read_text())["runs"]["current"]
     assert train["status"] == "completed" and train["fp8_layers"] > 0
+    e2e = json.loads((out / "e2e.json").read_text())["runs"]
+    assert e2e["none"]["fp8_layers"] == 0 and e2e["delayed"]["fp8_layers"] > 0 and e2e["delayed"]["vs_bf16"] > 0
+    planned = json.loads((out / "sync.json").read_text())["planned"]
+    assert all("needs sm100" in p for p in planned["sm90"]["mxfp8"].values())
+    assert planned["sm90"]["block"]["output"] == "scaled_mm:blockwise_1x128_128x128"
+    modules = json.loads((out / "checks.json").read_text())["modules"]
+    assert all(modules[n].startswith("missing") for n in ("wandb", "torchao"))
+
+
+@pytest.mark.slow
+def test_sections_without_their_modules_say_so_and_the_rest_run(tmp_path):
+    out = tmp_path / "out"
+    env = _blocking_env(tmp_path, IMAGE_LACKS + ("omegaconf", "pytest"))
+    proc = subprocess.run([sys.executable, "-m", "fp8train.bench.gpu_check", str(out), "--dry-run", "--sections",
+                           "checks,cuda_tests,train"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # a section could not run
+    summary = json.loads((out / "summary.json").read_text())["sections"]
+    assert summary["checks"]["status"] == "ok"  # the check itself needs neither
+    for name, module in (("cuda_tests", "pytest"), ("train", "omegaconf")):
+        result = json.loads((out / f"{name}.json").read_text())
+        assert not result["ok"] and module in result["error"] and "prepare_gpu_wheels" in result["error"], result
+    problems = json.loads((out / "checks.json").read_text())["problems"]
+    assert any("train cannot run without omegaconf" in p for p in problems), problems
+
+
+def test_a_killed_section_still_has_its_json(tmp_path):
+    """The section process is killed at its limit before it can write: the check writes the JSON for it."""
+    result = gpu_check._run_section_process("checks", tmp_path, True, 0.5)
+    assert result["status"] == "timeout"
+    written = json.loads((tmp_path / "checks.json").read_text())
+    assert written["ok"] is False and written["status"] == "timeout" and written["section"] == "checks"
+
+
+def test_prepare_script_fetches_pure_python_wheels_only():
+    text = (SCRIPT.parent / "prepare_gpu_wheels.sh").read_text()
+    assert "--only-binary=:all:" in text and "--platform any" in text and "omegaconf" in text and "pytest" in text
+    assert subprocess.run(["bash", "-n", str(SCRIPT.parent / "prepare_gpu_wheels.sh")]).returncode == 0
 
 
 def test_budget_skips_sections_and_says_so(tmp_path):

@@ -2,8 +2,9 @@
 
 Runs the sections of fp8train.bench.gpu_sections in order of information per second, each in its own process
 (its own process group, killed at its time limit), never past the total budget (default 470 s, at most 480 s =
-8 minutes). Every section writes OUT_DIR/<section>.json when it ends, its output goes to OUT_DIR/<section>.log, and
-OUT_DIR/summary.json is rewritten after each one, so a timeout or crash loses only the section it hit.
+8 minutes). Every section writes OUT_DIR/<section>.json when it ends (this process writes it, with the log's tail,
+for a section that was killed or crashed first), its output goes to OUT_DIR/<section>.log, and OUT_DIR/summary.json
+is rewritten after each one, so a timeout or crash loses only the section it hit.
 `--dry-run` runs every section on the CPU at toy sizes (the CUDA tests are only collected): the test suite runs
 it to prove the check itself cannot break. Nothing is installed or downloaded: HF and wandb are forced offline.
 Exit status: 0 every section ok; 1 a section failed, timed out or was skipped; 2 usage error, or (not dry) the
@@ -22,7 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
-from fp8train.bench.gpu_sections import OFFLINE_ENV, SECTION_FUNCTIONS, SECTIONS
+from fp8train.bench.gpu_sections import OFFLINE_ENV, SECTION_FUNCTIONS, SECTION_NEEDS, SECTIONS, module_missing
 from fp8train.training.rundir import write_json_atomic
 
 DEFAULT_BUDGET_S, MAX_BUDGET_S = 470, 480
@@ -43,8 +44,12 @@ def _run_section_process(name: str, out_dir: Path, dry: bool, limit_s: float) ->
             os.killpg(proc.pid, signal.SIGKILL)  # the section and whatever it started (pytest, bench)
             proc.wait()
             returncode, status = None, "timeout"
-    return dict(status=status, returncode=returncode, seconds=round(time.monotonic() - start, 1),
-                limit_s=round(limit_s), json=f"{name}.json" if (out_dir / f"{name}.json").exists() else None)
+    seconds = round(time.monotonic() - start, 1)
+    if not (out_dir / f"{name}.json").exists():  # killed or crashed before writing: the parent writes it
+        tail = (out_dir / f"{name}.log").read_text(errors="replace")[-3000:]
+        write_json_atomic(out_dir / f"{name}.json", dict(ok=False, section=name, status=status, returncode=returncode,
+                                                         seconds=seconds, limit_s=round(limit_s), log_tail=tail))
+    return dict(status=status, returncode=returncode, seconds=seconds, limit_s=round(limit_s), json=f"{name}.json")
 
 
 def run_check(out_dir: Path, dry: bool, budget_s: float, sections: list[str]) -> int:
@@ -69,7 +74,11 @@ def run_one_section(name: str, out_dir: Path, dry: bool, limit_s: float) -> int:
     """Inside the section's process: run it, write <name>.json (also on error), exit 0 only when ok."""
     device = "cpu" if dry else "cuda"
     start = time.monotonic()
+    lacking = [m for m in SECTION_NEEDS.get(name, ()) if module_missing(m)]
     try:
+        if lacking:  # said at once, so the budget goes to the sections that can run
+            raise ModuleNotFoundError(f"section {name} needs {', '.join(lacking)}: run scripts/prepare_gpu_wheels.sh "
+                                      f"where there is network and carry .gpu_site with the tree")
         result = SECTION_FUNCTIONS[name](device, dry, out_dir, limit_s)
     except Exception as err:  # recorded, so the summary says what broke; the next section still runs
         result = dict(ok=False, error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc())

@@ -1,6 +1,8 @@
 """``fp8train bench`` sections linear and ops: forward+backward of Fp8Linear per recipe against nn.Linear under
 bf16 autocast, fp32 nn.Linear, and torchao's Float8Linear when torchao is installed (emulate=True on CPU); and
-the number of aten ops each dispatches.
+the number of aten ops each dispatches. In the linear section every contender's weight changes before each timed
+call (an in-place multiply by 1, the same op for all), so each re-casts or re-quantizes its weight as it would
+after every optimizer step.
 """
 
 from __future__ import annotations
@@ -32,7 +34,15 @@ def torchao_linear(linear: nn.Linear, device: str):
 
 
 def _fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, autocast: bool, device: str):
+    weights = [p for p in module.parameters() if p.dim() == 2]
+
     def step():
+        # Every contender's weight changes in place before each call, as after an optimizer step: the FP8 layers
+        # then re-quantize it (their cache keys on the weight's version) just as bf16 autocast re-casts it, so
+        # no contender times a weight cast it would not pay in training (one micro-batch per step: the worst
+        # case for FP8; with gradient accumulation the FP8 copy is reused across micro-batches).
+        with torch.no_grad():
+            torch._foreach_mul_(weights, 1.0)
         x_ = x.detach().requires_grad_(True)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             y = module(x_)

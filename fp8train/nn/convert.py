@@ -6,9 +6,9 @@
 The swap is in place and reuses the Linear's Parameter objects, so an optimizer built before the swap still
 updates the right tensors and the model's parameter count does not change.
 
-The default policy keeps out of FP8 what usually hurts or does not pay (docs/design.md): embeddings, the output head (its logits
-feed a softmax over the vocabulary), MoE routers (a small top-k decision that flips under rounding) and layers
-too small or oddly shaped for FP8 tensor cores (dims must be multiples of 16).
+The default policy keeps out of FP8 what usually hurts or does not pay (docs/design.md): embeddings, the output
+head (its logits feed a softmax over the vocabulary), MoE routers (a small top-k decision that flips under
+rounding) and layers too small or oddly shaped for FP8 tensor cores (dims must be multiples of 16).
 
 `LayerPolicy.exclude` ADDS patterns to `DEFAULT_EXCLUDE`; `exclude_defaults=False` drops the defaults, so the
 patterns given are the whole list. A given pattern that matches no Linear of the model is an error (a typo, or a

@@ -28,9 +28,10 @@ Backends
   of the sum and are applied to the fp32 result: out = (a_fp8 @ b_fp8) * scale_a * scale_b. Scales that vary
   along the contracted dim (block tiles; per-row scales of an operand used transposed in a backward GEMM) do not
   factor out, so that operand is dequantized first (exact when scales are powers of two) and the GEMM runs in fp32.
-- `scaled_mm` (CUDA sm89+): torch's FP8 scaled matmul (fp8train.nn.scaled_gemm): tensorwise, rowwise and
-  blockwise (1x128 / 128x128) scales, output straight in the caller's dtype, bias fused where the kernel takes
-  it; a configuration no kernel takes falls back to dequantize + bf16 GEMM with fp32 accumulation, and says so.
+- `scaled_mm` (CUDA sm89+): torch's FP8 scaled matmul (fp8train.nn.scaled_gemm): tensorwise, rowwise,
+  blockwise (1x128 / 128x128, sm90) and MX (1x32 E8M0, sm100) scales, output straight in the caller's dtype, bias
+  fused where the kernel takes it; a configuration no kernel takes falls back to dequantize + bf16 GEMM with fp32
+  accumulation, and says why (the call is planned by a pure function: fp8train.nn.scaled_mm_plan).
 - `te` is not a GEMM here: Transformer Engine replaces the whole layer (fp8train.nn.te).
 - `auto`: scaled_mm on a capable CUDA GPU, else emulated.
 """

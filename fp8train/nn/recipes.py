@@ -152,7 +152,9 @@ class Fp8Recipe:
     """GEMM backend: 'auto' (scaled_mm on a capable CUDA GPU, else emulated), 'emulated', 'scaled_mm', 'te'."""
     fast_accum_forward: bool = True
     """scaled_mm only: the forward GEMM uses the tensor core's fast (never promoted) accumulation, as TE and
-    torchao do by default; the two backward GEMMs always use the precise (promoted) accumulation."""
+    torchao do by default; the two backward GEMMs always use the precise (promoted) accumulation. Block and MX
+    scales always run precise: cuBLAS refuses fast accumulation with 1x128 / 128x128 tiles, and the MX kernel
+    promotes per block (the request is dropped there, so the GEMM still runs in FP8)."""
     accumulator_bits: int = 0
     """emulated only: 0 = exact fp32 accumulation; 2..24 = model a tensor core that keeps this many significant
     bits of the accumulator (Hopper: ~14; see nn/accumulation.py). An analysis option: slow."""

@@ -1,56 +1,44 @@
 """The `scaled_mm` GEMM backend: FP8 tensor-core GEMMs through torch's scaled matmul.
 
-For a (M, K) @ b (K, N) with dequantization scales, this module decides which scaled-matmul kernel can take the
-operands as they are, builds the exact argument layouts that kernel documents, and calls it:
+Which kernel takes a (M, K) @ b (K, N) and with which arguments is planned by a pure function
+(fp8train.nn.scaled_mm_plan: the kinds, their scale layouts and the CUDA rules that decide them); this module
+runs the plan on the device, remembers what the device refused, and falls back where nothing takes the operands.
 
-| kind                     | scale_a                        | scale_b                          | needs             |
-|--------------------------|--------------------------------|----------------------------------|-------------------|
-| tensorwise               | () fp32                        | () fp32                          | K, N % 16         |
-| rowwise                  | (M, 1) fp32, contiguous        | (1, N) fp32, contiguous          | K, N % 16         |
-| blockwise_1x128_128x128  | (M, K/128), stride (1, M)      | (L4, N/128), stride (1, L4)      | K, N % 128, v2    |
-| blockwise_1x128_1x128    | (M, K/128), stride (1, M)      | (N, K/128), stride (1, N)        | K % 128, v2       |
-| blockwise_128x128_1x128  | (L4, M/128), stride (1, L4)    | (N, K/128), stride (1, N)        | M, K % 128, v2    |
+A fallback dequantizes both operands and runs a bf16 GEMM with fp32 accumulation (fp32 on CPU): what the tensor
+core computes, up to accumulation order, but not FP8 speed. Every call can report which path it took (`record`:
+'scaled_mm:<kind>' or 'fallback:<reason>'), so telemetry and the bench say per GEMM whether it ran FP8.
 
-L4 = K/128 rounded up to a multiple of 4 (the kernel reads scale columns in fours). The layouts are those that
-torch's own checks (`torch._meta_registrations._check_scaled_mm_sizes_v2`) state; the tests hold the arguments
-built here to those checks and to explicit stride assertions, because the CPU kernel accepts layouts the CUDA
-kernels reject. In every case the first operand is row-major and the second column-major; an operand in the
-other layout is copied once (fp8train quantizes backward operands straight into the layout their GEMM needs, so
-this copy does not happen on its hot path).
+`target_gpu(capability)` plans every scaled_mm GEMM for a GPU that is not here (e.g. (9, 0) for H100, (10, 0) for
+B200) without running a kernel: `record` then says which kernel each GEMM would reach there, or why it would fall
+back, and the result is computed by the fallback, so a whole forward and backward can be planned on a CPU.
 
-"v2" is the public `torch.nn.functional.scaled_mm` (torch >= 2.10); without it, `torch._scaled_mm` serves
-tensorwise and rowwise, and blockwise scales fall back. A fallback dequantizes both operands and runs a bf16 GEMM
-with fp32 accumulation (fp32 on CPU): what the tensor core computes, up to accumulation order, but not FP8 speed.
-Every call can report which path it took (`record`), so telemetry and the bench say per GEMM whether it ran FP8.
-
-Kernel quirks handled by retrying a smaller request once per configuration (and remembering the answer): some
-torch builds give rowwise/blockwise kernels a bf16 output only, and none fuses a bias into an fp32 output. What
-torch raises for an unsupported request: ValueError (TORCH_CHECK_VALUE: bad scale shapes, CPU blockwise),
-RuntimeError (TORCH_CHECK), NotImplementedError (missing kernels); out-of-memory is re-raised, never hidden.
+Kernel quirks handled by retrying a smaller request once per configuration and shape (and remembering the
+answer): some torch builds give rowwise/blockwise kernels a bf16 output only, and none fuses a bias into an fp32
+output. What torch raises for an unsupported request: ValueError (TORCH_CHECK_VALUE: bad scale shapes, CPU
+blockwise), RuntimeError (TORCH_CHECK, cuBLAS NOT_SUPPORTED for one shape), NotImplementedError (missing kernels);
+out-of-memory is re-raised, never hidden.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["scaled_mm_kind", "scaled_mm_arguments", "scaled_mm_gemm", "scaled_mm_available", "fp8_dialect_of",
-           "HAS_SCALED_MM_V2", "SCALED_MM_KINDS", "check_dialect", "call_scaled_mm"]
+from fp8train.nn.scaled_mm_plan import (HAS_SCALED_MM_V2, SCALED_MM_KINDS, ScaledMmPlan, plan_scaled_mm,
+                                        scaled_mm_arguments, scaled_mm_kind)
 
-HAS_SCALED_MM_V2 = hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
-SCALED_MM_KINDS = ("tensorwise", "rowwise", "blockwise_1x128_128x128", "blockwise_1x128_1x128",
-                   "blockwise_128x128_1x128")
-_TILES = {  # (a tile, b tile) in each operand's own orientation -> kind
-    ((1, 128), (128, 128)): "blockwise_1x128_128x128",
-    ((1, 128), (128, 1)): "blockwise_1x128_1x128",
-    ((128, 128), (128, 1)): "blockwise_128x128_1x128",
-}
+__all__ = ["scaled_mm_kind", "scaled_mm_arguments", "scaled_mm_gemm", "scaled_mm_available", "fp8_dialect_of",
+           "HAS_SCALED_MM_V2", "SCALED_MM_KINDS", "check_dialect", "call_scaled_mm", "plan_scaled_mm",
+           "ScaledMmPlan", "target_gpu", "device_capability"]
+
 _KERNEL_ERRORS = (RuntimeError, ValueError, NotImplementedError)
-_FNUZ_DTYPES = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
-# (device type, kind, dtypes, out dtype, bias fused, fast accum) -> None (works) or the reason it does not
+# (device type, capability, kind, dtypes, (M, K, N), out dtype, bias fused, fast accum) -> None (works) or why not:
+# cuBLAS can refuse one shape (NOT_SUPPORTED from its heuristics) and take the next, so the shape is in the key.
 _kernel_answers: dict = {}
+_targets: list = []  # innermost last: [(capability, plans list or None)] set by target_gpu
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -62,11 +50,41 @@ def _cuda_capability(index: int) -> tuple[int, int]:
 
 
 def scaled_mm_available(device: torch.device | str) -> bool:
-    """True on a CUDA device of compute capability 8.9+ (Ada, Hopper, Blackwell) whose torch has _scaled_mm."""
+    """True on a CUDA device of compute capability 8.9+ (Ada, Hopper, Blackwell) whose torch has _scaled_mm, and
+    on any device while `target_gpu` plans for one."""
+    if _targets:
+        return True
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
         return False
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+def device_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """The (major, minor) the plan is made for: `target_gpu`'s, a CUDA device's own, else None (the device's
+    kernels decide alone, as on CPU)."""
+    if _targets:
+        return _targets[-1][0]
+    device = torch.device(device)
+    if device.type != "cuda" or torch.version.hip:
+        return None
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@contextlib.contextmanager
+def target_gpu(capability: tuple[int, int], plans: list | None = None):
+    """Plan every scaled_mm GEMM inside for a GPU of `capability` (e.g. (9, 0)), run no FP8 kernel: `record`
+    says which kernel each GEMM would reach there or why it would fall back, `plans` (when given) collects
+    (gemm name, ScaledMmPlan), and results come from the dequantized fallback."""
+    capability = tuple(int(c) for c in capability)
+    if len(capability) != 2 or capability < (8, 9):
+        raise ValueError(f"target_gpu needs an FP8 GPU's compute capability (major, minor) >= (8, 9), e.g. "
+                         f"(9, 0); got {capability!r}")
+    _targets.append((capability, plans))
+    try:
+        yield
+    finally:
+        _targets.pop()
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,84 +110,15 @@ def check_dialect(format_names, device: torch.device | str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Which kernel, which arguments
+# The call
 # ------------------------------------------------------------------------------------------------------------
-def scaled_mm_kind(a, b) -> tuple[str | None, str]:
-    """(kind, '') when a scaled-matmul kernel takes a @ b as quantized, else (None, why not)."""
-    (m, k), n = a.shape, b.shape[1]
-    if a.data.dtype == b.data.dtype == torch.float8_e5m2:
-        return None, "no e5m2 x e5m2 kernel"
-    if k % 16 or n % 16:  # M may be anything; K and N must be multiples of 16 (torch's size check)
-        return None, f"K={k} and N={n} must be multiples of 16"
-    if a.block is None and b.block is None and a.scale.numel() == 1 and b.scale.numel() == 1:
-        return "tensorwise", ""
-    if a.scale_outer_rows and b.scale_outer_cols:
-        return "rowwise", ""
-    kind = _TILES.get((_tile_of(a), _tile_of(b)))
-    if kind is None:
-        return None, f"scales vary along K in tiles {_tile_of(a)} x {_tile_of(b)}, which no kernel takes"
-    if not HAS_SCALED_MM_V2:
-        return None, "blockwise scales need torch.nn.functional.scaled_mm (torch >= 2.10)"
-    if k % 128 or (kind.endswith("128x128") and n % 128) or (kind.startswith("blockwise_128x128") and m % 128):
-        return None, f"{kind} needs whole 128-tiles (M={m}, K={k}, N={n})"
-    return kind, ""
-
-
-def _tile_of(op) -> tuple[int, int] | None:
-    """The operand's scale tile; per-row / per-column scales of a full dimension are not tiles."""
-    return tuple(op.block) if op.block is not None else None
-
-
-def _row_major(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _col_major(t: torch.Tensor) -> torch.Tensor:
-    return t if t.t().is_contiguous() else t.t().contiguous().t()
-
-
-def _outer_major(scale: torch.Tensor) -> torch.Tensor:
-    """(R, C) scale stored with stride (1, R): the outer dim varies fastest."""
-    return scale.float().t().contiguous().t()
-
-
-def _padded_outer_major(scale: torch.Tensor) -> torch.Tensor:
-    """(C, R) tile grid of 128x128 scales -> (L4, C) with stride (1, L4), L4 = R rounded up to 4 (pad = 1)."""
-    outer, inner = scale.shape
-    padded = torch.ones(outer, -(-inner // 4) * 4, dtype=torch.float32, device=scale.device)
-    padded[:, :inner] = scale
-    return padded.t()
-
-
-def scaled_mm_arguments(a, b, kind: str) -> dict:
-    """mat_a, mat_b, scale_a, scale_b and the ScalingType names for `kind`, in the layouts the kernel needs."""
-    (m, _), n = a.shape, b.shape[1]
-    args = dict(mat_a=_row_major(a.data), mat_b=_col_major(b.data))
-    if kind == "tensorwise":
-        args.update(scale_a=a.scale.reshape(()).float(), scale_b=b.scale.reshape(()).float(),
-                    recipe_a="TensorWise", recipe_b="TensorWise")
-    elif kind == "rowwise":
-        args.update(scale_a=a.scale.float().expand(m, 1).contiguous(),
-                    scale_b=b.scale.float().expand(1, n).contiguous(), recipe_a="RowWise", recipe_b="RowWise")
-    elif kind == "blockwise_1x128_128x128":  # a.scale (M, K/128); b.scale (K/128, N/128)
-        args.update(scale_a=_outer_major(a.scale), scale_b=_padded_outer_major(b.scale.t()),
-                    recipe_a="BlockWise1x128", recipe_b="BlockWise128x128")
-    elif kind == "blockwise_1x128_1x128":  # b.scale (K/128, N): the kernel wants (N, K/128), stride (1, N)
-        args.update(scale_a=_outer_major(a.scale), scale_b=b.scale.float().contiguous().t(),
-                    recipe_a="BlockWise1x128", recipe_b="BlockWise1x128")
-    elif kind == "blockwise_128x128_1x128":  # a.scale (M/128, K/128)
-        args.update(scale_a=_padded_outer_major(a.scale), scale_b=b.scale.float().contiguous().t(),
-                    recipe_a="BlockWise128x128", recipe_b="BlockWise1x128")
-    else:
-        raise ValueError(f"unknown scaled_mm kind {kind!r}; allowed: {', '.join(SCALED_MM_KINDS)}")
-    return args
-
-
 def call_scaled_mm(args: dict, out_dtype: torch.dtype, bias: torch.Tensor | None, fast_accum: bool):
+    """One scaled-matmul call with arguments from `scaled_mm_arguments` (F.scaled_mm where torch has it)."""
     if HAS_SCALED_MM_V2:
+        swizzle = getattr(F.SwizzleType, args["swizzle"]) if args.get("swizzle") else None
         return F.scaled_mm(args["mat_a"], args["mat_b"], args["scale_a"], getattr(F.ScalingType, args["recipe_a"]),
-                           args["scale_b"], getattr(F.ScalingType, args["recipe_b"]), bias=bias,
-                           output_dtype=out_dtype, use_fast_accum=fast_accum)
+                           args["scale_b"], getattr(F.ScalingType, args["recipe_b"]), swizzle_a=swizzle,
+                           swizzle_b=swizzle, bias=bias, output_dtype=out_dtype, use_fast_accum=fast_accum)
     return torch._scaled_mm(args["mat_a"], args["mat_b"], args["scale_a"], args["scale_b"], bias=bias,
                             out_dtype=out_dtype, use_fast_accum=fast_accum)
 
@@ -182,41 +131,43 @@ def scaled_mm_gemm(a, b, *, out_dtype: torch.dtype = torch.float32, bias: torch.
     """`dequant(a) @ dequant(b) (+ bias)` in `out_dtype` on the FP8 kernel where one takes the operands.
 
     `record[gemm]` (when given) is set to 'scaled_mm:<kind>' or 'fallback:<reason>'."""
-    kind, reason = scaled_mm_kind(a, b)
-    if kind is not None:
-        args = scaled_mm_arguments(a, b, kind)
-        for request_dtype, fused_bias in _requests(out_dtype, bias):
-            key = (a.data.device.type, kind, a.data.dtype, b.data.dtype, request_dtype, fused_bias is not None,
-                   bool(use_fast_accum))
-            if _kernel_answers.get(key, None) is not None:
-                reason = _kernel_answers[key]
-                continue
-            try:
-                out = call_scaled_mm(args, request_dtype, fused_bias, bool(use_fast_accum))
-            except torch.OutOfMemoryError:
-                raise
-            except _KERNEL_ERRORS as err:  # remember, so later steps do not pay for the exception
-                reason = _kernel_answers[key] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
-                continue
-            _kernel_answers[key] = None
-            if bias is not None and fused_bias is None:
-                out = out + bias.to(out.dtype)
-            if record is not None:
-                record[gemm] = f"scaled_mm:{kind}"
-            return out if out.dtype == out_dtype else out.to(out_dtype)
+    capability = device_capability(a.data.device)
+    plan = plan_scaled_mm(a, b, out_dtype=out_dtype, bias=bias, use_fast_accum=use_fast_accum,
+                          capability=capability)
+    if _targets:  # planning for a GPU that is not here: say what would run, compute with the fallback
+        if _targets[-1][1] is not None:
+            _targets[-1][1].append((gemm, plan))
+        if record is not None:
+            record[gemm] = f"scaled_mm:{plan.kind}" if plan.kind else f"fallback:{plan.reason}"
+        return _dequantized_gemm(a, b, out_dtype, bias)
+    out, reason = _run_plan(plan, a, b, out_dtype, bias, capability) if plan.kind else (None, plan.reason)
     if record is not None:
-        record[gemm] = f"fallback:{reason}"
-    return _dequantized_gemm(a, b, out_dtype, bias)
+        record[gemm] = f"scaled_mm:{plan.kind}" if out is not None else f"fallback:{reason}"
+    return out if out is not None else _dequantized_gemm(a, b, out_dtype, bias)
 
 
-def _requests(out_dtype: torch.dtype, bias):
-    """(output dtype, bias to fuse) to try in order: as asked, then the bias unfused, then a bf16 output."""
-    fusable = bias is not None and out_dtype != torch.float32  # no kernel fuses a bias into an fp32 output
-    if fusable:
-        yield out_dtype, bias.to(out_dtype)
-    yield out_dtype, None
-    if out_dtype != torch.bfloat16:
-        yield torch.bfloat16, None
+def _run_plan(plan: ScaledMmPlan, a, b, out_dtype, bias, capability):
+    """(result, '') from the first request the device takes, else (None, the last refusal)."""
+    reason = ""
+    for request_dtype, fuse_bias in plan.requests:
+        key = (a.data.device.type, capability, plan.kind, a.data.dtype, b.data.dtype, plan.shape, request_dtype,
+               fuse_bias, plan.fast_accum)
+        if _kernel_answers.get(key) is not None:
+            reason = _kernel_answers[key]
+            continue
+        fused_bias = bias.to(request_dtype) if fuse_bias else None
+        try:
+            out = call_scaled_mm(plan.args, request_dtype, fused_bias, plan.fast_accum)
+        except torch.OutOfMemoryError:
+            raise
+        except _KERNEL_ERRORS as err:  # remember, so later steps do not pay for the exception
+            reason = _kernel_answers[key] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            continue
+        _kernel_answers[key] = None
+        if bias is not None and not fuse_bias:
+            out = out + bias.to(out.dtype)
+        return (out if out.dtype == out_dtype else out.to(out_dtype)), ""
+    return None, reason
 
 
 def _dequantized_gemm(a, b, out_dtype: torch.dtype, bias) -> torch.Tensor:

@@ -49,6 +49,7 @@ from fp8train.numerics.scaling import (_CAPS, GRANULARITIES, _amax, _as_blocks, 
 __all__ = [
     "Fp8Tensor", "quantize", "compute_amax", "scale_from_amax", "expand_scale", "cast_to_fp8", "decode_fp8",
     "quant_error", "convert_dialect", "GRANULARITIES", "QUANT_KERNELS", "max_scale", "scale_rule", "native_quantize",
+    "eager_division_options",
 ]
 
 QUANT_KERNELS = ("eager", "compiled_cast", "compiled_select", "native")
@@ -196,6 +197,20 @@ def _untile(tiles: torch.Tensor, shape, br: int, bc: int) -> torch.Tensor:
 
 
 _compiled: dict = {}
+_DIVISION_FLAG = "eager_numerics.division_rounding"
+
+
+def eager_division_options() -> dict:
+    """torch.compile options that make inductor's fp32 division IEEE round-to-nearest, as eager's is.
+
+    Triton lowers an fp32 `x / y` to an approximate division (div.full) unless inductor is told to emit div_rn:
+    with a scale that is not a power of two, a quotient one ulp off can round to the neighbouring FP8 code, so
+    compiled and eager quantization would differ in a few bytes. The switch is inductor's
+    `eager_numerics.division_rounding` (torch 2.11 and 2.13); a torch without it gets no option (and no promise).
+    The C++ (CPU) backend divides exactly either way."""
+    import torch._inductor.config as inductor_config
+
+    return {_DIVISION_FLAG: True} if _DIVISION_FLAG in inductor_config.get_config_copy() else {}
 
 
 def _run(fn, key, *args, compiled: bool):
@@ -212,7 +227,8 @@ def _run(fn, key, *args, compiled: bool):
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         code = fn.__code__.replace(co_name=f"{fn.__name__}_{len(_compiled)}")
         clone = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-        compiled_fn = _compiled[(fn.__name__, key)] = torch.compile(clone, dynamic=None)
+        compiled_fn = _compiled[(fn.__name__, key)] = torch.compile(clone, dynamic=None,
+                                                                    options=eager_division_options())
     return compiled_fn(*args)
 
 

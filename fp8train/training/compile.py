@@ -13,6 +13,8 @@ import shutil
 import torch
 import torch._dynamo
 
+from fp8train.numerics.quant import eager_division_options
+
 __all__ = ["check_compiler", "compile_model"]
 
 
@@ -41,5 +43,7 @@ def compile_model(model: torch.nn.Module) -> torch.nn.Module:
     # One graph per FP8 format and scaling configuration: the default of 8 recompiles is too few for a model
     # whose layers differ in shape.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    model.compile()
+    # fp32 divisions IEEE-rounded as in eager (quant.eager_division_options): the FP8 quantization traced into
+    # the model's graph then writes the same bytes compiled and eager, on GPUs too.
+    model.compile(options=eager_division_options() or None)
     return model

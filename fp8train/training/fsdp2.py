@@ -118,6 +118,9 @@ def _sum_over_ranks(value: torch.Tensor, sharded: bool) -> torch.Tensor:
     return value
 
 
+GRAD_NORM_CHUNK = 1 << 22
+
+
 def grad_norm(model: nn.Module) -> float:
     """Global L2 norm of the gradients, replicated (DDP) or sharded (FSDP2: local shards, summed over ranks).
 
@@ -137,7 +140,11 @@ def grad_norm_tensor(model: nn.Module) -> torch.Tensor:
     sharded = any(isinstance(g, DTensor) for g in grads)
     squares = torch.zeros((), dtype=torch.float64, device=grads[0].device)
     for g in grads:
-        squares = squares + local_tensor(g).detach().double().pow(2).sum()
+        flat = local_tensor(g).detach().reshape(-1)
+        # float64 a slice at a time: at most GRAD_NORM_CHUNK elements (32 MiB) in float64 at once, never a
+        # float64 copy of a whole gradient (a 2048 x 16384 one would be 256 MiB)
+        for start in range(0, flat.numel(), GRAD_NORM_CHUNK):
+            squares = squares + flat[start:start + GRAD_NORM_CHUNK].double().pow(2).sum()
     return _sum_over_ranks(squares, sharded).sqrt().float()
 
 
