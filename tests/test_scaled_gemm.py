@@ -36,7 +36,9 @@ def _cpu_runs_scaled_mm() -> bool:
         return False
 
 
-needs_cpu_kernel = pytest.mark.skipif(not _cpu_runs_scaled_mm(), reason=f"torch {torch.__version__} has no CPU scaled_mm kernel to stand in for the GPU (test_scaled_mm_replay.py checks these calls on meta tensors instead)")
+needs_cpu_kernel = pytest.mark.skipif(
+    not _cpu_runs_scaled_mm(), reason=f"torch {torch.__version__} has no CPU scaled_mm kernel to stand in for the GPU "
+                                      f"(test_scaled_mm_replay.py checks these calls on meta tensors instead)")
 M, K, N = 128, 256, 384  # whole 128-tiles, so blockwise kinds apply
 
 
