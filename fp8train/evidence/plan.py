@@ -39,6 +39,7 @@ from fp8train.nn.recipes import ROLES, recipe
 from fp8train.evidence import advisor
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
 from fp8train.training.model import build_model, check_model_for_run
+from fp8train.training.outputs import check_output_file
 from fp8train.training.rundir import read_jsonl, write_text_atomic
 from fp8train.training.shadow import SHADOW_STAT_KEYS
 
@@ -263,9 +264,7 @@ def add_cli_arguments(parser) -> None:
 
 
 def cli_main(args) -> int:
-    out = Path(args.out)
-    if out.exists() and not args.force:
-        raise FileExistsError(f"--out {out} exists; pass --force to replace it")
+    out = check_output_file(args.out, force=args.force, sources=[args.run_dir])
     if args.repeats < 1:
         raise ValueError(f"--repeats={args.repeats}: must be >= 1")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
@@ -41,7 +40,8 @@ from fp8train.serving.fp8_weights import (ACTIVATION_SCHEMES, Fp8ActivationLinea
 from fp8train.serving.run_loading import LoadedRun, fp8_linear_names, load_run, package_version, tied_aliases
 from fp8train.training.data import build_data
 from fp8train.training.model import HFCausalLM
-from fp8train.training.rundir import CHECKPOINTS_DIR, give_default_mode
+from fp8train.training.outputs import check_output_folder, replace_output_folder
+from fp8train.training.rundir import as_os_error, give_default_mode, write_text_atomic
 
 __all__ = ["export_hf_folder", "load_hf_export", "hf_export_names", "quantization_config", "llama_config_of"]
 
@@ -171,41 +171,31 @@ def _fp8_tensors(run: LoadedRun, names: list, to_hf, weight_block: int, input_am
     return tensors
 
 
-def _write_folder(out: Path, tensors: dict, config: dict, tokenizer_folder: str, force: bool) -> None:
-    # Written aside and renamed into place: a failure never leaves half a folder at `out`; with --force the old
-    # folder is replaced only once the new one is complete.
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        give_default_mode(tmp / "model.safetensors")  # safetensors writes 0600
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+def _write_folder(out: Path, tensors: dict, config: dict, tokenizer_folder: str) -> None:
+    # Built aside and renamed into place (outputs.replace_output_folder): a failure never leaves half a folder at
+    # `out`; with --force the old folder (fp8train's own, checked before) is replaced only once the new one is
+    # complete.
+    def build(folder: Path) -> None:
+        try:
+            save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        except Exception as err:  # safetensors' own error type: its OSError (full disk) only in the text
+            raise as_os_error(err, out) or err
+        give_default_mode(folder / "model.safetensors")  # safetensors writes 0600
+        write_text_atomic(folder / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
         if tokenizer_folder:
             from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(os.path.expanduser(tokenizer_folder), local_files_only=True
-                                          ).save_pretrained(str(tmp))
-        old = out.with_name(f".old-{out.name}-{os.getpid()}")
-        if out.exists() and force:
-            os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+                                          ).save_pretrained(str(folder))
+
+    replace_output_folder(out, "export", build)
 
 
 def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", weight_block: int = 0,
                      calib_batches: int = 4, force: bool = False) -> dict:
     """Write the Hugging Face FP8 folder of ``run_dir``'s newest valid checkpoint to ``out``."""
     _check_options(fmt, activations, weight_block)
-    out = Path(out)
-    if out.exists() and not force:
-        raise FileExistsError(f"export path {str(out)!r} already exists; pass --force (force=True) to replace it "
-                              "(nothing was written)")
-    if out.resolve().is_relative_to((Path(run_dir) / CHECKPOINTS_DIR).resolve()):  # --force would replace the source
-        raise ValueError(f"export path {str(out)!r} is inside the checkpoints it is exported from; write it "
-                         f"outside {run_dir}/checkpoints (nothing was written)")
+    out = check_output_folder(out, force=force, sources=[run_dir])
     run = load_run(run_dir)
     names = fp8_linear_names(run)
     ragged = [n for n in names if weight_block and run.model.get_submodule(n).in_features % weight_block]
@@ -228,7 +218,7 @@ def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", w
         [to_hf(n) for n in linears if n not in names], activations, weight_block))
     config["fp8train_export"] = {"source_run": str(run.run_dir.resolve()), "source_step": run.step,
                                  "source_recipe": run.cfg.fp8.recipe, "fp8train_version": package_version()}
-    _write_folder(out, tensors, config, run.cfg.data.tokenizer, force)
+    _write_folder(out, tensors, config, run.cfg.data.tokenizer)
     return {"path": str(out), "format": "e4m3fn", "fp8_layers": len(names), "step": run.step,
             "activations": activations, "weight_block": weight_block,
             "bytes": (out / "model.safetensors").stat().st_size}
