@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -225,3 +226,55 @@ def test_temp_names_are_unique_per_write(tmp_path):
 
     names = {temp_path(tmp_path / "summary.json").name for _ in range(100)}
     assert len(names) == 100 and all(n.startswith(f".summary.json.tmp-{os.getpid()}-") for n in names)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Bad input: one line naming the key or file and what is allowed, before anything is written
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override,named", [
+    ("fp8.amax_history_len=100000000", r"fp8.amax_history_len=100000000.*\[1, 65536\]"),
+    ("train.eval_batches=100000", r"train.eval_batches=100000.*\[1, 1024\]"),
+    ("fp8.input_block=abc", r"fp8.input_block='abc'.*expected a list"),
+    ("log.trackers=wandb", r"log.trackers='wandb'.*expected a list"),
+])
+def test_config_bounds_and_shapes_are_one_line_before_any_write(tmp_path, override, named, tiny, commands, capsys):
+    config = tiny.write(tmp_path, fp8={"recipe": "delayed"})
+    code, _, err = commands.main(["train", str(config), override, "--quiet"], capsys)
+    assert re.search(named, one_line_error(code, err)), err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_largest_amax_history_is_allowed_by_the_python_api_too():
+    from fp8train.nn.recipes import recipe
+
+    assert recipe("delayed", amax_history_len=65536).amax_history_len == 65536
+    with pytest.raises(ValueError, match=r"\[1, 65536\]"):
+        recipe("delayed", amax_history_len=65537)
+
+
+def test_a_foreign_config_in_a_run_folder_is_named(tmp_path, tiny, commands, capsys):
+    run = tmp_path / "runs" / "tiny"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("my: 1\n")
+    config = tiny.write(tmp_path)
+    for argv in (["train", str(config), "train.resume=true", "--quiet"],
+                 ["export", str(run), "--format", "e4m3fn", "--out", str(tmp_path / "x.safetensors"), "--no-check"]):
+        code, _, err = commands.main(argv, capsys)
+        line = one_line_error(code, err)
+        assert str(run / "config.yaml") in line and "'my'" in line
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
+
+
+@pytest.mark.parametrize("text", ["", "\n# to be filled in\n"])
+def test_an_empty_config_file_is_refused_not_trained_on_defaults(tmp_path, text, commands, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the defaults would train into ./runs
+    (tmp_path / "empty.yaml").write_text(text)
+    code, _, err = commands.main(["train", "empty.yaml", "--quiet"], capsys)
+    assert "is empty" in one_line_error(code, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.yaml"]
+
+
+def test_plan_refuses_a_nan_threshold(tiny_fp8_run, tmp_path, commands, capsys):
+    code, _, err = commands.main(["plan", str(tiny_fp8_run), "--out", str(tmp_path / "plan.yaml"),
+                                  "--sqnr-db-min", "nan"], capsys)
+    assert "--sqnr-db-min=nan" in one_line_error(code, err)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import math
 import re
 import statistics
 import time
@@ -271,6 +272,9 @@ def cli_main(args) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is visible to torch")
     thresholds = {key: getattr(args, key) for key in DEFAULT_THRESHOLDS}
+    for key, value in thresholds.items():  # a NaN threshold compares false with everything: a silent plan
+        if not math.isfinite(value):
+            raise ValueError(f"--{key.replace('_', '-')}={value}: a threshold must be a finite number")
     plan = make_plan(args.run_dir, device, args.repeats, thresholds)
     write_text_atomic(out, plan_yaml(plan))
     print(f"{plan['fp8_layers']} of {len(plan['layers'])} layers in FP8 on {plan['device_name']}"

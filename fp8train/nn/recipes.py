@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 from fp8train.numerics.formats import ALIASES, FORMAT_NAMES
 
-__all__ = ["Fp8Recipe", "recipe", "RECIPE_NAMES", "SCALINGS", "BACKENDS", "ROLES", "AMAX_COMPUTE_ALGOS", "FORMAT_NAMES"]
+__all__ = ["Fp8Recipe", "recipe", "RECIPE_NAMES", "SCALINGS", "BACKENDS", "ROLES", "AMAX_COMPUTE_ALGOS", "FORMAT_NAMES",
+           "MAX_AMAX_HISTORY"]
 
 SCALINGS = ("delayed", "current", "rowwise", "block", "mxfp8")
 RECIPE_NAMES = SCALINGS  # one preset per scaling kind
@@ -44,6 +45,12 @@ ROLES = ("input", "weight", "grad_output")
 # those of fp8train.numerics.formats (FORMAT_NAMES, re-exported here; "e4m3" is an alias of "e4m3fn").
 _CANONICAL_FORMAT = ALIASES
 _SHORT_FORMAT = {"e4m3fn": "e4m3", "e5m2": "e5m2", "e4m3fnuz": "e4m3fnuz", "e5m2fnuz": "e5m2fnuz"}
+
+
+# The longest amax history: 64x TransformerEngine's default of 1024. Every delayed layer holds one fp32 history
+# per role (3 x 4 bytes x length) and every update rolls all of it, so 100,000,000 once meant a 1.2 GB
+# allocation per layer before the first step; a window longer than any run's steps only holds zeros anyway.
+MAX_AMAX_HISTORY = 65536
 
 
 @dataclass(frozen=True)
@@ -106,8 +113,9 @@ class Fp8Recipe:
         if not isinstance(self.pow2_scales, bool):
             raise ValueError(f"pow2_scales must be a bool, got {self.pow2_scales!r}")
         if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
-                or self.amax_history_len < 1:
-            raise ValueError(f"amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
+                or not 1 <= self.amax_history_len <= MAX_AMAX_HISTORY:
+            raise ValueError(f"amax_history_len must be an int in [1, {MAX_AMAX_HISTORY}], got "
+                             f"{self.amax_history_len!r}")
         factor = self.amax_outlier_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
                 or not (factor == 0 or factor > 1):

@@ -1,20 +1,23 @@
 """Run-directory I/O, in one place: where a run's files live, and how they are written and read safely.
 
 Every writer in fp8train goes through these functions, so the promises below hold for every file a run leaves:
-- `write_text_atomic` / `write_json_atomic` replace a file whole (temp file in the same folder, then
-  `os.replace`): a process killed mid-write leaves the old file or the new one, never half of it, and the temp
-  file is removed if the write itself fails (full disk, read-only folder);
+- `write_file_atomic` (and `write_text_atomic` / `write_json_atomic` on it) replace a file whole: a temp file in
+  the same folder, named with the PID and random digits so no two writers share one, fsync'd, `os.replace`d
+  onto the target and the folder fsync'd; a process killed mid-write leaves the old file or the new one, never
+  half of it, and the temp file is removed if the write itself fails (full disk, read-only folder). Every
+  error names the target, never the temp name (`write_failure`);
 - JSON is strict: NaN and +-inf are written as null (`json_safe`), so every file parses with any JSON reader;
 - `read_jsonl` drops a torn last line (what `kill -9` during an append leaves) and reports, by file name and
   line number, a damaged line anywhere else;
-- nothing is written through a symlink inside a run directory (`refuse_symlink`, `refuse_symlinks_in`): a link
-  planted there could make a run overwrite a file outside it;
+- nothing is written through a symlink (`refuse_symlink`, `refuse_symlinks_in`): a link planted in a run
+  directory (or at any output path) could make fp8train overwrite a file outside it;
 - a run or validation directory is created only where nothing is (absent, or empty), continued only where a run
   is (`dir_state`); anything else is refused before a byte is written;
 - one process at a time works in a directory (`DirLock`, an flock held for the run's life): a second one is
   refused with the holder's PID, and the lock of a process that was killed is free again (the kernel drops an
   flock with its process), so it is taken over and said so;
 - a failed write (full disk, read-only or forbidden folder) is one line naming the file (`write_error`).
+What a command may write or replace outside a run directory (--out paths, --force): fp8train.training.outputs.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from typing import Any, Callable, Iterable
 
 __all__ = [
     "CONFIG_FILE", "METRICS_FILE", "TELEMETRY_FILE", "SUMMARY_FILE", "CHECKPOINTS_DIR", "TRACKERS_FILE",
-    "run_dir_path", "json_safe", "temp_path", "write_file_atomic", "write_failure", "write_text_atomic", "write_json_atomic", "read_json", "read_jsonl",
+    "run_dir_path", "json_safe", "temp_path", "write_file_atomic", "write_failure", "write_text_atomic",
+    "write_json_atomic", "read_json", "read_jsonl",
     "append_jsonl", "truncate_jsonl", "refuse_symlink", "refuse_symlinks_in", "dumps", "nonfinite_fields",
     "restore_nonfinite", "dir_state", "DirLock", "LOCK_FILE", "WRITE_ERRNOS", "write_error", "record_write_failure",
     "give_default_mode",

@@ -21,7 +21,8 @@ from fp8train.nn.gemm import EMULATED_DTYPES
 from fp8train.nn.fp8_all_gather import FP8_ALL_GATHER_SCALINGS
 from fp8train.nn.overrides import normalize_overrides
 from fp8train.nn.te import te_config_refusal
-from fp8train.nn.recipes import AMAX_COMPUTE_ALGOS, BACKENDS, FORMAT_NAMES, RECIPE_NAMES, Fp8Recipe, recipe
+from fp8train.nn.recipes import (AMAX_COMPUTE_ALGOS, BACKENDS, FORMAT_NAMES, MAX_AMAX_HISTORY, RECIPE_NAMES,
+                                 Fp8Recipe, recipe)
 from fp8train.numerics.kernel_probe import KERNEL_CHOICES
 from fp8train.training.config.base import _Section, _require
 
@@ -99,7 +100,9 @@ class Fp8Config(_Section):
                      f"must be in [0, {MAX_MARGIN}] (powers of two of headroom; above {MAX_MARGIN} every FP8 value "
                      "of every format underflows to zero)")
         if self.amax_history_len is not None:
-            self._at_least("amax_history_len", 1)
+            _require(1 <= self.amax_history_len <= MAX_AMAX_HISTORY, self._key("amax_history_len"),
+                     self.amax_history_len, f"must be in [1, {MAX_AMAX_HISTORY}] (steps of amax kept per layer and "
+                     "role; each one is memory and work on every update)")
         if self.accumulator_bits is not None:
             _require(self.accumulator_bits == 0 or 2 <= self.accumulator_bits <= 24, self._key("accumulator_bits"),
                      self.accumulator_bits, "0 (exact fp32) or an int in [2, 24] (significant bits kept)")
