@@ -214,7 +214,11 @@ def test_config_file_errors(tmp_path):
     with pytest.raises(ValueError, match="mapping"):
         load_config(str(listy))
     empty = tmp_path / "empty.yaml"
-    empty.write_text("")
+    for nothing in ("", "\n# settings to come\n"):  # a truncated or wrong file: refused, never every default
+        empty.write_text(nothing)
+        with pytest.raises(ValueError, match=r"empty.yaml' is empty.*\{\}"):
+            load_config(str(empty))
+    empty.write_text("{}\n")  # every default, on purpose
     assert load_config(str(empty)) == FullConfig()
     with pytest.raises(ValueError, match="key=value"):
         load_config(None, ["train.lr"])

@@ -173,10 +173,16 @@ def test_existing_folder_is_not_replaced_without_force(tiny_fp8_run, tmp_path, c
     (out / "keep.txt").write_text("precious")
     assert main(["export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(out), "--no-check"]) == 2
     assert "already exists" in capsys.readouterr().err and (out / "keep.txt").read_text() == "precious"
-    assert main(["export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(out), "--force"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    # --force replaces only a folder fp8train wrote: this one is the user's, and stays
+    assert main(["export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(out), "--force"]) == 2
+    assert "did not write" in capsys.readouterr().err and (out / "keep.txt").read_text() == "precious"
+    export = tmp_path / "export"
+    assert main(["export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(export), "--no-check"]) == 0
+    assert main(["export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(export), "--force"]) == 0
+    assert sorted(p.name for p in export.iterdir()) == [".fp8train-output", "config.json", "generation_config.json",
+                                                       "model.safetensors"]
     assert "top-1 agreement" in capsys.readouterr().out
-    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folders left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "out"]  # no temporary folders left
 
 
 @pytest.mark.slow

@@ -314,3 +314,110 @@ def test_skip_guard_skips_a_nonfinite_step_counts_and_logs_it(tmp_path, tiny):
     again = [json.loads(line) for line in (tmp_path / "runs" / "guard2" / "metrics.jsonl").read_text().splitlines()]
     keep = ("step", "loss", "grad_norm", "skipped_steps", "fp8/grad_output/nonfinite_amax_events")
     assert [{k: r[k] for k in keep} for r in again[1:]] == [{k: r[k] for k in keep} for r in records]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Below fp32's scales, loaded state and layouts that cannot be right: errors, never silent zeros or tracebacks
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("tiny_value", [1e-300, 1e-60, 1e-46])
+def test_float64_below_every_fp32_scale_is_refused_not_zeroed(fmt_name, tiny_value):
+    """The smallest fp32 scale is 2^-126; |x| / 2^-126 below half the format's min subnormal rounds to 0 for
+    every value. float64 x of that size is an error (as one beyond the largest fp32 scale is), per group too."""
+    fmt = get_format(fmt_name)
+    assert tiny_value / 2.0**-126 < fmt.min_subnormal / 2  # the premise, from the documented constants
+    x = torch.tensor([tiny_value, -tiny_value / 3], dtype=torch.float64)
+    with pytest.raises(ValueError, match="rescale x first"):
+        quantize(x, fmt)
+    rows = torch.tensor([[1.0, -2.0], [tiny_value, 0.0]], dtype=torch.float64)  # the second row alone is lost
+    with pytest.raises(ValueError, match="1 row"):
+        quantize(rows, fmt, granularity="row")
+    with pytest.raises(ValueError, match="1 block"):
+        quantize(rows, fmt, granularity="block", block=(1, 2))
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_float64_small_but_representable_still_quantizes(fmt_name):
+    fmt = get_format(fmt_name)
+    value = 2.0**-126 * fmt.min_subnormal * 4  # four min subnormals under the smallest scale: exact in FP8
+    q = quantize(torch.tensor([value, 0.0], dtype=torch.float64), fmt)
+    assert q.dequantize(torch.float64).tolist() == [value, 0.0]
+    assert quantize(torch.zeros(3, dtype=torch.float64), fmt).dequantize().abs().sum() == 0  # zeros are fine
+
+
+@pytest.mark.parametrize("counter", ["input_nonfinite_amax_count", "grad_output_nonfinite_amax_count",
+                                     "weight_stale_scale_steps"])
+def test_a_negative_loaded_event_counter_is_refused(counter):
+    layer = Fp8Linear(16, 16, recipe="delayed")
+    state = layer.state_dict()
+    state[counter] = torch.tensor(-5, dtype=torch.int64)
+    with pytest.raises(ValueError, match=f"{counter}.*count >= 0"):
+        Fp8Linear(16, 16, recipe="delayed").load_state_dict(state)
+
+
+def test_a_wrongly_shaped_scaling_buffer_is_refused_by_name():
+    layer = Fp8Linear(16, 16, recipe="delayed")
+    state = layer.state_dict()
+    state["weight_amax_history"] = torch.zeros(7)
+    with pytest.raises(ValueError, match=r"weight_amax_history has shape \(7,\).*\(1024,\)"):
+        Fp8Linear(16, 16, recipe="delayed").load_state_dict(state)
+
+
+@pytest.mark.parametrize("block", [(1.5, 4), (2, 4.0), ("2", 4)])
+def test_a_fractional_block_is_refused(block):
+    with pytest.raises(ValueError, match="block must be two positive ints"):
+        quantize(torch.randn(4, 8), "e4m3fn", granularity="block", block=block)
+
+
+@pytest.mark.parametrize("shape,granularity,block,scale_shape", [
+    ((4, 8), "tensor", (1, 128), (3,)), ((4, 8), "row", (1, 128), (3,)), ((4, 8), "row", (1, 128), (1, 8)),
+    ((4, 8), "block", (2, 4), (3, 3)), ((300,), "block", (1, 128), (4,)), ((2, 4, 300), "block", (2, 128), (3, 3)),
+])
+def test_a_wrongly_shaped_scale_is_a_value_error(shape, granularity, block, scale_shape):
+    with pytest.raises(ValueError, match=r"scale has shape"):
+        quantize(torch.randn(*shape), "e4m3fn", granularity=granularity, block=block, scale=torch.ones(scale_shape))
+
+
+@pytest.mark.parametrize("shape,block", [((300,), (1, 128)), ((2, 4, 300), (2, 128)), ((3, 5, 7), (128, 128))])
+def test_block_quantize_of_1d_and_3d_tensors_meets_the_bound(shape, block):
+    """1-D tensors are one row of blocks, 3-D ones tile their last two dims; given the scale back, the result is
+    the same bytes (checked against the rounding bound, not against itself)."""
+    x = torch.randn(*shape) * 10
+    q = quantize(x, "e4m3fn", granularity="block", block=block)
+    s = expand_scale(q.scale, x.shape, "block", q.block, -1)
+    assert ((q.dequantize() - x).abs() <= x.abs() * 0.0625 + 0.5 * 2.0**-9 * s + 1e-12).all()
+    again = quantize(x, "e4m3fn", granularity="block", block=block, scale=q.scale)
+    assert torch.equal(again.data.view(torch.uint8), q.data.view(torch.uint8))
+
+
+def test_fp8_linear_on_the_meta_device_says_so():
+    layer = Fp8Linear(16, 16, recipe="current", device="meta")
+    with pytest.raises(ValueError, match="meta device"):
+        layer(torch.randn(2, 16, device="meta"))
+
+
+def test_a_dangling_link_in_a_data_folder_is_one_line(tmp_path, tiny, commands, capsys):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    shutil.copy(tiny.corpus, folder / "a.txt")
+    (folder / "b.txt").symlink_to(tmp_path / "gone.txt")
+    config = tiny.write(tmp_path, data={"path": str(folder)}, train={"max_steps": 1})
+    code, _, err = commands.main(["train", str(config), "--quiet"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "b.txt" in lines[0] and "gone.txt" in lines[0], err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_hf_config_with_hidden_size_not_divisible_by_heads_is_one_line(tmp_path, tiny, commands, capsys):
+    pytest.importorskip("transformers")
+    (tmp_path / "arch").mkdir()
+    (tmp_path / "arch" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 66, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": 512, "max_position_embeddings": 64}))
+    settings = tiny.config(tmp_path, train={"max_steps": 1})
+    settings["model"] = {"hf_config": str(tmp_path / "arch"), "seq_len": 32}
+    config = tmp_path / "hf.yaml"
+    config.write_text(json.dumps(settings))  # JSON is YAML
+    code, _, err = commands.main(["train", str(config), "--quiet"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "model.hf_config" in lines[0] and "66" in lines[0], err

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import math
 import re
 import statistics
 import time
@@ -39,6 +40,7 @@ from fp8train.nn.recipes import BASELINE_RECIPE, ROLES, recipe
 from fp8train.evidence import advisor
 from fp8train.training.config import layer_policy_from_config, load_config
 from fp8train.training.model import build_model, check_model_for_run
+from fp8train.training.outputs import check_output_file
 from fp8train.training.rundir import read_jsonl, write_text_atomic
 from fp8train.training.shadow import SHADOW_STAT_KEYS
 
@@ -263,15 +265,16 @@ def add_cli_arguments(parser) -> None:
 
 
 def cli_main(args) -> int:
-    out = Path(args.out)
-    if out.exists() and not args.force:
-        raise FileExistsError(f"--out {out} exists; pass --force to replace it")
+    out = check_output_file(args.out, force=args.force, sources=[args.run_dir])
     if args.repeats < 1:
         raise ValueError(f"--repeats={args.repeats}: must be >= 1")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is visible to torch")
     thresholds = {key: getattr(args, key) for key in DEFAULT_THRESHOLDS}
+    for key, value in thresholds.items():  # a NaN threshold compares false with everything: a silent plan
+        if not math.isfinite(value):
+            raise ValueError(f"--{key.replace('_', '-')}={value}: a threshold must be a finite number")
     plan = make_plan(args.run_dir, device, args.repeats, thresholds)
     write_text_atomic(out, plan_yaml(plan))
     print(f"{plan['fp8_layers']} of {len(plan['layers'])} layers in FP8 on {plan['device_name']}"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from fp8train.evidence import advisor
 from fp8train.nn.recipes import ROLES
+from fp8train.training.rundir import write_file_atomic
 
 __all__ = ["plot_forest", "plot_gap_over_steps", "plot_loss_curves", "plot_health"]
 
@@ -39,8 +40,16 @@ def _percent(value) -> float:
 
 def _save(fig, plt, path: Path) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _write_png(fig, plt, path)
+
+
+def _write_png(fig, plt, path: Path) -> None:
+    # Whole or not at all, never through a link (rundir.write_file_atomic); the temp name has no .png suffix,
+    # so the format is named.
+    try:
+        write_file_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def plot_forest(path: Path, candidates: dict, margin: float, title: str) -> None:
@@ -170,8 +179,7 @@ def plot_health(path: Path, tables: dict[str, dict], title: str) -> bool:
         ax.set_yticklabels(layers, fontsize=7)
     fig.suptitle(f"{title}: per-layer FP8 health (mean over sampled steps and seeds)")
     fig.tight_layout(rect=(0, 0, 1, 0.985))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _write_png(fig, plt, path)
     return True
 
 

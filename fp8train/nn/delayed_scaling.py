@@ -23,10 +23,19 @@ _STATE = ("amax_history", "scale", "scale_amax", "initialized", "stale_scale_ste
 # checkpoint it came from. So a bad value is refused at load time, naming the buffer.
 _LOADED_STATE_RULES = (("scale", "finite and > 0", lambda t: torch.isfinite(t) & (t > 0)),
                        ("scale_amax", "finite and >= 0", lambda t: torch.isfinite(t) & (t >= 0)),
-                       ("amax_history", "finite and >= 0", lambda t: torch.isfinite(t) & (t >= 0)))
+                       ("amax_history", "finite and >= 0", lambda t: torch.isfinite(t) & (t >= 0)),
+                       # event counters: a negative count would hide that many later events from telemetry
+                       ("nonfinite_amax_count", "a count >= 0", lambda t: t >= 0),
+                       ("stale_scale_steps", "a count >= 0", lambda t: t >= 0))
 
 
 def refuse_bad_fp8_state(module, state_dict, prefix, *args) -> None:
+    for name, buffer in module._buffers.items():  # torch's own size-mismatch error would come later, as a bug
+        value = state_dict.get(f"{prefix}{name}")
+        if isinstance(value, torch.Tensor) and buffer is not None and value.shape != buffer.shape:
+            raise ValueError(f"FP8 scaling state {prefix}{name} has shape {tuple(value.shape)}, this layer's is "
+                             f"{tuple(buffer.shape)} (another fp8.amax_history_len or recipe than the checkpoint's, "
+                             "or an edited state; nothing was loaded into this layer)")
     for role in ROLES:
         for suffix, allowed, ok in _LOADED_STATE_RULES:
             key = f"{prefix}{role}_{suffix}"

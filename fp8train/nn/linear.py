@@ -248,6 +248,9 @@ class Fp8Linear(nn.Linear):
 
     # ------------------------------------------------------------------------------------------------------
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.weight.is_meta or input.is_meta:  # shapes only: no amax, no scale, nothing to quantize
+            raise ValueError("Fp8Linear on the meta device cannot run its FP8 GEMMs (scaling needs real values): "
+                             "materialize it first, e.g. model.to_empty(device=...) and then load a state_dict")
         device_type = input.device.type
         # Output dtype follows autocast (bf16 under torch.autocast), else the input's dtype.
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \

@@ -35,7 +35,8 @@ from fp8train.numerics.formats import ALIASES, FORMAT_NAMES
 
 __all__ = ["Fp8Recipe", "recipe", "RECIPE_NAMES", "SCALINGS", "BACKENDS", "ROLES", "GEMMS", "AMAX_COMPUTE_ALGOS",
            "FORMAT_NAMES", "ScalingKind", "OperandRole", "GemmRole", "RecipeFieldError", "DEFAULT_RECIPE",
-           "BASELINE_RECIPE", "OVERRIDE_BF16", "TENSORWISE_SCALINGS", "MAX_MARGIN"]
+           "BASELINE_RECIPE", "OVERRIDE_BF16", "TENSORWISE_SCALINGS", "MAX_MARGIN",
+           "MAX_AMAX_HISTORY"]
 
 
 class _StrName(str, Enum):
@@ -114,6 +115,12 @@ class RecipeFieldError(ValueError):
         super().__init__(f"{field} must be {allowed}, got {value!r}")
 
 
+# The longest amax history: 64x TransformerEngine's default of 1024. Every delayed layer holds one fp32 history
+# per role (3 x 4 bytes x length) and every update rolls all of it, so 100,000,000 once meant a 1.2 GB
+# allocation per layer before the first step; a window longer than any run's steps only holds zeros anyway.
+MAX_AMAX_HISTORY = 65536
+
+
 @dataclass(frozen=True)
 class Fp8Recipe:
     """How an `Fp8Linear` quantizes its three operands. Build one with `recipe(name, **overrides)`."""
@@ -182,8 +189,9 @@ class Fp8Recipe:
         for key in ("pow2_scales", "fast_accum_forward"):
             if not isinstance(getattr(self, key), bool):
                 raise RecipeFieldError(key, getattr(self, key), "a bool")
-        if not _is_int(self.amax_history_len) or self.amax_history_len < 1:
-            raise RecipeFieldError("amax_history_len", self.amax_history_len, "an int >= 1")
+        if not _is_int(self.amax_history_len) or not 1 <= self.amax_history_len <= MAX_AMAX_HISTORY:
+            raise RecipeFieldError("amax_history_len", self.amax_history_len, f"an int in [1, {MAX_AMAX_HISTORY}] "
+                                   "(steps of amax kept per layer and role; each is memory and work on every update)")
         factor = self.amax_outlier_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
                 or not (factor == 0 or factor > 1):

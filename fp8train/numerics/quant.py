@@ -41,10 +41,10 @@ import torch._dynamo
 from fp8train.numerics import native_cast
 from fp8train.numerics.arithmetic_codec import decode_arithmetic, round_and_encode
 from fp8train.numerics.formats import FORMATS, Fp8Format, get_format
-from fp8train.numerics.scaling import (_CAPS, GRANULARITIES, _amax, _as_blocks, _check_amax_range,
-                                       _check_input, _check_layout, _check_margin, _compact, _fp32_exact, _scale,
-                                       _scale_shape, compute_amax, expand_scale, max_scale, scale_from_amax,
-                                       scale_rule)
+from fp8train.numerics.scaling import (_CAPS, GRANULARITIES, _amax, _as_blocks, _check_amax_floor,
+                                       _check_amax_range, _check_input, _check_layout, _check_margin, _compact,
+                                       _fp32_exact, _scale, _scale_shape, compute_amax, expand_scale, max_scale,
+                                       scale_from_amax, scale_rule)
 
 __all__ = [
     "Fp8Tensor", "quantize", "compute_amax", "scale_from_amax", "expand_scale", "cast_to_fp8", "decode_fp8",
@@ -282,12 +282,14 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
     if scale is not None:
         if not (isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.device == x.device):
             scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+        scale = _check_scale_shape(scale, x.shape, granularity, br, bc, axis)
         if validate_scale and not bool((torch.isfinite(scale) & (scale > 0)).all()):
             raise ValueError("scale must be finite and > 0 everywhere (it is a dequantization scale)")
     if x.numel() == 0:
         return _quantize_empty(x, fmt, granularity, br, bc, axis, scale, keep_values)
-    if scale is None and x.dtype == torch.float64:
+    if scale is None and x.dtype == torch.float64:  # what fp32 scales cannot hold, above and below: an error
         _check_amax_range(x.detach().abs().amax(), fmt, margin)
+        _check_amax_floor(x.detach(), fmt, granularity, br, bc, axis, margin, bool(pow2))
     if kernel == "native":
         quantized = native_quantize(x, fmt, granularity, br, bc, axis, margin, bool(pow2), saturate, scale,
                                     keep_values, keep_dequantized=keep_dequantized)
@@ -308,6 +310,24 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
     if keep_dequantized:
         quantized.dequantized = quantized.dequantize(torch.float32)
     return quantized
+
+
+def _check_scale_shape(scale: torch.Tensor, shape, granularity: str, br: int, bc: int, axis: int) -> torch.Tensor:
+    """A given scale fits the granularity: one value for a tensor; for rows and blocks the documented scale shape,
+    or a shape that broadcasts to it (blocks get it expanded, since their tiling reshapes the scale). Anything
+    else is a ValueError naming both shapes, not a broadcasting error deep in the cast."""
+    expected = _scale_shape(shape, granularity, br, bc, axis)
+    if granularity == "tensor":
+        fits = scale.numel() == 1
+    else:
+        try:
+            fits = torch.broadcast_shapes(scale.shape, expected) == torch.Size(expected)
+        except RuntimeError:
+            fits = False
+    if not fits:
+        raise ValueError(f"scale has shape {tuple(scale.shape)}; granularity={granularity!r} on x of shape "
+                         f"{tuple(shape)} needs {'one value' if granularity == 'tensor' else expected}")
+    return scale.expand(expected) if granularity == "block" and scale.shape != torch.Size(expected) else scale
 
 
 def native_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, margin: int, pow2: bool,

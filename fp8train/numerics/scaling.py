@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import operator
 import struct
 
 import torch
@@ -70,8 +71,8 @@ def _check_layout(granularity: str, block, axis: int, ndim: int) -> tuple[int, i
         raise ValueError(f"a 0-d tensor has no rows or blocks: use granularity='tensor', not {granularity!r}")
     if granularity == "row" and not -max(ndim, 1) <= axis < max(ndim, 1):
         raise ValueError(f"axis={axis} is out of range for a {ndim}-d tensor")
-    try:
-        br, bc = (int(b) for b in block)
+    try:  # operator.index: an int (or numpy/torch integer), never a float silently truncated (1.5 -> 1)
+        br, bc = (operator.index(b) for b in block)
     except (TypeError, ValueError):
         raise ValueError(f"block must be two positive ints like (1, 128), got {block!r}") from None
     if br <= 0 or bc <= 0:
@@ -156,6 +157,25 @@ def _check_amax_range(amax: torch.Tensor, fmt: Fp8Format, margin: int) -> None:
         raise ValueError(f"x (float64) has |values| up to {float(finite.max()):.3g}: beyond what an fp32 "
                          f"{fmt.name} scale can represent (amax / {fmt.max:g} * 2**margin must stay below "
                          f"{max_scale(fmt.max, False):.3g}); rescale x first")
+
+
+def _check_amax_floor(x: torch.Tensor, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, margin: int,
+                      pow2: bool) -> None:
+    """float64 inputs only (a host sync), the mirror of `_check_amax_range`: a tensor, row or block whose values
+    are nonzero but so small that even the smallest fp32 scale (2^-126, where the scale rule is clamped) rounds
+    every one of them to 0 is an error, not silent zeros (|x| of 1e-300 once came back as an all-zero tensor).
+    fp32 inputs are not checked (as on the overflow side): what they lose this way are fp32 subnormals, within
+    the documented error bound (half a min subnormal times the scale)."""
+    with torch.no_grad():
+        amax = _amax(_as_blocks(x, br, bc) if granularity == "block" else x, granularity, axis)
+        scale = _scale(amax, fmt, margin, pow2).double()
+        # an FP8 value below half the min subnormal rounds to 0 (a tie rounds to even: 0 too)
+        lost = (amax > 0) & torch.isfinite(amax) & (amax / scale <= fmt.min_subnormal / 2)
+    if bool(lost.any()):
+        where = "x" if granularity == "tensor" else f"{int(lost.sum())} {granularity}(s) of x"
+        raise ValueError(f"{where} (float64) has |values| only up to {float(amax[lost].max()):.3g}: below what an "
+                         f"fp32 {fmt.name} scale can represent (even the smallest, 2^-126, would quantize all of "
+                         f"them to 0); rescale x first")
 
 
 def compute_amax(x, granularity: str = "tensor", block=(1, 128), axis: int = -1, kernel: str = "eager"):

@@ -51,7 +51,8 @@ from fp8train.serving.run_loading import (LoadedRun, fp8_linear_names, fp8_polic
 from fp8train.training.config import ModelConfig
 from fp8train.training.data import build_data
 from fp8train.training.model import build_model
-from fp8train.training.rundir import CHECKPOINTS_DIR, give_default_mode
+from fp8train.training.outputs import check_output_file
+from fp8train.training.rundir import as_os_error, give_default_mode, write_failure, write_file_atomic
 
 __all__ = [
     "EXPORT_FORMATS", "SCALE_CONVENTION", "LoadedRun", "load_run", "fp8_policy_names", "quantize_weight_per_channel",
@@ -81,26 +82,21 @@ def _export_format(name: str):
 # ------------------------------------------------------------------------------------------------------------
 # Export, metadata, loader, conversion
 # ------------------------------------------------------------------------------------------------------------
-def _refuse_existing(out: Path, force: bool) -> None:
-    if out.exists() and not force:
-        raise FileExistsError(f"export path {str(out)!r} already exists; pass --force (force=True) to replace it "
-                              "(nothing was written)")
-    if out.is_dir():
-        raise ValueError(f"export path {str(out)!r} is a directory; give a .safetensors file path")
-
-
 def _write_atomically(tensors: dict, metadata: dict, out: Path) -> None:
-    # Written next to the target and renamed: a failure never leaves a half-written file at `out`, and with
-    # --force the old file is replaced only once the new one is complete.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
+    # Written next to the target and renamed (rundir.write_file_atomic): a failure never leaves a half-written file
+    # at `out`, and with --force the old file is replaced only once the new one is complete.
+    def save(tmp: Path) -> None:
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+        except Exception as err:  # safetensors' own error type: its OSError (full disk) only in the text
+            raise as_os_error(err, out) or err
         give_default_mode(tmp)  # safetensors writes 0600
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise write_failure(err, out) from None
+    write_file_atomic(out, save)
 
 
 def _metadata(fmt, run: LoadedRun, fp8_names: list) -> dict:
@@ -131,10 +127,7 @@ def export_run(run_dir, out, fmt="e4m3fn", force: bool = False) -> dict:
     """Write the FP8 export of ``run_dir``'s newest valid checkpoint to ``out`` (see the module docstring)."""
     fmt = _export_format(fmt)
     out = Path(out)
-    _refuse_existing(out, force)
-    if out.resolve().is_relative_to((Path(run_dir) / CHECKPOINTS_DIR).resolve()):  # --force would replace the source
-        raise ValueError(f"export path {str(out)!r} is inside the checkpoints it is exported from; write it "
-                         f"outside {run_dir}/checkpoints (nothing was written)")
+    out = check_output_file(out, force=force, sources=[run_dir])
     run = load_run(run_dir)
     names = fp8_linear_names(run)
     tensors, aliases = {}, tied_aliases(run.model)
@@ -217,13 +210,13 @@ def convert_export(src, out, fmt, force: bool = False, allow_inexact: bool = Fal
     A conversion that would change any dequantized value is refused unless ``allow_inexact``."""
     target = _export_format(fmt)
     out = Path(out)
-    if Path(src).resolve() == out.resolve():
+    if str(out) and Path(src).resolve() == out.resolve():
         raise ValueError(f"--convert source and --out are the same file {str(out)!r}; write to a new path")
     meta = read_export_metadata(src)
     source = get_format(meta["fp8_format"])
     if source.name == target.name:
         raise ValueError(f"export {str(src)!r} is already {target.name}; nothing to convert")
-    _refuse_existing(out, force)
+    out = check_output_file(out, force=force)
     tensors = load_file(str(src))
     changed_total = 0
     for name in json.loads(meta["fp8_layers"]):

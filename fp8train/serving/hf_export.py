@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
@@ -44,7 +43,8 @@ from fp8train.serving.fp8_weights import (ACTIVATION_SCHEMES, Fp8ActivationLinea
 from fp8train.serving.run_loading import LoadedRun, fp8_linear_names, load_run, package_version, tied_aliases
 from fp8train.training.data import build_data, is_pretokenized
 from fp8train.training.model import HFCausalLM
-from fp8train.training.rundir import CHECKPOINTS_DIR, give_default_mode
+from fp8train.training.outputs import check_output_folder, replace_output_folder
+from fp8train.training.rundir import as_os_error, give_default_mode, write_text_atomic
 from fp8train.training.tokenized import run_tokenizer
 
 __all__ = ["export_hf_folder", "load_hf_export", "hf_export_names", "quantization_config", "llama_config_of",
@@ -214,43 +214,33 @@ def generation_config_of(run: LoadedRun, config: dict):
     return GenerationConfig(**ids)
 
 
-def write_folder(out: Path, tensors: dict, config: dict, tokenizer_folder: str | None, force: bool,
-                  generation_config=None) -> None:
-    # Written aside and renamed into place: a failure never leaves half a folder at `out`; with --force the old
-    # folder is replaced only once the new one is complete.
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        give_default_mode(tmp / "model.safetensors")  # safetensors writes 0600
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+def write_folder(out: Path, tensors: dict, config: dict, tokenizer_folder: str | None, force: bool = False,
+                 generation_config=None) -> None:
+    # Built aside and renamed into place (outputs.replace_output_folder): a failure never leaves half a folder at
+    # `out`; with --force the old folder (fp8train's own, checked before by refuse_unsafe_out) is replaced only
+    # once the new one is complete.
+    def build(folder: Path) -> None:
+        try:
+            save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        except Exception as err:  # safetensors' own error type: its OSError (full disk) only in the text
+            raise as_os_error(err, out) or err
+        give_default_mode(folder / "model.safetensors")  # safetensors writes 0600
+        write_text_atomic(folder / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
         if generation_config is not None:
-            generation_config.save_pretrained(str(tmp))
+            generation_config.save_pretrained(str(folder))
         if tokenizer_folder:
             from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(os.path.expanduser(tokenizer_folder), local_files_only=True
-                                          ).save_pretrained(str(tmp))
-        old = out.with_name(f".old-{out.name}-{os.getpid()}")
-        if out.exists() and force:
-            os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+                                          ).save_pretrained(str(folder))
+
+    replace_output_folder(out, "export", build)
 
 
 def refuse_unsafe_out(run_dir, out, force: bool) -> Path:
-    """``out`` as a Path, or an error when it exists (without force) or lies inside the run's checkpoints."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise FileExistsError(f"export path {str(out)!r} already exists; pass --force (force=True) to replace it "
-                              "(nothing was written)")
-    if out.resolve().is_relative_to((Path(run_dir) / CHECKPOINTS_DIR).resolve()):  # --force would replace the source
-        raise ValueError(f"export path {str(out)!r} is inside the checkpoints it is exported from; write it "
-                         f"outside {run_dir}/checkpoints (nothing was written)")
-    return out
+    """``out`` checked as a folder output of an export of ``run_dir`` (outputs.check_output_folder: --force only
+    over a folder fp8train wrote, never the source run, a folder holding it, or its checkpoints)."""
+    return check_output_folder(out, force=force, sources=[run_dir])
 
 
 def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", weight_block: int = 0,

@@ -6,7 +6,10 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["write_report", "format_stat", "kib", "weights_label"]
+from fp8train.training.outputs import check_output_files, make_output_folder
+from fp8train.training.rundir import write_file_atomic, write_text_atomic
+
+__all__ = ["REPORT_FILES", "check_report_folder", "write_report", "format_stat", "kib", "weights_label"]
 
 # ------------------------------------------------------------------------------------------------------------
 # Report files
@@ -26,13 +29,24 @@ def kib(n: int) -> str:
     return f"{n / 1024:,.1f} KiB" if n < 2**20 else f"{n / 2**20:,.1f} MiB"
 
 
+REPORT_FILES = {"json": "kv_eval.json", "md": "kv_eval.md", "png": "kv_eval.png"}
+
+
+def check_report_folder(out_dir, force: bool, run_dir) -> Path:
+    """Before the evaluation: ``out_dir`` takes the report files (outputs.check_output_files: an earlier report is
+    replaced only with --force, nothing is written through a link, the run's own files are never replaced)."""
+    return check_output_files(out_dir, REPORT_FILES.values(), force=force, sources=[run_dir])
+
+
 def write_report(result: dict, out_dir) -> dict:
-    """kv_eval.json, kv_eval.md and kv_eval.png in ``out_dir``; returns their paths."""
+    """kv_eval.json, kv_eval.md and kv_eval.png in ``out_dir`` (created as an fp8train output folder if absent);
+    each replaced whole (atomic), never through a link; returns their paths."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out_dir / "kv_eval.json", "md": out_dir / "kv_eval.md", "png": out_dir / "kv_eval.png"}
-    paths["json"].write_text(json.dumps(result, indent=1))
-    paths["md"].write_text(_markdown(result))
+    if not out_dir.exists():
+        make_output_folder(out_dir, "kv-eval")
+    paths = {key: out_dir / name for key, name in REPORT_FILES.items()}
+    write_text_atomic(paths["json"], json.dumps(result, indent=1))
+    write_text_atomic(paths["md"], _markdown(result))
     _plot(result, paths["png"])
     return {k: str(v) for k, v in paths.items()}
 
@@ -138,6 +152,6 @@ def _plot(r: dict, path: Path) -> None:
     handles, labels = ax_loss.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(3, max(1, len(labels))), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.06 + 0.035 * math.ceil(len(labels) / 3), 1, 1))
-    fig.savefig(path, dpi=120)
+    write_file_atomic(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)
 

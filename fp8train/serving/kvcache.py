@@ -50,7 +50,7 @@ import torch
 from fp8train.numerics.formats import get_format
 from fp8train.serving.fp8_weights import fp8_weight_model
 from fp8train.serving.kv_memory import kv_bytes_per_token, kv_scale_bytes, memory_report
-from fp8train.serving.kv_report import format_stat, kib, weights_label, write_report
+from fp8train.serving.kv_report import check_report_folder, format_stat, kib, weights_label, write_report
 from fp8train.serving.kv_scoring import (agreement, bucket_stats, greedy_generate, mean_ci, position_buckets,
                                          score_caches)
 from fp8train.serving.kv_transform import (CACHE_FORMATS, GRANULARITIES, SCALE_SOURCES, Fp8KvCache, KvCacheConfig,
@@ -234,6 +234,7 @@ def _csv(text: str) -> tuple:
 def add_cli_arguments(parser) -> None:
     parser.add_argument("run_dir", help="run directory (its newest valid checkpoint and config.yaml)")
     parser.add_argument("--out", help="output folder (default RUN_DIR/kv_eval)")
+    parser.add_argument("--force", action="store_true", help="replace the report files of an earlier kv-eval in --out")
     parser.add_argument("--format", default="e4m3fn,e5m2",
                         help=f"FP8 cache format(s), comma-separated: {', '.join(CACHE_FORMATS)} (default e4m3fn,e5m2)")
     parser.add_argument("--kv", default="kv", help="FP8 tensors, comma-separated caches: k, v, kv (default kv)")
@@ -267,8 +268,10 @@ def cli_main(args) -> int:
                        ("--gen-tokens", opts.gen_tokens), ("--prompt-len", opts.prompt_len)):
         if value < 0:
             raise ValueError(f"{key} must be >= 0, got {value}")
+    out = check_report_folder(Path(args.run_dir) / "kv_eval" if args.out is None else args.out, args.force,
+                              args.run_dir)
     result = kv_eval(args.run_dir, opts, log=lambda m: print(m, file=sys.stderr))
-    paths = write_report(result, args.out or Path(args.run_dir) / "kv_eval")
+    paths = write_report(result, out)
     _print_summary(result)
     print(f"report: {paths['md']}  ({paths['json']}, {paths['png']})")
     return 0

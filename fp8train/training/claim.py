@@ -17,6 +17,7 @@ lock the main process holds for the run's life, and the hashes that tie checkpoi
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
@@ -25,6 +26,7 @@ from fp8train.nn.gemm import resolve_backend
 from fp8train.nn.recipes import ROLES
 from fp8train.training.checkpoint import MANIFEST, check_checkpoint_origin
 from fp8train.training.config import config_hash
+from fp8train.training.outputs import probe_writable
 from fp8train.training.rank0 import on_main_process
 from fp8train.training.resume import resume_hash
 from fp8train.training.rundir import (CONFIG_FILE, DirLock, dir_state, read_json, record_write_failure,
@@ -43,8 +45,19 @@ def run_hashes(cfg, data) -> dict:
 
 
 def check_run_dir(run_dir: Path) -> str:
-    """The directory's state ("absent" | "empty" | "run"); ValueError for anything else."""
+    """The directory's state ("absent" | "empty" | "run"); ValueError for anything else, and for a directory that
+    cannot be made where run.dir points (a file such as /dev/null, /proc), or that is itself a symbolic link (a
+    run folder planted as a link, in a validation directory say, would have the run written into its target)."""
+    if run_dir.is_symlink():
+        raise ValueError(f"run directory {run_dir} (run.dir/run.name) is a symbolic link (to {os.readlink(run_dir)}); "
+                         "fp8train does not write through links (remove it or choose another run.name; nothing was "
+                         "changed)")
     state = dir_state(run_dir, CONFIG_FILE)
+    if state == "absent":
+        try:
+            probe_writable(run_dir, "run directory (run.dir/run.name)")
+        except ValueError as err:
+            raise ValueError(f"run.dir={run_dir.parent}: {err}") from None
     if state == "other":
         found = sorted(p.name for p in run_dir.iterdir())[:5] if run_dir.is_dir() else []
         raise ValueError(f"{run_dir} exists and is not a run directory (no {CONFIG_FILE}; it holds "

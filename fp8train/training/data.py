@@ -137,7 +137,12 @@ def _is_val_file(rel: str, val_fraction: float, split_seed: int) -> bool:
 
 def _regular_file(path: Path, source: str) -> None:
     """Refuse anything but a regular file: /dev/zero or a FIFO would be read without end."""
-    mode = path.stat().st_mode
+    try:
+        mode = path.stat().st_mode
+    except OSError as err:  # a dangling link in a data folder, a file removed meanwhile, no permission
+        what = f"a symbolic link to {os.readlink(path)}, which does not exist" if path.is_symlink() and \
+            not path.exists() else err.strerror
+        raise ValueError(f"{source}: {path} cannot be read ({what}); remove it or choose other data") from None
     if not stat.S_ISREG(mode):
         kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
                 else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")

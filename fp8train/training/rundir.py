@@ -1,20 +1,23 @@
 """Run-directory I/O, in one place: where a run's files live, and how they are written and read safely.
 
 Every writer in fp8train goes through these functions, so the promises below hold for every file a run leaves:
-- `write_text_atomic` / `write_json_atomic` replace a file whole (temp file in the same folder, then
-  `os.replace`): a process killed mid-write leaves the old file or the new one, never half of it, and the temp
-  file is removed if the write itself fails (full disk, read-only folder);
+- `write_file_atomic` (and `write_text_atomic` / `write_json_atomic` on it) replace a file whole: a temp file in
+  the same folder, named with the PID and random digits so no two writers share one, fsync'd, `os.replace`d
+  onto the target and the folder fsync'd; a process killed mid-write leaves the old file or the new one, never
+  half of it, and the temp file is removed if the write itself fails (full disk, read-only folder). Every
+  error names the target, never the temp name (`write_failure`);
 - JSON is strict: NaN and +-inf are written as null (`json_safe`), so every file parses with any JSON reader;
 - `read_jsonl` drops a torn last line (what `kill -9` during an append leaves) and reports, by file name and
   line number, a damaged line anywhere else;
-- nothing is written through a symlink inside a run directory (`refuse_symlink`, `refuse_symlinks_in`): a link
-  planted there could make a run overwrite a file outside it;
+- nothing is written through a symlink (`refuse_symlink`, `refuse_symlinks_in`): a link planted in a run
+  directory (or at any output path) could make fp8train overwrite a file outside it;
 - a run or validation directory is created only where nothing is (absent, or empty), continued only where a run
   is (`dir_state`); anything else is refused before a byte is written;
 - one process at a time works in a directory (`DirLock`, an flock held for the run's life): a second one is
   refused with the holder's PID, and the lock of a process that was killed is free again (the kernel drops an
   flock with its process), so it is taken over and said so;
 - a failed write (full disk, read-only or forbidden folder) is one line naming the file (`write_error`).
+What a command may write or replace outside a run directory (--out paths, --force): fp8train.training.outputs.
 """
 
 from __future__ import annotations
@@ -26,14 +29,16 @@ import json
 import math
 import os
 import re
+import secrets
 import socket
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 __all__ = [
     "CONFIG_FILE", "METRICS_FILE", "TELEMETRY_FILE", "SUMMARY_FILE", "CHECKPOINTS_DIR", "TRACKERS_FILE",
-    "run_dir_path", "json_safe", "write_text_atomic", "write_json_atomic", "read_json", "read_jsonl",
+    "run_dir_path", "json_safe", "temp_path", "write_file_atomic", "write_failure", "write_text_atomic",
+    "write_json_atomic", "read_json", "read_jsonl",
     "append_jsonl", "truncate_jsonl", "refuse_symlink", "refuse_symlinks_in", "dumps", "nonfinite_fields",
     "restore_nonfinite", "dir_state", "DirLock", "LOCK_FILE", "WRITE_ERRNOS", "write_error", "record_write_failure",
     "give_default_mode",
@@ -103,26 +108,70 @@ def restore_nonfinite(record: dict) -> dict:
 
 
 def refuse_symlink(path: Path) -> None:
-    """Raise if `path` is a symlink: fp8train never writes through a link inside a run directory."""
+    """Raise if `path` is a symlink: fp8train never writes through a link (a planted one would make it overwrite
+    the link's target, wherever that is)."""
     if path.is_symlink():
-        raise ValueError(f"{path} is a symbolic link; fp8train does not write through links in a run directory "
-                         "(remove the link)")
+        raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)}); fp8train does not write through "
+                         "links (remove the link or choose another path; nothing was changed)")
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Replace `path` whole with `text`; a killed or failing write leaves the previous file and no temp file."""
+def temp_path(path: Path) -> Path:
+    """A temp name beside `path` that no other writer picks: hidden, with this process's PID and 8 random hex
+    digits (two threads or two processes writing the same file never share a temp file)."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _fsync_folder(folder: Path) -> None:
+    # The rename itself is durable only once the folder's entry is on disk; some filesystems cannot fsync a
+    # folder (EINVAL), which costs durability on a crash, not correctness.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_failure(err: OSError, path: Path) -> Exception:
+    """The error to raise for a failed write of `path`: it names `path` (never a temp name). A failure of the
+    environment (full disk, read-only, forbidden) stays an OSError, so a run records it (`record_write_failure`);
+    any other (no such folder, not a folder, /proc) is a one-line ValueError."""
+    if err.errno in WRITE_ERRNOS:
+        return OSError(err.errno, err.strerror or os.strerror(err.errno), str(path))
+    reason = err.strerror or str(err)
+    return ValueError(f"cannot write {path}: {reason} (nothing was written there)")
+
+
+def write_file_atomic(path: str | os.PathLike, write: Callable[[Path], Any]) -> None:
+    """Replace `path` whole with what `write(temp_path)` writes: the temp file beside it is fsync'd, renamed onto
+    `path` and the folder fsync'd; a killed or failing write leaves the previous file and no temp file. `path`
+    must not be a symbolic link. Errors name `path`."""
     path = Path(path)
     refuse_symlink(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if path.is_dir():
+        raise ValueError(f"cannot write {path}: it is a folder (nothing was changed)")
+    tmp = temp_path(path)
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
+        write(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise write_failure(err, path) from err
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    _fsync_folder(path.parent)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Replace `path` whole with `text` (write_file_atomic)."""
+    write_file_atomic(path, lambda tmp: tmp.write_text(text))
 
 
 def write_json_atomic(path: str | os.PathLike, value: Any) -> None:
@@ -168,15 +217,18 @@ def append_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> None:
     path = Path(path)
     refuse_symlink(path)
     text = "".join(dumps(_marked(r)) + "\n" for r in records)
-    if path.exists() and path.stat().st_size:
-        with open(path, "rb") as f:
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                data = path.read_bytes()
-                with open(path, "r+b") as torn:  # cut in place: never rewrite the whole log through a new file
-                    torn.truncate(data.rfind(b"\n") + 1)
-    with open(path, "a") as f:
-        f.write(text)
+    try:
+        if path.exists() and path.stat().st_size:
+            with open(path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    data = path.read_bytes()
+                    with open(path, "r+b") as torn:  # cut in place: never rewrite the whole log through a new file
+                        torn.truncate(data.rfind(b"\n") + 1)
+        with open(path, "a") as f:
+            f.write(text)
+    except OSError as err:  # a full disk mid-append: the error names the log (write() alone names nothing)
+        raise write_failure(err, path) from err
 
 
 def refuse_symlinks_in(directory: str | os.PathLike) -> None:

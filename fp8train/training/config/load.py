@@ -112,12 +112,21 @@ def _read_yaml(path: str) -> dict:
     except Exception as e:  # yaml.YAMLError and friends; their messages span lines, the CLI prints one
         raise ValueError(f"config file {path!r} is not valid YAML: {' '.join(str(e).split())}") from None
     container = OmegaConf.to_container(loaded) if loaded is not None else {}
-    if container is None:  # an empty file
-        return {}
+    if container is None or (container == {} and not _says_empty_mapping(path)):
+        # a file with nothing in it is more often a truncated copy or the wrong file than a wish for every default
+        # (which would then train into ./runs); `{}` says that wish
+        raise ValueError(f"config file {path!r} is empty; write the settings in it, or `{{}}` to train every "
+                         "default on purpose")
     if not isinstance(container, dict):
         raise ValueError(f"config file {path!r} must hold a mapping of sections, got {type(container).__name__}")
     _check_yaml_bools(path)
     return container
+
+
+def _says_empty_mapping(path: str) -> bool:
+    """The file writes an empty mapping (`{}`), rather than holding nothing but blanks and comments."""
+    with open(path, "rb") as f:
+        return b"{" in f.read(1 << 16)
 
 
 def _parse_overrides(overrides: Iterable[str]) -> dict:
@@ -138,14 +147,21 @@ def _parse_overrides(overrides: Iterable[str]) -> dict:
 def _omegaconf_error(e: OmegaConfBaseException) -> ValueError:
     key = getattr(e, "full_key", None) or getattr(e, "key", None) or "?"
     msg = getattr(e, "msg", None) or str(e)
+    if "is not a ListConfig" in msg:  # OmegaConf's words for a single value given to a list key
+        value = getattr(e, "value", None)
+        return ValueError(f"config {key}={value!r}: expected a list, e.g. {key}=[{value}] (YAML: [a, b]; [] for "
+                          "none)")
     return ValueError(f"config {key}: {msg.splitlines()[0]}")
 
 
 def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> FullConfig:
     """Schema defaults <- YAML file at `path` (None = no file) <- `key=value` overrides; validated FullConfig."""
     layers = [_read_yaml(path) if path is not None else {}, _parse_overrides(list(overrides))]
-    for layer in layers:
-        _check_keys(layer, FullConfig)
+    try:  # a key error in the file names the file (a run folder's config.yaml may be someone else's)
+        _check_keys(layers[0], FullConfig)
+    except ValueError as err:
+        raise ValueError(f"config file {path!r}: {err}") from None
+    _check_keys(layers[1], FullConfig)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(FullConfig), *layers)
         return OmegaConf.to_object(merged)  # builds the dataclasses, so every _check() runs here

@@ -18,6 +18,11 @@ MAX_NAME_BYTES = 255
 RESUME_WORDS = ("true", "false", "auto")  # train.resume, as written (load.py refuses yes, 1, -1 before YAML reads them)
 MAX_THREADS = 512
 MAX_LR = 1e3
+# Every evaluation (step 0, every train.eval_every steps, the end) runs all train.eval_batches forwards: 1024 of
+# them cost about a third of 1024 training steps, per evaluation; 100000 kept a run at its step-0 evaluation for
+# minutes after config.yaml was written. (The batches are windows spread over the validation split, so beyond
+# the split's size more of them only repeat its tokens.)
+MAX_EVAL_BATCHES = 1024
 DEVICES = ("auto", "cpu", "cuda")
 AUTOCAST_MODES = ("bf16", "none")
 PARALLEL_MODES = ("ddp", "fsdp2")  # data parallelism: replicated (DDP) or sharded (torch's FSDP2 fully_shard)
@@ -78,6 +83,8 @@ class TrainConfig(_Section):
     def _check(self) -> None:
         for name in ("max_steps", "batch_size", "grad_accum", "eval_batches"):
             self._at_least(name, 1)
+        _require(self.eval_batches <= MAX_EVAL_BATCHES, "train.eval_batches", self.eval_batches,
+                 f"must be in [1, {MAX_EVAL_BATCHES}] (validation batches run at every evaluation)")
         self._at_least("seed", 0)
         _require(self.seed < 2**63, "train.seed", self.seed, "must be < 2**63 (torch.manual_seed's range)")
         self._at_least("eval_every", 0, "must be >= 0 (0 = only at the end)")

@@ -1,0 +1,181 @@
+"""Where a command's outputs may go (`export --out`, `kv-eval --out`, `plan --out`, the files of `report`), checked
+before the work starts, and how a whole output folder is replaced.
+
+The file writes themselves are rundir's (`write_file_atomic`: temp name unique to the process, fsync, rename, no
+symbolic links, errors that name the file). What this module adds is what may be written, and what may be removed:
+- an output path is checked before any work: not empty, not a symbolic link, of the right kind (a file output is
+  never a folder, a folder output is never a file: `--force` never turns one into the other), not the source run,
+  a folder holding it, its checkpoints or one of the files a run keeps; and the nearest existing folder above it
+  takes a new file (a probe file is made and removed there), so `/proc/x` or a read-only folder is one line,
+  before minutes of work, not a traceback after them;
+- a folder that fp8train makes for an output holds the marker file `OUTPUT_MARKER`; `--force` replaces a folder
+  only if it holds that marker (or is empty): a folder fp8train did not write is never removed, whatever --force;
+- a replaced folder is built beside the old one and renamed into place, so a failure leaves the old one whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Iterable
+
+from fp8train.training.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, SUMMARY_FILE,
+                                      TELEMETRY_FILE, TRACKERS_FILE, temp_path, write_failure, write_text_atomic)
+
+__all__ = ["OUTPUT_MARKER", "check_output_file", "check_output_folder", "check_output_files",
+           "make_output_folder", "is_output_folder",
+           "replace_output_folder", "probe_writable"]
+
+OUTPUT_MARKER = ".fp8train-output"
+# The files a run keeps: no command's --out may replace them, with or without --force.
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, TELEMETRY_FILE, SUMMARY_FILE, TRACKERS_FILE, LOCK_FILE)
+
+
+def _named(path, option: str) -> Path:
+    if path is None or str(path).strip() == "":
+        raise ValueError(f"{option} is empty; give a path to write")
+    return Path(os.path.expanduser(str(path)))
+
+
+def _refuse_link(path: Path, option: str) -> None:
+    if path.is_symlink():
+        raise ValueError(f"{option} {path} is a symbolic link (to {os.readlink(path)}); fp8train does not write "
+                         "through links (remove it or choose another path; nothing was written)")
+
+
+def _refuse_source(path: Path, option: str, sources: Iterable) -> None:
+    """`path` is not a source run, a folder holding one, its checkpoints, or one of the files the run keeps."""
+    target = path.resolve()
+    for source in sources:
+        run = Path(source).resolve()
+        if target == run or run.is_relative_to(target):
+            raise ValueError(f"{option} {path} is the source run {source} or a folder holding it; write outside "
+                             "it (nothing was written)")
+        if target.is_relative_to(run / CHECKPOINTS_DIR):
+            raise ValueError(f"{option} {path} is inside the checkpoints of the source run {source}; write outside "
+                             f"{source}/{CHECKPOINTS_DIR} (nothing was written)")
+        if target.is_relative_to(run) and target.relative_to(run).parts[0] in RUN_FILES:
+            raise ValueError(f"{option} {path} is {target.relative_to(run).parts[0]}, a file the source run "
+                             f"{source} keeps; write to a new path (nothing was written)")
+
+
+def probe_writable(path: Path, option: str) -> None:
+    """The nearest existing folder above `path` takes a new file: made and removed at once, so the failure of
+    the real write (no such folder, a file where a folder should be, /proc, read-only) is said before the work."""
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path}: {parent} is not a folder (nothing was written)")
+    probe = temp_path(parent / ".fp8train-probe")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError as err:
+        raise write_failure(err, path) from None
+    probe.unlink(missing_ok=True)
+
+
+def check_output_file(path, *, force: bool, option: str = "--out", sources: Iterable = ()) -> Path:
+    """`path` as a file output: absent, or an existing file with `force`. Never a folder or a link."""
+    path = _named(path, option)
+    _refuse_link(path, option)
+    if path.is_dir():
+        raise ValueError(f"{option} {path} is a folder; give a file path (nothing was written)")
+    if path.exists() and not force:
+        raise FileExistsError(f"{option} {path} already exists; pass --force to replace it (nothing was written)")
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{option} {path} exists and is not a regular file; give a file path (nothing was written)")
+    _refuse_source(path, option, sources)
+    probe_writable(path, option)
+    return path
+
+
+def is_output_folder(path: Path) -> bool:
+    """The folder holds fp8train's output marker (a regular file, not a link to one)."""
+    marker = path / OUTPUT_MARKER
+    return marker.is_file() and not marker.is_symlink()
+
+
+def check_output_folder(path, *, force: bool, option: str = "--out", sources: Iterable = ()) -> Path:
+    """`path` as a folder output that replaces whatever is there: absent; or, with `force`, an empty folder or one
+    that fp8train wrote (marker). Never a file, a link, or a folder fp8train did not write."""
+    path = _named(path, option)
+    _refuse_link(path, option)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option} {path} is a file, not a folder; fp8train never replaces a file with a folder "
+                         "(choose another path; nothing was written)")
+    _refuse_source(path, option, sources)
+    if path.exists():
+        if not force:
+            raise FileExistsError(f"{option} {path} already exists; pass --force to replace it (nothing was written)")
+        if any(path.iterdir()) and not is_output_folder(path):
+            raise ValueError(f"{option} {path} is a folder that fp8train did not write (no {OUTPUT_MARKER} in it); "
+                             "--force replaces only fp8train's own outputs: remove it yourself or choose another "
+                             "path (nothing was written)")
+    probe_writable(path, option)
+    return path
+
+
+def check_output_files(folder, names: Iterable[str], *, force: bool, option: str = "--out",
+                       sources: Iterable = ()) -> Path:
+    """`folder` as a folder that receives the files `names` (kv-eval's report): the folder is absent or a folder
+    (never a file or a link); each of the files is absent, or an existing file (not a link) replaced with `force`.
+    Nothing else in the folder is touched, so the folder need not be fp8train's."""
+    folder, names = _named(folder, option), list(names)
+    _refuse_link(folder, option)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{option} {folder} is a file, not a folder (choose another path; nothing was written)")
+    _refuse_source(folder, option, sources)
+    for name in names:
+        path = folder / name
+        _refuse_link(path, option)
+        if path.exists() and not path.is_file():
+            raise ValueError(f"{option}: {path} exists and is not a file (nothing was written)")
+        if path.exists() and not force:
+            raise FileExistsError(f"{option}: {path} already exists (an earlier report?); pass --force to replace "
+                                  "it (nothing was written)")
+    probe_writable(folder / names[0], option)
+    return folder
+
+
+def make_output_folder(path: Path, command: str) -> Path:
+    """Create `path` (and missing parents) as an output folder of `command`, with its marker; an existing folder
+    (checked before: empty or fp8train's) gains the marker. Errors name the folder."""
+    _refuse_link(path, "output folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise write_failure(err, path) from None
+    if not is_output_folder(path):
+        write_text_atomic(path / OUTPUT_MARKER, json.dumps({"written_by": "fp8train", "command": command}) + "\n")
+    return path
+
+
+def replace_output_folder(path: Path, command: str, build: Callable[[Path], None]) -> None:
+    """Build the folder `path` with `build(folder)` beside it and rename it into place: a failure leaves the old
+    folder (checked before by `check_output_folder`) whole and no temp folder; the old one is removed only once the
+    new one is in place, and only because it holds the marker (or was empty)."""
+    if path.is_symlink() or (path.exists() and (not path.is_dir() or (any(path.iterdir())
+                                                                     and not is_output_folder(path)))):
+        raise ValueError(f"{path} changed since it was checked: it is not fp8train's output folder any more "
+                         "(nothing was written)")
+    tmp, old, moved = temp_path(path), temp_path(path), False
+    try:
+        make_output_folder(tmp, command)
+        build(tmp)
+        if path.exists():
+            os.rename(path, old)
+            moved = True
+        os.rename(tmp, path)
+    except BaseException as err:
+        if moved and not path.exists():  # the new one could not take its place: the old one goes back
+            os.rename(old, path)
+        if isinstance(err, OSError):
+            raise write_failure(err, path) from err
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if moved:
+        shutil.rmtree(old)

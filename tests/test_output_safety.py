@@ -1,0 +1,280 @@
+"""Outputs of every command are safe to write: nothing fp8train did not write is removed (`--force` replaces only
+its own marked folders, never the source run or a folder holding it, never a file with a folder), nothing is
+written through a symbolic link, an existing report is not overwritten without --force, and an output path that
+cannot be written (`/proc/x`, `/dev/null/...`, `''`, a folder where a file goes) is one line, exit 2, before the
+work. Driven through the real CLI on a real tiny run (the session's `tiny_fp8_run`)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fp8train.training.rundir import append_jsonl
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+OUTPUT_MARKER = ".fp8train-output"  # the documented marker of a folder fp8train wrote
+KV_FAST = ["--batches", "1", "--gen-prompts", "0", "--format", "e4m3fn", "--calib-batches", "1"]
+
+
+def tree_digest(root: Path) -> dict:
+    """{relative path: sha256 of the bytes, or the link target, or 'dir'} of everything under root."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if path.is_symlink():
+            found[rel] = "link:" + os.readlink(path)
+        elif path.is_dir():
+            found[rel] = "dir"
+        else:
+            found[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+def one_line_error(code: int, err: str) -> str:
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "internal error" not in lines[0], err
+    return lines[0]
+
+
+@pytest.fixture
+def run_copy(tiny_fp8_run, tmp_path) -> Path:
+    """A copy of the tiny run under tmp_path/holder/runs/tiny, beside other people's files in holder/."""
+    holder = tmp_path / "holder"
+    (holder / "notes").mkdir(parents=True)
+    (holder / "notes" / "thesis.txt").write_text("not fp8train's\n")
+    run = holder / "runs" / "tiny"
+    shutil.copytree(tiny_fp8_run, run)
+    return run
+
+
+# ------------------------------------------------------------------------------------------------------------
+# --force removes only what fp8train wrote
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("target", ["run", "runs", "holder", "notes", "metrics.jsonl", "checkpoint"])
+def test_export_force_never_removes_what_fp8train_did_not_write(run_copy, target, commands, capsys):
+    holder = run_copy.parent.parent
+    out = {"run": run_copy, "runs": run_copy.parent, "holder": holder, "notes": holder / "notes",
+           "metrics.jsonl": run_copy / "metrics.jsonl",
+           "checkpoint": sorted((run_copy / "checkpoints").iterdir())[-1]}[target]
+    before = tree_digest(holder)
+    code, _, err = commands.main(["export", str(run_copy), "--format", "e4m3fn", "--out", str(out), "--force",
+                                  "--no-check"], capsys)
+    line = one_line_error(code, err)
+    assert str(out) in line
+    assert tree_digest(holder) == before
+
+
+def test_export_single_file_never_replaces_a_run_file(run_copy, commands, capsys):
+    before = tree_digest(run_copy)
+    for name in ("metrics.jsonl", "summary.json", "config.yaml"):
+        code, _, err = commands.main(["export", str(run_copy), "--format", "e4m3fn", "--out",
+                                      str(run_copy / name), "--force", "--no-check"], capsys)
+        assert name in one_line_error(code, err)
+    assert tree_digest(run_copy) == before
+
+
+def test_export_force_replaces_its_own_folder_and_only_that(tiny_fp8_run, tmp_path, commands, capsys):
+    export = tmp_path / "export"
+    argv = ["export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(export), "--no-check"]
+    assert commands.main(argv, capsys)[0] == 0
+    assert (export / OUTPUT_MARKER).is_file()
+    (export / "stale.txt").write_text("left by the earlier export's user")  # in fp8train's own folder: replaced
+    assert commands.main([*argv, "--force"], capsys)[0] == 0
+    assert sorted(p.name for p in export.iterdir()) == [OUTPUT_MARKER, "config.json", "model.safetensors"]
+    (export / OUTPUT_MARKER).unlink()  # without the marker, the folder is no longer provably fp8train's
+    code, _, err = commands.main([*argv, "--force"], capsys)
+    assert "did not write" in one_line_error(code, err)
+    assert (export / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temp or old folders left
+
+
+# ------------------------------------------------------------------------------------------------------------
+# No write through a symbolic link
+# ------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def outside(tmp_path) -> Path:
+    path = tmp_path / "outside.txt"
+    path.write_text("precious\n")
+    return path
+
+
+@pytest.mark.parametrize("name", ["loss_curves.png", "report.md"])  # health.png: no telemetry here
+def test_report_refuses_a_linked_output(run_copy, outside, name, commands, capsys):
+    (run_copy / name).unlink(missing_ok=True)
+    (run_copy / name).symlink_to(outside)
+    code, _, err = commands.main(["report", str(run_copy)], capsys)
+    line = one_line_error(code, err)
+    assert "symbolic link" in line and name in line
+    assert outside.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("name", ["kv_eval.md", "kv_eval.json", "kv_eval.png"])
+def test_kv_eval_refuses_a_linked_output(tiny_fp8_run, tmp_path, outside, name, commands, capsys):
+    out = tmp_path / "kv"
+    out.mkdir()
+    (out / name).symlink_to(outside)
+    for force in ([], ["--force"]):
+        code, _, err = commands.main(["kv-eval", str(tiny_fp8_run), "--out", str(out), *KV_FAST, *force], capsys)
+        line = one_line_error(code, err)
+        assert "symbolic link" in line and name in line
+    assert outside.read_text() == "precious\n" and sorted(p.name for p in out.iterdir()) == [name]
+
+
+@pytest.mark.parametrize("command", ["export-file", "export-folder", "plan", "kv-eval"])
+def test_linked_out_is_refused_even_with_force(tiny_fp8_run, tmp_path, outside, command, commands, capsys):
+    target_dir = tmp_path / "target_dir"
+    target_dir.mkdir()
+    (target_dir / "theirs.txt").write_text("theirs\n")
+    link = tmp_path / ("link.safetensors" if command == "export-file" else "link")
+    link.symlink_to(outside if command in ("export-file", "plan") else target_dir)
+    argv = {"export-file": ["export", str(tiny_fp8_run), "--format", "e4m3fn", "--no-check"],
+            "export-folder": ["export", str(tiny_fp8_run), "--format", "e4m3fn", "--no-check"],
+            "plan": ["plan", str(tiny_fp8_run)],
+            "kv-eval": ["kv-eval", str(tiny_fp8_run), *KV_FAST]}[command]
+    code, _, err = commands.main([*argv, "--out", str(link), "--force"], capsys)
+    line = one_line_error(code, err)
+    assert "symbolic link" in line and str(link) in line
+    assert outside.read_text() == "precious\n" and sorted(p.name for p in target_dir.iterdir()) == ["theirs.txt"]
+
+
+def test_a_linked_run_folder_is_not_trained_into(tmp_path, commands, capsys, tiny):
+    """A run folder planted as a link (a validation's runs/<label>/<seed>, say) is refused, not followed."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "tiny").symlink_to(elsewhere)
+    config = tiny.write(tmp_path, train={"max_steps": 2, "eval_every": 2})
+    code, _, err = commands.main(["train", str(config), "--quiet"], capsys)
+    line = one_line_error(code, err)
+    assert "symbolic link" in line and "run.name" in line
+    assert list(elsewhere.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------------------------------
+# kv-eval: an earlier report is kept unless --force
+# ------------------------------------------------------------------------------------------------------------
+def test_kv_eval_keeps_an_earlier_report_without_force(tiny_fp8_run, tmp_path, commands, capsys):
+    out = tmp_path / "kv"
+    argv = ["kv-eval", str(tiny_fp8_run), "--out", str(out), *KV_FAST]
+    assert commands.main(argv, capsys)[0] == 0
+    assert sorted(p.name for p in out.iterdir()) == [OUTPUT_MARKER, "kv_eval.json", "kv_eval.md", "kv_eval.png"]
+    before = tree_digest(out)
+    code, _, err = commands.main(argv, capsys)
+    assert "already exists" in one_line_error(code, err) and tree_digest(out) == before
+    (out / "kv_eval.md").write_text("edited by hand\n")
+    assert commands.main([*argv, "--force"], capsys)[0] == 0
+    assert (out / "kv_eval.md").read_text().startswith("# FP8 KV-cache evaluation")
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Paths that cannot be written: one line, exit 2, before the work
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["export-file", "export-folder", "plan", "kv-eval"])
+@pytest.mark.parametrize("where", ["/proc/x", "/dev/null/x", "", "existing-folder", "existing-file"])
+def test_unwritable_out_is_one_line_before_the_work(tiny_fp8_run, tmp_path, command, where, commands, capsys):
+    if command == "kv-eval" and where == "existing-folder":
+        pytest.skip("kv-eval adds its three files to an existing folder (test_kv_eval_keeps_an_earlier_report...)")
+    suffix = ".safetensors" if command == "export-file" else ""
+    if where == "existing-folder":
+        out = tmp_path / f"folder{suffix}"
+        out.mkdir()
+        (out / "theirs.txt").write_text("theirs\n")
+    elif where == "existing-file":
+        out = tmp_path / f"file{suffix}"
+        out.write_text("theirs\n")
+    else:
+        out = where + suffix if where else ""
+    argv = {"export-file": ["export", str(tiny_fp8_run), "--format", "e4m3fn", "--no-check"],
+            "export-folder": ["export", str(tiny_fp8_run), "--format", "e4m3fn", "--no-check"],
+            "plan": ["plan", str(tiny_fp8_run)],
+            "kv-eval": ["kv-eval", str(tiny_fp8_run), *KV_FAST]}[command]
+    before = tree_digest(tmp_path)
+    code, stdout, err = commands.main([*argv, "--out", str(out)], capsys)
+    line = one_line_error(code, err)
+    assert (str(out) in line) if out else ("--out" in line and "empty" in line)
+    assert stdout == ""  # and one line on stderr: refused before the evaluation started (it logs to stderr)
+    assert tree_digest(tmp_path) == before
+
+
+@pytest.mark.parametrize("run_dir", ["/proc/x", "/dev/null"])
+def test_unwritable_run_dir_is_one_line(tmp_path, run_dir, commands, capsys, tiny):
+    config = tiny.write(tmp_path, train={"max_steps": 2, "eval_every": 2})
+    code, _, err = commands.main(["train", str(config), f"run.dir={run_dir}", "--quiet"], capsys)
+    line = one_line_error(code, err)
+    assert f"run.dir={run_dir}" in line
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The writer's own promises
+# ------------------------------------------------------------------------------------------------------------
+def test_a_full_disk_during_an_append_names_the_file():
+    """/dev/full answers every write with ENOSPC: the error names the log, so the CLI's one line does too."""
+    with pytest.raises(OSError) as caught:
+        append_jsonl("/dev/full", [{"step": 1, "loss": 1.0}])
+    assert caught.value.filename == "/dev/full" and caught.value.errno == 28
+
+
+def test_temp_names_are_unique_per_write(tmp_path):
+    from fp8train.training.rundir import temp_path
+
+    names = {temp_path(tmp_path / "summary.json").name for _ in range(100)}
+    assert len(names) == 100 and all(n.startswith(f".summary.json.tmp-{os.getpid()}-") for n in names)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Bad input: one line naming the key or file and what is allowed, before anything is written
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override,named", [
+    ("fp8.amax_history_len=100000000", r"fp8.amax_history_len=100000000.*\[1, 65536\]"),
+    ("train.eval_batches=100000", r"train.eval_batches=100000.*\[1, 1024\]"),
+    ("fp8.input_block=abc", r"fp8.input_block='abc'.*expected a list"),
+    ("log.trackers=wandb", r"log.trackers='wandb'.*expected a list"),
+])
+def test_config_bounds_and_shapes_are_one_line_before_any_write(tmp_path, override, named, tiny, commands, capsys):
+    config = tiny.write(tmp_path, fp8={"recipe": "delayed"})
+    code, _, err = commands.main(["train", str(config), override, "--quiet"], capsys)
+    assert re.search(named, one_line_error(code, err)), err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_largest_amax_history_is_allowed_by_the_python_api_too():
+    from fp8train.nn.recipes import recipe
+
+    assert recipe("delayed", amax_history_len=65536).amax_history_len == 65536
+    with pytest.raises(ValueError, match=r"\[1, 65536\]"):
+        recipe("delayed", amax_history_len=65537)
+
+
+def test_a_foreign_config_in_a_run_folder_is_named(tmp_path, tiny, commands, capsys):
+    run = tmp_path / "runs" / "tiny"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("my: 1\n")
+    config = tiny.write(tmp_path)
+    for argv in (["train", str(config), "train.resume=true", "--quiet"],
+                 ["export", str(run), "--format", "e4m3fn", "--out", str(tmp_path / "x.safetensors"), "--no-check"]):
+        code, _, err = commands.main(argv, capsys)
+        line = one_line_error(code, err)
+        assert str(run / "config.yaml") in line and "'my'" in line
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
+
+
+@pytest.mark.parametrize("text", ["", "\n# to be filled in\n"])
+def test_an_empty_config_file_is_refused_not_trained_on_defaults(tmp_path, text, commands, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the defaults would train into ./runs
+    (tmp_path / "empty.yaml").write_text(text)
+    code, _, err = commands.main(["train", "empty.yaml", "--quiet"], capsys)
+    assert "is empty" in one_line_error(code, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.yaml"]
+
+
+def test_plan_refuses_a_nan_threshold(tiny_fp8_run, tmp_path, commands, capsys):
+    code, _, err = commands.main(["plan", str(tiny_fp8_run), "--out", str(tmp_path / "plan.yaml"),
+                                  "--sqnr-db-min", "nan"], capsys)
+    assert "--sqnr-db-min=nan" in one_line_error(code, err)
