@@ -86,7 +86,8 @@ def test_export_force_replaces_its_own_folder_and_only_that(tiny_fp8_run, tmp_pa
     assert (export / OUTPUT_MARKER).is_file()
     (export / "stale.txt").write_text("left by the earlier export's user")  # in fp8train's own folder: replaced
     assert commands.main([*argv, "--force"], capsys)[0] == 0
-    assert sorted(p.name for p in export.iterdir()) == [OUTPUT_MARKER, "config.json", "model.safetensors"]
+    assert sorted(p.name for p in export.iterdir()) == [OUTPUT_MARKER, "config.json", "generation_config.json",
+                                                        "model.safetensors"]
     (export / OUTPUT_MARKER).unlink()  # without the marker, the folder is no longer provably fp8train's
     code, _, err = commands.main([*argv, "--force"], capsys)
     assert "did not write" in one_line_error(code, err)
