@@ -355,7 +355,7 @@ def checkpoint(run: Run, state: _State, final: bool) -> bool:
     protect = [run.plan.checkpoint] if run.plan.checkpoint is not None else []  # pruning keeps the resumed one
     if run.sharded:  # every rank writes its shard; collective
         path = save_sharded_checkpoint(ckpt_dir, done, run.model, run.optimizer, run.scheduler, extra=extra,
-                                       keep_last=run.cfg.checkpoint.keep_last)
+                                       keep_last=run.cfg.checkpoint.keep_last, protect=protect)
     else:  # rank 0 writes; a full disk there is raised on every rank
         saved = on_main_process(run.accelerator, lambda: save_checkpoint(
             ckpt_dir, done, run.model, run.optimizer, run.scheduler, extra=extra,
