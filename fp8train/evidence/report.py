@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 from fp8train.evidence import advisor, plots
+from fp8train.evidence.pairing import check_pairing
 from fp8train.evidence.pairs import BASELINE, PLAN_FILE
 from fp8train.evidence.plan import shadow_table
 from fp8train.evidence.verdict import METHOD, RunData, load_validation, summarize_validation
@@ -53,6 +54,7 @@ def _exclude_list(run: RunData) -> list[str]:
 def write_validation_report(vdir: str | Path) -> dict:
     vdir = Path(vdir)
     plan, runs = load_validation(vdir)
+    check_pairing(vdir, plan, runs)  # runs that validate would refuse give no verdict here either
     summary = summarize_validation(plan, runs)
     margin = summary["margin"]
     plots.plot_forest(vdir / "forest.png", summary["candidates"], margin, title=vdir.name)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from fp8train.evidence.curves import Curve, load_curve
+from fp8train.evidence.pairing import data_problem
 from fp8train.evidence.pairs import PlannedRun
 from fp8train.training.config import FullConfig, config_hash
 from fp8train.training.loop import make_accelerator, train
@@ -129,6 +130,16 @@ def run_plan(runs: list[PlannedRun], workers: int, accelerator=None, log=print, 
         _run_in_pool(schedule, baseline_dirs, workers, log)
 
 
+def _check_paired(run: PlannedRun, summary: dict) -> None:
+    """Stop the validation as soon as a run turns out to have trained on other data than planned (the data was
+    rewritten while the validation ran): every later run would be unpaired too, and no verdict can use it."""
+    problem = data_problem(run.data_fingerprint, summary)
+    if problem is not None:
+        raise ValueError(f"validation stopped: {run.key} is not paired with the plan: {problem}. Restore the data "
+                         f"and re-run `fp8train validate` after deleting {_run_path(run.cfg)}, or start a new "
+                         "validation under another run.name")
+
+
 def _describe(run: PlannedRun, summary: dict) -> str:
     val = summary.get("val_loss")
     val = f"{val:.4f}" if isinstance(val, float) else "n/a"
@@ -152,6 +163,7 @@ def _run_in_process(schedule: _Schedule, baseline_dirs, accelerator, log, show_p
             summary = train(run.cfg, accelerator=accelerator, show_progress=show_progress,
                             should_stop=_guard(run, baseline_dirs))
             accelerator.wait_for_everyone()  # rank 0 wrote metrics.jsonl; every rank then reads the same curve
+            _check_paired(run, summary)
             schedule.done.add(run.key)
             if accelerator.is_main_process:
                 log(_describe(run, summary))
@@ -220,6 +232,7 @@ def _run_in_pool(schedule: _Schedule, baseline_dirs, workers: int, log) -> None:
                 for future in finished:
                     run = running.pop(future)
                     summary = future.result()  # a run's exception ends the validation here, as in-process
+                    _check_paired(run, summary)
                     schedule.done.add(run.key)
                     log(_describe(run, summary))
         except BaseException:
