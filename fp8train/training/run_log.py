@@ -6,19 +6,22 @@ one line a run ends with. Every file goes through fp8train.training.rundir (atom
 from __future__ import annotations
 
 import resource
+import signal
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from fp8train.training import telemetry
 from fp8train.training.distributed import fp8_state_digest
+from fp8train.training.lifetime import Interrupted, interrupts_raised
 from fp8train.training.model import count_params
 from fp8train.training.rundir import (METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE, append_jsonl, truncate_jsonl,
                                       write_json_atomic, write_text_atomic)
 from fp8train.training.tracking import Trackers, tracked_config
 
-__all__ = ["MetricsLog", "start_logs", "summarize", "finish", "summary_line"]
+__all__ = ["MetricsLog", "start_logs", "summarize", "summary_on_interrupt", "finish", "summary_line"]
 
 
 class MetricsLog:
@@ -53,10 +56,13 @@ def start_logs(run, state) -> MetricsLog:
     return metrics
 
 
-def summarize(run, state) -> dict:
+def summarize(run, state, collective: bool = True) -> dict:
+    """The run's summary.json; `collective=False` skips the cross-rank FP8 state check (an interrupted run: the
+    other ranks may be gone)."""
     cfg, layers = run.cfg, run.layers
     done = state.diverged_at - 1 if state.status == "diverged" else state.done  # steps completed before it
-    run.fp8_sync.check(done)
+    if collective:
+        run.fp8_sync.check(done)
     summary = {
         "status": state.status, "reason": state.reason, "steps": done,
         "loss": state.last.get("loss"), "val_loss": state.last.get("val_loss"),
@@ -83,6 +89,24 @@ def _peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+@contextmanager
+def summary_on_interrupt(run, state):
+    """SIGTERM or SIGINT inside the block (lifetime.interrupts_raised): summary.json says "interrupted", after
+    which step, by which signal and how to continue; then the interrupt goes on and ends the process. The main
+    process writes it alone, with no collective (the other ranks may have been stopped too)."""
+    with interrupts_raised():
+        try:
+            yield
+        except KeyboardInterrupt as err:
+            name = signal.Signals(err.signum).name if isinstance(err, Interrupted) else "SIGINT"
+            state.status = "interrupted"
+            state.reason = (f"interrupted by {name} after step {state.done}; continue with train.resume=true "
+                            "(fp8train validate resumes it when run again)")
+            if run.is_main:
+                write_json_atomic(run.run_dir / SUMMARY_FILE, summarize(run, state, collective=False))
+            raise
 
 
 def finish(run, summary: dict) -> None:
