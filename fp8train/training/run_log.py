@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import resource
 import signal
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,10 +29,10 @@ class MetricsLog:
     """metrics.jsonl, written by the main process. On resume it keeps only lines up to the resumed step, so
     the file reads as if the run had never stopped."""
 
-    def __init__(self, path: Path, enabled: bool, resume_step: int | None):
+    def __init__(self, path: Path, enabled: bool, resume_step: int | None, log=print):
         self.path, self.enabled, self.kept = path, enabled, []
         if enabled and resume_step is not None:
-            self.kept = truncate_jsonl(path, resume_step)
+            self.kept = truncate_jsonl(path, resume_step, log=log)  # a damaged line is dropped and named
         elif enabled:
             write_text_atomic(path, "")
 
@@ -43,10 +44,11 @@ class MetricsLog:
 def start_logs(run, state) -> MetricsLog:
     """metrics.jsonl and telemetry.jsonl cut back to the resumed step (or emptied), trackers started."""
     resumed = state.resumed_from is not None
-    metrics = MetricsLog(run.run_dir / METRICS_FILE, run.is_main, state.start_step if resumed else None)
+    warn = lambda message: print(f"[{run.cfg.run.name}] {message}", file=sys.stderr)  # noqa: E731
+    metrics = MetricsLog(run.run_dir / METRICS_FILE, run.is_main, state.start_step if resumed else None, warn)
     telemetry_file = run.run_dir / TELEMETRY_FILE
     if run.is_main and resumed:
-        truncate_jsonl(telemetry_file, state.start_step)
+        truncate_jsonl(telemetry_file, state.start_step, check=telemetry.record_problem, log=warn)
     elif run.is_main and telemetry_file.exists():
         write_text_atomic(telemetry_file, "")
     for record in metrics.kept:  # a resumed run reports its last losses even if it has no step left to run
