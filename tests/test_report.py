@@ -180,7 +180,7 @@ def validation_dir(tmp_path):
     plan = {"margin": 0.02, "final_window": 2, "seeds": list(SEEDS), "baseline": "bf16", "config_hash": "ab" * 32,
             "candidates": [{"label": "good", "recipe": "delayed", "overrides": [], "recipe_code": "delayed:x"},
                            {"label": "broken", "recipe": "current", "overrides": [], "recipe_code": "current:y"}],
-            "max_steps": 40, "created": "2025-01-01T00:00:00", "data_fingerprint": FINGERPRINT}
+            "max_steps": 40, "eval_every": 10, "created": "2025-01-01T00:00:00", "data_fingerprint": FINGERPRINT}
     (vdir / "plan.json").write_text(json.dumps(plan))
     healthy = {"layers.0.attn.q_proj": {"input": _stats(), "weight": _stats(), "grad_output": _stats(under=0.01)},
                "layers.0.mlp.down_proj": {"input": _stats(), "weight": _stats(), "grad_output": _stats(under=0.4)}}
@@ -316,3 +316,22 @@ def test_report_refuses_unpaired_runs_and_writes_nothing(validation_dir, capsys,
     assert code == 2 and len(err.splitlines()) == 1 and named in err, err
     assert {p: p.read_bytes() for p in validation_dir.iterdir() if p.is_file() and p.name != "plan.json"} == {
         p: b for p, b in before.items() if p.name != "plan.json"}  # summary.json's verdict not rewritten
+
+
+@pytest.mark.parametrize("who, run", [("candidate", "good"), ("bf16 baseline", "bf16")])
+def test_a_completed_run_that_lost_its_last_metrics_line_is_damaged_not_a_failure(validation_dir, who, run):
+    """good/seed2 (or its baseline) says completed at step 40, but metrics.jsonl ends at step 30 (its last line
+    lost: a file system that kept the rename but not the append): the seed is unusable, so the verdict is
+    INCONCLUSIVE with the reason, never a FAIL blamed on FP8 (nor a gap over an earlier, shifted window)."""
+    import shutil
+
+    shutil.rmtree(validation_dir / "runs" / "broken")
+    plan = json.loads((validation_dir / "plan.json").read_text())
+    plan["candidates"] = plan["candidates"][:1]
+    (validation_dir / "plan.json").write_text(json.dumps(plan))
+    metrics = validation_dir / "runs" / run / "seed2" / "metrics.jsonl"
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()[:-1]))
+    good = write_report(validation_dir)["candidates"]["good"]
+    assert good["verdict"] == "inconclusive" and good["seeds"] == 1, good
+    assert (f"seed 2: {who} damaged: metrics.jsonl has no val_loss for step(s) [40] that it logged"
+            in good["reason"]), good["reason"]
