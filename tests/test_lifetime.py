@@ -76,7 +76,8 @@ def _alive_in_group(pgid: int) -> list[str]:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_of_train_writes_an_interrupted_summary_and_the_run_resumes(tmp_path, corpus, commands, signum):
     run = tmp_path / "r"
-    proc = _start(commands, "train", str(RECIPES / "cpu_delayed.yaml"), "--quiet", *TINY, f"data.path={corpus}", f"run.dir={tmp_path}", "run.name=r")
+    proc = _start(commands, "train", str(RECIPES / "cpu_delayed.yaml"), "--quiet", *TINY, f"data.path={corpus}",
+                  f"run.dir={tmp_path}", "run.name=r")
     try:
         _wait_for(lambda: _lines(run / "metrics.jsonl") >= 8, proc)
         proc.send_signal(signum)
@@ -93,16 +94,19 @@ def test_signal_of_train_writes_an_interrupted_summary_and_the_run_resumes(tmp_p
     checkpoint = int(summary["last_good_checkpoint"].rsplit("_", 1)[1])
     assert checkpoint <= steps and checkpoint % 5 == 0
 
-    resumed = train(load_config(str(RECIPES / "cpu_delayed.yaml"), [*TINY, f"data.path={corpus}", f"run.dir={tmp_path}", "run.name=r",
-                                       "train.resume=true", f"train.max_steps={checkpoint + 2}"]), show_progress=False)
+    cfg = load_config(str(RECIPES / "cpu_delayed.yaml"), [*TINY, f"data.path={corpus}", f"run.dir={tmp_path}",
+                                                          "run.name=r", "train.resume=true",
+                                                          f"train.max_steps={checkpoint + 2}"])
+    resumed = train(cfg, show_progress=False)
     assert resumed["status"] == "completed" and resumed["resumed_from"].endswith(f"step_{checkpoint:06d}")
 
 
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
 def test_validate_workers_end_with_validate(tmp_path, corpus, commands, signum):
     vdir = tmp_path / "val"
-    proc = _start(commands, "validate", str(RECIPES / "cpu_validate.yaml"), "--quiet", *TINY, f"data.path={corpus}", f"run.dir={tmp_path}",
-                  "run.name=val", "validate.workers=2", "validate.seeds=2", "validate.candidates=[current]",
+    proc = _start(commands, "validate", str(RECIPES / "cpu_validate.yaml"), "--quiet", *TINY, f"data.path={corpus}",
+                  f"run.dir={tmp_path}", "run.name=val", "validate.workers=2", "validate.seeds=2",
+                  "validate.candidates=[current]",
                   "validate.final_window=1", "validate.stop_on_divergence=false")
     runs = [vdir / "runs" / "bf16" / f"seed{seed}" for seed in (1337, 1338)]
     try:

@@ -50,12 +50,13 @@ from safetensors.torch import load_file
 
 from fp8train.nn.fp8_all_gather import unwrap_fp8_all_gather
 from fp8train.training.checkpoint import (MANIFEST, file_record, files_problem, latest_valid_checkpoint,
-                                          list_checkpoints, load_model_weights, manifest_problem, prune_checkpoints,
+                                          load_model_weights, manifest_problem, prune_checkpoints,
                                           remove_leftovers, seal_manifest, swap_into_place, verify_checkpoint)
 from fp8train.training.rundir import dumps, write_json_atomic, write_text_atomic
 
 __all__ = ["SHARDED_FORMAT", "COMPLETE_MARKER", "is_sharded_checkpoint", "save_sharded_checkpoint",
-           "verify_sharded_checkpoint", "verify_any_checkpoint", "latest_valid_sharded_checkpoint", "load_sharded_checkpoint",
+           "verify_sharded_checkpoint", "verify_any_checkpoint", "latest_valid_sharded_checkpoint",
+           "load_sharded_checkpoint",
            "load_model_weights_any", "read_model_state", "latest_loadable_checkpoint", "MissingShardError"]
 
 SHARDED_FORMAT = "fp8train-dcp-safetensors-1"

@@ -4,7 +4,8 @@ A candidate is a spec ``[LABEL=]RECIPE[:KEY=VALUE,...]``: an FP8 recipe preset, 
 (bare keys are fp8.* fields, e.g. ``margin=3``; dotted keys may be any fp8.* or policy.* key, e.g.
 ``policy.exclude=[]``: `PAIRED_SECTIONS`) and a folder label. Only those: a candidate that changed the model, the
 data, the schedule or the seed would no longer be paired with its bf16 baseline, and its gap would measure that
-change, not FP8 (`current:model.d_model=128` once passed at -11%). From a shell, quote specs holding ``=`` inside the list:
+change, not FP8 (`current:model.d_model=128` once passed at -11%). From a shell, quote specs holding ``=`` inside
+the list:
 ``'validate.candidates=[current,"slow=current:margin=3"]'``. `parse_candidate` checks the spec's shape here; the
 override keys and values are checked when the validation derives each run's config, before anything runs.
 """
