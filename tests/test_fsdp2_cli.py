@@ -5,6 +5,7 @@ as under ddp, and export and kv-eval read sharded checkpoints. The 2-process cla
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -61,6 +62,40 @@ def test_missing_shard_on_resume_exits_2_and_changes_nothing(capsys, tmp_path, c
                        "checkpoint.every=2", "train.resume=true")
     assert code == 2 and len(err) == 1 and "missing shard file" in err[0] and shard.name in err[0], err
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.slow
+def test_resume_skips_a_renamed_checkpoint_and_pruning_keeps_the_resumed_one(capsys, tmp_path, corpus):
+    """A run with keep_last=1 holds step 4; beside it, a copy renamed step 7 with its manifest's step edited to 7
+    and a corrupt copy named step 9. The resume skips both (naming why), continues from step 4, and pruning
+    keeps step 4 (resumed from) and the newest good one, never counting the broken folders (left in place)."""
+    ckpt = ["train.parallel=fsdp2", "checkpoint.every=2", "checkpoint.keep_last=1", "log.every=1"]
+    assert _train(capsys, tmp_path, corpus, *ckpt, "train.max_steps=4")[0] == 0
+    checkpoints = tmp_path / "r" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000004"]
+    renamed, corrupt = checkpoints / "step_000007", checkpoints / "step_000009"
+    shutil.copytree(checkpoints / "step_000004", renamed)
+    for name in ("manifest.json", "COMPLETE"):
+        record = json.loads((renamed / name).read_text())
+        record["step"] = 7
+        (renamed / name).write_text(json.dumps(record))
+    shutil.copytree(checkpoints / "step_000004", corrupt)
+    shard = next(corrupt.glob("shard-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+    code, err = _train(capsys, tmp_path, corpus, *ckpt, "train.max_steps=8", "train.resume=true")
+    assert code == 0, err
+    text = "\n".join(err)
+    assert f"skipping checkpoint {corrupt}: manifest.json says step 4, but the folder is step_000009" in text
+    assert f"skipping checkpoint {renamed}: manifest.json does not match its own checksum" in text
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["resumed_from"] == str(checkpoints / "step_000004") and summary["steps"] == 8
+    steps = [json.loads(line)["step"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-4:] == [5, 6, 7, 8]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000004", "step_000007", "step_000008",
+                                                             "step_000009"]
 
 
 @pytest.mark.slow

@@ -293,16 +293,46 @@ def finished_run(root, tmp_path_factory) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["metrics.jsonl", "telemetry.jsonl"])
 def test_05_report_survives_a_torn_last_line_and_names_a_damaged_one(finished_run, tmp_path, capsys, name):
+    """A torn last line is dropped; a damaged line before it (not JSON, not UTF-8, or for telemetry a wrongly
+    shaped record) is skipped and named, file and line, in report.md: never a crash."""
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
     good = (run_dir / name).read_text()
     (run_dir / name).write_text(good + '{"step": 9, "lo')  # kill -9 during an append
     code, err = run_cli(capsys, "report", str(run_dir))
     assert code == 0, err
-    lines = good.splitlines()
-    (run_dir / name).write_text("\n".join(lines[:1] + ['{"step": 2, "lo'] + lines[1:]) + "\n")
+    lines = [line.encode() for line in good.splitlines()]
+    damaged = [b'{"step": 2, "lo', b'{"step": 3, "loss": 1.5\xff\xfe}', b'{"step": 4, "layers": {"x": 5}}']
+    (run_dir / name).write_bytes(b"\n".join(lines[:1] + damaged + lines[1:]) + b"\n")
     code, err = run_cli(capsys, "report", str(run_dir))
-    assert code == 2 and len(err) == 1 and name in err[0] and "line 2" in err[0], err
+    assert code == 0, err
+    report = (run_dir / "report.md").read_text()
+    assert f"{run_dir / name}, line 2, is not valid JSON" in report
+    assert f"{run_dir / name}, line 3, is not UTF-8 text" in report
+    assert (f"{run_dir / name}, line 4, has a wrongly shaped 'layers'" in report) == (name == "telemetry.jsonl")
+
+
+@pytest.mark.slow
+def test_05_resume_drops_damaged_lines_and_names_them(root, tmp_path, capsys):
+    """Non-UTF-8 bytes in metrics.jsonl and a wrongly shaped telemetry record before the checkpoint's step: the
+    resume continues, drops those lines (named, file and line, on stderr) and rewrites the files without them."""
+    runs = tmp_path / "runs"
+    assert train(cfg_of(root, "r", f"run.dir={runs}", "train.max_steps=4"), show_progress=False)["status"] == \
+        "completed"
+    run_dir = runs / "r"
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_bytes().splitlines()
+    metrics.write_bytes(b"\n".join([lines[0], b'{"step": 1, "loss": 2.5\xff}', *lines[2:]]) + b"\n")
+    telemetry_file = run_dir / "telemetry.jsonl"
+    telemetry_file.write_bytes(b'{"step": 2, "layers": [1, 2]}\n' + telemetry_file.read_bytes())
+    capsys.readouterr()
+    summary = train(cfg_of(root, "r", f"run.dir={runs}", "train.max_steps=6", "train.resume=true"),
+                    show_progress=False)
+    err = capsys.readouterr().err
+    assert summary["status"] == "completed" and summary["steps"] == 6
+    assert f"dropping a damaged line: {metrics}, line 2, is not UTF-8 text" in err, err
+    assert f"dropping a damaged line: {telemetry_file}, line 1, has a wrongly shaped 'layers'" in err, err
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [0, 2, 3, 4, 5, 6]
 
 
 def test_05_torn_plan_json(tmp_path):

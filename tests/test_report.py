@@ -14,6 +14,7 @@ import torch
 from fp8train.evidence import advisor
 from fp8train.evidence.report import write_report
 from fp8train.training import telemetry
+from fp8train.training.config import config_hash, config_to_yaml, load_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -147,6 +148,9 @@ BASE_VAL = {1: (5.5, 4.0, 3.5, 3.2, 3.0), 2: (5.6, 4.1, 3.6, 3.3, 3.1)}
 GOOD_VAL = {1: (5.5, 4.0, 3.5, 3.2 * 1.005, 3.0 * 1.005), 2: (5.6, 4.1, 3.6, 3.3 * 1.007, 3.1 * 1.007)}
 
 
+FINGERPRINT = {"train_tokens": 1000, "train_sha256": "a" * 64, "val_tokens": 100, "val_sha256": "b" * 64}
+
+
 def _write_run(vdir, label, seed, val, status="completed", extra=None, health=None, reason=None):
     run = vdir / "runs" / label / f"seed{seed}"
     run.mkdir(parents=True)
@@ -157,10 +161,13 @@ def _write_run(vdir, label, seed, val, status="completed", extra=None, health=No
             rec.update(loss=v + 0.1, tokens_per_s=1000.0 if label == "bf16" else 500.0)
         lines.append(json.dumps(rec))
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    # What train() writes: the resolved config, and a summary naming the data it trained on and the hash of both.
+    cfg = load_config(None, ["policy.exclude=[^(.*\\.)?(lm_head)$]", f"train.seed={seed}"])
+    (run / "config.yaml").write_text(config_to_yaml(cfg))
     summary = {"status": status, "reason": reason, "steps": 40, "loss": val[-1] + 0.1, "val_loss": val[-1],
-               "wall_time_s": 10.0, "seed": seed, "recipe": "none", "config_hash": "x", **(extra or {})}
+               "wall_time_s": 10.0, "seed": seed, "recipe": "none", "data_fingerprint": FINGERPRINT,
+               "config_hash": config_hash(cfg, data_fingerprint=FINGERPRINT), **(extra or {})}
     (run / "summary.json").write_text(json.dumps(summary))
-    (run / "config.yaml").write_text("policy:\n  exclude:\n  - ^(.*\\.)?(lm_head)$\n")
     if health:
         (run / "telemetry.jsonl").write_text("".join(json.dumps(_record(s, h)) + "\n" for s, h in health))
     return run
@@ -173,7 +180,7 @@ def validation_dir(tmp_path):
     plan = {"margin": 0.02, "final_window": 2, "seeds": list(SEEDS), "baseline": "bf16", "config_hash": "ab" * 32,
             "candidates": [{"label": "good", "recipe": "delayed", "overrides": [], "recipe_code": "delayed:x"},
                            {"label": "broken", "recipe": "current", "overrides": [], "recipe_code": "current:y"}],
-            "max_steps": 40, "created": "2025-01-01T00:00:00"}
+            "max_steps": 40, "eval_every": 10, "created": "2025-01-01T00:00:00", "data_fingerprint": FINGERPRINT}
     (vdir / "plan.json").write_text(json.dumps(plan))
     healthy = {"layers.0.attn.q_proj": {"input": _stats(), "weight": _stats(), "grad_output": _stats(under=0.01)},
                "layers.0.mlp.down_proj": {"input": _stats(), "weight": _stats(), "grad_output": _stats(under=0.4)}}
@@ -262,3 +269,69 @@ def test_plain_run_report_and_cli(validation_dir, capsys):
     assert "down_proj" in text and "at step 40" in text
     assert main(["report", str(validation_dir.parent)]) == 2  # neither kind of directory: clear error
     assert "neither a validation directory" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Pairing checked before any verdict: `report` refuses what `validate` would refuse, and rewrites nothing
+# ------------------------------------------------------------------------------------------------------------
+def _edit_json(path, **changes):
+    record = json.loads(path.read_text())
+    record.update(changes)
+    path.write_text(json.dumps(record))
+
+
+def _unpaired_by_data(vdir):
+    _edit_json(vdir / "runs" / "good" / "seed2" / "summary.json",
+               data_fingerprint={**FINGERPRINT, "train_sha256": "c" * 64})
+
+
+def _unpaired_by_override(vdir):
+    plan = json.loads((vdir / "plan.json").read_text())
+    plan["candidates"][0]["overrides"] = ["model.d_model=128"]  # a plan.json from before the rule, or edited
+    (vdir / "plan.json").write_text(json.dumps(plan))
+
+
+def _unpaired_by_config(vdir):
+    run = vdir / "runs" / "good" / "seed1"
+    (run / "config.yaml").write_text(config_to_yaml(load_config(None, ["model.d_model=128", "train.seed=1"])))
+
+
+@pytest.mark.parametrize("unpair, named", [
+    (_unpaired_by_data, "runs/good/seed2: it trained on other data than plan.json declares (the data changed: "
+                        "training tokens aaaaaaaaaaaa -> cccccccccccc)"),
+    (_unpaired_by_override, "'model.d_model' in 'good' cannot be set per candidate: a candidate may change only "
+                            "fp8.* and policy.* keys"),
+    (_unpaired_by_config, "runs/good/seed1: its summary.json does not belong to its config.yaml and the planned "
+                          "data"),
+])
+def test_report_refuses_unpaired_runs_and_writes_nothing(validation_dir, capsys, unpair, named):
+    from fp8train.cli import main
+
+    assert main(["report", str(validation_dir)]) == 0
+    before = {p: p.read_bytes() for p in validation_dir.iterdir() if p.is_file()}
+    capsys.readouterr()
+    unpair(validation_dir)
+    code = main(["report", str(validation_dir)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and named in err, err
+    assert {p: p.read_bytes() for p in validation_dir.iterdir() if p.is_file() and p.name != "plan.json"} == {
+        p: b for p, b in before.items() if p.name != "plan.json"}  # summary.json's verdict not rewritten
+
+
+@pytest.mark.parametrize("who, run", [("candidate", "good"), ("bf16 baseline", "bf16")])
+def test_a_completed_run_that_lost_its_last_metrics_line_is_damaged_not_a_failure(validation_dir, who, run):
+    """good/seed2 (or its baseline) says completed at step 40, but metrics.jsonl ends at step 30 (its last line
+    lost: a file system that kept the rename but not the append): the seed is unusable, so the verdict is
+    INCONCLUSIVE with the reason, never a FAIL blamed on FP8 (nor a gap over an earlier, shifted window)."""
+    import shutil
+
+    shutil.rmtree(validation_dir / "runs" / "broken")
+    plan = json.loads((validation_dir / "plan.json").read_text())
+    plan["candidates"] = plan["candidates"][:1]
+    (validation_dir / "plan.json").write_text(json.dumps(plan))
+    metrics = validation_dir / "runs" / run / "seed2" / "metrics.jsonl"
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()[:-1]))
+    good = write_report(validation_dir)["candidates"]["good"]
+    assert good["verdict"] == "inconclusive" and good["seeds"] == 1, good
+    assert (f"seed 2: {who} damaged: metrics.jsonl has no val_loss for step(s) [40] that it logged"
+            in good["reason"]), good["reason"]

@@ -68,7 +68,8 @@ def test_load_curve_reads_every_complete_line(tmp_path):
 @pytest.mark.parametrize("reader", [telemetry.load, lambda p: load_curve(p.parent)])
 def test_a_damaged_line_before_the_end_is_an_error_naming_file_and_line(tmp_path, reader):
     path = tmp_path / ("telemetry.jsonl" if reader is telemetry.load else "metrics.jsonl")
-    lines = [json.dumps(r) for r in METRICS]
+    shape = {"layers": {}} if reader is telemetry.load else {}  # a telemetry record holds its layers' stats
+    lines = [json.dumps({**r, **shape}) for r in METRICS]
     path.write_text(lines[0] + "\n" + _torn(lines[1]) + "\n" + lines[2] + "\n")
     with pytest.raises(ValueError, match=rf"{path.name}, line 2"):
         reader(path)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -24,7 +25,8 @@ from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_c
 from fp8train.training.model import build_model
 from fp8train.training.sharded_checkpoint import (COMPLETE_MARKER, MissingShardError, latest_loadable_checkpoint,
                                                   latest_valid_sharded_checkpoint, load_model_weights_any,
-                                                  load_sharded_checkpoint, save_sharded_checkpoint)
+                                                  load_sharded_checkpoint, save_sharded_checkpoint,
+                                                  verify_sharded_checkpoint)
 
 from conftest import TINY_FSDP2_MODEL  # noqa: E402
 
@@ -148,3 +150,69 @@ def test_ddp_format_still_loads_through_the_same_function(tmp_path):
     load_model_weights_any(path, plain)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in plain.state_dict().items())
     assert latest_loadable_checkpoint(tmp_path) == path
+
+
+def _flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("edit_step", [True, False])
+def test_renamed_checkpoint_never_resumes_at_the_wrong_step(one_rank_group, tmp_path, edit_step):
+    """step_000002 renamed step_000005, its manifest's (and marker's) step edited to 5 or not: it does not verify,
+    so the newest checkpoint to resume from is step 1, and loading the renamed one is refused."""
+    _saved(tmp_path)
+    renamed = tmp_path / "step_000005"
+    (tmp_path / "step_000002").rename(renamed)
+    if edit_step:
+        for name in ("manifest.json", COMPLETE_MARKER):
+            record = json.loads((renamed / name).read_text())
+            record["step"] = 5
+            (renamed / name).write_text(json.dumps(record))
+    messages = []
+    assert latest_loadable_checkpoint(tmp_path, log=messages.append) == tmp_path / "step_000001"
+    expected = "does not match its own checksum" if edit_step else "says step 2, but the folder is step_000005"
+    assert len(messages) == 1 and expected in messages[0] and "step_000005" in messages[0], messages
+    model, optimizer = _model(sharded=True)
+    with pytest.raises(ValueError, match=expected):
+        load_sharded_checkpoint(renamed, model, optimizer)
+
+
+def test_edited_manifest_does_not_verify(one_rank_group, tmp_path):
+    _saved(tmp_path, steps=(1,))
+    manifest_path = tmp_path / "step_000001" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["extra"]["note"] = 7
+    manifest_path.write_text(json.dumps(manifest))
+    assert "own checksum" in verify_sharded_checkpoint(tmp_path / "step_000001")
+
+
+def test_pruning_counts_only_checkpoints_that_verify_and_keeps_the_resumed_one(one_rank_group, tmp_path):
+    """A corrupt newer "step" folder (a copy of step 2 with a flipped byte, renamed step 9) and keep_last=1: the
+    save of step 3 keeps step 3 (newest that verifies) and step 1 (the one resumed from), removes step 2, and
+    leaves the corrupt folder for inspection."""
+    model, optimizer = _model(sharded=True)
+    for step in (1, 2):
+        _step(model, optimizer)
+        save_sharded_checkpoint(tmp_path, step, model, optimizer, keep_last=0)
+    shutil.copytree(tmp_path / "step_000002", tmp_path / "step_000009")
+    _flip_a_byte(next((tmp_path / "step_000009").glob("*.safetensors")))
+    _step(model, optimizer)
+    pruned = []
+    save_sharded_checkpoint(tmp_path, 3, model, optimizer, keep_last=1, protect=[tmp_path / "step_000001"],
+                            log=pruned.append)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000003", "step_000009"]
+    assert len(pruned) == 1 and "step_000002" in pruned[0]
+    assert verify_sharded_checkpoint(tmp_path / "step_000003") is None
+
+
+def test_pruning_keeps_a_checkpoint_missing_a_shard_uncounted(one_rank_group, tmp_path):
+    model, optimizer = _model(sharded=True)
+    for step in (1, 2):
+        _step(model, optimizer)
+        save_sharded_checkpoint(tmp_path, step, model, optimizer, keep_last=0)
+    next((tmp_path / "step_000002").glob("*.safetensors")).unlink()  # lost data: never counted as good
+    _step(model, optimizer)
+    save_sharded_checkpoint(tmp_path, 3, model, optimizer, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000002", "step_000003"]

@@ -187,6 +187,14 @@ def test_parse_candidate_specs():
                                                                                    "fp8.margin=1")
 
 
+def test_candidate_objects_follow_the_same_override_rule():
+    cfg = load_config(None, ["run.dir=/nonexistent", "train.max_steps=20", "train.eval_every=5"])
+    with pytest.raises(ValueError, match="'model.d_model' in 'x' cannot be set per candidate"):
+        plan_runs(cfg, [Candidate("x", "current", ("model.d_model=128",))])
+    runs = plan_runs(cfg, [Candidate("x", "current", ("fp8.margin=2",))])
+    assert {r.cfg.fp8.margin for r in runs if not r.is_baseline} == {2}
+
+
 def test_candidates_from_a_shell_and_from_yaml(tmp_path):
     cfg = load_config(None, ['validate.candidates=[current,"slow=current:margin=3"]'])
     assert [parse_candidate(s) for s in cfg.validate.candidates] == [
@@ -264,6 +272,12 @@ def test_divergence_guard():
     ('validate.candidates=["bf16=current"]', "label"),
     ('validate.candidates=["x=current:train.seed=5"]', "train.seed"),
     ('validate.candidates=["x=current:run.dir=/tmp"]', "run.dir"), ("validate.final_window=99", "final_window"),
+    # overrides that would unpair a candidate from its baseline: only fp8.* and policy.* keys are allowed
+    *[(f'validate.candidates=["x=current:{key}"]', f"'{key.split('=')[0]}' in 'x=current:{key}' cannot be set per "
+       "candidate: a candidate may change only fp8.* and policy.* keys")
+      for key in ("model.d_model=128", "data.path=/tmp", "train.max_steps=5", "train.eval_every=3",
+                  "optim.weight_decay=0", "train.lr=1e-3", "log.every=2", "checkpoint.every=1", "train.resume=false",
+                  "validate.margin=0.5")],
 ])
 def test_bad_input_exits_2_before_anything_is_written(tmp_path, capsys, override, names):
     rc = main(["validate", str(RECIPES / "cpu_validate.yaml"), f"run.dir={tmp_path}", override])
@@ -378,3 +392,33 @@ def test_interrupted_validation_resumes_and_refuses_a_changed_plan(tmp_path, mon
     assert "finished earlier" in capsys.readouterr().err
     assert {p: os.stat(p).st_mtime_ns for p in (vdir / "runs").rglob("*") if p.is_file()} == {
         p: t for p, t in before.items() if "runs" in p.relative_to(vdir).parts}
+
+
+@pytest.mark.slow
+def test_data_rewritten_during_a_validation_is_refused_by_validate_and_by_report(tmp_path, capsys):
+    """The corpus is rewritten after the baseline finished and before the candidate starts (from the log line
+    validate prints between them): the candidate trains on the new data, so the validation stops with a message
+    naming the run and what changed, no verdict is written, and `fp8train report` refuses it the same way."""
+    from refs import write_stdlib_corpus
+
+    corpus = tmp_path / "corpus.txt"
+    write_stdlib_corpus(corpus)
+    args = [*TINY, "train.max_steps=6", "train.eval_every=3", "log.every=3", "log.telemetry_every=0",
+            "validate.seeds=1", "validate.workers=1", "validate.candidates=[current]", f"data.path={corpus}",
+            f"run.dir={tmp_path}", "run.name=val"]
+
+    def log(line):
+        if "bf16/seed1337: completed" in line:
+            corpus.write_text(corpus.read_text()[::-1])  # same length, other text
+
+    with pytest.raises(ValueError, match="current/seed1337 is not paired with the plan: it trained on other data "
+                                         "than plan.json declares .*training tokens"):
+        run_validation(load_config(None, args), show_progress=False, log=log)
+    vdir = tmp_path / "val"
+    assert json.loads((vdir / "runs" / "current" / "seed1337" / "summary.json").read_text())["status"] == "completed"
+    assert not (vdir / "summary.json").exists() and not (vdir / "report.md").exists()
+    capsys.readouterr()
+    assert main(["report", str(vdir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "runs/current/seed1337: it trained on other data" in err, err
+    assert not (vdir / "summary.json").exists()

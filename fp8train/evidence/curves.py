@@ -20,15 +20,26 @@ class Curve:
     tokens_per_s: list[float] = field(default_factory=list)
 
 
+def _record_problem(record: dict) -> str | None:
+    for key in ("val_loss", "loss", "tokens_per_s"):
+        value = record.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"has a non-numeric {key!r} ({str(value)[:40]!r})"
+    return None
+
+
 def _number(value) -> float:
     # strict JSON writes NaN and inf as null (restore_nonfinite brings back the marked ones): an unmarked null
     # loss is still a non-finite loss
     return float("nan") if value is None else float(value)
 
 
-def load_curve(run_dir: str | Path) -> Curve:
+def load_curve(run_dir: str | Path, on_damaged=None) -> Curve:
+    """The run's curve; a damaged metrics.jsonl line raises a ValueError naming it, or with `on_damaged(message)`
+    is reported there and skipped."""
     curve = Curve()
-    for record in map(restore_nonfinite, read_jsonl(Path(run_dir) / METRICS_FILE)):
+    for record in map(restore_nonfinite, read_jsonl(Path(run_dir) / METRICS_FILE, check=_record_problem,
+                                                    on_damaged=on_damaged)):
         step = record["step"]
         if "val_loss" in record:
             curve.val[step] = _number(record["val_loss"])

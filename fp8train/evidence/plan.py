@@ -40,8 +40,9 @@ from fp8train.nn.recipes import BASELINE_RECIPE, ROLES, recipe
 from fp8train.evidence import advisor
 from fp8train.training.config import layer_policy_from_config, load_config
 from fp8train.training.model import build_model, check_model_for_run
+from fp8train.training import telemetry
 from fp8train.training.outputs import check_output_file
-from fp8train.training.rundir import read_jsonl, write_text_atomic
+from fp8train.training.rundir import write_text_atomic
 from fp8train.training.shadow import SHADOW_STAT_KEYS
 
 __all__ = ["DEFAULT_THRESHOLDS", "shadow_table", "planned_layers", "time_shapes", "choose", "make_plan",
@@ -196,7 +197,7 @@ def make_plan(run_dir: str | Path, device: str, repeats: int, thresholds: dict) 
     if not (run_dir / "config.yaml").is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
     cfg = load_config(str(run_dir / "config.yaml"))
-    table = shadow_table(read_jsonl(run_dir / "telemetry.jsonl"))
+    table = shadow_table(telemetry.load(run_dir / "telemetry.jsonl"))  # a damaged line: ValueError naming it
     if not table:
         raise ValueError(f"{run_dir / 'telemetry.jsonl'} has no shadow telemetry: train with "
                          f"log.shadow_recipes=[current,rowwise,block,mxfp8] and log.telemetry_every > 0")

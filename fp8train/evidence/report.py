@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 from fp8train.evidence import advisor, plots
+from fp8train.evidence.pairing import check_pairing
 from fp8train.evidence.pairs import BASELINE, PLAN_FILE
 from fp8train.evidence.plan import shadow_table
 from fp8train.evidence.verdict import METHOD, RunData, load_validation, summarize_validation
@@ -53,6 +54,7 @@ def _exclude_list(run: RunData) -> list[str]:
 def write_validation_report(vdir: str | Path) -> dict:
     vdir = Path(vdir)
     plan, runs = load_validation(vdir)
+    check_pairing(vdir, plan, runs)  # runs that validate would refuse give no verdict here either
     summary = summarize_validation(plan, runs)
     margin = summary["margin"]
     plots.plot_forest(vdir / "forest.png", summary["candidates"], margin, title=vdir.name)
@@ -142,7 +144,20 @@ def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:
     first = {label: next(iter(by_seed.values())) for label, by_seed in runs.items() if label != BASELINE}
     lines += _advisor_markdown({label: (tables[label], _exclude_list(first[label])) for label in tables})
     lines += _runs_table(summary)
+    lines += _damage_markdown({f"{label}/seed{seed}": r for label, by_seed in runs.items()
+                               for seed, r in by_seed.items()})
     return "\n".join(lines) + "\n"
+
+
+def _damage_markdown(runs: dict) -> list[str]:
+    """The damaged log lines that were skipped, per run (file and line each), when there are any."""
+    damaged = {key: run.damage for key, run in runs.items() if run.damage}
+    if not damaged:
+        return []
+    lines = ["## Damaged log lines (skipped)", ""]
+    for key, messages in damaged.items():
+        lines += [f"- {key}: {message}" for message in messages]
+    return lines + [""]
 
 
 def _runs_table(summary: dict) -> list[str]:
@@ -201,6 +216,7 @@ def write_run_report(path: str | Path) -> dict:
         lines += ["![per-layer FP8 health](health.png)", ""]
     lines += _advisor_markdown({run.label: (table, _exclude_list(run))})
     lines += _shadow_markdown(path, run.telemetry)
+    lines += _damage_markdown({run.label: run})
     write_text_atomic(path / "report.md", "\n".join(lines) + "\n")
     return {"status": run.status, "advisor": advisor.advise(table)}
 

@@ -7,6 +7,9 @@ Two ways to run, chosen by `run_plan`:
   worker's run uses train.threads threads (or cores // workers when train.threads is 0); on CUDA each worker is
   pinned to one GPU (CUDA_VISIBLE_DEVICES, GPUs dealt out round robin).
 
+Workers die with the validate process (even after its `kill -9`); SIGTERM or Ctrl-C of validate stops every
+running run with an "interrupted" summary, and running the command again resumes them.
+
 A candidate of seed s starts only after the baseline of seed s finished when validate.stop_on_divergence is on:
 the divergence guard compares the candidate's losses with the baseline's at the same steps. Baselines go first.
 """
@@ -23,8 +26,10 @@ from pathlib import Path
 import torch
 
 from fp8train.evidence.curves import Curve, load_curve
+from fp8train.evidence.pairing import data_problem
 from fp8train.evidence.pairs import PlannedRun
 from fp8train.training.config import FullConfig, config_hash
+from fp8train.training.lifetime import Interrupted, die_with_parent
 from fp8train.training.loop import make_accelerator, train
 from fp8train.training.rundir import SUMMARY_FILE, read_json
 
@@ -129,6 +134,16 @@ def run_plan(runs: list[PlannedRun], workers: int, accelerator=None, log=print, 
         _run_in_pool(schedule, baseline_dirs, workers, log)
 
 
+def _check_paired(run: PlannedRun, summary: dict) -> None:
+    """Stop the validation as soon as a run turns out to have trained on other data than planned (the data was
+    rewritten while the validation ran): every later run would be unpaired too, and no verdict can use it."""
+    problem = data_problem(run.data_fingerprint, summary)
+    if problem is not None:
+        raise ValueError(f"validation stopped: {run.key} is not paired with the plan: {problem}. Restore the data "
+                         f"and re-run `fp8train validate` after deleting {_run_path(run.cfg)}, or start a new "
+                         "validation under another run.name")
+
+
 def _describe(run: PlannedRun, summary: dict) -> str:
     val = summary.get("val_loss")
     val = f"{val:.4f}" if isinstance(val, float) else "n/a"
@@ -152,6 +167,7 @@ def _run_in_process(schedule: _Schedule, baseline_dirs, accelerator, log, show_p
             summary = train(run.cfg, accelerator=accelerator, show_progress=show_progress,
                             should_stop=_guard(run, baseline_dirs))
             accelerator.wait_for_everyone()  # rank 0 wrote metrics.jsonl; every rank then reads the same curve
+            _check_paired(run, summary)
             schedule.done.add(run.key)
             if accelerator.is_main_process:
                 log(_describe(run, summary))
@@ -181,8 +197,11 @@ def _reusable_accelerator(accelerator):
 # ------------------------------------------------------------------------------------------------------------
 # The worker pool
 # ------------------------------------------------------------------------------------------------------------
-def _worker_init(slots, threads: int, gpus: int) -> None:
-    """Runs once in each spawned worker, before it imports CUDA state: take a slot, pin to a GPU or set threads."""
+def _worker_init(slots, threads: int, gpus: int, parent_pid: int) -> None:
+    """Runs once in each spawned worker, before it imports CUDA state: die with the validate process (even when it
+    is killed with SIGKILL: nothing else would ever end a worker waiting for work), take a slot, pin to a GPU or
+    set threads."""
+    die_with_parent(parent_pid)
     slot = slots.get()
     if gpus > 0:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(slot % gpus)
@@ -191,7 +210,10 @@ def _worker_init(slots, threads: int, gpus: int) -> None:
 
 def _worker_run(run: PlannedRun, baseline_dir: str | None) -> dict:
     guard = _guard(run, {run.seed: Path(baseline_dir)}) if baseline_dir else None
-    return train(run.cfg, show_progress=False, should_stop=guard)
+    try:
+        return train(run.cfg, show_progress=False, should_stop=guard)
+    except Interrupted as err:  # the run's summary says "interrupted"; the pool would only wait for more work
+        os._exit(128 + err.signum)
 
 
 def _run_in_pool(schedule: _Schedule, baseline_dirs, workers: int, log) -> None:
@@ -205,7 +227,7 @@ def _run_in_pool(schedule: _Schedule, baseline_dirs, workers: int, log) -> None:
         slots.put(slot)
     log(f"[validate] {workers} workers" + (f", one GPU each of {gpus}" if gpus else f", {threads} thread(s) each"))
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
-                             initargs=(slots, threads, gpus)) as pool:
+                             initargs=(slots, threads, gpus, os.getpid())) as pool:
         running = {}
         try:
             while True:
@@ -220,9 +242,13 @@ def _run_in_pool(schedule: _Schedule, baseline_dirs, workers: int, log) -> None:
                 for future in finished:
                     run = running.pop(future)
                     summary = future.result()  # a run's exception ends the validation here, as in-process
+                    _check_paired(run, summary)
                     schedule.done.add(run.key)
                     log(_describe(run, summary))
-        except BaseException:
+        except BaseException as err:
             for future in running:
                 future.cancel()
+            if isinstance(err, KeyboardInterrupt):  # SIGTERM / Ctrl-C of validate: its runs say "interrupted"
+                for worker in multiprocessing.active_children():  # this process's children: the pool's workers
+                    worker.terminate()
             raise

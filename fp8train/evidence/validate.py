@@ -22,6 +22,7 @@ from fp8train.evidence.pairs import PLAN_FILE, check_plan, fingerprint_runs, pla
 from fp8train.evidence.report import write_validation_report
 from fp8train.evidence.runner import default_workers, run_plan
 from fp8train.training.config import FullConfig, add_config_arguments, load_config
+from fp8train.training.lifetime import interrupts_raised
 from fp8train.training.loop import make_accelerator
 from fp8train.training.rank0 import on_main_process
 from fp8train.training.rundir import SUMMARY_FILE, DirLock, read_json, write_json_atomic
@@ -78,7 +79,8 @@ def run_validation(cfg: FullConfig, candidates=None, accelerator=None, show_prog
     accelerator.wait_for_everyone()
     on_main_process(accelerator, lock_and_plan)
     try:
-        return _run_planned(runs, plan, vdir, workers, accelerator, show_progress, log, write_report)
+        with interrupts_raised():  # SIGTERM as well as Ctrl-C ends the runs with "interrupted" summaries
+            return _run_planned(runs, plan, vdir, workers, accelerator, show_progress, log, write_report)
     finally:
         lock.release()
 

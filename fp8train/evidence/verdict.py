@@ -16,7 +16,8 @@ from pathlib import Path
 from fp8train.evidence import advisor, stats
 from fp8train.evidence.curves import Curve, load_curve
 from fp8train.evidence.pairs import BASELINE, PLAN_FILE, run_dir
-from fp8train.training.rundir import SUMMARY_FILE, TELEMETRY_FILE, read_json, read_jsonl
+from fp8train.training import telemetry
+from fp8train.training.rundir import METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE, read_json
 
 __all__ = ["RunData", "load_validation", "summarize_validation", "METHOD"]
 
@@ -34,8 +35,13 @@ class RunData:
     def __init__(self, path: Path, label: str, seed: int | None = None):
         self.dir, self.label, self.seed = path, label, seed
         self.summary = read_json(path / SUMMARY_FILE) if (path / SUMMARY_FILE).exists() else None
-        self.curve: Curve = load_curve(path)
-        self.telemetry = [dict(r, seed=seed) for r in read_jsonl(path / TELEMETRY_FILE)]
+        self.damage: list[str] = []  # damaged lines of its logs, skipped (file and line each)
+        self.curve: Curve = load_curve(path, on_damaged=self.damage.append)
+        self.telemetry = [dict(r, seed=seed) for r in telemetry.load(path / TELEMETRY_FILE, self.damage.append)]
+
+    def missing_evaluations(self, steps: list[int]) -> list[int]:
+        """Of `steps` (evaluation steps a completed run logs), those its metrics.jsonl has no val_loss for."""
+        return [s for s in steps if s not in self.curve.val]
 
     @property
     def status(self) -> str:
@@ -63,7 +69,26 @@ def load_validation(vdir: Path) -> tuple[dict, dict[str, dict[int, RunData]]]:
     return plan, runs
 
 
-def _seed_problems(base: RunData, cand: RunData, window: int) -> tuple[list[str], list[str], float]:
+def final_evaluations(plan: dict, window: int) -> list[int]:
+    """The last `window` evaluation steps every completed run of the plan logs (train.eval_every multiples and
+    the last step, as the loop evaluates); [] for a plan that does not record its schedule."""
+    steps, every = plan.get("max_steps"), plan.get("eval_every")
+    if not isinstance(steps, int) or not isinstance(every, int):
+        return []
+    return sorted(set(range(every, steps + 1, every) if every > 0 else ()) | {steps})[-window:]
+
+
+def _damaged(run: RunData, expected: list[int]) -> str | None:
+    """Why a completed run's logs cannot be used (its final evaluations are not all there), or None."""
+    missing = run.missing_evaluations(expected)
+    if not missing:
+        return None
+    why = "; ".join(run.damage) if run.damage else "its last lines were lost?"
+    return f"{METRICS_FILE} has no val_loss for step(s) {missing} that it logged ({why})"
+
+
+def _seed_problems(base: RunData, cand: RunData, window: int, expected: list[int]) -> tuple[list[str], list[str],
+                                                                                            float]:
     """(failures, reasons the seed is unusable, paired gap) of one seed."""
     seed = cand.seed
     if cand.status in ("diverged", "stopped"):
@@ -73,6 +98,10 @@ def _seed_problems(base: RunData, cand: RunData, window: int) -> tuple[list[str]
         return [], [f"seed {seed}: bf16 baseline {base.status}"], math.nan
     if cand.status != "completed":
         return [], [f"seed {seed}: candidate {cand.status}"], math.nan
+    for who, run in (("bf16 baseline", base), ("candidate", cand)):  # damaged logs: unusable, not a failure
+        damage = _damaged(run, expected)
+        if damage is not None:
+            return [], [f"seed {seed}: {who} damaged: {damage}"], math.nan
     steps = stats.window_steps(base.curve.val, window)
     if any(not math.isfinite(cand.curve.val.get(s, math.nan)) for s in steps):
         return [f"seed {seed}: non-finite or missing validation loss in the final window"], [], math.nan
@@ -96,9 +125,10 @@ def per_step_gaps(base_runs: dict[int, RunData], cand_runs: dict[int, RunData]) 
 
 def _candidate(plan: dict, base_runs: dict, cand_runs: dict, spec: dict) -> dict:
     margin, window = float(plan["margin"]), int(plan["final_window"])
+    expected = final_evaluations(plan, window)
     failures, unusable, gaps = [], [], {}
     for seed in plan["seeds"]:
-        failed, missing, gap = _seed_problems(base_runs[seed], cand_runs[seed], window)
+        failed, missing, gap = _seed_problems(base_runs[seed], cand_runs[seed], window, expected)
         failures += failed
         unusable += missing
         if math.isfinite(gap):
@@ -143,6 +173,7 @@ def summarize_validation(plan: dict, runs: dict[str, dict[int, RunData]]) -> dic
         "advisor_thresholds": {"mean": advisor.MEAN_THRESHOLDS, "worst_step": advisor.WORST_STEP_THRESHOLDS},
         "candidates": candidates,
         "runs": {f"{label}/seed{seed}": {"status": r.status, "wall_time_s": (r.summary or {}).get("wall_time_s"),
-                                         "tokens_per_s": r.tokens_per_s, "final_val_loss": r.final(window)}
+                                         "tokens_per_s": r.tokens_per_s, "final_val_loss": r.final(window),
+                                         "damaged_lines": r.damage}
                  for label, by_seed in runs.items() for seed, r in by_seed.items()},
     }

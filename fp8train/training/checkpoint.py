@@ -15,6 +15,10 @@ loading walks from the newest to the oldest and skips (with a message naming it)
 truncated or corrupt. Pruning (`checkpoint.keep_last`) counts only checkpoints that verify, and never removes the
 checkpoint a run resumed from: a corrupt newer checkpoint can never push the good ones out. A write that fails
 (full disk, read-only or forbidden folder) removes its temporary folder and leaves every earlier checkpoint.
+
+The sharded format (train.parallel=fsdp2, sharded_checkpoint.py) follows the same rules through the same
+functions: `seal_manifest` / `manifest_problem` (checksum and step), `files_problem` (sizes and sha256),
+`swap_into_place` and `remove_leftovers` (the atomic rename), and `prune_checkpoints` with its own `verify`.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, opt
     never removing a checkpoint in ``protect`` (the one the run resumed from)."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(ckpt_dir)  # half-written folders of a writer that was killed
+    remove_leftovers(ckpt_dir)  # half-written folders of a writer that was killed
     final = ckpt_dir / f"{_PREFIX}{step:06d}"
     tmp = ckpt_dir / f".tmp-{final.name}-{os.getpid()}"
     try:
@@ -80,16 +84,22 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, opt
     except BaseException:  # ENOSPC, EROFS, EACCES, a kill signal turned exception: leave no temp folder behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = None
-    if final.exists():  # re-saving a step (after a resume): move the old one aside, never delete before the swap
-        old = ckpt_dir / f".old-{final.name}-{os.getpid()}"
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_dir(ckpt_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    swap_into_place(tmp, final)
     prune_checkpoints(ckpt_dir, keep_last, protect=[final, *protect], log=log)
     return final
+
+
+def swap_into_place(tmp: Path, final: Path) -> None:
+    """Rename the finished temporary folder `tmp` to `final` and fsync the parent. Re-saving a step (after a
+    resume) moves the old folder aside first and deletes it only after the new one is in place."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".old-{final.name}-{os.getpid()}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_files(tmp: Path, step: int, model, optimizer, scheduler, extra: dict | None) -> None:
@@ -111,12 +121,16 @@ def _write_files(tmp: Path, step: int, model, optimizer, scheduler, extra: dict 
     for name in FILES:
         path = tmp / name
         give_default_mode(path)
-        manifest["files"][name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
-    manifest[MANIFEST_CHECKSUM] = _manifest_digest(manifest)
-    (tmp / MANIFEST).write_text(dumps(manifest, indent=1))
+        manifest["files"][name] = file_record(path)
+    (tmp / MANIFEST).write_text(dumps(seal_manifest(manifest), indent=1))
     for path in tmp.iterdir():  # data on disk before the rename makes the checkpoint visible
         with open(path, "rb") as f:
             os.fsync(f.fileno())
+
+
+def file_record(path: Path) -> dict:
+    """What a manifest records of one file: its size and sha256."""
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def _manifest_digest(manifest: dict) -> str:
@@ -126,14 +140,50 @@ def _manifest_digest(manifest: dict) -> str:
     return hashlib.sha256(dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def prune_checkpoints(ckpt_dir: str | Path, keep_last: int, protect: Iterable[str | Path] = (), log=None) -> list[Path]:
-    """Remove all but the newest ``keep_last`` checkpoints THAT VERIFY (0 = keep all); checkpoints in ``protect``
-    are never removed. A checkpoint that does not verify is not counted (it cannot be resumed from) and is left
-    in place for inspection; it never costs a good one its place. Returns the removed folders."""
+def seal_manifest(manifest: dict) -> dict:
+    """The manifest with its own checksum (`manifest_sha256`) added: write this one."""
+    return {**manifest, MANIFEST_CHECKSUM: _manifest_digest(manifest)}
+
+
+def manifest_problem(path: Path, manifest: dict) -> str | None:
+    """None when a parsed manifest matches its own checksum and the step in its folder's name, else what is
+    wrong: a folder renamed to another step, with or without its manifest's step edited to match, never
+    verifies (it would resume at the wrong step)."""
+    checksum = manifest.get(MANIFEST_CHECKSUM)
+    if checksum is None:
+        return f"{MANIFEST} has no {MANIFEST_CHECKSUM} (written by an older fp8train, or edited)"
+    if checksum != _manifest_digest(manifest):
+        return f"{MANIFEST} does not match its own checksum (edited or corrupt)"
+    step = manifest.get("step")
+    if type(step) is not int or step != checkpoint_step(path):
+        return f"{MANIFEST} says step {step!r}, but the folder is {path.name}"
+    return None
+
+
+def files_problem(path: Path, files: dict) -> str | None:
+    """None when every file in `files` ({name: (bytes, sha256)}) is in `path` with that size and checksum."""
+    for name, (size, sha256) in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"missing {name}"
+        if file.stat().st_size != size:
+            return f"{name} is {file.stat().st_size} bytes, manifest says {size} (truncated?)"
+        if sha256_file(file) != sha256:
+            return f"{name} checksum mismatch (corrupt)"
+    return None
+
+
+def prune_checkpoints(ckpt_dir: str | Path, keep_last: int, protect: Iterable[str | Path] = (), log=None,
+                      verify=None) -> list[Path]:
+    """Remove all but the newest ``keep_last`` checkpoints THAT VERIFY (`verify(path) -> problem or None`, default
+    `verify_checkpoint`; 0 = keep all); checkpoints in ``protect`` are never removed. A checkpoint that does not
+    verify is not counted (it cannot be resumed from) and is left in place for inspection; it never costs a good
+    one its place. Returns the removed folders."""
     if keep_last <= 0:
         return []
+    verify = verify or verify_checkpoint
     protected = {Path(p).resolve() for p in protect}
-    good = [p for p in list_checkpoints(ckpt_dir) if verify_checkpoint(p) is None]
+    good = [p for p in list_checkpoints(ckpt_dir) if verify(p) is None]
     removed = [p for p in good[:-keep_last] if p.resolve() not in protected]
     for stale in removed:
         shutil.rmtree(stale, ignore_errors=True)
@@ -142,7 +192,8 @@ def prune_checkpoints(ckpt_dir: str | Path, keep_last: int, protect: Iterable[st
     return removed
 
 
-def _remove_leftovers(ckpt_dir: Path) -> None:
+def remove_leftovers(ckpt_dir: Path) -> None:
+    """Remove the hidden temporary and moved-aside folders (``.tmp-*``, ``.old-*``) of a save that was killed."""
     for path in ckpt_dir.iterdir():
         if path.is_dir() and path.name.startswith((".tmp-", ".old-")):
             shutil.rmtree(path, ignore_errors=True)
@@ -174,24 +225,10 @@ def verify_checkpoint(path: str | Path) -> str | None:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
         expected = {name: (int(files[name]["bytes"]), str(files[name]["sha256"])) for name in FILES}
-        step, checksum = int(manifest["step"]), manifest.get(MANIFEST_CHECKSUM)
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError,
+            AttributeError) as err:
         return f"unreadable manifest.json ({type(err).__name__}: {err})"
-    if checksum is None:
-        return f"manifest.json has no {MANIFEST_CHECKSUM} (written by an older fp8train, or edited)"
-    if checksum != _manifest_digest(manifest):
-        return "manifest.json does not match its own checksum (edited or corrupt)"
-    if step != checkpoint_step(path):
-        return f"manifest.json says step {step}, but the folder is {path.name}"
-    for name, (size, sha256) in expected.items():
-        file = path / name
-        if not file.is_file():
-            return f"missing {name}"
-        if file.stat().st_size != size:
-            return f"{name} is {file.stat().st_size} bytes, manifest says {size} (truncated?)"
-        if sha256_file(file) != sha256:
-            return f"{name} checksum mismatch (corrupt)"
-    return None
+    return manifest_problem(path, manifest) or files_problem(path, expected)
 
 
 def latest_valid_checkpoint(ckpt_dir: str | Path, log=print, verify=None) -> Path | None:

@@ -21,6 +21,8 @@ What a run promises (tests/test_train.py, test_multiprocess.py, test_crash_resum
 - a step that logs nothing syncs nothing: the skip/divergence decision is made on the device
   (fp8train.training.step_guard, optim.AdamW's found_inf) and read back at the next sync point (a logging,
   evaluation, checkpoint or telemetry step, or the last step), which reports the exact step it happened at;
+- SIGTERM or Ctrl-C (SIGINT) during the steps leaves a summary.json with status "interrupted", the step it
+  stopped after and by which signal (fp8train.training.lifetime); the run resumes from its last checkpoint;
 - with several processes, every rank ends every step with the same FP8 scaling state (checked on every logged
   step: a SHA-256 of all FP8 buffers is compared across ranks), and the non-finite amax counters count the
   events of all ranks.
@@ -49,7 +51,7 @@ from fp8train.training.config import FullConfig, add_config_arguments, load_conf
 from fp8train.training.distributed import all_mean_tensor, fp8_state_digest, make_accelerator
 from fp8train.training.evaluation import evaluate, run_autocast
 from fp8train.training.fsdp2 import all_finite, clip_grad_norm_tensor, grad_norm_tensor, release_process_group
-from fp8train.training.run_log import MetricsLog, finish, start_logs, summarize, summary_line
+from fp8train.training.run_log import MetricsLog, finish, start_logs, summarize, summary_line, summary_on_interrupt
 from fp8train.training.rundir import CHECKPOINTS_DIR, TELEMETRY_FILE
 from fp8train.training.setup import Run, set_up
 from fp8train.training.step_guard import MAX_CONSECUTIVE_SKIPS, StepGuard  # noqa: F401 (re-exported)
@@ -105,25 +107,26 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
 
         progress = tqdm(total=cfg.train.max_steps, initial=state.start_step, desc=cfg.run.name, mininterval=2.0,
                         disable=not (run.is_main and show_progress), dynamic_ncols=True, leave=False)
-        for step in range(state.start_step, cfg.train.max_steps):
-            record = optimizer_step(run, state, step)
-            if record is None:  # diverged; state says where and why
-                break
-            progress.update(1)
-            if not record:  # a step without a host sync: nothing to log, check or save
-                continue
-            finish_step(run, state, record, metrics)
-            progress.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
-            stop_reason = should_stop(record) if should_stop is not None else None
-            if stop_reason:
-                state.status, state.reason = "stopped", stop_reason
-                break
-            if is_periodic_checkpoint(cfg, state.done) and not checkpoint(run, state, final=False):
-                break
-        else:
-            state.done = cfg.train.max_steps
-            if cfg.checkpoint.save_final and state.start_step < state.done:
-                checkpoint(run, state, final=True)
+        with summary_on_interrupt(run, state):  # SIGTERM / Ctrl-C: summary.json says "interrupted", and where
+            for step in range(state.start_step, cfg.train.max_steps):
+                record = optimizer_step(run, state, step)
+                if record is None:  # diverged; state says where and why
+                    break
+                progress.update(1)
+                if not record:  # a step without a host sync: nothing to log, check or save
+                    continue
+                finish_step(run, state, record, metrics)
+                progress.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
+                stop_reason = should_stop(record) if should_stop is not None else None
+                if stop_reason:
+                    state.status, state.reason = "stopped", stop_reason
+                    break
+                if is_periodic_checkpoint(cfg, state.done) and not checkpoint(run, state, final=False):
+                    break
+            else:
+                state.done = cfg.train.max_steps
+                if cfg.checkpoint.save_final and state.start_step < state.done:
+                    checkpoint(run, state, final=True)
         progress.close()
 
         summary = summarize(run, state)
@@ -357,7 +360,7 @@ def checkpoint(run: Run, state: _State, final: bool) -> bool:
     protect = [run.plan.checkpoint] if run.plan.checkpoint is not None else []  # pruning keeps the resumed one
     if run.sharded:  # every rank writes its shard; collective
         path = save_sharded_checkpoint(ckpt_dir, done, run.model, run.optimizer, run.scheduler, extra=extra,
-                                       keep_last=run.cfg.checkpoint.keep_last)
+                                       keep_last=run.cfg.checkpoint.keep_last, protect=protect)
     else:  # rank 0 writes; a full disk there is raised on every rank
         saved = on_main_process(run.accelerator, lambda: save_checkpoint(
             ckpt_dir, done, run.model, run.optimizer, run.scheduler, extra=extra,

@@ -6,7 +6,10 @@ one line a run ends with. Every file goes through fp8train.training.rundir (atom
 from __future__ import annotations
 
 import resource
+import signal
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -14,22 +17,23 @@ import torch
 from fp8train.nn.recipes import BASELINE_RECIPE
 from fp8train.training import telemetry
 from fp8train.training.distributed import fp8_state_digest
+from fp8train.training.lifetime import Interrupted, interrupts_raised
 from fp8train.training.model import count_params
 from fp8train.training.rundir import (METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE, append_jsonl, truncate_jsonl,
                                       write_json_atomic, write_text_atomic)
 from fp8train.training.tracking import Trackers, tracked_config
 
-__all__ = ["MetricsLog", "start_logs", "summarize", "finish", "summary_line"]
+__all__ = ["MetricsLog", "start_logs", "summarize", "summary_on_interrupt", "finish", "summary_line"]
 
 
 class MetricsLog:
     """metrics.jsonl, written by the main process. On resume it keeps only lines up to the resumed step, so
     the file reads as if the run had never stopped."""
 
-    def __init__(self, path: Path, enabled: bool, resume_step: int | None):
+    def __init__(self, path: Path, enabled: bool, resume_step: int | None, log=print):
         self.path, self.enabled, self.kept = path, enabled, []
         if enabled and resume_step is not None:
-            self.kept = truncate_jsonl(path, resume_step)
+            self.kept = truncate_jsonl(path, resume_step, log=log)  # a damaged line is dropped and named
         elif enabled:
             write_text_atomic(path, "")
 
@@ -41,10 +45,11 @@ class MetricsLog:
 def start_logs(run, state) -> MetricsLog:
     """metrics.jsonl and telemetry.jsonl cut back to the resumed step (or emptied), trackers started."""
     resumed = state.resumed_from is not None
-    metrics = MetricsLog(run.run_dir / METRICS_FILE, run.is_main, state.start_step if resumed else None)
+    warn = lambda message: print(f"[{run.cfg.run.name}] {message}", file=sys.stderr)  # noqa: E731
+    metrics = MetricsLog(run.run_dir / METRICS_FILE, run.is_main, state.start_step if resumed else None, warn)
     telemetry_file = run.run_dir / TELEMETRY_FILE
     if run.is_main and resumed:
-        truncate_jsonl(telemetry_file, state.start_step)
+        truncate_jsonl(telemetry_file, state.start_step, check=telemetry.record_problem, log=warn)
     elif run.is_main and telemetry_file.exists():
         write_text_atomic(telemetry_file, "")
     for record in metrics.kept:  # a resumed run reports its last losses even if it has no step left to run
@@ -54,10 +59,13 @@ def start_logs(run, state) -> MetricsLog:
     return metrics
 
 
-def summarize(run, state) -> dict:
+def summarize(run, state, collective: bool = True) -> dict:
+    """The run's summary.json; `collective=False` skips the cross-rank FP8 state check (an interrupted run: the
+    other ranks may be gone)."""
     cfg, layers = run.cfg, run.layers
     done = state.diverged_at - 1 if state.status == "diverged" else state.done  # steps completed before it
-    run.fp8_sync.check(done)
+    if collective:
+        run.fp8_sync.check(done)
     summary = {
         "status": state.status, "reason": state.reason, "steps": done,
         "loss": state.last.get("loss"), "val_loss": state.last.get("val_loss"),
@@ -84,6 +92,24 @@ def _peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+@contextmanager
+def summary_on_interrupt(run, state):
+    """SIGTERM or SIGINT inside the block (lifetime.interrupts_raised): summary.json says "interrupted", after
+    which step, by which signal and how to continue; then the interrupt goes on and ends the process. The main
+    process writes it alone, with no collective (the other ranks may have been stopped too)."""
+    with interrupts_raised():
+        try:
+            yield
+        except KeyboardInterrupt as err:
+            name = signal.Signals(err.signum).name if isinstance(err, Interrupted) else "SIGINT"
+            state.status = "interrupted"
+            state.reason = (f"interrupted by {name} after step {state.done}; continue with train.resume=true "
+                            "(fp8train validate resumes it when run again)")
+            if run.is_main:
+                write_json_atomic(run.run_dir / SUMMARY_FILE, summarize(run, state, collective=False))
+            raise
 
 
 def finish(run, summary: dict) -> None:

@@ -188,24 +188,36 @@ def read_json(path: str | os.PathLike) -> Any:
         raise ValueError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}); the file is damaged") from err
 
 
-def read_jsonl(path: str | os.PathLike, *, require_step: bool = True) -> list[dict]:
-    """The records of a JSONL file, in order. A torn LAST line (a writer killed mid-append) is dropped silently;
-    a damaged line before it is a ValueError naming the file and line. Missing file: no records.
-    With `require_step`, only records whose "step" is an int are kept (the run-log convention)."""
+def read_jsonl(path: str | os.PathLike, *, require_step: bool = True, check=None, on_damaged=None) -> list[dict]:
+    """The records of a JSONL file, in order. A torn LAST line (a writer killed mid-append) is dropped silently.
+    A damaged line before it (bytes that are not UTF-8, not JSON, or a record that `check(record) -> problem or
+    None` refuses) is a ValueError naming the file and line; with `on_damaged(message)` it is reported there
+    and skipped instead. Missing file: no records. With `require_step`, only records whose "step" is an int
+    are kept (the run-log convention)."""
     path = Path(path)
     if not path.exists():
         return []
-    lines = path.read_text().splitlines()
+    lines = path.read_bytes().splitlines()  # bytes: one bad byte damages its line, not the whole file
     records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
             continue
         try:
-            record = json.loads(line)
+            record, problem = json.loads(raw.decode("utf-8")), None
+        except UnicodeDecodeError:
+            problem = "is not UTF-8 text"
         except json.JSONDecodeError as err:
-            if number == len(lines):
-                break  # torn last line
-            raise ValueError(f"{path}, line {number}, is not valid JSON ({err.msg}); the file is damaged") from err
+            problem = f"is not valid JSON ({err.msg})"
+        if problem is not None and number == len(lines):
+            break  # torn last line
+        if problem is None and isinstance(record, dict) and check is not None:
+            problem = check(record)
+        if problem is not None:
+            message = f"{path}, line {number}, {problem}; the file is damaged"
+            if on_damaged is None:
+                raise ValueError(message)
+            on_damaged(message)
+            continue
         if isinstance(record, dict) and (not require_step or isinstance(record.get("step"), int)):
             records.append(record)
     return records
@@ -372,11 +384,13 @@ def give_default_mode(path: str | os.PathLike) -> None:
     os.chmod(path, 0o666 & ~umask)
 
 
-def truncate_jsonl(path: str | os.PathLike, last_step: int) -> list[dict]:
+def truncate_jsonl(path: str | os.PathLike, last_step: int, check=None, log=None) -> list[dict]:
     """Keep only the records of steps <= `last_step` (a resumed run rewrites what came after its checkpoint), and
-    return them; the file is replaced whole. Missing file: nothing to do, no records."""
+    return them; the file is replaced whole. Missing file: nothing to do, no records. Damaged lines (see
+    read_jsonl) are dropped and named through `log` (default: raise), so a damaged log never blocks a resume."""
     path = Path(path)
-    kept = [r for r in read_jsonl(path) if r["step"] <= last_step]
+    on_damaged = None if log is None else (lambda message: log(f"dropping a damaged line: {message}"))
+    kept = [r for r in read_jsonl(path, check=check, on_damaged=on_damaged) if r["step"] <= last_step]
     if path.exists():
         write_text_atomic(path, "".join(dumps(r) + "\n" for r in kept))
     return kept

@@ -5,7 +5,7 @@ Layout of one checkpoint, ``<run>/checkpoints/step_000120/``:
     shard-00001-model-00001-of-00001.safetensors   rank 0's shards of the weights, gradients' AdamW moments, ...
     shard-00002-model-00001-of-00001.safetensors   rank 1's (one file per rank that holds anything)
     manifest.json    step, world size, scheduler, RNG, optimizer hyper-parameters, every tensor's global shape,
-                     and each shard file's size and sha256
+                     each shard file's size and sha256, and a sha256 of the manifest itself (`manifest_sha256`)
     COMPLETE         written last: a checkpoint without it is never loaded
 
 The format is torch.distributed.checkpoint (DCP) with its Hugging Face storage writer and reader
@@ -22,6 +22,12 @@ every rank's shard is on disk, rank 0 writes the manifest (with every rank's sha
 then renames the folder into place. A rank killed mid-save leaves only the temporary folder (removed by the next
 save); the previous checkpoint is untouched. Checkpoints must be on a file system every rank can see.
 
+The rules are the DDP format's, through checkpoint.py's own functions: a checkpoint verifies only when its
+manifest matches its own checksum and its step is the step in the folder's name (a folder renamed to another
+step, its manifest edited to match or not, is skipped, never resumed at the wrong step), and its shards match
+the manifest; pruning (`checkpoint.keep_last`) counts only checkpoints that verify and never removes the one the
+run resumed from, so a corrupt newer folder never pushes out good ones.
+
 For export and kv-eval, in one process: `latest_loadable_checkpoint(ckpt_dir)` finds the newest checkpoint of
 either format, `read_model_state(path)` returns its full model state dict (what the DDP format's
 model.safetensors holds), and `load_model_weights_any(path, model)` loads either into a model.
@@ -31,7 +37,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import warnings
 from pathlib import Path
 
@@ -44,12 +49,14 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from safetensors.torch import load_file
 
 from fp8train.nn.fp8_all_gather import unwrap_fp8_all_gather
-from fp8train.training.checkpoint import (MANIFEST, latest_valid_checkpoint, list_checkpoints, load_model_weights,
-                                          verify_checkpoint)
-from fp8train.training.rundir import sha256_file, write_json_atomic
+from fp8train.training.checkpoint import (MANIFEST, file_record, files_problem, latest_valid_checkpoint,
+                                          load_model_weights, manifest_problem, prune_checkpoints,
+                                          remove_leftovers, seal_manifest, swap_into_place, verify_checkpoint)
+from fp8train.training.rundir import dumps, write_json_atomic, write_text_atomic
 
 __all__ = ["SHARDED_FORMAT", "COMPLETE_MARKER", "is_sharded_checkpoint", "save_sharded_checkpoint",
-           "verify_sharded_checkpoint", "latest_valid_sharded_checkpoint", "load_sharded_checkpoint",
+           "verify_sharded_checkpoint", "verify_any_checkpoint", "latest_valid_sharded_checkpoint",
+           "load_sharded_checkpoint",
            "load_model_weights_any", "read_model_state", "latest_loadable_checkpoint", "MissingShardError"]
 
 SHARDED_FORMAT = "fp8train-dcp-safetensors-1"
@@ -114,23 +121,22 @@ def _dtypes(flat: dict) -> dict:
 # Save
 # ------------------------------------------------------------------------------------------------------------
 def save_sharded_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, scheduler=None,
-                            extra: dict | None = None, keep_last: int = 3) -> Path:
+                            extra: dict | None = None, keep_last: int = 3, protect=(), log=None) -> Path:
     """Every rank writes its shard of checkpoint ``step``; rank 0 seals it (manifest, COMPLETE, rename) and
-    prunes all but the newest ``keep_last``. Collective: every rank must call it."""
+    prunes to the newest ``keep_last`` that verify, never removing one in ``protect`` (the one the run resumed
+    from). Collective: every rank must call it."""
     ckpt_dir = Path(ckpt_dir)
     final = ckpt_dir / f"step_{step:06d}"
-    tmp = ckpt_dir / f".tmp-{final.name}"
+    tmp = ckpt_dir / f".tmp-{final.name}"  # one name for every rank (not per-pid as in the DDP format)
     if _rank() == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        for leftover in ckpt_dir.glob(".tmp-*"):  # half-written folders of a save that was killed
-            shutil.rmtree(leftover, ignore_errors=True)
+        remove_leftovers(ckpt_dir)  # half-written folders of a save that was killed
         tmp.mkdir()
     _barrier()
 
     flat, _, optim_sd = _flat_state(model, optimizer)
     dcp.save(flat, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
-    mine = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-            for p in tmp.glob(f"shard-{_rank() + 1:05d}-*{_SHARD_SUFFIX}")}
+    mine = {p.name: file_record(p) for p in tmp.glob(f"shard-{_rank() + 1:05d}-*{_SHARD_SUFFIX}")}
     for path in tmp.glob(f"shard-{_rank() + 1:05d}-*{_SHARD_SUFFIX}"):
         with open(path, "rb") as f:
             os.fsync(f.fileno())
@@ -153,29 +159,22 @@ def save_sharded_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, s
             "torch_rng_state": torch.get_rng_state().tolist(),
             "extra": extra or {}, "tensors": _global_shapes(flat), "dtypes": _dtypes(flat), "files": files,
         }
-        write_json_atomic(tmp / MANIFEST, manifest)
+        # Plain dumps, not write_json_atomic: its non-finite marking would add a field after the checksum.
+        write_text_atomic(tmp / MANIFEST, dumps(seal_manifest(manifest), indent=1))
         write_json_atomic(tmp / COMPLETE_MARKER, {"step": step})  # last: marks the checkpoint whole
-        _swap_into_place(tmp, final)
-        for stale in list_checkpoints(ckpt_dir)[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(stale, ignore_errors=True)
+        swap_into_place(tmp, final)
+        prune_checkpoints(ckpt_dir, keep_last, protect=[final, *protect], log=log, verify=_counts_for_pruning)
     _barrier()
     return final
 
 
-def _swap_into_place(tmp: Path, final: Path) -> None:
-    old = None
-    if final.exists():  # re-saving a step after a resume: the old one goes only after the new one is in place
-        old = final.with_name(f".old-{final.name}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-    os.rename(tmp, final)
-    fd = os.open(final.parent, os.O_RDONLY)
+def _counts_for_pruning(path: Path) -> str | None:
+    """verify_any_checkpoint, with a missing shard as one more reason not to count a checkpoint (it is left in
+    place, as every checkpoint that does not verify is)."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        return verify_any_checkpoint(path)
+    except MissingShardError as err:
+        return str(err)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -190,23 +189,19 @@ def verify_sharded_checkpoint(path: str | Path) -> str | None:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         files = {name: (int(v["bytes"]), str(v["sha256"])) for name, v in manifest["files"].items()}
-        int(manifest["step"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         return f"unreadable {MANIFEST} ({type(err).__name__}: {err})"
     if manifest.get("format") != SHARDED_FORMAT:
         return f"{MANIFEST} is not a sharded checkpoint ({SHARDED_FORMAT})"
+    problem = manifest_problem(path, manifest)  # its own checksum, and the step in the folder's name
+    if problem is not None:
+        return problem
     missing = [name for name in files if not (path / name).is_file()]
     if missing:
         raise MissingShardError(f"sharded checkpoint {path} is missing shard file(s) {', '.join(missing)} of "
                                 f"{len(files)} (written by another rank: was it on a disk this process cannot "
                                 "see?); nothing was loaded")
-    for name, (size, sha256) in files.items():
-        actual = (path / name).stat().st_size
-        if actual != size:
-            return f"{name} is {actual} bytes, manifest says {size} (truncated?)"
-        if sha256_file(path / name) != sha256:
-            return f"{name} checksum mismatch (corrupt)"
-    return None
+    return files_problem(path, files)
 
 
 def latest_valid_sharded_checkpoint(ckpt_dir: str | Path, log=print) -> Path | None:
@@ -214,14 +209,14 @@ def latest_valid_sharded_checkpoint(ckpt_dir: str | Path, log=print) -> Path | N
     return latest_valid_checkpoint(ckpt_dir, log=log, verify=verify_sharded_checkpoint)
 
 
+def verify_any_checkpoint(path: str | Path) -> str | None:
+    """verify_sharded_checkpoint or verify_checkpoint, whichever format the folder is in."""
+    return verify_sharded_checkpoint(path) if is_sharded_checkpoint(path) else verify_checkpoint(path)
+
+
 def latest_loadable_checkpoint(ckpt_dir: str | Path, log=print) -> Path | None:
     """The newest checkpoint of either format (DDP's single-file or this sharded one) that verifies."""
-    for path in reversed(list_checkpoints(ckpt_dir)):
-        problem = verify_sharded_checkpoint(path) if is_sharded_checkpoint(path) else verify_checkpoint(path)
-        if problem is None:
-            return path
-        log(f"skipping checkpoint {path}: {problem}")
-    return None
+    return latest_valid_checkpoint(ckpt_dir, log=log, verify=verify_any_checkpoint)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -123,5 +123,25 @@ def capture_step(model, layers, x, y, autocast) -> dict:
     return collect(layers)
 
 
-def load(path: str | Path) -> list[dict]:
-    return read_jsonl(path)  # a torn last line (kill -9 mid-append) is dropped; damage elsewhere is named
+def record_problem(record: dict) -> str | None:
+    """None when a telemetry.jsonl record has the shape `append` writes ({"layers": {layer: {role: {stat: value}}},
+    "shadow": {layer: {recipe: {role: {stat: value}}}} when present), else what is wrong: readers index it that
+    deep, so a wrongly shaped line is refused as damaged rather than crashing them."""
+    for key, depth in (("layers", 3), ("shadow", 4)):
+        if key == "shadow" and key not in record:
+            continue
+        if not _nested_dicts(record.get(key), depth):
+            return f"has a wrongly shaped {key!r} (expected {' -> '.join(['{name'] * (depth - 1) + ['{stat: value}'])})"
+    return None
+
+
+def _nested_dicts(value, depth: int) -> bool:
+    if not isinstance(value, dict):
+        return False
+    return depth == 1 or all(_nested_dicts(v, depth - 1) for v in value.values())
+
+
+def load(path: str | Path, on_damaged=None) -> list[dict]:
+    """telemetry.jsonl's records; a torn last line (kill -9 mid-append) is dropped, damage elsewhere (also a
+    wrongly shaped record) is named, or passed to `on_damaged(message)` and skipped."""
+    return read_jsonl(path, check=record_problem, on_damaged=on_damaged)

@@ -1,8 +1,11 @@
 """Config section of paired validation (`fp8train validate`): candidates, margin, paired seeds, workers.
 
 A candidate is a spec ``[LABEL=]RECIPE[:KEY=VALUE,...]``: an FP8 recipe preset, optionally with config overrides
-(bare keys are fp8.* fields, e.g. ``margin=3``; dotted keys are any config key, e.g.
-``policy.exclude_defaults=false``) and a folder label. From a shell, quote specs holding ``=`` inside the list:
+(bare keys are fp8.* fields, e.g. ``margin=3``; dotted keys may be any fp8.* or policy.* key, e.g.
+``policy.exclude_defaults=false``: `PAIRED_SECTIONS`) and a folder label. Only those: a candidate that changed the model, the
+data, the schedule or the seed would no longer be paired with its bf16 baseline, and its gap would measure that
+change, not FP8 (`current:model.d_model=128` once passed at -11%). From a shell, quote specs holding ``=`` inside
+the list:
 ``'validate.candidates=[current,"slow=current:margin=3"]'``. `parse_candidate` checks the spec's shape here; the
 override keys and values are checked when the validation derives each run's config, before anything runs.
 """
@@ -16,12 +19,15 @@ from typing import Any, List, Optional
 from fp8train.nn.recipes import BASELINE_RECIPE, DEFAULT_RECIPE, OVERRIDE_BF16, RECIPE_NAMES
 from fp8train.training.config.base import _is_int, _Section, _require
 
-__all__ = ["ValidateConfig", "Candidate", "parse_candidate", "resolve_seeds", "BASELINE_LABEL"]
+__all__ = ["ValidateConfig", "Candidate", "parse_candidate", "check_candidate_key", "resolve_seeds", "BASELINE_LABEL",
+           "PAIRED_SECTIONS"]
 
 BASELINE_LABEL = OVERRIDE_BF16  # folder of the baseline (high-precision) runs; no candidate may take it
 _LABEL_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
 _SEED_LIMIT = 2**63  # torch.manual_seed's range
-_UNPAIRED_KEYS = ("train.seed", "train.resume")  # a candidate setting these would no longer be paired / resumable
+# The config sections a candidate may override: what FP8 does and to which layers. Everything else (model.*, data.*,
+# train.*, optim.*, ...) is shared by the pair, and run.*, validate.*, log.*, checkpoint.* are the validation's own.
+PAIRED_SECTIONS = ("fp8", "policy")
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,9 @@ class Candidate:
 
 def parse_candidate(spec: str | Candidate) -> Candidate:
     """``current`` or ``[LABEL=]RECIPE[:KEY=VALUE,...]`` -> Candidate; a ValueError names the bad part."""
-    if isinstance(spec, Candidate):
+    if isinstance(spec, Candidate):  # built in Python: its overrides follow the same rule
+        for override in spec.overrides:
+            check_candidate_key(override.partition("=")[0].strip(), spec.label)
         return spec
     spec = str(spec).strip()
     head, _, tail = spec.partition(":")
@@ -55,11 +63,9 @@ def parse_candidate(spec: str | Candidate) -> Candidate:
         if not eq or not key.strip() or not item:
             raise ValueError(f"validate.candidates: {item!r} in {spec!r} must look like KEY=VALUE "
                              "(e.g. margin=3 or policy.exclude_defaults=false)")
-        key = key.strip()
-        if key in _UNPAIRED_KEYS or key.split(".")[0] in ("run", "validate"):
-            raise ValueError(f"validate.candidates: {key!r} in {spec!r} cannot be set per candidate: the seed, "
-                             "the run directories and the validate section are the validation's own (pairing)")
-        overrides.append(f"{key if '.' in key else 'fp8.' + key}={value.strip()}")
+        key = key.strip() if "." in key else "fp8." + key.strip()
+        check_candidate_key(key, spec)
+        overrides.append(f"{key}={value.strip()}")
     if tail and not overrides:
         raise ValueError(f"validate.candidates: {spec!r} has ':' but no KEY=VALUE after it")
     if not label:
@@ -70,6 +76,16 @@ def parse_candidate(spec: str | Candidate) -> Candidate:
         raise ValueError(f"validate.candidates: label {label!r} of {spec!r} must be a plain folder name "
                          f"(letters, digits, . _ + = -, not starting with a symbol) other than {BASELINE_LABEL!r}")
     return Candidate(label, recipe_name, tuple(overrides))
+
+
+def check_candidate_key(key: str, spec: str) -> None:
+    """Refuse a candidate override outside PAIRED_SECTIONS (see the module docstring), naming it."""
+    if key.split(".")[0] not in PAIRED_SECTIONS:
+        allowed = " and ".join(f"{section}.*" for section in PAIRED_SECTIONS)
+        raise ValueError(f"validate.candidates: {key!r} in {spec!r} cannot be set per candidate: a candidate may "
+                         f"change only {allowed} keys (bare keys are fp8.*), so that it stays paired with the "
+                         "bf16 baseline (same model, data, schedule and seed); set other keys for the whole "
+                         "validation instead")
 
 
 def _split_top_level(text: str) -> list[str]:

@@ -1,0 +1,76 @@
+"""Pairing checked, not assumed: the runs of a validation directory are compared with its plan.json before a
+verdict is computed from them, by `fp8train validate` and by `fp8train report` alike.
+
+A verdict means something only when, within every seed, the bf16 baseline and each candidate differ in the FP8
+settings alone. plan.json declares that pairing before any run; afterwards three things can break it, and each is
+refused here (a ValueError naming the run and what differs; nothing is written):
+- a candidate override outside fp8.* / policy.* (a plan.json written by an older fp8train, or edited): the
+  candidate would be another model, other data or another schedule;
+- a run trained on other data than planned (the data file was rewritten while the validation ran): its
+  summary.json records the fingerprint of what it trained on, and it must be the plan's;
+- a run made from another config than planned (its config.yaml does not hash to plan.json's entry), or a
+  summary.json that does not belong to its config and the planned data (validate refuses such a run too).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fp8train.evidence.pairs import PLAN_FILE
+from fp8train.training.config import config_hash, load_config
+from fp8train.training.config.validation import check_candidate_key
+from fp8train.training.data import describe_fingerprint_change
+from fp8train.training.rundir import CONFIG_FILE
+
+__all__ = ["check_pairing", "data_problem"]
+
+
+def data_problem(planned: dict | None, summary: dict) -> str | None:
+    """None when a finished run's summary says it trained on the planned data (fingerprint `planned`), else what
+    differs."""
+    recorded = summary.get("data_fingerprint")
+    if not isinstance(recorded, dict):
+        return "its summary.json records no data fingerprint, so what it trained on cannot be checked"
+    change = describe_fingerprint_change(planned, recorded, "the data")
+    if change is not None:
+        return f"it trained on other data than {PLAN_FILE} declares ({change.replace(' since this run was made', '')})"
+    return None
+
+
+def _config_problem(run_dir: Path, planned_hash: str | None, data_fingerprint: dict | None,
+                    summary: dict | None) -> str | None:
+    config_file = run_dir / CONFIG_FILE
+    if not config_file.exists():
+        return f"it has a summary.json but no {CONFIG_FILE}" if summary is not None else None
+    try:
+        cfg = load_config(str(config_file))
+    except ValueError as err:
+        return f"its {CONFIG_FILE} cannot be read ({err})"
+    if planned_hash is not None and config_hash(cfg) != planned_hash:
+        return f"its {CONFIG_FILE} is not the config {PLAN_FILE} planned for it"
+    if summary is not None and summary.get("config_hash") != config_hash(cfg, data_fingerprint=data_fingerprint):
+        return f"its summary.json does not belong to its {CONFIG_FILE} and the planned data"
+    return None
+
+
+def check_pairing(vdir: Path, plan: dict, runs: dict) -> None:
+    """Raise ValueError unless every run of `runs` ({label: {seed: RunData}}) is paired as `plan` declares (see
+    the module docstring). Runs not started yet, or still running, are left to the verdict (it counts them)."""
+    for spec in plan.get("candidates", []):
+        for override in spec.get("overrides", []):
+            check_candidate_key(str(override).partition("=")[0].strip(), str(spec.get("label")))
+    planned_fp, planned_runs = plan.get("data_fingerprint"), plan.get("runs", {})
+    problems = []
+    for label, by_seed in runs.items():
+        for seed, run in by_seed.items():
+            key = f"{label}/seed{seed}"
+            problem = data_problem(planned_fp, run.summary) if run.summary is not None else None
+            problem = problem or _config_problem(run.dir, (planned_runs.get(key) or {}).get("config_hash"),
+                                                 planned_fp, run.summary)
+            if problem is not None:
+                problems.append(f"runs/{key}: {problem}")
+    if problems:
+        raise ValueError(f"{vdir}: its runs are not paired as {PLAN_FILE} declares, so no verdict is computed "
+                         f"(nothing was written): {'; '.join(problems)}. Restore what changed and re-run "
+                         "`fp8train validate` (delete the affected run folders to re-train them), or start a new "
+                         "validation under another run.name")

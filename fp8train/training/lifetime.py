@@ -1,0 +1,78 @@
+"""How a training process ends when it is told to, or when the process that started it is gone.
+
+- `interrupts_raised()`: inside it, SIGTERM (a scheduler's or `kill`'s stop) and SIGINT (Ctrl-C) raise
+  `Interrupted`, a KeyboardInterrupt that names its signal, in the main thread; the loop catches it to write a
+  summary.json saying "interrupted" and at which step, then lets it end the process (run_log.summary_on_interrupt).
+  Handlers are installed only in the main thread and only over the default ones, and restored on the way out.
+- `die_with_parent(parent_pid)`: a worker process (validate.workers > 1) gets SIGTERM when its parent dies, even
+  by SIGKILL, so no worker is left training, or blocked on a queue nobody will write, after `kill -9` of
+  `fp8train validate` (Linux: prctl(PR_SET_PDEATHSIG); elsewhere a thread polls the parent's pid).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+__all__ = ["Interrupted", "interrupts_raised", "die_with_parent"]
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_DEFAULTS = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGINT, raised where the main thread was; `signum` says which."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise(signum, _frame):
+    raise Interrupted(signum)
+
+
+@contextmanager
+def interrupts_raised():
+    """SIGTERM and SIGINT raise Interrupted inside the block (see the module docstring)."""
+    installed = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in _SIGNALS:  # over the defaults, or our own (a validate worker's _exit_on_signal)
+            if signal.getsignal(signum) in (_DEFAULTS[signum], _raise, _exit_on_signal):
+                installed[signum] = signal.signal(signum, _raise)
+    try:
+        yield
+    finally:
+        for signum, previous in installed.items():
+            signal.signal(signum, previous)
+
+
+def _exit_on_signal(signum, _frame):
+    os._exit(128 + signum)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGTERM to this process when `parent_pid` (its parent) ends. Outside a run (idle in the pool, or between
+    runs) the signal ends the process at once; inside one, interrupts_raised turns it into an interrupted
+    summary first."""
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    else:
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="die-with-parent").start()
+    if os.getppid() != parent_pid:  # the parent died before the line above: nobody would signal us
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)

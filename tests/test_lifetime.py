@@ -1,0 +1,126 @@
+"""How runs end when they are told to, in real processes (fp8train.training.lifetime):
+
+- SIGTERM or SIGINT of `fp8train train` leaves summary.json with status "interrupted", the step and the signal,
+  and the run resumes from its last checkpoint;
+- `fp8train validate` with validate.workers=2, killed with SIGKILL or stopped with SIGTERM while both workers
+  train: within seconds no process of it is left (workers, the resource tracker), and each run that was training
+  says "interrupted" in its summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fp8train.training.config import load_config
+from fp8train.training.loop import train
+from refs import write_stdlib_corpus
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
+
+TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32", "train.batch_size=8",
+        "train.eval_every=50", "train.eval_batches=2", "optim.warmup_steps=2", "policy.min_features=16",
+        "log.wandb=disabled", "log.every=1", "log.telemetry_every=0", "data.max_bytes=300000", "train.threads=1",
+        "train.max_steps=2000", "checkpoint.every=5", "checkpoint.keep_last=2"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    write_stdlib_corpus(path)
+    return path
+
+
+def _start(commands, *args) -> subprocess.Popen:
+    # its own session: the test can find every process it starts (workers, resource tracker) by process group
+    return subprocess.Popen(commands.fp8train(*args), env=commands.env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _wait_for(condition, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            pytest.fail(f"exited early ({proc.returncode}): {proc.stderr.read()}")
+        if time.monotonic() > deadline:
+            pytest.fail("timed out waiting for the runs to start")
+        time.sleep(0.2)
+
+
+def _alive_in_group(pgid: int) -> list[str]:
+    """Processes of process group `pgid` that are not zombies: 'pid command' each."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # ended while we looked
+            continue
+        command, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(f"{stat.parent.name} {command}")
+    return alive
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_of_train_writes_an_interrupted_summary_and_the_run_resumes(tmp_path, corpus, commands, signum):
+    run = tmp_path / "r"
+    proc = _start(commands, "train", str(RECIPES / "cpu_delayed.yaml"), "--quiet", *TINY, f"data.path={corpus}",
+                  f"run.dir={tmp_path}", "run.name=r")
+    try:
+        _wait_for(lambda: _lines(run / "metrics.jsonl") >= 8, proc)
+        proc.send_signal(signum)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = proc.stderr.read()
+    assert proc.returncode == 130 and "interrupted" in err, err
+    summary = json.loads((run / "summary.json").read_text())
+    steps = summary["steps"]
+    assert summary["status"] == "interrupted" and 7 <= steps < 2000, summary
+    assert f"interrupted by {signum.name} after step {steps}; continue with train.resume=true" in summary["reason"]
+    checkpoint = int(summary["last_good_checkpoint"].rsplit("_", 1)[1])
+    assert checkpoint <= steps and checkpoint % 5 == 0
+
+    cfg = load_config(str(RECIPES / "cpu_delayed.yaml"), [*TINY, f"data.path={corpus}", f"run.dir={tmp_path}",
+                                                          "run.name=r", "train.resume=true",
+                                                          f"train.max_steps={checkpoint + 2}"])
+    resumed = train(cfg, show_progress=False)
+    assert resumed["status"] == "completed" and resumed["resumed_from"].endswith(f"step_{checkpoint:06d}")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_validate_workers_end_with_validate(tmp_path, corpus, commands, signum):
+    vdir = tmp_path / "val"
+    proc = _start(commands, "validate", str(RECIPES / "cpu_validate.yaml"), "--quiet", *TINY, f"data.path={corpus}",
+                  f"run.dir={tmp_path}", "run.name=val", "validate.workers=2", "validate.seeds=2",
+                  "validate.candidates=[current]",
+                  "validate.final_window=1", "validate.stop_on_divergence=false")
+    runs = [vdir / "runs" / "bf16" / f"seed{seed}" for seed in (1337, 1338)]
+    try:
+        _wait_for(lambda: all(_lines(r / "metrics.jsonl") >= 3 for r in runs), proc)  # both workers training
+        assert len(_alive_in_group(proc.pid)) >= 4  # validate, its resource tracker, two workers
+        proc.send_signal(signum)
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 20
+        while _alive_in_group(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive_in_group(proc.pid), _alive_in_group(proc.pid)
+    finally:
+        if _alive_in_group(proc.pid):  # what a failing run left: never leave it to the rest of the suite
+            os.killpg(proc.pid, signal.SIGKILL)
+    for run in runs:
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["status"] == "interrupted" and "interrupted by SIGTERM" in summary["reason"], summary
