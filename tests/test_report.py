@@ -249,6 +249,38 @@ def test_missing_runs_make_it_inconclusive_not_a_crash(validation_dir):
     assert summary["verdict"] == "inconclusive"
 
 
+@pytest.mark.parametrize("unusable, why", [("candidate", "seed 3: candidate missing"),
+                                            ("baseline", "seed 3: bf16 baseline running")])
+def test_passing_usable_seeds_with_an_unusable_one_are_inconclusive(tmp_path, unusable, why):
+    """Three seeds; seeds 1 and 2 are the fixture's good pair (gaps +0.5%, +0.7%: upper bound 0.6% + 6.314 x
+    0.1% = 1.23% <= 2%, a PASS on their own), seed 3 has no candidate run, or a baseline still running (metrics,
+    no summary). The estimate is the two usable seeds'; the verdict is INCONCLUSIVE, not PASS, and says why."""
+    from fp8train.evidence.verdict import load_validation, summarize_validation
+
+    vdir = tmp_path / "val"
+    vdir.mkdir()
+    plan = {"margin": 0.02, "final_window": 2, "seeds": [1, 2, 3], "baseline": "bf16", "config_hash": "ab" * 32,
+            "candidates": [{"label": "good", "recipe": "delayed", "overrides": [], "recipe_code": "delayed:x"}],
+            "max_steps": 40, "created": "2025-01-01T00:00:00"}
+    (vdir / "plan.json").write_text(json.dumps(plan))
+    for seed in SEEDS:
+        _write_run(vdir, "bf16", seed, BASE_VAL[seed])
+        _write_run(vdir, "good", seed, GOOD_VAL[seed])
+    base3 = _write_run(vdir, "bf16", 3, BASE_VAL[1])
+    if unusable == "baseline":
+        _write_run(vdir, "good", 3, GOOD_VAL[1])
+        (base3 / "summary.json").unlink()
+    summary = summarize_validation(*load_validation(vdir))
+    good = summary["candidates"]["good"]
+    assert good["verdict"] == "inconclusive" and summary["verdict"] == "inconclusive"
+    assert good["reason"] == f"2 of 3 seeds usable: {why}"
+    assert good["gaps"] == {"1": pytest.approx(0.005), "2": pytest.approx(0.007)} and good["seeds"] == 2
+    assert good["gap_mean"] == pytest.approx(0.006)
+    assert good["gap_upper"] == pytest.approx(0.006 + 6.314 * 0.001, abs=2e-6)
+    assert good["gap_lower"] == pytest.approx(0.006 - 6.314 * 0.001, abs=2e-6)
+    assert good["status"]["3"] == ("missing" if unusable == "candidate" else "completed")
+
+
 def test_plain_run_report_and_cli(validation_dir, capsys):
     from fp8train.cli import main
 
