@@ -408,8 +408,8 @@ def test_06_a_real_training_run_holds_its_lock_until_it_ends(root, tmp_path, cap
     finally:
         _kill9(first)
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith(f"fp8train train: error: run directory {run_dir} is in use by another fp8train process (PID "
-                             f"{first.pid} on {socket.gethostname()}, since "), err
+    assert err[0].startswith(f"fp8train train: error: run directory {run_dir} is in use by another fp8train "
+                             f"process (PID {first.pid} on {socket.gethostname()}, since "), err
     assert err[0].endswith("); wait for it to finish or stop it (nothing was changed)"), err
     assert (run_dir / "config.yaml").read_bytes() == config_before
     assert not (run_dir / "summary.json").exists()  # the second process wrote nothing, the first never finished
