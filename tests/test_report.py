@@ -281,6 +281,20 @@ def test_passing_usable_seeds_with_an_unusable_one_are_inconclusive(tmp_path, un
     assert good["status"]["3"] == ("missing" if unusable == "candidate" else "completed")
 
 
+def test_final_window_means_of_every_run(validation_dir):
+    """Each run's final validation loss is the mean over the last final_window (2) evaluation steps: bf16 seed 1
+    (3.2 + 3.0) / 2 = 3.1, seed 2 3.2; good seed 1 3.1 x 1.005. A non-finite value in the window gives None."""
+    from fp8train.evidence.verdict import RunData, load_validation, summarize_validation
+
+    summary = summarize_validation(*load_validation(validation_dir))
+    finals = summary["baseline_final_val_loss"]
+    assert finals == {"1": pytest.approx(3.1, rel=1e-12), "2": pytest.approx(3.2, rel=1e-12)}
+    assert summary["runs"]["good/seed1"]["final_val_loss"] == pytest.approx(3.1 * 1.005, rel=1e-12)
+    assert summary["runs"]["bf16/seed2"]["status"] == "completed"
+    run = _write_run(validation_dir, "nan", 1, (5.5, 4.0, 3.5, math.nan, 3.0))
+    assert RunData(run, "nan").final(2) is None and RunData(run, "nan").final(1) == 3.0
+
+
 def test_plain_run_report_and_cli(validation_dir, capsys):
     from fp8train.cli import main
 
