@@ -281,6 +281,30 @@ def test_passing_usable_seeds_with_an_unusable_one_are_inconclusive(tmp_path, un
     assert good["status"]["3"] == ("missing" if unusable == "candidate" else "completed")
 
 
+@pytest.mark.parametrize("status, reason, said", [
+    ("stopped", "val_loss above 10 at step 30", "seed 2 stopped: val_loss above 10 at step 30"),
+    ("diverged", None, "seed 2 diverged"),  # no reason recorded: none invented
+])
+def test_a_stopped_or_diverged_seed_fails_the_candidate(tmp_path, status, reason, said):
+    """Seed 1 passes on its own; seed 2's candidate run ended `status`: FAIL, whatever the other seeds say."""
+    from fp8train.evidence.verdict import load_validation, summarize_validation
+
+    vdir = tmp_path / "val"
+    vdir.mkdir()
+    plan = {"margin": 0.02, "final_window": 2, "seeds": list(SEEDS), "baseline": "bf16", "config_hash": "ab" * 32,
+            "candidates": [{"label": "good", "recipe": "delayed", "overrides": [], "recipe_code": "delayed:x"}],
+            "max_steps": 40, "created": "2025-01-01T00:00:00"}
+    (vdir / "plan.json").write_text(json.dumps(plan))
+    for seed in SEEDS:
+        _write_run(vdir, "bf16", seed, BASE_VAL[seed])
+    _write_run(vdir, "good", 1, GOOD_VAL[1])
+    _write_run(vdir, "good", 2, GOOD_VAL[2][:3], status=status, reason=reason)
+    summary = summarize_validation(*load_validation(vdir))
+    good = summary["candidates"]["good"]
+    assert (good["verdict"], good["reason"], summary["verdict"]) == ("fail", said, "fail")
+    assert good["gaps"] == {"1": pytest.approx(0.005)} and good["status"] == {"1": "completed", "2": status}
+
+
 def test_final_window_means_of_every_run(validation_dir):
     """Each run's final validation loss is the mean over the last final_window (2) evaluation steps: bf16 seed 1
     (3.2 + 3.0) / 2 = 3.1, seed 2 3.2; good seed 1 3.1 x 1.005. A non-finite value in the window gives None."""
