@@ -279,11 +279,16 @@ def test_passing_usable_seeds_with_an_unusable_one_are_inconclusive(tmp_path, un
     assert good["gap_upper"] == pytest.approx(0.006 + 6.314 * 0.001, abs=2e-6)
     assert good["gap_lower"] == pytest.approx(0.006 - 6.314 * 0.001, abs=2e-6)
     assert good["status"]["3"] == ("missing" if unusable == "candidate" else "completed")
+    # per evaluation step: the seeds whose runs both have a curve (a missing candidate run has none)
+    per_step = good["per_step"]
+    assert [(r["step"], r["n"]) for r in per_step] == [(s, 2 if unusable == "candidate" else 3) for s in STEPS]
+    assert per_step[-1]["gap_mean"] == pytest.approx(0.006 if unusable == "candidate" else (0.005 * 2 + 0.007) / 3)
 
 
 @pytest.mark.parametrize("status, reason, said", [
     ("stopped", "val_loss above 10 at step 30", "seed 2 stopped: val_loss above 10 at step 30"),
     ("diverged", None, "seed 2 diverged"),  # no reason recorded: none invented
+    ("completed", None, "seed 2: non-finite or missing validation loss in the final window"),  # no step 40
 ])
 def test_a_stopped_or_diverged_seed_fails_the_candidate(tmp_path, status, reason, said):
     """Seed 1 passes on its own; seed 2's candidate run ended `status`: FAIL, whatever the other seeds say."""
