@@ -310,6 +310,20 @@ def test_a_stopped_or_diverged_seed_fails_the_candidate(tmp_path, status, reason
     assert good["gaps"] == {"1": pytest.approx(0.005)} and good["status"] == {"1": "completed", "2": status}
 
 
+def test_per_step_gaps_by_hand():
+    """Per step held by every seed of both: (candidate - bf16) / |bf16|, NaN where the baseline loss is 0."""
+    from types import SimpleNamespace
+
+    from fp8train.evidence.verdict import per_step_gaps
+
+    run = lambda val: SimpleNamespace(curve=SimpleNamespace(val=val))  # noqa: E731
+    base = {1: run({0: 0.0, 10: 2.0, 20: 1.0}), 2: run({0: 0.0, 10: 4.0})}
+    cand = {1: run({0: 0.0, 10: 2.2, 20: 1.5}), 2: run({0: 0.0, 10: 4.0})}
+    rows = per_step_gaps(base, cand)
+    assert [(r["step"], r["n"]) for r in rows] == [(0, 2), (10, 2)]  # step 20: seed 2 has none
+    assert math.isnan(rows[0]["gap_mean"]) and rows[1]["gap_mean"] == pytest.approx(0.05, rel=1e-12)
+
+
 def test_final_window_means_of_every_run(validation_dir):
     """Each run's final validation loss is the mean over the last final_window (2) evaluation steps: bf16 seed 1
     (3.2 + 3.0) / 2 = 3.1, seed 2 3.2; good seed 1 3.1 x 1.005. A non-finite value in the window gives None."""
