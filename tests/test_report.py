@@ -279,6 +279,8 @@ def test_passing_usable_seeds_with_an_unusable_one_are_inconclusive(tmp_path, un
     assert good["gap_upper"] == pytest.approx(0.006 + 6.314 * 0.001, abs=2e-6)
     assert good["gap_lower"] == pytest.approx(0.006 - 6.314 * 0.001, abs=2e-6)
     assert good["status"]["3"] == ("missing" if unusable == "candidate" else "completed")
+    # at this mean and spread 2 seeds already decide: t(0.95, 1) x 0.1% = 0.63% < 2% - 0.6%
+    assert good["seeds_needed"] == 2
     # per evaluation step: the seeds whose runs both have a curve (a missing candidate run has none)
     per_step = good["per_step"]
     assert [(r["step"], r["n"]) for r in per_step] == [(s, 2 if unusable == "candidate" else 3) for s in STEPS]
@@ -308,6 +310,28 @@ def test_a_stopped_or_diverged_seed_fails_the_candidate(tmp_path, status, reason
     good = summary["candidates"]["good"]
     assert (good["verdict"], good["reason"], summary["verdict"]) == ("fail", said, "fail")
     assert good["gaps"] == {"1": pytest.approx(0.005)} and good["status"] == {"1": "completed", "2": status}
+
+
+@pytest.mark.parametrize("seed2, verdict, reason", [
+    ("missing", "inconclusive", "1 of 3 seeds usable: seed 2: candidate missing; seed 3: candidate missing"),
+    ("diverged", "fail", "seed 2 diverged: loss became nan at step 23"),  # a failure stays one, seed 3 aside
+])
+def test_every_unusable_seed_is_named_and_a_failure_is_not_hidden(tmp_path, seed2, verdict, reason):
+    from fp8train.evidence.verdict import load_validation, summarize_validation
+
+    vdir = tmp_path / "val"
+    vdir.mkdir()
+    plan = {"margin": 0.02, "final_window": 2, "seeds": [1, 2, 3], "baseline": "bf16", "config_hash": "ab" * 32,
+            "candidates": [{"label": "good", "recipe": "delayed", "overrides": [], "recipe_code": "delayed:x"}],
+            "max_steps": 40, "created": "2025-01-01T00:00:00"}
+    (vdir / "plan.json").write_text(json.dumps(plan))
+    for seed in (1, 2, 3):
+        _write_run(vdir, "bf16", seed, BASE_VAL[1])
+    _write_run(vdir, "good", 1, GOOD_VAL[1])
+    if seed2 == "diverged":
+        _write_run(vdir, "good", 2, GOOD_VAL[1][:3], status="diverged", reason="loss became nan at step 23")
+    good = summarize_validation(*load_validation(vdir))["candidates"]["good"]
+    assert (good["verdict"], good["reason"]) == (verdict, reason)
 
 
 def test_per_step_gaps_by_hand():
