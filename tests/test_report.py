@@ -201,6 +201,7 @@ def test_validation_report_from_fixture(validation_dir):
     assert good["gap_lower"] == pytest.approx(0.006 - 6.314 * 0.001, abs=2e-6)
     assert good["mdg"] == pytest.approx((6.314 + 1.376) * 0.001, abs=2e-6)
     assert good["verdict"] == "pass" and good["speed_vs_bf16"] == pytest.approx(0.5)
+    assert good["gap_sd"] == pytest.approx(math.sqrt(2) * 0.001) and good["seeds_needed"] is None  # decided
     assert broken["verdict"] == "fail" and "seed 1 diverged" in broken["reason"] and "step 23" in broken["reason"]
     assert broken["divergence"][0]["layers"][0].startswith("layers.1.mlp.up_proj input")
     assert summary["verdict"] == "fail"
