@@ -202,6 +202,9 @@ def test_validation_report_from_fixture(validation_dir):
     assert good["mdg"] == pytest.approx((6.314 + 1.376) * 0.001, abs=2e-6)
     assert good["verdict"] == "pass" and good["speed_vs_bf16"] == pytest.approx(0.5)
     assert good["gap_sd"] == pytest.approx(math.sqrt(2) * 0.001) and good["seeds_needed"] is None  # decided
+    assert (good["recipe"], good["overrides"], good["recipe_code"]) == ("delayed", [], "delayed:x")
+    assert good["status"] == {"1": "completed", "2": "completed"}
+    assert broken["status"] == {"1": "diverged", "2": "completed"} and broken["divergence"][0]["seed"] == 1
     assert broken["verdict"] == "fail" and "seed 1 diverged" in broken["reason"] and "step 23" in broken["reason"]
     assert broken["divergence"][0]["layers"][0].startswith("layers.1.mlp.up_proj input")
     assert summary["verdict"] == "fail"
