@@ -336,6 +336,9 @@ def test_every_unusable_seed_is_named_and_a_failure_is_not_hidden(tmp_path, seed
         _write_run(vdir, "good", 2, GOOD_VAL[1][:3], status="diverged", reason="loss became nan at step 23")
     good = summarize_validation(*load_validation(vdir))["candidates"]["good"]
     assert (good["verdict"], good["reason"]) == (verdict, reason)
+    del plan["candidates"][0]["recipe_code"]  # a plan written before recipe codes: the recipe name stands in
+    (vdir / "plan.json").write_text(json.dumps(plan))
+    assert summarize_validation(*load_validation(vdir))["candidates"]["good"]["recipe_code"] == "delayed"
 
 
 def test_per_step_gaps_by_hand():
