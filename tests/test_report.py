@@ -206,6 +206,8 @@ def test_validation_report_from_fixture(validation_dir):
     assert good["status"] == {"1": "completed", "2": "completed"}
     assert broken["status"] == {"1": "diverged", "2": "completed"} and broken["divergence"][0]["seed"] == 1
     assert broken["divergence"][0]["reason"] == "loss became nan at step 23" and len(broken["divergence"]) == 1
+    # the advisor over both seeds' telemetry: down_proj's mean underflow, q_proj's 3 dB step (seed 2)
+    assert sorted(good["advisor"]) == ["layers.0.attn.q_proj", "layers.0.mlp.down_proj"]
     assert broken["verdict"] == "fail" and "seed 1 diverged" in broken["reason"] and "step 23" in broken["reason"]
     assert broken["divergence"][0]["layers"][0].startswith("layers.1.mlp.up_proj input")
     assert summary["verdict"] == "fail"
