@@ -71,3 +71,63 @@ def test_recipe_option_reaches_the_layer():
 def test_bad_accumulation_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         recipe("current", **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Exact partial sums against a float64 reference written from the module docstring's rule
+# ------------------------------------------------------------------------------------------------------------
+def _truncate_ref(x: float, bits: int) -> float:
+    """x truncated toward zero to `bits` significant bits, in float64 (frexp: x = m * 2**e, 0.5 <= |m| < 1)."""
+    m, e = np.frexp(x)
+    return float(np.ldexp(np.trunc(np.ldexp(m, bits)), e - bits))
+
+
+def _hopper_ref(a: np.ndarray, b: np.ndarray, bits: int, promotion: int, mma_k: int) -> np.ndarray:
+    """The documented rule, one output element at a time in float64: groups of `mma_k` products summed exactly,
+    each group added into a narrow accumulator truncated to `bits` bits, which is added into the total and
+    cleared every `promotion` products (0: never); the total plus what is left in the accumulator at the end."""
+    out = np.zeros((a.shape[0], b.shape[1]))
+    k = a.shape[1]
+    for i in range(a.shape[0]):
+        for j in range(b.shape[1]):
+            total = narrow = 0.0
+            since = 0
+            for start in range(0, k, mma_k):
+                group = sum(a[i, t] * b[t, j] for t in range(start, min(start + mma_k, k)))
+                narrow = _truncate_ref(narrow + group, bits)
+                since += min(start + mma_k, k) - start
+                if promotion and since >= promotion:
+                    total, narrow, since = total + narrow, 0.0, 0
+            out[i, j] = total + narrow
+    return out
+
+
+@pytest.mark.parametrize("promotion, expected", [(0, 16.0), (1, 22.0), (2, 20.0), (4, 20.0), (8, 16.0)])
+def test_promotion_interval_by_hand(promotion, expected):
+    """Products 1, 1, 1, 8, 1, 1, 1, 8 (one per MMA, mma_k=1) in a 3-bit accumulator: 1, 2, 3, then 3 + 8 = 11
+    = 0b1011 truncates to 0b1010 = 10. Promoting every 4 products adds 10 twice: 20. Never (or every 8): 10 + 1
+    truncates back to 10 three times, then 10 + 8 = 18 = 0b10010 truncates to 16. Every 2: (1+1) + (1+8 -> 8)
+    twice = 20. Every product: nothing is ever truncated, the exact 22."""
+    a = torch.ones(1, 8)
+    b = torch.tensor([1.0, 1, 1, 8, 1, 1, 1, 8]).reshape(8, 1)
+    out = hopper_accumulated_mm(a, b, HopperAccumulation(3, promotion_interval=promotion, mma_k=1))
+    assert out.item() == expected
+
+
+@pytest.mark.parametrize("k", [256, 200])  # 200: a last MMA group of 8 products
+@pytest.mark.parametrize("promotion", [0, 32, 64, 96, 128])
+def test_partial_sums_are_exactly_the_documented_rule(k, promotion, rng):
+    """E4M3 operands in [1, 2) (8 values) and (-2, -1] x [1, 2): every product has 7 significant bits at 2**-6,
+    a 32-product group sum stays within 14 bits and the running sums within fp32's 24, so the modelled fp32
+    arithmetic is exact and must equal the float64 reference bit for bit. 8 accumulator bits make the
+    truncation bite at every step, so each promotion interval gives other sums."""
+    mantissas = 1.0 + np.arange(8) / 8.0  # the E4M3 values in [1, 2)
+    a = rng.choice(mantissas, size=(3, k)) * rng.choice([1.0, -1.0], size=(3, k), p=[0.8, 0.2])
+    b = rng.choice(mantissas, size=(k, 2))
+    acc = HopperAccumulation(8, promotion_interval=promotion)
+    out = hopper_accumulated_mm(torch.tensor(a, dtype=torch.float32), torch.tensor(b, dtype=torch.float32), acc)
+    expected = _hopper_ref(a, b, 8, promotion, 32)
+    assert np.array_equal(out.double().numpy(), expected)
+    if promotion:  # the interval matters: one group more or fewer per promotion gives other sums
+        for other in {0, 32, 64, 96, 128} - {promotion}:
+            assert not np.array_equal(expected, _hopper_ref(a, b, 8, other, 32)), other

@@ -169,3 +169,31 @@ def test_bad_inputs_name_data_path(tmp_path, case):
     assert "data.path" in msg or "model.vocab_size" in msg
     if case == "too_short":
         assert str(T + 1) in msg
+
+
+def test_fingerprint_hashes_each_split_and_names_a_validation_change(tmp_path):
+    """The fingerprint of a train.bin/val.bin pair is sha256 of "uint16" + each split's bytes (hashlib on the
+    arrays written here), and a val.bin rewritten at the same size changes only the validation half, which
+    describe_fingerprint_change names."""
+    import hashlib
+
+    from fp8train.training.data import describe_fingerprint_change
+
+    rng = np.random.default_rng(0)
+    train, val = rng.integers(0, 1000, 5000, dtype=np.uint16), rng.integers(0, 1000, 500, dtype=np.uint16)
+    train.tofile(tmp_path / "train.bin")
+    val.tofile(tmp_path / "val.bin")
+    before = build_data(cfg_for(str(tmp_path), "model.vocab_size=1024")).fingerprint
+    assert before == {"train_tokens": 5000, "train_sha256": hashlib.sha256(b"uint16" + train.tobytes()).hexdigest(),
+                      "val_tokens": 500, "val_sha256": hashlib.sha256(b"uint16" + val.tobytes()).hexdigest()}
+    val[::-1].tofile(tmp_path / "val.bin")  # the same tokens in another order
+    after = build_data(cfg_for(str(tmp_path), "model.vocab_size=1024")).fingerprint
+    assert after["val_sha256"] == hashlib.sha256(b"uint16" + val[::-1].tobytes()).hexdigest()
+    assert {k for k in before if before[k] != after[k]} == {"val_sha256"}
+    assert describe_fingerprint_change(before, after, "corpus X") == (
+        f"corpus X changed since this run was made: validation tokens {before['val_sha256'][:12]} -> "
+        f"{after['val_sha256'][:12]}")
+    shorter = dict(before, val_tokens=499)
+    assert describe_fingerprint_change(before, shorter) == \
+        "the data changed since this run was made: validation token count 500 -> 499"
+    assert describe_fingerprint_change(before, dict(before)) is None

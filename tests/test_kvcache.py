@@ -261,3 +261,44 @@ def test_e5m2_cache_error_is_twice_e4m3():
         k_ref = k.to(torch.bfloat16).float()
         errors[fmt] = float(((k_out - k_ref).norm() / k_ref.norm()))
     assert 1.6 < errors["e5m2"] / errors["e4m3fn"] < 2.6, errors
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Calibration over several batches
+# ------------------------------------------------------------------------------------------------------------
+class _KnownKv(torch.nn.Module):
+    """An attention stand-in with the kv_transform hook: K = factor * x and V = -2 * factor * x of its input x
+    (B, H, T, D), so the K/V amaxes of every batch are known by hand."""
+
+    def __init__(self, layer_idx: int, factor: float):
+        super().__init__()
+        self.layer_idx, self.factor, self.kv_transform = layer_idx, factor, None
+
+    def forward(self, x):
+        k, v = self.factor * x, -2 * self.factor * x
+        if self.kv_transform is not None:
+            k, v = self.kv_transform(k, v, self.layer_idx)
+        return x
+
+
+def _batch(head0: float, head1: float) -> tuple[torch.Tensor, None]:
+    """(B=2, H=2, T=3, D=4) of small values, with one element of value head0 in head 0 and head1 in head 1."""
+    x = torch.full((2, 2, 3, 4), 0.25)
+    x[1, 0, 2, 3], x[0, 1, 1, 0] = head0, head1
+    return x, None
+
+
+def test_calibration_amax_is_the_max_over_batches_per_head():
+    """Per head |max| of the three batches: head 0 3, 1, 4 and head 1 0.5, 6, 2 -> K amax (4, 6) for factor 1;
+    V is -2 K -> (8, 12); layer 1 (factor 3) three times those. No single batch holds both maxima."""
+    from fp8train.serving.kvcache import calibrate_kv_amax, scales_from_amax
+
+    model = torch.nn.Sequential(_KnownKv(0, 1.0), _KnownKv(1, 3.0))
+    batches = [_batch(3.0, 0.5), _batch(1.0, -6.0), _batch(-4.0, 2.0)]
+    amax = calibrate_kv_amax(model, batches, autocast=False)
+    expected = {(0, "k"): [4.0, 6.0], (0, "v"): [8.0, 12.0], (1, "k"): [12.0, 18.0], (1, "v"): [24.0, 36.0]}
+    assert {key: a.tolist() for key, a in amax.items()} == expected
+    # one scale per layer for the tensor granularity: the larger head's amax / 448 (e4m3fn)
+    scales = scales_from_amax(amax, KvCacheConfig("e4m3fn", "kv", "tensor", "calibrated"))
+    assert scales[(0, "v")].item() == torch.tensor(12.0 / 448).item()
+    assert all(m.kv_transform is None for m in model)  # the recorder is removed again

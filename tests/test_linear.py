@@ -353,6 +353,37 @@ def test_state_dict_round_trip_is_bit_identical(name):
         assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "to_float16", "double", "meta", "meta_half"])
+def test_dtype_casts_keep_the_scaling_state_and_device_moves_take_it(cast):
+    """A dtype cast changes the weights only: every scaling buffer keeps its dtype and bits, among them a
+    grad_output scale of 1.5e-9 (below fp16's smallest subnormal, 2**-24: fp16 would flush it to 0) and a history
+    value with 24 significant bits (bf16 keeps 8). A device move (here to meta, alone or with a cast) moves them
+    with their dtypes."""
+    layer = Fp8Linear(32, 16, recipe=recipe("delayed", amax_history_len=4))
+    layer.grad_output_scale.fill_(1.5e-9)
+    layer.input_amax_history[1] = 1.0 + 2.0 ** -23
+    layer.weight_stale_scale_steps.fill_(3)
+    before = {name: buf.clone() for name, buf in layer.named_buffers()}
+    assert before["grad_output_scale"].dtype == torch.float32 and before["input_initialized"].dtype == torch.bool
+    cast_to = {"half": lambda m: m.half(), "bfloat16": lambda m: m.bfloat16(), "double": lambda m: m.double(),
+               "to_float16": lambda m: m.to(torch.float16), "meta": lambda m: m.to("meta"),
+               "meta_half": lambda m: m.to("meta", torch.float16)}[cast]
+    assert cast_to(layer) is layer
+    weight_dtype = {"half": torch.float16, "to_float16": torch.float16, "bfloat16": torch.bfloat16,
+                    "double": torch.float64, "meta": torch.float32, "meta_half": torch.float16}[cast]
+    assert layer.weight.dtype == weight_dtype and layer.bias.dtype == weight_dtype
+    after = dict(layer.named_buffers())
+    assert set(after) == set(before)
+    for name, buf in before.items():
+        assert after[name].dtype == buf.dtype, name
+        if cast.startswith("meta"):
+            assert after[name].device.type == "meta", name
+        else:
+            assert torch.equal(after[name], buf), name
+    if not cast.startswith("meta"):
+        assert layer.grad_output_scale.item() == torch.tensor(1.5e-9).item()
+
+
 def test_from_linear_reuses_parameters_and_repr():
     linear = nn.Linear(64, 32)
     layer = Fp8Linear.from_linear(linear, recipe("delayed", amax_history_len=16))

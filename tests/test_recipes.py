@@ -40,6 +40,30 @@ def test_granularity_per_role(name, granularity):
     assert all(r.granularity_of(role) == granularity for role in ("input", "weight", "grad_output"))
 
 
+# Which roles are quantized again along their other axis for the backward GEMM contracting their first dim,
+# written out: per-row scales (rowwise) and non-square tiles vary along that dim; tensorwise scales and square
+# tiles do not.
+REQUANTIZE_TRANSPOSED = {
+    "delayed": dict(input=False, weight=False, grad_output=False),
+    "current": dict(input=False, weight=False, grad_output=False),
+    "rowwise": dict(input=True, weight=True, grad_output=True),
+    "block": dict(input=True, weight=False, grad_output=True),  # 1x128, 128x128, 1x128
+    "mxfp8": dict(input=True, weight=True, grad_output=True),  # 1x32 everywhere
+}
+
+
+@pytest.mark.parametrize("name", sorted(REQUANTIZE_TRANSPOSED))
+def test_requantize_transposed_per_role(name):
+    r = recipe(name)
+    assert {role: r.requantize_transposed(role) for role in REQUANTIZE_TRANSPOSED[name]} == \
+        REQUANTIZE_TRANSPOSED[name]
+
+
+def test_requantize_transposed_follows_the_tile_shape():
+    r = recipe("block", weight_block=(1, 128), input_block=(32, 32), grad_output_block=(128, 1))
+    assert [r.requantize_transposed(role) for role in ("input", "weight", "grad_output")] == [False, True, True]
+
+
 def test_code_strings():
     assert recipe("delayed").code() == "delayed:e4m3/e4m3/e5m2:h1024max:m0"
     assert recipe("delayed", amax_history_len=16, amax_compute_algo="most_recent", margin=1).code() == \

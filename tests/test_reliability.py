@@ -404,6 +404,53 @@ def test_06_second_train_on_a_running_run_is_refused(root, tmp_path, capsys):
     assert files_of(run_dir) == before  # metrics.jsonl not touched by the second process
 
 
+def _wait_for_step(run_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until the run in `run_dir` has logged an optimizer step (it holds its lock by then: the lock is taken
+    before the first write), or fail with the process's output."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists() and any('"loss"' in line for line in metrics.read_text().splitlines()[:-1]):
+            return
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"the first train never logged a step: {proc.communicate()[1][-2000:]}")
+
+
+@pytest.mark.slow
+def test_06_a_real_training_run_holds_its_lock_until_it_ends(root, tmp_path, capsys, commands):
+    """A real `fp8train train` (100000 steps: still training when the second one starts) holds its run
+    directory: a second train there, which would start or resume (train.resume=auto), is refused with the first
+    one's PID and changes nothing; killed, the first one's lock is taken over."""
+    import socket
+
+    run_dir = tmp_path / "held"
+    args = ["train", str(root / "tiny.yaml"), f"run.dir={tmp_path}", "run.name=held", "--quiet",
+            "train.max_steps=100000", "train.eval_every=100000", "checkpoint.every=0", "log.telemetry_every=0"]
+    first = subprocess.Popen(commands.fp8train(*args), env=commands.env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_step(run_dir, first)
+        config_before = (run_dir / "config.yaml").read_bytes()
+        # 2 steps: were it not refused, it would finish (and the test fail) in seconds
+        code, err = run_cli(capsys, *args, "train.resume=auto", "train.max_steps=2")
+        assert first.poll() is None  # still training: refused by its lock, not by a finished run
+    finally:
+        _kill9(first)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"fp8train train: error: run directory {run_dir} is in use by another fp8train "
+                             f"process (PID {first.pid} on {socket.gethostname()}, since "), err
+    assert err[0].endswith("); wait for it to finish or stop it (nothing was changed)"), err
+    assert (run_dir / "config.yaml").read_bytes() == config_before
+    assert not (run_dir / "summary.json").exists()  # the second process wrote nothing, the first never finished
+    from fp8train.training.rundir import DirLock
+
+    said = []
+    with DirLock(run_dir, log=said.append):
+        assert said == [f"run directory {run_dir}: took over the lock of PID {first.pid}, which is no longer "
+                        "running (killed?)"]
+
+
 @pytest.mark.slow
 def test_06_second_validate_of_a_directory_is_refused(root, tmp_path):
     from fp8train.evidence.validate import run_validation

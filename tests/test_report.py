@@ -208,6 +208,21 @@ def test_validation_report_from_fixture(validation_dir):
     assert good["gap_lower"] == pytest.approx(0.006 - 6.314 * 0.001, abs=2e-6)
     assert good["mdg"] == pytest.approx((6.314 + 1.376) * 0.001, abs=2e-6)
     assert good["verdict"] == "pass" and good["speed_vs_bf16"] == pytest.approx(0.5)
+    assert good["gap_sd"] == pytest.approx(math.sqrt(2) * 0.001) and good["seeds_needed"] is None  # decided
+    assert (good["recipe"], good["overrides"], good["recipe_code"]) == ("delayed", [], "delayed:x")
+    assert good["status"] == {"1": "completed", "2": "completed"}
+    assert broken["status"] == {"1": "diverged", "2": "completed"} and broken["divergence"][0]["seed"] == 1
+    assert broken["divergence"][0]["reason"] == "loss became nan at step 23" and len(broken["divergence"]) == 1
+    # the advisor over both seeds' telemetry: down_proj's mean underflow, q_proj's 3 dB step (seed 2)
+    assert sorted(good["advisor"]) == ["layers.0.attn.q_proj", "layers.0.mlp.down_proj"]
+    # the top level: what the verdict was computed with, and every run
+    assert (summary["margin"], summary["final_window"], summary["seeds"], summary["baseline"]) == (0.02, 2, [1, 2],
+                                                                                                   "bf16")
+    assert (summary["confidence"], summary["power"]) == (0.95, 0.80) and summary["method"].startswith("Per seed s")
+    assert set(summary["advisor_thresholds"]) == {"mean", "worst_step"}
+    assert summary["runs"]["good/seed1"] == {"status": "completed", "wall_time_s": 10.0, "tokens_per_s": 500.0,
+                                             "final_val_loss": pytest.approx(3.1 * 1.005, rel=1e-12)}
+    assert summary["runs"]["broken/seed1"]["status"] == "diverged" and len(summary["runs"]) == 6
     assert broken["verdict"] == "fail" and "seed 1 diverged" in broken["reason"] and "step 23" in broken["reason"]
     assert broken["divergence"][0]["layers"][0].startswith("layers.1.mlp.up_proj input")
     assert summary["verdict"] == "fail"
@@ -254,6 +269,122 @@ def test_missing_runs_make_it_inconclusive_not_a_crash(validation_dir):
     assert good["status"]["2"] == "missing" and good["verdict"] == "inconclusive" and "1 of 2" in good["reason"]
     assert summary["candidates"]["broken"]["verdict"] == "inconclusive"  # no run at all: nothing to judge
     assert summary["verdict"] == "inconclusive"
+
+
+@pytest.mark.parametrize("unusable, why", [("candidate", "seed 3: candidate missing"),
+                                            ("baseline", "seed 3: bf16 baseline running")])
+def test_passing_usable_seeds_with_an_unusable_one_are_inconclusive(tmp_path, unusable, why):
+    """Three seeds; seeds 1 and 2 are the fixture's good pair (gaps +0.5%, +0.7%: upper bound 0.6% + 6.314 x
+    0.1% = 1.23% <= 2%, a PASS on their own), seed 3 has no candidate run, or a baseline still running (metrics,
+    no summary). The estimate is the two usable seeds'; the verdict is INCONCLUSIVE, not PASS, and says why."""
+    from fp8train.evidence.verdict import load_validation, summarize_validation
+
+    vdir = tmp_path / "val"
+    vdir.mkdir()
+    plan = {"margin": 0.02, "final_window": 2, "seeds": [1, 2, 3], "baseline": "bf16", "config_hash": "ab" * 32,
+            "candidates": [{"label": "good", "recipe": "delayed", "overrides": [], "recipe_code": "delayed:x"}],
+            "max_steps": 40, "created": "2025-01-01T00:00:00"}
+    (vdir / "plan.json").write_text(json.dumps(plan))
+    for seed in SEEDS:
+        _write_run(vdir, "bf16", seed, BASE_VAL[seed])
+        _write_run(vdir, "good", seed, GOOD_VAL[seed])
+    base3 = _write_run(vdir, "bf16", 3, BASE_VAL[1])
+    if unusable == "baseline":
+        _write_run(vdir, "good", 3, GOOD_VAL[1])
+        (base3 / "summary.json").unlink()
+    summary = summarize_validation(*load_validation(vdir))
+    good = summary["candidates"]["good"]
+    assert good["verdict"] == "inconclusive" and summary["verdict"] == "inconclusive"
+    assert good["reason"] == f"2 of 3 seeds usable: {why}"
+    assert good["gaps"] == {"1": pytest.approx(0.005), "2": pytest.approx(0.007)} and good["seeds"] == 2
+    assert good["gap_mean"] == pytest.approx(0.006)
+    assert good["gap_upper"] == pytest.approx(0.006 + 6.314 * 0.001, abs=2e-6)
+    assert good["gap_lower"] == pytest.approx(0.006 - 6.314 * 0.001, abs=2e-6)
+    assert good["status"]["3"] == ("missing" if unusable == "candidate" else "completed")
+    # at this mean and spread 2 seeds already decide: t(0.95, 1) x 0.1% = 0.63% < 2% - 0.6%
+    assert good["seeds_needed"] == 2
+    # per evaluation step: the seeds whose runs both have a curve (a missing candidate run has none)
+    per_step = good["per_step"]
+    assert [(r["step"], r["n"]) for r in per_step] == [(s, 2 if unusable == "candidate" else 3) for s in STEPS]
+    assert per_step[-1]["gap_mean"] == pytest.approx(0.006 if unusable == "candidate" else (0.005 * 2 + 0.007) / 3)
+
+
+@pytest.mark.parametrize("status, reason, said", [
+    ("stopped", "val_loss above 10 at step 30", "seed 2 stopped: val_loss above 10 at step 30"),
+    ("diverged", None, "seed 2 diverged"),  # no reason recorded: none invented
+    ("completed", None, "seed 2: non-finite or missing validation loss in the final window"),  # no step 40
+])
+def test_a_stopped_or_diverged_seed_fails_the_candidate(tmp_path, status, reason, said):
+    """Seed 1 passes on its own; seed 2's candidate run ended `status`: FAIL, whatever the other seeds say."""
+    from fp8train.evidence.verdict import load_validation, summarize_validation
+
+    vdir = tmp_path / "val"
+    vdir.mkdir()
+    plan = {"margin": 0.02, "final_window": 2, "seeds": list(SEEDS), "baseline": "bf16", "config_hash": "ab" * 32,
+            "candidates": [{"label": "good", "recipe": "delayed", "overrides": [], "recipe_code": "delayed:x"}],
+            "max_steps": 40, "created": "2025-01-01T00:00:00"}
+    (vdir / "plan.json").write_text(json.dumps(plan))
+    for seed in SEEDS:
+        _write_run(vdir, "bf16", seed, BASE_VAL[seed])
+    _write_run(vdir, "good", 1, GOOD_VAL[1])
+    _write_run(vdir, "good", 2, GOOD_VAL[2][:3], status=status, reason=reason)
+    summary = summarize_validation(*load_validation(vdir))
+    good = summary["candidates"]["good"]
+    assert (good["verdict"], good["reason"], summary["verdict"]) == ("fail", said, "fail")
+    assert good["gaps"] == {"1": pytest.approx(0.005)} and good["status"] == {"1": "completed", "2": status}
+
+
+@pytest.mark.parametrize("seed2, verdict, reason", [
+    ("missing", "inconclusive", "1 of 3 seeds usable: seed 2: candidate missing; seed 3: candidate missing"),
+    ("diverged", "fail", "seed 2 diverged: loss became nan at step 23"),  # a failure stays one, seed 3 aside
+])
+def test_every_unusable_seed_is_named_and_a_failure_is_not_hidden(tmp_path, seed2, verdict, reason):
+    from fp8train.evidence.verdict import load_validation, summarize_validation
+
+    vdir = tmp_path / "val"
+    vdir.mkdir()
+    plan = {"margin": 0.02, "final_window": 2, "seeds": [1, 2, 3], "baseline": "bf16", "config_hash": "ab" * 32,
+            "candidates": [{"label": "good", "recipe": "delayed", "overrides": [], "recipe_code": "delayed:x"}],
+            "max_steps": 40, "created": "2025-01-01T00:00:00"}
+    (vdir / "plan.json").write_text(json.dumps(plan))
+    for seed in (1, 2, 3):
+        _write_run(vdir, "bf16", seed, BASE_VAL[1])
+    _write_run(vdir, "good", 1, GOOD_VAL[1])
+    if seed2 == "diverged":
+        _write_run(vdir, "good", 2, GOOD_VAL[1][:3], status="diverged", reason="loss became nan at step 23")
+    good = summarize_validation(*load_validation(vdir))["candidates"]["good"]
+    assert (good["verdict"], good["reason"]) == (verdict, reason)
+    del plan["candidates"][0]["recipe_code"]  # a plan written before recipe codes: the recipe name stands in
+    (vdir / "plan.json").write_text(json.dumps(plan))
+    assert summarize_validation(*load_validation(vdir))["candidates"]["good"]["recipe_code"] == "delayed"
+
+
+def test_per_step_gaps_by_hand():
+    """Per step held by every seed of both: (candidate - bf16) / |bf16|, NaN where the baseline loss is 0."""
+    from types import SimpleNamespace
+
+    from fp8train.evidence.verdict import per_step_gaps
+
+    run = lambda val: SimpleNamespace(curve=SimpleNamespace(val=val))  # noqa: E731
+    base = {1: run({0: 0.0, 10: 2.0, 20: 1.0}), 2: run({0: 0.0, 10: 4.0})}
+    cand = {1: run({0: 0.0, 10: 2.2, 20: 1.5}), 2: run({0: 0.0, 10: 4.0})}
+    rows = per_step_gaps(base, cand)
+    assert [(r["step"], r["n"]) for r in rows] == [(0, 2), (10, 2)]  # step 20: seed 2 has none
+    assert math.isnan(rows[0]["gap_mean"]) and rows[1]["gap_mean"] == pytest.approx(0.05, rel=1e-12)
+
+
+def test_final_window_means_of_every_run(validation_dir):
+    """Each run's final validation loss is the mean over the last final_window (2) evaluation steps: bf16 seed 1
+    (3.2 + 3.0) / 2 = 3.1, seed 2 3.2; good seed 1 3.1 x 1.005. A non-finite value in the window gives None."""
+    from fp8train.evidence.verdict import RunData, load_validation, summarize_validation
+
+    summary = summarize_validation(*load_validation(validation_dir))
+    finals = summary["baseline_final_val_loss"]
+    assert finals == {"1": pytest.approx(3.1, rel=1e-12), "2": pytest.approx(3.2, rel=1e-12)}
+    assert summary["runs"]["good/seed1"]["final_val_loss"] == pytest.approx(3.1 * 1.005, rel=1e-12)
+    assert summary["runs"]["bf16/seed2"]["status"] == "completed"
+    run = _write_run(validation_dir, "nan", 1, (5.5, 4.0, 3.5, math.nan, 3.0))
+    assert RunData(run, "nan").final(2) is None and RunData(run, "nan").final(1) == 3.0
 
 
 def test_plain_run_report_and_cli(validation_dir, capsys):

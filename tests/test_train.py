@@ -138,6 +138,30 @@ def test_resuming_a_finished_run_keeps_its_results(workdir, runs, capsys):
     assert metrics_of(run_dir) == metrics_of(workdir / "runs" / "straight")
 
 
+@pytest.mark.parametrize("warmup, horizon, factors", [
+    # linear warmup: step s < warmup trains at (s + 1) / warmup of train.lr, reaching the full rate on its last
+    # warmup step; then cosine from 1 at step `warmup` to min_lr_ratio (0.1) at `horizon`: halfway 0.55
+    (4, 10, {0: 0.25, 1: 0.5, 2: 0.75, 3: 1.0, 4: 1.0, 7: 0.55, 10: 0.1, 11: 0.1, 50: 0.1}),
+    (1, 5, {0: 1.0, 1: 1.0, 3: 0.55, 5: 0.1}),
+    (0, 4, {0: 1.0, 2: 0.55, 4: 0.1}),  # no warmup: the cosine starts at step 0
+])
+def test_learning_rate_schedule_by_hand(warmup, horizon, factors):
+    from fp8train.training.setup import lr_at
+
+    cfg = load_config(None, [f"optim.warmup_steps={warmup}", "optim.min_lr_ratio=0.1"])
+    assert {step: lr_at(step, cfg, horizon) for step in factors} == pytest.approx(factors, rel=1e-12, abs=0)
+
+
+def test_logged_learning_rate_warms_up_then_decays(workdir, runs):
+    """metrics.jsonl's `lr` at step k is the rate of the next step (k + 1): train.lr 3e-3, 2 warmup steps (steps
+    1 and 2 train at 1.5e-3 and 3e-3), then cosine over steps 2..12 to 0.1 x 3e-3."""
+    lrs = [r["lr"] for r in metrics_of(workdir / "runs" / "straight")]
+    cosine = [3e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (k - 2) / 10))) for k in range(2, 13)]
+    assert lrs[:3] == pytest.approx([1.5e-3, 3e-3, 3e-3], rel=1e-12, abs=0)
+    assert lrs[7] == pytest.approx(1.65e-3, rel=1e-12) and lrs[12] == pytest.approx(3e-4, rel=1e-12)
+    assert lrs[2:] == pytest.approx(cosine, rel=1e-12, abs=0)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # The run directory
 # ------------------------------------------------------------------------------------------------------------

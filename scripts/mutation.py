@@ -1,0 +1,198 @@
+"""Mutation testing of one layer folder (or one module) with mutmut, each mutant against that layer's tests only.
+
+    python scripts/mutation.py LAYER [--jobs N] [--sample-functions K] [--seed S] [--fresh]
+
+LAYER is a name of LAYERS below (numerics, nn, evidence, training-state) or a module path such as
+fp8train/evidence/verdict.py (its layer's tests are used). The run happens in a copy of the tree under
+.mutation/<layer>/ (mutmut writes its mutants/ folder there; a rerun reuses the results of unchanged functions),
+with this tree's [tool.mutmut] settings plus the layer's modules (only_mutate) and test files. Within those,
+mutmut runs for each mutant only the tests that called the mutated function in its first, clean run.
+
+--sample-functions K mutates K functions drawn at random (seeded) from the layer's modules instead of all of
+them: all mutants of a drawn function, so a sampled score is the score of those functions.
+
+The score counts killed (a test failed, or the mutant ran past its time limit) over all mutants less the
+equivalent ones listed in docs/mutation-equivalents.md (one line each: `- `mutant name`: reason`). It is printed
+and written to .mutation/<layer>/score.json with every survivor's name (`mutmut show NAME`, run in
+.mutation/<layer>/, prints its diff). See docs/mutation.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EQUIVALENTS = ROOT / "docs" / "mutation-equivalents.md"
+COPIED = ("fp8train", "tests", "recipes", "scripts", "pyproject.toml", "README.md")
+
+# Per layer: the modules mutated and the test files that cover them (the in-process ones: a test that launches a
+# subprocess imports the unmutated package, so it cannot kill a mutant and only costs time; those are left out
+# by name or by the slow marker, see markers).
+LAYERS = {
+    "numerics": dict(
+        modules=["fp8train/numerics/*.py"],
+        # native_build.py / kernel_probe.py drive the C compiler and probe torch kernels: plumbing whose mutants
+        # show up as a failed build or a slower fallback, not as numbers a test can compare
+        exclude=["fp8train/numerics/native_build.py", "fp8train/numerics/kernel_probe.py"],
+        tests=["tests/test_formats.py", "tests/test_quant.py", "tests/test_dialect.py", "tests/test_mx.py",
+               "tests/test_native_cast.py"],
+        markers="not slow and not compiled and not cuda"),
+    "nn": dict(
+        modules=["fp8train/nn/*.py"],
+        exclude=[],
+        tests=["tests/test_linear.py", "tests/test_gemm.py", "tests/test_scaled_gemm.py", "tests/test_accumulation.py",
+               "tests/test_recipes.py", "tests/test_convert.py", "tests/test_overrides.py", "tests/test_mx.py",
+               "tests/test_policy_defaults.py", "tests/test_te_mapping.py", "tests/test_fsdp2.py"],
+        markers="not slow and not compiled and not cuda"),
+    "evidence": dict(
+        modules=["fp8train/evidence/*.py"],
+        exclude=[],
+        tests=["tests/test_verdict_threshold.py", "tests/test_validate.py", "tests/test_report.py",
+               "tests/test_run_files.py", "tests/test_overrides.py"],
+        markers="not slow and not compiled and not cuda"),
+    "training-state": dict(
+        modules=["fp8train/training/checkpoint.py", "fp8train/training/resume.py", "fp8train/training/rundir.py"],
+        exclude=[],
+        tests=["tests/test_checkpoint.py", "tests/test_run_files.py", "tests/test_resume_rules.py",
+               "tests/test_reliability.py"],
+        # in-process training runs are slow-marked but do reach these modules; the crash/launch tests are not here
+        markers="not compiled and not cuda"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("target", help=f"one of {', '.join(LAYERS)}, or a module path under fp8train/")
+    parser.add_argument("--jobs", type=int, default=2, help="mutants tested at once (default 2)")
+    parser.add_argument("--sample-functions", type=int, default=0, metavar="K",
+                        help="mutate K functions drawn at random (default 0: all)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --sample-functions (default 0)")
+    parser.add_argument("--fresh", action="store_true", help="forget earlier results of this target")
+    args = parser.parse_args(argv)
+    name, layer = _layer_of(args.target)
+    workdir = ROOT / ".mutation" / name
+    if args.fresh and workdir.exists():
+        shutil.rmtree(workdir)
+    modules = _modules(layer)
+    _copy_tree(workdir)
+    _write_config(workdir, layer, modules)
+    names = _sampled_functions(modules, args.sample_functions, args.seed) if args.sample_functions else []
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # tests must import mutants/, not a tree
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    mutmut = Path(sys.executable).parent / "mutmut"
+    run = subprocess.run([str(mutmut), "run", "--max-children", str(args.jobs), *names], cwd=workdir, env=env)
+    score = _score(workdir, modules, names)
+    (workdir / "score.json").write_text(json.dumps(score, indent=1) + "\n")
+    print(f"\n{name}: {score['killed']} killed of {score['counted']} mutants ({score['score']:.1%}); "
+          f"{len(score['survived'])} survived, {score['no_tests']} without a covering test, "
+          f"{score['equivalent']} equivalent (excluded); details in {workdir / 'score.json'}")
+    return run.returncode
+
+
+def _layer_of(target: str) -> tuple[str, dict]:
+    if target in LAYERS:
+        return target, LAYERS[target]
+    path = Path(target).as_posix()
+    if not (ROOT / path).is_file() or not path.startswith("fp8train/"):
+        raise SystemExit(f"mutation target {target!r}: give one of {', '.join(LAYERS)} or a module path such as "
+                         "fp8train/evidence/verdict.py")
+    for layer in LAYERS.values():
+        if any(Path(path).match(m) for m in layer["modules"]):
+            return Path(path).stem, dict(layer, modules=[path], exclude=[])
+    raise SystemExit(f"mutation target {target!r} is in no layer of {', '.join(LAYERS)}")
+
+
+def _modules(layer: dict) -> list[str]:
+    found = sorted({p.relative_to(ROOT).as_posix() for m in layer["modules"] for p in ROOT.glob(m)})
+    return [m for m in found if m not in layer["exclude"] and not m.endswith("__init__.py")]
+
+
+def _copy_tree(workdir: Path) -> None:
+    """The tree's files into `workdir`, timestamps kept (mutmut reuses results of files that did not change)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for item in COPIED:
+        source = ROOT / item
+        if source.is_dir():
+            shutil.copytree(source, workdir / item, dirs_exist_ok=True, ignore=ignore, copy_function=shutil.copy2)
+        elif source.exists():
+            shutil.copy2(source, workdir / item)
+
+
+def _write_config(workdir: Path, layer: dict, modules: list[str]) -> None:
+    """The copy's pyproject.toml: the tree's [tool.mutmut] plus this layer's modules and tests."""
+    text = (ROOT / "pyproject.toml").read_text()
+    settings = dict(tomllib.loads(text)["tool"]["mutmut"])
+    settings["only_mutate"] = modules
+    settings["pytest_add_cli_args_test_selection"] = list(layer["tests"])
+    settings["pytest_add_cli_args"] = list(settings.get("pytest_add_cli_args", [])) + ["-m", layer["markers"]]
+    table = "\n".join(f"{key} = {json.dumps(value)}" for key, value in settings.items())  # JSON is valid TOML here
+    text = re.sub(r"(?ms)^\[tool\.mutmut\]\n.*?(?=^\[|\Z)", "", text)
+    (workdir / "pyproject.toml").write_text(text.rstrip() + "\n\n[tool.mutmut]\n" + table + "\n")
+
+
+def _function_names(module: str) -> list[str]:
+    """mutmut's names of a module's functions: pkg.mod.x_func, pkg.mod.xǁClassǁmethod."""
+    dotted = module[:-3].replace("/", ".")
+    tree = ast.parse((ROOT / module).read_text())
+    names = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.append(f"{dotted}.x_{node.name}")
+        elif isinstance(node, ast.ClassDef):
+            names += [f"{dotted}.xǁ{node.name}ǁ{item.name}" for item in node.body
+                      if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return names
+
+
+def _sampled_functions(modules: list[str], k: int, seed: int) -> list[str]:
+    functions = [f for m in modules for f in _function_names(m)]
+    drawn = sorted(random.Random(seed).sample(functions, min(k, len(functions))))
+    return [f"{f}__mutmut_*" for f in drawn]
+
+
+def _equivalents() -> dict[str, str]:
+    if not EQUIVALENTS.exists():
+        return {}
+    found = re.findall(r"^- `([^`]+)`: (.+)$", EQUIVALENTS.read_text(), flags=re.M)
+    return dict(found)
+
+
+def _score(workdir: Path, modules: list[str], patterns: list[str]) -> dict:
+    """Killed / (all - equivalent) over the target's mutants (only the sampled functions' with a sample)."""
+    codes: dict[str, int | None] = {}
+    for module in modules:
+        meta = workdir / "mutants" / f"{module}.meta"
+        if meta.exists():
+            codes.update(json.loads(meta.read_text())["exit_code_by_key"])
+    if patterns:
+        prefixes = tuple(p[:-1] for p in patterns)  # "...__mutmut_*" -> "...__mutmut_"
+        codes = {k: v for k, v in codes.items() if k.startswith(prefixes)}
+    equivalent = _equivalents()
+    killed_codes = {1, 3, 36, -24, 24, 152, 255}  # mutmut: a test failed, or the mutant ran past its time limit
+    counted = {k: v for k, v in codes.items() if k not in equivalent}
+    killed = sorted(k for k, v in counted.items() if v in killed_codes)
+    survived = sorted(k for k, v in counted.items() if v == 0)
+    no_tests = sorted(k for k, v in counted.items() if v in (5, 33))
+    unchecked = sorted(k for k, v in counted.items() if v is None)
+    other = sorted(k for k, v in counted.items()
+                   if k not in set(killed) | set(survived) | set(no_tests) | set(unchecked))
+    tested = len(counted) - len(unchecked)
+    return {"modules": modules, "sampled_functions": patterns, "mutants": len(codes),
+            "equivalent": len(codes) - len(counted), "counted": tested, "killed": len(killed),
+            "score": len(killed) / tested if tested else 0.0, "survived": survived, "no_tests": len(no_tests),
+            "no_tests_names": no_tests, "not_checked": len(unchecked), "other": other}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
