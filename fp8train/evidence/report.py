@@ -120,7 +120,7 @@ def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:
         f"relative validation-loss gap. {len(summary['seeds'])} paired seeds {summary['seeds']}; final window: the "
         f"last {summary['final_window']} evaluation points; {plan.get('max_steps')} steps; config hash "
         f"`{plan['config_hash'][:12]}`.", "",
-        "## Verdict", "", *_verdict_table(summary), "",
+        "## Verdict", "", *_verdict_table(summary), "", *_cost_markdown(summary),
         f"For context, not a threshold: the bf16 seeds' final losses spread by {_fmt(spread, '.2%')} (sd / mean); "
         "pairing removes most of that from the gaps.", "",
         *_how_to_read(summary),
@@ -143,6 +143,25 @@ def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:
     lines += _advisor_markdown({label: (tables[label], _exclude_list(first[label])) for label in tables})
     lines += _runs_table(summary)
     return "\n".join(lines) + "\n"
+
+
+def _cost_markdown(summary: dict) -> list[str]:
+    """What the evidence cost, and what fixed designs would have run (verdict.evidence_cost)."""
+    cost, seq = summary["cost"], summary.get("sequential")
+    lines = []
+    if seq:
+        looks = ", ".join(f"{n}: {c:.3g}" for n, c in zip(seq["looks"], seq["critical"]))
+        lines += [f"Design: validate.seeds=auto, looks at 2..{seq['max_seeds']} seeds, {seq['rule']} alpha "
+                  f"spending (Lan & DeMets 1983), each look a t test at the alpha it spends; critical values "
+                  f"(seeds: c) {looks}. A candidate stops at its first decided look.", ""]
+    fixed = (f"; the fewest seeds with which a fixed design decides every candidate at the observed means and "
+             f"spreads: {cost['fixed_design_seeds']} ({cost['fixed_design_runs']} runs)"
+             if cost["fixed_design_seeds"] else "")
+    lines += [f"Cost: **{cost['runs']} runs**, {_fmt(cost['run_seconds'], '.0f')} s of run time "
+              f"({_fmt(cost['device_seconds'], '.0f')} device-seconds: wall time x processes), "
+              f"{_fmt(cost['cpu_seconds'], '.0f')} CPU seconds (rank 0). Every planned seed "
+              f"({len(summary['planned_seeds'])}) would have been {cost['planned_seeds_runs']} runs{fixed}.", ""]
+    return lines
 
 
 def _runs_table(summary: dict) -> list[str]:

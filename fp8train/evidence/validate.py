@@ -20,6 +20,7 @@ from pathlib import Path
 
 from fp8train.evidence.pairs import PLAN_FILE, check_plan, fingerprint_runs, make_plan, plan_runs, validation_dir
 from fp8train.evidence.report import write_validation_report
+from fp8train.evidence.rounds import run_rounds
 from fp8train.evidence.runner import default_workers, run_plan
 from fp8train.training.config import FullConfig, add_config_arguments, load_config
 from fp8train.training.loop import make_accelerator
@@ -86,10 +87,18 @@ def run_validation(cfg: FullConfig, candidates=None, accelerator=None, show_prog
 def _run_planned(runs, plan, vdir, workers, accelerator, show_progress, log, write_report) -> dict:
     is_main = accelerator.is_main_process
     if is_main:
-        log(f"[validate] {vdir}: {len(runs)} runs ({len(plan['seeds'])} seeds x (bf16 + {len(plan['candidates'])} "
+        upto = "up to " if plan.get("sequential") else ""  # validate.seeds=auto runs only what the looks need
+        log(f"[validate] {vdir}: {upto}{len(runs)} runs ({len(plan['seeds'])} seeds x (bf16 + {len(plan['candidates'])} "
             f"candidates)), margin {plan['margin']:g} declared in {PLAN_FILE}, {workers} at a time")
-    run_plan(runs, workers, accelerator=accelerator, log=log if is_main else (lambda _: None),
-             show_progress=show_progress and workers == 1)
+    say = log if is_main else (lambda _: None)
+
+    def run_some(todo) -> None:
+        run_plan(todo, workers, accelerator=accelerator, log=say, show_progress=show_progress and workers == 1)
+
+    if plan.get("sequential"):  # validate.seeds=auto: rounds of seeds until decided (fp8train.evidence.rounds)
+        run_rounds(runs, vdir, run_some, say)
+    else:
+        run_some(runs)
     summary = {}
     if is_main and write_report:
         summary = write_validation_report(vdir)

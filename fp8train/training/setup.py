@@ -61,6 +61,7 @@ class Run:
     lock: object = None  # the run directory's DirLock, held by the main process for the run's life
     hashes: dict = field(default_factory=dict)  # config_hash, resume_hash, data_fingerprint (claim.run_hashes)
     made_process_group: bool = False  # fsdp2 in one process without a launcher: set_up made a 1-rank group
+    cpu_started: float = field(default_factory=time.process_time)  # this process's CPU time at set-up
 
     @property
     def sharded(self) -> bool:
