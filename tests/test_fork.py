@@ -1,0 +1,142 @@
+"""train.fork_from and validate.fork_from: runs that start from a checkpoint of another run.
+
+References are the source run's own files: its logged learning rates and validation losses, its checkpoint's
+tensors and AdamW step counts, read back with safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fp8train.training.config import load_config
+from fp8train.training.loop import train
+
+# the tiny model: a 16-step bf16 source run (checkpoints at 8 and 16), fp32 activations, one thread
+TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32", "train.batch_size=8",
+        "train.eval_every=4", "train.eval_batches=2", "optim.warmup_steps=2", "policy.min_features=16",
+        "log.wandb=disabled", "log.every=1", "log.telemetry_every=0", "train.autocast=none", "train.threads=1",
+        "train.lr=3e-3", "fp8.emulated_dtype=fp32"]
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, tiny):
+    """A bf16 run of 16 steps, checkpoints every 8, and a delayed-scaling FP8 run of the same shape."""
+    root = tmp_path_factory.mktemp("fork_source")
+    common = [f"run.dir={root}", f"data.path={tiny.corpus}", *TINY, "train.max_steps=16", "checkpoint.every=8",
+              "checkpoint.keep_last=0"]
+    for name, recipe in (("src", "none"), ("src_delayed", "delayed")):
+        assert train(load_config(None, [*common, f"run.name={name}", f"fp8.recipe={recipe}"]),
+                     show_progress=False)["status"] == "completed"
+    return root
+
+
+def _fork(root, tiny, name, checkpoint, recipe="none", seed=1337, steps=8, extra=()):
+    cfg = load_config(None, [f"run.dir={root}", f"run.name={name}", f"data.path={tiny.corpus}", *TINY,
+                             f"train.max_steps={steps}", f"train.fork_from={checkpoint}", f"fp8.recipe={recipe}",
+                             f"train.seed={seed}", "checkpoint.every=4", "checkpoint.keep_last=0", *extra])
+    return cfg, train(cfg, show_progress=False)
+
+
+def test_fork_goes_on_with_the_source_weights_adamw_state_and_schedule(source, tiny, tmp_path):
+    src = source / "src"
+    _, summary = _fork(tmp_path, tiny, "fork", src / "checkpoints" / "step_000008")
+    assert summary["status"] == "completed" and summary["steps"] == 8
+    src_log = {r["step"]: r for r in _metrics(src)}
+    fork_log = {r["step"]: r for r in _metrics(tmp_path / "fork")}
+    # step 0 of the fork is step 8 of the source: the same weights on the same validation batches
+    assert fork_log[0]["val_loss"] == src_log[8]["val_loss"]
+    # the source's LR schedule goes on: fork step k runs at the source's rate of step 8 + k
+    for k in range(1, 9):
+        assert fork_log[k]["lr"] == pytest.approx(src_log[8 + k]["lr"], rel=1e-12)
+    # AdamW state went on from step 8: the fork's checkpoint at its step 4 holds step counts of 12
+    steps = {v.item() for k, v in load_file(str(tmp_path / "fork/checkpoints/step_000004/optimizer.safetensors"))
+             .items() if k.endswith(".step")}
+    assert steps == {12.0}
+    # the same seed as the source: the fork sees the batches of steps 0..7 again, not the source's 8..15
+    assert fork_log[1]["loss"] != src_log[9]["loss"]
+
+
+def test_seeds_vary_only_the_data_order_after_the_fork(source, tiny, tmp_path):
+    ckpt = source / "src" / "checkpoints" / "step_000008"
+    _fork(tmp_path, tiny, "a", ckpt, seed=1, steps=4)
+    _fork(tmp_path, tiny, "b", ckpt, seed=2, steps=4)
+    a, b = ({r["step"]: r for r in _metrics(tmp_path / n)} for n in "ab")
+    assert a[0]["val_loss"] == b[0]["val_loss"]  # the same start
+    assert a[1]["loss"] != b[1]["loss"]  # other batches
+
+
+def test_fp8_state_fresh_from_bf16_and_carried_from_the_same_recipe(source, tiny, tmp_path):
+    from fp8train.nn.convert import fp8_layers
+    from fp8train.training.fork import open_fork
+    from fp8train.training.loop import make_accelerator, start_from_fork
+    from fp8train.training.setup import set_up
+
+    ckpt = source / "src_delayed" / "checkpoints" / "step_000008"
+    cfg, _ = _fork(tmp_path, tiny, "same", ckpt, recipe="delayed", steps=4)
+    assert open_fork(cfg).fp8_state == "checkpoint"
+    cfg_other, _ = _fork(tmp_path, tiny, "other", ckpt, recipe="current", steps=4)
+    assert open_fork(cfg_other).fp8_state == "fresh"
+    cfg_bf16, summary = _fork(tmp_path, tiny, "bf16", ckpt, recipe="none", steps=4)  # drops the FP8 state
+    assert summary["status"] == "completed" and open_fork(cfg_bf16).fp8_state == "fresh"
+    cfg_fresh, _ = _fork(tmp_path, tiny, "fresh", source / "src" / "checkpoints" / "step_000008",
+                         recipe="delayed", steps=4)
+    assert open_fork(cfg_fresh).fp8_state == "fresh"
+    # Carried: at the fork's step 0 its delayed amax history is the source's at step 8 (a fresh one is zeros)
+    saved = load_file(str(ckpt / "model.safetensors"))
+    history = [k for k in saved if k.endswith("input_amax_history")]
+    assert history and any(saved[k].abs().sum() > 0 for k in history)
+    for name, expected in (("same", True), ("fresh", False)):
+        c = cfg if name == "same" else cfg_fresh
+        c2 = load_config(None, [f"run.dir={tmp_path}", f"run.name={name}_probe", f"data.path={tiny.corpus}", *TINY,
+                                "train.max_steps=4", f"train.fork_from={c.train.fork_from}", "fp8.recipe=delayed"])
+        run = set_up(c2, make_accelerator(c2), False)
+        start_from_fork(run)
+        run.lock.release()
+        layers = dict(fp8_layers(run.model))
+        for key in history:
+            layer, buf = key.rsplit(".", 1)
+            carried = torch.equal(getattr(layers[layer], buf), saved[key])
+            assert carried is expected, (name, key)
+
+
+@pytest.mark.parametrize("change, message", [
+    ("train.lr=1e-3", "train.lr"), ("model.d_model=32", "model.d_model"), ("optim.warmup_steps=5", "optim"),
+])
+def test_fork_from_another_model_or_optimizer_is_refused_before_anything_is_written(source, tiny, tmp_path,
+                                                                                    change, message):
+    with pytest.raises(ValueError, match=message):
+        _fork(tmp_path, tiny, "bad", source / "src", extra=[change] if "d_model" not in change else
+              [change, "model.n_heads=2"])
+    assert not (tmp_path / "bad").exists()
+
+
+def test_fork_from_a_broken_or_missing_checkpoint_is_refused(source, tiny, tmp_path):
+    with pytest.raises(ValueError, match="not a checkpoint folder"):
+        _fork(tmp_path, tiny, "none", tmp_path / "nowhere")
+    broken = tmp_path / "copy"
+    shutil.copytree(source / "src", broken)
+    data = broken / "checkpoints" / "step_000016" / "model.safetensors"
+    data.write_bytes(data.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(ValueError, match="does not verify"):
+        _fork(tmp_path, tiny, "broken", broken / "checkpoints" / "step_000016")
+    assert not (tmp_path / "broken").exists()
+
+
+def test_fork_of_a_run_directory_takes_its_newest_checkpoint(source, tiny, tmp_path):
+    from fp8train.training.fork import resolve_fork_checkpoint
+
+    assert resolve_fork_checkpoint(str(source / "src")).name == "step_000016"
+    _, summary = _fork(tmp_path, tiny, "latest", source / "src", steps=2)
+    src_log = {r["step"]: r for r in _metrics(source / "src")}
+    assert {r["step"]: r for r in _metrics(tmp_path / "latest")}[0]["val_loss"] == src_log[16]["val_loss"]
+    assert math.isfinite(summary["val_loss"])
