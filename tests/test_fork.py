@@ -140,3 +140,78 @@ def test_fork_of_a_run_directory_takes_its_newest_checkpoint(source, tiny, tmp_p
     src_log = {r["step"]: r for r in _metrics(source / "src")}
     assert {r["step"]: r for r in _metrics(tmp_path / "latest")}[0]["val_loss"] == src_log[16]["val_loss"]
     assert math.isfinite(summary["val_loss"])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# validate.fork_from
+# ------------------------------------------------------------------------------------------------------------
+def _validate_cfg(root, tiny, fork_from, extra=()):
+    return load_config(None, [f"run.dir={root}", "run.name=val", f"data.path={tiny.corpus}", *TINY,
+                              "train.max_steps=4", "train.eval_every=2", "validate.final_window=1",
+                              "validate.margin=0.05", "validate.workers=1", "validate.seeds=2",
+                              f"validate.fork_from={fork_from}", *extra])
+
+
+@pytest.mark.slow
+def test_validation_from_a_fork_records_the_checkpoint_and_refuses_a_changed_or_missing_one(source, tiny, tmp_path):
+    from fp8train.evidence.validate import run_validation
+
+    src = tmp_path / "src_copy"
+    shutil.copytree(source / "src", src)
+    summary = run_validation(_validate_cfg(tmp_path, tiny, src), candidates=["current"], show_progress=False)
+    assert summary["verdict"] in ("pass", "inconclusive")
+    vdir = tmp_path / "val"
+    plan = json.loads((vdir / "plan.json").read_text())
+    fork = plan["fork"]
+    assert fork["step"] == 16 and fork["checkpoint"].endswith("src_copy/checkpoints/step_000016")
+    assert fork["fp8_state"] == {"bf16": "none", "current": "fresh"} and len(fork["sha256"]) == 64
+    # every bf16 run starts where the source ended: step 0 is the source's step 16 on the same batches
+    src_val = {r["step"]: r for r in _metrics(src)}[16]["val_loss"]
+    for seed in (1337, 1338):
+        assert _metrics(vdir / f"runs/bf16/seed{seed}")[0]["val_loss"] == src_val
+    # the same checkpoint path, other bytes (a run of another seed): refused, nothing touched
+    other = tmp_path / "other"
+    assert train(load_config(None, [f"run.dir={tmp_path}", "run.name=other", f"data.path={tiny.corpus}", *TINY,
+                                    "train.max_steps=16", "train.seed=7", "fp8.recipe=none"]),
+                 show_progress=False)["status"] == "completed"
+    shutil.rmtree(src)
+    shutil.copytree(other, src)
+    before = sorted(p.name for p in vdir.rglob("*"))
+    with pytest.raises(ValueError, match="changed since"):
+        run_validation(_validate_cfg(tmp_path, tiny, src), candidates=["current"], show_progress=False)
+    shutil.rmtree(src)
+    with pytest.raises(ValueError, match="cannot be used now"):
+        run_validation(_validate_cfg(tmp_path, tiny, src), candidates=["current"], show_progress=False)
+    assert sorted(p.name for p in vdir.rglob("*")) == before
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Hugging Face models (model.hf_path)
+# ------------------------------------------------------------------------------------------------------------
+HF = ["model.seq_len=32", "train.batch_size=4", "train.eval_every=4", "train.eval_batches=2",
+      "optim.warmup_steps=2", "policy.min_features=16", "log.wandb=disabled", "log.every=1",
+      "log.telemetry_every=0", "train.autocast=none", "train.threads=1", "train.lr=1e-3",
+      "fp8.emulated_dtype=fp32", "data.max_bytes=200000"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2 ties its embeddings: stored once in the checkpoint
+def test_fork_of_a_fine_tune_of_a_pretrained_hf_model(tmp_path, tiny, arch):
+    from hf_helpers import make_pretrained
+
+    folder = make_pretrained(tmp_path / arch, arch, steps=3)
+    common = [f"run.dir={tmp_path}", f"data.path={tiny.corpus}", f"model.hf_path={folder}", *HF]
+    source = load_config(None, [*common, "run.name=src", "train.max_steps=8", "fp8.recipe=none"])
+    assert train(source, show_progress=False)["status"] == "completed"
+    src_log = {r["step"]: r for r in _metrics(tmp_path / "src")}
+    for recipe in ("none", "current"):
+        cfg = load_config(None, [*common, f"run.name=fork_{recipe}", "train.max_steps=4", f"fp8.recipe={recipe}",
+                                 f"train.fork_from={tmp_path / 'src'}"])
+        assert train(cfg, show_progress=False)["status"] == "completed"
+        fork_log = {r["step"]: r for r in _metrics(tmp_path / f"fork_{recipe}")}
+        if recipe == "none":
+            assert fork_log[0]["val_loss"] == src_log[8]["val_loss"]
+        else:  # the same weights evaluated through FP8 GEMMs: close to the source's, not equal
+            assert fork_log[0]["val_loss"] == pytest.approx(src_log[8]["val_loss"], rel=0.02)
+        # the source's schedule ended at step 8: the fork goes on at its final rate, min_lr_ratio x train.lr
+        assert fork_log[1]["lr"] == pytest.approx(0.1 * 1e-3, rel=1e-12)

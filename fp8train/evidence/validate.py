@@ -18,6 +18,7 @@ import math
 import sys
 from pathlib import Path
 
+from fp8train.evidence.fork import fork_config, fork_record
 from fp8train.evidence.pairs import PLAN_FILE, check_plan, fingerprint_runs, make_plan, plan_runs, validation_dir
 from fp8train.evidence.report import write_validation_report
 from fp8train.evidence.rounds import run_rounds
@@ -56,9 +57,11 @@ def run_validation(cfg: FullConfig, candidates=None, accelerator=None, show_prog
     """Run (or finish) the validation of ``cfg``; returns the validation summary (also summary.json).
     ``candidates`` (specs) replaces validate.candidates. Every check happens before anything is written."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    cfg, fork = fork_config(cfg)  # validate.fork_from: every run starts from that checkpoint (evidence/fork.py)
     runs = plan_runs(cfg, candidates)
     fingerprint_runs(runs)
     plan = make_plan(cfg, runs)
+    plan["fork"] = fork_record(fork, runs)
     vdir = validation_dir(cfg)
     check_plan(vdir, plan, runs[0].data_source)  # every rank checks (and fails alike) before rank 0 writes
     _check_run_dirs(runs, vdir)
