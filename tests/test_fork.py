@@ -165,6 +165,7 @@ def test_validation_from_a_fork_records_the_checkpoint_and_refuses_a_changed_or_
     fork = plan["fork"]
     assert fork["step"] == 16 and fork["checkpoint"].endswith("src_copy/checkpoints/step_000016")
     assert fork["fp8_state"] == {"bf16": "none", "current": "fresh"} and len(fork["sha256"]) == 64
+    assert "Forked: every run started from" in (vdir / "report.md").read_text()
     # every bf16 run starts where the source ended: step 0 is the source's step 16 on the same batches
     src_val = {r["step"]: r for r in _metrics(src)}[16]["val_loss"]
     for seed in (1337, 1338):
@@ -215,3 +216,29 @@ def test_fork_of_a_fine_tune_of_a_pretrained_hf_model(tmp_path, tiny, arch):
             assert fork_log[0]["val_loss"] == pytest.approx(src_log[8]["val_loss"], rel=0.02)
         # the source's schedule ended at step 8: the fork goes on at its final rate, min_lr_ratio x train.lr
         assert fork_log[1]["lr"] == pytest.approx(0.1 * 1e-3, rel=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Under accelerate launch
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_validation_from_a_fork_under_accelerate_launch_of_two_processes(source, tiny, tmp_path, commands):
+    import sys
+
+    overrides = [f"run.dir={tmp_path}", "run.name=val2", f"data.path={tiny.corpus}", *TINY, "train.max_steps=4",
+                 "train.eval_every=2", "validate.final_window=1", "validate.margin=0.05", "validate.seeds=2",
+                 f"validate.fork_from={source / 'src'}", "validate.candidates=[current]"]
+    config = tmp_path / "val.yaml"
+    config.write_text("run:\n  name: val2\n")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "fp8train.cli",
+           "validate", str(config), "--quiet", *overrides]
+    proc = commands.run(cmd, env=commands.launch_env(tmp_path / "hf"), timeout=400)
+    assert proc.returncode in (0, 3), proc.stderr[-4000:]
+    vdir = tmp_path / "val2"
+    assert json.loads((vdir / "plan.json").read_text())["fork"]["step"] == 16
+    src_val = {r["step"]: r for r in _metrics(source / "src")}[16]["val_loss"]
+    for seed in (1337, 1338):
+        run = vdir / f"runs/bf16/seed{seed}"
+        assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+        assert _metrics(run)[0]["val_loss"] == pytest.approx(src_val, rel=1e-6)

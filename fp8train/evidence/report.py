@@ -120,6 +120,7 @@ def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:
         f"relative validation-loss gap. {len(summary['seeds'])} paired seeds {summary['seeds']}; final window: the "
         f"last {summary['final_window']} evaluation points; {plan.get('max_steps')} steps; config hash "
         f"`{plan['config_hash'][:12]}`.", "",
+        *_fork_markdown(plan),
         "## Verdict", "", *_verdict_table(summary), "", *_cost_markdown(summary),
         f"For context, not a threshold: the bf16 seeds' final losses spread by {_fmt(spread, '.2%')} (sd / mean); "
         "pairing removes most of that from the gaps.", "",
@@ -143,6 +144,17 @@ def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:
     lines += _advisor_markdown({label: (tables[label], _exclude_list(first[label])) for label in tables})
     lines += _runs_table(summary)
     return "\n".join(lines) + "\n"
+
+
+def _fork_markdown(plan: dict) -> list[str]:
+    """validate.fork_from: where every run started, and where each candidate's FP8 scaling state came from."""
+    fork = plan.get("fork")
+    if not fork:
+        return []
+    states = ", ".join(f"{label}: {state}" for label, state in fork["fp8_state"].items() if state != "none")
+    return [f"Forked: every run started from `{fork['checkpoint']}` (step {fork['step']} of a "
+            f"`{fork['source_recipe']}` run, files sha256 `{fork['sha256'][:12]}`) and trained "
+            f"{plan.get('max_steps')} more steps; FP8 scaling state: {states}.", ""]
 
 
 def _cost_markdown(summary: dict) -> list[str]:
