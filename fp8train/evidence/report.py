@@ -15,7 +15,7 @@ from pathlib import Path
 from fp8train.evidence import advisor, plots
 from fp8train.evidence.pairs import BASELINE, PLAN_FILE
 from fp8train.evidence.plan import shadow_table
-from fp8train.evidence.verdict import METHOD, RunData, load_validation, summarize_validation
+from fp8train.evidence.verdict import RunData, load_validation, summarize_validation
 from fp8train.nn.recipes import ROLES
 from fp8train.training.rundir import CONFIG_FILE, METRICS_FILE, write_json_atomic, write_text_atomic
 
@@ -105,7 +105,7 @@ def _how_to_read(summary: dict) -> list[str]:
         "**MDG** (minimum detectable gap) is the smallest true gap this design detects with 80% power at the "
         "observed spread: a harmless candidate passes reliably only when MDG <= margin. A negative gap means FP8 "
         "ended lower than bf16. Speed: median tokens/s over bf16 (on CPU FP8 GEMMs are emulated in fp32, so CPU "
-        "speed says nothing about GPU speed).", "", f"Method: {METHOD}", ""]
+        "speed says nothing about GPU speed).", "", f"Method: {summary['method']}", ""]
 
 
 def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:

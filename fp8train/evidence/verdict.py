@@ -18,7 +18,7 @@ from fp8train.evidence.curves import Curve, load_curve
 from fp8train.evidence.pairs import BASELINE, PLAN_FILE, run_dir
 from fp8train.training.rundir import SUMMARY_FILE, TELEMETRY_FILE, read_json, read_jsonl
 
-__all__ = ["RunData", "load_validation", "summarize_validation", "METHOD"]
+__all__ = ["RunData", "load_validation", "summarize_validation", "evidence_cost", "METHOD", "SEQUENTIAL_METHOD"]
 
 METHOD = ("Per seed s, the paired gap g_s = (candidate - bf16) / bf16 of the mean validation loss over the final "
           "window (the same steps, the same validation batches, the same initial weights and batches for both). "
@@ -26,6 +26,15 @@ METHOD = ("Per seed s, the paired gap g_s = (candidate - bf16) / bf16 of the mea
           "PASS: upper bound <= margin. FAIL: a run diverged or stopped, a loss is non-finite, or lower bound > "
           "margin. Otherwise INCONCLUSIVE. Minimum detectable gap (one-sided 95%, 80% power): "
           "(t(0.95, n-1) + t(0.80, n-1)) sd/sqrt(n).")
+
+
+SEQUENTIAL_METHOD = ("validate.seeds=auto: the same gaps, looked at after 2, 3, ..., max_seeds seeds in seed order. "
+                     "Look k (n_k seeds, t_k = n_k / max_seeds) spends a_k = alpha(t_k) - alpha(t_(k-1)) of the "
+                     "one-sided 5% under a Lan-DeMets (1983) spending function (pocock: alpha ln(1 + (e - 1) t); "
+                     "obrien_fleming: 2 - 2 Phi(z_(1-alpha/2) / sqrt(t))) and is a t test at that level: bounds "
+                     "mean -/+ t(1 - a_k, n_k - 1) sd/sqrt(n_k). A candidate stops at its first PASS or FAIL; "
+                     "undecided at max_seeds: INCONCLUSIVE. By Boole's inequality a false PASS at a true gap on "
+                     "the margin stays <= 5%. The bounds and seeds shown are those of the deciding (or latest) look.")
 
 
 class RunData:
@@ -177,7 +186,8 @@ def summarize_validation(plan: dict, runs: dict[str, dict[int, RunData]]) -> dic
         "margin": float(plan["margin"]), "final_window": window, "seeds": seeds,
         "planned_seeds": list(plan["seeds"]), "sequential": sequential_plan,
         "cost": evidence_cost(plan, runs, candidates),
-        "confidence": stats.CONFIDENCE, "power": stats.POWER, "method": METHOD, "baseline": BASELINE,
+        "confidence": stats.CONFIDENCE, "power": stats.POWER, "baseline": BASELINE,
+        "method": METHOD + (" " + SEQUENTIAL_METHOD if sequential_plan else ""),
         "baseline_final_val_loss": {str(s): r.final(window) for s, r in base_runs.items()},
         "baseline_seed_spread_rel": spread,
         "advisor_thresholds": {"mean": advisor.MEAN_THRESHOLDS, "worst_step": advisor.WORST_STEP_THRESHOLDS},
