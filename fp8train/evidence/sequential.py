@@ -76,7 +76,8 @@ class SequentialDesign:
 
 
 @lru_cache(maxsize=64)
-def make_design(max_seeds: int, rule: str = "pocock", alpha: float = round(1 - stats.CONFIDENCE, 12)) -> SequentialDesign:
+def make_design(max_seeds: int, rule: str = "pocock",
+                alpha: float = round(1 - stats.CONFIDENCE, 12)) -> SequentialDesign:
     """Looks at 2, 3, ..., max_seeds seeds, information fraction n / max_seeds."""
     if max_seeds < FIRST_LOOK:
         raise ValueError(f"validate.max_seeds={max_seeds}: at least {FIRST_LOOK} (one seed has no spread)")

@@ -38,7 +38,6 @@ from fp8train.training.sharded_checkpoint import is_sharded_checkpoint, latest_l
 
 __all__ = ["Fork", "resolve_fork_checkpoint", "checkpoint_sha256", "open_fork", "fp8_state_origin", "load_fork"]
 
-FORK_STATES = ("fresh", "checkpoint")  # where a forked FP8 run's scaling state comes from
 _MUST_MATCH = ("model.", "optim.", "train.lr")  # the checkpoint holds them: a different value would be ignored
 _MAY_DIFFER = ("model.seq_len",)  # RoPE / learned positions up to the source's length: the weights fit any
 

@@ -22,9 +22,10 @@ __all__ = ["ValidateConfig", "Candidate", "parse_candidate", "resolve_seeds", "B
 BASELINE_LABEL = "bf16"  # folder of the baseline runs; no candidate may take it
 _LABEL_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
 _SEED_LIMIT = 2**63  # torch.manual_seed's range
+# a candidate setting these would no longer be paired / resumable / started where the others start
 _UNPAIRED_KEYS = ("train.seed", "train.resume", "train.fork_from")
 AUTO_SEEDS = "auto"  # validate.seeds: add seeds in rounds until decided (fp8train.evidence.sequential)
-SPENDING_RULES = ("pocock", "obrien_fleming")  # validate.spending: Lan & DeMets (1983) spending functions  # a candidate setting these would no longer be paired / resumable
+SPENDING_RULES = ("pocock", "obrien_fleming")  # validate.spending: Lan & DeMets (1983) spending functions
 
 
 @dataclass(frozen=True)
