@@ -223,11 +223,13 @@ def test_fork_of_a_fine_tune_of_a_pretrained_hf_model(tmp_path, tiny, arch):
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_validation_from_a_fork_under_accelerate_launch_of_two_processes(source, tiny, tmp_path, commands):
+    """Both at once, on 2 processes: validate.fork_from and validate.seeds=auto (its rounds read the files on
+    every rank)."""
     import sys
 
     overrides = [f"run.dir={tmp_path}", "run.name=val2", f"data.path={tiny.corpus}", *TINY, "train.max_steps=4",
-                 "train.eval_every=2", "validate.final_window=1", "validate.margin=0.05", "validate.seeds=2",
-                 f"validate.fork_from={source / 'src'}", "validate.candidates=[current]"]
+                 "train.eval_every=2", "validate.final_window=1", "validate.margin=0.05", "validate.seeds=auto",
+                 "validate.max_seeds=3", f"validate.fork_from={source / 'src'}", "validate.candidates=[current]"]
     config = tmp_path / "val.yaml"
     config.write_text("run:\n  name: val2\n")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
@@ -237,6 +239,8 @@ def test_validation_from_a_fork_under_accelerate_launch_of_two_processes(source,
     assert proc.returncode in (0, 3), proc.stderr[-4000:]
     vdir = tmp_path / "val2"
     assert json.loads((vdir / "plan.json").read_text())["fork"]["step"] == 16
+    summary = json.loads((vdir / "summary.json").read_text())
+    assert summary["seeds"][:2] == [1337, 1338] and summary["cost"]["runs"] in (4, 6)
     src_val = {r["step"]: r for r in _metrics(source / "src")}[16]["val_loss"]
     for seed in (1337, 1338):
         run = vdir / f"runs/bf16/seed{seed}"
