@@ -192,6 +192,7 @@ def test_real_auto_validation_stops_when_decided_and_refuses_another_cap(tmp_pat
     at the first look (2 seeds: 4 runs of the 6 that 3 seeds would make); the report says what it cost; a re-run
     reuses everything; another max_seeds is refused before anything runs."""
     import json
+    import shutil
 
     from fp8train.evidence.validate import run_validation
     from fp8train.training.config import load_config
@@ -214,6 +215,10 @@ def test_real_auto_validation_stops_when_decided_and_refuses_another_cap(tmp_pat
     assert "Cost: **4 runs**" in (vdir / "report.md").read_text()
     again = run_validation(load_config(None, overrides), candidates=["current"], show_progress=False)
     assert again["candidates"]["current"]["gaps"] == cand["gaps"]
+    # killed before a candidate's run of the first look started, its baseline done: the re-run makes just that run
+    shutil.rmtree(vdir / "runs" / "current" / "seed1338")
+    again = run_validation(load_config(None, overrides), candidates=["current"], show_progress=False)
+    assert again["candidates"]["current"]["gaps"] == cand["gaps"] and again["cost"]["runs"] == 4
     with pytest.raises(ValueError, match="sequential"):
         run_validation(load_config(None, overrides + ["validate.max_seeds=4"]), candidates=["current"],
                        show_progress=False)

@@ -20,7 +20,9 @@ __all__ = ["next_round", "run_rounds"]
 
 
 def next_round(vdir: Path, runs: list[PlannedRun]) -> list[PlannedRun]:
-    """The runs the next looks need that have not ended yet; [] when every candidate is decided."""
+    """The runs the next looks need, [] when every candidate is decided or all of them ended already. The
+    baselines of those seeds are in it even when they ended: a candidate starts after its seed's baseline ended
+    (runner), which the runner knows only of the runs it is given (an ended one it reuses)."""
     plan, found = load_validation(vdir)
     summary = summarize_validation(plan, found)
     wanted = {label: c["sequential"]["next_seeds"] for label, c in summary["candidates"].items()
@@ -31,7 +33,7 @@ def next_round(vdir: Path, runs: list[PlannedRun]) -> list[PlannedRun]:
     upto = {label: set(seeds[:n]) for label, n in wanted.items()}
     baseline_seeds = set(seeds[:max(wanted.values())])
     pick = [r for r in runs if (r.seed in baseline_seeds if r.is_baseline else r.seed in upto.get(r.label, ()))]
-    return [r for r in pick if finished_summary(r.cfg, r.data_fingerprint) is None]
+    return pick if any(finished_summary(r.cfg, r.data_fingerprint) is None for r in pick) else []
 
 
 def run_rounds(runs: list[PlannedRun], vdir: Path, run_round: Callable[[list[PlannedRun]], None], log) -> int:
@@ -41,11 +43,11 @@ def run_rounds(runs: list[PlannedRun], vdir: Path, run_round: Callable[[list[Pla
     rounds = 0
     while True:
         todo = next_round(vdir, runs)
-        if not todo or {r.key for r in todo} <= tried:
+        unfinished = {r.key for r in todo if finished_summary(r.cfg, r.data_fingerprint) is None}
+        if not unfinished or unfinished <= tried:
             return rounds
         rounds += 1
-        seeds = sorted({r.seed for r in todo})
-        log(f"[validate] round {rounds}: {len(todo)} runs, seeds {seeds}, "
+        log(f"[validate] round {rounds}: {len(unfinished)} runs to make, seeds {sorted({r.seed for r in todo})}, "
             f"{', '.join(sorted({r.label for r in todo}))}")
-        tried |= {r.key for r in todo}
+        tried |= unfinished
         run_round(todo)
