@@ -147,7 +147,7 @@ def _run(root: Path, name: str, every: int, *extra: str, model_factory=None) -> 
                              "train.eval_every=5", "log.wandb=disabled", "checkpoint.every=4",
                              "checkpoint.save_final=true", f"log.every={every}", *extra])
     summary = loop_module.train(cfg, show_progress=False, model_factory=model_factory)
-    for key in ("wall_time_s", "peak_memory_mb", "config_hash", "resume_hash", "last_good_checkpoint"):
+    for key in ("wall_time_s", "cpu_time_s", "peak_memory_mb", "config_hash", "resume_hash", "last_good_checkpoint"):
         summary.pop(key)
     summary = json.loads(json.dumps(summary))  # one NaN object for every NaN (NaN != NaN otherwise)
     run_dir = root / name

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from fp8train.evidence import stats
 from fp8train.evidence.plan import check_fp8_conversion
+from fp8train.evidence.sequential import sequential_plan
 from fp8train.training.config import (BASELINE_RECIPE, HASH_EXCLUDE, FullConfig, config_hash, config_to_yaml,
                                       fp8_recipe_from_config, load_config)
 from fp8train.training.config.validation import BASELINE_LABEL, Candidate, parse_candidate, resolve_seeds
@@ -40,7 +41,7 @@ RUNS_DIR = "runs"
 # What must match between a new invocation and the plan on disk: the experiment and what was declared.
 # (validate.workers is absent on purpose: how many runs go at once changes nothing that is measured.)
 PLAN_KEYS = ("data_fingerprint", "config_hash", "margin", "final_window", "seeds", "stop_on_divergence", "divergence_factor",
-             "candidates", "runs", "confidence", "power")
+             "candidates", "runs", "confidence", "power", "sequential", "fork")
 
 
 @dataclass
@@ -112,7 +113,7 @@ def plan_runs(cfg: FullConfig, candidates=None) -> list[PlannedRun]:
     labels = [c.label for c in parsed]
     if len(set(labels)) != len(labels):
         raise ValueError(f"validate.candidates: labels must differ, got {labels} (give one a LABEL=)")
-    seeds = resolve_seeds(cfg.validate.seeds, cfg.train.seed)
+    seeds = resolve_seeds(cfg.validate.seeds, cfg.train.seed, cfg.validate.max_seeds)
     if max(seeds) >= 2**63:
         raise ValueError(f"validate.seeds={cfg.validate.seeds} with train.seed={cfg.train.seed} reaches seed "
                          f"{max(seeds)}; seeds must be < 2**63")
@@ -162,6 +163,7 @@ def validation_plan(cfg: FullConfig, runs: list[PlannedRun]) -> dict:
         # train.seed differs between the seeds' runs and is declared in "seeds", so the experiment's hash skips it
         "config_hash": config_hash(runs[0].cfg, exclude=HASH_EXCLUDE + ("train.seed",)),
         "data_fingerprint": runs[0].data_fingerprint,
+        "sequential": sequential_plan(v),  # validate.seeds=auto: the looks and their critical values
         "max_steps": cfg.train.max_steps, "eval_every": cfg.train.eval_every,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

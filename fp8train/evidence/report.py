@@ -16,7 +16,7 @@ from fp8train.evidence import advisor, plots
 from fp8train.evidence.pairing import check_pairing
 from fp8train.evidence.pairs import BASELINE, PLAN_FILE
 from fp8train.evidence.plan import shadow_table
-from fp8train.evidence.verdict import METHOD, RunData, load_validation, summarize_validation
+from fp8train.evidence.verdict import RunData, load_validation, summarize_validation
 from fp8train.nn.recipes import ROLES
 from fp8train.training.rundir import CONFIG_FILE, METRICS_FILE, write_json_atomic, write_text_atomic
 
@@ -107,7 +107,7 @@ def _how_to_read(summary: dict) -> list[str]:
         "**MDG** (minimum detectable gap) is the smallest true gap this design detects with 80% power at the "
         "observed spread: a harmless candidate passes reliably only when MDG <= margin. A negative gap means FP8 "
         "ended lower than bf16. Speed: median tokens/s over bf16 (on CPU FP8 GEMMs are emulated in fp32, so CPU "
-        "speed says nothing about GPU speed).", "", f"Method: {METHOD}", ""]
+        "speed says nothing about GPU speed).", "", f"Method: {summary['method']}", ""]
 
 
 def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:
@@ -122,7 +122,8 @@ def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:
         f"relative validation-loss gap. {len(summary['seeds'])} paired seeds {summary['seeds']}; final window: the "
         f"last {summary['final_window']} evaluation points; {plan.get('max_steps')} steps; config hash "
         f"`{plan['config_hash'][:12]}`.", "",
-        "## Verdict", "", *_verdict_table(summary), "",
+        *_fork_markdown(plan),
+        "## Verdict", "", *_verdict_table(summary), "", *_cost_markdown(summary),
         f"For context, not a threshold: the bf16 seeds' final losses spread by {_fmt(spread, '.2%')} (sd / mean); "
         "pairing removes most of that from the gaps.", "",
         *_how_to_read(summary),
@@ -158,6 +159,36 @@ def _damage_markdown(runs: dict) -> list[str]:
     for key, messages in damaged.items():
         lines += [f"- {key}: {message}" for message in messages]
     return lines + [""]
+
+
+def _fork_markdown(plan: dict) -> list[str]:
+    """validate.fork_from: where every run started, and where each candidate's FP8 scaling state came from."""
+    fork = plan.get("fork")
+    if not fork:
+        return []
+    states = ", ".join(f"{label}: {state}" for label, state in fork["fp8_state"].items() if state != "none")
+    return [f"Forked: every run started from `{fork['checkpoint']}` (step {fork['step']} of a "
+            f"`{fork['source_recipe']}` run, files sha256 `{fork['sha256'][:12]}`) and trained "
+            f"{plan.get('max_steps')} more steps; FP8 scaling state: {states}.", ""]
+
+
+def _cost_markdown(summary: dict) -> list[str]:
+    """What the evidence cost, and what fixed designs would have run (verdict.evidence_cost)."""
+    cost, seq = summary["cost"], summary.get("sequential")
+    lines = []
+    if seq:
+        looks = ", ".join(f"{n}: {c:.3g}" for n, c in zip(seq["looks"], seq["critical"]))
+        lines += [f"Design: validate.seeds=auto, looks at 2..{seq['max_seeds']} seeds, {seq['rule']} alpha "
+                  f"spending (Lan & DeMets 1983), each look a t test at the alpha it spends; critical values "
+                  f"(seeds: c) {looks}. A candidate stops at its first decided look.", ""]
+    fixed = (f"; the fewest seeds with which a fixed design decides every candidate at the observed means and "
+             f"spreads: {cost['fixed_design_seeds']} ({cost['fixed_design_runs']} runs)"
+             if cost["fixed_design_seeds"] else "")
+    lines += [f"Cost: **{cost['runs']} runs**, {_fmt(cost['run_seconds'], '.0f')} s of run time "
+              f"({_fmt(cost['device_seconds'], '.0f')} device-seconds: wall time x processes), "
+              f"{_fmt(cost['cpu_seconds'], '.0f')} CPU seconds (rank 0). Every planned seed "
+              f"({len(summary['planned_seeds'])}) would have been {cost['planned_seeds_runs']} runs{fixed}.", ""]
+    return lines
 
 
 def _runs_table(summary: dict) -> list[str]:

@@ -18,8 +18,10 @@ import math
 import sys
 from pathlib import Path
 
+from fp8train.evidence.fork import fork_config, fork_record
 from fp8train.evidence.pairs import PLAN_FILE, check_plan, fingerprint_runs, plan_runs, validation_dir, validation_plan
 from fp8train.evidence.report import write_validation_report
+from fp8train.evidence.rounds import run_rounds
 from fp8train.evidence.runner import default_workers, run_plan
 from fp8train.training.config import FullConfig, add_config_arguments, load_config
 from fp8train.training.lifetime import interrupts_raised
@@ -56,9 +58,11 @@ def run_validation(cfg: FullConfig, candidates=None, accelerator=None, show_prog
     """Run (or finish) the validation of ``cfg``; returns the validation summary (also summary.json).
     ``candidates`` (specs) replaces validate.candidates. Every check happens before anything is written."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    cfg, fork = fork_config(cfg)  # validate.fork_from: every run starts from that checkpoint (evidence/fork.py)
     runs = plan_runs(cfg, candidates)
     fingerprint_runs(runs)
     plan = validation_plan(cfg, runs)
+    plan["fork"] = fork_record(fork, runs)
     vdir = validation_dir(cfg)
     check_plan(vdir, plan, runs[0].data_source)  # every rank checks (and fails alike) before rank 0 writes
     _check_run_dirs(runs, vdir)
@@ -88,10 +92,19 @@ def run_validation(cfg: FullConfig, candidates=None, accelerator=None, show_prog
 def _run_planned(runs, plan, vdir, workers, accelerator, show_progress, log, write_report) -> dict:
     is_main = accelerator.is_main_process
     if is_main:
-        log(f"[validate] {vdir}: {len(runs)} runs ({len(plan['seeds'])} seeds x (bf16 + {len(plan['candidates'])} "
-            f"candidates)), margin {plan['margin']:g} declared in {PLAN_FILE}, {workers} at a time")
-    run_plan(runs, workers, accelerator=accelerator, log=log if is_main else (lambda _: None),
-             show_progress=show_progress and workers == 1)
+        upto = "up to " if plan.get("sequential") else ""  # validate.seeds=auto runs only what the looks need
+        log(f"[validate] {vdir}: {upto}{len(runs)} runs ({len(plan['seeds'])} seeds x (bf16 + "
+            f"{len(plan['candidates'])} candidates)), margin {plan['margin']:g} declared in {PLAN_FILE}, "
+            f"{workers} at a time")
+    say = log if is_main else (lambda _: None)
+
+    def run_some(todo) -> None:
+        run_plan(todo, workers, accelerator=accelerator, log=say, show_progress=show_progress and workers == 1)
+
+    if plan.get("sequential"):  # validate.seeds=auto: rounds of seeds until decided (fp8train.evidence.rounds)
+        run_rounds(runs, vdir, run_some, say)
+    else:
+        run_some(runs)
     summary = {}
     if is_main and write_report:
         summary = write_validation_report(vdir)

@@ -13,13 +13,13 @@ import math
 import statistics
 from pathlib import Path
 
-from fp8train.evidence import advisor, stats
+from fp8train.evidence import advisor, sequential, stats
 from fp8train.evidence.curves import Curve, load_curve
 from fp8train.evidence.pairs import BASELINE, PLAN_FILE, run_dir
 from fp8train.training import telemetry
 from fp8train.training.rundir import METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE, read_json
 
-__all__ = ["RunData", "load_validation", "summarize_validation", "METHOD"]
+__all__ = ["RunData", "load_validation", "summarize_validation", "evidence_cost", "METHOD", "SEQUENTIAL_METHOD"]
 
 METHOD = ("Per seed s, the paired gap g_s = (candidate - bf16) / bf16 of the mean validation loss over the final "
           "window (the same steps, the same validation batches, the same initial weights and batches for both). "
@@ -27,6 +27,15 @@ METHOD = ("Per seed s, the paired gap g_s = (candidate - bf16) / bf16 of the mea
           "PASS: upper bound <= margin. FAIL: a run diverged or stopped, a loss is non-finite, or lower bound > "
           "margin. Otherwise INCONCLUSIVE. Minimum detectable gap (one-sided 95%, 80% power): "
           "(t(0.95, n-1) + t(0.80, n-1)) sd/sqrt(n).")
+
+
+SEQUENTIAL_METHOD = ("validate.seeds=auto: the same gaps, looked at after 2, 3, ..., max_seeds seeds in seed order. "
+                     "Look k (n_k seeds, t_k = n_k / max_seeds) spends a_k = alpha(t_k) - alpha(t_(k-1)) of the "
+                     "one-sided 5% under a Lan-DeMets (1983) spending function (pocock: alpha ln(1 + (e - 1) t); "
+                     "obrien_fleming: 2 - 2 Phi(z_(1-alpha/2) / sqrt(t))) and is a t test at that level: bounds "
+                     "mean -/+ t(1 - a_k, n_k - 1) sd/sqrt(n_k). A candidate stops at its first PASS or FAIL; "
+                     "undecided at max_seeds: INCONCLUSIVE. By Boole's inequality a false PASS at a true gap on "
+                     "the margin stays <= 5%. The bounds and seeds shown are those of the deciding (or latest) look.")
 
 
 class RunData:
@@ -123,7 +132,8 @@ def per_step_gaps(base_runs: dict[int, RunData], cand_runs: dict[int, RunData]) 
     return rows
 
 
-def _candidate(plan: dict, base_runs: dict, cand_runs: dict, spec: dict) -> dict:
+def _fixed_verdict(plan: dict, base_runs: dict, cand_runs: dict) -> tuple:
+    """(verdict, reason, estimate, lower, upper, gaps, seeds looked at, sequential record) of a fixed design."""
     margin, window = float(plan["margin"]), int(plan["final_window"])
     expected = final_evaluations(plan, window)
     failures, unusable, gaps = [], [], {}
@@ -138,15 +148,49 @@ def _candidate(plan: dict, base_runs: dict, cand_runs: dict, spec: dict) -> dict
     if verdict != "fail" and unusable:
         verdict, reason = "inconclusive", (f"{len(gaps)} of {len(plan['seeds'])} seeds usable: "
                                            + "; ".join(unusable))
+    return verdict, reason, est, est.lower, est.upper, gaps, list(plan["seeds"]), None
+
+
+def _sequential_verdict(plan: dict, base_runs: dict, cand_runs: dict) -> tuple:
+    """The same for validate.seeds=auto: the looks over the seeds in order, up to the first seed that is not
+    usable yet (fp8train.evidence.sequential)."""
+    margin, window = float(plan["margin"]), int(plan["final_window"])
+    design = sequential.make_design(int(plan["sequential"]["max_seeds"]), plan["sequential"]["rule"])
+    failures, gaps, waiting = [], {}, None
+    for seed in plan["seeds"]:
+        failed, missing, gap = _seed_problems(base_runs[seed], cand_runs[seed], window)
+        failures += failed
+        if missing or not math.isfinite(gap):
+            waiting = "; ".join(missing) or f"seed {seed}: no usable gap"
+            break
+        gaps[seed] = gap
+    out = sequential.sequential_verdict(list(gaps.values()), design, margin, failures)
+    verdict, reason = out.verdict, out.reason
+    if verdict == "continue":
+        verdict = "inconclusive"
+        reason = f"{reason}; the next look needs {out.next_seeds} seeds" + (f" ({waiting})" if waiting else "")
+    looked = list(plan["seeds"])[:out.estimate.n] if out.look else list(gaps)
+    record = {"look": out.look, "critical": out.critical, "next_seeds": out.next_seeds,
+              "decided": out.verdict != "continue"}
+    return verdict, reason, out.estimate, out.lower, out.upper, {s: gaps[s] for s in looked if s in gaps}, \
+        looked, record
+
+
+def _candidate(plan: dict, base_runs: dict, cand_runs: dict, spec: dict) -> dict:
+    margin = float(plan["margin"])
+    rule = _sequential_verdict if plan.get("sequential") else _fixed_verdict
+    verdict, reason, est, lower, upper, gaps, looked, record = rule(plan, base_runs, cand_runs)
     needed = stats.seeds_needed(est.mean, est.sd, margin) if verdict == "inconclusive" else None
-    speeds = [c.tokens_per_s / b.tokens_per_s for b, c in ((base_runs[s], cand_runs[s]) for s in plan["seeds"])
+    speeds = [c.tokens_per_s / b.tokens_per_s for b, c in ((base_runs[s], cand_runs[s]) for s in looked)
               if c.tokens_per_s and b.tokens_per_s]
     return {
-        "verdict": verdict, "reason": reason, "gap_mean": est.mean, "gap_lower": est.lower,
-        "gap_upper": est.upper, "mdg": est.mdg, "seeds": est.n, "gap_sd": est.sd, "seeds_needed": needed,
+        "verdict": verdict, "reason": reason, "gap_mean": est.mean, "gap_lower": lower,
+        "gap_upper": upper, "mdg": est.mdg, "seeds": est.n, "gap_sd": est.sd, "seeds_needed": needed,
+        "sequential": record,
         "gaps": {str(s): g for s, g in gaps.items()}, "recipe": spec["recipe"], "overrides": spec["overrides"],
         "recipe_code": spec.get("recipe_code", spec["recipe"]),
-        "status": {str(s): cand_runs[s].status for s in plan["seeds"]},
+        "status": {str(s): cand_runs[s].status if s in looked or cand_runs[s].status != "missing" else "not needed"
+                   for s in plan["seeds"]},
         "speed_vs_bf16": statistics.median(speeds) if speeds else None,
         "per_step": per_step_gaps(base_runs, cand_runs),
         "divergence": [{"seed": s, "reason": (r.summary or {}).get("reason"),
@@ -164,10 +208,16 @@ def summarize_validation(plan: dict, runs: dict[str, dict[int, RunData]]) -> dic
                   for spec in plan["candidates"]}
     finals = [f for f in (r.final(window) for r in base_runs.values()) if f is not None]
     spread = statistics.stdev(finals) / statistics.fmean(finals) if len(finals) > 1 else None
+    sequential_plan = plan.get("sequential")
+    # validate.seeds=auto plans every seed up to max_seeds; the seeds are those that ran
+    seeds = [s for s in plan["seeds"] if not sequential_plan or base_runs[s].status != "missing"]
     return {
         "verdict": stats.overall_verdict([c["verdict"] for c in candidates.values()]),
-        "margin": float(plan["margin"]), "final_window": window, "seeds": list(plan["seeds"]),
-        "confidence": stats.CONFIDENCE, "power": stats.POWER, "method": METHOD, "baseline": BASELINE,
+        "margin": float(plan["margin"]), "final_window": window, "seeds": seeds,
+        "planned_seeds": list(plan["seeds"]), "sequential": sequential_plan,
+        "cost": evidence_cost(plan, runs, candidates),
+        "confidence": stats.CONFIDENCE, "power": stats.POWER, "baseline": BASELINE,
+        "method": METHOD + (" " + SEQUENTIAL_METHOD if sequential_plan else ""),
         "baseline_final_val_loss": {str(s): r.final(window) for s, r in base_runs.items()},
         "baseline_seed_spread_rel": spread,
         "advisor_thresholds": {"mean": advisor.MEAN_THRESHOLDS, "worst_step": advisor.WORST_STEP_THRESHOLDS},
@@ -175,5 +225,28 @@ def summarize_validation(plan: dict, runs: dict[str, dict[int, RunData]]) -> dic
         "runs": {f"{label}/seed{seed}": {"status": r.status, "wall_time_s": (r.summary or {}).get("wall_time_s"),
                                          "tokens_per_s": r.tokens_per_s, "final_val_loss": r.final(window),
                                          "damaged_lines": r.damage}
-                 for label, by_seed in runs.items() for seed, r in by_seed.items()},
+                 for label, by_seed in runs.items() for seed, r in by_seed.items()
+                 if not sequential_plan or r.status != "missing"},
+    }
+
+
+def evidence_cost(plan: dict, runs: dict[str, dict[int, RunData]], candidates: dict) -> dict:
+    """What the evidence cost: runs made, their wall seconds (x processes: device seconds), this process's CPU
+    seconds of each run (rank 0's under a launch; the last segment of a resumed run), and what fixed designs
+    would have run: every planned seed, and the fewest seeds with which a fixed design decides every candidate
+    at the observed means and spreads (stats.seeds_needed; None when some candidate sits on the margin)."""
+    made = [r.summary for by_seed in runs.values() for r in by_seed.values() if r.summary is not None]
+    per_seed = 1 + len(plan["candidates"])
+    margin = float(plan["margin"])
+    needed = [stats.seeds_needed(c["gap_mean"], c["gap_sd"], margin) for c in candidates.values()]
+    fixed = max(max(n, 2) for n in needed) if needed and None not in needed else None
+    cpu = [s.get("cpu_time_s") for s in made]
+    return {
+        "runs": len(made),
+        "run_seconds": sum(s.get("wall_time_s") or 0.0 for s in made),
+        "device_seconds": sum((s.get("wall_time_s") or 0.0) * (s.get("world_size") or 1) for s in made),
+        "cpu_seconds": sum(cpu) if cpu and None not in cpu else None,
+        "planned_seeds_runs": len(plan["seeds"]) * per_seed,
+        "fixed_design_seeds": fixed,
+        "fixed_design_runs": fixed * per_seed if fixed is not None else None,
     }

@@ -260,18 +260,24 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, sc
         raise ValueError(f"checkpoint {path} does not fit this model: missing {missing}, unexpected {unexpected}"
                          " (was it made with another model size or FP8 recipe?)")
     if optimizer is not None:
-        tensors = load_file(str(path / "optimizer.safetensors"))
-        groups = manifest["optimizer_param_groups"]
-        for saved, current in zip(groups, optimizer.param_groups):  # JSON turned tuples (betas) into lists
-            for key, value in saved.items():
-                if isinstance(current.get(key), tuple) and isinstance(value, list):
-                    saved[key] = tuple(value)
-        optimizer.load_state_dict(_optimizer_state(tensors, groups))
+        optimizer.load_state_dict(load_optimizer_files(path, manifest, optimizer))
     if scheduler is not None and manifest.get("scheduler") is not None:
         scheduler.load_state_dict(manifest["scheduler"])
     if manifest.get("torch_rng_state") is not None:
         torch.set_rng_state(torch.tensor(manifest["torch_rng_state"], dtype=torch.uint8))
     return manifest
+
+
+def load_optimizer_files(path: str | Path, manifest: dict, optimizer) -> dict:
+    """The optimizer state_dict a checkpoint holds (optimizer.safetensors and the manifest's param groups), for
+    ``optimizer.load_state_dict``."""
+    tensors = load_file(str(Path(path) / "optimizer.safetensors"))
+    groups = manifest["optimizer_param_groups"]
+    for saved, current in zip(groups, optimizer.param_groups):  # JSON turned tuples (betas) into lists
+        for key, value in saved.items():
+            if isinstance(current.get(key), tuple) and isinstance(value, list):
+                saved[key] = tuple(value)
+    return _optimizer_state(tensors, groups)
 
 
 def check_checkpoint_origin(path: str | Path, manifest: dict, expected_hash: str, data_fingerprint: dict,

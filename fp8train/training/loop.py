@@ -45,6 +45,7 @@ from fp8train.training import telemetry
 from fp8train.training.shadow import gemm_paths
 from fp8train.training.checkpoint import load_checkpoint, save_checkpoint
 from fp8train.training.claim import holding
+from fp8train.training.fork import load_fork
 from fp8train.training.rank0 import on_main_process
 from fp8train.training.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from fp8train.training.config import FullConfig, add_config_arguments, load_config
@@ -151,6 +152,8 @@ def resume(run: Run) -> _State:
     """The loop's state: step 0, or everything the checkpoint to resume from holds."""
     state = _State()
     if run.plan.kind != "resume":
+        if run.fork is not None:
+            start_from_fork(run)
         return state
     load = load_sharded_checkpoint if run.sharded else load_checkpoint
     manifest = load(run.plan.checkpoint, run.model, run.optimizer, run.scheduler)
@@ -162,6 +165,15 @@ def resume(run: Run) -> _State:
     state.consecutive_skips = counts.get("consecutive_skips", 0)
     run.say(f"[{run.cfg.run.name}] resuming from {run.plan.checkpoint}")
     return state
+
+
+def start_from_fork(run: Run) -> None:
+    """train.fork_from: step 0 of this run holds the source checkpoint's weights, AdamW state and LR schedule
+    (fp8train.training.fork); the schedule's length is the source run's."""
+    manifest = load_fork(run.fork, run.model, run.optimizer, run.scheduler, run.cfg.train.seed)
+    run.lr_horizon["steps"] = manifest.get("extra", {}).get("lr_schedule_steps", run.fork.source_cfg.train.max_steps)
+    run.say(f"[{run.cfg.run.name}] forked from {run.fork.checkpoint} (step {run.fork.step}; FP8 scaling state "
+            f"{run.fork.fp8_state})")
 
 
 def _start_guard(run: Run, state: _State) -> None:

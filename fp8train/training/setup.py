@@ -23,6 +23,7 @@ from fp8train.training.compile import check_compiler, compile_model
 from fp8train.training.config import (FullConfig, config_to_yaml, fp8_recipe_from_config, layer_policy_from_config)
 from fp8train.training.data import build_data
 from fp8train.training.distributed import Fp8StateSync, check_distributed_type, set_cpu_threads
+from fp8train.training.fork import Fork, open_fork
 from fp8train.training.fsdp2 import apply_fsdp2, ensure_process_group
 from fp8train.training.model import build_model, check_model_for_run
 from fp8train.training.optim import AdamW
@@ -61,6 +62,8 @@ class Run:
     lock: object = None  # the run directory's DirLock, held by the main process for the run's life
     hashes: dict = field(default_factory=dict)  # config_hash, resume_hash, data_fingerprint (claim.run_hashes)
     made_process_group: bool = False  # fsdp2 in one process without a launcher: set_up made a 1-rank group
+    cpu_started: float = field(default_factory=time.process_time)  # this process's CPU time at set-up
+    fork: Fork | None = None  # train.fork_from of a run that starts now (a resumed fork has its own checkpoints)
 
     @property
     def sharded(self) -> bool:
@@ -110,8 +113,9 @@ def set_up(cfg: FullConfig, accelerator, show_progress: bool, model_factory=None
     plan = plan_resume(cfg, run_dir, log)  # every rank decides, so every rank fails the same way
     if plan.checkpoint is not None:  # same data, same experiment as the checkpoint's manifest says
         check_resume_origin(plan.checkpoint, cfg, data)
+    fork = open_fork(cfg) if cfg.train.fork_from and plan.kind == "start" else None  # checked, not yet loaded
     run = Run(cfg, accelerator, run_dir, data, val_batches, model, fp8_recipe, conversion, plan, show_progress,
-               started, dir_state=dir_state, hashes=run_hashes(cfg, data))
+               started, dir_state=dir_state, hashes=run_hashes(cfg, data), fork=fork)
     if plan.kind != "complete":
         _prepare_training(run)
     return run

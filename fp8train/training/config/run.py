@@ -79,6 +79,10 @@ class TrainConfig(_Section):
     AdamW state sharded by torch's fully_shard, per decoder block then the root; sharded checkpoints)."""
     compile: bool = False
     """torch.compile the model (every recipe compiles without graph breaks; needs a C++ compiler on CPU)."""
+    fork_from: str = ""
+    """A checkpoint folder (or a run directory: its newest valid checkpoint) to start this run from: its weights,
+    AdamW state and LR schedule go on for train.max_steps steps of this run's own data order (train.seed); FP8
+    scaling state fresh unless the source is the same FP8 recipe (fp8train.training.fork). Empty: from scratch."""
 
     def _check(self) -> None:
         for name in ("max_steps", "batch_size", "grad_accum", "eval_batches"):

@@ -20,7 +20,7 @@ from fp8train.nn.recipes import BASELINE_RECIPE, DEFAULT_RECIPE, OVERRIDE_BF16, 
 from fp8train.training.config.base import _is_int, _Section, _require
 
 __all__ = ["ValidateConfig", "Candidate", "parse_candidate", "check_candidate_key", "resolve_seeds", "BASELINE_LABEL",
-           "PAIRED_SECTIONS"]
+           "PAIRED_SECTIONS", "AUTO_SEEDS", "SPENDING_RULES"]
 
 BASELINE_LABEL = OVERRIDE_BF16  # folder of the baseline (high-precision) runs; no candidate may take it
 _LABEL_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
@@ -28,6 +28,8 @@ _SEED_LIMIT = 2**63  # torch.manual_seed's range
 # The config sections a candidate may override: what FP8 does and to which layers. Everything else (model.*, data.*,
 # train.*, optim.*, ...) is shared by the pair, and run.*, validate.*, log.*, checkpoint.* are the validation's own.
 PAIRED_SECTIONS = ("fp8", "policy")
+AUTO_SEEDS = "auto"  # validate.seeds: add seeds in rounds until decided (fp8train.evidence.sequential)
+SPENDING_RULES = ("pocock", "obrien_fleming")  # validate.spending: Lan & DeMets (1983) spending functions
 
 
 @dataclass(frozen=True)
@@ -104,9 +106,12 @@ def _split_top_level(text: str) -> list[str]:
     return parts
 
 
-def resolve_seeds(seeds: Any, first_seed: int) -> list[int]:
+def resolve_seeds(seeds: Any, first_seed: int, max_seeds: int = 0) -> list[int]:
     """`validate.seeds` as the list of seeds to run: a count n means first_seed, first_seed + 1, ...,
-    first_seed + n - 1 (first_seed = train.seed); a list is taken as given."""
+    first_seed + n - 1 (first_seed = train.seed); a list is taken as given; auto means the count max_seeds,
+    of which the rounds run only as many as the verdict needs."""
+    if seeds == AUTO_SEEDS:
+        seeds = max_seeds
     if _is_int(seeds):
         return [first_seed + i for i in range(seeds)]
     return [int(s) for s in seeds]
@@ -120,7 +125,16 @@ class ValidateConfig(_Section):
     margin: float = 0.02
     """Allowed relative validation-loss gap of a candidate over bf16, in (0, 1); declared before the runs."""
     seeds: Any = 4
-    """Paired seeds: a count (seeds train.seed, +1, ...) or a list; each seed runs bf16 and every candidate."""
+    """Paired seeds: a count (seeds train.seed, +1, ...) or a list; each seed runs bf16 and every candidate; or
+    auto: seeds added one round at a time until every candidate is decided or validate.max_seeds is reached,
+    each look's bound widened by alpha spending (fp8train.evidence.sequential)."""
+    max_seeds: int = 6
+    """With validate.seeds=auto: the most seeds (the last look); >= 2."""
+    spending: str = "pocock"
+    """With validate.seeds=auto: the alpha-spending function, pocock (stops early) or obrien_fleming."""
+    fork_from: str = ""
+    """A run directory (its newest valid checkpoint) or one checkpoint folder of it: every paired run starts from
+    its weights and optimizer state and trains train.max_steps more steps. Empty: from scratch."""
     workers: Optional[int] = None
     """Training runs at once; null = auto (CPU: cores // train.threads; CUDA: one run per GPU)."""
     final_window: int = 3
@@ -148,7 +162,12 @@ class ValidateConfig(_Section):
 
     def _check_seeds(self) -> None:
         seeds = self.seeds
-        allowed = "a count >= 1 or a non-empty list of distinct ints in [0, 2**63)"
+        allowed = f"a count >= 1, a non-empty list of distinct ints in [0, 2**63), or {AUTO_SEEDS!r}"
+        self._in("spending", SPENDING_RULES)
+        _require(_is_int(self.max_seeds) and 2 <= self.max_seeds <= 1000, "validate.max_seeds", self.max_seeds,
+                 "an int in [2, 1000] (the last look of validate.seeds=auto; one seed has no spread)")
+        if seeds == AUTO_SEEDS:
+            return
         if _is_int(seeds):
             _require(seeds >= 1, "validate.seeds", seeds, allowed)
             return

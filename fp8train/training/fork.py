@@ -1,0 +1,164 @@
+"""Forking a run (`train.fork_from`): a new run that starts from a checkpoint of another run.
+
+    fp8train train recipes/cpu_validate.yaml run.name=fork train.fork_from=runs/src/checkpoints/step_000200
+
+The forked run counts its own steps from 0 and trains train.max_steps of them, starting from the checkpoint's
+weights, AdamW state (moments, step counts, hyper-parameters) and learning-rate schedule: the source run's
+schedule goes on from where the checkpoint left it (same peak rate, warmup and decay horizon; past the horizon,
+its final rate), as if the source run had gone on. So train.lr and optim.* must be the source run's, and so must
+the model (model.*, except model.seq_len). What is random after the fork is the forked run's own: the batches
+are a pure function of (train.seed, step) and torch's generator (dropout) is re-seeded with train.seed at the
+fork, so two forks with one seed, in bf16 and in FP8, see the same batches in the same order.
+
+FP8 scaling state: fresh (as at step 0 of any FP8 run: the first step scales from its own amax), unless the
+checkpoint comes from an FP8 run of the same recipe (the same recipe code) with the same FP8 layers: then its
+scaling state (amax histories, scales) is loaded with the weights. `fp8_state_origin` says which.
+
+Everything is checked before the run directory is touched: the checkpoint verifies (its manifest's sizes and
+sha256), it is a single-file (DDP) checkpoint, its run's config.yaml is readable and compatible. A resumed
+forked run resumes from its own checkpoints and never reads the source again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from fp8train.nn.convert import fp8_layers
+from fp8train.training.checkpoint import FILES, MANIFEST, checkpoint_step, load_optimizer_files, verify_checkpoint
+from fp8train.training.config import FullConfig, fp8_recipe_from_config, load_config
+from fp8train.training.model import tied_weight_groups
+from fp8train.training.resume import config_differences
+from fp8train.training.rundir import CHECKPOINTS_DIR, CONFIG_FILE, read_json, sha256_file
+from fp8train.training.sharded_checkpoint import is_sharded_checkpoint, latest_loadable_checkpoint
+
+__all__ = ["Fork", "resolve_fork_checkpoint", "checkpoint_sha256", "open_fork", "fp8_state_origin", "load_fork"]
+
+_MUST_MATCH = ("model.", "optim.", "train.lr")  # the checkpoint holds them: a different value would be ignored
+_MAY_DIFFER = ("model.seq_len",)  # RoPE / learned positions up to the source's length: the weights fit any
+
+
+@dataclass(frozen=True)
+class Fork:
+    """The checkpoint a run forks from, its step, its source run's config, and where FP8 state comes from."""
+
+    checkpoint: Path
+    step: int
+    source_cfg: FullConfig
+    fp8_state: str  # "fresh" | "checkpoint"
+
+
+def resolve_fork_checkpoint(path: str, key: str = "train.fork_from") -> Path:
+    """A checkpoint folder as given, or a run directory's newest checkpoint that verifies; ValueError else."""
+    where = Path(path)
+    if (where / MANIFEST).is_file() or is_sharded_checkpoint(where):
+        checkpoint = where
+    elif (where / CHECKPOINTS_DIR).is_dir():
+        checkpoint = latest_loadable_checkpoint(where / CHECKPOINTS_DIR, log=lambda _: None)
+        if checkpoint is None:
+            raise ValueError(f"{key}={path}: the run directory holds no checkpoint that verifies")
+    else:
+        raise ValueError(f"{key}={path}: not a checkpoint folder (with {MANIFEST}) nor a run directory with "
+                         f"{CHECKPOINTS_DIR}/")
+    if is_sharded_checkpoint(checkpoint):
+        raise ValueError(f"{key}={path}: {checkpoint} is a sharded (train.parallel=fsdp2) checkpoint; a fork "
+                         "starts from a single-file checkpoint (train.parallel=ddp)")
+    problem = verify_checkpoint(checkpoint)
+    if problem is not None:
+        raise ValueError(f"{key}={path}: checkpoint {checkpoint} does not verify: {problem}")
+    return checkpoint.resolve()
+
+
+def checkpoint_sha256(checkpoint: Path) -> str:
+    """sha256 over the checkpoint's files (the manifest and each file's own sha256, in a fixed order)."""
+    lines = [f"{name}:{sha256_file(checkpoint / name)}" for name in (MANIFEST, *FILES)]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def _recipe_code(cfg: FullConfig) -> str:
+    recipe = fp8_recipe_from_config(cfg)
+    return recipe.code() if recipe is not None else "none"
+
+
+def fp8_state_origin(cfg: FullConfig, source_cfg: FullConfig) -> str:
+    """"checkpoint" when both runs are FP8 with the same recipe code (and policy), else "fresh"."""
+    same = _recipe_code(cfg) != "none" and _recipe_code(cfg) == _recipe_code(source_cfg)
+    return "checkpoint" if same and not config_differences(source_cfg.policy, cfg.policy, ignore=()) else "fresh"
+
+
+def open_fork(cfg: FullConfig, path: str | None = None, key: str = "train.fork_from") -> Fork:
+    """Resolve and check the fork of ``cfg`` (train.fork_from, or ``path``) before anything is written."""
+    checkpoint = resolve_fork_checkpoint(path or cfg.train.fork_from, key)
+    config_file = checkpoint.parent.parent / CONFIG_FILE
+    if not config_file.is_file():
+        raise ValueError(f"{key}: {checkpoint} is not inside a run directory (no {config_file}); fork from a "
+                         "checkpoint of an fp8train run")
+    source_cfg = load_config(str(config_file))
+    diffs = [(k, old, new) for k, old, new in config_differences(source_cfg, cfg, ignore=_MAY_DIFFER)
+             if k.startswith(_MUST_MATCH)]
+    if diffs:
+        detail = "; ".join(f"{k}: {old!r} (source) -> {new!r} (now)" for k, old, new in diffs[:5])
+        raise ValueError(f"{key}: {checkpoint} comes from a run with another model or optimizer: {detail}. A fork "
+                         "goes on with the source run's weights, AdamW state and schedule; use its model.*, "
+                         "train.lr and optim.* (from its config.yaml)")
+    if cfg.train.parallel == "fsdp2":
+        raise ValueError(f"{key} with train.parallel=fsdp2 is not supported; fork with train.parallel=ddp")
+    step = checkpoint_step(checkpoint)
+    return Fork(checkpoint, step, source_cfg, fp8_state_origin(cfg, source_cfg))
+
+
+def _fp8_buffer_names(model: torch.nn.Module) -> set[str]:
+    return {f"{name}.{buf}" for name, layer in fp8_layers(model) for buf, _ in layer.named_buffers()}
+
+
+def _linear_prefixes(model: torch.nn.Module) -> set[str]:
+    return {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def load_fork(fork: Fork, model: torch.nn.Module, optimizer, scheduler, seed: int) -> dict:
+    """Load the fork's weights (and FP8 state when fork.fp8_state says so), AdamW state and LR schedule into a
+    freshly built run; returns the checkpoint's manifest. ValueError when the checkpoint does not fit."""
+    saved = load_file(str(fork.checkpoint / "model.safetensors"))
+    own = model.state_dict()
+    fp8_buffers = _fp8_buffer_names(model)
+    take_fp8 = fork.fp8_state == "checkpoint" and all(
+        name in saved and saved[name].shape == own[name].shape for name in fp8_buffers)
+    partner = {name: group for group in tied_weight_groups(model) for name in group}
+    state, missing = {}, []
+    for name, tensor in own.items():
+        if name in fp8_buffers and not take_fp8:
+            state[name] = tensor  # fresh scaling state, as built
+            continue
+        source = name if name in saved else next((n for n in partner.get(name, ()) if n in saved), None)
+        if source is None or saved[source].shape != tensor.shape:
+            missing.append(name if source is None else f"{name} {tuple(saved[source].shape)} vs {tuple(tensor.shape)}")
+            continue
+        state[name] = saved[source]
+    # The source's own FP8 state (of an nn.Linear here: a bf16 fork, or another recipe) is left behind.
+    linears = _linear_prefixes(model)
+    unexpected = [n for n in saved if n not in own and n.rsplit(".", 1)[0] not in linears]
+    if missing or unexpected:
+        raise ValueError(f"fork checkpoint {fork.checkpoint} does not fit this model: missing or reshaped "
+                         f"{missing[:5]}, unexpected {unexpected[:5]}")
+    model.load_state_dict(state)
+    manifest = read_json(fork.checkpoint / MANIFEST)
+    optimizer.load_state_dict(load_optimizer_files(fork.checkpoint, manifest, optimizer))
+    _check_optimizer_shapes(fork, optimizer)
+    if manifest.get("scheduler") is not None:
+        scheduler.load_state_dict(manifest["scheduler"])
+    torch.manual_seed(seed)  # what is random from here on (dropout) is this run's own
+    return manifest
+
+
+def _check_optimizer_shapes(fork: Fork, optimizer) -> None:
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for group in inner.param_groups:
+        for param in group["params"]:
+            for key, value in inner.state.get(param, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+                    raise ValueError(f"fork checkpoint {fork.checkpoint}: AdamW {key} is {tuple(value.shape)} for "
+                                     f"a parameter of shape {tuple(param.shape)}: another model")
