@@ -156,9 +156,10 @@ def _sequential_verdict(plan: dict, base_runs: dict, cand_runs: dict) -> tuple:
     usable yet (fp8train.evidence.sequential)."""
     margin, window = float(plan["margin"]), int(plan["final_window"])
     design = sequential.make_design(int(plan["sequential"]["max_seeds"]), plan["sequential"]["rule"])
+    expected = final_evaluations(plan, window)
     failures, gaps, waiting = [], {}, None
     for seed in plan["seeds"]:
-        failed, missing, gap = _seed_problems(base_runs[seed], cand_runs[seed], window)
+        failed, missing, gap = _seed_problems(base_runs[seed], cand_runs[seed], window, expected)
         failures += failed
         if missing or not math.isfinite(gap):
             waiting = "; ".join(missing) or f"seed {seed}: no usable gap"
