@@ -26,7 +26,7 @@ import torch
 
 from fp8train.numerics.formats import FORMATS, Fp8Format
 from fp8train.numerics import native_build
-from fp8train.numerics.native_build import Params, library, threading_kind, unavailable_reason
+from fp8train.numerics.native_build import Params, library, threading_kind
 
 __all__ = ["available", "set_enabled", "unavailable_reason", "threading_kind", "layout", "usable_layout",
            "capped_block", "NativeLayout", "CastOptions", "quantize", "compute_amax", "decode", "decodable", "dequantize",
@@ -43,6 +43,13 @@ _enabled = True
 def available() -> bool:
     """True when the native kernel is built and loaded here and not switched off by `set_enabled(False)`."""
     return _enabled and native_build.available()
+
+
+def unavailable_reason() -> str | None:
+    """Why `available()` is False (None when it is True)."""
+    if not _enabled:
+        return "switched off in this process (native_cast.set_enabled(False))"
+    return native_build.unavailable_reason()
 
 
 def set_enabled(enabled: bool) -> None:
