@@ -131,10 +131,12 @@ OUT_OF_RANGE = {
     "validate.final_window": ["0"],
     "validate.stop_on_divergence": [],
     "validate.divergence_factor": ["1", "0.5"],
+    "validate.max_seeds": ["-1", "0"],
+    "validate.spending": ["linear"],
 }
 # Free-form strings and switches: any value of the right type is in range.
 NO_RANGE = {"data.path", "model.hf_config", "model.hf_path", "data.tokenizer", "data.hf_dataset", "policy.allow_no_fp8",
-            "policy.exclude_defaults",
+            "policy.exclude_defaults", "train.fork_from", "validate.fork_from",
             "log.wandb_project", "model.tie_embeddings", "train.skip_nonfinite_grads",
             "checkpoint.save_final"}
 

@@ -221,7 +221,8 @@ def test_validation_report_from_fixture(validation_dir):
     assert (summary["confidence"], summary["power"]) == (0.95, 0.80) and summary["method"].startswith("Per seed s")
     assert set(summary["advisor_thresholds"]) == {"mean", "worst_step"}
     assert summary["runs"]["good/seed1"] == {"status": "completed", "wall_time_s": 10.0, "tokens_per_s": 500.0,
-                                             "final_val_loss": pytest.approx(3.1 * 1.005, rel=1e-12)}
+                                             "final_val_loss": pytest.approx(3.1 * 1.005, rel=1e-12),
+                                             "damaged_lines": []}
     assert summary["runs"]["broken/seed1"]["status"] == "diverged" and len(summary["runs"]) == 6
     assert broken["verdict"] == "fail" and "seed 1 diverged" in broken["reason"] and "step 23" in broken["reason"]
     assert broken["divergence"][0]["layers"][0].startswith("layers.1.mlp.up_proj input")
