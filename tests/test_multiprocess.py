@@ -75,8 +75,8 @@ import fp8train.training.loop as train_module
 import fp8train.training.setup as setup_module
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
 from fp8train.nn.convert import convert_to_fp8, fp8_layers
-from fp8train.training.data import build_data
-from fp8train.training.model import build_model
+from fp8train.training.data.corpus import build_data
+from fp8train.training.models.decoder import build_model
 
 out, cfg_path, hostile_step, hostile_module = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 real_update, real_build = train_module.update_fp8_scales, setup_module.build_model

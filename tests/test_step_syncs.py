@@ -29,8 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8train.training.loop as loop_module
 from fp8train.training.config import load_config
-from fp8train.training.fsdp2 import clip_grad_norm_tensor
-from fp8train.training.model import build_model
+from fp8train.training.parallel.fsdp2 import clip_grad_norm_tensor
+from fp8train.training.models.decoder import build_model
 from fp8train.training.optim import AdamW
 
 pytestmark = pytest.mark.usefixtures("single_thread")

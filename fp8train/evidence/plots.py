@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fp8train.evidence import advisor
 from fp8train.nn.recipes import ROLES
-from fp8train.training.rundir import write_file_atomic
+from fp8train.training.storage.rundir import write_file_atomic
 
 __all__ = ["plot_forest", "plot_gap_over_steps", "plot_loss_curves", "plot_health"]
 

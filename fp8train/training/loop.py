@@ -11,7 +11,7 @@ log, evaluate and checkpoint as the step counter says, and finally the summary.
 
 What a run promises (tests/test_train.py, test_multiprocess.py, test_crash_resume.py prove each):
 - everything is checked before anything is written: config, launcher settings, data, model, trackers, and an
-  existing run directory (never overwritten; resume rules in fp8train.training.resume);
+  existing run directory (never overwritten; resume rules in fp8train.training.runs.resume);
 - a resumed run logs exactly what the uninterrupted run logs, on CPU bit for bit: batches are a pure function
   of (seed, step) and the checkpoint holds everything else;
 - it stops as "diverged" at the first non-finite loss, at a non-finite gradient that the guard
@@ -22,7 +22,7 @@ What a run promises (tests/test_train.py, test_multiprocess.py, test_crash_resum
   (fp8train.training.step_guard, optim.AdamW's found_inf) and read back at the next sync point (a logging,
   evaluation, checkpoint or telemetry step, or the last step), which reports the exact step it happened at;
 - SIGTERM or Ctrl-C (SIGINT) during the steps leaves a summary.json with status "interrupted", the step it
-  stopped after and by which signal (fp8train.training.lifetime); the run resumes from its last checkpoint;
+  stopped after and by which signal (fp8train.training.runs.lifetime); the run resumes from its last checkpoint;
 - with several processes, every rank ends every step with the same FP8 scaling state (checked on every logged
   step: a SHA-256 of all FP8 buffers is compared across ranks), and the non-finite amax counters count the
   events of all ranks.
@@ -41,19 +41,19 @@ import torch
 from tqdm.auto import tqdm
 
 from fp8train.nn.linear import update_fp8_scales
-from fp8train.training import telemetry
+from fp8train.training.runs import telemetry
 from fp8train.training.shadow import gemm_paths
-from fp8train.training.checkpoint import load_checkpoint, save_checkpoint
-from fp8train.training.claim import holding
-from fp8train.training.fork import load_fork
-from fp8train.training.rank0 import on_main_process
-from fp8train.training.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+from fp8train.training.runs.checkpoint import load_checkpoint, save_checkpoint
+from fp8train.training.runs.claim import holding
+from fp8train.training.runs.fork import load_fork
+from fp8train.training.parallel.rank0 import on_main_process
+from fp8train.training.runs.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from fp8train.training.config import FullConfig, add_config_arguments, load_config
-from fp8train.training.distributed import all_mean_tensor, fp8_state_digest, make_accelerator
+from fp8train.training.parallel.distributed import all_mean_tensor, fp8_state_digest, make_accelerator
 from fp8train.training.evaluation import evaluate, run_autocast
-from fp8train.training.fsdp2 import all_finite, clip_grad_norm_tensor, grad_norm_tensor, release_process_group
-from fp8train.training.run_log import MetricsLog, finish, start_logs, summarize, summary_line, summary_on_interrupt
-from fp8train.training.rundir import CHECKPOINTS_DIR, TELEMETRY_FILE
+from fp8train.training.parallel.fsdp2 import all_finite, clip_grad_norm_tensor, grad_norm_tensor, release_process_group
+from fp8train.training.runs.run_log import MetricsLog, finish, start_logs, summarize, summary_line, summary_on_interrupt
+from fp8train.training.storage.rundir import CHECKPOINTS_DIR, TELEMETRY_FILE
 from fp8train.training.setup import Run, set_up
 from fp8train.training.step_guard import MAX_CONSECUTIVE_SKIPS, StepGuard  # noqa: F401 (re-exported)
 
@@ -94,7 +94,7 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
     ``should_stop(record) -> str | None`` is asked after every step that syncs (logged, evaluation, checkpoint
     and telemetry steps; record = the metrics line); a reason string stops the run there with status "stopped"
     (validate uses it to cut a diverging candidate). ``model_factory(cfg.model) -> nn.Module`` builds the model
-    before conversion (default: training.model.build_model).
+    before conversion (default: training.models.decoder.build_model).
     """
     run = set_up(cfg, accelerator or make_accelerator(cfg), show_progress, model_factory)
     if run.plan.kind == "complete":
@@ -169,7 +169,7 @@ def resume(run: Run) -> _State:
 
 def start_from_fork(run: Run) -> None:
     """train.fork_from: step 0 of this run holds the source checkpoint's weights, AdamW state and LR schedule
-    (fp8train.training.fork); the schedule's length is the source run's."""
+    (fp8train.training.runs.fork); the schedule's length is the source run's."""
     manifest = load_fork(run.fork, run.model, run.optimizer, run.scheduler, run.cfg.train.seed)
     run.lr_horizon["steps"] = manifest.get("extra", {}).get("lr_schedule_steps", run.fork.source_cfg.train.max_steps)
     run.say(f"[{run.cfg.run.name}] forked from {run.fork.checkpoint} (step {run.fork.step}; FP8 scaling state "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fp8train.training.config.base import _Section, _require
-from fp8train.training.hf import check_hf_model_fields
+from fp8train.training.models.hf import check_hf_model_fields
 
 
 @dataclass

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, List
 
 from fp8train.training.config.base import _Section, _require
-from fp8train.training.tracking import TRACKER_NAMES
+from fp8train.training.runs.tracking import TRACKER_NAMES
 from fp8train.training.shadow import SHADOW_RECIPES
 
 WANDB_MODES = ("disabled", "offline", "online")
@@ -73,7 +73,7 @@ class TrainConfig(_Section):
     """Activation precision outside FP8 layers: bf16 autocast, or none (fp32)."""
     resume: Any = False
     """true | false | auto: resume from the newest valid checkpoint in the run directory (true: one must exist;
-    auto: start when there is none). Rules for what may change on resume: fp8train.training.resume."""
+    auto: start when there is none). Rules for what may change on resume: fp8train.training.runs.resume."""
     parallel: str = "ddp"
     """Data parallelism over the launched processes: ddp (replicated weights) | fsdp2 (weights, gradients and
     AdamW state sharded by torch's fully_shard, per decoder block then the root; sharded checkpoints)."""
@@ -82,7 +82,7 @@ class TrainConfig(_Section):
     fork_from: str = ""
     """A checkpoint folder (or a run directory: its newest valid checkpoint) to start this run from: its weights,
     AdamW state and LR schedule go on for train.max_steps steps of this run's own data order (train.seed); FP8
-    scaling state fresh unless the source is the same FP8 recipe (fp8train.training.fork). Empty: from scratch."""
+    scaling state fresh unless the source is the same FP8 recipe (fp8train.training.runs.fork). Empty: from scratch."""
 
     def _check(self) -> None:
         for name in ("max_steps", "batch_size", "grad_accum", "eval_batches"):

@@ -10,7 +10,7 @@ Corpora (`data.path`):
 - a nanoGPT uint16 `.bin`: token ids from some other tokenizer (model.vocab_size must exceed them all);
   a `val.bin` beside a `train.bin` is the validation split, otherwise the tail of the file.
 - `data.hf_dataset`: a local `datasets` dataset (its `data.text_field` rows are the documents), and
-  `data.tokenizer`: a local HF tokenizer instead of bytes (both in fp8train.training.tokenized).
+  `data.tokenizer`: a local HF tokenizer instead of bytes (both in fp8train.training.data.tokenized).
 
 Folders and the built-in corpus are split into train and validation BY FILE, on a hash of each file's
 relative path (salted with `data.split_seed`): the split does not move when files are added elsewhere, and
@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fp8train.training.tokenized import TokenEncoder, dataset_docs, run_tokenizer
+from fp8train.training.data.tokenized import TokenEncoder, dataset_docs, run_tokenizer
 
 __all__ = ["TextData", "build_data", "stdlib_files", "data_fingerprint", "describe_fingerprint_change"]
 
@@ -221,7 +221,7 @@ def is_pretokenized(d) -> bool:
 def build_data(cfg) -> TextData:
     """The corpus of `cfg.data` batched per `cfg.train` and `cfg.model` (see the module docstring)."""
     d, T = cfg.data, cfg.model.seq_len
-    # Byte-level text, or a local HF tokenizer's ids (fp8train.training.tokenized; cached on disk): a pretrained
+    # Byte-level text, or a local HF tokenizer's ids (fp8train.training.data.tokenized; cached on disk): a pretrained
     # model's own tokenizer unless data.tokenizer says otherwise, never bytes by default under its weights.
     tokenizer = run_tokenizer(cfg, pretokenized=is_pretokenized(d))
     encoder = TokenEncoder(tokenizer) if tokenizer else None

@@ -17,7 +17,7 @@ Every writer in fp8train goes through these functions, so the promises below hol
   refused with the holder's PID, and the lock of a process that was killed is free again (the kernel drops an
   flock with its process), so it is taken over and said so;
 - a failed write (full disk, read-only or forbidden folder) is one line naming the file (`write_error`).
-What a command may write or replace outside a run directory (--out paths, --force): fp8train.training.outputs.
+What a command may write or replace outside a run directory (--out paths, --force): fp8train.training.storage.outputs.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ from pathlib import Path
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 from omegaconf import OmegaConf
 
-from fp8train.training.hf import drop_decoder_fields
-from fp8train.training.rundir import TRACKERS_FILE, json_safe, read_json, write_json_atomic
+from fp8train.training.models.hf import drop_decoder_fields
+from fp8train.training.storage.rundir import TRACKERS_FILE, json_safe, read_json, write_json_atomic
 
 __all__ = ["TRACKER_NAMES", "Trackers", "check_trackers_available", "tracked_config"]
 

@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterable
 
-from fp8train.training.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, SUMMARY_FILE,
+from fp8train.training.storage.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, SUMMARY_FILE,
                                       TELEMETRY_FILE, TRACKERS_FILE, temp_path, write_failure, write_text_atomic)
 
 __all__ = ["OUTPUT_MARKER", "check_output_file", "check_output_folder", "check_output_files",
