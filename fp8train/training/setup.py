@@ -28,7 +28,7 @@ from fp8train.training.parallel.fsdp2 import apply_fsdp2, ensure_process_group
 from fp8train.training.models.decoder import build_model, check_model_for_run
 from fp8train.training.optim import AdamW
 from fp8train.training.runs.resume import ResumePlan, plan_resume
-from fp8train.training.storage.rundir import CONFIG_FILE, run_dir_path, write_text_atomic
+from fp8train.training.storage.rundir import CONFIG_FILE, write_text_atomic
 from fp8train.training.shadow import RecipeShadow, shadowed_layers
 from fp8train.training.runs.tracking import Trackers, check_trackers_available
 
@@ -107,7 +107,7 @@ def set_up(cfg: FullConfig, accelerator, show_progress: bool, model_factory=None
     check_backend_device(fp8_recipe, accelerator.device)
     if cfg.train.compile:
         check_compiler(accelerator.device)  # a missing compiler is a config error, before anything is written
-    run_dir = run_dir_path(cfg.run.dir, cfg.run.name)
+    run_dir = cfg.run_dir
     log = (lambda m: print(m, file=sys.stderr)) if accelerator.is_main_process else (lambda m: None)
     dir_state = check_run_dir(run_dir)  # absent, empty or a run; no symlinks (every rank)
     plan = plan_resume(cfg, run_dir, log)  # every rank decides, so every rank fails the same way

@@ -6,11 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List
 
+from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+from fp8train.nn.recipes import RECIPE_NAMES, recipe
 from fp8train.training.config.base import _Section, _require
-from fp8train.training.runs.tracking import TRACKER_NAMES
-from fp8train.training.shadow import SHADOW_RECIPES
 
 WANDB_MODES = ("disabled", "offline", "online")
+TRACKER_NAMES = tuple(LOGGER_TYPE_TO_CLASS)  # accelerate's names: aim, comet_ml, mlflow, tensorboard, wandb, ...
+SHADOW_RECIPES = tuple(n for n in RECIPE_NAMES if not recipe(n).is_delayed)  # delayed needs a history a shadow lacks
 # Upper bounds of values that would otherwise fail late, after the run directory was written: a folder name
 # longer than NAME_MAX is an OSError at mkdir; torch.set_num_threads(100000) segfaults; AdamW fails inside its
 # fp32 arithmetic for lr near 1e38, and moves every weight by ~lr per step, so beyond 1e3 nothing can train.

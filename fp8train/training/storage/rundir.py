@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable
 
 __all__ = [
     "CONFIG_FILE", "METRICS_FILE", "TELEMETRY_FILE", "SUMMARY_FILE", "CHECKPOINTS_DIR", "TRACKERS_FILE",
-    "run_dir_path", "json_safe", "temp_path", "write_file_atomic", "write_failure", "write_text_atomic",
+    "json_safe", "temp_path", "write_file_atomic", "write_failure", "write_text_atomic",
     "write_json_atomic", "read_json", "read_jsonl",
     "append_jsonl", "truncate_jsonl", "refuse_symlink", "refuse_symlinks_in", "dumps", "nonfinite_fields",
     "restore_nonfinite", "dir_state", "DirLock", "LOCK_FILE", "WRITE_ERRNOS", "write_error", "record_write_failure",
@@ -52,11 +52,6 @@ CHECKPOINTS_DIR = "checkpoints"
 TRACKERS_FILE = "trackers.json"  # tracker run ids (wandb), so a resumed run continues the same tracker run
 LOCK_FILE = ".fp8train.lock"
 NONFINITE_FIELD = "nonfinite"  # {"loss": "nan"} beside "loss": null: strict JSON that still says what it was
-
-
-def run_dir_path(parent: str | os.PathLike, name: str) -> Path:
-    """The run directory `<run.dir>/<run.name>`."""
-    return Path(parent) / name
 
 
 def json_safe(value: Any) -> Any:
