@@ -341,15 +341,16 @@ def section_train(device: str, dry: bool, out_dir: Path, limit_s: float) -> dict
 
 
 def train_watching_syncs(cfg) -> tuple[dict, list[str]]:
-    """train(cfg), with every step that is no sync point of the loop (loop.is_sync_step; telemetry off) run
+    """train(cfg), with every step that is no sync point of the loop (step.is_sync_step; telemetry off) run
     under torch.cuda.set_sync_debug_mode("warn") on CUDA, after the first step (kernel probes, caches, the first
     FP8 scales may sync once). Returns the summary and one line per host sync such a step made."""
     from fp8train.training import loop as loop_module
+    from fp8train.training.step import is_sync_step
 
     real_step, synced = loop_module.optimizer_step, []
 
     def watched(run, state, step):
-        if run.accelerator.device.type != "cuda" or step == 0 or loop_module.is_sync_step(cfg, step + 1, False):
+        if run.accelerator.device.type != "cuda" or step == 0 or is_sync_step(cfg, step + 1, False):
             return real_step(run, state, step)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
