@@ -35,7 +35,7 @@ from fp8train.training.optim import AdamW
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-HOST_DATA_MODULES = {"data.py", "tokenized.py"}  # fp8train.training's host-side batch builders
+HOST_DATA_MODULES = {"corpus.py", "tokenized.py"}  # fp8train.training's host-side batch builders
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive"}
 SMALL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=16", "train.batch_size=4",
          "train.eval_batches=1", "policy.min_features=16", "log.telemetry_every=0", "train.threads=1",
