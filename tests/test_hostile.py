@@ -287,7 +287,7 @@ def test_skip_guard_skips_a_nonfinite_step_counts_and_logs_it(tmp_path, tiny):
     run_dir = tmp_path / "runs" / "guard"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     assert [r["skipped_steps"] for r in records] == [0, 1, 1, 1]
-    # metrics.jsonl is strict JSON (fp8train.training.storage.rundir): the skipped step's non-finite norm is null.
+    # metrics.jsonl is strict JSON (fp8train.training.storage.files): the skipped step's non-finite norm is null.
     assert records[1]["grad_norm"] is None and all(math.isfinite(r["grad_norm"]) for r in records[2:])
     events = [r["fp8/grad_output/nonfinite_amax_events"] for r in records]
     assert events[0] == 0 and events[1] > 0

@@ -628,7 +628,7 @@ def test_13_nonfinite_values_are_strict_json_with_a_status(root, tmp_path):
 
 
 def test_13_strict_jsonl_marks_what_became_null(tmp_path):
-    from fp8train.training.storage.rundir import append_jsonl, read_jsonl, restore_nonfinite
+    from fp8train.training.storage.files import append_jsonl, read_jsonl, restore_nonfinite
 
     append_jsonl(tmp_path / "m.jsonl", [{"step": 1, "loss": math.nan, "grad_norm": -math.inf, "lr": 0.5}])
     line = (tmp_path / "m.jsonl").read_text().strip()

@@ -47,7 +47,7 @@ from fp8train.nn.linear import Fp8Linear, update_fp8_scales
 from fp8train.nn.recipes import RECIPE_NAMES, recipe
 from fp8train.nn.scaled_gemm import HAS_SCALED_MM_V2, call_scaled_mm, scaled_mm_arguments, target_gpu
 from fp8train.nn.scaled_mm_plan import SCALED_MM_KINDS
-from fp8train.training.storage.rundir import write_json_atomic  # (plain file I/O: no omegaconf)
+from fp8train.training.storage.files import write_json_atomic
 # (the training side, which needs omegaconf and accelerate, is imported by the sections that train: the GPU image
 # may lack them, and the other sections must run anyway)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from fp8train.evidence.pairs import PLAN_FILE, PlannedRun, derive_config, validation_dir
 from fp8train.training.config import FullConfig
 from fp8train.training.runs.fork import checkpoint_sha256, fp8_state_origin, open_fork, resolve_fork_checkpoint
-from fp8train.training.storage.rundir import read_json
+from fp8train.training.storage.files import read_json
 
 __all__ = ["fork_config", "fork_record", "check_fork_unchanged"]
 

@@ -30,7 +30,8 @@ from fp8train.training.config import (BASELINE_RECIPE, HASH_EXCLUDE, FullConfig,
                                       fp8_recipe_from_config, load_config)
 from fp8train.training.config.validation import BASELINE_LABEL, Candidate, parse_candidate, resolve_seeds
 from fp8train.training.data.corpus import build_data, describe_fingerprint_change
-from fp8train.training.storage.rundir import dir_state, read_json
+from fp8train.training.storage.files import read_json
+from fp8train.training.storage.rundir import dir_state
 
 __all__ = ["PLAN_FILE", "BASELINE", "PlannedRun", "plan_runs", "fingerprint_runs", "validation_plan", "check_plan", "validation_dir",
            "run_dir", "derive_config"]

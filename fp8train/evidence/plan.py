@@ -42,7 +42,7 @@ from fp8train.training.config import layer_policy_from_config, load_config
 from fp8train.training.models.decoder import build_model, check_model_for_run
 from fp8train.training.runs import telemetry
 from fp8train.training.storage.outputs import check_output_file
-from fp8train.training.storage.rundir import write_text_atomic
+from fp8train.training.storage.files import write_text_atomic
 from fp8train.training.shadow import SHADOW_STAT_KEYS
 
 __all__ = ["DEFAULT_THRESHOLDS", "shadow_table", "planned_layers", "time_shapes", "choose", "make_plan",

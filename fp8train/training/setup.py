@@ -28,7 +28,8 @@ from fp8train.training.parallel.fsdp2 import apply_fsdp2, ensure_process_group
 from fp8train.training.models.decoder import build_model, check_model_for_run
 from fp8train.training.optim import AdamW
 from fp8train.training.runs.resume import ResumePlan, plan_resume
-from fp8train.training.storage.rundir import CONFIG_FILE, write_text_atomic
+from fp8train.training.storage.files import write_text_atomic
+from fp8train.training.storage.rundir import CONFIG_FILE
 from fp8train.training.shadow import RecipeShadow, shadowed_layers
 from fp8train.training.runs.tracking import Trackers, check_trackers_available
 

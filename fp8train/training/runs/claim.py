@@ -29,8 +29,8 @@ from fp8train.training.config import config_hash
 from fp8train.training.storage.outputs import probe_writable
 from fp8train.training.parallel.rank0 import on_main_process
 from fp8train.training.runs.resume import resume_hash
-from fp8train.training.storage.rundir import (CONFIG_FILE, DirLock, dir_state, read_json, record_write_failure,
-                                      refuse_symlinks_in, write_error)
+from fp8train.training.storage.files import read_json, write_error
+from fp8train.training.storage.rundir import CONFIG_FILE, dir_state, DirLock, record_write_failure, refuse_symlinks_in
 
 __all__ = ["run_hashes", "check_run_dir", "check_resume_origin", "check_backend_device", "claim_run_dir",
            "holding"]

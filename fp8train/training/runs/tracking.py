@@ -30,7 +30,8 @@ from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 from omegaconf import OmegaConf
 
 from fp8train.training.config.model_data import drop_decoder_fields
-from fp8train.training.storage.rundir import TRACKERS_FILE, json_safe, read_json, write_json_atomic
+from fp8train.training.storage.files import json_safe, read_json, write_json_atomic
+from fp8train.training.storage.rundir import TRACKERS_FILE
 
 __all__ = ["Trackers", "check_trackers_available", "tracked_config"]
 

@@ -1,3 +1,3 @@
-"""Files and folders a run writes, guarded: the run directory's layout, atomic writes, strict JSON, the directory
-lock (`rundir`), and what a command may write or replace outside a run directory (`outputs`). Imports only from
-`training.config` within training/."""
+"""Files and folders fp8train writes, guarded: atomic writes, strict JSON and torn-line-safe JSONL (`files`), a
+run directory's layout, state and lock (`rundir`), and what a command may write or replace outside a run
+directory (`outputs`). Imports only from `training.config` within training/."""

@@ -1,47 +1,33 @@
-"""Run-directory I/O, in one place: where a run's files live, and how they are written and read safely.
+"""A run directory: where a run's files live, whether a directory may be written into, and who works in it.
 
-Every writer in fp8train goes through these functions, so the promises below hold for every file a run leaves:
-- `write_file_atomic` (and `write_text_atomic` / `write_json_atomic` on it) replace a file whole: a temp file in
-  the same folder, named with the PID and random digits so no two writers share one, fsync'd, `os.replace`d
-  onto the target and the folder fsync'd; a process killed mid-write leaves the old file or the new one, never
-  half of it, and the temp file is removed if the write itself fails (full disk, read-only folder). Every
-  error names the target, never the temp name (`write_failure`);
-- JSON is strict: NaN and +-inf are written as null (`json_safe`), so every file parses with any JSON reader;
-- `read_jsonl` drops a torn last line (what `kill -9` during an append leaves) and reports, by file name and
-  line number, a damaged line anywhere else;
-- nothing is written through a symlink (`refuse_symlink`, `refuse_symlinks_in`): a link planted in a run
-  directory (or at any output path) could make fp8train overwrite a file outside it;
+- the names of the files a run keeps (config.yaml, metrics.jsonl, telemetry.jsonl, summary.json, checkpoints/);
 - a run or validation directory is created only where nothing is (absent, or empty), continued only where a run
   is (`dir_state`); anything else is refused before a byte is written;
+- nothing in it is written through a symlink (`refuse_symlinks_in`): a link planted in a run directory could make
+  fp8train overwrite a file outside it;
 - one process at a time works in a directory (`DirLock`, an flock held for the run's life): a second one is
   refused with the holder's PID, and the lock of a process that was killed is free again (the kernel drops an
   flock with its process), so it is taken over and said so;
-- a failed write (full disk, read-only or forbidden folder) is one line naming the file (`write_error`).
-What a command may write or replace outside a run directory (--out paths, --force): fp8train.training.storage.outputs.
+- a write failure of the environment leaves summary.json saying "failed" and why, when the directory still takes
+  it (`record_write_failure`).
+Every file in it is written and read through fp8train.training.storage.files (atomic, strict JSON, torn-line
+safe).
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
-import hashlib
 import json
-import math
 import os
-import re
-import secrets
 import socket
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+
+from fp8train.training.storage.files import refuse_symlink, write_error, write_json_atomic
 
 __all__ = [
-    "CONFIG_FILE", "METRICS_FILE", "TELEMETRY_FILE", "SUMMARY_FILE", "CHECKPOINTS_DIR", "TRACKERS_FILE",
-    "json_safe", "temp_path", "write_file_atomic", "write_failure", "write_text_atomic",
-    "write_json_atomic", "read_json", "read_jsonl",
-    "append_jsonl", "truncate_jsonl", "refuse_symlink", "refuse_symlinks_in", "dumps", "nonfinite_fields",
-    "restore_nonfinite", "dir_state", "DirLock", "LOCK_FILE", "WRITE_ERRNOS", "write_error", "record_write_failure",
-    "give_default_mode",
+    "CONFIG_FILE", "METRICS_FILE", "TELEMETRY_FILE", "SUMMARY_FILE", "CHECKPOINTS_DIR", "TRACKERS_FILE", "LOCK_FILE",
+    "refuse_symlinks_in", "dir_state", "DirLock", "record_write_failure",
 ]
 
 CONFIG_FILE = "config.yaml"
@@ -51,191 +37,6 @@ SUMMARY_FILE = "summary.json"
 CHECKPOINTS_DIR = "checkpoints"
 TRACKERS_FILE = "trackers.json"  # tracker run ids (wandb), so a resumed run continues the same tracker run
 LOCK_FILE = ".fp8train.lock"
-NONFINITE_FIELD = "nonfinite"  # {"loss": "nan"} beside "loss": null: strict JSON that still says what it was
-
-
-def json_safe(value: Any) -> Any:
-    """`value` with every non-finite float replaced by None, recursively (strict JSON has no NaN or Infinity)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
-
-
-def dumps(value: Any, **kwargs) -> str:
-    """Strict JSON text of `value` (NaN/inf as null; unknown objects via str)."""
-    return json.dumps(json_safe(value), allow_nan=False, default=str, **kwargs)
-
-
-def nonfinite_fields(record: dict, prefix: str = "") -> dict[str, str]:
-    """{dotted key: "nan" | "inf" | "-inf"} for every non-finite float in `record` (nested dicts included)."""
-    found = {}
-    for key, value in record.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            found[prefix + str(key)] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-        elif isinstance(value, dict):
-            found.update(nonfinite_fields(value, f"{prefix}{key}."))
-    return found
-
-
-def _marked(record: Any) -> Any:
-    """A dict record gains a `nonfinite` field naming what json_safe turned into null (nothing if all finite)."""
-    if isinstance(record, dict):
-        found = nonfinite_fields(record)
-        if found:
-            return {**record, NONFINITE_FIELD: found}
-    return record
-
-
-def restore_nonfinite(record: dict) -> dict:
-    """The inverse of the marking: top-level keys listed in `nonfinite` get their float values back."""
-    marks = record.get(NONFINITE_FIELD)
-    if not isinstance(marks, dict):
-        return record
-    out = dict(record)
-    for key, text in marks.items():
-        if key in out and out[key] is None and text in ("nan", "inf", "-inf"):
-            out[key] = float(text)
-    return out
-
-
-def refuse_symlink(path: Path) -> None:
-    """Raise if `path` is a symlink: fp8train never writes through a link (a planted one would make it overwrite
-    the link's target, wherever that is)."""
-    if path.is_symlink():
-        raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)}); fp8train does not write through "
-                         "links (remove the link or choose another path; nothing was changed)")
-
-
-def temp_path(path: Path) -> Path:
-    """A temp name beside `path` that no other writer picks: hidden, with this process's PID and 8 random hex
-    digits (two threads or two processes writing the same file never share a temp file)."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-def _fsync_folder(folder: Path) -> None:
-    # The rename itself is durable only once the folder's entry is on disk; some filesystems cannot fsync a
-    # folder (EINVAL), which costs durability on a crash, not correctness.
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_failure(err: OSError, path: Path) -> Exception:
-    """The error to raise for a failed write of `path`: it names `path` (never a temp name). A failure of the
-    environment (full disk, read-only, forbidden) stays an OSError, so a run records it (`record_write_failure`);
-    any other (no such folder, not a folder, /proc) is a one-line ValueError."""
-    if err.errno in WRITE_ERRNOS:
-        return OSError(err.errno, err.strerror or os.strerror(err.errno), str(path))
-    reason = err.strerror or str(err)
-    return ValueError(f"cannot write {path}: {reason} (nothing was written there)")
-
-
-def write_file_atomic(path: str | os.PathLike, write: Callable[[Path], Any]) -> None:
-    """Replace `path` whole with what `write(temp_path)` writes: the temp file beside it is fsync'd, renamed onto
-    `path` and the folder fsync'd; a killed or failing write leaves the previous file and no temp file. `path`
-    must not be a symbolic link. Errors name `path`."""
-    path = Path(path)
-    refuse_symlink(path)
-    if path.is_dir():
-        raise ValueError(f"cannot write {path}: it is a folder (nothing was changed)")
-    tmp = temp_path(path)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise write_failure(err, path) from err
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_folder(path.parent)
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Replace `path` whole with `text` (write_file_atomic)."""
-    write_file_atomic(path, lambda tmp: tmp.write_text(text))
-
-
-def write_json_atomic(path: str | os.PathLike, value: Any) -> None:
-    """Strict JSON, written atomically; a dict with non-finite floats says which in its `nonfinite` field."""
-    write_text_atomic(path, dumps(_marked(value), indent=2) + "\n")
-
-
-def read_json(path: str | os.PathLike) -> Any:
-    """Parse a JSON file; a damaged one is a ValueError that names the file."""
-    path = Path(path)
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}); the file is damaged") from err
-
-
-def read_jsonl(path: str | os.PathLike, *, require_step: bool = True, check=None, on_damaged=None) -> list[dict]:
-    """The records of a JSONL file, in order. A torn LAST line (a writer killed mid-append) is dropped silently.
-    A damaged line before it (bytes that are not UTF-8, not JSON, or a record that `check(record) -> problem or
-    None` refuses) is a ValueError naming the file and line; with `on_damaged(message)` it is reported there
-    and skipped instead. Missing file: no records. With `require_step`, only records whose "step" is an int
-    are kept (the run-log convention)."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    lines = path.read_bytes().splitlines()  # bytes: one bad byte damages its line, not the whole file
-    records = []
-    for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        try:
-            record, problem = json.loads(raw.decode("utf-8")), None
-        except UnicodeDecodeError:
-            problem = "is not UTF-8 text"
-        except json.JSONDecodeError as err:
-            problem = f"is not valid JSON ({err.msg})"
-        if problem is not None and number == len(lines):
-            break  # torn last line
-        if problem is None and isinstance(record, dict) and check is not None:
-            problem = check(record)
-        if problem is not None:
-            message = f"{path}, line {number}, {problem}; the file is damaged"
-            if on_damaged is None:
-                raise ValueError(message)
-            on_damaged(message)
-            continue
-        if isinstance(record, dict) and (not require_step or isinstance(record.get("step"), int)):
-            records.append(record)
-    return records
-
-
-def append_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> None:
-    """Append one strict-JSON line per record. If the file ends in a torn line, it is cut off first, so the new
-    records start on a line of their own."""
-    path = Path(path)
-    refuse_symlink(path)
-    text = "".join(dumps(_marked(r)) + "\n" for r in records)
-    try:
-        if path.exists() and path.stat().st_size:
-            with open(path, "rb") as f:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    data = path.read_bytes()
-                    with open(path, "r+b") as torn:  # cut in place: never rewrite the whole log through a new file
-                        torn.truncate(data.rfind(b"\n") + 1)
-        with open(path, "a") as f:
-            f.write(text)
-    except OSError as err:  # a full disk mid-append: the error names the log (write() alone names nothing)
-        raise write_failure(err, path) from err
 
 
 def refuse_symlinks_in(directory: str | os.PathLike) -> None:
@@ -335,27 +136,6 @@ def _lock_holder(fd: int) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-# Write failures that are the environment's, not fp8train's: reported in one line, never as a traceback.
-WRITE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
-
-
-def write_error(err: BaseException) -> str | None:
-    """One line for a write failure of the environment (full disk, read-only or forbidden folder), else None."""
-    if not isinstance(err, OSError) or err.errno not in WRITE_ERRNOS:
-        return None
-    where = f" {err.filename}" if err.filename else ""
-    return f"cannot write{where}: {os.strerror(err.errno)} (errno {errno.errorcode[err.errno]})"
-
-
-def as_os_error(err: BaseException, path: str | os.PathLike) -> OSError | None:
-    """The OSError inside a library error that carries it only in its text (safetensors' writer reports a full
-    disk as `SafetensorError: ... No space left on device (os error 28)`), so it is reported like any other."""
-    if isinstance(err, OSError):
-        return err
-    found = re.search(r"\(os error (\d+)\)", str(err))
-    return OSError(int(found.group(1)), os.strerror(int(found.group(1))), str(path)) if found else None
-
-
 def record_write_failure(run_dir: str | os.PathLike, err: OSError, summary: dict | None = None) -> bool:
     """After a write failure of the environment, leave summary.json with status "failed" and the one-line reason
     if the run directory still takes it (a full disk often does once the failed write's temp files are gone).
@@ -369,32 +149,3 @@ def record_write_failure(run_dir: str | os.PathLike, err: OSError, summary: dict
     except OSError:
         return False
     return True
-
-
-def give_default_mode(path: str | os.PathLike) -> None:
-    """The permissions an ordinary new file gets (0666 minus the umask). safetensors creates its files 0600,
-    which leaves checkpoints and exports unreadable to the group that shares a run or serves a model."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
-def truncate_jsonl(path: str | os.PathLike, last_step: int, check=None, log=None) -> list[dict]:
-    """Keep only the records of steps <= `last_step` (a resumed run rewrites what came after its checkpoint), and
-    return them; the file is replaced whole. Missing file: nothing to do, no records. Damaged lines (see
-    read_jsonl) are dropped and named through `log` (default: raise), so a damaged log never blocks a resume."""
-    path = Path(path)
-    on_damaged = None if log is None else (lambda message: log(f"dropping a damaged line: {message}"))
-    kept = [r for r in read_jsonl(path, check=check, on_damaged=on_damaged) if r["step"] <= last_step]
-    if path.exists():
-        write_text_atomic(path, "".join(dumps(r) + "\n" for r in kept))
-    return kept
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB chunks (checkpoint shards can be large)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
