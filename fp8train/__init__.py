@@ -27,9 +27,9 @@ _LAZY = {
     "LayerPolicy": "fp8train.nn.convert",
     "update_fp8_scales": "fp8train.nn.linear",
     "fp8_layers": "fp8train.nn.convert",
-    "save_pretrained": "fp8train.training.pretrained",
-    "from_pretrained": "fp8train.training.pretrained",
-    "Fp8ScalingCallback": "fp8train.training.hf_trainer",
+    "save_pretrained": "fp8train.training.models.pretrained",
+    "from_pretrained": "fp8train.training.models.pretrained",
+    "Fp8ScalingCallback": "fp8train.training.models.hf_trainer",
 }
 
 __all__ = [

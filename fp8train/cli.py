@@ -19,7 +19,7 @@ from pathlib import Path
 
 from fp8train import __version__
 from fp8train.training.config import resolve_config_arguments
-from fp8train.training.rundir import write_error
+from fp8train.training.storage.files import write_error
 
 # name -> (module, one-line help)
 COMMANDS = {

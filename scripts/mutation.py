@@ -61,7 +61,8 @@ LAYERS = {
                "tests/test_run_files.py", "tests/test_overrides.py"],
         markers="not slow and not compiled and not cuda"),
     "training-state": dict(
-        modules=["fp8train/training/checkpoint.py", "fp8train/training/resume.py", "fp8train/training/rundir.py"],
+        modules=["fp8train/training/runs/checkpoint.py", "fp8train/training/runs/resume.py",
+                 "fp8train/training/storage/files.py", "fp8train/training/storage/rundir.py"],
         exclude=[],
         tests=["tests/test_checkpoint.py", "tests/test_run_files.py", "tests/test_resume_rules.py",
                "tests/test_reliability.py"],

@@ -226,7 +226,7 @@ TINY_FSDP2_MODEL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "
 
 @pytest.fixture
 def one_rank_group():
-    from fp8train.training import fsdp2
+    from fp8train.training.parallel import fsdp2
 
     created = fsdp2.ensure_process_group(torch.device("cpu"))
     yield

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 import fp8train.cli as cli
-import fp8train.training.checkpoint as checkpoint
+import fp8train.training.runs.checkpoint as checkpoint
 
 _TENSOR_WRITERS = ("save_file", "save_model")  # safetensors writers that checkpoint.py calls
 

@@ -23,7 +23,7 @@ TORCH_DTYPES = {
 
 def write_stdlib_corpus(path: Path, n_chars: int = 200_000) -> None:
     """The first ``n_chars`` characters of the standard library sources (the built-in corpus's files, in order)."""
-    from fp8train.training.data import stdlib_files
+    from fp8train.training.data.corpus import stdlib_files
 
     _, files = stdlib_files()
     chunks, size = [], 0

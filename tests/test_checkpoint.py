@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fp8train.training.checkpoint import (MANIFEST, latest_valid_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint,
+from fp8train.training.runs.checkpoint import (MANIFEST, latest_valid_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint,
                                  verify_checkpoint)
 from fp8train.nn.linear import Fp8Linear, update_fp8_scales
 

@@ -140,7 +140,7 @@ def test_policy_validation(kwargs, key):
 
 def test_report_on_fp8train_decoder():
     from fp8train.training import config
-    from fp8train.training import model as model_mod
+    from fp8train.training.models import decoder as model_mod
 
     model = model_mod.Decoder(config.ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=16, vocab_size=64))
     report = convert_to_fp8(model, "current")

@@ -32,10 +32,10 @@ import torch
 from safetensors.torch import load_file
 
 from fp8train.nn.convert import convert_to_fp8
-from fp8train.training.checkpoint import latest_valid_checkpoint, list_checkpoints, load_checkpoint, verify_checkpoint
+from fp8train.training.runs.checkpoint import latest_valid_checkpoint, list_checkpoints, load_checkpoint, verify_checkpoint
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
 from fp8train.training.loop import train
-from fp8train.training.model import build_model
+from fp8train.training.models.decoder import build_model
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.slow]
 

@@ -177,7 +177,7 @@ def test_delayed_scaling_state_on_gpu():
 @pytest.mark.parametrize("name", RECIPE_NAMES)
 def test_short_train_on_cuda(tmp_path, name):
     from fp8train.training.config import load_config
-    from fp8train.training.data import stdlib_files
+    from fp8train.training.data.corpus import stdlib_files
     from fp8train.training.loop import train
 
     _, files = stdlib_files()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fp8train.training.config import load_config
-from fp8train.training.data import build_data, stdlib_files
+from fp8train.training.data.corpus import build_data, stdlib_files
 
 T = 32
 
@@ -177,7 +177,7 @@ def test_fingerprint_hashes_each_split_and_names_a_validation_change(tmp_path):
     describe_fingerprint_change names."""
     import hashlib
 
-    from fp8train.training.data import describe_fingerprint_change
+    from fp8train.training.data.corpus import describe_fingerprint_change
 
     rng = np.random.default_rng(0)
     train, val = rng.integers(0, 1000, 5000, dtype=np.uint16), rng.integers(0, 1000, 500, dtype=np.uint16)

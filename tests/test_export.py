@@ -102,7 +102,7 @@ def _weights_quantized_like_export(model, path):
 
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])
 def test_reloaded_export_logits(tiny_run, exports, fmt):
-    from fp8train.training.data import build_data
+    from fp8train.training.data.corpus import build_data
 
     run = load_run(tiny_run)
     batches = build_data(run.cfg).val_batches()[:1]
@@ -229,9 +229,9 @@ def test_fp8_names_match_the_runs_conversion(tiny_run):
 
 def test_tied_embeddings_run_exports_and_reloads(tmp_path):
     # A hand-made run directory (config.yaml + one checkpoint) with a tied output head, no training needed.
-    from fp8train.training.checkpoint import save_checkpoint
+    from fp8train.training.runs.checkpoint import save_checkpoint
     from fp8train.training.config import config_to_yaml, load_config
-    from fp8train.training.model import build_model
+    from fp8train.training.models.decoder import build_model
 
     cfg = load_config(None, [f"run.dir={tmp_path}", "run.name=tied", "model.d_model=32", "model.n_layers=1",
                              "model.n_heads=2", "model.seq_len=16", "model.tie_embeddings=true",

@@ -77,7 +77,7 @@ def test_seeds_vary_only_the_data_order_after_the_fork(source, tiny, tmp_path):
 
 def test_fp8_state_fresh_from_bf16_and_carried_from_the_same_recipe(source, tiny, tmp_path):
     from fp8train.nn.convert import fp8_layers
-    from fp8train.training.fork import open_fork
+    from fp8train.training.runs.fork import open_fork
     from fp8train.training.loop import make_accelerator, start_from_fork
     from fp8train.training.setup import set_up
 
@@ -133,7 +133,7 @@ def test_fork_from_a_broken_or_missing_checkpoint_is_refused(source, tiny, tmp_p
 
 
 def test_fork_of_a_run_directory_takes_its_newest_checkpoint(source, tiny, tmp_path):
-    from fp8train.training.fork import resolve_fork_checkpoint
+    from fp8train.training.runs.fork import resolve_fork_checkpoint
 
     assert resolve_fork_checkpoint(str(source / "src")).name == "step_000016"
     _, summary = _fork(tmp_path, tiny, "latest", source / "src", steps=2)

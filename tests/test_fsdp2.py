@@ -18,9 +18,9 @@ from fp8train.nn.convert import convert_to_fp8, fp8_layers
 from fp8train.nn.fp8_all_gather import Fp8GatheredWeight, check_fp8_all_gather_recipe
 from fp8train.nn.linear import update_fp8_scales
 from fp8train.numerics.formats import get_format
-from fp8train.training import fsdp2
+from fp8train.training.parallel import fsdp2
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
-from fp8train.training.model import build_model
+from fp8train.training.models.decoder import build_model
 
 from conftest import TINY_FSDP2_MODEL  # noqa: E402
 

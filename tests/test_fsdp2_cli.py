@@ -14,7 +14,7 @@ from safetensors import safe_open
 from fp8train.cli import main
 from fp8train.evidence.validate import run_validation
 from fp8train.training.config import load_config
-from fp8train.training.distributed import check_launch_settings
+from fp8train.training.parallel.distributed import check_launch_settings
 from refs import write_stdlib_corpus
 
 pytestmark = [pytest.mark.usefixtures("single_thread")]

@@ -43,7 +43,7 @@ import yaml
 from fp8train.bench.distributed import MODEL_SHAPES, bench_distributed, format_distributed
 from fp8train.training.config import load_config
 from fp8train.training.loop import train
-from fp8train.training.sharded_checkpoint import latest_loadable_checkpoint, read_model_state
+from fp8train.training.runs.sharded_checkpoint import latest_loadable_checkpoint, read_model_state
 from conftest import Commands
 from refs import write_stdlib_corpus
 
@@ -65,7 +65,7 @@ FSDP2 = ["train.parallel=fsdp2"]
 HARNESS = r'''
 import json, os, shutil, sys, time
 import torch.distributed as dist
-import fp8train.training.sharded_checkpoint as sharded
+import fp8train.training.runs.sharded_checkpoint as sharded
 from fp8train.training.config import load_config
 from fp8train.training.loop import train
 

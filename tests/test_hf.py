@@ -15,7 +15,7 @@ import fp8train
 from fp8train import LayerPolicy, convert_to_fp8, recipe, update_fp8_scales
 from fp8train.nn.linear import Fp8Linear
 from fp8train.training.config import ModelConfig, load_config
-from fp8train.training.model import build_model
+from fp8train.training.models.decoder import build_model
 from hf_helpers import TINY_ARCHS, VOCAB, hf_config, make_pretrained
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -105,7 +105,7 @@ def test_decoder_fields_are_refused_with_an_hf_model(pretrained):
 
 
 def test_decoder_fields_are_not_recorded_for_an_hf_model(pretrained):
-    from fp8train.training.tracking import tracked_config  # the config the trackers (wandb, ...) store
+    from fp8train.training.runs.tracking import tracked_config  # the config the trackers (wandb, ...) store
 
     cfg = load_config(None, [f"model.hf_path={pretrained['llama']}", "model.seq_len=32"])
     model = build_model(cfg.model)

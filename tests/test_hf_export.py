@@ -20,7 +20,7 @@ from fp8train.cli import main
 from fp8train.serving.export import compare_logits, load_run
 from fp8train.serving.hf_export import export_hf_folder, load_hf_export
 from fp8train.serving.kvcache import KvEvalOptions, bf16_cache, kv_eval, kv_transforms
-from fp8train.training.data import build_data
+from fp8train.training.data.corpus import build_data
 from hf_helpers import make_pretrained, make_text_folder, make_tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")

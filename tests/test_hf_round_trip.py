@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fp8train.training.config import load_config
-from fp8train.training.data import build_data
+from fp8train.training.data.corpus import build_data
 from hf_helpers import VOCAB, hf_config, local_text, make_pretrained, make_tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -77,7 +77,7 @@ def test_pretrained_folder_without_tokenizer_is_refused_naming_data_tokenizer(fo
 def _converted(folders, *policy):
     from fp8train import convert_to_fp8
     from fp8train.training.config import layer_policy_from_config
-    from fp8train.training.model import build_model
+    from fp8train.training.models.decoder import build_model
 
     cfg = load_config(None, [f"model.hf_path={folders['llama']}", "model.seq_len=32", "policy.min_features=16",
                              *policy])
@@ -171,7 +171,7 @@ def test_hf_path_accepts_a_folder_saved_from_a_converted_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from fp8train.training.config import ModelConfig
-    from fp8train.training.model import build_model
+    from fp8train.training.models.decoder import build_model
 
     model, conv_names = _converted_gpt2()
     model.save_pretrained(str(tmp_path / "saved"))
@@ -184,7 +184,7 @@ def test_hf_path_accepts_a_folder_saved_from_a_converted_model(tmp_path):
 
 def test_hf_path_refuses_a_run_directory_saying_how_to_export_it(tmp_path):
     from fp8train.training.config import ModelConfig
-    from fp8train.training.model import build_model
+    from fp8train.training.models.decoder import build_model
 
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     (tmp_path / "run" / "config.yaml").write_text("run: {}\n")
@@ -232,7 +232,7 @@ def test_dense_export_loads_in_transformers_and_is_the_next_hf_path(runs, folder
     from fp8train.cli import main
     from fp8train.serving.export import load_run
     from fp8train.training.config import ModelConfig
-    from fp8train.training.model import build_model
+    from fp8train.training.models.decoder import build_model
 
     out = tmp_path / "dense"
     assert main(["export", str(runs[arch]), "--format", "hf", "--out", str(out)]) == 0
@@ -345,7 +345,7 @@ def test_trainer_checkpoint_of_a_converted_gpt2_loads_in_its_own_layout(tmp_path
 
     import fp8train
     from fp8train.training.config import ModelConfig
-    from fp8train.training.model import build_model
+    from fp8train.training.models.decoder import build_model
 
     model, conv_names = _converted_gpt2(steps=0)
     model.train()
@@ -383,7 +383,7 @@ def test_fused_adamw_step_is_seen_by_the_weight_cache(recipe_name):
 # 7. Minor: the summary line of a run with no FP8 layer; export from a Hugging Face folder
 # ------------------------------------------------------------------------------------------------------------
 def test_summary_line_says_when_no_layer_ran_in_fp8():
-    from fp8train.training.run_log import summary_line
+    from fp8train.training.runs.run_log import summary_line
 
     base = {"status": "completed", "steps": 3, "val_loss": 1.0, "wall_time_s": 1.0, "recipe": "delayed:e4m3"}
     assert "0 FP8 layers" in summary_line("r", {**base, "fp8_layers": 0})

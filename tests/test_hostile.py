@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from safetensors.torch import load_file
 
-from fp8train.training import telemetry
+from fp8train.training.runs import telemetry
 from fp8train.training.config import load_config
 from fp8train.numerics.formats import get_format
 from fp8train.nn.linear import Fp8Linear, update_fp8_scales
@@ -262,7 +262,7 @@ def test_skip_guard_skips_a_nonfinite_step_counts_and_logs_it(tmp_path, tiny):
     config = tiny.write(tmp_path, run={"name": "guard"}, train={"max_steps": 4, "eval_every": 0, "eval_batches": 1},
                         optim={"warmup_steps": 1}, log={"telemetry_every": 0},
                         checkpoint={"every": 1, "keep_last": 0})
-    from fp8train.training.model import build_model
+    from fp8train.training.models.decoder import build_model
 
     def build_with_nan_gradient(model_cfg):
         model = build_model(model_cfg)
@@ -287,7 +287,7 @@ def test_skip_guard_skips_a_nonfinite_step_counts_and_logs_it(tmp_path, tiny):
     run_dir = tmp_path / "runs" / "guard"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     assert [r["skipped_steps"] for r in records] == [0, 1, 1, 1]
-    # metrics.jsonl is strict JSON (fp8train.training.rundir): the skipped step's non-finite norm is null.
+    # metrics.jsonl is strict JSON (fp8train.training.storage.files): the skipped step's non-finite norm is null.
     assert records[1]["grad_norm"] is None and all(math.isfinite(r["grad_norm"]) for r in records[2:])
     events = [r["fp8/grad_output/nonfinite_amax_events"] for r in records]
     assert events[0] == 0 and events[1] > 0

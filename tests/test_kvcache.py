@@ -30,7 +30,7 @@ def tiny_run(tiny_fp8_run):
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_run):
-    from fp8train.training.data import build_data
+    from fp8train.training.data.corpus import build_data
     from fp8train.serving.export import load_run
 
     run = load_run(tiny_run)

@@ -27,7 +27,7 @@ import yaml
 import fp8train.training.loop as loop_module
 from fp8train import cli
 from fp8train.training.config import load_config
-from fp8train.training.distributed import check_launch_settings
+from fp8train.training.parallel.distributed import check_launch_settings
 
 pytestmark = [pytest.mark.usefixtures("single_thread")]
 

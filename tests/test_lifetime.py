@@ -1,4 +1,4 @@
-"""How runs end when they are told to, in real processes (fp8train.training.lifetime):
+"""How runs end when they are told to, in real processes (fp8train.training.runs.lifetime):
 
 - SIGTERM or SIGINT of `fp8train train` leaves summary.json with status "interrupted", the step and the signal,
   and the run resumes from its last checkpoint;

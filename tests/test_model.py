@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fp8train.training.config import ModelConfig
-from fp8train.training.model import Decoder, RMSNorm, apply_rope, build_model, count_params, rope_cos_sin
+from fp8train.training.models.decoder import Decoder, RMSNorm, apply_rope, build_model, count_params, rope_cos_sin
 
 V, B, T = 256, 2, 16
 

@@ -39,7 +39,7 @@ import torch
 from safetensors.torch import load_file
 
 import fp8train.nn.linear as linear_module
-import fp8train.training.loop as loop_module
+import fp8train.training.step as step_module
 from fp8train.training.config import load_config
 from fp8train.training.loop import train
 
@@ -72,14 +72,15 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import fp8train.training.loop as train_module
+import fp8train.training.step as step_module
 import fp8train.training.setup as setup_module
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
 from fp8train.nn.convert import convert_to_fp8, fp8_layers
-from fp8train.training.data import build_data
-from fp8train.training.model import build_model
+from fp8train.training.data.corpus import build_data
+from fp8train.training.models.decoder import build_model
 
 out, cfg_path, hostile_step, hostile_module = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-real_update, real_build = train_module.update_fp8_scales, setup_module.build_model
+real_update, real_build = step_module.update_fp8_scales, setup_module.build_model
 record = {}
 
 
@@ -119,7 +120,7 @@ def build_hostile(model_cfg, diverge=False):
     return model
 
 
-train_module.update_fp8_scales = recording_update  # the loop's name for it
+step_module.update_fp8_scales = recording_update  # the optimizer step's name for it
 builders = {"hostile": build_hostile, "diverge": lambda cfg: build_hostile(cfg, diverge=True)}
 for tag, overrides in [("accum1", []), ("accum2", ["train.grad_accum=2"]), ("hostile", []), ("diverge", [])]:
     record.update(step=0, state={})
@@ -130,7 +131,7 @@ for tag, overrides in [("accum1", []), ("accum2", ["train.grad_accum=2"]), ("hos
     if rank == 0:
         with open(f"{out}/{tag}_summary.json", "w") as f:
             json.dump(summary, f, default=str)
-train_module.update_fp8_scales = real_update
+step_module.update_fp8_scales = real_update
 setup_module.build_model = real_build
 
 # FSDP2 (torch's fully_shard) vs DDP around Fp8Linear, same small loop, same global batches.
@@ -202,7 +203,7 @@ def launched(tmp_path_factory, single_thread, tiny, commands):
 
     # Single-process references with the same micro-batches, recorded the same way.
     references = {}
-    real_update = loop_module.update_fp8_scales
+    real_update = step_module.update_fp8_scales
     for tag, accum in (("accum1", 2), ("accum2", 4)):
         states, step = {}, [0]
 
@@ -215,13 +216,13 @@ def launched(tmp_path_factory, single_thread, tiny, commands):
                         if not buf.endswith("pending_amax"):
                             states[f"{step[0]:03d}/{name}.{buf}"] = t.detach().clone()
 
-        loop_module.update_fp8_scales = recording_update  # the loop's name for it
+        step_module.update_fp8_scales = recording_update  # the optimizer step's name for it
         try:
             summary = train(load_config(str(config), [f"run.name=single_{tag}",
                                                                    f"train.grad_accum={accum}"]),
                             show_progress=False)
         finally:
-            loop_module.update_fp8_scales = real_update
+            step_module.update_fp8_scales = real_update
         references[tag] = (summary, states)
     return root, out, references
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8train.training.rundir import append_jsonl
+from fp8train.training.storage.files import append_jsonl
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -223,7 +223,7 @@ def test_a_full_disk_during_an_append_names_the_file():
 
 
 def test_temp_names_are_unique_per_write(tmp_path):
-    from fp8train.training.rundir import temp_path
+    from fp8train.training.storage.files import temp_path
 
     names = {temp_path(tmp_path / "summary.json").name for _ in range(100)}
     assert len(names) == 100 and all(n.startswith(f".summary.json.tmp-{os.getpid()}-") for n in names)

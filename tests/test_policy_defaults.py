@@ -13,7 +13,7 @@ import yaml
 from fp8train import cli
 from fp8train.nn.convert import DEFAULT_EXCLUDE, LayerPolicy, convert_to_fp8
 from fp8train.training.config import PolicyConfig, layer_policy_from_config, load_config
-from fp8train.training.model import build_model
+from fp8train.training.models.decoder import build_model
 
 # d_model 128 and ffn 352: every block linear is >= 64 (LayerPolicy's min_features) but < 256 (what the config
 # used to default to), so the two defaults disagreeing shows as a different set of converted layers.

@@ -33,11 +33,11 @@ import yaml
 from safetensors.torch import load_file
 
 from fp8train import cli
-from fp8train.training.checkpoint import (MANIFEST, latest_valid_checkpoint, list_checkpoints, load_checkpoint,
+from fp8train.training.runs.checkpoint import (MANIFEST, latest_valid_checkpoint, list_checkpoints, load_checkpoint,
                                           save_checkpoint, verify_checkpoint)
 from fp8train.training.config import load_config
 from fp8train.training.loop import train
-from fp8train.training.rundir import LOCK_FILE
+from fp8train.training.storage.rundir import LOCK_FILE
 from refs import write_stdlib_corpus
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -169,7 +169,7 @@ def test_01_fingerprint_is_of_the_tokens(root, tmp_path):
     """The fingerprint is sha256 of the token bytes of each split (recomputed here with hashlib from the split)."""
     import hashlib
 
-    from fp8train.training.data import build_data
+    from fp8train.training.data.corpus import build_data
 
     corpus = tmp_path / "c.txt"
     shutil.copy(root / "corpus.txt", corpus)
@@ -353,7 +353,7 @@ def test_05_torn_plan_json(tmp_path):
 # ------------------------------------------------------------------------------------------------------------
 HOLD_LOCK = """
 import sys, time
-from fp8train.training.rundir import DirLock
+from fp8train.training.storage.rundir import DirLock
 DirLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 time.sleep(120)
@@ -373,7 +373,7 @@ def _kill9(proc: subprocess.Popen) -> None:
 
 
 def test_06_lock_refuses_a_second_holder_and_is_taken_over_after_a_kill(tmp_path):
-    from fp8train.training.rundir import DirLock
+    from fp8train.training.storage.rundir import DirLock
 
     holder = _hold_lock(tmp_path / "run")
     try:
@@ -443,7 +443,7 @@ def test_06_a_real_training_run_holds_its_lock_until_it_ends(root, tmp_path, cap
     assert err[0].endswith("); wait for it to finish or stop it (nothing was changed)"), err
     assert (run_dir / "config.yaml").read_bytes() == config_before
     assert not (run_dir / "summary.json").exists()  # the second process wrote nothing, the first never finished
-    from fp8train.training.rundir import DirLock
+    from fp8train.training.storage.rundir import DirLock
 
     said = []
     with DirLock(run_dir, log=said.append):
@@ -599,7 +599,7 @@ def test_10_symlinks_in_a_run_directory_are_refused(finished_run, tmp_path, caps
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_13_nonfinite_values_are_strict_json_with_a_status(root, tmp_path):
-    from fp8train.training.model import build_model
+    from fp8train.training.models.decoder import build_model
 
     def build_poisoned(model_cfg):  # from step 3 on, the first block's MLP outputs NaN
         model = build_model(model_cfg)
@@ -628,7 +628,7 @@ def test_13_nonfinite_values_are_strict_json_with_a_status(root, tmp_path):
 
 
 def test_13_strict_jsonl_marks_what_became_null(tmp_path):
-    from fp8train.training.rundir import append_jsonl, read_jsonl, restore_nonfinite
+    from fp8train.training.storage.files import append_jsonl, read_jsonl, restore_nonfinite
 
     append_jsonl(tmp_path / "m.jsonl", [{"step": 1, "loss": math.nan, "grad_norm": -math.inf, "lr": 0.5}])
     line = (tmp_path / "m.jsonl").read_text().strip()

@@ -13,7 +13,7 @@ import torch
 
 from fp8train.evidence import advisor
 from fp8train.evidence.report import write_report
-from fp8train.training import telemetry
+from fp8train.training.runs import telemetry
 from fp8train.training.config import config_hash, config_to_yaml, load_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")

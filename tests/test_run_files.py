@@ -11,8 +11,8 @@ import pytest
 
 from fp8train.evidence.curves import load_curve
 from fp8train.evidence import advisor
-from fp8train.training import telemetry
-from fp8train.training.rundir import read_jsonl, truncate_jsonl
+from fp8train.training.runs import telemetry
+from fp8train.training.storage.files import read_jsonl, truncate_jsonl
 
 STATS = {"layers.0.attn.q_proj": {"input": {"amax": 3.5, "sqnr_db": 31.25, "overflow_frac": 0.0},
                                   "weight": {"amax": 0.5, "sqnr_db": math.inf, "overflow_frac": 0.0}}}

@@ -19,11 +19,11 @@ import torch
 from safetensors import safe_open
 
 from fp8train.nn.convert import convert_to_fp8
-from fp8train.training import fsdp2
-from fp8train.training.checkpoint import save_checkpoint
+from fp8train.training.parallel import fsdp2
+from fp8train.training.runs.checkpoint import save_checkpoint
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
-from fp8train.training.model import build_model
-from fp8train.training.sharded_checkpoint import (COMPLETE_MARKER, MissingShardError, latest_loadable_checkpoint,
+from fp8train.training.models.decoder import build_model
+from fp8train.training.runs.sharded_checkpoint import (COMPLETE_MARKER, MissingShardError, latest_loadable_checkpoint,
                                                   latest_valid_sharded_checkpoint, load_model_weights_any,
                                                   load_sharded_checkpoint, save_sharded_checkpoint,
                                                   verify_sharded_checkpoint)

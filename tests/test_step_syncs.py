@@ -29,13 +29,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8train.training.loop as loop_module
 from fp8train.training.config import load_config
-from fp8train.training.fsdp2 import clip_grad_norm_tensor
-from fp8train.training.model import build_model
+from fp8train.training.parallel.fsdp2 import clip_grad_norm_tensor
+from fp8train.training.models.decoder import build_model
 from fp8train.training.optim import AdamW
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-HOST_DATA_MODULES = {"data.py", "tokenized.py"}  # fp8train.training's host-side batch builders
+HOST_DATA_MODULES = {"corpus.py", "tokenized.py"}  # fp8train.training's host-side batch builders
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive"}
 SMALL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=16", "train.batch_size=4",
          "train.eval_batches=1", "policy.min_features=16", "log.telemetry_every=0", "train.threads=1",

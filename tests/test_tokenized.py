@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from fp8train.training.config import load_config
-from fp8train.training.data import build_data
-from fp8train.training.tokenized import TokenEncoder
+from fp8train.training.data.corpus import build_data
+from fp8train.training.data.tokenized import TokenEncoder
 from hf_helpers import local_text, make_text_folder, make_tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")

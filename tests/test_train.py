@@ -19,7 +19,7 @@ import yaml
 from safetensors.torch import load_file
 
 from fp8train import cli
-from fp8train.training.checkpoint import list_checkpoints, verify_checkpoint
+from fp8train.training.runs.checkpoint import list_checkpoints, verify_checkpoint
 from fp8train.training.config import config_hash, load_config
 from fp8train.training.loop import MAX_CONSECUTIVE_SKIPS, train
 
@@ -273,7 +273,7 @@ def _assert_last_good_checkpoint(run_dir: Path, summary: dict, expected_step: in
 def test_nan_loss_stops_with_step_telemetry_and_last_good_checkpoint(workdir):
     """From step 4 on, the first block's MLP outputs NaN (a test hook standing in for a model that blows up):
     the run stops at step 4, before applying it, with the layer telemetry of that step."""
-    from fp8train.training.model import build_model
+    from fp8train.training.models.decoder import build_model
 
     def build_poisoned(model_cfg):
         model = build_model(model_cfg)

@@ -10,7 +10,7 @@ under each contender, one after the other in the same processes:
 
 Per contender it reports, on rank 0:
 - `state_bytes`: this rank's bytes of parameters, gradients and AdamW state, counted after backward and the
-  optimizer step (local shards only; fp8train.training.fsdp2.per_rank_state_bytes), and the ratio to DDP;
+  optimizer step (local shards only; fp8train.training.parallel.fsdp2.per_rank_state_bytes), and the ratio to DDP;
 - `all_gather_bytes_per_step`: the bytes FSDP2's all-gathers delivered to this rank per optimizer step (every
   gathered buffer, forward and backward re-gathers included; FSDP2's own `set_custom_all_gather` hook), and for
   FP8 all-gather the ratio to the fp32 all-gather;
@@ -38,9 +38,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fp8train.nn.convert import convert_to_fp8
 from fp8train.nn.linear import update_fp8_scales
-from fp8train.training import fsdp2
+from fp8train.training.parallel import fsdp2
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
-from fp8train.training.model import build_model
+from fp8train.training.models.decoder import build_model
 
 __all__ = ["bench_distributed", "format_distributed", "CONTENDERS", "MODEL_SHAPES"]
 

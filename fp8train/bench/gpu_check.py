@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 
 from fp8train.bench.gpu_sections import OFFLINE_ENV, SECTION_FUNCTIONS, SECTION_NEEDS, SECTIONS, module_missing
-from fp8train.training.rundir import write_json_atomic
+from fp8train.training.storage.files import write_json_atomic
 
 DEFAULT_BUDGET_S, MAX_BUDGET_S = 470, 480
 MIN_SECTION_S = 10  # a section given less than this is skipped (and reported as skipped)

@@ -47,7 +47,7 @@ from fp8train.nn.linear import Fp8Linear, update_fp8_scales
 from fp8train.nn.recipes import RECIPE_NAMES, recipe
 from fp8train.nn.scaled_gemm import HAS_SCALED_MM_V2, call_scaled_mm, scaled_mm_arguments, target_gpu
 from fp8train.nn.scaled_mm_plan import SCALED_MM_KINDS
-from fp8train.training.rundir import write_json_atomic  # (plain file I/O: no omegaconf)
+from fp8train.training.storage.files import write_json_atomic
 # (the training side, which needs omegaconf and accelerate, is imported by the sections that train: the GPU image
 # may lack them, and the other sections must run anyway)
 
@@ -341,15 +341,16 @@ def section_train(device: str, dry: bool, out_dir: Path, limit_s: float) -> dict
 
 
 def train_watching_syncs(cfg) -> tuple[dict, list[str]]:
-    """train(cfg), with every step that is no sync point of the loop (loop.is_sync_step; telemetry off) run
+    """train(cfg), with every step that is no sync point of the loop (step.is_sync_step; telemetry off) run
     under torch.cuda.set_sync_debug_mode("warn") on CUDA, after the first step (kernel probes, caches, the first
     FP8 scales may sync once). Returns the summary and one line per host sync such a step made."""
     from fp8train.training import loop as loop_module
+    from fp8train.training.step import is_sync_step
 
     real_step, synced = loop_module.optimizer_step, []
 
     def watched(run, state, step):
-        if run.accelerator.device.type != "cuda" or step == 0 or loop_module.is_sync_step(cfg, step + 1, False):
+        if run.accelerator.device.type != "cuda" or step == 0 or is_sync_step(cfg, step + 1, False):
             return real_step(run, state, step)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")

@@ -17,8 +17,8 @@ from fp8train.nn.convert import convert_to_fp8
 from fp8train.nn.linear import configure_execution, update_fp8_scales
 from fp8train.nn.recipes import BASELINE_RECIPE, ScalingKind
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
-from fp8train.training.data import build_data
-from fp8train.training.model import build_model
+from fp8train.training.data.corpus import build_data
+from fp8train.training.models.decoder import build_model
 
 __all__ = ["bench_train", "bench_memory", "saved_tensor_bytes"]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fp8train.training.rundir import METRICS_FILE, read_jsonl, restore_nonfinite
+from fp8train.training.storage.files import read_jsonl, restore_nonfinite
+from fp8train.training.storage.rundir import METRICS_FILE
 
 __all__ = ["Curve", "load_curve"]
 

@@ -3,7 +3,7 @@
     fp8train validate recipes/cpu_validate.yaml validate.fork_from=runs/my_bf16_run train.max_steps=100
 
 The checkpoint (a run directory's newest valid one, or the checkpoint folder given) is resolved once, and every
-run of the plan gets train.fork_from=<that checkpoint> (fp8train.training.fork: weights, AdamW state and the
+run of the plan gets train.fork_from=<that checkpoint> (fp8train.training.runs.fork: weights, AdamW state and the
 source's LR schedule go on for train.max_steps steps; a seed varies only what is random after the fork, the data
 order and dropout). plan.json records the checkpoint, its step, the sha256 of its files and, per candidate,
 whether its FP8 scaling state starts fresh or comes from the checkpoint (an FP8 source of the same recipe). A
@@ -17,8 +17,8 @@ from pathlib import Path
 
 from fp8train.evidence.pairs import PLAN_FILE, PlannedRun, derive_config, validation_dir
 from fp8train.training.config import FullConfig
-from fp8train.training.fork import checkpoint_sha256, fp8_state_origin, open_fork, resolve_fork_checkpoint
-from fp8train.training.rundir import read_json
+from fp8train.training.runs.fork import checkpoint_sha256, fp8_state_origin, open_fork, resolve_fork_checkpoint
+from fp8train.training.storage.files import read_json
 
 __all__ = ["fork_config", "fork_record", "check_fork_unchanged"]
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from fp8train.evidence.pairs import PLAN_FILE
 from fp8train.training.config import config_hash, load_config
 from fp8train.training.config.validation import check_candidate_key
-from fp8train.training.data import describe_fingerprint_change
-from fp8train.training.rundir import CONFIG_FILE
+from fp8train.training.data.corpus import describe_fingerprint_change
+from fp8train.training.storage.rundir import CONFIG_FILE
 
 __all__ = ["check_pairing", "data_problem"]
 

@@ -29,8 +29,9 @@ from fp8train.evidence.sequential import sequential_plan
 from fp8train.training.config import (BASELINE_RECIPE, HASH_EXCLUDE, FullConfig, config_hash, config_to_yaml,
                                       fp8_recipe_from_config, load_config)
 from fp8train.training.config.validation import BASELINE_LABEL, Candidate, parse_candidate, resolve_seeds
-from fp8train.training.data import build_data, describe_fingerprint_change
-from fp8train.training.rundir import dir_state, read_json
+from fp8train.training.data.corpus import build_data, describe_fingerprint_change
+from fp8train.training.storage.files import read_json
+from fp8train.training.storage.rundir import dir_state
 
 __all__ = ["PLAN_FILE", "BASELINE", "PlannedRun", "plan_runs", "fingerprint_runs", "validation_plan", "check_plan", "validation_dir",
            "run_dir", "derive_config"]

@@ -39,10 +39,10 @@ from fp8train.nn.overrides import OVERRIDE_BF16
 from fp8train.nn.recipes import BASELINE_RECIPE, ROLES, recipe
 from fp8train.evidence import advisor
 from fp8train.training.config import layer_policy_from_config, load_config
-from fp8train.training.model import build_model, check_model_for_run
-from fp8train.training import telemetry
-from fp8train.training.outputs import check_output_file
-from fp8train.training.rundir import write_text_atomic
+from fp8train.training.models.decoder import build_model, check_model_for_run
+from fp8train.training.runs import telemetry
+from fp8train.training.storage.outputs import check_output_file
+from fp8train.training.storage.files import write_text_atomic
 from fp8train.training.shadow import SHADOW_STAT_KEYS
 
 __all__ = ["DEFAULT_THRESHOLDS", "shadow_table", "planned_layers", "time_shapes", "choose", "make_plan",

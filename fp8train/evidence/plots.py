@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fp8train.evidence import advisor
 from fp8train.nn.recipes import ROLES
-from fp8train.training.rundir import write_file_atomic
+from fp8train.training.storage.files import write_file_atomic
 
 __all__ = ["plot_forest", "plot_gap_over_steps", "plot_loss_curves", "plot_health"]
 
@@ -44,7 +44,7 @@ def _save(fig, plt, path: Path) -> None:
 
 
 def _write_png(fig, plt, path: Path) -> None:
-    # Whole or not at all, never through a link (rundir.write_file_atomic); the temp name has no .png suffix,
+    # Whole or not at all, never through a link (storage.files.write_file_atomic); the temp name has no .png suffix,
     # so the format is named.
     try:
         write_file_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))

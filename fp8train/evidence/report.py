@@ -18,7 +18,8 @@ from fp8train.evidence.pairs import BASELINE, PLAN_FILE
 from fp8train.evidence.plan import shadow_table
 from fp8train.evidence.verdict import RunData, load_validation, summarize_validation
 from fp8train.nn.recipes import ROLES
-from fp8train.training.rundir import CONFIG_FILE, METRICS_FILE, write_json_atomic, write_text_atomic
+from fp8train.training.storage.files import write_json_atomic, write_text_atomic
+from fp8train.training.storage.rundir import CONFIG_FILE, METRICS_FILE
 
 __all__ = ["write_report", "write_validation_report", "write_run_report", "add_cli_arguments", "cli_main"]
 

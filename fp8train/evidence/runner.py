@@ -29,9 +29,10 @@ from fp8train.evidence.curves import Curve, load_curve
 from fp8train.evidence.pairing import data_problem
 from fp8train.evidence.pairs import PlannedRun
 from fp8train.training.config import FullConfig, config_hash
-from fp8train.training.lifetime import Interrupted, die_with_parent
+from fp8train.training.runs.lifetime import Interrupted, die_with_parent
 from fp8train.training.loop import make_accelerator, train
-from fp8train.training.rundir import SUMMARY_FILE, read_json
+from fp8train.training.storage.files import read_json
+from fp8train.training.storage.rundir import SUMMARY_FILE
 
 __all__ = ["FINAL_STATUSES", "DivergenceGuard", "finished_summary", "default_workers", "run_plan"]
 

@@ -24,10 +24,11 @@ from fp8train.evidence.report import write_validation_report
 from fp8train.evidence.rounds import run_rounds
 from fp8train.evidence.runner import default_workers, run_plan
 from fp8train.training.config import FullConfig, add_config_arguments, load_config
-from fp8train.training.lifetime import interrupts_raised
+from fp8train.training.runs.lifetime import interrupts_raised
 from fp8train.training.loop import make_accelerator
-from fp8train.training.rank0 import on_main_process
-from fp8train.training.rundir import SUMMARY_FILE, DirLock, read_json, write_json_atomic
+from fp8train.training.parallel.rank0 import on_main_process
+from fp8train.training.storage.files import read_json, write_json_atomic
+from fp8train.training.storage.rundir import DirLock, SUMMARY_FILE
 
 __all__ = ["run_validation", "resolve_workers", "verdict_lines", "EXIT_CODES", "add_cli_arguments", "cli_main"]
 

@@ -16,8 +16,9 @@ from pathlib import Path
 from fp8train.evidence import advisor, sequential, stats
 from fp8train.evidence.curves import Curve, load_curve
 from fp8train.evidence.pairs import BASELINE, PLAN_FILE, run_dir
-from fp8train.training import telemetry
-from fp8train.training.rundir import METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE, read_json
+from fp8train.training.runs import telemetry
+from fp8train.training.storage.files import read_json
+from fp8train.training.storage.rundir import METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE
 
 __all__ = ["RunData", "load_validation", "summarize_validation", "evidence_cost", "METHOD", "SEQUENTIAL_METHOD"]
 

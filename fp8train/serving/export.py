@@ -49,10 +49,10 @@ from fp8train.serving.hf_export import export_hf_folder, load_hf_export
 from fp8train.serving.run_loading import (LoadedRun, fp8_linear_names, fp8_policy_names, load_run, package_version,
                                           tied_aliases)
 from fp8train.training.config import ModelConfig
-from fp8train.training.data import build_data
-from fp8train.training.model import build_model
-from fp8train.training.outputs import check_output_file
-from fp8train.training.rundir import as_os_error, give_default_mode, write_failure, write_file_atomic
+from fp8train.training.data.corpus import build_data
+from fp8train.training.models.decoder import build_model
+from fp8train.training.storage.outputs import check_output_file
+from fp8train.training.storage.files import as_os_error, give_default_mode, write_failure, write_file_atomic
 
 __all__ = [
     "EXPORT_FORMATS", "SCALE_CONVENTION", "LoadedRun", "load_run", "fp8_policy_names", "quantize_weight_per_channel",
@@ -83,8 +83,8 @@ def _export_format(name: str):
 # Export, metadata, loader, conversion
 # ------------------------------------------------------------------------------------------------------------
 def _write_atomically(tensors: dict, metadata: dict, out: Path) -> None:
-    # Written next to the target and renamed (rundir.write_file_atomic): a failure never leaves a half-written file
-    # at `out`, and with --force the old file is replaced only once the new one is complete.
+    # Written next to the target and renamed (storage.files.write_file_atomic): a failure never leaves a
+    # half-written file at `out`, and with --force the old file is replaced only once the new one is complete.
     def save(tmp: Path) -> None:
         try:
             save_file(tensors, str(tmp), metadata=metadata)

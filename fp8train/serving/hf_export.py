@@ -41,11 +41,11 @@ from fp8train.numerics.formats import get_format
 from fp8train.serving.fp8_weights import (ACTIVATION_SCHEMES, Fp8ActivationLinear, quantize_weight_blocks,
                                           quantize_weight_per_channel)
 from fp8train.serving.run_loading import LoadedRun, fp8_linear_names, load_run, package_version, tied_aliases
-from fp8train.training.data import build_data, is_pretokenized
-from fp8train.training.model import HFCausalLM
-from fp8train.training.outputs import check_output_folder, replace_output_folder
-from fp8train.training.rundir import as_os_error, give_default_mode, write_text_atomic
-from fp8train.training.tokenized import run_tokenizer
+from fp8train.training.data.corpus import build_data, is_pretokenized
+from fp8train.training.models.decoder import HFCausalLM
+from fp8train.training.storage.outputs import check_output_folder, replace_output_folder
+from fp8train.training.storage.files import as_os_error, give_default_mode, write_text_atomic
+from fp8train.training.data.tokenized import run_tokenizer
 
 __all__ = ["export_hf_folder", "load_hf_export", "hf_export_names", "quantization_config", "llama_config_of",
            "hf_config_dict", "run_tokenizer_folder", "generation_config_of", "source_record", "write_folder",

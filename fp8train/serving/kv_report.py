@@ -6,8 +6,8 @@ import json
 import math
 from pathlib import Path
 
-from fp8train.training.outputs import check_output_files, make_output_folder
-from fp8train.training.rundir import write_file_atomic, write_text_atomic
+from fp8train.training.storage.outputs import check_output_files, make_output_folder
+from fp8train.training.storage.files import write_file_atomic, write_text_atomic
 
 __all__ = ["REPORT_FILES", "check_report_folder", "write_report", "format_stat", "kib", "weights_label"]
 

@@ -7,7 +7,7 @@ What is compared. The newest valid checkpoint of RUN_DIR is rebuilt from RUN_DIR
 master weights in the plain model (an FP8-trained run is loaded by parameter name, its FP8 scaling buffers are
 dropped: see fp8train.serving.run_loading), weights fixed, run under the run's autocast (bf16, as in training). Every
 attention layer's `kv_transform` hook (fp8train's Decoder, or a Hugging Face model's attention through
-fp8train.training.hf.enable_kv_hook) then sees K (after RoPE) and V, (B, n_kv_heads, T, head_dim), and returns
+fp8train.training.models.hf.enable_kv_hook) then sees K (after RoPE) and V, (B, n_kv_heads, T, head_dim), and returns
 what the cache would hold:
 
 - reference cache ("bf16"): K and V rounded to bf16 (a no-op under bf16 autocast);
@@ -56,7 +56,7 @@ from fp8train.serving.kv_scoring import (agreement, bucket_stats, greedy_generat
 from fp8train.serving.kv_transform import (CACHE_FORMATS, GRANULARITIES, SCALE_SOURCES, Fp8KvCache, KvCacheConfig,
                                            bf16_cache, calibrate_kv_amax, kv_transforms, scales_from_amax)
 from fp8train.serving.run_loading import fp8_linear_names, kv_shape, load_run, package_version
-from fp8train.training.data import build_data
+from fp8train.training.data.corpus import build_data
 
 __all__ = [
     "kv_bytes_per_token", "kv_scale_bytes", "memory_report", "KvCacheConfig", "Fp8KvCache", "bf16_cache",

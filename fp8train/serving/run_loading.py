@@ -30,11 +30,11 @@ import torch.nn as nn
 from fp8train import __version__
 from fp8train.nn.convert import convert_to_fp8, is_conv1d
 from fp8train.nn.recipes import ROLES
-from fp8train.training.checkpoint import MANIFEST
-from fp8train.training.sharded_checkpoint import latest_loadable_checkpoint, read_model_state
+from fp8train.training.runs.checkpoint import MANIFEST
+from fp8train.training.runs.sharded_checkpoint import latest_loadable_checkpoint, read_model_state
 from fp8train.training.config import layer_policy_from_config, load_config
-from fp8train.training.hf import hf_kv_shape
-from fp8train.training.model import HFCausalLM, build_model, tied_weight_groups
+from fp8train.training.models.hf import hf_kv_shape
+from fp8train.training.models.decoder import HFCausalLM, build_model, tied_weight_groups
 
 __all__ = ["LoadedRun", "load_run", "fp8_policy_names", "fp8_linear_names", "tied_aliases", "package_version", "kv_shape"]
 
@@ -108,7 +108,7 @@ def _load_hf_folder(folder: Path) -> LoadedRun:
     config = json.loads((folder / "config.json").read_text())
     max_pos = config.get("max_position_embeddings") or config.get("n_positions") or 128
     cfg = load_config(None, [f"model.hf_path={folder}", f"model.seq_len={min(128, int(max_pos))}"])
-    model = build_model(cfg.model).eval()  # its weights, checked (fp8train.training.hf)
+    model = build_model(cfg.model).eval()  # its weights, checked (fp8train.training.models.hf)
     return LoadedRun(model, cfg, folder, folder, 0, fp8_policy_names(model, cfg))
 
 

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from fp8train.training.fsdp2 import local_tensor
+from fp8train.training.parallel.fsdp2 import local_tensor
 
 __all__ = ["AdamW"]
 

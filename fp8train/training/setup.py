@@ -16,21 +16,22 @@ from pathlib import Path
 import torch
 
 from fp8train.nn.convert import convert_to_fp8, fp8_layers
-from fp8train.training.claim import (check_backend_device, check_resume_origin, check_run_dir, claim_run_dir,
+from fp8train.training.runs.claim import (check_backend_device, check_resume_origin, check_run_dir, claim_run_dir,
                                      run_hashes)
 from fp8train.nn.linear import configure_execution
 from fp8train.training.compile import check_compiler, compile_model
 from fp8train.training.config import (FullConfig, config_to_yaml, fp8_recipe_from_config, layer_policy_from_config)
-from fp8train.training.data import build_data
-from fp8train.training.distributed import Fp8StateSync, check_distributed_type, set_cpu_threads
-from fp8train.training.fork import Fork, open_fork
-from fp8train.training.fsdp2 import apply_fsdp2, ensure_process_group
-from fp8train.training.model import build_model, check_model_for_run
+from fp8train.training.data.corpus import build_data
+from fp8train.training.parallel.distributed import Fp8StateSync, check_distributed_type, set_cpu_threads
+from fp8train.training.runs.fork import Fork, open_fork
+from fp8train.training.parallel.fsdp2 import apply_fsdp2, ensure_process_group
+from fp8train.training.models.decoder import build_model, check_model_for_run
 from fp8train.training.optim import AdamW
-from fp8train.training.resume import ResumePlan, plan_resume
-from fp8train.training.rundir import CONFIG_FILE, run_dir_path, write_text_atomic
+from fp8train.training.runs.resume import ResumePlan, plan_resume
+from fp8train.training.storage.files import write_text_atomic
+from fp8train.training.storage.rundir import CONFIG_FILE
 from fp8train.training.shadow import RecipeShadow, shadowed_layers
-from fp8train.training.tracking import Trackers, check_trackers_available
+from fp8train.training.runs.tracking import Trackers, check_trackers_available
 
 __all__ = ["Run", "set_up", "lr_at"]
 
@@ -82,7 +83,7 @@ class Run:
 
 def set_up(cfg: FullConfig, accelerator, show_progress: bool, model_factory=None) -> Run:
     """Everything a run needs before its first step, checked before anything is written; `model_factory(cfg.model)`
-    builds the model (training.model.build_model unless given, e.g. a model with hooks of your own)."""
+    builds the model (training.models.decoder.build_model unless given, e.g. a model with hooks of your own)."""
     started = time.time()
     check_distributed_type(accelerator, cfg)
     set_cpu_threads(cfg, accelerator)
@@ -107,7 +108,7 @@ def set_up(cfg: FullConfig, accelerator, show_progress: bool, model_factory=None
     check_backend_device(fp8_recipe, accelerator.device)
     if cfg.train.compile:
         check_compiler(accelerator.device)  # a missing compiler is a config error, before anything is written
-    run_dir = run_dir_path(cfg.run.dir, cfg.run.name)
+    run_dir = cfg.run_dir
     log = (lambda m: print(m, file=sys.stderr)) if accelerator.is_main_process else (lambda m: None)
     dir_state = check_run_dir(run_dir)  # absent, empty or a run; no symlinks (every rank)
     plan = plan_resume(cfg, run_dir, log)  # every rank decides, so every rank fails the same way

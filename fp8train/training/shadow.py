@@ -19,13 +19,13 @@ import torch.nn as nn
 
 from fp8train.nn.convert import block_index, policy_names
 from fp8train.nn.linear import Fp8Linear
-from fp8train.nn.recipes import RECIPE_NAMES, Fp8Recipe, OperandRole, recipe
+from fp8train.nn.recipes import Fp8Recipe, OperandRole, recipe
 from fp8train.numerics.mx import quantize_mx
 from fp8train.numerics.quant import Fp8Tensor, quant_error, quantize
+from fp8train.training.config.run import SHADOW_RECIPES
 
-__all__ = ["SHADOW_RECIPES", "RecipeShadow", "shadow_quantize", "SHADOW_STAT_KEYS", "shadowed_layers", "gemm_paths"]
+__all__ = ["RecipeShadow", "shadow_quantize", "SHADOW_STAT_KEYS", "shadowed_layers", "gemm_paths"]
 
-SHADOW_RECIPES = tuple(n for n in RECIPE_NAMES if not recipe(n).is_delayed)  # delayed needs a history a shadow lacks
 SHADOW_STAT_KEYS = ("sqnr_db", "overflow_frac", "underflow_frac")
 
 

@@ -9,7 +9,6 @@ from fp8train.training.config.fp8 import Fp8Config, PolicyConfig
 from fp8train.training.config.model_data import DataConfig, ModelConfig
 from fp8train.training.config.run import CheckpointConfig, LogConfig, OptimConfig, RunConfig, TrainConfig
 from fp8train.training.config.validation import ValidateConfig
-from fp8train.training.rundir import run_dir_path
 
 
 @dataclass
@@ -33,5 +32,5 @@ class FullConfig:
 
     @property
     def run_dir(self) -> Path:
-        """<run.dir>/<run.name> (fp8train.training.rundir says where everything in it lives)."""
-        return run_dir_path(self.run.dir, self.run.name)
+        """<run.dir>/<run.name> (fp8train.training.storage.rundir says where everything in it lives)."""
+        return Path(self.run.dir) / self.run.name

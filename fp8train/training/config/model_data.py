@@ -5,7 +5,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fp8train.training.config.base import _Section, _require
-from fp8train.training.hf import check_hf_model_fields
+
+__all__ = ["ModelConfig", "DataConfig", "HF_ONLY_SOURCE_KEYS", "DECODER_ONLY_FIELDS", "check_hf_model_fields",
+           "drop_decoder_fields"]
+
+HF_ONLY_SOURCE_KEYS = ("hf_config", "hf_path")
+# ModelConfig fields that describe fp8train's Decoder and mean nothing for a Hugging Face model.
+DECODER_ONLY_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "tie_embeddings",
+                       "norm_eps", "rope_theta")
+
+
+def check_hf_model_fields(model_cfg, defaults) -> None:
+    """Refuse Decoder architecture fields set together with an HF model (they would be silently ignored)."""
+    key = "hf_path" if model_cfg.hf_path else "hf_config"
+    if model_cfg.hf_path and model_cfg.hf_config:
+        raise ValueError("config model.hf_path and model.hf_config are both set: give one (hf_path = pretrained "
+                         "weights and their config.json; hf_config = an architecture, random init)")
+    changed = [name for name in DECODER_ONLY_FIELDS if getattr(model_cfg, name) != getattr(defaults, name)]
+    if changed:
+        raise ValueError(f"config model.{changed[0]}={getattr(model_cfg, changed[0])!r} does not apply to a Hugging "
+                         f"Face model (model.{key}): its architecture comes from config.json; remove "
+                         f"{', '.join('model.' + n for n in changed)}")
+
+
+def drop_decoder_fields(config: dict) -> dict:
+    """A plain config dict (as sent to wandb) without the Decoder-only model fields when the model is an HF
+    model: they were not used, so they are not recorded as if they were."""
+    model = config.get("model", {})
+    if model.get("hf_path") or model.get("hf_config"):
+        config = {**config, "model": {k: v for k, v in model.items() if k not in DECODER_ONLY_FIELDS}}
+    return config
 
 
 @dataclass

@@ -6,11 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List
 
+from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+from fp8train.nn.recipes import RECIPE_NAMES, recipe
 from fp8train.training.config.base import _Section, _require
-from fp8train.training.tracking import TRACKER_NAMES
-from fp8train.training.shadow import SHADOW_RECIPES
 
 WANDB_MODES = ("disabled", "offline", "online")
+TRACKER_NAMES = tuple(LOGGER_TYPE_TO_CLASS)  # accelerate's names: aim, comet_ml, mlflow, tensorboard, wandb, ...
+SHADOW_RECIPES = tuple(n for n in RECIPE_NAMES if not recipe(n).is_delayed)  # delayed needs a history a shadow lacks
 # Upper bounds of values that would otherwise fail late, after the run directory was written: a folder name
 # longer than NAME_MAX is an OSError at mkdir; torch.set_num_threads(100000) segfaults; AdamW fails inside its
 # fp32 arithmetic for lr near 1e38, and moves every weight by ~lr per step, so beyond 1e3 nothing can train.
@@ -73,7 +76,7 @@ class TrainConfig(_Section):
     """Activation precision outside FP8 layers: bf16 autocast, or none (fp32)."""
     resume: Any = False
     """true | false | auto: resume from the newest valid checkpoint in the run directory (true: one must exist;
-    auto: start when there is none). Rules for what may change on resume: fp8train.training.resume."""
+    auto: start when there is none). Rules for what may change on resume: fp8train.training.runs.resume."""
     parallel: str = "ddp"
     """Data parallelism over the launched processes: ddp (replicated weights) | fsdp2 (weights, gradients and
     AdamW state sharded by torch's fully_shard, per decoder block then the root; sharded checkpoints)."""
@@ -82,7 +85,7 @@ class TrainConfig(_Section):
     fork_from: str = ""
     """A checkpoint folder (or a run directory: its newest valid checkpoint) to start this run from: its weights,
     AdamW state and LR schedule go on for train.max_steps steps of this run's own data order (train.seed); FP8
-    scaling state fresh unless the source is the same FP8 recipe (fp8train.training.fork). Empty: from scratch."""
+    scaling state fresh unless the source is the same FP8 recipe (fp8train.training.runs.fork). Empty: from scratch."""
 
     def _check(self) -> None:
         for name in ("max_steps", "batch_size", "grad_accum", "eval_batches"):

@@ -64,7 +64,7 @@ def check_launch_settings(cfg, env: Mapping[str, str] = os.environ) -> None:
 
 def make_accelerator(cfg) -> Accelerator:
     """The Accelerator of a run: CPU or CUDA as `train.device` says, mixed_precision="no" because the loop applies
-    `train.autocast` itself; trackers are started by fp8train.training.tracking, not by the Accelerator."""
+    `train.autocast` itself; trackers are started by fp8train.training.runs.tracking, not by the Accelerator."""
     check_launch_settings(cfg)
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("train.device=cuda but no CUDA GPU is visible; use train.device=auto or cpu")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from fp8train.nn.recipes import ROLES
-from fp8train.training.rundir import append_jsonl, read_jsonl
+from fp8train.training.storage.files import append_jsonl, read_jsonl
 
 STAT_KEYS = ("amax", "scale", "overflow_frac", "underflow_frac", "sqnr_db", "staleness", "nonfinite")
 

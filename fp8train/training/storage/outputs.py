@@ -1,7 +1,7 @@
 """Where a command's outputs may go (`export --out`, `kv-eval --out`, `plan --out`, the files of `report`), checked
 before the work starts, and how a whole output folder is replaced.
 
-The file writes themselves are rundir's (`write_file_atomic`: temp name unique to the process, fsync, rename, no
+The file writes themselves are storage.files' (`write_file_atomic`: temp name unique to the process, fsync, rename, no
 symbolic links, errors that name the file). What this module adds is what may be written, and what may be removed:
 - an output path is checked before any work: not empty, not a symbolic link, of the right kind (a file output is
   never a folder, a folder output is never a file: `--force` never turns one into the other), not the source run,
@@ -21,8 +21,9 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterable
 
-from fp8train.training.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, SUMMARY_FILE,
-                                      TELEMETRY_FILE, TRACKERS_FILE, temp_path, write_failure, write_text_atomic)
+from fp8train.training.storage.files import temp_path, write_failure, write_text_atomic
+from fp8train.training.storage.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, SUMMARY_FILE,
+                                              TELEMETRY_FILE, TRACKERS_FILE)
 
 __all__ = ["OUTPUT_MARKER", "check_output_file", "check_output_folder", "check_output_files",
            "make_output_folder", "is_output_folder",

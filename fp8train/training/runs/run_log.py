@@ -1,6 +1,6 @@
 """What a run writes about itself, besides checkpoints: metrics.jsonl and telemetry.jsonl (cut back to the
 resumed step on resume, so they read as if the run had never stopped), the trackers, and summary.json with the
-one line a run ends with. Every file goes through fp8train.training.rundir (atomic, strict JSON, torn-line safe).
+one line a run ends with. Every file goes through fp8train.training.storage.files (atomic, strict JSON, torn-line safe).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 
 from fp8train.nn.recipes import BASELINE_RECIPE
-from fp8train.training import telemetry
-from fp8train.training.distributed import fp8_state_digest
-from fp8train.training.lifetime import Interrupted, interrupts_raised
-from fp8train.training.model import count_params
-from fp8train.training.rundir import (METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE, append_jsonl, truncate_jsonl,
-                                      write_json_atomic, write_text_atomic)
-from fp8train.training.tracking import Trackers, tracked_config
+from fp8train.training.runs import telemetry
+from fp8train.training.parallel.distributed import fp8_state_digest
+from fp8train.training.runs.lifetime import Interrupted, interrupts_raised
+from fp8train.training.models.decoder import count_params
+from fp8train.training.storage.files import append_jsonl, truncate_jsonl, write_json_atomic, write_text_atomic
+from fp8train.training.storage.rundir import METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE
+from fp8train.training.runs.tracking import Trackers, tracked_config
 
 __all__ = ["MetricsLog", "start_logs", "summarize", "summary_on_interrupt", "finish", "summary_line"]
 

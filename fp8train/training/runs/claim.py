@@ -24,13 +24,13 @@ from typing import Callable
 
 from fp8train.nn.gemm import resolve_backend
 from fp8train.nn.recipes import ROLES
-from fp8train.training.checkpoint import MANIFEST, check_checkpoint_origin
+from fp8train.training.runs.checkpoint import MANIFEST, check_checkpoint_origin
 from fp8train.training.config import config_hash
-from fp8train.training.outputs import probe_writable
-from fp8train.training.rank0 import on_main_process
-from fp8train.training.resume import resume_hash
-from fp8train.training.rundir import (CONFIG_FILE, DirLock, dir_state, read_json, record_write_failure,
-                                      refuse_symlinks_in, write_error)
+from fp8train.training.storage.outputs import probe_writable
+from fp8train.training.parallel.rank0 import on_main_process
+from fp8train.training.runs.resume import resume_hash
+from fp8train.training.storage.files import read_json, write_error
+from fp8train.training.storage.rundir import CONFIG_FILE, dir_state, DirLock, record_write_failure, refuse_symlinks_in
 
 __all__ = ["run_hashes", "check_run_dir", "check_resume_origin", "check_backend_device", "claim_run_dir",
            "holding"]

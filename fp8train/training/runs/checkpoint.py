@@ -33,9 +33,9 @@ from typing import Iterable
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from fp8train.training.data import describe_fingerprint_change
-from fp8train.training.model import tied_weight_groups
-from fp8train.training.rundir import as_os_error, dumps, give_default_mode, sha256_file
+from fp8train.training.data.corpus import describe_fingerprint_change
+from fp8train.training.models.decoder import tied_weight_groups
+from fp8train.training.storage.files import as_os_error, dumps, give_default_mode, sha256_file
 
 MANIFEST = "manifest.json"
 MANIFEST_CHECKSUM = "manifest_sha256"

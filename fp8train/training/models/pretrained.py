@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from fp8train.nn.convert import is_conv1d, fp8_from_conv1d, fp8_layers
 from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.recipes import Fp8Recipe
-from fp8train.training.rundir import give_default_mode, write_text_atomic
+from fp8train.training.storage.files import give_default_mode, write_text_atomic
 
 __all__ = ["save_pretrained", "from_pretrained", "FP8TRAIN_SECTION", "WEIGHTS_NAME", "unwrap_hf"]
 

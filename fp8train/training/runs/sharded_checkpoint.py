@@ -49,10 +49,10 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from safetensors.torch import load_file
 
 from fp8train.nn.fp8_all_gather import unwrap_fp8_all_gather
-from fp8train.training.checkpoint import (MANIFEST, file_record, files_problem, latest_valid_checkpoint,
+from fp8train.training.runs.checkpoint import (MANIFEST, file_record, files_problem, latest_valid_checkpoint,
                                           load_model_weights, manifest_problem, prune_checkpoints,
                                           remove_leftovers, seal_manifest, swap_into_place, verify_checkpoint)
-from fp8train.training.rundir import dumps, write_json_atomic, write_text_atomic
+from fp8train.training.storage.files import dumps, write_json_atomic, write_text_atomic
 
 __all__ = ["SHARDED_FORMAT", "COMPLETE_MARKER", "is_sharded_checkpoint", "save_sharded_checkpoint",
            "verify_sharded_checkpoint", "verify_any_checkpoint", "latest_valid_sharded_checkpoint",

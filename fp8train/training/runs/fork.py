@@ -29,12 +29,13 @@ import torch
 from safetensors.torch import load_file
 
 from fp8train.nn.convert import fp8_layers
-from fp8train.training.checkpoint import FILES, MANIFEST, checkpoint_step, load_optimizer_files, verify_checkpoint
+from fp8train.training.runs.checkpoint import FILES, MANIFEST, checkpoint_step, load_optimizer_files, verify_checkpoint
 from fp8train.training.config import FullConfig, fp8_recipe_from_config, load_config
-from fp8train.training.model import tied_weight_groups
-from fp8train.training.resume import config_differences
-from fp8train.training.rundir import CHECKPOINTS_DIR, CONFIG_FILE, read_json, sha256_file
-from fp8train.training.sharded_checkpoint import is_sharded_checkpoint, latest_loadable_checkpoint
+from fp8train.training.models.decoder import tied_weight_groups
+from fp8train.training.runs.resume import config_differences
+from fp8train.training.storage.files import read_json, sha256_file
+from fp8train.training.storage.rundir import CHECKPOINTS_DIR, CONFIG_FILE
+from fp8train.training.runs.sharded_checkpoint import is_sharded_checkpoint, latest_loadable_checkpoint
 
 __all__ = ["Fork", "resolve_fork_checkpoint", "checkpoint_sha256", "open_fork", "fp8_state_origin", "load_fork"]
 

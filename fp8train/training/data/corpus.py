@@ -10,7 +10,7 @@ Corpora (`data.path`):
 - a nanoGPT uint16 `.bin`: token ids from some other tokenizer (model.vocab_size must exceed them all);
   a `val.bin` beside a `train.bin` is the validation split, otherwise the tail of the file.
 - `data.hf_dataset`: a local `datasets` dataset (its `data.text_field` rows are the documents), and
-  `data.tokenizer`: a local HF tokenizer instead of bytes (both in fp8train.training.tokenized).
+  `data.tokenizer`: a local HF tokenizer instead of bytes (both in fp8train.training.data.tokenized).
 
 Folders and the built-in corpus are split into train and validation BY FILE, on a hash of each file's
 relative path (salted with `data.split_seed`): the split does not move when files are added elsewhere, and
@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fp8train.training.tokenized import TokenEncoder, dataset_docs, run_tokenizer
+from fp8train.training.data.tokenized import TokenEncoder, dataset_docs, run_tokenizer
 
 __all__ = ["TextData", "build_data", "stdlib_files", "data_fingerprint", "describe_fingerprint_change"]
 
@@ -221,12 +221,12 @@ def is_pretokenized(d) -> bool:
 def build_data(cfg) -> TextData:
     """The corpus of `cfg.data` batched per `cfg.train` and `cfg.model` (see the module docstring)."""
     d, T = cfg.data, cfg.model.seq_len
-    # Byte-level text, or a local HF tokenizer's ids (fp8train.training.tokenized; cached on disk): a pretrained
-    # model's own tokenizer unless data.tokenizer says otherwise, never bytes by default under its weights.
+    # Byte-level text, or a local HF tokenizer's ids (fp8train.training.data.tokenized; cached on disk): a
+    # pretrained model's own tokenizer unless data.tokenizer says otherwise, never bytes by default under its weights.
     tokenizer = run_tokenizer(cfg, pretokenized=is_pretokenized(d))
     encoder = TokenEncoder(tokenizer) if tokenizer else None
     encode = encoder or _join
-    byte_level, train_files, val_files, presplit = encoder is None, [], [], None
+    byte_level, train_files, val_files, presplit, tokens = encoder is None, [], [], None, None
     if d.hf_dataset:
         source = f"data.hf_dataset {d.hf_dataset!r}"
         docs, val_docs = dataset_docs(d.hf_dataset, d.text_field)
@@ -236,50 +236,57 @@ def build_data(cfg) -> TextData:
         source = f"built-in corpus (Python stdlib at {root})"
         docs = _read_files(root, files, d.max_bytes, check_binary=False, source=source)
     else:
-        path = Path(os.path.expanduser(d.path))
-        source = f"data.path {d.path!r}"
-        if not path.exists():
-            raise ValueError(f"{source} does not exist; give a text file, a folder of text files or a .bin "
-                             "(empty string = built-in corpus)")
-        if path.is_dir() and (path / "train.bin").exists():
-            path = path / "train.bin"
-        if path.suffix == ".bin":
-            byte_level, docs = False, None
-            if path.stat().st_size < 2:
-                raise ValueError(f"{source} is empty; a .bin needs uint16 token ids")
-            if encoder is not None:
-                encoder.check_fits(np.uint16, source)
-            train, val = _load_bin(path, cfg.model.vocab_size, d.val_fraction, T, source)
-        elif path.is_dir():
-            docs = _read_files(path, _text_files(path), d.max_bytes, check_binary=True, source=source)
-            if not docs:
-                raise ValueError(f"{source} is a folder with no non-empty text files")
-        else:
-            docs = _read_files(path.parent, [path], d.max_bytes, check_binary=False, source=source)
-            if not docs:
-                raise ValueError(f"{source} is an empty file")
-            train, val = _tail_split(encode(docs), d.val_fraction, T)
-            docs = None
+        source, docs, tokens, byte_level = _read_path(cfg, encoder, encode)
     if docs is not None:
         train_docs, val_docs = presplit or _split_by_file(docs, d.val_fraction, d.split_seed)
-        train, val = encode(train_docs), encode(val_docs)
-        if len(train) <= T or len(val) <= T:  # too few files for a by-file split: fall back to the tail
-            train, val = _tail_split(encode(docs), d.val_fraction, T)
+        tokens = encode(train_docs), encode(val_docs)
+        if len(tokens[0]) <= T or len(tokens[1]) <= T:  # too few files for a by-file split: fall back to the tail
+            tokens = _tail_split(encode(docs), d.val_fraction, T)
         else:
             train_files, val_files = [r for r, _ in train_docs], [r for r, _ in val_docs]
+    train, val = tokens
     if byte_level and cfg.model.vocab_size < BYTE_VOCAB:
         raise ValueError(f"model.vocab_size {cfg.model.vocab_size} is too small for byte-level text from {source}: "
                          f"needs >= {BYTE_VOCAB}")
     if len(train) <= T or len(val) <= T:
         raise ValueError(f"{source} is too short: {len(train)} train and {len(val)} validation tokens, but each "
                          f"split needs at least model.seq_len + 1 = {T + 1}")
+    fingerprint = data_fingerprint(train, val, builtin=not (d.path or d.hf_dataset), train_files=train_files,
+                                   val_files=val_files)
     return TextData(
         train_tokens=train, val_tokens=val,
         vocab_size=encoder.vocab_size if encoder else cfg.model.vocab_size if not byte_level else BYTE_VOCAB,
         seq_len=T, batch_size=cfg.train.batch_size, seed=cfg.train.seed, eval_batches=cfg.train.eval_batches,
-        byte_level=byte_level, source=source, train_files=train_files, val_files=val_files,
-        fingerprint=data_fingerprint(train, val, builtin=not (d.path or d.hf_dataset), train_files=train_files, val_files=val_files),
+        byte_level=byte_level, source=source, train_files=train_files, val_files=val_files, fingerprint=fingerprint,
     )
+
+
+def _read_path(cfg, encoder, encode) -> tuple[str, list | None, tuple | None, bool]:
+    """`data.path`: a .bin of token ids, a folder of text files, or one text file. Returns (source, documents to
+    split by file, or None; (train, val) tokens when already split, or None; byte_level)."""
+    d, T = cfg.data, cfg.model.seq_len
+    path = Path(os.path.expanduser(d.path))
+    source = f"data.path {d.path!r}"
+    if not path.exists():
+        raise ValueError(f"{source} does not exist; give a text file, a folder of text files or a .bin "
+                         "(empty string = built-in corpus)")
+    if path.is_dir() and (path / "train.bin").exists():
+        path = path / "train.bin"
+    if path.suffix == ".bin":
+        if path.stat().st_size < 2:
+            raise ValueError(f"{source} is empty; a .bin needs uint16 token ids")
+        if encoder is not None:
+            encoder.check_fits(np.uint16, source)
+        return source, None, _load_bin(path, cfg.model.vocab_size, d.val_fraction, T, source), False
+    if path.is_dir():
+        docs = _read_files(path, _text_files(path), d.max_bytes, check_binary=True, source=source)
+        if not docs:
+            raise ValueError(f"{source} is a folder with no non-empty text files")
+        return source, docs, None, encoder is None
+    docs = _read_files(path.parent, [path], d.max_bytes, check_binary=False, source=source)
+    if not docs:
+        raise ValueError(f"{source} is an empty file")
+    return source, None, _tail_split(encode(docs), d.val_fraction, T), encoder is None
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,6 +1,5 @@
-"""Run-directory I/O, in one place: where a run's files live, and how they are written and read safely.
-
-Every writer in fp8train goes through these functions, so the promises below hold for every file a run leaves:
+"""Files written and read safely, in one place: every writer in fp8train goes through these functions, so the
+promises below hold for every file a run (or an export, a plan, a report) leaves:
 - `write_file_atomic` (and `write_text_atomic` / `write_json_atomic` on it) replace a file whole: a temp file in
   the same folder, named with the PID and random digits so no two writers share one, fsync'd, `os.replace`d
   onto the target and the folder fsync'd; a process killed mid-write leaves the old file or the new one, never
@@ -9,54 +8,34 @@ Every writer in fp8train goes through these functions, so the promises below hol
 - JSON is strict: NaN and +-inf are written as null (`json_safe`), so every file parses with any JSON reader;
 - `read_jsonl` drops a torn last line (what `kill -9` during an append leaves) and reports, by file name and
   line number, a damaged line anywhere else;
-- nothing is written through a symlink (`refuse_symlink`, `refuse_symlinks_in`): a link planted in a run
-  directory (or at any output path) could make fp8train overwrite a file outside it;
-- a run or validation directory is created only where nothing is (absent, or empty), continued only where a run
-  is (`dir_state`); anything else is refused before a byte is written;
-- one process at a time works in a directory (`DirLock`, an flock held for the run's life): a second one is
-  refused with the holder's PID, and the lock of a process that was killed is free again (the kernel drops an
-  flock with its process), so it is taken over and said so;
+- nothing is written through a symlink (`refuse_symlink`): a link planted at an output path could make fp8train
+  overwrite a file outside it;
 - a failed write (full disk, read-only or forbidden folder) is one line naming the file (`write_error`).
-What a command may write or replace outside a run directory (--out paths, --force): fp8train.training.outputs.
+Where a run's files live and who works in a run directory: fp8train.training.storage.rundir. What a command may
+write or replace outside a run directory (--out paths, --force): fp8train.training.storage.outputs.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import math
 import os
 import re
 import secrets
-import socket
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 __all__ = [
-    "CONFIG_FILE", "METRICS_FILE", "TELEMETRY_FILE", "SUMMARY_FILE", "CHECKPOINTS_DIR", "TRACKERS_FILE",
-    "run_dir_path", "json_safe", "temp_path", "write_file_atomic", "write_failure", "write_text_atomic",
-    "write_json_atomic", "read_json", "read_jsonl",
-    "append_jsonl", "truncate_jsonl", "refuse_symlink", "refuse_symlinks_in", "dumps", "nonfinite_fields",
-    "restore_nonfinite", "dir_state", "DirLock", "LOCK_FILE", "WRITE_ERRNOS", "write_error", "record_write_failure",
-    "give_default_mode",
+    "json_safe", "dumps", "nonfinite_fields", "restore_nonfinite", "refuse_symlink", "temp_path", "WRITE_ERRNOS",
+    "write_failure", "write_error", "as_os_error", "write_file_atomic", "write_text_atomic", "write_json_atomic",
+    "read_json", "read_jsonl", "append_jsonl", "truncate_jsonl", "give_default_mode", "sha256_file",
 ]
 
-CONFIG_FILE = "config.yaml"
-METRICS_FILE = "metrics.jsonl"
-TELEMETRY_FILE = "telemetry.jsonl"
-SUMMARY_FILE = "summary.json"
-CHECKPOINTS_DIR = "checkpoints"
-TRACKERS_FILE = "trackers.json"  # tracker run ids (wandb), so a resumed run continues the same tracker run
-LOCK_FILE = ".fp8train.lock"
 NONFINITE_FIELD = "nonfinite"  # {"loss": "nan"} beside "loss": null: strict JSON that still says what it was
-
-
-def run_dir_path(parent: str | os.PathLike, name: str) -> Path:
-    """The run directory `<run.dir>/<run.name>`."""
-    return Path(parent) / name
+# Write failures that are the environment's, not fp8train's: reported in one line, never as a traceback.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
 
 
 def json_safe(value: Any) -> Any:
@@ -144,6 +123,23 @@ def write_failure(err: OSError, path: Path) -> Exception:
         return OSError(err.errno, err.strerror or os.strerror(err.errno), str(path))
     reason = err.strerror or str(err)
     return ValueError(f"cannot write {path}: {reason} (nothing was written there)")
+
+
+def write_error(err: BaseException) -> str | None:
+    """One line for a write failure of the environment (full disk, read-only or forbidden folder), else None."""
+    if not isinstance(err, OSError) or err.errno not in WRITE_ERRNOS:
+        return None
+    where = f" {err.filename}" if err.filename else ""
+    return f"cannot write{where}: {os.strerror(err.errno)} (errno {errno.errorcode[err.errno]})"
+
+
+def as_os_error(err: BaseException, path: str | os.PathLike) -> OSError | None:
+    """The OSError inside a library error that carries it only in its text (safetensors' writer reports a full
+    disk as `SafetensorError: ... No space left on device (os error 28)`), so it is reported like any other."""
+    if isinstance(err, OSError):
+        return err
+    found = re.search(r"\(os error (\d+)\)", str(err))
+    return OSError(int(found.group(1)), os.strerror(int(found.group(1))), str(path)) if found else None
 
 
 def write_file_atomic(path: str | os.PathLike, write: Callable[[Path], Any]) -> None:
@@ -243,147 +239,6 @@ def append_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> None:
         raise write_failure(err, path) from err
 
 
-def refuse_symlinks_in(directory: str | os.PathLike) -> None:
-    """Raise if any entry fp8train writes in `directory` (its top level, and checkpoints/ two levels down) is a
-    symbolic link. Checked before a run writes anything. (Links that trackers such as wandb make inside their
-    own folders are theirs and not looked at.)"""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return
-    entries = list(directory.iterdir())
-    ckpt = directory / CHECKPOINTS_DIR
-    if ckpt.is_dir() and not ckpt.is_symlink():
-        for sub in ckpt.iterdir():
-            entries.append(sub)
-            if sub.is_dir() and not sub.is_symlink():
-                entries += list(sub.iterdir())
-    for entry in entries:
-        if entry.is_symlink():
-            raise ValueError(f"{entry} is a symbolic link (to {os.readlink(entry)}); fp8train does not write "
-                             "through links in a run directory (remove the link; nothing was changed)")
-
-
-# ------------------------------------------------------------------------------------------------------------
-# What a directory holds, and who works in it
-
-
-def dir_state(directory: str | os.PathLike, marker: str) -> str:
-    """"absent" | "empty" | "run" (holds `marker`, e.g. config.yaml or plan.json) | "other" (anything else:
-    a file, or a folder with contents that are not a run; never to be written into)."""
-    directory = Path(directory)
-    if not directory.exists() and not directory.is_symlink():
-        return "absent"
-    if not directory.is_dir():
-        return "other"
-    if (directory / marker).is_file():
-        return "run"
-    names = [p.name for p in directory.iterdir()]
-    return "empty" if all(n == LOCK_FILE for n in names) else "other"
-
-
-class DirLock:
-    """An exclusive lock on a run or validation directory for as long as it is held (`with DirLock(d):` or
-    acquire/release). The lock is an flock on `<dir>/.fp8train.lock`, which also records the holder's PID, host
-    and start time: a second process is refused with that PID; the kernel drops the flock of a process that
-    dies (even by kill -9), so its leftover file is a stale lock, taken over with a message. The file is never
-    deleted (deleting a locked file lets two processes lock two different files of the same name)."""
-
-    def __init__(self, directory: str | os.PathLike, what: str = "run directory", log=None):
-        self.directory, self.what, self.log = Path(directory), what, log
-        self.path = self.directory / LOCK_FILE
-        self._fd: int | None = None
-
-    def acquire(self) -> "DirLock":
-        refuse_symlink(self.path)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _lock_holder(fd)
-            os.close(fd)
-            raise ValueError(f"{self.what} {self.directory} is in use by another fp8train process "
-                             f"(PID {holder.get('pid', '?')} on {holder.get('host', '?')}, since "
-                             f"{holder.get('since', '?')}); wait for it to finish or stop it (nothing was changed)"
-                             ) from None
-        stale = _lock_holder(fd)
-        if stale.get("pid") is not None and self.log is not None:
-            self.log(f"{self.what} {self.directory}: took over the lock of PID {stale['pid']}, which is no "
-                     "longer running (killed?)")
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
-        self._fd = fd
-        return self
-
-    def release(self) -> None:
-        if self._fd is None:
-            return
-        try:
-            os.ftruncate(self._fd, 0)  # released cleanly: no holder recorded
-        except OSError:
-            pass  # read-only now, or full: the flock still goes with the close
-        os.close(self._fd)
-        self._fd = None
-
-    def __enter__(self) -> "DirLock":
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-def _lock_holder(fd: int) -> dict:
-    try:
-        record = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-    except (ValueError, OSError):
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
-# Write failures that are the environment's, not fp8train's: reported in one line, never as a traceback.
-WRITE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
-
-
-def write_error(err: BaseException) -> str | None:
-    """One line for a write failure of the environment (full disk, read-only or forbidden folder), else None."""
-    if not isinstance(err, OSError) or err.errno not in WRITE_ERRNOS:
-        return None
-    where = f" {err.filename}" if err.filename else ""
-    return f"cannot write{where}: {os.strerror(err.errno)} (errno {errno.errorcode[err.errno]})"
-
-
-def as_os_error(err: BaseException, path: str | os.PathLike) -> OSError | None:
-    """The OSError inside a library error that carries it only in its text (safetensors' writer reports a full
-    disk as `SafetensorError: ... No space left on device (os error 28)`), so it is reported like any other."""
-    if isinstance(err, OSError):
-        return err
-    found = re.search(r"\(os error (\d+)\)", str(err))
-    return OSError(int(found.group(1)), os.strerror(int(found.group(1))), str(path)) if found else None
-
-
-def record_write_failure(run_dir: str | os.PathLike, err: OSError, summary: dict | None = None) -> bool:
-    """After a write failure of the environment, leave summary.json with status "failed" and the one-line reason
-    if the run directory still takes it (a full disk often does once the failed write's temp files are gone).
-    Returns whether it was written."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return False
-    record = {**(summary or {}), "status": "failed", "reason": write_error(err) or str(err)}
-    try:
-        write_json_atomic(run_dir / SUMMARY_FILE, record)
-    except OSError:
-        return False
-    return True
-
-
-def give_default_mode(path: str | os.PathLike) -> None:
-    """The permissions an ordinary new file gets (0666 minus the umask). safetensors creates its files 0600,
-    which leaves checkpoints and exports unreadable to the group that shares a run or serves a model."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
 def truncate_jsonl(path: str | os.PathLike, last_step: int, check=None, log=None) -> list[dict]:
     """Keep only the records of steps <= `last_step` (a resumed run rewrites what came after its checkpoint), and
     return them; the file is replaced whole. Missing file: nothing to do, no records. Damaged lines (see
@@ -394,6 +249,14 @@ def truncate_jsonl(path: str | os.PathLike, last_step: int, check=None, log=None
     if path.exists():
         write_text_atomic(path, "".join(dumps(r) + "\n" for r in kept))
     return kept
+
+
+def give_default_mode(path: str | os.PathLike) -> None:
+    """The permissions an ordinary new file gets (0666 minus the umask). safetensors creates its files 0600,
+    which leaves checkpoints and exports unreadable to the group that shares a run or serves a model."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def sha256_file(path: Path) -> str:

@@ -13,7 +13,7 @@ the run starts the scaling state of its own recipe. Weights load as fp32: they a
 run directory is not such a folder: `fp8train export RUN_DIR --format hf --out DIR` writes one.
 
 The recipe's own architecture fields (`model.d_model`, `model.n_layers`, ...) describe fp8train's Decoder, not an
-HF model: a config that sets them together with an HF model is refused (see `check_hf_model_fields`).
+HF model: a config that sets them together with an HF model is refused (see `config.model_data.check_hf_model_fields`).
 
 K/V hook for the FP8 KV-cache evaluation: every HF attention module gets a `kv_transform` attribute (None by
 default) and the model's attention implementation is wrapped so that, when set, it sees K (after RoPE) and V,
@@ -33,13 +33,8 @@ import torch.nn as nn
 from fp8train.nn.convert import is_conv1d
 from fp8train.nn.linear import is_scaling_buffer
 
-__all__ = ["HF_ONLY_SOURCE_KEYS", "DECODER_ONLY_FIELDS", "check_hf_model_fields", "hf_config_of",
-           "build_hf_model", "enable_kv_hook", "hf_kv_shape", "quiet_transformers", "drop_decoder_fields"]
+__all__ = ["hf_config_of", "build_hf_model", "enable_kv_hook", "hf_kv_shape", "quiet_transformers"]
 
-HF_ONLY_SOURCE_KEYS = ("hf_config", "hf_path")
-# ModelConfig fields that describe fp8train's Decoder and mean nothing for a Hugging Face model.
-DECODER_ONLY_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "tie_embeddings",
-                       "norm_eps", "rope_theta")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 _KV_ATTENTION = "fp8train_kv"
 
@@ -51,28 +46,6 @@ def _transformers():
         raise ImportError("model.hf_config / model.hf_path need Hugging Face transformers: pip install "
                           "transformers  (or fp8train[hf])") from err
     return transformers
-
-
-def check_hf_model_fields(model_cfg, defaults) -> None:
-    """Refuse Decoder architecture fields set together with an HF model (they would be silently ignored)."""
-    key = "hf_path" if model_cfg.hf_path else "hf_config"
-    if model_cfg.hf_path and model_cfg.hf_config:
-        raise ValueError("config model.hf_path and model.hf_config are both set: give one (hf_path = pretrained "
-                         "weights and their config.json; hf_config = an architecture, random init)")
-    changed = [name for name in DECODER_ONLY_FIELDS if getattr(model_cfg, name) != getattr(defaults, name)]
-    if changed:
-        raise ValueError(f"config model.{changed[0]}={getattr(model_cfg, changed[0])!r} does not apply to a Hugging "
-                         f"Face model (model.{key}): its architecture comes from config.json; remove "
-                         f"{', '.join('model.' + n for n in changed)}")
-
-
-def drop_decoder_fields(config: dict) -> dict:
-    """A plain config dict (as sent to wandb) without the Decoder-only model fields when the model is an HF
-    model: they were not used, so they are not recorded as if they were."""
-    model = config.get("model", {})
-    if model.get("hf_path") or model.get("hf_config"):
-        config = {**config, "model": {k: v for k, v in model.items() if k not in DECODER_ONLY_FIELDS}}
-    return config
 
 
 def _config_folder(path: str, key: str) -> Path:

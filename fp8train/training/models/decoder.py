@@ -9,8 +9,8 @@ Module names are a contract (the layer policy, telemetry and the KV-cache evalua
 `layers.{i}.mlp.{gate,up,down}_proj`, `norm`, `lm_head`.
 
 `build_model(model_cfg)` also builds a Hugging Face causal LM from a local folder when `model.hf_path`
-(pretrained weights) or `model.hf_config` (architecture only) is set (fp8train.training.hf), wrapped so that it has
-the same `forward(idx, targets) -> (logits, loss)`.
+(pretrained weights) or `model.hf_config` (architecture only) is set (fp8train.training.models.hf), wrapped so
+that it has the same `forward(idx, targets) -> (logits, loss)`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fp8train.training.hf import build_hf_model
+from fp8train.training.models.hf import build_hf_model
 
 __all__ = ["Decoder", "HFCausalLM", "build_model", "count_params", "vocab_rows", "check_model_for_run"]
 

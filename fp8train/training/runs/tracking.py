@@ -29,13 +29,11 @@ from pathlib import Path
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 from omegaconf import OmegaConf
 
-from fp8train.training.hf import drop_decoder_fields
-from fp8train.training.rundir import TRACKERS_FILE, json_safe, read_json, write_json_atomic
+from fp8train.training.config.model_data import drop_decoder_fields
+from fp8train.training.storage.files import json_safe, read_json, write_json_atomic
+from fp8train.training.storage.rundir import TRACKERS_FILE
 
-__all__ = ["TRACKER_NAMES", "Trackers", "check_trackers_available", "tracked_config"]
-
-TRACKER_NAMES = tuple(LOGGER_TYPE_TO_CLASS)  # accelerate's names: aim, comet_ml, mlflow, tensorboard, wandb, ...
-
+__all__ = ["Trackers", "check_trackers_available", "tracked_config"]
 
 def active_trackers(cfg) -> list[str]:
     return [t for t in cfg.log.trackers if t != "wandb" or cfg.log.wandb != "disabled"]

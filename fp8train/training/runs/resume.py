@@ -27,9 +27,10 @@ from typing import Callable, Optional
 
 from omegaconf import OmegaConf
 
-from fp8train.training.sharded_checkpoint import latest_loadable_checkpoint
+from fp8train.training.runs.sharded_checkpoint import latest_loadable_checkpoint
 from fp8train.training.config import HASH_EXCLUDE, config_hash, load_config
-from fp8train.training.rundir import CHECKPOINTS_DIR, CONFIG_FILE, SUMMARY_FILE, read_json
+from fp8train.training.storage.files import read_json
+from fp8train.training.storage.rundir import CHECKPOINTS_DIR, CONFIG_FILE, SUMMARY_FILE
 
 __all__ = ["RESUMABLE_KEYS", "ResumePlan", "plan_resume", "config_differences", "resume_hash"]
 

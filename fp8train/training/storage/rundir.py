@@ -1,0 +1,151 @@
+"""A run directory: where a run's files live, whether a directory may be written into, and who works in it.
+
+- the names of the files a run keeps (config.yaml, metrics.jsonl, telemetry.jsonl, summary.json, checkpoints/);
+- a run or validation directory is created only where nothing is (absent, or empty), continued only where a run
+  is (`dir_state`); anything else is refused before a byte is written;
+- nothing in it is written through a symlink (`refuse_symlinks_in`): a link planted in a run directory could make
+  fp8train overwrite a file outside it;
+- one process at a time works in a directory (`DirLock`, an flock held for the run's life): a second one is
+  refused with the holder's PID, and the lock of a process that was killed is free again (the kernel drops an
+  flock with its process), so it is taken over and said so;
+- a write failure of the environment leaves summary.json saying "failed" and why, when the directory still takes
+  it (`record_write_failure`).
+Every file in it is written and read through fp8train.training.storage.files (atomic, strict JSON, torn-line
+safe).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from fp8train.training.storage.files import refuse_symlink, write_error, write_json_atomic
+
+__all__ = [
+    "CONFIG_FILE", "METRICS_FILE", "TELEMETRY_FILE", "SUMMARY_FILE", "CHECKPOINTS_DIR", "TRACKERS_FILE", "LOCK_FILE",
+    "refuse_symlinks_in", "dir_state", "DirLock", "record_write_failure",
+]
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+TELEMETRY_FILE = "telemetry.jsonl"
+SUMMARY_FILE = "summary.json"
+CHECKPOINTS_DIR = "checkpoints"
+TRACKERS_FILE = "trackers.json"  # tracker run ids (wandb), so a resumed run continues the same tracker run
+LOCK_FILE = ".fp8train.lock"
+
+
+def refuse_symlinks_in(directory: str | os.PathLike) -> None:
+    """Raise if any entry fp8train writes in `directory` (its top level, and checkpoints/ two levels down) is a
+    symbolic link. Checked before a run writes anything. (Links that trackers such as wandb make inside their
+    own folders are theirs and not looked at.)"""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    entries = list(directory.iterdir())
+    ckpt = directory / CHECKPOINTS_DIR
+    if ckpt.is_dir() and not ckpt.is_symlink():
+        for sub in ckpt.iterdir():
+            entries.append(sub)
+            if sub.is_dir() and not sub.is_symlink():
+                entries += list(sub.iterdir())
+    for entry in entries:
+        if entry.is_symlink():
+            raise ValueError(f"{entry} is a symbolic link (to {os.readlink(entry)}); fp8train does not write "
+                             "through links in a run directory (remove the link; nothing was changed)")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What a directory holds, and who works in it
+
+
+def dir_state(directory: str | os.PathLike, marker: str) -> str:
+    """"absent" | "empty" | "run" (holds `marker`, e.g. config.yaml or plan.json) | "other" (anything else:
+    a file, or a folder with contents that are not a run; never to be written into)."""
+    directory = Path(directory)
+    if not directory.exists() and not directory.is_symlink():
+        return "absent"
+    if not directory.is_dir():
+        return "other"
+    if (directory / marker).is_file():
+        return "run"
+    names = [p.name for p in directory.iterdir()]
+    return "empty" if all(n == LOCK_FILE for n in names) else "other"
+
+
+class DirLock:
+    """An exclusive lock on a run or validation directory for as long as it is held (`with DirLock(d):` or
+    acquire/release). The lock is an flock on `<dir>/.fp8train.lock`, which also records the holder's PID, host
+    and start time: a second process is refused with that PID; the kernel drops the flock of a process that
+    dies (even by kill -9), so its leftover file is a stale lock, taken over with a message. The file is never
+    deleted (deleting a locked file lets two processes lock two different files of the same name)."""
+
+    def __init__(self, directory: str | os.PathLike, what: str = "run directory", log=None):
+        self.directory, self.what, self.log = Path(directory), what, log
+        self.path = self.directory / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> "DirLock":
+        refuse_symlink(self.path)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            raise ValueError(f"{self.what} {self.directory} is in use by another fp8train process "
+                             f"(PID {holder.get('pid', '?')} on {holder.get('host', '?')}, since "
+                             f"{holder.get('since', '?')}); wait for it to finish or stop it (nothing was changed)"
+                             ) from None
+        stale = _lock_holder(fd)
+        if stale.get("pid") is not None and self.log is not None:
+            self.log(f"{self.what} {self.directory}: took over the lock of PID {stale['pid']}, which is no "
+                     "longer running (killed?)")
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, 0)  # released cleanly: no holder recorded
+        except OSError:
+            pass  # read-only now, or full: the flock still goes with the close
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> "DirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _lock_holder(fd: int) -> dict:
+    try:
+        record = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (ValueError, OSError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def record_write_failure(run_dir: str | os.PathLike, err: OSError, summary: dict | None = None) -> bool:
+    """After a write failure of the environment, leave summary.json with status "failed" and the one-line reason
+    if the run directory still takes it (a full disk often does once the failed write's temp files are gone).
+    Returns whether it was written."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return False
+    record = {**(summary or {}), "status": "failed", "reason": write_error(err) or str(err)}
+    try:
+        write_json_atomic(run_dir / SUMMARY_FILE, record)
+    except OSError:
+        return False
+    return True
