@@ -480,13 +480,12 @@ def test_te_backend_is_not_an_fp8linear_backend():
 # ---- the weight's FP8 copy: made once per weight version, reused, invalidated ------------------------------
 def _weight_quantizations(monkeypatch, layer):
     calls = []
-    real = layer._quantize
+    for role, quantizer in layer.quantizers.items():
+        def counting(tensor, keep_values=True, role=role, real=quantizer.quantize):
+            calls.append(role)
+            return real(tensor, keep_values)
 
-    def counting(role, tensor, keep_values=True):
-        calls.append(role)
-        return real(role, tensor, keep_values)
-
-    monkeypatch.setattr(layer, "_quantize", counting)
+        monkeypatch.setattr(quantizer, "quantize", counting)
     return calls
 
 
@@ -614,7 +613,7 @@ def test_fp8_linear_op_count_is_at_most_2_5x_nn_linear(name):
     reference, fp8 = top_level_aten_ops(baseline), top_level_aten_ops(step)
     # The native kernel quantizes in one op; the eager chain (no C compiler, or --native-cast=off) takes a few
     # more per operand (amax, scale, divide, clamp, cast: quant.py), hence its own budget.
-    budget = 2.5 if layer._kernel(512 * 256) == "native" else 3.0
+    budget = 2.5 if layer.kernel_for(512 * 256) == "native" else 3.0
     assert fp8 <= budget * reference, (fp8, reference)
 
 
