@@ -68,6 +68,7 @@ def update_group(quantizers: list, step_amax: torch.Tensor) -> None:
     initialized = initialized | usable
     new = {"amax_history": history, "scale": scale, "scale_amax": scale_amax, "initialized": initialized,
            "stale_scale_steps": stale}
+    # one multi-tensor op for the whole list: torch's foreach kernels have no public name
     torch._foreach_copy_([b for name in _STATE for b in state[name]],
                          [row for name in _STATE for row in new[name].unbind(0)])
     _refresh_host_mirror(quantizers, initialized)

@@ -72,6 +72,7 @@ class Fp8AllGatherWeight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, weight_fp32: torch.Tensor, quantizer):
+        # torch's way to make a tensor subclass that wraps another (no public constructor for one)
         return torch.Tensor._make_wrapper_subclass(
             cls, weight_fp32.size(), strides=weight_fp32.stride(), storage_offset=weight_fp32.storage_offset(),
             dtype=weight_fp32.dtype, layout=weight_fp32.layout, device=weight_fp32.device,
@@ -148,6 +149,7 @@ class Fp8GatheredWeight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, codes, scale, amax, fmt, param_dtype):
+        # torch's way to make a tensor subclass that wraps another (no public constructor for one)
         return torch.Tensor._make_wrapper_subclass(cls, codes.size(), strides=codes.stride(), dtype=param_dtype,
                                                    device=codes.device, requires_grad=False)
 
@@ -159,7 +161,8 @@ class Fp8GatheredWeight(torch.Tensor):
 
     def set_scale(self, scale: torch.Tensor, amax: torch.Tensor) -> None:
         """Write a re-gather's scale and amax in place. Same value when re-gathered for backward, so the version
-        counter is left as it was (torch has no public way to: autograd may have saved this tensor)."""
+        counter is left as it was: autograd may have saved this tensor."""
+        # torch's only way to write into a tensor without bumping its version counter
         with torch.autograd._unsafe_preserve_version_counter((self._scale, self._amax)):
             self._scale.copy_(scale)
             self._amax.copy_(amax)
@@ -196,8 +199,9 @@ def unwrap_fp8_all_gather(tensor: torch.Tensor) -> torch.Tensor:
     """The plain fp32 tensor behind an Fp8AllGatherWeight (or a DTensor of one), sharing its storage; other
     tensors are returned as they are. For state dicts: checkpoints store plain tensors."""
     # DTensor's own local shard: to_local() would put an autograd op between it and the state dict
-    if isinstance(tensor, DTensor) and isinstance(tensor._local_tensor, Fp8AllGatherWeight):
-        return DTensor.from_local(tensor._local_tensor.weight_fp32, tensor.device_mesh, tensor.placements,
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else None
+    if isinstance(local, Fp8AllGatherWeight):
+        return DTensor.from_local(local.weight_fp32, tensor.device_mesh, tensor.placements,
                                   run_check=False, shape=tensor.shape, stride=tensor.stride())
     if isinstance(tensor, Fp8AllGatherWeight):
         return tensor.weight_fp32

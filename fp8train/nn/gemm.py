@@ -106,6 +106,12 @@ class Fp8Operand:
             self._cache[key] = value
         return value
 
+    def memo(self, key, make) -> torch.Tensor:
+        """`make()`, kept on this operand under `key` (its own cache only, not its transpose source's): e.g. its
+        bytes copied into the layout a kernel reads, made once per cached weight operand."""
+        found = self._cache.get(key)
+        return found if found is not None else self._store(key, make())
+
     @classmethod
     def from_fp8_tensor(cls, q, keep_values: bool = True) -> "Fp8Operand":
         """From a 2-D `quant.Fp8Tensor` (tensor scales, per-row scales along axis -1, or block tiles)."""

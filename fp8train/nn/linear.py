@@ -288,6 +288,7 @@ class Fp8Linear(nn.Linear):
         cacheable = (self.weight_cache_allowed and not isinstance(weight, Fp8GatheredWeight)
                      and not isinstance(self, FSDPModule))
         cacheable = cacheable and not torch.compiler.is_compiling()  # (a traced graph re-derives it anyway)
+        # tensor._version: torch's in-place write counter, the one signal an in-place update of the weight gives
         key = (weight._version, _optimizer_steps, weight.data_ptr(), self.training, self._scale_generation, backend,
                self.emulated_dtype, self.quantize_kernel) if cacheable else None
         cached = self._weight_cache
@@ -371,6 +372,7 @@ def update_fp8_scales(model: nn.Module, process_group=None) -> None:
         rows = step_amax if len(indices) == len(layers) else \
             step_amax.view(-1, len(ROLES))[indices].reshape(-1)
         update_group([layers[i].quantizers[role] for i in indices for role in ROLES], rows)
+    # one multi-tensor op for the whole list: torch's foreach kernels have no public name
     torch._foreach_copy_(pendings, [torch.full_like(step_amax[0], -1.0)] * len(pendings))
     for layer in layers:
         layer.scales_updated()

@@ -74,7 +74,6 @@ class OperandQuantizer:
             layer.register_buffer(f"{role}_pending_amax", torch.full((), -1.0, device=device))
             layer.register_buffer(f"{role}_initialized", torch.zeros((), dtype=torch.bool, device=device))
             layer.register_buffer(f"{role}_stale_scale_steps", torch.zeros((), dtype=torch.int64, device=device))
-        self.reset()
 
     def buffer(self, name: str) -> torch.Tensor:
         """This role's scaling buffer `name` (one of SCALING_BUFFERS), as the layer holds it now."""
