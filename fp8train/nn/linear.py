@@ -22,7 +22,8 @@ fused AdamW updates weights in place without bumping their version), when it is 
 are updated, and when the layer switches between train and eval. An fp32 (or bf16) copy of FP8 values exists
 only where a GEMM reads it.
 
-Scaling state (module buffers, hence in state_dict and checkpoints):
+Scaling state (module buffers, hence in state_dict and checkpoints), one role's owned by `layer.quantizers[role]`
+(an OperandQuantizer, nn/quantizer.py: that role's quantize, quantize_transposed and scale rule):
 - every recipe: `{role}_nonfinite_amax_count` (int64), incremented whenever a tensor of that role (any row or
   block of it, for rowwise/block) has a NaN/inf amax. Such a tensor is still quantized (NaN stays NaN, inf
   saturates), but its amax never becomes a scale: current scaling uses 1.0 for it (quant.scale_from_amax).
