@@ -23,6 +23,7 @@ _LAZY = {
     "Fp8Recipe": "fp8train.nn.recipes",
     "RECIPE_NAMES": "fp8train.nn.recipes",
     "Fp8Linear": "fp8train.nn.linear",
+    "OperandQuantizer": "fp8train.nn.quantizer",
     "convert_to_fp8": "fp8train.nn.convert",
     "LayerPolicy": "fp8train.nn.convert",
     "update_fp8_scales": "fp8train.nn.linear",

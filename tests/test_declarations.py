@@ -17,6 +17,7 @@ import pytest
 
 import fp8train
 from fp8train.nn.convert import fp8_from_conv1d
+from fp8train.nn.gemm import AUTO_EMULATED_DTYPE, emulated_compute_dtype
 from fp8train.nn.linear import Fp8Linear, configure_execution
 from fp8train.nn.recipes import (BASELINE_RECIPE, DEFAULT_RECIPE, OVERRIDE_BF16, RECIPE_NAMES, Fp8Recipe,
                                  RecipeFieldError, recipe)
@@ -85,6 +86,40 @@ def scaling_string_comparisons(root: Path = PACKAGE) -> list[str]:
                 if "scaling" in names and any(_str_literals(s) for s in sides):
                     hits.append(f"{module}:{node.lineno}")
     return hits
+
+
+def _mentions_emulated(node: ast.AST) -> bool:
+    words = [getattr(n, "id", None) or getattr(n, "attr", None) or getattr(n, "arg", None) for n in ast.walk(node)]
+    keys = [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    return any(w and "emulated" in w.lower() for w in words) or any("emulated_dtype" in k for k in keys)
+
+
+def _is_auto(node: ast.AST | None) -> bool:
+    return isinstance(node, ast.Constant) and node.value == AUTO_EMULATED_DTYPE
+
+
+def emulated_auto_spellings(root: Path = PACKAGE) -> list[str]:
+    """Where the literal "auto" stands for the emulated dtype: in a statement (a compound statement's header)
+    that names it, as the default of an `*emulated*` parameter, or anywhere in an `*emulated*` function."""
+    hits = []
+    for module, tree in _modules(root).items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.posonlyargs + node.args.args
+                pairs = list(zip(args[len(args) - len(node.args.defaults):], node.args.defaults))
+                pairs += list(zip(node.args.kwonlyargs, node.args.kw_defaults))
+                hits += [f"{module}:{d.lineno}" for a, d in pairs
+                         if _is_auto(d) and "emulated" in f"{node.name} {a.arg}".lower()]
+                if "emulated" in node.name.lower():
+                    hits += [f"{module}:{n.lineno}" for stmt in node.body for n in ast.walk(stmt) if _is_auto(n)]
+                continue
+            headers = [node.test] if isinstance(node, (ast.If, ast.While)) else \
+                [node.target, node.iter] if isinstance(node, ast.For) else \
+                [node] if isinstance(node, ast.stmt) and not isinstance(node, (ast.ClassDef, ast.With, ast.Try)) \
+                else []
+            hits += [f"{module}:{h.lineno}" for h in headers
+                     if _mentions_emulated(h) and any(_is_auto(n) for n in ast.walk(h))]
+    return sorted(set(hits))
 
 
 # ---- recipe fields: declared on Fp8Recipe only ------------------------------------------------------------------
@@ -165,6 +200,21 @@ def test_one_quantize_kernel_default():
     defaults = {"Fp8Linear": Fp8Linear(16, 16).quantize_kernel, "fp8.quantize_kernel": Fp8Config().quantize_kernel,
                 "configure_execution": inspect.signature(configure_execution).parameters["quantize_kernel"].default}
     assert set(defaults.values()) == {DEFAULT_QUANTIZE_KERNEL}, defaults
+
+
+def test_emulated_dtype_auto_is_spelled_once():
+    """`emulated_dtype: auto` is gemm.AUTO_EMULATED_DTYPE everywhere: the layer's default, configure_execution's,
+    fp8.emulated_dtype's and its allowed values, and emulated_compute_dtype's."""
+    assert emulated_auto_spellings() == [f"nn/gemm.py:{_line_of('AUTO_EMULATED_DTYPE', PACKAGE / 'nn' / 'gemm.py')}"]
+    defaults = {"Fp8Linear": Fp8Linear(16, 16).emulated_dtype, "fp8.emulated_dtype": Fp8Config().emulated_dtype,
+                "configure_execution": inspect.signature(configure_execution).parameters["emulated_dtype"].default,
+                "emulated_compute_dtype": inspect.signature(emulated_compute_dtype).parameters["choice"].default}
+    assert set(defaults.values()) == {AUTO_EMULATED_DTYPE}, defaults
+
+
+def _line_of(name: str, path: Path) -> int:
+    return next(n.lineno for n in ast.parse(path.read_text()).body if isinstance(n, ast.Assign)
+                and any(getattr(t, "id", None) == name for t in n.targets))
 
 
 def test_no_scaling_compared_with_a_string():

@@ -477,16 +477,47 @@ def test_te_backend_is_not_an_fp8linear_backend():
         Fp8Linear(64, 64, recipe=recipe("current", backend="te"))
 
 
+# ---- the per-role quantizers: the layer's buffers, under the layer's own keys ------------------------------
+DELAYED_BUFFERS = ["nonfinite_amax_count", "amax_history", "scale", "scale_amax", "pending_amax", "initialized",
+                   "stale_scale_steps"]  # the documented list (nn/linear.py's docstring), in registration order
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_quantizers_keep_the_layers_state_dict_keys(name):
+    layer = Fp8Linear(32, 16, recipe=name)
+    names = DELAYED_BUFFERS if name == "delayed" else DELAYED_BUFFERS[:1]
+    expected = ["weight", "bias"] + [f"{role}_{b}" for role in ("input", "weight", "grad_output") for b in names]
+    assert list(layer.state_dict()) == expected
+    assert list(layer.quantizers) == ["input", "weight", "grad_output"]
+    assert [q.role for q in layer.quantizers.values()] == ["input", "weight", "grad_output"]
+
+
+def test_quantizers_follow_buffers_that_a_load_replaces():
+    """load_state_dict(assign=True) puts new tensors behind the buffer names: the quantizer records into those
+    (a quantizer holding the old tensors would record into orphans, and the state_dict would not see it)."""
+    layer = _delayed_probe(amax_history_len=4)
+    layer.load_state_dict({k: v.clone() for k, v in layer.state_dict().items()}, assign=True)
+    x = torch.tensor([[3.0] + [0.5] * 15, [-7.25] + [0.0] * 15])
+    layer(x).sum().backward()
+    state = layer.state_dict()
+    assert state["input_pending_amax"].item() == 7.25 and state["weight_pending_amax"].item() == 448.0
+    assert state["grad_output_pending_amax"].item() == 1.0  # d(sum)/dy
+    # current scaling until the first update: the input's scale is its own amax / 448 (E4M3's max)
+    assert layer.quantizers["input"].tensorwise_scale(torch.tensor(7.25)).item() == np.float32(7.25 / 448)
+    update_fp8_scales(layer)
+    assert layer.quantizers["input"].tensorwise_scale(torch.tensor(1.0)).item() == np.float32(7.25 / 448)
+    assert layer.state_dict()["input_amax_history"].tolist() == [7.25, 0.0, 0.0, 0.0]
+
+
 # ---- the weight's FP8 copy: made once per weight version, reused, invalidated ------------------------------
 def _weight_quantizations(monkeypatch, layer):
     calls = []
-    real = layer._quantize
+    for role, quantizer in layer.quantizers.items():
+        def counting(tensor, keep_values=True, role=role, real=quantizer.quantize):
+            calls.append(role)
+            return real(tensor, keep_values)
 
-    def counting(role, tensor, keep_values=True):
-        calls.append(role)
-        return real(role, tensor, keep_values)
-
-    monkeypatch.setattr(layer, "_quantize", counting)
+        monkeypatch.setattr(quantizer, "quantize", counting)
     return calls
 
 
@@ -614,7 +645,7 @@ def test_fp8_linear_op_count_is_at_most_2_5x_nn_linear(name):
     reference, fp8 = top_level_aten_ops(baseline), top_level_aten_ops(step)
     # The native kernel quantizes in one op; the eager chain (no C compiler, or --native-cast=off) takes a few
     # more per operand (amax, scale, divide, clamp, cast: quant.py), hence its own budget.
-    budget = 2.5 if layer._kernel(512 * 256) == "native" else 3.0
+    budget = 2.5 if layer.kernel_for(512 * 256) == "native" else 3.0
     assert fp8 <= budget * reference, (fp8, reference)
 
 

@@ -297,7 +297,7 @@ def test_outputs_never_require_grad_like_eager():
 def test_fp8linear_uses_it_by_default():
     layer = Fp8Linear(64, 32, recipe="current")
     x = torch.randn(16, 64, requires_grad=True)
-    assert layer.quantize_kernel == "auto" and layer._kernel(x.numel()) == "native"
+    assert layer.quantize_kernel == "auto" and layer.kernel_for(x.numel()) == "native"
     layer(x).sum().backward()
     assert torch.isfinite(x.grad).all()
 
@@ -322,7 +322,7 @@ def test_without_a_compiler_quantize_falls_back_to_eager_and_says_why(monkeypatc
     assert not native_cast.available() and "no C compiler" in native_cast.unavailable_reason()
     eager = quantize(x, "e4m3fn", granularity="row", kernel="eager", keep_values=True)
     assert torch.equal(q.data.view(torch.uint8), eager.data.view(torch.uint8)) and torch.equal(q.scale, eager.scale)
-    assert Fp8Linear(70, 8)._kernel(x.numel()) == "eager"  # the layer's default runs eagerly, no probe
+    assert Fp8Linear(70, 8).kernel_for(x.numel()) == "eager"  # the layer's default runs eagerly, no probe
 
 
 def test_a_failing_compiler_falls_back_too(monkeypatch, tmp_path):

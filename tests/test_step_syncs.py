@@ -299,7 +299,9 @@ def test_a_role_whose_amax_stays_zero_reads_its_flags_back_only_at_powers_of_two
             if i == 0 and (len(reads) > before or counter.count):
                 synced.append(step)
             if i == 1:  # the reference: its mirror forgotten every step, so the forward always falls back
-                layer._initialized_on_host = dict.fromkeys(layer._initialized_on_host, False)
+                for quantizer in layer.quantizers.values():
+                    quantizer.initialized_on_host = False
     assert synced == [1, 2, 4, 8, 16, 32]
-    assert layers[0]._initialized_on_host == {"input": True, "weight": False, "grad_output": True}
+    assert {role: q.initialized_on_host for role, q in layers[0].quantizers.items()} == \
+        {"input": True, "weight": False, "grad_output": True}
     assert all(torch.equal(a, b) for a, b in zip(outputs[0], outputs[1]))

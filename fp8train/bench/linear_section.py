@@ -42,6 +42,7 @@ def _fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, autocast: b
         # no contender times a weight cast it would not pay in training (one micro-batch per step: the worst
         # case for FP8; with gradient accumulation the FP8 copy is reused across micro-batches).
         with torch.no_grad():
+            # one multi-tensor op for the whole list: torch's foreach kernels have no public name
             torch._foreach_mul_(weights, 1.0)
         x_ = x.detach().requires_grad_(True)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):

@@ -266,10 +266,8 @@ def fp8_from_conv1d(conv: nn.Module, recipe: Fp8Recipe | str = DEFAULT_RECIPE) -
     """An Fp8Linear computing what `conv` computes. Its weight is a NEW Parameter holding conv.weight.T (the
     nn.Linear layout, so the three GEMMs are the ones written in linear.py); build the optimizer after the swap.
     `conv1d_layout = True`: its state_dict holds the weight in Conv1D's (in, out) layout (Fp8Linear)."""
-    layer = Fp8Linear(conv.nx, conv.nf, bias=conv.bias is not None, recipe=recipe, device="meta")
-    layer.weight = nn.Parameter(conv.weight.detach().t().contiguous(), requires_grad=conv.weight.requires_grad)
-    layer.bias = conv.bias
-    layer._init_scaling_state(conv.weight.device)
+    weight = nn.Parameter(conv.weight.detach().t().contiguous(), requires_grad=conv.weight.requires_grad)
+    layer = Fp8Linear.from_parameters(weight, conv.bias, recipe)
     layer.train(conv.training)
     layer.conv1d_layout = True
     return layer

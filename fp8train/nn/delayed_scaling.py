@@ -2,7 +2,8 @@
 
 ``fp8train.nn.linear.update_fp8_scales`` gathers the delayed layers and their pending amaxes (one all-reduce);
 ``update_group`` then applies the documented step (fp8train.nn.linear's docstring, "Delayed scaling, exactly")
-to a group of layers sharing recipe options with a fixed number of tensor ops, however many layers there are.
+to the per-role quantizers (fp8train.nn.quantizer.OperandQuantizer) of a group of layers sharing recipe options,
+on their stacked buffers, with a fixed number of tensor ops however many layers there are.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ _LOADED_STATE_RULES = (("scale", "finite and > 0", lambda t: torch.isfinite(t) &
 
 
 def refuse_bad_fp8_state(module, state_dict, prefix, *args) -> None:
-    for name, buffer in module._buffers.items():  # torch's own size-mismatch error would come later, as a bug
+    for name, buffer in module.named_buffers(recurse=False):  # torch's own size-mismatch error comes later, as a bug
         value = state_dict.get(f"{prefix}{name}")
         if isinstance(value, torch.Tensor) and buffer is not None and value.shape != buffer.shape:
             raise ValueError(f"FP8 scaling state {prefix}{name} has shape {tuple(value.shape)}, this layer's is "
@@ -46,12 +47,13 @@ def refuse_bad_fp8_state(module, state_dict, prefix, *args) -> None:
                                  "hand-edited state; nothing was loaded into this layer)")
 
 
-def update_group(layers: list, step_amax: torch.Tensor) -> None:
-    """The documented delayed-scaling step for `layers` (same recipe options), rows = (layer, role)."""
-    r = layers[0].recipe
-    state = {name: [getattr(m, f"{role}_{name}") for m in layers for role in ROLES] for name in _STATE}
+def update_group(quantizers: list, step_amax: torch.Tensor) -> None:
+    """The documented delayed-scaling step for `quantizers` (of layers with the same recipe options), one row of
+    `step_amax` each."""
+    r = quantizers[0].recipe
+    state = {name: [q.buffer(name) for q in quantizers] for name in _STATE}
     history, scale, scale_amax, initialized, stale = (torch.stack(state[name]) for name in _STATE)
-    formats = tuple(m._formats[role] for m in layers for role in ROLES)
+    formats = tuple(q.format for q in quantizers)
     fmt_max, min_normal, cap = _format_constants(formats, r.pow2_scales, step_amax.device)
     recorded = step_amax >= 0  # pending stays at -1 when no micro-batch recorded an amax
     # A step whose amax lands below the smallest normal under the scale in force: an outlier blinds the layer.
@@ -66,25 +68,25 @@ def update_group(layers: list, step_amax: torch.Tensor) -> None:
     initialized = initialized | usable
     new = {"amax_history": history, "scale": scale, "scale_amax": scale_amax, "initialized": initialized,
            "stale_scale_steps": stale}
+    # one multi-tensor op for the whole list: torch's foreach kernels have no public name
     torch._foreach_copy_([b for name in _STATE for b in state[name]],
                          [row for name in _STATE for row in new[name].unbind(0)])
-    _refresh_host_mirror(layers, initialized)
+    _refresh_host_mirror(quantizers, initialized)
 
 
-def _refresh_host_mirror(layers: list, initialized: torch.Tensor) -> None:
-    """Reads the `initialized` flags back to the layers' host mirrors (one host sync) while some are still False,
-    on the 1st, 2nd, 4th, 8th, ... update since the mirror was reset. A role whose amax stays 0 (a zero-initialized
-    projection, a branch whose gradient is always zero) never turns True; reading it every step would sync every
-    step. Until the mirror learns a flag the forward takes the on-device fallback, which gives the same bits."""
-    pending = [m for m in layers if not all(m._initialized_on_host.values())]
-    for m in pending:
-        m._mirror_updates += 1
-    if not any(m._mirror_updates & (m._mirror_updates - 1) == 0 for m in pending):  # no power of two
+def _refresh_host_mirror(quantizers: list, initialized: torch.Tensor) -> None:
+    """Reads the `initialized` flags back to the quantizers' host mirrors (one host sync) while some are still
+    False, on the 1st, 2nd, 4th, 8th, ... update since the mirror was reset. A role whose amax stays 0 (a
+    zero-initialized projection, a branch whose gradient is always zero) never turns True; reading it every step
+    would sync every step. Until the mirror learns a flag the forward takes the on-device fallback, which gives
+    the same bits."""
+    pending = [q for q in quantizers if not q.initialized_on_host]
+    for q in pending:
+        q.mirror_updates += 1
+    if not any(q.mirror_updates & (q.mirror_updates - 1) == 0 for q in pending):  # no power of two
         return
-    flags = iter(initialized.tolist())
-    for m in layers:
-        for role in ROLES:
-            m._initialized_on_host[role] = next(flags)
+    for q, flag in zip(quantizers, initialized.tolist()):
+        q.initialized_on_host = flag
 
 
 @functools.lru_cache(maxsize=256)

@@ -18,10 +18,11 @@ scaling: the all-reduced amax). Rowwise and block recipes are refused: their wei
 Two tensor types carry this through FSDP2's extension points (`fsdp_pre_all_gather` / `fsdp_post_all_gather`,
 looked up on the sharded parameter's local tensor):
 - `Fp8AllGatherWeight`: the fp32 master shard, wrapped. It behaves as its fp32 tensor for everything else
-  (optimizer, state dicts, FSDP2's own copies) and knows its `Fp8Linear`, whose scaling rule and state it uses.
+  (optimizer, state dicts, FSDP2's own copies) and knows its `Fp8Linear`'s weight quantizer
+  (`layer.quantizers["weight"]`, fp8train.nn.quantizer), whose format, scaling rule and state it uses.
 - `Fp8GatheredWeight`: the gathered weight, an fp32-typed (N, K) tensor holding FP8 codes, scale and amax. Only
-  `Fp8Linear` may use it (its `_quantize` takes the FP8 operand as it is, and records the amax as it would have);
-  any other use raises, rather than compute with bytes read as fp32.
+  `Fp8Linear` may use it (its weight quantizer's `quantize` takes the FP8 operand as it is, and records the amax
+  as it would have); any other use raises, rather than compute with bytes read as fp32.
 
 Bytes: 1 byte per element plus nothing per rank for the scale (metadata), against 4 for fp32.
 """
@@ -35,7 +36,6 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 from fp8train.nn.recipes import TENSORWISE_SCALINGS, OperandRole
-from fp8train.numerics.formats import get_format
 from fp8train.numerics.quant import Fp8Tensor, compute_amax, quantize
 
 __all__ = ["Fp8AllGatherWeight", "Fp8GatheredWeight", "check_fp8_all_gather_recipe", "wrap_weight_for_fp8_all_gather",
@@ -71,55 +71,60 @@ class Fp8AllGatherWeight(torch.Tensor):
     """An Fp8Linear's fp32 weight (or its FSDP2 shard) that FSDP2 all-gathers as FP8 codes."""
 
     @staticmethod
-    def __new__(cls, weight_fp32: torch.Tensor, layer: nn.Module):
+    def __new__(cls, weight_fp32: torch.Tensor, quantizer):
+        # torch's way to make a tensor subclass that wraps another (no public constructor for one)
         return torch.Tensor._make_wrapper_subclass(
             cls, weight_fp32.size(), strides=weight_fp32.stride(), storage_offset=weight_fp32.storage_offset(),
             dtype=weight_fp32.dtype, layout=weight_fp32.layout, device=weight_fp32.device,
             requires_grad=weight_fp32.requires_grad)
 
-    def __init__(self, weight_fp32: torch.Tensor, layer: nn.Module):
+    def __init__(self, weight_fp32: torch.Tensor, quantizer):
         self._weight_fp32 = weight_fp32
-        self._layer = layer
+        self._quantizer = quantizer  # the layer's weight OperandQuantizer
+
+    @property
+    def weight_fp32(self) -> torch.Tensor:
+        """The plain fp32 tensor this wraps (same storage)."""
+        return self._weight_fp32
 
     def __repr__(self) -> str:
         return f"Fp8AllGatherWeight({self._weight_fp32!r})"
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        layer = None
+        quantizer = None
 
         def unwrap(t: "Fp8AllGatherWeight") -> torch.Tensor:
-            nonlocal layer
-            layer = t._layer
+            nonlocal quantizer
+            quantizer = t._quantizer
             return t._weight_fp32
 
         args, kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _KEEP_WRAPPED:
             return out
-        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, layer), out)
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, quantizer), out)
 
     def __tensor_flatten__(self):
-        return ["_weight_fp32"], {"layer": self._layer}
+        return ["_weight_fp32"], {"quantizer": self._quantizer}
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, metadata, outer_size, outer_stride):
-        return Fp8AllGatherWeight(inner_tensors["_weight_fp32"], metadata["layer"])
+        return Fp8AllGatherWeight(inner_tensors["_weight_fp32"], metadata["quantizer"])
 
     # --- FSDP2 extension points ---------------------------------------------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """What this rank contributes to the all-gather: its shard's FP8 codes as bytes (padded to FSDP2's
         padded shard size), plus metadata (scale, amax) that is the same on every rank."""
-        layer = self._layer
-        fmt = get_format(layer.recipe.format_of(OperandRole.WEIGHT))
+        quantizer = self._quantizer
         shard = self._weight_fp32.detach()
         amax = compute_amax(shard) if shard.numel() else torch.zeros((), device=shard.device)
         # NaN would not survive a MAX all-reduce reliably (max(nan, x) depends on the order); inf does.
         amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
         if mesh.size() > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
-        scale = layer._tensorwise_scale(OperandRole.WEIGHT, amax)
-        codes = quantize(shard, fmt, scale=scale, validate_scale=False).data.view(torch.uint8)
+        scale = quantizer.tensorwise_scale(amax)
+        codes = quantize(shard, quantizer.format, scale=scale, validate_scale=False).data.view(torch.uint8)
         rows = -(-outer_size[0] // mesh.size())  # FSDP2 pads every shard to the first one's row count
         if codes.shape[0] < rows:
             codes = torch.cat([codes, codes.new_zeros(rows - codes.shape[0], *codes.shape[1:])])
@@ -127,14 +132,11 @@ class Fp8AllGatherWeight(torch.Tensor):
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         (codes,), (scale, amax) = all_gather_outputs, metadata
-        fmt = get_format(self._layer.recipe.format_of(OperandRole.WEIGHT))
+        fmt = self._quantizer.format
         if out is not None:
             # Every gather after the first writes into the same storage, so `out` (the unsharded Parameter, which
-            # autograd may have saved for backward) already holds the new codes; its scale and amax are updated
-            # in place. Same value when re-gathered for backward, so the version counter is left as it was.
-            with torch.autograd._unsafe_preserve_version_counter((out._scale, out._amax)):
-                out._scale.copy_(scale)
-                out._amax.copy_(amax)
+            # autograd may have saved for backward) already holds the new codes; its scale and amax follow.
+            out.set_scale(scale, amax)
             return
         gathered = Fp8GatheredWeight(codes.view(fmt.torch_dtype), scale, amax, fmt, param_dtype)
         return gathered, (codes,)
@@ -147,6 +149,7 @@ class Fp8GatheredWeight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, codes, scale, amax, fmt, param_dtype):
+        # torch's way to make a tensor subclass that wraps another (no public constructor for one)
         return torch.Tensor._make_wrapper_subclass(cls, codes.size(), strides=codes.stride(), dtype=param_dtype,
                                                    device=codes.device, requires_grad=False)
 
@@ -155,6 +158,14 @@ class Fp8GatheredWeight(torch.Tensor):
 
     def __repr__(self) -> str:
         return f"Fp8GatheredWeight(shape={tuple(self.shape)}, fmt={self._fmt.name}, scale={float(self._scale)})"
+
+    def set_scale(self, scale: torch.Tensor, amax: torch.Tensor) -> None:
+        """Write a re-gather's scale and amax in place. Same value when re-gathered for backward, so the version
+        counter is left as it was: autograd may have saved this tensor."""
+        # torch's only way to write into a tensor without bumping its version counter
+        with torch.autograd._unsafe_preserve_version_counter((self._scale, self._amax)):
+            self._scale.copy_(scale)
+            self._amax.copy_(amax)
 
     def fp8_tensor(self) -> Fp8Tensor:
         """The weight operand as Fp8Linear's GEMMs take it (no fp32 copy of the values: gemm decodes)."""
@@ -180,15 +191,18 @@ def wrap_weight_for_fp8_all_gather(layer: nn.Module) -> None:
     weight = layer.weight
     if isinstance(weight.data, Fp8AllGatherWeight):
         return
-    layer.weight = nn.Parameter(Fp8AllGatherWeight(weight.data, layer), requires_grad=weight.requires_grad)
+    layer.weight = nn.Parameter(Fp8AllGatherWeight(weight.data, layer.quantizers[OperandRole.WEIGHT]),
+                                requires_grad=weight.requires_grad)
 
 
 def unwrap_fp8_all_gather(tensor: torch.Tensor) -> torch.Tensor:
     """The plain fp32 tensor behind an Fp8AllGatherWeight (or a DTensor of one), sharing its storage; other
     tensors are returned as they are. For state dicts: checkpoints store plain tensors."""
-    if isinstance(tensor, DTensor) and isinstance(tensor._local_tensor, Fp8AllGatherWeight):
-        return DTensor.from_local(tensor._local_tensor._weight_fp32, tensor.device_mesh, tensor.placements,
+    # DTensor's own local shard: to_local() would put an autograd op between it and the state dict
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else None
+    if isinstance(local, Fp8AllGatherWeight):
+        return DTensor.from_local(local.weight_fp32, tensor.device_mesh, tensor.placements,
                                   run_check=False, shape=tensor.shape, stride=tensor.stride())
     if isinstance(tensor, Fp8AllGatherWeight):
-        return tensor._weight_fp32
+        return tensor.weight_fp32
     return tensor

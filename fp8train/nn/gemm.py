@@ -48,10 +48,14 @@ from fp8train.nn.recipes import BACKENDS
 from fp8train.numerics.quant import decode_fp8
 
 __all__ = ["Fp8Operand", "fp8_mm", "resolve_backend", "scaled_mm_available", "emulated_compute_dtype",
-           "GEMM_BACKENDS", "EMULATED_DTYPES", "cpu_has_bf16_gemm", "set_cpu_bf16_gemm", "gemm_compute_dtype"]
+           "GEMM_BACKENDS", "EMULATED_DTYPES", "AUTO_EMULATED_DTYPE", "EMULATED_DTYPE_CHOICES", "check_emulated_dtype",
+           "cpu_has_bf16_gemm", "set_cpu_bf16_gemm", "gemm_compute_dtype"]
 
 GEMM_BACKENDS = tuple(b for b in BACKENDS if b != "te")  # te runs through nn/te.py, not a GEMM here
-EMULATED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # plus "auto" (emulated_compute_dtype)
+EMULATED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The default emulated dtype: chosen per device (emulated_compute_dtype). The one spelling of it.
+AUTO_EMULATED_DTYPE = "auto"
+EMULATED_DTYPE_CHOICES = (AUTO_EMULATED_DTYPE, *EMULATED_DTYPES)
 
 
 class Fp8Operand:
@@ -101,6 +105,12 @@ class Fp8Operand:
         if not torch.compiler.is_compiling():
             self._cache[key] = value
         return value
+
+    def memo(self, key, make) -> torch.Tensor:
+        """`make()`, kept on this operand under `key` (its own cache only, not its transpose source's): e.g. its
+        bytes copied into the layout a kernel reads, made once per cached weight operand."""
+        found = self._cache.get(key)
+        return found if found is not None else self._store(key, make())
 
     @classmethod
     def from_fp8_tensor(cls, q, keep_values: bool = True) -> "Fp8Operand":
@@ -230,13 +240,18 @@ def set_cpu_bf16_gemm(enabled: bool | None) -> None:
     _cpu_bf16_gemm_override = enabled
 
 
-def emulated_compute_dtype(device: torch.device | str, choice: str = "auto") -> torch.dtype:
+def check_emulated_dtype(choice: str) -> None:
+    """Raise ValueError unless `choice` is one of EMULATED_DTYPE_CHOICES."""
+    if choice not in EMULATED_DTYPE_CHOICES:
+        raise ValueError(f"emulated_dtype must be one of {', '.join(EMULATED_DTYPE_CHOICES)}; got {choice!r}")
+
+
+def emulated_compute_dtype(device: torch.device | str, choice: str = AUTO_EMULATED_DTYPE) -> torch.dtype:
     """The emulated GEMMs' input dtype for GEMMs with a bf16 output: `choice` 'fp32' or 'bf16', or 'auto': bf16
     on CUDA (tensor cores, fp32 accumulation) and on CPUs with bf16 GEMM instructions, fp32 on other CPUs (exact,
     and much faster there). GEMMs with an fp32 output always run in fp32 (module docstring)."""
-    if choice != "auto":
-        if choice not in EMULATED_DTYPES:
-            raise ValueError(f"emulated_dtype must be one of auto, {', '.join(EMULATED_DTYPES)}; got {choice!r}")
+    if choice != AUTO_EMULATED_DTYPE:
+        check_emulated_dtype(choice)
         return EMULATED_DTYPES[choice]
     device = torch.device(device)
     return torch.bfloat16 if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16_gemm()) \

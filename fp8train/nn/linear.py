@@ -22,7 +22,8 @@ fused AdamW updates weights in place without bumping their version), when it is 
 are updated, and when the layer switches between train and eval. An fp32 (or bf16) copy of FP8 values exists
 only where a GEMM reads it.
 
-Scaling state (module buffers, hence in state_dict and checkpoints):
+Scaling state (module buffers, hence in state_dict and checkpoints), one role's owned by `layer.quantizers[role]`
+(an OperandQuantizer, nn/quantizer.py: that role's quantize, quantize_transposed and scale rule):
 - every recipe: `{role}_nonfinite_amax_count` (int64), incremented whenever a tensor of that role (any row or
   block of it, for rowwise/block) has a NaN/inf amax. Such a tensor is still quantized (NaN stays NaN, inf
   saturates), but its amax never becomes a scale: current scaling uses 1.0 for it (quant.scale_from_amax).
@@ -75,7 +76,6 @@ host syncs and an extra pass over each tensor.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -88,21 +88,16 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from fp8train.nn.accumulation import HopperAccumulation
 from fp8train.nn.fp8_all_gather import Fp8GatheredWeight
 from fp8train.nn.delayed_scaling import refuse_bad_fp8_state, update_group
-from fp8train.nn.gemm import EMULATED_DTYPES, Fp8Operand, emulated_compute_dtype, resolve_backend
+from fp8train.nn.gemm import (AUTO_EMULATED_DTYPE, Fp8Operand, check_emulated_dtype, emulated_compute_dtype,
+                              resolve_backend)
 from fp8train.nn.linear_function import Fp8LinearFunction, WeightFp8, to_dtype
+from fp8train.nn.quantizer import SCALING_BUFFERS, OperandQuantizer
 from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe, OperandRole, recipe as make_recipe
 from fp8train.numerics import native_cast
-from fp8train.numerics.formats import get_format
 from fp8train.numerics.kernel_probe import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES, resolve_kernel
-from fp8train.numerics.mx import quantize_mx
-from fp8train.numerics.quant import Fp8Tensor, compute_amax, decode_fp8, quant_error, quantize, scale_from_amax
 
 __all__ = ["Fp8Linear", "update_fp8_scales", "configure_execution", "SCALING_BUFFERS", "is_scaling_buffer",
            "MISSING_UPDATE_WARNING"]
-
-# The per-role scaling buffers an Fp8Linear may hold (`{role}_{name}`, the module docstring).
-SCALING_BUFFERS = ("nonfinite_amax_count", "amax_history", "scale", "scale_amax", "pending_amax", "initialized",
-                   "stale_scale_steps")
 
 
 _optimizer_steps = 0  # steps of any torch.optim optimizer in this process (the hook below)
@@ -155,40 +150,37 @@ class Fp8Linear(nn.Linear):
         self._accumulation = None if not self.recipe.accumulator_bits else HopperAccumulation(
             self.recipe.accumulator_bits, self.recipe.accumulator_promotion)
         self.quantize_kernel = DEFAULT_QUANTIZE_KERNEL  # same bytes whichever kernel runs
-        self.emulated_dtype = "auto"
-        self._formats = {role: get_format(self.recipe.format_of(role)) for role in ROLES}
+        self.emulated_dtype = AUTO_EMULATED_DTYPE
+        # One per operand role, each owning that role's scaling buffers (registered on this layer: nn/quantizer.py)
+        self.quantizers = {role: OperandQuantizer(self, role) for role in ROLES}
         self._init_scaling_state(self.weight.device)
         self.register_load_state_dict_pre_hook(refuse_bad_fp8_state)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe | str = DEFAULT_RECIPE) -> "Fp8Linear":
         """An Fp8Linear that reuses `linear`'s weight and bias Parameter objects (no copy)."""
-        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, recipe=recipe,
-                  device="meta")
-        new.weight = linear.weight
-        new.bias = linear.bias
-        new._init_scaling_state(linear.weight.device)
+        new = cls.from_parameters(linear.weight, linear.bias, recipe)
         new.train(linear.training)
         return new
 
+    @classmethod
+    def from_parameters(cls, weight: nn.Parameter, bias: nn.Parameter | None,
+                        recipe: Fp8Recipe | str = DEFAULT_RECIPE) -> "Fp8Linear":
+        """An Fp8Linear holding these Parameter objects (weight (out, in)), its scaling state on their device."""
+        new = cls(weight.shape[1], weight.shape[0], bias=bias is not None, recipe=recipe, device="meta")
+        new.weight = weight
+        new.bias = bias
+        new._init_scaling_state(weight.device)
+        return new
+
     def _init_scaling_state(self, device) -> None:
-        for role in ROLES:
-            self.register_buffer(f"{role}_nonfinite_amax_count", torch.zeros((), dtype=torch.int64, device=device))
-            if self.recipe.is_delayed:
-                self.register_buffer(f"{role}_amax_history",
-                                     torch.zeros(self.recipe.amax_history_len, dtype=torch.float32, device=device))
-                self.register_buffer(f"{role}_scale", torch.ones((), dtype=torch.float32, device=device))
-                self.register_buffer(f"{role}_scale_amax", torch.zeros((), dtype=torch.float32, device=device))
-                self.register_buffer(f"{role}_pending_amax", torch.full((), -1.0, device=device))
-                self.register_buffer(f"{role}_initialized", torch.zeros((), dtype=torch.bool, device=device))
-                self.register_buffer(f"{role}_stale_scale_steps", torch.zeros((), dtype=torch.int64, device=device))
+        for quantizer in self.quantizers.values():
+            quantizer.register_buffers(device)
         self._reset_caches()
 
     def _reset_caches(self) -> None:
-        # Host-side mirror of `{role}_initialized` (it only ever turns True between loads): once True the forward
-        # uses the stored scale without computing its own amax-based fallback.
-        self._initialized_on_host = {role: False for role in ROLES}
-        self._mirror_updates = 0  # delayed updates since then (the mirror is read back at powers of two)
+        for quantizer in self.quantizers.values():
+            quantizer.reset()
         self._scale_generation = 0  # bumped by every delayed-scale update: part of the weight cache's key
         self._weight_cache = None
         # The optimizer-step count when this step's first amax was recorded (delayed scaling): a later forward
@@ -239,7 +231,8 @@ class Fp8Linear(nn.Linear):
             self._buffers[name] = moved if moved is None or moved.dtype == buffer.dtype else buffer.to(moved.device)
         return self
 
-    def _gemm_options(self, device) -> dict:
+    def gemm_options(self, device) -> dict:
+        """fp8_mm's keyword options for this layer's GEMMs on `device` (its execution settings)."""
         # gemm_paths is eager-only bookkeeping: a traced graph may not mutate Python state from inside the
         # autograd.Function (dynamo would break the graph there).
         record = None if torch.compiler.is_compiling() else self.gemm_paths
@@ -275,7 +268,8 @@ class Fp8Linear(nn.Linear):
             _missing_update_warned = True
             warnings.warn(MISSING_UPDATE_WARNING, RuntimeWarning, stacklevel=3)
 
-    def _kernel(self, numel: int) -> str:
+    def kernel_for(self, numel: int) -> str:
+        """The quantize kernel this layer runs on a tensor of `numel` elements (`quantize_kernel`, resolved)."""
         if torch.compiler.is_compiling():
             return "eager"  # (a traced model inlines the math into its own graph anyway)
         if self.quantize_kernel in ("native", "auto") and self.weight.device.type == "cpu" \
@@ -295,6 +289,7 @@ class Fp8Linear(nn.Linear):
         cacheable = (self.weight_cache_allowed and not isinstance(weight, Fp8GatheredWeight)
                      and not isinstance(self, FSDPModule))
         cacheable = cacheable and not torch.compiler.is_compiling()  # (a traced graph re-derives it anyway)
+        # tensor._version: torch's in-place write counter, the one signal an in-place update of the weight gives
         key = (weight._version, _optimizer_steps, weight.data_ptr(), self.training, self._scale_generation, backend,
                self.emulated_dtype, self.quantize_kernel) if cacheable else None
         cached = self._weight_cache
@@ -302,13 +297,15 @@ class Fp8Linear(nn.Linear):
             return cached
         emulated = backend == "emulated"
         with torch.no_grad():
-            weight_fp8 = self._quantize(OperandRole.WEIGHT, weight, keep_values=emulated)
+            weight_fp8 = self.quantizers[OperandRole.WEIGHT].quantize(weight, keep_values=emulated)
             if weight_fp8.values is not None and weight_fp8.granularity != "block":
                 # Only the dtype the GEMM reads is kept (block-scaled weights are dequantized in fp32).
-                weight_fp8.values = to_dtype(weight_fp8.values, emulated_compute_dtype(weight.device, self.emulated_dtype))
+                compute_dtype = emulated_compute_dtype(weight.device, self.emulated_dtype)
+                weight_fp8.values = to_dtype(weight_fp8.values, compute_dtype)
             weight_op = Fp8Operand.from_fp8_tensor(weight_fp8)
             if self.recipe.requantize_transposed(OperandRole.WEIGHT):  # scales along K, constant along the contracted N
-                weight_op_grad = Fp8Operand.from_fp8_tensor(self._quantize_transposed(OperandRole.WEIGHT, weight)).t()
+                weight_op_grad = Fp8Operand.from_fp8_tensor(
+                    self.quantizers[OperandRole.WEIGHT].quantize_transposed(weight)).t()
             else:
                 weight_op_grad = weight_op
             for op in {id(weight_op): weight_op, id(weight_op_grad): weight_op_grad}.values():
@@ -319,127 +316,30 @@ class Fp8Linear(nn.Linear):
             self._weight_cache = weights
         return weights
 
-    def _decode(self, role: str, data: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # traced: the eager math, inlined (and no metadata reads on `data`)
-            return decode_fp8(data, self._formats[role])
-        return decode_fp8(data, self._formats[role], self._kernel(data.numel()))
+    def forget_weight_fp8(self) -> None:
+        """Drop the cached FP8 copy of the weight: the next forward quantizes the weight again."""
+        self._weight_cache = None
 
-    def _saved_operand(self, role: str, data: torch.Tensor, scale: torch.Tensor, block, keep_values: bool):
-        """The operand of FP8 bytes saved for backward, with what the emulated GEMM reads: the values, or for
-        block tiles value * scale in one native op (bytes, scale grid -> fp32) where the C kernel runs."""
-        if not keep_values:
-            return Fp8Operand(data, scale, block)
-        if block is not None and self._kernel(data.numel()) == "native" and \
-                native_cast.dequantizable(data, scale, "block", *block):
-            return Fp8Operand(data, scale, block, dequantized=native_cast.dequantize(data, scale, "block", *block))
-        return Fp8Operand(data, scale, block, self._decode(role, data))
-
-    def _quantize(self, role: str, tensor: torch.Tensor, keep_values: bool = True) -> Fp8Tensor:
-        """FP8 copy of a 2-D operand with the recipe's format/granularity for `role`; updates scaling state."""
-        r = self.recipe
-        fmt = self._formats[role]
-        nonfinite_count = getattr(self, f"{role}_nonfinite_amax_count")
-        if isinstance(tensor, Fp8GatheredWeight):  # FSDP2 gathered it as FP8 already (fp8_all_gather.py)
-            quantized = tensor.fp8_tensor()
-            self._record_amax(role, quantized.amax)
-            return quantized  # no weight telemetry: the fp32 weight is not gathered
-        kernel = self._kernel(tensor.numel())
-        # Block tiles (block, mxfp8) vary along K, so the emulated GEMMs read value * scale: the C kernel writes
-        # that in the same pass instead of the values (eager and CUDA paths unchanged).
-        blocked = kernel == "native" and r.granularity_of(role) == "block"
-        keep = dict(keep_values=keep_values and not blocked, keep_dequantized=keep_values and blocked)
-        if r.is_delayed:
-            amax = compute_amax(tensor, kernel=kernel)
-            self._record_amax(role, amax)
-            # the scale is finite and > 0 by construction (_tensorwise_scale): no per-call host sync
-            quantized = quantize(tensor, fmt, scale=self._tensorwise_scale(role, amax), keep_values=keep_values,
-                                 validate_scale=False, kernel=kernel)
-            quantized.amax = amax
-        elif r.is_mx:
-            quantized = quantize_mx(tensor, fmt, kernel=kernel,
-                                    **(keep if blocked else dict(keep_values=True)))
-            nonfinite_count.add_((~torch.isfinite(quantized.amax)).any().long())
-        else:
-            quantized = quantize(tensor, fmt, granularity=r.granularity_of(role), block=r.block_of(role),
-                                 axis=-1, margin=r.margin, pow2=r.pow2_scales, kernel=kernel, **keep)
-        if not r.is_delayed and not r.is_mx:  # (delayed: _record_amax counted it; mxfp8: counted above)
-            nonfinite = quantized.amax.isfinite().logical_not()
-            nonfinite_count.add_(nonfinite if r.is_tensorwise else nonfinite.any())
-        if self.telemetry:
-            self._record_stats(role, tensor, quantized)
-        return quantized
-
-    def _tensorwise_scale(self, role: str, amax: torch.Tensor) -> torch.Tensor:
-        """The dequant scale a tensor of `role` with this `amax` is quantized with, under a tensorwise recipe:
-        delayed, the stored scale once initialized, else (first step) the tensor's own; current, its own.
-        fp8_all_gather uses it too, with the amax of the whole sharded weight."""
-        r = self.recipe
-        if r.is_delayed and self._initialized_on_host[role]:  # known on the host: no fallback ops to compute
-            return getattr(self, f"{role}_scale")
-        own_scale = scale_from_amax(amax, self._formats[role], r.margin, r.pow2_scales)
-        if not r.is_delayed:
-            return own_scale
-        return torch.where(getattr(self, f"{role}_initialized"), getattr(self, f"{role}_scale"), own_scale)
-
-    def _record_amax(self, role: str, amax: torch.Tensor) -> None:
-        """Count a non-finite amax; delayed scaling in training also folds it into this step's pending amax."""
-        recorded = amax.nan_to_num(nan=-1.0, posinf=-1.0)  # NaN/inf amaxes are counted, never recorded
-        nonfinite = recorded < 0
-        getattr(self, f"{role}_nonfinite_amax_count").add_(nonfinite if amax.dim() == 0 else nonfinite.any())
-        if self.recipe.is_delayed and self.training:
-            pending = getattr(self, f"{role}_pending_amax")
-            torch.maximum(pending, recorded if recorded.dim() == 0 else recorded.amax(), out=pending)
-
-    def _quantize_transposed(self, role: str, tensor: torch.Tensor) -> Fp8Tensor:
-        """`role`'s recipe applied to tensor.T: (C, R) FP8 bytes whose scales run along the original first
-        dim, written straight in the layout its backward GEMM reads (no separate FP8 transpose). Counters and
-        telemetry come from the primary quantization of the same tensor."""
-        r = self.recipe
-        kernel = self._kernel(tensor.numel())
-        blocked = kernel == "native" and r.granularity_of(role) == "block"  # as in _quantize
-        with torch.no_grad():
-            tensor_t = tensor.t()
-            if r.is_mx:
-                return quantize_mx(tensor_t, r.format_of(role), kernel=kernel, keep_dequantized=blocked)
-            return quantize(tensor_t, self._formats[role], granularity=r.granularity_of(role),
-                            block=r.block_of(role), axis=-1, margin=r.margin, pow2=r.pow2_scales,
-                            keep_values=not blocked, keep_dequantized=blocked, kernel=kernel)
-
-    def _record_stats(self, role: str, tensor: torch.Tensor, quantized: Fp8Tensor) -> None:
-        stats = quant_error(tensor, quantized)
-        amax_now = float(quantized.amax.max()) if not torch.isnan(quantized.amax).any() else math.nan
-        staleness = None
-        if self.recipe.is_delayed:
-            if bool(getattr(self, f"{role}_initialized")):
-                source_amax = float(getattr(self, f"{role}_scale_amax"))
-                staleness = amax_now / source_amax if source_amax > 0 else math.inf
-            else:
-                staleness = 1.0  # still on current scaling: the scale came from this very tensor
-        self.last_stats[role] = dict(
-            amax=amax_now,
-            scale=float(quantized.scale.float().mean()),
-            overflow_frac=stats["overflow_frac"],
-            underflow_frac=stats["underflow_frac"],
-            sqnr_db=stats["sqnr_db"],
-            staleness=staleness,
-            nonfinite=not math.isfinite(amax_now),
-        )
+    def scales_updated(self) -> None:
+        """Called by update_fp8_scales once it has written new delayed scales: the weight's FP8 copy is remade
+        with them, and the check for a missing update starts over."""
+        self._scale_generation += 1
+        self._pending_since_step = None
 
 
 def configure_execution(model: nn.Module, *, quantize_kernel: str = DEFAULT_QUANTIZE_KERNEL,
-                        emulated_dtype: str = "auto") -> int:
+                        emulated_dtype: str = AUTO_EMULATED_DTYPE) -> int:
     """Set how every Fp8Linear in `model` runs (not what it computes): the quantize kernel (one of
     kernel_probe.KERNEL_CHOICES; 'auto' is measured once per machine when a layer first quantizes a tensor of
     QUANT_KERNEL_MIN_NUMEL elements or more) and the emulated GEMMs' input dtype ('auto', 'fp32', 'bf16').
     Returns the number of layers set. Read once, at set-up."""
     if quantize_kernel not in KERNEL_CHOICES:
         raise ValueError(f"quantize_kernel must be one of {', '.join(KERNEL_CHOICES)}; got {quantize_kernel!r}")
-    if emulated_dtype != "auto" and emulated_dtype not in EMULATED_DTYPES:
-        raise ValueError(f"emulated_dtype must be one of auto, {', '.join(EMULATED_DTYPES)}; got {emulated_dtype!r}")
+    check_emulated_dtype(emulated_dtype)
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     for layer in layers:
         layer.quantize_kernel, layer.emulated_dtype = quantize_kernel, emulated_dtype
-        layer._weight_cache = None
+        layer.forget_weight_fp8()  # ('auto' may now resolve otherwise: gemm.set_cpu_bf16_gemm)
     return len(layers)
 
 
@@ -458,7 +358,8 @@ def update_fp8_scales(model: nn.Module, process_group=None) -> None:
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.recipe.is_delayed]
     if not layers:
         return
-    pendings = [getattr(m, f"{role}_pending_amax") for m in layers for role in ROLES]
+    quantizers = [m.quantizers[role] for m in layers for role in ROLES]  # rows: (layer, role)
+    pendings = [q.buffer("pending_amax") for q in quantizers]
     step_amax = torch.stack(pendings)  # (3 * layers,)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
         dist.all_reduce(step_amax, op=dist.ReduceOp.MAX, group=process_group)
@@ -471,8 +372,8 @@ def update_fp8_scales(model: nn.Module, process_group=None) -> None:
     for indices in groups.values():
         rows = step_amax if len(indices) == len(layers) else \
             step_amax.view(-1, len(ROLES))[indices].reshape(-1)
-        update_group([layers[i] for i in indices], rows)
+        update_group([layers[i].quantizers[role] for i in indices for role in ROLES], rows)
+    # one multi-tensor op for the whole list: torch's foreach kernels have no public name
     torch._foreach_copy_(pendings, [torch.full_like(step_amax[0], -1.0)] * len(pendings))
     for layer in layers:
-        layer._scale_generation += 1
-        layer._pending_since_step = None
+        layer.scales_updated()

@@ -1,9 +1,10 @@
 """The autograd Function behind Fp8Linear: the forward GEMM from FP8 operands, and a backward that quantizes
 grad_output and runs the two backward GEMMs from the saved FP8 input and the layer's cached FP8 weight.
 
-It calls back into its layer (``layer._quantize``, ``layer._quantize_transposed``, ``layer._decode``,
-``layer._gemm_options``) for everything recipe-specific, so the three GEMMs read top to bottom here while the
-scaling rules stay in one place (fp8train.nn.linear). Shapes: input (M, K), weight (N, K), grad_output (M, N).
+Everything recipe-specific goes through the layer's per-role quantizers (``layer.quantizers[role]``: quantize,
+quantize_transposed, saved_operand; fp8train.nn.quantizer) and its GEMM options (``layer.gemm_options``), so the
+three GEMMs read top to bottom here while the scaling rules stay in one place.
+Shapes: input (M, K), weight (N, K), grad_output (M, N).
 """
 
 from __future__ import annotations
@@ -23,19 +24,19 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_2d, weight, bias, weights: "WeightFp8", layer, backend, out_dtype):
-        r = layer.recipe
-        input_fp8 = layer._quantize(OperandRole.INPUT, input_2d, keep_values=backend == "emulated")
+        r, input_quantizer = layer.recipe, layer.quantizers[OperandRole.INPUT]
+        input_fp8 = input_quantizer.quantize(input_2d, keep_values=backend == "emulated")
         input_op = Fp8Operand.from_fp8_tensor(input_fp8)
         # (M, N) in out_dtype straight from the GEMM; bias fused into it where the kernel can
         output = fp8_mm(input_op, weights.op_t, backend, out_dtype=out_dtype, bias=bias, gemm=GemmRole.OUTPUT,
-                        use_fast_accum=r.fast_accum_forward, **layer._gemm_options(input_2d.device))
+                        use_fast_accum=r.fast_accum_forward, **layer.gemm_options(input_2d.device))
         # Saved in FP8: bytes + scales only (the weight's operands live in the layer's cache, made once per
         # weight version). When grad_weight contracts the input's first dim across its scale layout, the saved
         # copy is the input quantized along that dim instead (recipes.requantize_transposed): one byte per element.
         input_saved = input_fp8
         ctx.input_transposed = r.requantize_transposed(OperandRole.INPUT) and weight.requires_grad
         if ctx.input_transposed:
-            input_saved = layer._quantize_transposed(OperandRole.INPUT, input_2d)   # (K, M)
+            input_saved = input_quantizer.quantize_transposed(input_2d)   # (K, M)
         input_scale = input_saved.scale
         if torch.compiler.is_compiling():  # may be a view of a traced intermediate: dynamo must own what is saved
             input_scale = input_scale.clone()
@@ -52,10 +53,11 @@ class Fp8LinearFunction(torch.autograd.Function):
         layer, backend, r, weights = ctx.layer, ctx.backend, ctx.layer.recipe, ctx.weights
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_input = grad_weight = grad_bias = None
-        options = layer._gemm_options(grad_output.device)
+        options = layer.gemm_options(grad_output.device)
         keep_values = backend == "emulated"
+        grad_output_quantizer = layer.quantizers[OperandRole.GRAD_OUTPUT]
         with torch.autocast(grad_output.device.type, enabled=False):
-            grad_output_fp8 = layer._quantize(OperandRole.GRAD_OUTPUT, grad_output, keep_values=keep_values)
+            grad_output_fp8 = grad_output_quantizer.quantize(grad_output, keep_values=keep_values)
             grad_output_op = Fp8Operand.from_fp8_tensor(grad_output_fp8)            # (M, N)
             if need_input:    # grad_input = grad_output @ weight          (M, N) @ (N, K)
                 grad_input = fp8_mm(grad_output_op, weights.op_for_grad_input, backend, out_dtype=ctx.input_dtype,
@@ -64,9 +66,9 @@ class Fp8LinearFunction(torch.autograd.Function):
                 grad_output_t_op = grad_output_op.t()
                 if r.requantize_transposed(OperandRole.GRAD_OUTPUT):
                     grad_output_t_op = Fp8Operand.from_fp8_tensor(
-                        layer._quantize_transposed(OperandRole.GRAD_OUTPUT, grad_output))   # (N, M), scales along N
-                input_op = layer._saved_operand(OperandRole.INPUT, input_data, input_scale, ctx.input_block,
-                                                keep_values)  # (M, K), or (K, M)
+                        grad_output_quantizer.quantize_transposed(grad_output))   # (N, M), scales along N
+                input_op = layer.quantizers[OperandRole.INPUT].saved_operand(
+                    input_data, input_scale, ctx.input_block, keep_values)  # (M, K), or (K, M)
                 if ctx.input_transposed:
                     input_op = input_op.t()
                 grad_weight = fp8_mm(grad_output_t_op, input_op, backend, out_dtype=ctx.weight_dtype,

@@ -119,6 +119,7 @@ def call_scaled_mm(args: dict, out_dtype: torch.dtype, bias: torch.Tensor | None
         return F.scaled_mm(args["mat_a"], args["mat_b"], args["scale_a"], getattr(F.ScalingType, args["recipe_a"]),
                            args["scale_b"], getattr(F.ScalingType, args["recipe_b"]), swizzle_a=swizzle,
                            swizzle_b=swizzle, bias=bias, output_dtype=out_dtype, use_fast_accum=fast_accum)
+    # torch's FP8 GEMM: no public name on the torch versions without scaled_mm_v2 (the branch above)
     return torch._scaled_mm(args["mat_a"], args["mat_b"], args["scale_a"], args["scale_b"], bias=bias,
                             out_dtype=out_dtype, use_fast_accum=fast_accum)
 

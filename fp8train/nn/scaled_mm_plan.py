@@ -146,11 +146,8 @@ def _operand_data(op, layout: str) -> torch.Tensor:
     data = op.data
     if (data.is_contiguous() if layout == "row" else data.t().is_contiguous()):
         return data
-    key = ("layout", layout)
-    found = op._cache.get(key)  # its own copy only: a transposed operand's source holds the other layout
-    if found is None:
-        found = op._store(key, _row_major(data) if layout == "row" else _col_major(data))
-    return found
+    # its own copy only: a transposed operand's source holds the other layout
+    return op.memo(("layout", layout), lambda: _row_major(data) if layout == "row" else _col_major(data))
 
 
 def _outer_major(scale: torch.Tensor) -> torch.Tensor:

@@ -41,10 +41,10 @@ import torch._dynamo
 from fp8train.numerics import native_cast
 from fp8train.numerics.arithmetic_codec import decode_arithmetic, round_and_encode
 from fp8train.numerics.formats import FORMATS, Fp8Format, get_format
-from fp8train.numerics.scaling import (_CAPS, GRANULARITIES, _amax, _as_blocks, _check_amax_floor,
-                                       _check_amax_range, _check_input, _check_layout, _check_margin, _compact,
-                                       _fp32_exact, _scale, _scale_shape, compute_amax, expand_scale, max_scale,
-                                       scale_from_amax, scale_rule)
+from fp8train.numerics.scaling import (GRANULARITIES, SCALE_CAPS, amax_of, as_blocks, check_amax_floor,
+                                       check_amax_range, check_input, check_layout, check_margin,
+                                       compact_block_scale, compute_amax, expand_scale, format_scale, fp32_exact,
+                                       max_scale, scale_from_amax, scale_rule, scale_shape_of)
 
 __all__ = [
     "Fp8Tensor", "quantize", "compute_amax", "scale_from_amax", "expand_scale", "cast_to_fp8", "decode_fp8",
@@ -165,16 +165,16 @@ def _quantize_impl(x, scale, fmt: Fp8Format, granularity: str, br: int, bc: int,
                    pow2: bool, saturate: bool, keep_values: bool, torch_cast: bool):
     """amax -> scale -> cast in one function, so torch.compile fuses it into a couple of passes."""
     amax = None
-    source = _as_blocks(x, br, bc) if granularity == "block" else x  # blocks: padded tiles; quantize() crops
+    source = as_blocks(x, br, bc) if granularity == "block" else x  # blocks: padded tiles; quantize() crops
     if scale is None:
-        amax = _amax(source, granularity, axis)
-        scale = _scale(amax, fmt, margin, pow2)
+        amax = amax_of(source, granularity, axis)
+        scale = format_scale(amax, fmt, margin, pow2)
     elif granularity == "block":
         scale = scale.reshape(*scale.shape[:-1], 1, scale.shape[-1], 1)  # (.., Rb, Cb) -> tile dims
     data, grid = _cast_kernel(source, scale, fmt, saturate, torch_cast, keep_values)
     if granularity == "block":
-        scale = _compact(scale)
-        amax = None if amax is None else _compact(amax)
+        scale = compact_block_scale(scale)
+        amax = None if amax is None else compact_block_scale(amax)
     return data, scale, amax, grid
 
 
@@ -269,11 +269,11 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
     vary along its contracted dim reads); the native kernel writes it in the same pass, instead of the values.
     A block larger than the tensor is one block over the whole tensor (it is recorded at the tensor's size).
     """
-    _check_input(x)
+    check_input(x)
     fmt = get_format(fmt)
     _check_kernel(kernel)
-    margin = _check_margin(margin)
-    br, bc = _check_layout(granularity, block, axis, x.dim())
+    margin = check_margin(margin)
+    br, bc = check_layout(granularity, block, axis, x.dim())
     if granularity == "row":
         axis = axis % max(x.dim(), 1)
     if granularity == "block":  # never pad past the tensor: a huge block once tried to allocate terabytes
@@ -288,8 +288,8 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
     if x.numel() == 0:
         return _quantize_empty(x, fmt, granularity, br, bc, axis, scale, keep_values)
     if scale is None and x.dtype == torch.float64:  # what fp32 scales cannot hold, above and below: an error
-        _check_amax_range(x.detach().abs().amax(), fmt, margin)
-        _check_amax_floor(x.detach(), fmt, granularity, br, bc, axis, margin, bool(pow2))
+        check_amax_range(x.detach().abs().amax(), fmt, margin)
+        check_amax_floor(x.detach(), fmt, granularity, br, bc, axis, margin, bool(pow2))
     if kernel == "native":
         quantized = native_quantize(x, fmt, granularity, br, bc, axis, margin, bool(pow2), saturate, scale,
                                     keep_values, keep_dequantized=keep_dequantized)
@@ -316,7 +316,7 @@ def _check_scale_shape(scale: torch.Tensor, shape, granularity: str, br: int, bc
     """A given scale fits the granularity: one value for a tensor; for rows and blocks the documented scale shape,
     or a shape that broadcasts to it (blocks get it expanded, since their tiling reshapes the scale). Anything
     else is a ValueError naming both shapes, not a broadcasting error deep in the cast."""
-    expected = _scale_shape(shape, granularity, br, bc, axis)
+    expected = scale_shape_of(shape, granularity, br, bc, axis)
     if granularity == "tensor":
         fits = scale.numel() == 1
     else:
@@ -342,9 +342,9 @@ def native_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis:
                        and not (granularity == "tensor" and scale.numel() == 1 and scale.dim() <= 1 <= x.dim())):
         return None
     divisor = fmt.max * 2.0 ** -margin
-    fp32_divide = not pow2 and _fp32_exact(divisor) and divisor >= 1
+    fp32_divide = not pow2 and fp32_exact(divisor) and divisor >= 1
     dequantized_only = keep_dequantized and not keep_values  # the kernel's values buffer holds value * scale
-    options = native_cast.CastOptions(fmt.name, granularity, br, bc, axis, rule, divisor, _CAPS[(fmt.name, pow2)],
+    options = native_cast.CastOptions(fmt.name, granularity, br, bc, axis, rule, divisor, SCALE_CAPS[(fmt.name, pow2)],
                                       pow2, fp32_divide, math.frexp(fmt.max)[1] - 1, bool(saturate),
                                       bool(keep_values or keep_dequantized), dequantized_only)
     data, scale_out, amax, values = native_cast.quantize(x, scale, options)
@@ -357,7 +357,7 @@ def native_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis:
 
 def _quantize_empty(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, scale, keep_values: bool):
     """An empty tensor: empty data, and the scale an amax of 0 gives (1.0) in the granularity's shape."""
-    shape = _scale_shape(x.shape, granularity, br, bc, axis)
+    shape = scale_shape_of(x.shape, granularity, br, bc, axis)
     amax = None if scale is not None else torch.zeros(shape, device=x.device)
     scale = torch.ones(shape, device=x.device) if scale is None else scale
     data = torch.empty(x.shape, dtype=fmt.torch_dtype, device=x.device)

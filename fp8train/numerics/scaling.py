@@ -21,7 +21,10 @@ import torch.nn.functional as F
 from fp8train.numerics import native_cast
 from fp8train.numerics.formats import FORMATS, Fp8Format, get_format
 
-__all__ = ["GRANULARITIES", "compute_amax", "scale_from_amax", "expand_scale", "max_scale", "scale_rule"]
+__all__ = ["GRANULARITIES", "compute_amax", "scale_from_amax", "expand_scale", "max_scale", "scale_rule",
+           # shared with fp8train.numerics.quant: the argument checks and the steps of the scale rule
+           "SCALE_CAPS", "amax_of", "as_blocks", "check_amax_floor", "check_amax_range", "check_input",
+           "check_layout", "check_margin", "compact_block_scale", "format_scale", "fp32_exact", "scale_shape_of"]
 
 GRANULARITIES = ("tensor", "row", "block")
 _FP32_TINY = torch.finfo(torch.float32).tiny  # 2^-126: scales never go below it, so x / scale stays finite
@@ -41,20 +44,20 @@ def max_scale(fmt_max: float, pow2: bool) -> float:
 
 
 # Per format, computed once at import: traced (compiled) code reads a constant instead of calling max_scale.
-_CAPS = {(f.name, p): max_scale(f.max, p) for f in FORMATS.values() for p in (False, True)}
+SCALE_CAPS = {(f.name, p): max_scale(f.max, p) for f in FORMATS.values() for p in (False, True)}
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Argument checks (user-facing errors name the argument and what is allowed)
 # ------------------------------------------------------------------------------------------------------------
-def _check_input(x: torch.Tensor) -> None:
+def check_input(x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
         raise ValueError(f"x must be a float32/float16/bfloat16/float64 tensor, got dtype {x.dtype}")
 
 
-def _check_margin(margin) -> int:
+def check_margin(margin) -> int:
     # An int: a fractional margin (1.5) used to be truncated silently; 2.0 is accepted as 2.
     if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not float(margin).is_integer():
         raise ValueError(f"margin must be an integer number of powers of two, got {margin!r}")
@@ -64,7 +67,7 @@ def _check_margin(margin) -> int:
 
 
 
-def _check_layout(granularity: str, block, axis: int, ndim: int) -> tuple[int, int]:
+def check_layout(granularity: str, block, axis: int, ndim: int) -> tuple[int, int]:
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if granularity != "tensor" and ndim == 0:
@@ -83,7 +86,7 @@ def _check_layout(granularity: str, block, axis: int, ndim: int) -> tuple[int, i
 # ------------------------------------------------------------------------------------------------------------
 # amax and scales
 # ------------------------------------------------------------------------------------------------------------
-def _as_blocks(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
+def as_blocks(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
     """View the last two dims as (Rb, br, Cb, bc) tiles, zero-padding ragged edges."""
     if x.dim() == 1:
         x = x.unsqueeze(0)
@@ -94,9 +97,9 @@ def _as_blocks(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-2], (rows + pad_r) // br, br, (cols + pad_c) // bc, bc)
 
 
-def _amax(x: torch.Tensor, granularity: str, axis: int) -> torch.Tensor:
+def amax_of(x: torch.Tensor, granularity: str, axis: int) -> torch.Tensor:
     """max |x| (fp32; float64 for a float64 x, whose amax may lie beyond fp32's range). For blocks ``x`` is the
-    tiles (``_as_blocks``) and the amax keeps the tile dims ((*lead, Rb, 1, Cb, 1)), so it broadcasts onto them."""
+    tiles (``as_blocks``) and the amax keeps the tile dims ((*lead, Rb, 1, Cb, 1)), so it broadcasts onto them."""
     if torch.compiler.is_compiling():  # abs + amax fuse into one pass when compiled
         dims = () if granularity == "tensor" else (axis,) if granularity == "row" else (-3, -1)
         amax = x.abs().amax(dim=dims, keepdim=granularity != "tensor")
@@ -110,8 +113,9 @@ def _amax(x: torch.Tensor, granularity: str, axis: int) -> torch.Tensor:
     return amax if amax.dtype in (torch.float32, torch.float64) else amax.float()
 
 
-def _scale(amax: torch.Tensor, fmt: Fp8Format, margin: int, pow2: bool) -> torch.Tensor:
-    return scale_rule(amax, fmt.max, _CAPS[(fmt.name, pow2)], margin, pow2)
+def format_scale(amax: torch.Tensor, fmt: Fp8Format, margin: int, pow2: bool) -> torch.Tensor:
+    """scale_rule for `fmt` with its precomputed cap; arguments already checked (scale_from_amax checks them)."""
+    return scale_rule(amax, fmt.max, SCALE_CAPS[(fmt.name, pow2)], margin, pow2)
 
 
 def scale_rule(amax: torch.Tensor, fmt_max, cap, margin: int, pow2: bool) -> torch.Tensor:
@@ -125,7 +129,7 @@ def scale_rule(amax: torch.Tensor, fmt_max, cap, margin: int, pow2: bool) -> tor
     stays above it (in fp32 it can round down onto it, and the scale would then clip amax)."""
     divisor = fmt_max * 2.0 ** -margin
     # fp32 only where the quotient cannot overflow fp32 (divisor >= 1): an overflow would read as an inf amax
-    if pow2 or amax.dtype != torch.float32 or not _fp32_exact(divisor) or divisor < 1:
+    if pow2 or amax.dtype != torch.float32 or not fp32_exact(divisor) or divisor < 1:
         scale = amax.double() / divisor
     else:
         scale = amax / divisor
@@ -142,14 +146,14 @@ def scale_rule(amax: torch.Tensor, fmt_max, cap, margin: int, pow2: bool) -> tor
     return scale if scale.dtype == torch.float32 else scale.float()
 
 
-def _fp32_exact(value) -> bool:
+def fp32_exact(value) -> bool:
     """A float that fp32 holds exactly, in its normal range (a tensor of them: answered no)."""
     if isinstance(value, torch.Tensor):
         return False
     return _FP32_TINY <= abs(value) <= _FP32_MAX and struct.unpack("f", struct.pack("f", value))[0] == value
 
 
-def _check_amax_range(amax: torch.Tensor, fmt: Fp8Format, margin: int) -> None:
+def check_amax_range(amax: torch.Tensor, fmt: Fp8Format, margin: int) -> None:
     """float64 inputs only (a host sync): values so large that no fp32 scale can hold them are an error, not a
     silent 448 with scale 1 (amax 1e300 once became inf in fp32 and fell back to scale 1)."""
     finite = amax[torch.isfinite(amax)]
@@ -159,16 +163,16 @@ def _check_amax_range(amax: torch.Tensor, fmt: Fp8Format, margin: int) -> None:
                          f"{max_scale(fmt.max, False):.3g}); rescale x first")
 
 
-def _check_amax_floor(x: torch.Tensor, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, margin: int,
-                      pow2: bool) -> None:
-    """float64 inputs only (a host sync), the mirror of `_check_amax_range`: a tensor, row or block whose values
+def check_amax_floor(x: torch.Tensor, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, margin: int,
+                     pow2: bool) -> None:
+    """float64 inputs only (a host sync), the mirror of `check_amax_range`: a tensor, row or block whose values
     are nonzero but so small that even the smallest fp32 scale (2^-126, where the scale rule is clamped) rounds
     every one of them to 0 is an error, not silent zeros (|x| of 1e-300 once came back as an all-zero tensor).
     fp32 inputs are not checked (as on the overflow side): what they lose this way are fp32 subnormals, within
     the documented error bound (half a min subnormal times the scale)."""
     with torch.no_grad():
-        amax = _amax(_as_blocks(x, br, bc) if granularity == "block" else x, granularity, axis)
-        scale = _scale(amax, fmt, margin, pow2).double()
+        amax = amax_of(as_blocks(x, br, bc) if granularity == "block" else x, granularity, axis)
+        scale = format_scale(amax, fmt, margin, pow2).double()
         # an FP8 value below half the min subnormal rounds to 0 (a tie rounds to even: 0 too)
         lost = (amax > 0) & torch.isfinite(amax) & (amax / scale <= fmt.min_subnormal / 2)
     if bool(lost.any()):
@@ -181,17 +185,17 @@ def _check_amax_floor(x: torch.Tensor, fmt: Fp8Format, granularity: str, br: int
 def compute_amax(x, granularity: str = "tensor", block=(1, 128), axis: int = -1, kernel: str = "eager"):
     """max |x| per tensor, row or block (fp32, shaped like the scale). NaN propagates into the amax.
     ``kernel='native'`` reduces in one pass of the C kernel (native_cast) where it takes x: the same values."""
-    _check_input(x)
-    br, bc = _check_layout(granularity, block, axis, x.dim())
+    check_input(x)
+    br, bc = check_layout(granularity, block, axis, x.dim())
     if x.numel() == 0:
-        return torch.zeros(_scale_shape(x.shape, granularity, br, bc, axis), device=x.device)
+        return torch.zeros(scale_shape_of(x.shape, granularity, br, bc, axis), device=x.device)
     if kernel == "native" and native_cast.usable_layout(x, granularity, br, bc, axis) is not None:
         return native_cast.compute_amax(x, granularity, *native_cast.capped_block(x, br, bc), axis)
     with torch.no_grad():  # not x.detach(): that is one more dispatched op per call on the hot path
-        x = _as_blocks(x, br, bc) if granularity == "block" else x
-        amax = _amax(x, granularity, axis)
+        x = as_blocks(x, br, bc) if granularity == "block" else x
+        amax = amax_of(x, granularity, axis)
         amax = amax if amax.dtype == torch.float32 else amax.float()
-    return _compact(amax) if granularity == "block" else amax
+    return compact_block_scale(amax) if granularity == "block" else amax
 
 
 def scale_from_amax(amax: torch.Tensor, fmt, margin: int = 0, pow2: bool = False) -> torch.Tensor:
@@ -199,7 +203,7 @@ def scale_from_amax(amax: torch.Tensor, fmt, margin: int = 0, pow2: bool = False
     scales are capped so that ``fmt.max * scale`` stays finite (``max_scale``)."""
     fmt = get_format(fmt)
     amax = torch.as_tensor(amax, dtype=torch.float32)
-    return _scale(amax, fmt, _check_margin(margin), bool(pow2))
+    return format_scale(amax, fmt, check_margin(margin), bool(pow2))
 
 
 def expand_scale(scale: torch.Tensor, shape, granularity: str = "tensor", block=(1, 128), axis: int = -1):
@@ -212,12 +216,12 @@ def expand_scale(scale: torch.Tensor, shape, granularity: str = "tensor", block=
     return full.reshape(shape)
 
 
-def _compact(tile_scale: torch.Tensor) -> torch.Tensor:
+def compact_block_scale(tile_scale: torch.Tensor) -> torch.Tensor:
     """(*lead, Rb, 1, Cb, 1) -> (*lead, Rb, Cb): the documented block-scale shape."""
     return tile_scale.reshape(*tile_scale.shape[:-4], tile_scale.shape[-4], tile_scale.shape[-2])
 
 
-def _scale_shape(shape, granularity: str, br: int, bc: int, axis: int) -> tuple:
+def scale_shape_of(shape, granularity: str, br: int, bc: int, axis: int) -> tuple:
     if granularity == "tensor":
         return ()
     if granularity == "row":

@@ -42,7 +42,7 @@ class AdamW(torch.optim.AdamW):
         super().__init__(*args, **kwargs)
         self._step_bound = 0  # no step counter can exceed this: the loaded maximum + step() calls since
         self._tables: dict = {}
-        self.register_load_state_dict_post_hook(_bound_after_load)
+        self.register_load_state_dict_post_hook(AdamW._bound_after_load)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -57,6 +57,10 @@ class AdamW(torch.optim.AdamW):
             if params:
                 self._masked_step(group, params, apply)
         return None
+
+    def _bound_after_load(self) -> None:
+        steps = [float(s["step"]) for s in self.state.values() if "step" in s]  # at load time, not in a step
+        self._step_bound = int(max(steps, default=0.0))
 
     def _masked_step(self, group: dict, params: list, apply: torch.Tensor) -> None:
         _check_masked_group(group)
@@ -117,11 +121,6 @@ class AdamW(torch.optim.AdamW):
 def _unless_left_out(apply: torch.Tensor, value: float, neutral: float) -> torch.Tensor:
     """() fp32: `value` (rounded to fp32 as a Python scalar argument is) on an applied step, else `neutral`."""
     return torch.where(apply, value, neutral).float()
-
-
-def _bound_after_load(optimizer: AdamW) -> None:
-    steps = [float(s["step"]) for s in optimizer.state.values() if "step" in s]  # at load time, not in a step
-    optimizer._step_bound = int(max(steps, default=0.0))
 
 
 def _check_masked_group(group: dict) -> None:

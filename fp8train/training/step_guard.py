@@ -100,12 +100,13 @@ class StepGuard:
 
     def freeze_fp8_state(self) -> None:
         """Just before update_fp8_scales: a diverged run's FP8 state stays as its divergent step left it."""
+        # one multi-tensor op per list: torch's foreach kernels have no public name
         if self._pendings:
             pending = torch.stack(self._pendings)
-            torch._foreach_copy_(self._pendings, list(torch.where(self.diverged, -1.0, pending).unbind(0)))
+            torch._foreach_copy_(self._pendings, list(torch.where(self.diverged, -1.0, pending).unbind(0)))  # (above)
         if self._counters:
             kept = torch.where(self._diverged_before, self._counters_at_start, torch.stack(self._counters))
-            torch._foreach_copy_(self._counters, list(kept.unbind(0)))
+            torch._foreach_copy_(self._counters, list(kept.unbind(0)))  # (foreach: above)
 
     def account(self, skipped_steps: int, consecutive_skips: int) -> Accounted:
         """At a sync point: read the steps back and count them as the host counted every step before

@@ -7,16 +7,16 @@ import math
 from typing import Any, Iterable
 
 
-def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+def require(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ValueError(f"config {key}={value!r} is invalid: {allowed}")
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-class _Section:
+class Section:
     """Mixin: `_check()` runs the section's validation at construction, naming keys as `<section>.<field>`."""
 
     _section = ""
@@ -36,8 +36,8 @@ class _Section:
 
     def _in(self, name: str, choices: Iterable[str]) -> None:
         value = getattr(self, name)
-        _require(value in choices, self._key(name), value, f"one of {list(choices)}")
+        require(value in choices, self._key(name), value, f"one of {list(choices)}")
 
     def _at_least(self, name: str, low: float, what: str = "") -> None:
         value = getattr(self, name)
-        _require(value >= low, self._key(name), value, what or f"must be >= {low}")
+        require(value >= low, self._key(name), value, what or f"must be >= {low}")

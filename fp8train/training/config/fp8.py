@@ -20,13 +20,13 @@ from typing import Dict, List, Optional
 import yaml
 
 from fp8train.nn.convert import LayerPolicy
-from fp8train.nn.gemm import EMULATED_DTYPES
+from fp8train.nn.gemm import AUTO_EMULATED_DTYPE, EMULATED_DTYPE_CHOICES
 from fp8train.nn.overrides import normalize_overrides
 from fp8train.nn.te import te_config_refusal
 from fp8train.nn.recipes import (BASELINE_RECIPE, DEFAULT_RECIPE, RECIPE_NAMES, TENSORWISE_SCALINGS, Fp8Recipe,
                                  RecipeFieldError, recipe)
 from fp8train.numerics.kernel_probe import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES
-from fp8train.training.config.base import _Section, _require
+from fp8train.training.config.base import Section, require
 
 FP8_RECIPE_CHOICES = (BASELINE_RECIPE,) + RECIPE_NAMES
 # Fp8Recipe fields that fp8.recipe decides (the preset's name and its scaling kind): not fp8.* keys of their own.
@@ -38,14 +38,14 @@ _POLICY_DEFAULTS = LayerPolicy()
 
 
 @dataclass
-class _Fp8RunSection(_Section):
+class _Fp8RunSection(Section):
     """The fp8.* keys that are not Fp8Recipe fields: which preset, how the layers run, how FSDP2 gathers."""
 
     _section = "fp8"
     recipe: str = DEFAULT_RECIPE
     """none (bf16 baseline) | delayed | current | rowwise | block | mxfp8."""
     # How the FP8 layers run (same numbers, different speed): not recipe fields, read once at set-up.
-    emulated_dtype: str = "auto"
+    emulated_dtype: str = AUTO_EMULATED_DTYPE
     """Emulated GEMMs' input dtype: auto (bf16 on CUDA and on CPUs with avx512_bf16/AMX, else fp32) | fp32 | bf16."""
     quantize_kernel: str = DEFAULT_QUANTIZE_KERNEL
     """auto (native on a CPU where fp8train's C kernel builds, else the fastest bit-exact kernel, measured once
@@ -55,14 +55,14 @@ class _Fp8RunSection(_Section):
     recipes delayed and current; rowwise and block weights have per-row / per-tile weight scales)."""
 
     def _check(self) -> None:
-        self._in("emulated_dtype", ("auto",) + tuple(EMULATED_DTYPES))
+        self._in("emulated_dtype", EMULATED_DTYPE_CHOICES)
         self._in("quantize_kernel", KERNEL_CHOICES)
         self._in("recipe", FP8_RECIPE_CHOICES)
         run_recipe = self.to_recipe()  # every recipe field checked by Fp8Recipe, and only there
         if run_recipe.backend == "te":  # at config time, with the reason (nn/te.py), before anything is written
             raise ValueError(te_config_refusal(run_recipe))
         if self.all_gather:
-            _require(self.recipe != BASELINE_RECIPE and run_recipe.is_tensorwise, "fp8.all_gather", self.all_gather,
+            require(self.recipe != BASELINE_RECIPE and run_recipe.is_tensorwise, "fp8.all_gather", self.all_gather,
                      f"needs a tensorwise fp8.recipe ({' or '.join(TENSORWISE_SCALINGS)}); fp8.recipe="
                      f"{self.recipe} has no single per-tensor weight scale to gather with (set fp8.all_gather=false)")
 
@@ -113,7 +113,7 @@ Fp8Config = dataclasses.make_dataclass("Fp8Config", _recipe_keys(), bases=(_Fp8R
 
 
 @dataclass
-class PolicyConfig(_Section):
+class PolicyConfig(Section):
     _section = "policy"
     min_features: int = _POLICY_DEFAULTS.min_features
     """Linears with in_features or out_features below this stay in high precision (too small to gain)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fp8train.training.config.base import _Section, _require
+from fp8train.training.config.base import Section, require
 
 __all__ = ["ModelConfig", "DataConfig", "HF_ONLY_SOURCE_KEYS", "DECODER_ONLY_FIELDS", "check_hf_model_fields",
            "drop_decoder_fields"]
@@ -38,7 +38,7 @@ def drop_decoder_fields(config: dict) -> dict:
 
 
 @dataclass
-class ModelConfig(_Section):
+class ModelConfig(Section):
     _section = "model"
     n_layers: int = 4
     """Number of transformer blocks."""
@@ -78,21 +78,21 @@ class ModelConfig(_Section):
         self._at_least("seq_len", 2, "must be >= 2 (inputs and shifted targets)")
         self._at_least("vocab_size", 2)
         self._at_least("ffn_hidden", 0, "must be >= 0 (0 = auto)")
-        _require(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be > 0")
-        _require(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "must be > 0")
-        _require(self.d_model % self.n_heads == 0, "model.d_model", self.d_model,
+        require(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be > 0")
+        require(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "must be > 0")
+        require(self.d_model % self.n_heads == 0, "model.d_model", self.d_model,
                  f"must be divisible by model.n_heads={self.n_heads}")
         head_dim = self.d_model // self.n_heads
-        _require(head_dim % 2 == 0, "model.n_heads", self.n_heads,
+        require(head_dim % 2 == 0, "model.n_heads", self.n_heads,
                  f"head_dim = d_model / n_heads = {head_dim} must be even (RoPE rotates channel pairs)")
-        _require(self.n_heads % self.kv_heads() == 0, "model.n_kv_heads", self.n_kv_heads,
+        require(self.n_heads % self.kv_heads() == 0, "model.n_kv_heads", self.n_kv_heads,
                  f"must divide model.n_heads={self.n_heads}")
         if self.hf_path or self.hf_config:  # Decoder fields would be ignored by an HF model: refuse them
             check_hf_model_fields(self, type(self)())
 
 
 @dataclass
-class DataConfig(_Section):
+class DataConfig(Section):
     _section = "data"
     path: str = ""
     """Text file, folder of text files (recursive), or nanoGPT uint16 .bin; "" = built-in corpus (Python stdlib)."""
@@ -111,8 +111,8 @@ class DataConfig(_Section):
     """Column of data.hf_dataset that holds the text."""
 
     def _check(self) -> None:
-        _require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
+        require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
         self._at_least("max_bytes", 0, "must be >= 0 (0 = no cap)")
-        _require(bool(self.text_field), "data.text_field", self.text_field, "a column name of data.hf_dataset")
-        _require(not (self.hf_dataset and self.path), "data.hf_dataset", self.hf_dataset,
+        require(bool(self.text_field), "data.text_field", self.text_field, "a column name of data.hf_dataset")
+        require(not (self.hf_dataset and self.path), "data.hf_dataset", self.hf_dataset,
                  f"replaces data.path (set to {self.path!r}): give one of them")

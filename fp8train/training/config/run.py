@@ -9,7 +9,7 @@ from typing import Any, List
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS
 
 from fp8train.nn.recipes import RECIPE_NAMES, recipe
-from fp8train.training.config.base import _Section, _require
+from fp8train.training.config.base import Section, require
 
 WANDB_MODES = ("disabled", "offline", "online")
 TRACKER_NAMES = tuple(LOGGER_TYPE_TO_CLASS)  # accelerate's names: aim, comet_ml, mlflow, tensorboard, wandb, ...
@@ -32,7 +32,7 @@ PARALLEL_MODES = ("ddp", "fsdp2")  # data parallelism: replicated (DDP) or shard
 
 
 @dataclass
-class RunConfig(_Section):
+class RunConfig(Section):
     _section = "run"
     name: str = "run"
     """Run name; the run directory is <run.dir>/<run.name>."""
@@ -40,15 +40,15 @@ class RunConfig(_Section):
     """Parent folder of run directories."""
 
     def _check(self) -> None:
-        _require(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "run.name", self.name,
+        require(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "run.name", self.name,
                  "a non-empty folder name without '/'")
-        _require(len(self.name.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES, "run.name",
+        require(len(self.name.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES, "run.name",
                  self.name[:40] + "...", f"at most {MAX_NAME_BYTES} bytes (a file-system limit on folder names)")
-        _require(bool(self.dir), "run.dir", self.dir, "a non-empty path")
+        require(bool(self.dir), "run.dir", self.dir, "a non-empty path")
 
 
 @dataclass
-class TrainConfig(_Section):
+class TrainConfig(Section):
     _section = "train"
     seed: int = 1337
     """Seed of the initialization and the data order (batches are a pure function of seed and step)."""
@@ -90,16 +90,16 @@ class TrainConfig(_Section):
     def _check(self) -> None:
         for name in ("max_steps", "batch_size", "grad_accum", "eval_batches"):
             self._at_least(name, 1)
-        _require(self.eval_batches <= MAX_EVAL_BATCHES, "train.eval_batches", self.eval_batches,
+        require(self.eval_batches <= MAX_EVAL_BATCHES, "train.eval_batches", self.eval_batches,
                  f"must be in [1, {MAX_EVAL_BATCHES}] (validation batches run at every evaluation)")
         self._at_least("seed", 0)
-        _require(self.seed < 2**63, "train.seed", self.seed, "must be < 2**63 (torch.manual_seed's range)")
+        require(self.seed < 2**63, "train.seed", self.seed, "must be < 2**63 (torch.manual_seed's range)")
         self._at_least("eval_every", 0, "must be >= 0 (0 = only at the end)")
-        _require(0 <= self.threads <= MAX_THREADS, "train.threads", self.threads,
+        require(0 <= self.threads <= MAX_THREADS, "train.threads", self.threads,
                  f"must be in [0, {MAX_THREADS}] (0 = torch's default)")
         self._at_least("grad_clip", 0, "must be >= 0 (0 = no clipping)")
-        _require(0 < self.lr <= MAX_LR, "train.lr", self.lr, f"must be in (0, {MAX_LR:g}] (AdamW's peak step size)")
-        _require(self.batch_size % self.grad_accum == 0, "train.batch_size", self.batch_size,
+        require(0 < self.lr <= MAX_LR, "train.lr", self.lr, f"must be in (0, {MAX_LR:g}] (AdamW's peak step size)")
+        require(self.batch_size % self.grad_accum == 0, "train.batch_size", self.batch_size,
                  f"must be divisible by train.grad_accum={self.grad_accum}")
         self._in("device", DEVICES)
         self._in("autocast", AUTOCAST_MODES)
@@ -107,13 +107,13 @@ class TrainConfig(_Section):
         words = dict(zip(RESUME_WORDS, (True, False, "auto")))
         if isinstance(self.resume, str) and self.resume.lower() in words:
             self.resume = words[self.resume.lower()]
-        _require(isinstance(self.resume, bool) or self.resume == "auto", "train.resume", self.resume,
+        require(isinstance(self.resume, bool) or self.resume == "auto", "train.resume", self.resume,
                  "one of true, false, auto")
         self._in("parallel", PARALLEL_MODES)
 
 
 @dataclass
-class OptimConfig(_Section):
+class OptimConfig(Section):
     _section = "optim"
     weight_decay: float = 0.1
     """AdamW decoupled weight decay (matrices only; norms and biases get none)."""
@@ -128,15 +128,15 @@ class OptimConfig(_Section):
 
     def _check(self) -> None:
         self._at_least("weight_decay", 0)
-        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", list(self.betas),
+        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", list(self.betas),
                  "two floats in [0, 1)")
-        _require(self.eps > 0, "optim.eps", self.eps, "must be > 0")
+        require(self.eps > 0, "optim.eps", self.eps, "must be > 0")
         self._at_least("warmup_steps", 0)
-        _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
 
 
 @dataclass
-class LogConfig(_Section):
+class LogConfig(Section):
     _section = "log"
     every: int = 10
     """Write a metrics.jsonl line (and a tracker log) every N optimizer steps."""
@@ -159,21 +159,21 @@ class LogConfig(_Section):
         self._at_least("telemetry_every", 0, "must be >= 0 (0 = off)")
         self._in("wandb", WANDB_MODES)
         for name in self.trackers:
-            _require(name in TRACKER_NAMES, "log.trackers", list(self.trackers), f"names from {list(TRACKER_NAMES)}")
-        _require(len(set(self.trackers)) == len(self.trackers), "log.trackers", list(self.trackers), "no duplicates")
+            require(name in TRACKER_NAMES, "log.trackers", list(self.trackers), f"names from {list(TRACKER_NAMES)}")
+        require(len(set(self.trackers)) == len(self.trackers), "log.trackers", list(self.trackers), "no duplicates")
         for name in self.shadow_recipes:
-            _require(name in SHADOW_RECIPES, "log.shadow_recipes", list(self.shadow_recipes),
+            require(name in SHADOW_RECIPES, "log.shadow_recipes", list(self.shadow_recipes),
                      f"recipe names from {list(SHADOW_RECIPES)} ('delayed' needs an amax history a shadow "
                      f"does not keep: "
                      f"'current' is its best case); {name!r} is not one")
-        _require(len(set(self.shadow_recipes)) == len(self.shadow_recipes), "log.shadow_recipes",
+        require(len(set(self.shadow_recipes)) == len(self.shadow_recipes), "log.shadow_recipes",
                  list(self.shadow_recipes), "each recipe at most once")
-        _require(not self.shadow_recipes or self.telemetry_every > 0, "log.shadow_recipes",
+        require(not self.shadow_recipes or self.telemetry_every > 0, "log.shadow_recipes",
                  list(self.shadow_recipes), "needs log.telemetry_every > 0 (shadowing runs on telemetry steps)")
 
 
 @dataclass
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     _section = "checkpoint"
     every: int = 0
     """Save a checkpoint (model, optimizer, FP8 scaling state) every N optimizer steps; 0 = no periodic saves."""

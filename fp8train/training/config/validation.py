@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from fp8train.nn.recipes import BASELINE_RECIPE, DEFAULT_RECIPE, OVERRIDE_BF16, RECIPE_NAMES
-from fp8train.training.config.base import _is_int, _Section, _require
+from fp8train.training.config.base import is_int, Section, require
 
 __all__ = ["ValidateConfig", "Candidate", "parse_candidate", "check_candidate_key", "resolve_seeds", "BASELINE_LABEL",
            "PAIRED_SECTIONS", "AUTO_SEEDS", "SPENDING_RULES"]
@@ -112,13 +112,13 @@ def resolve_seeds(seeds: Any, first_seed: int, max_seeds: int = 0) -> list[int]:
     of which the rounds run only as many as the verdict needs."""
     if seeds == AUTO_SEEDS:
         seeds = max_seeds
-    if _is_int(seeds):
+    if is_int(seeds):
         return [first_seed + i for i in range(seeds)]
     return [int(s) for s in seeds]
 
 
 @dataclass
-class ValidateConfig(_Section):
+class ValidateConfig(Section):
     _section = "validate"
     candidates: List[str] = field(default_factory=lambda: [DEFAULT_RECIPE])
     """FP8 candidates run against the bf16 baseline: specs [LABEL=]RECIPE[:KEY=VALUE,...] (not 'none')."""
@@ -147,33 +147,33 @@ class ValidateConfig(_Section):
     def _check(self) -> None:
         allowed = ("a non-empty list of candidate specs [LABEL=]RECIPE[:KEY=VALUE,...] with RECIPE from "
                    f"{list(RECIPE_NAMES)} ('{BASELINE_RECIPE}', the baseline, always runs)")
-        _require(len(self.candidates) > 0, "validate.candidates", list(self.candidates), allowed)
+        require(len(self.candidates) > 0, "validate.candidates", list(self.candidates), allowed)
         labels = [parse_candidate(spec).label for spec in self.candidates]
-        _require(len(set(labels)) == len(labels), "validate.candidates", list(self.candidates),
+        require(len(set(labels)) == len(labels), "validate.candidates", list(self.candidates),
                  f"labels must differ, got {labels} (give one a LABEL=)")
-        _require(0 < self.margin < 1, "validate.margin", self.margin,
+        require(0 < self.margin < 1, "validate.margin", self.margin,
                  "a relative loss gap in (0, 1), e.g. 0.02 for 2%")
         self._check_seeds()
         if self.workers is not None:
-            _require(_is_int(self.workers) and self.workers >= 1, "validate.workers", self.workers,
+            require(is_int(self.workers) and self.workers >= 1, "validate.workers", self.workers,
                      "an int >= 1, or null for auto (CPU: cores // train.threads; CUDA: one run per GPU)")
         self._at_least("final_window", 1)
-        _require(self.divergence_factor > 1, "validate.divergence_factor", self.divergence_factor, "must be > 1")
+        require(self.divergence_factor > 1, "validate.divergence_factor", self.divergence_factor, "must be > 1")
 
     def _check_seeds(self) -> None:
         seeds = self.seeds
         allowed = f"a count >= 1, a non-empty list of distinct ints in [0, 2**63), or {AUTO_SEEDS!r}"
         self._in("spending", SPENDING_RULES)
-        _require(_is_int(self.max_seeds) and 2 <= self.max_seeds <= 1000, "validate.max_seeds", self.max_seeds,
+        require(is_int(self.max_seeds) and 2 <= self.max_seeds <= 1000, "validate.max_seeds", self.max_seeds,
                  "an int in [2, 1000] (the last look of validate.seeds=auto; one seed has no spread)")
         if seeds == AUTO_SEEDS:
             return
-        if _is_int(seeds):
-            _require(seeds >= 1, "validate.seeds", seeds, allowed)
+        if is_int(seeds):
+            require(seeds >= 1, "validate.seeds", seeds, allowed)
             return
-        _require(isinstance(seeds, (list, tuple)) and len(seeds) > 0, "validate.seeds", seeds, allowed)
+        require(isinstance(seeds, (list, tuple)) and len(seeds) > 0, "validate.seeds", seeds, allowed)
         seeds = list(seeds)
-        _require(all(_is_int(s) and 0 <= s < _SEED_LIMIT for s in seeds), "validate.seeds", seeds, allowed)
+        require(all(is_int(s) and 0 <= s < _SEED_LIMIT for s in seeds), "validate.seeds", seeds, allowed)
         repeated = sorted({s for s in seeds if seeds.count(s) > 1})
-        _require(not repeated, "validate.seeds", seeds, f"{allowed}; repeated: {repeated}")
+        require(not repeated, "validate.seeds", seeds, f"{allowed}; repeated: {repeated}")
         self.seeds = seeds  # a plain list (OmegaConf hands over a ListConfig for an Any field)

@@ -173,6 +173,7 @@ def enable_kv_hook(model: nn.Module) -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     modules = _attention_modules(model)
+    # transformers keeps the attention kernel it chose only here (no public accessor)
     base = model.config._attn_implementation or "eager"
     if not modules or base.startswith(_KV_ATTENTION) or not getattr(model, "_can_set_attn_implementation",
                                                                      lambda: False)():

@@ -168,6 +168,7 @@ def clip_grad_norm_tensor(model: nn.Module, max_norm: float) -> torch.Tensor:
     factor = torch.where(torch.isfinite(norm), factor, torch.ones_like(factor)).float()
     grads = [local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
     if grads:
+        # one multi-tensor op for the whole list: torch's foreach kernels have no public name
         torch._foreach_mul_(grads, factor)
     return norm
 

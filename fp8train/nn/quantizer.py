@@ -1,0 +1,191 @@
+"""OperandQuantizer: how an Fp8Linear makes one of its three operands (input, weight, grad_output) FP8.
+
+A layer holds one per operand role (`Fp8Linear.quantizers[role]`), and each is the one place where the recipe's
+rules for its role are applied:
+
+- `quantize(tensor)`: the FP8 copy its GEMM reads (format, granularity and scale of the role), recording the
+  amax (delayed scaling), the non-finite counter and telemetry;
+- `quantize_transposed(tensor)`: the role's recipe applied to tensor.T, for a backward GEMM that contracts the
+  tensor's first dim across its scales (recipes.Fp8Recipe.requantize_transposed);
+- `tensorwise_scale(amax)`: the scale rule of a tensorwise recipe (also the FP8 all-gather's, fp8_all_gather.py);
+- `saved_operand(data, scale, block, keep_values)` and `decode(data)`: FP8 bytes saved for backward, as a GEMM
+  operand again.
+
+Its scaling state is the layer's registered buffers `{role}_{name}` (name in SCALING_BUFFERS; Fp8Linear's
+docstring says what each holds and how delayed scaling updates them), so state_dict keys, checkpoints and device
+moves stay the layer's. The quantizer is a plain object, not a submodule (whose buffers would be keyed
+`quantizers.{role}.{name}`), and it looks its buffers up on the layer by name at each use (`buffer(name)`):
+`.to()`, `load_state_dict(assign=True)` and FSDP2 replace the tensor objects behind those names. How a tensor is
+quantized (the kernel) and whether telemetry is recorded are the layer's execution settings, read from it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fp8train.nn.fp8_all_gather import Fp8GatheredWeight
+from fp8train.nn.gemm import Fp8Operand
+from fp8train.nn.recipes import Fp8Recipe, OperandRole
+from fp8train.numerics import native_cast
+from fp8train.numerics.formats import get_format
+from fp8train.numerics.mx import quantize_mx
+from fp8train.numerics.quant import Fp8Tensor, compute_amax, decode_fp8, quant_error, quantize, scale_from_amax
+
+__all__ = ["OperandQuantizer", "SCALING_BUFFERS", "DELAYED_SCALING_BUFFERS"]
+
+# The per-role scaling buffers an Fp8Linear may hold (`{role}_{name}`): a counter every recipe keeps, then
+# delayed scaling's state, in the order they are registered (that of the layer's state_dict).
+DELAYED_SCALING_BUFFERS = ("amax_history", "scale", "scale_amax", "pending_amax", "initialized",
+                           "stale_scale_steps")
+SCALING_BUFFERS = ("nonfinite_amax_count",) + DELAYED_SCALING_BUFFERS
+
+
+class OperandQuantizer:
+    """One operand role's FP8 quantization and scaling state for `layer` (an Fp8Linear; module docstring)."""
+
+    def __init__(self, layer, role: OperandRole):
+        self.layer = layer
+        self.role = OperandRole(role)
+        self.format = get_format(layer.recipe.format_of(self.role))
+        self.reset()
+
+    @property
+    def recipe(self) -> Fp8Recipe:
+        return self.layer.recipe
+
+    def reset(self) -> None:
+        """Forget what the host knows of the state (at init and on every state_dict load)."""
+        # Host-side mirror of the `initialized` buffer (it only ever turns True between loads): once True, quantize
+        # uses the stored scale without computing its own amax-based fallback.
+        self.initialized_on_host = False
+        self.mirror_updates = 0  # delayed updates since then (the mirror is read back at powers of two)
+
+    def register_buffers(self, device) -> None:
+        """Register this role's scaling buffers on the layer, at their initial values, on `device`."""
+        layer, role, r = self.layer, self.role, self.recipe
+        layer.register_buffer(f"{role}_nonfinite_amax_count", torch.zeros((), dtype=torch.int64, device=device))
+        if r.is_delayed:
+            layer.register_buffer(f"{role}_amax_history",
+                                  torch.zeros(r.amax_history_len, dtype=torch.float32, device=device))
+            layer.register_buffer(f"{role}_scale", torch.ones((), dtype=torch.float32, device=device))
+            layer.register_buffer(f"{role}_scale_amax", torch.zeros((), dtype=torch.float32, device=device))
+            layer.register_buffer(f"{role}_pending_amax", torch.full((), -1.0, device=device))
+            layer.register_buffer(f"{role}_initialized", torch.zeros((), dtype=torch.bool, device=device))
+            layer.register_buffer(f"{role}_stale_scale_steps", torch.zeros((), dtype=torch.int64, device=device))
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """This role's scaling buffer `name` (one of SCALING_BUFFERS), as the layer holds it now."""
+        return getattr(self.layer, f"{self.role}_{name}")
+
+    # ------------------------------------------------------------------------------------------------------
+    def quantize(self, tensor: torch.Tensor, keep_values: bool = True) -> Fp8Tensor:
+        """FP8 copy of a 2-D operand with the recipe's format/granularity for this role; updates scaling state."""
+        r, role, fmt = self.recipe, self.role, self.format
+        nonfinite_count = self.buffer("nonfinite_amax_count")
+        if isinstance(tensor, Fp8GatheredWeight):  # FSDP2 gathered it as FP8 already (fp8_all_gather.py)
+            quantized = tensor.fp8_tensor()
+            self.record_amax(quantized.amax)
+            return quantized  # no weight telemetry: the fp32 weight is not gathered
+        kernel = self.layer.kernel_for(tensor.numel())
+        # Block tiles (block, mxfp8) vary along K, so the emulated GEMMs read value * scale: the C kernel writes
+        # that in the same pass instead of the values (eager and CUDA paths unchanged).
+        blocked = kernel == "native" and r.granularity_of(role) == "block"
+        keep = dict(keep_values=keep_values and not blocked, keep_dequantized=keep_values and blocked)
+        if r.is_delayed:
+            amax = compute_amax(tensor, kernel=kernel)
+            self.record_amax(amax)
+            # the scale is finite and > 0 by construction (tensorwise_scale): no per-call host sync
+            quantized = quantize(tensor, fmt, scale=self.tensorwise_scale(amax), keep_values=keep_values,
+                                 validate_scale=False, kernel=kernel)
+            quantized.amax = amax
+        elif r.is_mx:
+            quantized = quantize_mx(tensor, fmt, kernel=kernel,
+                                    **(keep if blocked else dict(keep_values=True)))
+            nonfinite_count.add_((~torch.isfinite(quantized.amax)).any().long())
+        else:
+            quantized = quantize(tensor, fmt, granularity=r.granularity_of(role), block=r.block_of(role),
+                                 axis=-1, margin=r.margin, pow2=r.pow2_scales, kernel=kernel, **keep)
+        if not r.is_delayed and not r.is_mx:  # (delayed: record_amax counted it; mxfp8: counted above)
+            nonfinite = quantized.amax.isfinite().logical_not()
+            nonfinite_count.add_(nonfinite if r.is_tensorwise else nonfinite.any())
+        if self.layer.telemetry:
+            self._record_stats(tensor, quantized)
+        return quantized
+
+    def quantize_transposed(self, tensor: torch.Tensor) -> Fp8Tensor:
+        """This role's recipe applied to tensor.T: (C, R) FP8 bytes whose scales run along the original first
+        dim, written straight in the layout its backward GEMM reads (no separate FP8 transpose). Counters and
+        telemetry come from the primary quantization of the same tensor."""
+        r, role = self.recipe, self.role
+        kernel = self.layer.kernel_for(tensor.numel())
+        blocked = kernel == "native" and r.granularity_of(role) == "block"  # as in quantize
+        with torch.no_grad():
+            tensor_t = tensor.t()
+            if r.is_mx:
+                return quantize_mx(tensor_t, r.format_of(role), kernel=kernel, keep_dequantized=blocked)
+            return quantize(tensor_t, self.format, granularity=r.granularity_of(role),
+                            block=r.block_of(role), axis=-1, margin=r.margin, pow2=r.pow2_scales,
+                            keep_values=not blocked, keep_dequantized=blocked, kernel=kernel)
+
+    def tensorwise_scale(self, amax: torch.Tensor) -> torch.Tensor:
+        """The dequant scale a tensor of this role with this `amax` is quantized with, under a tensorwise recipe:
+        delayed, the stored scale once initialized, else (first step) the tensor's own; current, its own.
+        fp8_all_gather uses it too, with the amax of the whole sharded weight."""
+        r = self.recipe
+        if r.is_delayed and self.initialized_on_host:  # known on the host: no fallback ops to compute
+            return self.buffer("scale")
+        own_scale = scale_from_amax(amax, self.format, r.margin, r.pow2_scales)
+        if not r.is_delayed:
+            return own_scale
+        return torch.where(self.buffer("initialized"), self.buffer("scale"), own_scale)
+
+    def record_amax(self, amax: torch.Tensor) -> None:
+        """Count a non-finite amax; delayed scaling in training also folds it into this step's pending amax."""
+        recorded = amax.nan_to_num(nan=-1.0, posinf=-1.0)  # NaN/inf amaxes are counted, never recorded
+        nonfinite = recorded < 0
+        self.buffer("nonfinite_amax_count").add_(nonfinite if amax.dim() == 0 else nonfinite.any())
+        if self.recipe.is_delayed and self.layer.training:
+            pending = self.buffer("pending_amax")
+            torch.maximum(pending, recorded if recorded.dim() == 0 else recorded.amax(), out=pending)
+
+    # ------------------------------------------------------------------------------------------------------
+    def decode(self, data: torch.Tensor) -> torch.Tensor:
+        """FP8 bytes of this role's format -> their values (fp32)."""
+        if torch.compiler.is_compiling():  # traced: the eager math, inlined (and no metadata reads on `data`)
+            return decode_fp8(data, self.format)
+        return decode_fp8(data, self.format, self.layer.kernel_for(data.numel()))
+
+    def saved_operand(self, data: torch.Tensor, scale: torch.Tensor, block, keep_values: bool) -> Fp8Operand:
+        """The operand of FP8 bytes saved for backward, with what the emulated GEMM reads: the values, or for
+        block tiles value * scale in one native op (bytes, scale grid -> fp32) where the C kernel runs."""
+        if not keep_values:
+            return Fp8Operand(data, scale, block)
+        if block is not None and self.layer.kernel_for(data.numel()) == "native" and \
+                native_cast.dequantizable(data, scale, "block", *block):
+            return Fp8Operand(data, scale, block, dequantized=native_cast.dequantize(data, scale, "block", *block))
+        return Fp8Operand(data, scale, block, self.decode(data))
+
+    def _record_stats(self, tensor: torch.Tensor, quantized: Fp8Tensor) -> None:
+        stats = quant_error(tensor, quantized)
+        amax_now = float(quantized.amax.max()) if not torch.isnan(quantized.amax).any() else math.nan
+        staleness = None
+        if self.recipe.is_delayed:
+            if bool(self.buffer("initialized")):
+                source_amax = float(self.buffer("scale_amax"))
+                staleness = amax_now / source_amax if source_amax > 0 else math.inf
+            else:
+                staleness = 1.0  # still on current scaling: the scale came from this very tensor
+        self.layer.last_stats[self.role] = dict(
+            amax=amax_now,
+            scale=float(quantized.scale.float().mean()),
+            overflow_frac=stats["overflow_frac"],
+            underflow_frac=stats["underflow_frac"],
+            sqnr_db=stats["sqnr_db"],
+            staleness=staleness,
+            nonfinite=not math.isfinite(amax_now),
+        )
+
+    def __repr__(self) -> str:
+        return f"OperandQuantizer({self.role}, {self.format.name}, {self.recipe.granularity_of(self.role)})"
