@@ -183,13 +183,13 @@ class Fp8Recipe:
             object.__setattr__(self, key, _CANONICAL_FORMAT.get(value, value))
         if not isinstance(self.name, str) or not self.name:
             raise RecipeFieldError("name", self.name, "a non-empty string")
-        if not _is_int(self.margin) or not 0 <= self.margin <= MAX_MARGIN:
+        if not is_int(self.margin) or not 0 <= self.margin <= MAX_MARGIN:
             raise RecipeFieldError("margin", self.margin, f"an int in [0, {MAX_MARGIN}] (powers of two of headroom; "
                                    f"above {MAX_MARGIN} every FP8 value of every format underflows to zero)")
         for key in ("pow2_scales", "fast_accum_forward"):
             if not isinstance(getattr(self, key), bool):
                 raise RecipeFieldError(key, getattr(self, key), "a bool")
-        if not _is_int(self.amax_history_len) or not 1 <= self.amax_history_len <= MAX_AMAX_HISTORY:
+        if not is_int(self.amax_history_len) or not 1 <= self.amax_history_len <= MAX_AMAX_HISTORY:
             raise RecipeFieldError("amax_history_len", self.amax_history_len, f"an int in [1, {MAX_AMAX_HISTORY}] "
                                    "(steps of amax kept per layer and role; each is memory and work on every update)")
         factor = self.amax_outlier_factor
@@ -201,13 +201,13 @@ class Fp8Recipe:
             key = f"{role}_block"
             block = getattr(self, key)
             if not (isinstance(block, (tuple, list)) and len(block) == 2 and all(
-                    _is_int(b) and b >= 1 for b in block)):
+                    is_int(b) and b >= 1 for b in block)):
                 raise RecipeFieldError(key, block, "two positive ints (rows, cols), e.g. [1, 128] or [128, 128]")
             object.__setattr__(self, key, tuple(block))
         bits, promotion = self.accumulator_bits, self.accumulator_promotion
-        if not _is_int(bits) or not (bits == 0 or 2 <= bits <= 24):
+        if not is_int(bits) or not (bits == 0 or 2 <= bits <= 24):
             raise RecipeFieldError("accumulator_bits", bits, "0 (exact fp32) or an int in [2, 24]")
-        if not _is_int(promotion) or promotion < 0 or promotion % 32:
+        if not is_int(promotion) or promotion < 0 or promotion % 32:
             raise RecipeFieldError("accumulator_promotion", promotion,
                                    "0 (never) or a positive multiple of 32 (the MMA depth)")
         if self.is_mx:
@@ -337,10 +337,12 @@ def _check_fields(overrides: dict) -> None:
         raise ValueError(f"unknown Fp8Recipe field(s) {', '.join(unknown)}; valid fields: {', '.join(valid)}")
 
 
+def is_int(x) -> bool:
+    """An int that is not a bool (YAML's true/false must not pass as 1/0)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _check_choice(key: str, value, allowed: tuple) -> None:
     if value not in allowed:
         raise RecipeFieldError(key, value, f"one of {', '.join(allowed)}")
 
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)

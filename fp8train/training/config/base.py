@@ -12,10 +12,6 @@ def require(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ValueError(f"config {key}={value!r} is invalid: {allowed}")
 
 
-def is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 class Section:
     """Mixin: `_check()` runs the section's validation at construction, naming keys as `<section>.<field>`."""
 

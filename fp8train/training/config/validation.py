@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from fp8train.nn.recipes import BASELINE_RECIPE, DEFAULT_RECIPE, OVERRIDE_BF16, RECIPE_NAMES
-from fp8train.training.config.base import is_int, Section, require
+from fp8train.nn.recipes import is_int
+from fp8train.training.config.base import Section, require
 
 __all__ = ["ValidateConfig", "Candidate", "parse_candidate", "check_candidate_key", "resolve_seeds", "BASELINE_LABEL",
            "PAIRED_SECTIONS", "AUTO_SEEDS", "SPENDING_RULES"]
