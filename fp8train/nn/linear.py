@@ -347,7 +347,7 @@ class Fp8Linear(nn.Linear):
         # Block tiles (block, mxfp8) vary along K, so the emulated GEMMs read value * scale: the C kernel writes
         # that in the same pass instead of the values (eager and CUDA paths unchanged).
         blocked = kernel == "native" and r.granularity_of(role) == "block"
-        keep = dict(keep_values=keep_values and not blocked, keep_dequantized=keep_values and blocked)
+        keep = dict(keep_values=False if blocked else keep_values, keep_dequantized=bool(keep_values) and blocked)
         if r.is_delayed:
             amax = compute_amax(tensor, kernel=kernel)
             self._record_amax(role, amax)
