@@ -147,8 +147,9 @@ def test_tiny_run_json_schema(tiny_run):
         assert r["min_s"] <= r["median_s"] <= r["max_s"] and r["repeats"] == 2
     assert linear[0]["ratio"] == pytest.approx(1.0) and linear[1]["ratio_fp32"] == pytest.approx(1.0)
     train = {r["contender"]: r for r in sections["train"]["rows"]}
-    assert set(train) == {"bf16", "current", "block"} and train["bf16"]["fp8_layers"] == 0
-    assert train["current"]["fp8_layers"] > 0
+    assert set(train) == {"bf16", "fp32", "current", "block"} and train["bf16"]["fp8_layers"] == 0
+    assert train["fp32"]["fp8_layers"] == 0 and train["current"]["fp8_layers"] > 0
+    assert train["bf16"]["ratio"] == pytest.approx(1.0) and train["fp32"]["ratio_fp32"] == pytest.approx(1.0)
     assert all(r["tokens_per_s"] > 0 and r["step_peak_mb"] > 0 and r["resident_mb"] > 0 for r in train.values())
     memory = {r["contender"]: r for r in sections["memory"]["rows"]}
     assert memory["current"]["saved_mb"] < memory["bf16"]["saved_mb"]  # FP8 inputs kept for backward

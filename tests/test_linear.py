@@ -297,7 +297,7 @@ def test_nonfinite_does_not_poison_delayed_state(bad):
     assert layer.input_amax_history.tolist() == [1, 896, 0, 0]
 
 
-@pytest.mark.parametrize("name", ["current", "rowwise", "block"])
+@pytest.mark.parametrize("name", ["current", "rowwise", "block", "mxfp8"])
 def test_nonfinite_counted_for_dynamic_recipes(name):
     layer = Fp8Linear(128, 128, recipe=name)
     x = torch.randn(8, 128)

@@ -188,6 +188,88 @@ def test_dequantized_values_are_value_times_scale(block, rng):
     assert torch.equal(mx.dequantized.nan_to_num(), quantize_mx(base, "e5m2").dequantize().nan_to_num())
 
 
+@pytest.mark.parametrize("granularity, block, axis", LAYOUTS[:4])
+@pytest.mark.parametrize("name", ALL_FORMATS)
+@pytest.mark.parametrize("kernel", ["native", "eager"])
+def test_bf16_values_copy_is_exact_and_written_in_the_same_pass(name, granularity, block, axis, kernel, rng,
+                                                                native_calls):
+    """keep_values=torch.bfloat16 (what a bf16 GEMM reads) gives the FP8 values in bf16, exactly: ml_dtypes'
+    decode of the bytes, rounded to bf16 by ml_dtypes (exact, so no rounding happens), NaN where the byte is a
+    NaN code and then torch's own fp32 -> bf16 NaN (0xFFFF); alone or with the fp32 copy, from one native call."""
+    base = torch.from_numpy((rng.standard_normal((67, 300)) * np.exp2(rng.integers(-12, 12, (67, 300)))).astype(F32))
+    base[4, 9], base[5, 1], base[6, 2] = math.nan, -math.nan, math.inf
+    for x in (base, base.t(), base.bfloat16()):
+        for keep in (torch.bfloat16, (torch.float32, torch.bfloat16)):
+            before = len(native_calls)
+            q = quantize(x, name, granularity=granularity, block=block, axis=axis, kernel=kernel, keep_values=keep)
+            assert len(native_calls) == before + (kernel == "native" and native_cast.available())
+            assert (q.values is not None) is isinstance(keep, tuple)
+            codes = q.data.view(torch.uint8).numpy()
+            with np.errstate(invalid="ignore"):
+                decoded = ml_decode(codes, name)
+            expected = decoded.astype(ml_dtypes.bfloat16).view(np.uint16).copy()
+            expected[np.isnan(decoded)] = 0xFFFF
+            got = q.values_bf16
+            assert got.dtype == torch.bfloat16 and got.shape == x.shape
+            np.testing.assert_array_equal(got.view(torch.int16).numpy().view(np.uint16), expected)
+            plain = quantize(x, name, granularity=granularity, block=block, axis=axis, kernel=kernel)
+            assert torch.equal(plain.data.view(torch.uint8), q.data.view(torch.uint8))  # the bytes do not change
+            if q.values is not None:
+                assert torch.equal(q.values.to(torch.bfloat16).view(torch.int16), got.view(torch.int16))
+
+
+@needs_native
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(37, 300), (1024, 640)])  # the second runs on two threads where there are two
+def test_gemm_epilogue_matches_numpy_and_the_torch_ops(shape, out_dtype, rng, two_threads):
+    """The emulated bf16 GEMM's epilogue, one pass: every bf16 accumulator bit pattern class (NaN, inf,
+    subnormals, ties of the final rounding) times a row scale, times a column scale, plus a bias, then rounded
+    to the output dtype: numpy float32 arithmetic in that order rounded by ml_dtypes (to nearest even), and the
+    same bits as torch's own ops (which also fix the NaN pattern, 0xFFFF in bf16)."""
+    rows, cols = shape
+    acc = torch.from_numpy(rng.integers(0, 1 << 16, shape, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
+    row_scales = [None, torch.tensor(3.7e-3), torch.from_numpy(rng.uniform(0, 1e3, (rows, 1)).astype(F32)),
+                  torch.tensor(2.0 ** -100)]
+    col_scales = [None, torch.tensor(1.3e5), torch.from_numpy(rng.uniform(0, 7, (cols, 1)).astype(F32)).t()]
+    for scale_a in row_scales:
+        for scale_b in col_scales:
+            for bias in (None, torch.from_numpy((rng.standard_normal(cols) * 100).astype(F32))):
+                assert native_cast.epilogue_usable(acc, scale_a, scale_b, bias, out_dtype)
+                got = native_cast.gemm_epilogue(acc, scale_a, scale_b, bias, out_dtype)
+                expected = acc.float().numpy()
+                with np.errstate(all="ignore"):
+                    for s in (scale_a, scale_b):
+                        expected = expected if s is None else expected * s.numpy()
+                    expected = expected if bias is None else expected + bias.numpy()
+                    expected = expected.astype(ml_dtypes.bfloat16 if out_dtype == torch.bfloat16 else F32)
+                nan = np.isnan(expected.astype(F32))
+                assert got.dtype == out_dtype and np.array_equal(np.isnan(got.float().numpy()), nan)
+                bits = np.int16 if out_dtype == torch.bfloat16 else np.int32
+                np.testing.assert_array_equal(got.view(torch.int16 if bits is np.int16 else torch.int32).numpy()[~nan],
+                                              expected.view(bits)[~nan])
+                torch_ops = acc.float()
+                for s in (scale_a, scale_b):
+                    torch_ops = torch_ops if s is None else torch_ops.mul_(s)
+                torch_ops = (torch_ops if bias is None else torch_ops.add_(bias)).to(out_dtype)
+                assert torch.equal(got.view(torch.int16 if bits is np.int16 else torch.int32),
+                                   torch_ops.view(torch.int16 if bits is np.int16 else torch.int32))
+
+
+def test_gemm_epilogue_takes_only_what_it_can():
+    acc = torch.zeros(4, 6, dtype=torch.bfloat16)
+    assert not native_cast.epilogue_usable(acc.float(), None, None, None, torch.bfloat16)  # an fp32 accumulator
+    assert not native_cast.epilogue_usable(acc.t(), None, None, None, torch.bfloat16)  # not contiguous
+    assert not native_cast.epilogue_usable(acc, torch.ones(4, 6), None, None, torch.bfloat16)  # not per row
+    assert not native_cast.epilogue_usable(acc, None, torch.ones(6, 1), None, torch.bfloat16)  # not per column
+    assert not native_cast.epilogue_usable(acc, None, None, torch.ones(6, dtype=torch.bfloat16), torch.bfloat16)
+    assert not native_cast.epilogue_usable(acc, None, None, None, torch.float16)
+
+
+def test_keep_values_refuses_other_dtypes():
+    with pytest.raises(ValueError, match="keep_values takes"):
+        quantize(torch.ones(4, 4), "e4m3fn", keep_values=torch.float16)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Decode: all 256 codes
 # ------------------------------------------------------------------------------------------------------------
@@ -276,7 +358,7 @@ def test_the_op_traces_into_one_graph():
                                       1e30, False, True, 8, True, True)
 
     def fn(t):
-        data, scale, _, values = native_cast.quantize(t * 2, None, options)
+        data, scale, _, values, _ = native_cast.quantize(t * 2, None, options)
         return data.view(torch.uint8), scale, values
 
     compiled = torch.compile(fn, backend="eager", fullgraph=True)  # fullgraph: a graph break would raise
@@ -300,6 +382,35 @@ def test_fp8linear_uses_it_by_default():
     assert layer.quantize_kernel == "auto" and layer.kernel_for(x.numel()) == "native"
     layer(x).sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+@needs_native
+@pytest.mark.parametrize("recipe", ["delayed", "current", "rowwise"])
+def test_fp8linear_bf16_emulation_is_the_same_bits_with_and_without_the_native_passes(recipe, monkeypatch):
+    """Under bf16 emulation the layer reads bf16 values written by the quantize pass and finishes each bf16 GEMM
+    with the one-pass epilogue; with the native kernel switched off every step is torch's own op: the output,
+    both gradients and the delayed state after a step are the same bits."""
+    from fp8train.nn.linear import update_fp8_scales
+
+    results, ops = [], []
+    for enabled in (True, False):
+        monkeypatch.setattr(native_cast, "_enabled", enabled)
+        torch.manual_seed(3)
+        layer = Fp8Linear(192, 96, recipe=recipe)
+        layer.emulated_dtype = "bf16"
+        x = (torch.randn(160, 192) * 4).requires_grad_(True)
+        for _ in range(2):  # the second step: delayed scaling runs on its history
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = layer(x)
+            y.float().pow(2).mean().backward()
+            update_fp8_scales(layer)
+        results.append([y.detach(), x.grad, layer.weight.grad, *layer.state_dict().values()])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ops.append(count_top_level_ops(lambda: layer(x)))
+    for native, eager in zip(*results):
+        assert native.dtype == eager.dtype and torch.equal(native.reshape(-1).view(torch.uint8),
+                                                           eager.reshape(-1).view(torch.uint8))
+    assert ops[0] < ops[1]  # (the fused passes are fewer ops)
 
 
 # ------------------------------------------------------------------------------------------------------------

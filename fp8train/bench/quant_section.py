@@ -78,4 +78,22 @@ def bench_quant(opts: BenchOptions, warmup: int, repeats: int) -> dict:
             })
         log(f"quant {label} {fmt_name}: " + ", ".join(
             f"{n} {numel / t.median / 1e9:.2f} G el/s" for n, t in timings.items()))
-    return {"numel": numel, "shape": list(x.shape), "rows": rows_out}
+    return {"numel": numel, "shape": list(x.shape), "rows": rows_out,
+            "format_pairs": _format_pairs(x, opts, warmup, repeats)}
+
+
+def _format_pairs(x: torch.Tensor, opts: BenchOptions, warmup: int, repeats: int) -> list[dict]:
+    """e4m3fn against e5m2, interleaved in the same rounds (one format must not have a slow path): the speed
+    ratio as the median of per-round ratios, so load that drifts between two sections' runs cancels."""
+    kernel = "native" if native_cast.available() and opts.device == "cpu" else "eager"
+    layouts = QUANT_LAYOUTS[:1] if opts.quick else QUANT_LAYOUTS
+    out = []
+    for granularity, block in layouts:
+        label = granularity if granularity != "block" else f"block {block[0]}x{block[1]}"
+        timings = side_by_side({f: (lambda f=f: quantize(x, f, granularity=granularity, block=block, kernel=kernel))
+                                for f in QUANT_FORMATS}, opts.device, warmup, repeats)
+        paired = paired_ratio(timings["e5m2"], timings["e4m3fn"])  # e5m2 time / e4m3fn time = e4m3fn's speed ratio
+        out.append({"granularity": label, "kernel": kernel, "speed_ratio_e4m3fn_e5m2": paired["ratio"],
+                    "q1": paired["ratio_q1"], "q3": paired["ratio_q3"]})
+        log(f"quant {label} {kernel}: e4m3fn / e5m2 speed {paired['ratio']:.2f}x (paired)")
+    return out

@@ -1,6 +1,8 @@
 """``fp8train bench`` sections train and memory: one optimizer step (forward, backward, clip, AdamW, FP8 scale
-update) of the decoder of the CPU validation recipe (CUDA: the ~1B recipe, smaller batch), bf16 vs each recipe
-(tokens/s, peak and resident memory); and the bytes autograd saves for backward over one forward of it.
+update) of the decoder of the CPU validation recipe (CUDA: the ~1B recipe, smaller batch; any recipe with
+``--train-config``, e.g. the GEMM-bound recipes/cpu_gemm_bound.yaml), bf16 vs each recipe (tokens/s, peak and
+resident memory; on CPU an fp32 step too, the fast baseline where bf16 GEMMs have no hardware support); and the
+bytes autograd saves for backward over one forward of it.
 """
 
 from __future__ import annotations
@@ -53,9 +55,10 @@ def _build(cfg, device: str, kernel: str = "eager"):
     return model, converted
 
 
-def _train_step_fn(model, cfg, batches, device: str):
+def _train_step_fn(model, cfg, batches, device: str, autocast: bool = True):
     """One optimizer step as fp8train.training.loop does it (bf16 autocast, clip, AdamW, FP8 scale update), minus
-    logging and evaluation. Cycles through ``batches`` so every contender sees the same data in the same order."""
+    logging and evaluation; ``autocast=False``: the fp32 baseline. Cycles through ``batches`` so every contender
+    sees the same data in the same order."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
@@ -66,7 +69,7 @@ def _train_step_fn(model, cfg, batches, device: str):
     def step():
         x, y = batches[state["step"] % len(batches)]
         state["step"] += 1
-        with torch.autocast(device, dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             _, loss = model(x, y)
         loss.backward()
         if cfg.train.grad_clip > 0:
@@ -118,10 +121,11 @@ def bench_train(opts: BenchOptions, warmup: int, repeats: int, kernel: str = "ea
     batches = [tuple(t.to(opts.device) for t in data.train_batch(s)) for s in range(n_batches)]
     tokens = cfg.train.batch_size * cfg.model.seq_len
     steps, extras = {}, {}
-    for name in ("bf16", *opts.recipes):
-        cfg_r, _ = _train_cfg(opts, BASELINE_RECIPE if name == "bf16" else name)
+    baselines = ("bf16", "fp32") if opts.device == "cpu" else ("bf16",)  # fp32: no autocast, nothing in FP8
+    for name in (*baselines, *opts.recipes):
+        cfg_r, _ = _train_cfg(opts, BASELINE_RECIPE if name in baselines else name)
         model, converted = _build(cfg_r, opts.device, kernel)
-        step, optimizer, state = _train_step_fn(model, cfg_r, batches, opts.device)
+        step, optimizer, state = _train_step_fn(model, cfg_r, batches, opts.device, autocast=name != "fp32")
         steps[name] = step
         extras[name] = dict(model=model, optimizer=optimizer, state=state, converted=converted)
         if opts.device == "cuda":  # one ~1B model + AdamW state at a time on the GPU
@@ -143,6 +147,9 @@ def bench_train(opts: BenchOptions, warmup: int, repeats: int, kernel: str = "ea
         rows.append({"contender": name, "tokens_per_s": tokens / t.median, "fp8_layers": ex["converted"],
                      "step_peak_mb": ex["peak"] / 2**20, "resident_mb": ex["resident"] / 2**20,
                      "last_loss": ex["loss"], **t.summary(), **paired_ratio(t, base)})
+        if "fp32" in extras:
+            fp32 = paired_ratio(t, extras["fp32"]["timing"])
+            rows[-1].update(ratio_fp32=fp32["ratio"], ratio_fp32_q1=fp32["ratio_q1"], ratio_fp32_q3=fp32["ratio_q3"])
         if opts.device == "cuda":
             rows[-1]["speedup_vs_bf16"] = base.median / t.median
     log("train: " + ", ".join(f"{r['contender']} {r['tokens_per_s']:.0f} tok/s ({r['ratio']:.2f}x)" for r in rows))

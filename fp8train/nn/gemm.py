@@ -16,7 +16,9 @@ Backends
       bias the second rounding is exact, so the output equals bf16(fp32 accumulator * scales), the GPU's; with
       non-power-of-two scales it can differ from the GPU's single rounding by one bf16 step, and with a bias by
       half a bf16 step of the product before the bias (more than a step of the output where the bias cancels).
-      A GEMM whose output is fp32 runs in fp32 in this mode too: that is grad_weight for fp32 master weights
+      On CPU the scales, bias and output rounding after such a GEMM run as one pass of the native kernel
+      (native_cast.gemm_epilogue: the same operations, the same bits). A GEMM whose output is fp32 runs in fp32
+      in this mode too: that is grad_weight for fp32 master weights
       (the GPU's FP8 wgrad GEMM writes fp32, so its 24-bit gradient is never rounded to 8 bits) and any GEMM
       fed fp32 activations outside autocast. bf16 inputs would only pay off where the output is bf16 anyway.
     * `auto`: bf16 on CUDA and on CPUs with bf16 GEMM instructions (avx512_bf16 or AMX-BF16, from
@@ -45,6 +47,7 @@ import torch
 from fp8train.nn.accumulation import hopper_accumulated_mm
 from fp8train.nn.scaled_gemm import check_dialect, scaled_mm_available, scaled_mm_gemm
 from fp8train.nn.recipes import BACKENDS
+from fp8train.numerics import native_cast
 from fp8train.numerics.quant import decode_fp8
 
 __all__ = ["Fp8Operand", "fp8_mm", "resolve_backend", "scaled_mm_available", "emulated_compute_dtype",
@@ -117,8 +120,11 @@ class Fp8Operand:
         """From a 2-D `quant.Fp8Tensor` (tensor scales, per-row scales along axis -1, or block tiles)."""
         if q.granularity == "row" and q.axis % 2 != 1:
             raise ValueError("Fp8Operand takes row scales shared along the last dim (axis=-1)")
-        return cls(q.data, q.scale, q.block if q.granularity == "block" else None,
-                   q.values if keep_values else None, q.dequantized if keep_values else None)
+        op = cls(q.data, q.scale, q.block if q.granularity == "block" else None,
+                 q.values if keep_values else None, q.dequantized if keep_values else None)
+        if keep_values and getattr(q, "values_bf16", None) is not None:  # written by the quantizer's same pass
+            op._cache[torch.bfloat16] = q.values_bf16
+        return op
 
     @property
     def shape(self) -> torch.Size:
@@ -284,8 +290,14 @@ def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
     if accumulation is not None:
         out = hopper_accumulated_mm(a.dequantize(torch.float32), b.dequantize(torch.float32), accumulation)
     else:
-        compute_dtype = compute_dtype or emulated_compute_dtype(a.device)
-        out = _emulated_gemm(a, b, gemm_compute_dtype(compute_dtype, out_dtype))
+        compute_dtype = gemm_compute_dtype(compute_dtype or emulated_compute_dtype(a.device), out_dtype)
+        if compute_dtype == torch.bfloat16 and a.device.type == "cpu" and a.scale_outer_rows and b.scale_outer_cols:
+            acc = torch.mm(a.values(compute_dtype), b.values(compute_dtype))  # rounded to bf16 by the GEMM (above)
+            if native_cast.epilogue_usable(acc, a.scale, b.scale, bias, out_dtype):  # the ops below, one pass
+                return native_cast.gemm_epilogue(acc, a.scale, b.scale, bias, out_dtype)
+            out = _apply_outer_scales(acc.float(), a.scale, b.scale)
+        else:
+            out = _emulated_gemm(a, b, compute_dtype)
     if bias is not None:  # bias in fp32, one rounding to the output dtype below (no no-op casts: each is an op)
         out.add_(bias if bias.dtype == torch.float32 else bias.float())
     return out if out_dtype == torch.float32 else out.to(out_dtype)

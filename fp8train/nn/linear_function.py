@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from fp8train.nn.gemm import Fp8Operand, fp8_mm
+from fp8train.nn.gemm import Fp8Operand, emulated_compute_dtype, fp8_mm, gemm_compute_dtype
 from fp8train.nn.recipes import GemmRole, OperandRole
 from fp8train.numerics.quant import Fp8Tensor
 
-__all__ = ["Fp8LinearFunction", "WeightFp8", "to_dtype"]
+__all__ = ["Fp8LinearFunction", "WeightFp8", "to_dtype", "values_to_keep"]
 
 
 class Fp8LinearFunction(torch.autograd.Function):
@@ -25,7 +25,8 @@ class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_2d, weight, bias, weights: "WeightFp8", layer, backend, out_dtype):
         r, input_quantizer = layer.recipe, layer.quantizers[OperandRole.INPUT]
-        input_fp8 = input_quantizer.quantize(input_2d, keep_values=backend == "emulated")
+        input_fp8 = input_quantizer.quantize(input_2d, keep_values=values_to_keep(
+            layer, OperandRole.INPUT, backend, out_dtype, input_2d.device, fp32_too=False))
         input_op = Fp8Operand.from_fp8_tensor(input_fp8)
         # (M, N) in out_dtype straight from the GEMM; bias fused into it where the kernel can
         output = fp8_mm(input_op, weights.op_t, backend, out_dtype=out_dtype, bias=bias, gemm=GemmRole.OUTPUT,
@@ -56,8 +57,12 @@ class Fp8LinearFunction(torch.autograd.Function):
         options = layer.gemm_options(grad_output.device)
         keep_values = backend == "emulated"
         grad_output_quantizer = layer.quantizers[OperandRole.GRAD_OUTPUT]
+        # grad_weight reads grad_output's fp32 values unless it requantizes grad_output along the other axis
+        grad_output_fp32_too = need_weight and not r.requantize_transposed(OperandRole.GRAD_OUTPUT)
         with torch.autocast(grad_output.device.type, enabled=False):
-            grad_output_fp8 = grad_output_quantizer.quantize(grad_output, keep_values=keep_values)
+            grad_output_fp8 = grad_output_quantizer.quantize(grad_output, keep_values=values_to_keep(
+                layer, OperandRole.GRAD_OUTPUT, backend, ctx.input_dtype, grad_output.device,
+                fp32_too=grad_output_fp32_too))
             grad_output_op = Fp8Operand.from_fp8_tensor(grad_output_fp8)            # (M, N)
             if need_input:    # grad_input = grad_output @ weight          (M, N) @ (N, K)
                 grad_input = fp8_mm(grad_output_op, weights.op_for_grad_input, backend, out_dtype=ctx.input_dtype,
@@ -87,6 +92,19 @@ class WeightFp8:
 
     def __init__(self, key, fp8: Fp8Tensor, op_t: Fp8Operand, op_for_grad_input: Fp8Operand):
         self.key, self.fp8, self.op_t, self.op_for_grad_input = key, fp8, op_t, op_for_grad_input
+
+
+def values_to_keep(layer, role: str, backend: str, out_dtype: torch.dtype, device, fp32_too: bool):
+    """Which copies of an operand's FP8 values its emulated GEMMs read, for quantize's ``keep_values``: none
+    (scaled_mm), fp32 (True), or where the GEMM reads bf16 (gemm.gemm_compute_dtype) the bf16 copy, alone or with
+    the fp32 one (``fp32_too``: grad_output's for grad_weight), both written in the quantizer's one pass."""
+    if backend != "emulated":
+        return False
+    if layer.recipe.accumulator_bits or layer.recipe.granularity_of(role) == "block":
+        return True  # (the Hopper accumulation model and block tiles read fp32 values or value * scale)
+    if gemm_compute_dtype(emulated_compute_dtype(device, layer.emulated_dtype), out_dtype) != torch.bfloat16:
+        return True
+    return (torch.float32, torch.bfloat16) if fp32_too else torch.bfloat16
 
 
 def to_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -92,7 +92,7 @@ class OperandQuantizer:
         # Block tiles (block, mxfp8) vary along K, so the emulated GEMMs read value * scale: the C kernel writes
         # that in the same pass instead of the values (eager and CUDA paths unchanged).
         blocked = kernel == "native" and r.granularity_of(role) == "block"
-        keep = dict(keep_values=keep_values and not blocked, keep_dequantized=keep_values and blocked)
+        keep = dict(keep_values=False if blocked else keep_values, keep_dequantized=bool(keep_values) and blocked)
         if r.is_delayed:
             amax = compute_amax(tensor, kernel=kernel)
             self.record_amax(amax)
@@ -103,7 +103,8 @@ class OperandQuantizer:
         elif r.is_mx:
             quantized = quantize_mx(tensor, fmt, kernel=kernel,
                                     **(keep if blocked else dict(keep_values=True)))
-            nonfinite_count.add_((~torch.isfinite(quantized.amax)).any().long())
+            # one reduction, then 0-d ops: the amaxes are >= 0 or NaN, so the max is finite iff all of them are
+            nonfinite_count.add_(quantized.amax.amax().isfinite().logical_not().long())
         else:
             quantized = quantize(tensor, fmt, granularity=r.granularity_of(role), block=r.block_of(role),
                                  axis=-1, margin=r.margin, pow2=r.pow2_scales, kernel=kernel, **keep)

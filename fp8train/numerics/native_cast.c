@@ -53,6 +53,7 @@ typedef struct {
     const float *scale_in;
     uint8_t *data;
     float *scale_out, *amax_out, *values;
+    uint16_t *values16; /* the FP8 values as bf16 (exact), written in the same pass */
     int32_t nthreads;
     /* single tile row mode: phase 0 amax, phase 1 cast */
     int32_t phase;
@@ -454,13 +455,13 @@ static void cast_segment(const job_t *j, int64_t offset, int64_t n, const float 
     const enc_t e = enc_of(j->p);
     const int32_t saturate = j->p->saturate, kind = j->p->special;
     const float *lut = j->p->lut;
-    float y[CHUNK];
+    float y[CHUNK], vbuf[CHUNK];
     for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
         const int64_t len = n - c0 < CHUNK ? n - c0 : CHUNK;
         uint8_t *o = j->data + offset + c0;
         const float *cs = col_scale ? col_scale + c0 : NULL;
         prefetch_ahead(j->x, j->x_bf16, offset + c0, len);
-        float *v = j->values ? j->values + offset + c0 : NULL;
+        float *v = j->values ? j->values + offset + c0 : j->values16 ? vbuf : NULL; /* bf16 only: via vbuf */
         int64_t done = 0;
 #if defined(__AVX2__)
         const void *xs = (const char *)j->x + (offset + c0) * (j->x_bf16 ? 2 : 4);
@@ -476,6 +477,14 @@ static void cast_segment(const job_t *j, int64_t offset, int64_t n, const float 
             if (col_scale) for (int64_t i = 0; i < len; i++) v[i] = v[i] * col_scale[c0 + i];
             else for (int64_t i = 0; i < len; i++) v[i] = v[i] * scale;
         }
+        if (j->values16) { /* from the values still in L1: an FP8 value is exact in bf16 (its top 16 bits), and a
+                            * NaN becomes 0xFFFF, as torch's fp32 -> bf16 conversion makes it */
+            uint16_t *v16 = j->values16 + offset + c0;
+            for (int64_t i = 0; i < len; i++) {
+                const uint32_t u = f2u(v[i]);
+                v16[i] = (uint16_t)select_u32((u & 0x7FFFFFFFu) > 0x7F800000u, 0xFFFFu, u >> 16);
+            }
+        }
     }
 }
 
@@ -483,9 +492,10 @@ static void cast_segment(const job_t *j, int64_t offset, int64_t n, const float 
 static void cast_rows(const job_t *j, int64_t b, int64_t r0, int64_t r1, const float *tile_scale, float *col_scale) {
     const int64_t cols = j->cols, tc = j->tile_c, ntc = (cols + tc - 1) / tc;
     const int64_t base = b * j->rows * cols;
-    /* one scale per column, one loop over the row: for narrow tiles, and for tall tile rows, where the expansion
-     * is paid once for many rows (128x128: +20-30%); a 1x128 row is faster as 128-element segments */
-    const int per_column = ntc > 1 && (tc < 16 || r1 - r0 >= 16);
+    /* one scale per column, one loop over the row: for narrow tiles (below 64 wide: MX's 1x32 rows cast 1.8x
+     * faster so than as 32-element segments, each paying the segment set-up), and for tall tile rows, where the
+     * expansion is paid once for many rows (128x128: +20-30%); a 1x128 row is faster as 128-element segments */
+    const int per_column = ntc > 1 && (tc < 64 || r1 - r0 >= 16);
     if (per_column) /* (no division per column: that costs more than the cast of a 1xN tile row) */
         for (int64_t t = 0, c = 0; t < ntc; t++)
             for (int64_t k = 0; k < tc && c < cols; k++, c++) col_scale[c] = tile_scale[t];
@@ -603,9 +613,11 @@ static int32_t thread_count(int64_t numel, int64_t units, int32_t nthreads) {
  * Returns 0, or a negative number on an internal error (the Python side then raises). */
 int fp8_quantize(const fp8_params *p, const void *x, int32_t x_bf16, int64_t batch, int64_t rows, int64_t cols,
                  int64_t tile_r, int64_t tile_c, const float *scale_in, uint8_t *data, float *scale_out,
-                 float *amax_out, float *values, int32_t nthreads) {
+                 float *amax_out, float *values, uint16_t *values16, int32_t nthreads) {
     if (rows <= 0 || cols <= 0 || batch <= 0 || tile_r <= 0 || tile_c <= 0) return -100;
-    job_t j = {p, x, x_bf16, batch, rows, cols, tile_r, tile_c, scale_in, data, scale_out, amax_out, values, 1};
+    if (values16 && p->dequantize) return -102; /* value * scale is not exact in bf16 */
+    job_t j = {p, x, x_bf16, batch, rows, cols, tile_r, tile_c, scale_in, data, scale_out, amax_out, values,
+               values16, 1};
     const int64_t numel = batch * rows * cols, ntc = (cols + tile_c - 1) / tile_c;
     const int64_t nbands = batch * ((rows + tile_r - 1) / tile_r);
     if (nbands >= 2 || rows < 2) {
@@ -713,8 +725,68 @@ int fp8_dequantize(const float *lut, const uint8_t *codes, int64_t batch, int64_
     return 0;
 }
 
+/* ---- the emulated GEMM's epilogue: bf16 accumulator -> * row scale -> * column scale -> + bias -> out ------
+ * One pass for what torch does in four (acc.float(), out.mul_(scale_a), out.mul_(scale_b), out.add_(bias),
+ * out.to(bf16)): the same fp32 operations in the same order, each rounded once (the library is built with
+ * -ffp-contract=off, so no product is fused into the bias add), and torch's fp32 -> bf16 rounding: to nearest
+ * even on the bits, every NaN 0xFFFF. scale_a: NULL, one value (a_step 0) or one per row; scale_b: NULL, one
+ * value (b_step 0) or one per column; bias: NULL or one per column. */
+typedef struct {
+    const uint16_t *acc;
+    int64_t rows, cols;
+    const float *scale_a, *scale_b, *bias;
+    int64_t a_step, b_step;
+    void *out;
+    int32_t out_bf16, nthreads, id;
+} epilogue_job;
+
+static inline uint16_t f32_to_bf16(float f) {
+    const uint32_t u = f2u(f);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)select_u32((u & 0x7FFFFFFFu) > 0x7F800000u, 0xFFFFu, rounded);
+}
+
+static void *epilogue_worker(void *arg) {
+    epilogue_job *d = (epilogue_job *)arg;
+    const int64_t lo = d->rows * d->id / d->nthreads, hi = d->rows * (d->id + 1) / d->nthreads;
+    float row[CHUNK];
+    for (int64_t r = lo; r < hi; r++) {
+        const float sa = d->scale_a ? d->scale_a[r * d->a_step] : 1.0f;
+        for (int64_t c0 = 0; c0 < d->cols; c0 += CHUNK) {
+            const int64_t len = d->cols - c0 < CHUNK ? d->cols - c0 : CHUNK;
+            const uint16_t *a = d->acc + r * d->cols + c0;
+            for (int64_t i = 0; i < len; i++) row[i] = u2f((uint32_t)a[i] << 16);
+            if (d->scale_a) for (int64_t i = 0; i < len; i++) row[i] = row[i] * sa;
+            if (d->scale_b) {
+                if (d->b_step) for (int64_t i = 0; i < len; i++) row[i] = row[i] * d->scale_b[c0 + i];
+                else for (int64_t i = 0; i < len; i++) row[i] = row[i] * d->scale_b[0];
+            }
+            if (d->bias) for (int64_t i = 0; i < len; i++) row[i] = row[i] + d->bias[c0 + i];
+            if (d->out_bf16) {
+                uint16_t *o = (uint16_t *)d->out + r * d->cols + c0;
+                for (int64_t i = 0; i < len; i++) o[i] = f32_to_bf16(row[i]);
+            } else {
+                memcpy((float *)d->out + r * d->cols + c0, row, (size_t)len * 4);
+            }
+        }
+    }
+    return NULL;
+}
+
+int fp8_gemm_epilogue(const uint16_t *acc, int64_t rows, int64_t cols, const float *scale_a, int64_t a_step,
+                      const float *scale_b, int64_t b_step, const float *bias, void *out, int32_t out_bf16,
+                      int32_t nthreads) {
+    if (rows <= 0 || cols <= 0) return -100;
+    epilogue_job jobs[64];
+    nthreads = thread_count(rows * cols, rows, nthreads);
+    for (int32_t i = 0; i < nthreads; i++)
+        jobs[i] = (epilogue_job){acc, rows, cols, scale_a, scale_b, bias, a_step, b_step, out, out_bf16, nthreads, i};
+    parallel_run(nthreads, epilogue_worker, jobs, sizeof(epilogue_job));
+    return 0;
+}
+
 /* The ABI version the Python side checks before using this library. */
-int fp8_abi_version(void) { return 3; }
+int fp8_abi_version(void) { return 4; }
 int fp8_params_size(void) { return (int)sizeof(fp8_params); }
 
 /* Whether the threads are the process's OpenMP runtime's (built with -fopenmp) or pthreads of its own. */

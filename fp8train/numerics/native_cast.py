@@ -10,9 +10,11 @@ when the build or load fails, ``available()`` is False, the reason is warned onc
 and quantize runs its eager kernel instead (same bytes, slower).
 
 Ops (torch.library, so each is ONE op in a profile and torch.compile can trace it, via its fake impl):
-``fp8train::quantize_fp8`` (amax -> scale -> x / scale -> FP8 bytes, optionally the FP8 values in fp32),
+``fp8train::quantize_fp8`` (amax -> scale -> x / scale -> FP8 bytes, optionally the FP8 values in fp32 and/or
+bf16, what the emulated GEMMs read, written in the same pass),
 ``fp8train::amax``, ``fp8train::decode_fp8`` (a 256-entry table) and ``fp8train::dequantize_fp8`` (bytes and
-tile scales -> value * scale). Inputs: fp32 or bf16 CPU tensors, contiguous or the transpose
+tile scales -> value * scale), and ``fp8train::gemm_epilogue`` (an emulated bf16 GEMM's accumulator
+-> its scales, bias and output dtype in one pass). Inputs: fp32 or bf16 CPU tensors, contiguous or the transpose
 of a contiguous 2-D tensor; ``layout()`` says whether a call is supported (None: use the eager kernel).
 """
 
@@ -30,7 +32,7 @@ from fp8train.numerics.native_build import Params, library, threading_kind
 
 __all__ = ["available", "set_enabled", "unavailable_reason", "threading_kind", "layout", "usable_layout",
            "capped_block", "NativeLayout", "CastOptions", "quantize", "compute_amax", "decode", "decodable", "dequantize",
-           "dequantizable", "RULE_GIVEN", "RULE_AMAX", "RULE_MX"]
+           "dequantizable", "gemm_epilogue", "epilogue_usable", "RULE_GIVEN", "RULE_AMAX", "RULE_MX"]
 
 RULE_GIVEN, RULE_AMAX, RULE_MX = 0, 1, 2  # as in native_cast.c
 _SPECIAL = {"ieee": 0, "fn": 1, "fnuz": 2}
@@ -187,7 +189,8 @@ def _decode_table(fmt: Fp8Format) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------------------
 # The ops
 # ------------------------------------------------------------------------------------------------------------
-def _outputs(x: torch.Tensor, lay: NativeLayout, fmt: Fp8Format, with_amax: bool, keep_values: bool):
+def _outputs(x: torch.Tensor, lay: NativeLayout, fmt: Fp8Format, with_amax: bool, keep_values: bool,
+             keep_values_bf16: bool = False):
     """Empty outputs in the layouts the kernel writes (transposed inputs give transposed outputs, as eager)."""
     def like_x(dtype):
         if lay.transposed:
@@ -203,7 +206,8 @@ def _outputs(x: torch.Tensor, lay: NativeLayout, fmt: Fp8Format, with_amax: bool
     scale = grid()
     amax = grid() if with_amax else torch.empty(0)
     values = like_x(torch.float32) if keep_values else torch.empty(0)
-    return data, scale, amax, values
+    values_bf16 = like_x(torch.bfloat16) if keep_values_bf16 else torch.empty(0, dtype=torch.bfloat16)
+    return data, scale, amax, values, values_bf16
 
 
 def _layout_or_raise(x, granularity, block_rows, block_cols, axis) -> NativeLayout:
@@ -228,10 +232,11 @@ def _ptr(t: torch.Tensor):
 # dynamo-disable layers that cost ~100 us, more than the whole cast of a 512x256 tensor. The static options
 # travel as ONE string argument ("e4m3fn,tensor,1,128,..."): each boxed argument costs ~1 us in the dispatcher.
 _LIB = torch.library.Library("fp8train", "DEF")
-_LIB.define("quantize_fp8(Tensor x, Tensor? scale, str options) -> (Tensor, Tensor, Tensor, Tensor)")
+_LIB.define("quantize_fp8(Tensor x, Tensor? scale, str options) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 _LIB.define("amax(Tensor x, str options) -> Tensor")
 _LIB.define("decode_fp8(Tensor data, str fmt, ScalarType dtype) -> Tensor")
 _LIB.define("dequantize_fp8(Tensor data, Tensor scale, str options) -> Tensor")
+_LIB.define("gemm_epilogue(Tensor acc, Tensor? scale_a, Tensor? scale_b, Tensor? bias, ScalarType out_dtype) -> Tensor")
 
 
 @dataclass(frozen=True)
@@ -251,6 +256,7 @@ class CastOptions:
     saturate: bool
     keep_values: bool
     dequantize: bool = False  # the kept values are value * scale (fp32), not the FP8 values
+    keep_values_bf16: bool = False  # also the FP8 values in bf16 (exact), written in the same pass
 
     def encode(self) -> str:
         text = _encoded.get(self)
@@ -262,7 +268,7 @@ class CastOptions:
 
 _encoded: dict = {}
 _decoded: dict = {}
-_FIELD_TYPES = (str, str, int, int, int, int, float, float, bool, bool, int, bool, bool, bool)
+_FIELD_TYPES = (str, str, int, int, int, int, float, float, bool, bool, int, bool, bool, bool, bool)
 
 
 def _options(text: str) -> CastOptions:
@@ -275,17 +281,19 @@ def _options(text: str) -> CastOptions:
 
 
 def quantize(x: torch.Tensor, scale: Optional[torch.Tensor], options: CastOptions):
-    """(data, scale, amax, values) through the one op (see ``_quantize_fp8_cpu``)."""
+    """(data, scale, amax, values, values_bf16) through the one op (see ``_quantize_fp8_cpu``)."""
     return quantize_fp8(x, scale, options.encode())
 
 
 def _quantize_fp8_cpu(x, scale, options):
-    """(data, scale, amax, values) of quantizing x: amax per tile -> scale by ``rule`` (or the given ``scale``,
-    then amax is empty) -> x / scale -> FP8 bytes; values (the FP8 values in fp32) only with ``keep_values``."""
+    """(data, scale, amax, values, values_bf16) of quantizing x: amax per tile -> scale by ``rule`` (or the given
+    ``scale``, then amax is empty) -> x / scale -> FP8 bytes; values (the FP8 values in fp32) only with
+    ``keep_values``, values_bf16 (the same values in bf16) only with ``keep_values_bf16``: all in one pass."""
     o = _options(options)
     lay = _layout_or_raise(x, o.granularity, o.block_rows, o.block_cols, o.axis)
     fmt = FORMATS[o.fmt]
-    data, scale_out, amax, values = _outputs(x, lay, fmt, scale is None, o.keep_values)
+    data, scale_out, amax, values, values_bf16 = _outputs(x, lay, fmt, scale is None, o.keep_values,
+                                                          o.keep_values_bf16)
     scale_in, rule = None, o.rule
     if scale is not None:
         scale_in = _scale_in_memory_order(scale, lay)
@@ -294,16 +302,16 @@ def _quantize_fp8_cpu(x, scale, options):
     rc = library().fp8_quantize(
         ctypes.byref(params), x.data_ptr(), int(x.dtype == torch.bfloat16), lay.batch, lay.rows, lay.cols,
         lay.tile_rows, lay.tile_cols, None if scale_in is None else scale_in.data_ptr(), data.data_ptr(),
-        scale_out.data_ptr(), _ptr(amax), _ptr(values), torch.get_num_threads())
+        scale_out.data_ptr(), _ptr(amax), _ptr(values), _ptr(values_bf16), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"internal error: fp8train native cast returned {rc}")
-    return data, scale_out, amax, values
+    return data, scale_out, amax, values, values_bf16
 
 
 def _quantize_fp8_fake(x, scale, options):
     o = _options(options)
     lay = _layout_or_raise(x, o.granularity, o.block_rows, o.block_cols, o.axis)
-    return _outputs(x, lay, FORMATS[o.fmt], scale is None, o.keep_values)
+    return _outputs(x, lay, FORMATS[o.fmt], scale is None, o.keep_values, o.keep_values_bf16)
 
 
 def _amax_out(lay: NativeLayout) -> torch.Tensor:
@@ -329,7 +337,7 @@ def _amax_cpu(x, options):
     params = _params(FORMATS["e4m3fn"], True, RULE_GIVEN, 1.0, 1.0, False, False, 0)  # no scale is made
     rc = library().fp8_quantize(ctypes.byref(params), x.data_ptr(), int(x.dtype == torch.bfloat16), lay.batch,
                                     lay.rows, lay.cols, lay.tile_rows, lay.tile_cols, None, None, None,
-                                    out.data_ptr(), None, torch.get_num_threads())
+                                    out.data_ptr(), None, None, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"internal error: fp8train native amax returned {rc}")
     return out
@@ -396,15 +404,62 @@ def _dequantize_fake(data, scale, options):
     return torch.empty_strided(data.shape, data.stride(), dtype=torch.float32)
 
 
+def _scale_step(scale: Optional[torch.Tensor], dim: int, size: int) -> Optional[int]:
+    """0 for one value, 1 for one per index of ``dim`` laid out densely, None for anything else."""
+    if scale is None or scale.numel() == 1:
+        return 0
+    if scale.dim() == 2 and scale.shape[dim] == size and scale.shape[1 - dim] == 1 and scale.stride(dim) == 1:
+        return 1
+    return None
+
+
+def epilogue_usable(acc: torch.Tensor, scale_a, scale_b, bias, out_dtype: torch.dtype) -> bool:
+    """Whether ``gemm_epilogue`` takes this: a contiguous 2-D bf16 CPU accumulator, fp32 scales that are one
+    value, one per row (scale_a) or one per column (scale_b), an fp32 bias per column, a bf16 or fp32 output."""
+    if torch.compiler.is_compiling() or not available() or acc.device.type != "cpu" or acc.dim() != 2 \
+            or acc.dtype != torch.bfloat16 or not acc.is_contiguous() or out_dtype not in _INPUT_DTYPES:
+        return False
+    rows, cols = acc.shape
+    if any(t is not None and (t.dtype != torch.float32 or t.device.type != "cpu") for t in (scale_a, scale_b, bias)):
+        return False
+    if bias is not None and (bias.shape != (cols,) or not bias.is_contiguous()):
+        return False
+    return _scale_step(scale_a, 0, rows) is not None and _scale_step(scale_b, 1, cols) is not None
+
+
+def gemm_epilogue(acc: torch.Tensor, scale_a, scale_b, bias, out_dtype: torch.dtype) -> torch.Tensor:
+    """``((acc.float() * scale_a) * scale_b + bias).to(out_dtype)`` in one pass, the same bits as those torch ops
+    (any of scale_a, scale_b, bias may be None); check ``epilogue_usable`` first."""
+    return gemm_epilogue_op(acc, scale_a, scale_b, bias, out_dtype)
+
+
+def _gemm_epilogue_cpu(acc, scale_a, scale_b, bias, out_dtype):
+    rows, cols = acc.shape
+    out = torch.empty((rows, cols), dtype=out_dtype)
+    rc = library().fp8_gemm_epilogue(acc.data_ptr(), rows, cols, None if scale_a is None else scale_a.data_ptr(),
+                                     _scale_step(scale_a, 0, rows), None if scale_b is None else scale_b.data_ptr(),
+                                     _scale_step(scale_b, 1, cols), None if bias is None else bias.data_ptr(),
+                                     out.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"internal error: fp8train native GEMM epilogue returned {rc}")
+    return out
+
+
+def _gemm_epilogue_fake(acc, scale_a, scale_b, bias, out_dtype):
+    return torch.empty(acc.shape, dtype=out_dtype)
+
+
 # Not differentiable (FP8 bytes, scales, amaxes, values of a rounding): autograd falls through, so the outputs
 # never require grad, as eager quantize's (made under no_grad) do not.
-for _name in ("quantize_fp8", "dequantize_fp8", "amax", "decode_fp8"):
+for _name in ("quantize_fp8", "dequantize_fp8", "amax", "decode_fp8", "gemm_epilogue"):
     _LIB.impl(_name, torch.library.fallthrough_kernel, "Autograd")
 _LIB.impl("quantize_fp8", _quantize_fp8_cpu, "CPU")
 _LIB.impl("dequantize_fp8", _dequantize_cpu, "CPU")
 torch.library.register_fake("fp8train::dequantize_fp8", _dequantize_fake, lib=_LIB)
 _LIB.impl("amax", _amax_cpu, "CPU")
 _LIB.impl("decode_fp8", _decode_cpu, "CPU")
+_LIB.impl("gemm_epilogue", _gemm_epilogue_cpu, "CPU")
+torch.library.register_fake("fp8train::gemm_epilogue", _gemm_epilogue_fake, lib=_LIB)
 torch.library.register_fake("fp8train::quantize_fp8", _quantize_fp8_fake, lib=_LIB)
 torch.library.register_fake("fp8train::amax", _amax_fake, lib=_LIB)
 torch.library.register_fake("fp8train::decode_fp8", _decode_fake, lib=_LIB)
@@ -412,6 +467,7 @@ quantize_fp8 = torch.ops.fp8train.quantize_fp8.default
 amax = torch.ops.fp8train.amax.default
 decode = torch.ops.fp8train.decode_fp8.default
 dequantize_fp8 = torch.ops.fp8train.dequantize_fp8.default
+gemm_epilogue_op = torch.ops.fp8train.gemm_epilogue.default
 
 
 def decodable(data: torch.Tensor, dtype: torch.dtype) -> bool:

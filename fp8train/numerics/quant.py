@@ -70,6 +70,7 @@ class Fp8Tensor:
     amax: Optional[torch.Tensor] = None  # the amax the scale was made from (None when the scale was given)
     values: Optional[torch.Tensor] = field(default=None, repr=False)  # data as fp32, when the kernel kept it
     dequantized: Optional[torch.Tensor] = field(default=None, repr=False)  # data * scale in fp32, when kept
+    values_bf16: Optional[torch.Tensor] = field(default=None, repr=False)  # data as bf16, when the kernel kept it
 
     @property
     def shape(self) -> torch.Size:
@@ -77,6 +78,8 @@ class Fp8Tensor:
 
     def unscaled(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The FP8 values without the scale, exactly, in ``dtype`` (FP8 values are exact in bf16 and fp32)."""
+        if dtype == torch.bfloat16 and self.values_bf16 is not None:
+            return self.values_bf16
         values = self.values if self.values is not None else decode_fp8(self.data, self.fmt)
         return values if values.dtype == dtype else values.to(dtype)
 
@@ -92,7 +95,7 @@ class Fp8Tensor:
         return (self.unscaled(compute) * self.expanded_scale().to(compute)).to(dtype)
 
     def without_values(self) -> "Fp8Tensor":
-        """The same tensor minus the fp32 copy of its values (what to keep around, e.g. for backward)."""
+        """The same tensor minus the copies of its values (what to keep around, e.g. for backward)."""
         return Fp8Tensor(self.data, self.scale, self.fmt, self.granularity, self.block, self.axis, self.amax)
 
 
@@ -257,12 +260,14 @@ def _format_of(dtype: torch.dtype) -> Fp8Format:
 # ------------------------------------------------------------------------------------------------------------
 def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", block=(1, 128), axis: int = -1,
              margin: int = 0, pow2: bool = False, saturate: bool = True, scale=None,
-             keep_values: bool = False, validate_scale: bool = True, kernel: str = "eager",
+             keep_values=False, validate_scale: bool = True, kernel: str = "eager",
              keep_dequantized: bool = False) -> Fp8Tensor:
     """Quantize ``x`` to FP8. ``scale`` (a dequant scale, shaped per the granularity) skips the amax.
 
     ``keep_values`` also keeps the fp32 copy of the FP8 values the kernel produced (saves a decode when the
-    caller feeds them straight into a GEMM). ``validate_scale=False`` skips checking that a given scale is finite
+    caller feeds them straight into a GEMM); ``torch.bfloat16`` keeps a bf16 copy instead (``.values_bf16``:
+    the same values, exact, as ``values.to(torch.bfloat16)`` gives them), a tuple of dtypes keeps each; the native
+    kernel writes them in the same pass as the bytes. ``validate_scale=False`` skips checking that a given scale is finite
     and positive, a host sync per call on a GPU: for scales from ``scale_from_amax``, which guarantees both.
     ``kernel``: one of QUANT_KERNELS (see the module docstring); all give the same bits.
     ``keep_dequantized`` also keeps ``data * scale`` in fp32 (``.dequantized``: what an emulated GEMM whose scales
@@ -285,8 +290,10 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
         scale = _check_scale_shape(scale, x.shape, granularity, br, bc, axis)
         if validate_scale and not bool((torch.isfinite(scale) & (scale > 0)).all()):
             raise ValueError("scale must be finite and > 0 everywhere (it is a dequantization scale)")
+    keep_fp32, keep_bf16 = _value_copies(keep_values)
     if x.numel() == 0:
-        return _quantize_empty(x, fmt, granularity, br, bc, axis, scale, keep_values)
+        empty = _quantize_empty(x, fmt, granularity, br, bc, axis, scale, keep_fp32 or keep_bf16)
+        return _split_values(empty, keep_fp32, keep_bf16)
     if scale is None and x.dtype == torch.float64:  # what fp32 scales cannot hold, above and below: an error
         check_amax_range(x.detach().abs().amax(), fmt, margin)
         check_amax_floor(x.detach(), fmt, granularity, br, bc, axis, margin, bool(pow2))
@@ -296,20 +303,42 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
         if quantized is not None:
             return quantized
         kernel = "eager"  # not a case the C kernel takes: the same bytes eagerly
-    key = (fmt.name, granularity, br, bc, axis, margin, bool(pow2), bool(saturate), scale is None,
-           bool(keep_values), kernel)
+    keep_any = keep_fp32 or keep_bf16
+    key = (fmt.name, granularity, br, bc, axis, margin, bool(pow2), bool(saturate), scale is None, keep_any, kernel)
     with torch.no_grad():  # not x.detach(): one dispatched op less per call
         data, scale, amax, grid = _run(_quantize_impl, key, x, scale, fmt, granularity, br, bc, axis, margin,
-                                       bool(pow2), bool(saturate), bool(keep_values), kernel != "compiled_select",
+                                       bool(pow2), bool(saturate), keep_any, kernel != "compiled_select",
                                        compiled=kernel != "eager")
     if granularity == "block":
         data = _untile(data, x.shape, br, bc)
         grid = _untile(grid, x.shape, br, bc) if grid is not None else None
     data = data if data.dtype == fmt.torch_dtype else data.view(fmt.torch_dtype)
-    quantized = Fp8Tensor(data, scale, fmt, granularity, (br, bc), axis, amax, grid)
+    quantized = _split_values(Fp8Tensor(data, scale, fmt, granularity, (br, bc), axis, amax, grid), keep_fp32,
+                              keep_bf16)
     if keep_dequantized:
         quantized.dequantized = quantized.dequantize(torch.float32)
     return quantized
+
+
+def _value_copies(keep_values) -> tuple[bool, bool]:
+    """``keep_values`` (False, True = fp32, a dtype, or a tuple of dtypes) -> (keep fp32 values, keep bf16)."""
+    if not isinstance(keep_values, (torch.dtype, tuple, list)):
+        return bool(keep_values), False
+    dtypes = keep_values if isinstance(keep_values, (tuple, list)) else (keep_values,)
+    bad = [d for d in dtypes if d not in (torch.float32, torch.bfloat16)]
+    if bad:
+        raise ValueError(f"keep_values takes True/False, torch.float32, torch.bfloat16 or a tuple of them; got "
+                         f"{keep_values!r}")
+    return torch.float32 in dtypes, torch.bfloat16 in dtypes
+
+
+def _split_values(q: Fp8Tensor, keep_fp32: bool, keep_bf16: bool) -> Fp8Tensor:
+    """The eager kernels make fp32 values: the bf16 copy is converted from them (as a GEMM reading bf16 would)."""
+    if keep_bf16 and q.values is not None:
+        q.values_bf16 = q.values.to(torch.bfloat16)
+    if not keep_fp32:
+        q.values = None
+    return q
 
 
 def _check_scale_shape(scale: torch.Tensor, shape, granularity: str, br: int, bc: int, axis: int) -> torch.Tensor:
@@ -331,7 +360,7 @@ def _check_scale_shape(scale: torch.Tensor, shape, granularity: str, br: int, bc
 
 
 def native_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, margin: int, pow2: bool,
-                    saturate: bool, scale, keep_values: bool, rule: int = native_cast.RULE_AMAX,
+                    saturate: bool, scale, keep_values, rule: int = native_cast.RULE_AMAX,
                     keep_dequantized: bool = False):
     """quantize() through the C kernel (one op), or None where it does not apply. The scale rule's constants
     are scaling.scale_rule's: the divisor fmt.max * 2**-margin, the cap, and whether the division is its fp32
@@ -343,13 +372,17 @@ def native_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis:
         return None
     divisor = fmt.max * 2.0 ** -margin
     fp32_divide = not pow2 and fp32_exact(divisor) and divisor >= 1
+    keep_values, keep_bf16 = _value_copies(keep_values)
+    if keep_dequantized and keep_bf16:
+        return None  # (not a combination any caller asks for: value * scale is not exact in bf16)
     dequantized_only = keep_dequantized and not keep_values  # the kernel's values buffer holds value * scale
     options = native_cast.CastOptions(fmt.name, granularity, br, bc, axis, rule, divisor, SCALE_CAPS[(fmt.name, pow2)],
                                       pow2, fp32_divide, math.frexp(fmt.max)[1] - 1, bool(saturate),
-                                      bool(keep_values or keep_dequantized), dequantized_only)
-    data, scale_out, amax, values = native_cast.quantize(x, scale, options)
+                                      bool(keep_values or keep_dequantized), dequantized_only, keep_bf16)
+    data, scale_out, amax, values, values_bf16 = native_cast.quantize(x, scale, options)
     quantized = Fp8Tensor(data, scale if scale is not None else scale_out, fmt, granularity, (br, bc), axis,
-                          None if scale is not None else amax, values if keep_values else None)
+                          None if scale is not None else amax, values if keep_values else None,
+                          values_bf16=values_bf16 if keep_bf16 else None)
     if keep_dequantized:
         quantized.dequantized = values if dequantized_only else quantized.dequantize(torch.float32)
     return quantized
