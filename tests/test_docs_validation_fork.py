@@ -3,7 +3,7 @@
 Every `fp8train ...` and `python scripts/make_tiny_hf.py ...` line of the page's bash blocks runs here, in
 order, from a folder holding links to recipes/ and scripts/ (so the page's relative paths resolve as in a
 checkout): the fork of the built-in decoder, the fork of the HF tiny fine-tune with seeds: auto, and seeds: auto
-from scratch. What is appended only shrinks them: steps, seeds, candidates, the corpus; the fork checkpoints the
+from scratch (two independent repetitions). What is appended only shrinks them: steps, seeds, candidates, the corpus; the fork checkpoints the
 page names (step_000200, step_000060) become the small sources' step_000004.
 """
 
@@ -29,6 +29,7 @@ SMALL = {
     "hf_bf16": ["train.max_steps=8", "checkpoint.every=4", "train.eval_every=4"],
     "hf_from_step60": SMALL_VALIDATE + ["validate.seeds=auto", "validate.max_seeds=3"],
     "auto": SMALL_VALIDATE + ["validate.seeds=auto", "validate.max_seeds=3"],
+    "auto_rep2": SMALL_VALIDATE + ["validate.seeds=auto", "validate.max_seeds=3"],
 }
 FORK_STEPS = {"step_000200": "step_000004", "step_000060": "step_000004"}
 
@@ -74,3 +75,6 @@ def test_the_page_commands_run_on_cpu(tmp_path, tiny, commands, capsys, monkeypa
     assert hf_summary["cost"]["runs"] in (4, 6)
     auto = json.loads((runs / "auto" / "summary.json").read_text())
     assert auto["sequential"]["rule"] == "pocock" and auto["cost"]["runs"] >= 4
+    # the page's second repetition (train.seed moved on) plans seeds that the first never uses
+    first, second = (json.loads((runs / name / "plan.json").read_text())["seeds"] for name in ("auto", "auto_rep2"))
+    assert first[0] == 1337 and second[0] == 1343 and not set(first) & set(second)

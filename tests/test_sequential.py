@@ -78,6 +78,22 @@ def test_bad_auto_settings_are_refused_by_name(override, names):
         load_config(None, ["validate.seeds=auto", override])
 
 
+def test_auto_plans_max_seeds_seeds_from_train_seed_so_repetitions_can_be_disjoint():
+    """An independent repetition of a seeds=auto validation is the same command with train.seed moved on by
+    max_seeds (docs/validation-fork.md): its planned seeds are train.seed, +1, ..., and the rounds take them in
+    that order, so two such repetitions share no seed."""
+    from fp8train.evidence.pairs import plan_runs
+    from fp8train.training.config import load_config
+
+    def planned(first_seed: int) -> list[int]:
+        cfg = load_config(None, ["validate.seeds=auto", "validate.max_seeds=4", f"train.seed={first_seed}",
+                                 "validate.candidates=[current]", "run.dir=/nonexistent"])
+        return list(dict.fromkeys(r.seed for r in plan_runs(cfg)))
+
+    assert planned(1337) == [1337, 1338, 1339, 1340]
+    assert planned(1341) == [1341, 1342, 1343, 1344]
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Calibration on synthetic curves
 # ------------------------------------------------------------------------------------------------------------

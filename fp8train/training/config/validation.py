@@ -127,8 +127,8 @@ class ValidateConfig(Section):
     """Allowed relative validation-loss gap of a candidate over bf16, in (0, 1); declared before the runs."""
     seeds: Any = 4
     """Paired seeds: a count (seeds train.seed, +1, ...) or a list; each seed runs bf16 and every candidate; or
-    auto: seeds added one round at a time until every candidate is decided or validate.max_seeds is reached,
-    each look's bound widened by alpha spending (fp8train.evidence.sequential)."""
+    auto: the seeds train.seed, +1, ..., added one round at a time until every candidate is decided or
+    validate.max_seeds is reached, each look's bound widened by alpha spending (fp8train.evidence.sequential)."""
     max_seeds: int = 6
     """With validate.seeds=auto: the most seeds (the last look); >= 2."""
     spending: str = "pocock"
