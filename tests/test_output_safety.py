@@ -84,15 +84,56 @@ def test_export_force_replaces_its_own_folder_and_only_that(tiny_fp8_run, tmp_pa
     argv = ["export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(export), "--no-check"]
     assert commands.main(argv, capsys)[0] == 0
     assert (export / OUTPUT_MARKER).is_file()
-    (export / "stale.txt").write_text("left by the earlier export's user")  # in fp8train's own folder: replaced
+    (export / "model.safetensors").write_bytes(b"stale")  # a file fp8train wrote there: replaced
     assert commands.main([*argv, "--force"], capsys)[0] == 0
     assert sorted(p.name for p in export.iterdir()) == [OUTPUT_MARKER, "config.json", "generation_config.json",
                                                         "model.safetensors"]
+    assert (export / "model.safetensors").read_bytes() != b"stale"
     (export / OUTPUT_MARKER).unlink()  # without the marker, the folder is no longer provably fp8train's
     code, _, err = commands.main([*argv, "--force"], capsys)
     assert "did not write" in one_line_error(code, err)
     assert (export / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temp or old folders left
+
+
+@pytest.mark.parametrize("added", ["a file", "a run", "a planted marker"])
+def test_force_keeps_what_someone_added_to_an_export_folder(tiny_fp8_run, tmp_path, added, commands, capsys):
+    """The marker lists what fp8train wrote; a folder holding anything else is not replaced, whatever --force:
+    a user's notes, a run moved into it, or a folder of someone's files with a marker hard-linked into it."""
+    export = tmp_path / "export"
+    argv = ["export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(export), "--no-check"]
+    if added == "a planted marker":
+        export.mkdir()
+        (export / "data.csv").write_text("1,2\n")
+        (tmp_path / "marker").write_text('{"written_by": "fp8train", "files": []}\n')
+        os.link(tmp_path / "marker", export / OUTPUT_MARKER)
+    else:
+        assert commands.main(argv, capsys)[0] == 0
+        if added == "a file":
+            (export / "NOTES.md").write_text("mine\n")
+        else:
+            shutil.copytree(tiny_fp8_run, export / "myrun")
+    before = tree_digest(export)
+    code, _, err = commands.main([*argv, "--force"], capsys)
+    line = one_line_error(code, err)
+    assert str(export) in line and ({"a file": "NOTES.md", "a run": "myrun"}.get(added, "did not write") in line)
+    assert tree_digest(export) == before
+
+
+@pytest.mark.parametrize("target", ["summary.json", "config.yaml", "plan.json", "checkpoint"])
+def test_an_output_file_never_replaces_another_runs_records(tiny_fp8_run, tmp_path, target, commands, capsys):
+    """Not only the source run's: no --out, --force or not, replaces a file that some other run or validation
+    (a folder holding fp8train's lock file) keeps, or writes under its checkpoints."""
+    other = tmp_path / "other"
+    shutil.copytree(tiny_fp8_run, other)
+    (other / "plan.json").write_text("{}\n")  # as in a validation folder
+    out = (sorted((other / "checkpoints").iterdir())[-1] / "model.safetensors" if target == "checkpoint"
+           else other / target)
+    before = tree_digest(other)
+    for argv in (["export", str(tiny_fp8_run), "--format", "e4m3fn", "--no-check"], ["plan", str(tiny_fp8_run)]):
+        code, _, err = commands.main([*argv, "--out", str(out), "--force"], capsys)
+        assert str(out) in one_line_error(code, err)
+    assert tree_digest(other) == before
 
 
 # ------------------------------------------------------------------------------------------------------------
