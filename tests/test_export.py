@@ -250,3 +250,27 @@ def test_tied_embeddings_run_exports_and_reloads(tmp_path):
     x = torch.randint(0, 256, (2, 16))
     stats = compare_logits(model.eval(), reloaded, [(x, None)], autocast=False)
     assert stats["mean_kl"] < 1e-3
+
+
+@pytest.mark.parametrize("edit", [("  seed: 1337\n", "  seed: 7\n"), ("  d_model: 64\n", "  d_model: 32\n")],
+                         ids=["seed", "d_model"])
+@pytest.mark.parametrize("command", ["export", "kv-eval"])
+def test_a_checkpoint_not_written_by_the_runs_config_is_refused(tiny_run, tmp_path, edit, command, commands,
+                                                                capsys):
+    """The checkpoint must come from a run of the folder's config.yaml (its manifest's resume_hash, as a resume
+    requires): an edited config.yaml (or, equally, a checkpoint folder copied in from a run with another seed)
+    would export or evaluate weights that are not this run's (seed: silently), or fail deep in load_state_dict
+    (d_model: a traceback). One line naming the checkpoint, exit 2, nothing written."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    config = run / "config.yaml"
+    assert edit[0] in config.read_text()
+    config.write_text(config.read_text().replace(*edit))
+    out = tmp_path / "out"
+    argv = {"export": ["export", str(run), "--format", "e4m3fn", "--out", str(out), "--no-check"],
+            "kv-eval": ["kv-eval", str(run), "--out", str(out), "--batches", "1", "--gen-prompts", "0",
+                        "--calib-batches", "1", "--format", "e4m3fn"]}[command]
+    code, _, err = commands.main(argv, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "resume_hash" in lines[0] and "checkpoints" in lines[0], err
+    assert not out.exists()
