@@ -86,7 +86,8 @@ def test_signal_of_train_writes_an_interrupted_summary_and_the_run_resumes(tmp_p
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     err = proc.stderr.read()
-    assert proc.returncode == 130 and "interrupted" in err, err
+    # the exit status a shell gives a process ended by the signal (128 + its number): 143 for SIGTERM, 130 for SIGINT
+    assert proc.returncode == 128 + signum and f"interrupted by {signum.name}" in err, (proc.returncode, err)
     summary = json.loads((run / "summary.json").read_text())
     steps = summary["steps"]
     assert summary["status"] == "interrupted" and 7 <= steps < 2000, summary
@@ -114,6 +115,7 @@ def test_validate_workers_end_with_validate(tmp_path, corpus, commands, signum):
         assert len(_alive_in_group(proc.pid)) >= 4  # validate, its resource tracker, two workers
         proc.send_signal(signum)
         proc.wait(timeout=60)
+        assert proc.returncode == (-signal.SIGKILL if signum == signal.SIGKILL else 128 + signum)
         deadline = time.monotonic() + 20
         while _alive_in_group(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
