@@ -7,6 +7,7 @@ work. Driven through the real CLI on a real tiny run (the session's `tiny_fp8_ru
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -261,6 +262,53 @@ def test_a_full_disk_during_an_append_names_the_file():
     with pytest.raises(OSError) as caught:
         append_jsonl("/dev/full", [{"step": 1, "loss": 1.0}])
     assert caught.value.filename == "/dev/full" and caught.value.errno == 28
+
+
+FILLING_RUN = {"train": {"max_steps": 100000, "eval_every": 100000}, "log": {"every": 1, "telemetry_every": 0},
+               "checkpoint": {"every": 0, "save_final": False}}  # only metrics.jsonl grows, a line per step
+
+
+def _stopped_by_a_full_log(result, run: Path, errname: str) -> None:
+    """One line naming metrics.jsonl and the errno, exit 2, and summary.json saying the run failed and why."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert str(run / "metrics.jsonl") in lines[0] and errname in lines[0], lines[0]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and str(run / "metrics.jsonl") in summary["reason"], summary
+    assert errname in summary["reason"] and summary["config_hash"]
+
+
+def test_a_file_size_limit_during_a_metrics_append_stops_the_run_with_a_summary(tmp_path, tiny, commands):
+    """RLIMIT_FSIZE (a quota on one file's size): the append fails with EFBIG, which is the environment's, not a
+    bug or a bad value: one line naming the log, and summary.json says why the run stopped."""
+    import resource
+
+    config = tiny.write(tmp_path, **FILLING_RUN)
+    limit = 16 << 10
+    result = commands.run(commands.fp8train("train", str(config), "--quiet"), cwd=tmp_path,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    _stopped_by_a_full_log(result, tmp_path / "runs" / "tiny", "EFBIG")
+
+
+def test_a_full_filesystem_during_a_metrics_append_stops_the_run_with_a_summary(tmp_path, tiny, commands):
+    """A real full disk: a small tmpfs, nearly filled. The summary still fits because the run's lock file held
+    64 KiB back from the start (rundir.DirLock.free_reserve). Needs root (mount); skipped elsewhere."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        stat = os.statvfs(mount)
+        with open(mount / "filler", "wb") as f:  # what other files left: 96 KiB (the lock's reserve takes 64)
+            f.write(b"\0" * (stat.f_bavail * stat.f_frsize - (96 << 10)))
+        config = tiny.write(tmp_path, **{**FILLING_RUN, "run": {"dir": str(mount), "name": "tiny"}})
+        result = commands.run(commands.fp8train("train", str(config), "--quiet"), cwd=tmp_path)
+        _stopped_by_a_full_log(result, mount / "tiny", "ENOSPC")
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
 
 
 def test_temp_names_are_unique_per_write(tmp_path):

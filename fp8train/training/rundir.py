@@ -292,6 +292,7 @@ class DirLock:
         self.directory, self.what, self.log = Path(directory), what, log
         self.path = self.directory / LOCK_FILE
         self._fd: int | None = None
+        self._record = b""
 
     def acquire(self) -> "DirLock":
         refuse_symlink(self.path)
@@ -310,10 +311,24 @@ class DirLock:
             self.log(f"{self.what} {self.directory}: took over the lock of PID {stale['pid']}, which is no "
                      "longer running (killed?)")
         record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        self._record = (json.dumps(record) + "\n").encode()
         os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        os.pwrite(fd, self._record, 0)
+        try:  # blanks after the record (JSON ignores them): disk space held back for free_reserve
+            os.pwrite(fd, b" " * LOCK_RESERVE_BYTES, len(self._record))
+        except OSError:
+            pass  # a disk already full: no reserve, the run goes on as it would have
         self._fd = fd
         return self
+
+    def free_reserve(self) -> None:
+        """Give back the lock file's reserve to the filesystem, so that after a full disk stopped the run, its
+        summary.json saying so still has room (the record of the holder stays)."""
+        if self._fd is not None:
+            try:
+                os.ftruncate(self._fd, len(self._record))
+            except OSError:
+                pass
 
     def release(self) -> None:
         if self._fd is None:
@@ -341,7 +356,10 @@ def _lock_holder(fd: int) -> dict:
 
 
 # Write failures that are the environment's, not fp8train's: reported in one line, never as a traceback.
-WRITE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
+WRITE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EFBIG}
+# The lock file of a working run holds this much blank space after its record (DirLock.free_reserve): enough for
+# summary.json and its temp file on any filesystem's block size.
+LOCK_RESERVE_BYTES = 64 << 10
 
 
 def write_error(err: BaseException) -> str | None:
