@@ -36,6 +36,7 @@ from fp8train.training.config import layer_policy_from_config, load_config
 from fp8train.training.hf import hf_kv_shape
 from fp8train.training.model import HFCausalLM, build_model, tied_weight_groups
 from fp8train.training.resume import resume_hash
+from fp8train.training.rundir import read_json
 
 __all__ = ["LoadedRun", "load_run", "fp8_policy_names", "fp8_linear_names", "tied_aliases", "package_version", "kv_shape"]
 
@@ -121,7 +122,7 @@ def _check_origin(ckpt: Path, manifest: dict, cfg, config_file: Path) -> None:
 
 
 def _load_hf_folder(folder: Path) -> LoadedRun:
-    config = json.loads((folder / "config.json").read_text())
+    config = read_json(folder / "config.json")  # a damaged or non-object config.json: one line naming it
     max_pos = config.get("max_position_embeddings") or config.get("n_positions") or 128
     cfg = load_config(None, [f"model.hf_path={folder}", f"model.seq_len={min(128, int(max_pos))}"])
     model = build_model(cfg.model).eval()  # its weights, checked (fp8train.training.hf)
