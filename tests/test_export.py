@@ -274,3 +274,25 @@ def test_a_checkpoint_not_written_by_the_runs_config_is_refused(tiny_run, tmp_pa
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "resume_hash" in lines[0] and "checkpoints" in lines[0], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("extra, out_name, named", [
+    (["--format", "hf", "--weight-block", "16"], "o", "--weight-block"),
+    (["--format", "hf", "--activations", "static"], "o", "--activations"),
+    (["--format", "e4m3fn", "--activations", "static"], "o.safetensors", "--activations"),
+    (["--format", "e4m3fn", "--weight-block", "16"], "o.safetensors", "--weight-block"),
+    (["--format", "e4m3fn", "--dtype", "bfloat16"], "o", "--dtype"),
+    (["--format", "e4m3fn", "--calib-batches", "2"], "o", "--calib-batches"),
+    (["--format", "e4m3fn", "--allow-inexact"], "o", "--allow-inexact"),
+    (["--format", "e4m3fn", "--activations", "static", "--calib-batches", "100000000"], "o", "--calib-batches"),
+], ids=["hf-block", "hf-static", "file-static", "file-block", "fp8-dtype", "dynamic-calib", "run-inexact", "calib-bound"])
+def test_an_option_that_does_not_apply_is_refused_not_ignored(tiny_run, tmp_path, extra, out_name, named, commands,
+                                                              capsys):
+    """Each of these options shapes one kind of export; given to another kind it was silently ignored (an hf
+    folder without the asked-for blocks looks like it has them), and a huge --calib-batches calibrated for hours.
+    One line naming the option, exit 2, nothing written."""
+    out = tmp_path / out_name
+    code, _, err = commands.main(["export", str(tiny_run), *extra, "--out", str(out), "--no-check"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and named in lines[0], err
+    assert not out.exists()
