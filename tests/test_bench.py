@@ -269,3 +269,14 @@ def test_force_replaces_an_earlier_result(tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     assert "quant" in json.loads(out.read_text())["sections"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]  # no temp file left
+
+
+@pytest.mark.parametrize("argv, named", [(["--train-config", "/nonexistent/recipe.yaml", "--sections", "train"],
+                                          "/nonexistent/recipe.yaml"),
+                                         (["--quant-numel", str(10 ** 14), "--sections", "quant"], "--quant-numel")])
+def test_bad_input_is_one_line_before_any_section(argv, named, capsys):
+    """A missing --train-config was a failed section (exit 1, after the others ran); a --quant-numel of 10^14 an
+    allocation failure inside the section. Both are the user's: one line, exit 2, before any section."""
+    rc = main(["bench", "--quick", "--no-torchao", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and named in err[0], err

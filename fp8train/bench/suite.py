@@ -48,6 +48,7 @@ from fp8train.bench.options import (OPTIONAL_SECTIONS, RECIPES, SECTIONS, BenchO
 from fp8train.bench.quant_section import bench_quant
 from fp8train.bench.report import check_targets, format_report
 from fp8train.bench.train_section import bench_memory, bench_train, saved_tensor_bytes
+from fp8train.training.config import load_config
 from fp8train.training.outputs import check_output_file
 from fp8train.training.rundir import write_text_atomic
 
@@ -151,11 +152,18 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--no-torchao", action="store_true", help="skip the torchao Float8Linear comparison")
 
 
+MAX_QUANT_NUMEL = 1 << 30  # 4 GiB of fp32 input per call, 64x the stated size: above it, an allocation failure
+
+
 def options_from_args(args) -> BenchOptions:
     for key in ("quant_numel", "warmup", "repeats", "threads"):
         value = getattr(args, key, None)
         if value is not None and value < (0 if key == "warmup" else 1):
             raise ValueError(f"--{key.replace('_', '-')} must be >= {0 if key == 'warmup' else 1}, got {value}")
+    if args.quant_numel is not None and args.quant_numel > MAX_QUANT_NUMEL:
+        raise ValueError(f"--quant-numel {args.quant_numel} must be <= {MAX_QUANT_NUMEL} (2^30)")
+    if args.train_config is not None:  # a bad recipe is the user's, said before any section, not a failed section
+        load_config(args.train_config)
     return BenchOptions(
         device=args.device, quick=args.quick, shapes=parse_shapes(args.shapes) if args.shapes else None,
         recipes=parse_list(args.recipes, RECIPES, "--recipes"),
