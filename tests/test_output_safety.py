@@ -127,7 +127,10 @@ def test_an_output_file_never_replaces_another_runs_records(tiny_fp8_run, tmp_pa
     (a folder holding fp8train's lock file) keeps, or writes under its checkpoints."""
     other = tmp_path / "other"
     shutil.copytree(tiny_fp8_run, other)
-    (other / "plan.json").write_text("{}\n")  # as in a validation folder
+    if target == "plan.json":
+        (other / "plan.json").write_text("{}\n")  # as in a validation folder
+    else:
+        (other / ".fp8train.lock").unlink(missing_ok=True)  # copied without its hidden lock file: still a run
     out = (sorted((other / "checkpoints").iterdir())[-1] / "model.safetensors" if target == "checkpoint"
            else other / target)
     before = tree_digest(other)

@@ -69,8 +69,12 @@ def _refuse_source(path: Path, option: str, sources: Iterable) -> None:
 
 
 def _is_run_folder(folder: Path) -> bool:
-    """A folder fp8train trains or validates in: it holds the lock file every run and validation makes."""
-    return (folder / LOCK_FILE).is_file()
+    """A folder fp8train trains or validates in: it holds the lock file every run and validation makes, a
+    validation's plan, or (copied without its hidden lock file) a run's config.yaml beside its logs or checkpoints."""
+    if (folder / LOCK_FILE).is_file() or (folder / VALIDATION_PLAN_FILE).is_file():
+        return True
+    return (folder / CONFIG_FILE).is_file() and any((folder / name).exists()
+                                                     for name in (METRICS_FILE, SUMMARY_FILE, CHECKPOINTS_DIR))
 
 
 def _refuse_kept(path: Path, option: str) -> None:
