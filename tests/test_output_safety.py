@@ -382,3 +382,23 @@ def test_plan_refuses_thresholds_outside_their_range(tiny_fp8_run, tmp_path, opt
     code, _, err = commands.main(["plan", str(tiny_fp8_run), "--out", str(out), option, value], capsys)
     assert option in one_line_error(code, err)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("override", ["model.d_model=1048576", "model.n_layers=100000000",
+                                      "train.batch_size=1000000000"])
+def test_a_model_that_cannot_fit_is_one_line_before_anything(tmp_path, override, tiny, commands, capsys):
+    """A lower bound of the memory training needs, against the machine's: refused by name before data, model or
+    run folder (d_model=1048576 was an allocation traceback; a hundred million layers or a billion-sequence
+    batch, minutes of building or batching before that)."""
+    import signal
+
+    config = tiny.write(tmp_path)
+    previous = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt("took too long")))
+    signal.alarm(60)
+    try:
+        code, _, err = commands.main(["train", str(config), override, "--quiet"], capsys)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert override.split("=")[0] in one_line_error(code, err) and "GiB" in err
+    assert not (tmp_path / "runs").exists()
