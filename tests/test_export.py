@@ -296,3 +296,27 @@ def test_an_option_that_does_not_apply_is_refused_not_ignored(tiny_run, tmp_path
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and named in lines[0], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("damaged", ["manifest.json", "model.safetensors"])
+def test_export_says_why_no_checkpoint_is_valid(tiny_run, tmp_path, damaged, commands, capsys):
+    """The only checkpoint damaged: the one line names the file that failed its check (it said only "no valid
+    checkpoint")."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    checkpoint = sorted((run / "checkpoints").iterdir())[-1]
+    for old in sorted((run / "checkpoints").iterdir())[:-1]:
+        shutil.rmtree(old)
+    (checkpoint / damaged).write_bytes(b"")
+    code, _, err = commands.main(["export", str(run), "--format", "e4m3fn", "--out", str(tmp_path / "o"),
+                                  "--no-check"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and damaged in lines[0], err
+
+
+def test_convert_of_a_folder_export_says_it_is_a_folder(exports, tmp_path, commands, capsys):
+    folder = tmp_path / "folder_export"
+    folder.mkdir()
+    code, _, err = commands.main(["export", "--convert", str(folder), "--format", "e4m3fnuz", "--out",
+                                  str(tmp_path / "o.safetensors"), "--no-check"], capsys)
+    assert code == 2 and "is a folder" in err and "does not exist" not in err, err

@@ -151,6 +151,9 @@ def export_run(run_dir, out, fmt="e4m3fn", force: bool = False) -> dict:
 
 def read_export_metadata(path) -> dict:
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"export {str(path)!r} is a folder; --convert converts a single-file export (written with "
+                         "--out FILE.safetensors): export the run again in the other format for a folder")
     if not path.is_file():
         raise ValueError(f"export {str(path)!r} does not exist (or is not a file)")
     try:

@@ -92,10 +92,18 @@ def load_run(run_dir, log=None) -> LoadedRun:
                          "and no config.json (a Hugging Face folder)")
     cfg = load_config(str(config_file))
     # either format: DDP's model.safetensors or train.parallel=fsdp2's per-rank shards
-    ckpt = latest_loadable_checkpoint(run_dir / "checkpoints", log=log or (lambda m: None))
+    skipped = []  # why each newer checkpoint was passed over (damaged, incomplete): said if none is left
+
+    def passed_over(message: str) -> None:
+        skipped.append(message)
+        if log is not None:
+            log(message)
+
+    ckpt = latest_loadable_checkpoint(run_dir / "checkpoints", log=passed_over)
     if ckpt is None:
-        raise ValueError(f"run directory {str(run_dir)!r} has no valid checkpoint under checkpoints/ (train with "
-                         "checkpoint.save_final=true, or check the run finished)")
+        why = f": {' '.join(skipped[0].split())}" if skipped else ""
+        raise ValueError(f"run directory {str(run_dir)!r} has no valid checkpoint under checkpoints/{why} (train "
+                         "with checkpoint.save_final=true, or check the run finished)")
     manifest = json.loads((ckpt / MANIFEST).read_text())  # verified by latest_loadable_checkpoint
     _check_origin(ckpt, manifest, cfg, config_file)
     torch.manual_seed(0)  # the values are overwritten below; this only keeps construction deterministic
