@@ -321,9 +321,11 @@ class DirLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, self._record, 0)
         try:  # blanks after the record (JSON ignores them): disk space held back for free_reserve
-            os.pwrite(fd, b" " * LOCK_RESERVE_BYTES, len(self._record))
+            disk = os.fstatvfs(fd)
+            if disk.f_bavail * disk.f_frsize >= 4 * LOCK_RESERVE_BYTES:  # a nearly full disk: its room is the run's
+                os.pwrite(fd, b" " * LOCK_RESERVE_BYTES, len(self._record))
         except OSError:
-            pass  # a disk already full: no reserve, the run goes on as it would have
+            pass  # no reserve: the run goes on as it would have
         self._fd = fd
         return self
 
