@@ -295,7 +295,7 @@ def test_a_file_size_limit_during_a_metrics_append_stops_the_run_with_a_summary(
 
 def test_a_full_filesystem_during_a_metrics_append_stops_the_run_with_a_summary(tmp_path, tiny, commands):
     """A real full disk: a small tmpfs, nearly filled. The summary still fits because the run's lock file held
-    64 KiB back from the start (rundir.DirLock.free_reserve; taken only with >= 256 KiB free). Needs root
+    back from the start (rundir.DirLock.free_reserve: 64 KiB, at most half of what is free). Needs root
     (mount); skipped elsewhere."""
     import subprocess
 
@@ -306,7 +306,7 @@ def test_a_full_filesystem_during_a_metrics_append_stops_the_run_with_a_summary(
         pytest.skip("mounting a small tmpfs needs root")
     try:
         stat = os.statvfs(mount)
-        with open(mount / "filler", "wb") as f:  # leave 320 KiB: the lock's reserve (64) is taken with >= 256 free
+        with open(mount / "filler", "wb") as f:  # leave 320 KiB: 64 of them the lock's reserve
             f.write(b"\0" * (stat.f_bavail * stat.f_frsize - (320 << 10)))
         config = tiny.write(tmp_path, **{**FILLING_RUN, "run": {"dir": str(mount), "name": "tiny"}})
         result = commands.run(commands.fp8train("train", str(config), "--quiet"), cwd=tmp_path)

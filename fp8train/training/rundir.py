@@ -322,8 +322,10 @@ class DirLock:
         os.pwrite(fd, self._record, 0)
         try:  # blanks after the record (JSON ignores them): disk space held back for free_reserve
             disk = os.fstatvfs(fd)
-            if disk.f_bavail * disk.f_frsize >= 4 * LOCK_RESERVE_BYTES:  # a nearly full disk: its room is the run's
-                os.pwrite(fd, b" " * LOCK_RESERVE_BYTES, len(self._record))
+            # at most half of what is free (a nearly full disk keeps room for the run), whole 4 KiB blocks
+            reserve = min(LOCK_RESERVE_BYTES, disk.f_bavail * disk.f_frsize // 2) // 4096 * 4096
+            if reserve:
+                os.pwrite(fd, b" " * reserve, len(self._record))
         except OSError:
             pass  # no reserve: the run goes on as it would have
         self._fd = fd
