@@ -285,7 +285,8 @@ def test_a_checkpoint_not_written_by_the_runs_config_is_refused(tiny_run, tmp_pa
     (["--format", "e4m3fn", "--calib-batches", "2"], "o", "--calib-batches"),
     (["--format", "e4m3fn", "--allow-inexact"], "o", "--allow-inexact"),
     (["--format", "e4m3fn", "--activations", "static", "--calib-batches", "100000000"], "o", "--calib-batches"),
-], ids=["hf-block", "hf-static", "file-static", "file-block", "fp8-dtype", "dynamic-calib", "run-inexact", "calib-bound"])
+], ids=["hf-block", "hf-static", "file-static", "file-block", "fp8-dtype", "dynamic-calib", "run-inexact",
+        "calib-bound"])
 def test_an_option_that_does_not_apply_is_refused_not_ignored(tiny_run, tmp_path, extra, out_name, named, commands,
                                                               capsys):
     """Each of these options shapes one kind of export; given to another kind it was silently ignored (an hf
