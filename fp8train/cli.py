@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 import tempfile
 import traceback
@@ -116,9 +117,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"fp8train {args.command}: error: {write_error(err)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"fp8train {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM turned into an interrupt (training.lifetime)
+        signum = getattr(err, "signum", signal.SIGINT)
+        print(f"fp8train {args.command}: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum  # what a shell reports for a process ended by that signal: 130, 143
     except Exception as err:  # noqa: BLE001  anything else is a bug, reported as one
         _report_internal_error(args.command, err)
         return 1

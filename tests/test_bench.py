@@ -233,3 +233,51 @@ def test_linear_timing_makes_every_contender_recast_its_weight():
         step()
         keys.append(layer._weight_cache.key)
     assert len(set(keys)) == 3, keys
+
+
+@pytest.mark.parametrize("where", ["existing file", "link", "run file", "folder", "proc"])
+def test_out_is_checked_before_the_work_and_never_written_through(tmp_path, where, tiny_fp8_run, capsys):
+    """--out goes through the guarded writer like every command's outputs: an existing file needs --force, a link
+    or a run's records never (with --force too), a folder or /proc/x is one line, exit 2, before any timing."""
+    target = tmp_path / "mine.txt"
+    target.write_text("mine\n")
+    run = tmp_path / "run"
+    if where == "run file":
+        import shutil
+        shutil.copytree(tiny_fp8_run, run)
+    out = {"existing file": target, "link": tmp_path / "bench.json", "run file": run / "metrics.jsonl",
+           "folder": tmp_path, "proc": Path("/proc/bench.json")}[where]
+    if where == "link":
+        out.symlink_to(target)
+    before = out.read_bytes() if out.is_file() else None
+    forces = [[], ["--force"]] if where != "existing file" else [[]]
+    for force in forces:
+        rc = main(["bench", "--out", str(out), *force, "--quick", "--sections", "quant", "--quant-numel", "4096",
+                   "--repeats", "1", "--warmup", "0", "--no-torchao"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and str(out) in err[0], err
+        assert "section" not in err[0]  # refused before any section ran
+    assert target.read_text() == "mine\n"
+    if before is not None:
+        assert out.read_bytes() == before
+
+
+def test_force_replaces_an_earlier_result(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    out.write_text("{}\n")
+    rc = main(["bench", "--out", str(out), "--force", "--quick", "--sections", "quant", "--quant-numel", "4096",
+               "--repeats", "1", "--warmup", "0", "--no-torchao", "--no-malloc-tuning", "--threads", "1"])
+    assert rc == 0, capsys.readouterr().err
+    assert "quant" in json.loads(out.read_text())["sections"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]  # no temp file left
+
+
+@pytest.mark.parametrize("argv, named", [(["--train-config", "/nonexistent/recipe.yaml", "--sections", "train"],
+                                          "/nonexistent/recipe.yaml"),
+                                         (["--quant-numel", str(10 ** 14), "--sections", "quant"], "--quant-numel")])
+def test_bad_input_is_one_line_before_any_section(argv, named, capsys):
+    """A missing --train-config was a failed section (exit 1, after the others ran); a --quant-numel of 10^14 an
+    allocation failure inside the section. Both are the user's: one line, exit 2, before any section."""
+    rc = main(["bench", "--quick", "--no-torchao", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and named in err[0], err

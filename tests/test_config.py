@@ -265,3 +265,42 @@ def test_layer_policy_from_config():
 def test_empty_override_value_is_the_empty_string():
     assert load_config(None, ["data.path=/x", "data.path="]).data.path == ""
     assert load_config(None, ["fp8.margin=2", "fp8.margin=null"]).fp8.margin is None
+
+
+class _Blocked(BaseException):
+    """Not an Exception: no `except Exception` / `except OSError` in the code under test can turn it into an error."""
+
+
+def _alarm(signum, frame):
+    raise _Blocked("blocked reading the file")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "oversized", "device"])
+@pytest.mark.parametrize("where", ["config file", "policy.plan"])
+def test_a_settings_file_that_blocks_or_never_ends_is_refused_unopened(tmp_path, kind, where):
+    """A FIFO nobody writes (open blocks forever), a device such as /dev/zero (read never ends: memory fills) or
+    a file far larger than any config (a data file given by mistake) is one ValueError naming the path, before
+    it is opened. The alarm turns a hang into a failure instead of a stuck test."""
+    import os
+    import signal
+
+    path = {"fifo": tmp_path / "settings.yaml", "oversized": tmp_path / "big.yaml", "device": Path("/dev/zero")}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "oversized":
+        with open(path, "wb") as f:
+            f.truncate(17 << 20)  # sparse: no disk used
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(10)
+    try:
+        with pytest.raises(ValueError) as caught:
+            if where == "config file":
+                load_config(str(path))
+            else:
+                load_config(None, [f"policy.plan={path}"])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    message = str(caught.value)
+    assert str(path) in message and where in message and "\n" not in message
+    assert {"fifo": "not a regular file", "device": "not a regular file", "oversized": "MiB"}[kind] in message

@@ -250,3 +250,74 @@ def test_tied_embeddings_run_exports_and_reloads(tmp_path):
     x = torch.randint(0, 256, (2, 16))
     stats = compare_logits(model.eval(), reloaded, [(x, None)], autocast=False)
     assert stats["mean_kl"] < 1e-3
+
+
+@pytest.mark.parametrize("edit", [("  seed: 1337\n", "  seed: 7\n"), ("  d_model: 64\n", "  d_model: 32\n")],
+                         ids=["seed", "d_model"])
+@pytest.mark.parametrize("command", ["export", "kv-eval"])
+def test_a_checkpoint_not_written_by_the_runs_config_is_refused(tiny_run, tmp_path, edit, command, commands,
+                                                                capsys):
+    """The checkpoint must come from a run of the folder's config.yaml (its manifest's resume_hash, as a resume
+    requires): an edited config.yaml (or, equally, a checkpoint folder copied in from a run with another seed)
+    would export or evaluate weights that are not this run's (seed: silently), or fail deep in load_state_dict
+    (d_model: a traceback). One line naming the checkpoint, exit 2, nothing written."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    config = run / "config.yaml"
+    assert edit[0] in config.read_text()
+    config.write_text(config.read_text().replace(*edit))
+    out = tmp_path / "out"
+    argv = {"export": ["export", str(run), "--format", "e4m3fn", "--out", str(out), "--no-check"],
+            "kv-eval": ["kv-eval", str(run), "--out", str(out), "--batches", "1", "--gen-prompts", "0",
+                        "--calib-batches", "1", "--format", "e4m3fn"]}[command]
+    code, _, err = commands.main(argv, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "resume_hash" in lines[0] and "checkpoints" in lines[0], err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("extra, out_name, named", [
+    (["--format", "hf", "--weight-block", "16"], "o", "--weight-block"),
+    (["--format", "hf", "--activations", "static"], "o", "--activations"),
+    (["--format", "e4m3fn", "--activations", "static"], "o.safetensors", "--activations"),
+    (["--format", "e4m3fn", "--weight-block", "16"], "o.safetensors", "--weight-block"),
+    (["--format", "e4m3fn", "--dtype", "bfloat16"], "o", "--dtype"),
+    (["--format", "e4m3fn", "--calib-batches", "2"], "o", "--calib-batches"),
+    (["--format", "e4m3fn", "--allow-inexact"], "o", "--allow-inexact"),
+    (["--format", "e4m3fn", "--activations", "static", "--calib-batches", "100000000"], "o", "--calib-batches"),
+], ids=["hf-block", "hf-static", "file-static", "file-block", "fp8-dtype", "dynamic-calib", "run-inexact",
+        "calib-bound"])
+def test_an_option_that_does_not_apply_is_refused_not_ignored(tiny_run, tmp_path, extra, out_name, named, commands,
+                                                              capsys):
+    """Each of these options shapes one kind of export; given to another kind it was silently ignored (an hf
+    folder without the asked-for blocks looks like it has them), and a huge --calib-batches calibrated for hours.
+    One line naming the option, exit 2, nothing written."""
+    out = tmp_path / out_name
+    code, _, err = commands.main(["export", str(tiny_run), *extra, "--out", str(out), "--no-check"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and named in lines[0], err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("damaged", ["manifest.json", "model.safetensors"])
+def test_export_says_why_no_checkpoint_is_valid(tiny_run, tmp_path, damaged, commands, capsys):
+    """The only checkpoint damaged: the one line names the file that failed its check (it said only "no valid
+    checkpoint")."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    checkpoint = sorted((run / "checkpoints").iterdir())[-1]
+    for old in sorted((run / "checkpoints").iterdir())[:-1]:
+        shutil.rmtree(old)
+    (checkpoint / damaged).write_bytes(b"")
+    code, _, err = commands.main(["export", str(run), "--format", "e4m3fn", "--out", str(tmp_path / "o"),
+                                  "--no-check"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and damaged in lines[0], err
+
+
+def test_convert_of_a_folder_export_says_it_is_a_folder(exports, tmp_path, commands, capsys):
+    folder = tmp_path / "folder_export"
+    folder.mkdir()
+    code, _, err = commands.main(["export", "--convert", str(folder), "--format", "e4m3fnuz", "--out",
+                                  str(tmp_path / "o.safetensors"), "--no-check"], capsys)
+    assert code == 2 and "is a folder" in err and "does not exist" not in err, err

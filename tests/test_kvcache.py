@@ -302,3 +302,14 @@ def test_calibration_amax_is_the_max_over_batches_per_head():
     scales = scales_from_amax(amax, KvCacheConfig("e4m3fn", "kv", "tensor", "calibrated"))
     assert scales[(0, "v")].item() == torch.tensor(12.0 / 448).item()
     assert all(m.kv_transform is None for m in model)  # the recorder is removed again
+
+
+@pytest.mark.parametrize("option", ["--calib-batches", "--gen-prompts"])
+def test_counts_that_would_run_for_hours_are_refused_first(tiny_run, tmp_path, option, capsys, commands):
+    """A billion calibration batches or prompts is a forward pass each: bounded (1024), one line, exit 2,
+    before the model is loaded or anything written (it ran past 90 s before)."""
+    out = tmp_path / "x"
+    code, _, err = commands.main(["kv-eval", str(tiny_run), "--out", str(out), option, "1000000000"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and option in lines[0] and "1024" in lines[0], err
+    assert not out.exists()

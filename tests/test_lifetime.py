@@ -21,6 +21,7 @@ import pytest
 
 from fp8train.training.config import load_config
 from fp8train.training.loop import train
+from fp8train.training.runs.lifetime import Interrupted, interrupts_held, interrupts_raised
 from refs import write_stdlib_corpus
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -86,7 +87,8 @@ def test_signal_of_train_writes_an_interrupted_summary_and_the_run_resumes(tmp_p
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     err = proc.stderr.read()
-    assert proc.returncode == 130 and "interrupted" in err, err
+    # the exit status a shell gives a process ended by the signal (128 + its number): 143 for SIGTERM, 130 for SIGINT
+    assert proc.returncode == 128 + signum and f"interrupted by {signum.name}" in err, (proc.returncode, err)
     summary = json.loads((run / "summary.json").read_text())
     steps = summary["steps"]
     assert summary["status"] == "interrupted" and 7 <= steps < 2000, summary
@@ -114,6 +116,7 @@ def test_validate_workers_end_with_validate(tmp_path, corpus, commands, signum):
         assert len(_alive_in_group(proc.pid)) >= 4  # validate, its resource tracker, two workers
         proc.send_signal(signum)
         proc.wait(timeout=60)
+        assert proc.returncode == (-signal.SIGKILL if signum == signal.SIGKILL else 128 + signum)
         deadline = time.monotonic() + 20
         while _alive_in_group(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -124,3 +127,22 @@ def test_validate_workers_end_with_validate(tmp_path, corpus, commands, signum):
     for run in runs:
         summary = json.loads((run / "summary.json").read_text())
         assert summary["status"] == "interrupted" and "interrupted by SIGTERM" in summary["reason"], summary
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_inside_interrupts_held_waits_for_the_block_to_end(signum):
+    """What the loop's checkpoint relies on: the rest of the block runs, then Interrupted names the signal."""
+    after_signal = []
+    with pytest.raises(Interrupted) as raised:
+        with interrupts_raised():
+            with interrupts_held():
+                with interrupts_held():  # nested: only the outermost block raises
+                    os.kill(os.getpid(), signum)
+                    time.sleep(0.05)  # the handler has run by now (main thread, between bytecodes)
+                    after_signal.append("inner")
+                after_signal.append("outer")
+    assert after_signal == ["inner", "outer"] and raised.value.signum == signum
+    with interrupts_raised():  # nothing left pending: the next block runs to its end
+        with interrupts_held():
+            after_signal.append("next")
+    assert after_signal[-1] == "next"

@@ -7,6 +7,7 @@ work. Driven through the real CLI on a real tiny run (the session's `tiny_fp8_ru
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -84,15 +85,59 @@ def test_export_force_replaces_its_own_folder_and_only_that(tiny_fp8_run, tmp_pa
     argv = ["export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(export), "--no-check"]
     assert commands.main(argv, capsys)[0] == 0
     assert (export / OUTPUT_MARKER).is_file()
-    (export / "stale.txt").write_text("left by the earlier export's user")  # in fp8train's own folder: replaced
+    (export / "model.safetensors").write_bytes(b"stale")  # a file fp8train wrote there: replaced
     assert commands.main([*argv, "--force"], capsys)[0] == 0
     assert sorted(p.name for p in export.iterdir()) == [OUTPUT_MARKER, "config.json", "generation_config.json",
                                                         "model.safetensors"]
+    assert (export / "model.safetensors").read_bytes() != b"stale"
     (export / OUTPUT_MARKER).unlink()  # without the marker, the folder is no longer provably fp8train's
     code, _, err = commands.main([*argv, "--force"], capsys)
     assert "did not write" in one_line_error(code, err)
     assert (export / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temp or old folders left
+
+
+@pytest.mark.parametrize("added", ["a file", "a run", "a planted marker"])
+def test_force_keeps_what_someone_added_to_an_export_folder(tiny_fp8_run, tmp_path, added, commands, capsys):
+    """The marker lists what fp8train wrote; a folder holding anything else is not replaced, whatever --force:
+    a user's notes, a run moved into it, or a folder of someone's files with a marker hard-linked into it."""
+    export = tmp_path / "export"
+    argv = ["export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(export), "--no-check"]
+    if added == "a planted marker":
+        export.mkdir()
+        (export / "data.csv").write_text("1,2\n")
+        (tmp_path / "marker").write_text('{"written_by": "fp8train", "files": []}\n')
+        os.link(tmp_path / "marker", export / OUTPUT_MARKER)
+    else:
+        assert commands.main(argv, capsys)[0] == 0
+        if added == "a file":
+            (export / "NOTES.md").write_text("mine\n")
+        else:
+            shutil.copytree(tiny_fp8_run, export / "myrun")
+    before = tree_digest(export)
+    code, _, err = commands.main([*argv, "--force"], capsys)
+    line = one_line_error(code, err)
+    assert str(export) in line and ({"a file": "NOTES.md", "a run": "myrun"}.get(added, "did not write") in line)
+    assert tree_digest(export) == before
+
+
+@pytest.mark.parametrize("target", ["summary.json", "config.yaml", "plan.json", "checkpoint"])
+def test_an_output_file_never_replaces_another_runs_records(tiny_fp8_run, tmp_path, target, commands, capsys):
+    """Not only the source run's: no --out, --force or not, replaces a file that some other run or validation
+    (a folder holding fp8train's lock file) keeps, or writes under its checkpoints."""
+    other = tmp_path / "other"
+    shutil.copytree(tiny_fp8_run, other)
+    if target == "plan.json":
+        (other / "plan.json").write_text("{}\n")  # as in a validation folder
+    else:
+        (other / ".fp8train.lock").unlink(missing_ok=True)  # copied without its hidden lock file: still a run
+    out = (sorted((other / "checkpoints").iterdir())[-1] / "model.safetensors" if target == "checkpoint"
+           else other / target)
+    before = tree_digest(other)
+    for argv in (["export", str(tiny_fp8_run), "--format", "e4m3fn", "--no-check"], ["plan", str(tiny_fp8_run)]):
+        code, _, err = commands.main([*argv, "--out", str(out), "--force"], capsys)
+        assert str(out) in one_line_error(code, err)
+    assert tree_digest(other) == before
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -222,6 +267,54 @@ def test_a_full_disk_during_an_append_names_the_file():
     assert caught.value.filename == "/dev/full" and caught.value.errno == 28
 
 
+FILLING_RUN = {"train": {"max_steps": 100000, "eval_every": 100000}, "log": {"every": 1, "telemetry_every": 0},
+               "checkpoint": {"every": 0, "save_final": False}}  # only metrics.jsonl grows, a line per step
+
+
+def _stopped_by_a_full_log(result, run: Path, errname: str) -> None:
+    """One line naming metrics.jsonl and the errno, exit 2, and summary.json saying the run failed and why."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert str(run / "metrics.jsonl") in lines[0] and errname in lines[0], lines[0]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and str(run / "metrics.jsonl") in summary["reason"], summary
+    assert errname in summary["reason"] and summary["config_hash"]
+
+
+def test_a_file_size_limit_during_a_metrics_append_stops_the_run_with_a_summary(tmp_path, tiny, commands):
+    """RLIMIT_FSIZE (a quota on one file's size): the append fails with EFBIG, which is the environment's, not a
+    bug or a bad value: one line naming the log, and summary.json says why the run stopped."""
+    import resource
+
+    config = tiny.write(tmp_path, **FILLING_RUN)
+    limit = 16 << 10
+    result = commands.run(commands.fp8train("train", str(config), "--quiet"), cwd=tmp_path,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    _stopped_by_a_full_log(result, tmp_path / "runs" / "tiny", "EFBIG")
+
+
+def test_a_full_filesystem_during_a_metrics_append_stops_the_run_with_a_summary(tmp_path, tiny, commands):
+    """A real full disk: a small tmpfs, nearly filled. The summary still fits because the run's lock file held
+    back from the start (rundir.DirLock.free_reserve: 64 KiB, at most half of what is free). Needs root
+    (mount); skipped elsewhere."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        stat = os.statvfs(mount)
+        with open(mount / "filler", "wb") as f:  # leave 320 KiB: 64 of them the lock's reserve
+            f.write(b"\0" * (stat.f_bavail * stat.f_frsize - (320 << 10)))
+        config = tiny.write(tmp_path, **{**FILLING_RUN, "run": {"dir": str(mount), "name": "tiny"}})
+        result = commands.run(commands.fp8train("train", str(config), "--quiet"), cwd=tmp_path)
+        _stopped_by_a_full_log(result, mount / "tiny", "ENOSPC")
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
 def test_temp_names_are_unique_per_write(tmp_path):
     from fp8train.training.storage.files import temp_path
 
@@ -279,3 +372,34 @@ def test_plan_refuses_a_nan_threshold(tiny_fp8_run, tmp_path, commands, capsys):
     code, _, err = commands.main(["plan", str(tiny_fp8_run), "--out", str(tmp_path / "plan.yaml"),
                                   "--sqnr-db-min", "nan"], capsys)
     assert "--sqnr-db-min=nan" in one_line_error(code, err)
+
+
+@pytest.mark.parametrize("option, value", [("--underflow-frac-max", "-1"), ("--overflow-frac-max", "1.5"),
+                                           ("--min-speedup", "0"), ("--repeats", "1000000000")])
+def test_plan_refuses_thresholds_outside_their_range(tiny_fp8_run, tmp_path, option, value, commands, capsys):
+    """A fraction below 0 or above 1, or a speedup <= 0, makes every layer fail (or pass) its check: a plan that
+    looks like a measurement. A billion timing rounds would run for days. One line, exit 2, nothing written."""
+    out = tmp_path / "plan.yaml"
+    code, _, err = commands.main(["plan", str(tiny_fp8_run), "--out", str(out), option, value], capsys)
+    assert option in one_line_error(code, err)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("override", ["model.d_model=1048576", "model.n_layers=100000",
+                                      "train.batch_size=1000000000"])
+def test_a_model_that_cannot_fit_is_one_line_before_anything(tmp_path, override, tiny, commands, capsys):
+    """A lower bound of the memory training needs, against the machine's: refused by name before data, model or
+    run folder (d_model=1048576 was an allocation traceback; a hundred million layers or a billion-sequence
+    batch, minutes of building or batching before that)."""
+    import signal
+
+    config = tiny.write(tmp_path)
+    previous = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt("took too long")))
+    signal.alarm(60)
+    try:
+        code, _, err = commands.main(["train", str(config), override, "--quiet"], capsys)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert override.split("=")[0] in one_line_error(code, err)
+    assert not (tmp_path / "runs").exists()

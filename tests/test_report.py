@@ -162,7 +162,7 @@ def _write_run(vdir, label, seed, val, status="completed", extra=None, health=No
         lines.append(json.dumps(rec))
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     # What train() writes: the resolved config, and a summary naming the data it trained on and the hash of both.
-    cfg = load_config(None, ["policy.exclude=[^(.*\\.)?(lm_head)$]", f"train.seed={seed}"])
+    cfg = load_config(None, ["policy.exclude=[^(.*\\.)?(lm_head)$]", f"train.seed={seed}", "validate.final_window=2"])
     (run / "config.yaml").write_text(config_to_yaml(cfg))
     summary = {"status": status, "reason": reason, "steps": 40, "loss": val[-1] + 0.1, "val_loss": val[-1],
                "wall_time_s": 10.0, "seed": seed, "recipe": "none", "data_fingerprint": FINGERPRINT,

@@ -406,7 +406,7 @@ def section_e2e(device: str, dry: bool, out_dir: Path, limit_s: float) -> dict:
 
 def section_bench(device: str, dry: bool, out_dir: Path, limit_s: float) -> dict:
     command = [sys.executable, "-m", "fp8train.cli", "bench", "--device", device, "--sections", "linear",
-               "--compile", "off", "--out", str(out_dir / "bench_result.json")]
+               "--compile", "off", "--out", str(out_dir / "bench_result.json"), "--force"]
     command += (["--shapes", "64x64x64", "--recipes", "current", "--no-torchao", "--warmup", "0", "--repeats", "1"]
                 if dry else ["--shapes", "8192x8192x8192"])
     proc = subprocess.run(command, capture_output=True, text=True, timeout=max(limit_s - 5, 1), cwd=REPO_ROOT)

@@ -37,7 +37,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -49,6 +48,9 @@ from fp8train.bench.options import (OPTIONAL_SECTIONS, RECIPES, SECTIONS, BenchO
 from fp8train.bench.quant_section import bench_quant
 from fp8train.bench.report import check_targets, format_report
 from fp8train.bench.train_section import bench_memory, bench_train, saved_tensor_bytes
+from fp8train.training.config import load_config
+from fp8train.training.storage.outputs import check_output_file
+from fp8train.training.storage.files import write_text_atomic
 
 __all__ = ["parse_shapes", "run_bench", "machine_info", "format_report", "SECTIONS", "add_cli_arguments",
            "cli_main", "Timing", "saved_tensor_bytes"]
@@ -120,14 +122,15 @@ def run_bench(opts: BenchOptions) -> dict:
 
 
 def _write_json(path: str, results: dict) -> None:
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    tmp.replace(path)
+    # --out was checked before the work (check_output_file); each rewrite is whole, never through a link
+    write_text_atomic(path, json.dumps(results, indent=2, default=str) + "\n")
 
 
 def add_cli_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON to stdout (the table goes to stderr)")
-    parser.add_argument("--out", metavar="FILE", help="also write the JSON results to FILE")
+    parser.add_argument("--out", metavar="FILE", help="also write the JSON results to FILE (refused if it exists, "
+                        "unless --force)")
+    parser.add_argument("--force", action="store_true", help="replace --out if it exists")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where to run (default cpu)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (CPU: < 3 min)")
     parser.add_argument("--shapes", metavar="MxKxN,...", help="linear shapes, e.g. 4096x1024x1024,1024x256x256")
@@ -149,11 +152,18 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--no-torchao", action="store_true", help="skip the torchao Float8Linear comparison")
 
 
+MAX_QUANT_NUMEL = 1 << 30  # 4 GiB of fp32 input per call, 64x the stated size: above it, an allocation failure
+
+
 def options_from_args(args) -> BenchOptions:
     for key in ("quant_numel", "warmup", "repeats", "threads"):
         value = getattr(args, key, None)
         if value is not None and value < (0 if key == "warmup" else 1):
             raise ValueError(f"--{key.replace('_', '-')} must be >= {0 if key == 'warmup' else 1}, got {value}")
+    if args.quant_numel is not None and args.quant_numel > MAX_QUANT_NUMEL:
+        raise ValueError(f"--quant-numel {args.quant_numel} must be <= {MAX_QUANT_NUMEL} (2^30)")
+    if args.train_config is not None:  # a bad recipe is the user's, said before any section, not a failed section
+        load_config(args.train_config)
     return BenchOptions(
         device=args.device, quick=args.quick, shapes=parse_shapes(args.shapes) if args.shapes else None,
         recipes=parse_list(args.recipes, RECIPES, "--recipes"),
@@ -165,6 +175,8 @@ def options_from_args(args) -> BenchOptions:
 
 def cli_main(args) -> int:
     opts = options_from_args(args)
+    if opts.out:  # before minutes of timing: an existing file, a link, a run's records or /proc/x is one line
+        opts.out = str(check_output_file(opts.out, force=args.force))
     results = run_bench(opts)
     report = format_report(results)
     text = json.dumps(results, indent=2, default=str)

@@ -9,7 +9,9 @@ refused here (a ValueError naming the run and what differs; nothing is written):
 - a run trained on other data than planned (the data file was rewritten while the validation ran): its
   summary.json records the fingerprint of what it trained on, and it must be the plan's;
 - a run made from another config than planned (its config.yaml does not hash to plan.json's entry), or a
-  summary.json that does not belong to its config and the planned data (validate refuses such a run too).
+  summary.json that does not belong to its config and the planned data (validate refuses such a run too);
+- a plan.json whose margin or final window is not what its runs were planned with (edited afterwards), or a
+  finished run whose metrics.jsonl does not end with the val_loss of its summary.json (another run's log).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from fp8train.evidence.pairs import PLAN_FILE
 from fp8train.training.config import config_hash, load_config
 from fp8train.training.config.validation import check_candidate_key
 from fp8train.training.data.corpus import describe_fingerprint_change
-from fp8train.training.storage.rundir import CONFIG_FILE
+from fp8train.training.storage.rundir import CONFIG_FILE, METRICS_FILE
 
 __all__ = ["check_pairing", "data_problem"]
 
@@ -38,7 +40,7 @@ def data_problem(planned: dict | None, summary: dict) -> str | None:
 
 
 def _config_problem(run_dir: Path, planned_hash: str | None, data_fingerprint: dict | None,
-                    summary: dict | None) -> str | None:
+                    summary: dict | None, declared: dict) -> str | None:
     config_file = run_dir / CONFIG_FILE
     if not config_file.exists():
         return f"it has a summary.json but no {CONFIG_FILE}" if summary is not None else None
@@ -50,6 +52,28 @@ def _config_problem(run_dir: Path, planned_hash: str | None, data_fingerprint: d
         return f"its {CONFIG_FILE} is not the config {PLAN_FILE} planned for it"
     if summary is not None and summary.get("config_hash") != config_hash(cfg, data_fingerprint=data_fingerprint):
         return f"its summary.json does not belong to its {CONFIG_FILE} and the planned data"
+    for key in ("margin", "final_window"):  # declared in plan.json and in every run's config.yaml alike
+        if not _same_number(declared.get(key), getattr(cfg.validate, key)):
+            return (f"{PLAN_FILE} declares validate.{key}={declared.get(key)!r} but the run was planned with "
+                    f"{getattr(cfg.validate, key)!r} (its {CONFIG_FILE}): {PLAN_FILE} was edited")
+    return None
+
+
+def _same_number(a, b) -> bool:
+    return (isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool)
+            and round(float(a), 12) == round(float(b), 12))
+
+
+def _log_problem(run) -> str | None:
+    """A finished run's metrics.jsonl ends with the validation loss its summary.json records: a log copied from
+    another run (another seed's) would otherwise give a verdict from unpaired curves."""
+    summary = run.summary or {}
+    steps, recorded = summary.get("steps"), summary.get("val_loss")
+    if summary.get("status") != "completed" or not isinstance(recorded, float) or steps not in run.curve.val:
+        return None  # unfinished, or its last evaluation missing: the verdict counts it as damaged
+    if run.curve.val[steps] != recorded:
+        return (f"its {METRICS_FILE} gives val_loss {run.curve.val[steps]!r} at step {steps} but its summary.json "
+                f"records {recorded!r}: the log is not this run's")
     return None
 
 
@@ -66,7 +90,7 @@ def check_pairing(vdir: Path, plan: dict, runs: dict) -> None:
             key = f"{label}/seed{seed}"
             problem = data_problem(planned_fp, run.summary) if run.summary is not None else None
             problem = problem or _config_problem(run.dir, (planned_runs.get(key) or {}).get("config_hash"),
-                                                 planned_fp, run.summary)
+                                                 planned_fp, run.summary, plan) or _log_problem(run)
             if problem is not None:
                 problems.append(f"runs/{key}: {problem}")
     if problems:

@@ -265,10 +265,13 @@ def add_cli_arguments(parser) -> None:
                             help=f"threshold (default {value:g})")
 
 
+MAX_REPEATS = 1000
+
+
 def cli_main(args) -> int:
     out = check_output_file(args.out, force=args.force, sources=[args.run_dir])
-    if args.repeats < 1:
-        raise ValueError(f"--repeats={args.repeats}: must be >= 1")
+    if not 1 <= args.repeats <= MAX_REPEATS:  # each round times every layer shape: a bound on hours of timing
+        raise ValueError(f"--repeats={args.repeats}: must be in [1, {MAX_REPEATS}]")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is visible to torch")
@@ -276,6 +279,10 @@ def cli_main(args) -> int:
     for key, value in thresholds.items():  # a NaN threshold compares false with everything: a silent plan
         if not math.isfinite(value):
             raise ValueError(f"--{key.replace('_', '-')}={value}: a threshold must be a finite number")
+        if key.endswith("_frac_max") and not 0 <= value <= 1:  # a fraction: -1 would keep every layer in bf16
+            raise ValueError(f"--{key.replace('_', '-')}={value}: a fraction of values, in [0, 1]")
+        if key == "min_speedup" and value <= 0:
+            raise ValueError(f"--min-speedup={value}: a ratio of times, > 0")
     plan = make_plan(args.run_dir, device, args.repeats, thresholds)
     write_text_atomic(out, plan_yaml(plan))
     print(f"{plan['fp8_layers']} of {len(plan['layers'])} layers in FP8 on {plan['device_name']}"

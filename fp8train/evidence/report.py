@@ -18,6 +18,7 @@ from fp8train.evidence.pairs import BASELINE, PLAN_FILE
 from fp8train.evidence.plan import shadow_table
 from fp8train.evidence.verdict import RunData, load_validation, summarize_validation
 from fp8train.nn.recipes import ROLES
+from fp8train.training.config import load_config
 from fp8train.training.storage.files import write_json_atomic, write_text_atomic
 from fp8train.training.storage.rundir import CONFIG_FILE, METRICS_FILE
 
@@ -41,12 +42,10 @@ def _fmt(value, spec: str, none: str = "n/a") -> str:
 
 
 def _exclude_list(run: RunData) -> list[str]:
-    from omegaconf import OmegaConf
-
     config = run.dir / CONFIG_FILE
     if not config.exists():
         return []
-    return list(OmegaConf.to_container(OmegaConf.load(config)).get("policy", {}).get("exclude", []))
+    return list(load_config(str(config)).policy.exclude)  # a damaged config.yaml is one line naming it
 
 
 # ------------------------------------------------------------------------------------------------------------

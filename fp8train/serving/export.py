@@ -151,6 +151,9 @@ def export_run(run_dir, out, fmt="e4m3fn", force: bool = False) -> dict:
 
 def read_export_metadata(path) -> dict:
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"export {str(path)!r} is a folder; --convert converts a single-file export (written with "
+                         "--out FILE.safetensors): export the run again in the other format for a folder")
     if not path.is_file():
         raise ValueError(f"export {str(path)!r} does not exist (or is not a file)")
     try:
@@ -301,17 +304,17 @@ def add_cli_arguments(parser) -> None:
                         "Hugging Face folder (config.json + safetensors)")
     parser.add_argument("--format", required=True, help=f"FP8 weight format: {' | '.join(EXPORT_FORMATS)}, or "
                         f"{DENSE_FORMAT} (a dense Hugging Face folder, no FP8)")
-    parser.add_argument("--dtype", default="float32", choices=list(DENSE_DTYPES),
+    parser.add_argument("--dtype", choices=list(DENSE_DTYPES),
                         help=f"--format {DENSE_FORMAT}: dtype of the weights (float32: the master weights exactly)")
     parser.add_argument("--out", required=True,
                         help="output folder (Hugging Face, compressed-tensors), or a .safetensors file")
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
-    parser.add_argument("--activations", default="dynamic", choices=ACTIVATION_SCHEMES,
+    parser.add_argument("--activations", choices=ACTIVATION_SCHEMES,
                         help="folder export: FP8 inputs scaled per token at run time (dynamic) or by a calibrated "
                              "static input_scale per layer")
-    parser.add_argument("--weight-block", type=int, default=0,
+    parser.add_argument("--weight-block", type=int,
                         help="folder export: one weight scale per BxB tile (e.g. 128) instead of per output channel")
-    parser.add_argument("--calib-batches", type=int, default=4,
+    parser.add_argument("--calib-batches", type=int,
                         help="folder export with --activations static: calibration batches (train split)")
     parser.add_argument("--convert", metavar="SRC", help="convert the export SRC to --format instead of exporting a run")
     parser.add_argument("--allow-inexact", action="store_true",
@@ -364,9 +367,43 @@ def _cli_dense(args) -> int:
     return 0
 
 
+# Options that shape one kind of export only, and their defaults when not given. Given to another kind, each is
+# refused rather than ignored: an export without the asked-for static scales or blocks would look like it had them.
+OPTION_DEFAULTS = {"dtype": "float32", "activations": "dynamic", "weight_block": 0, "calib_batches": 4}
+MAX_CALIB_BATCHES = 1024  # as train.eval_batches: a bound on minutes of calibration before anything is written
+
+
+def _export_kind(args) -> str:
+    if args.convert is not None:
+        return "--convert"
+    if args.format == DENSE_FORMAT:
+        return f"--format {DENSE_FORMAT}"
+    return "a .safetensors file" if args.out.endswith(".safetensors") else "folder"
+
+
+def _check_options(args) -> None:
+    kind = _export_kind(args)
+    applies = {"dtype": kind == f"--format {DENSE_FORMAT}", "activations": kind == "folder",
+               "weight_block": kind == "folder", "calib_batches": kind == "folder" and args.activations == "static",
+               "allow_inexact": kind == "--convert"}
+    for key, ok in applies.items():
+        given = getattr(args, key) not in (None, False)
+        if given and not ok:
+            where = ("a folder export with --activations static" if key == "calib_batches" else
+                     {"dtype": f"--format {DENSE_FORMAT}", "allow_inexact": "--convert"}.get(key, "a folder export"))
+            raise ValueError(f"--{key.replace('_', '-')} applies to {where} only, not to {kind}; drop it "
+                             "(nothing was written)")
+    for key, default in OPTION_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+    if not 1 <= args.calib_batches <= MAX_CALIB_BATCHES:
+        raise ValueError(f"--calib-batches {args.calib_batches} must be in [1, {MAX_CALIB_BATCHES}]")
+
+
 def cli_main(args) -> int:
     if (args.run_dir is None) == (args.convert is None):
         raise ValueError("give either RUN_DIR (export a run) or --convert SRC (convert an export), not both/neither")
+    _check_options(args)
     if args.convert is not None:
         result = convert_export(args.convert, args.out, args.format, force=args.force,
                                 allow_inexact=args.allow_inexact)

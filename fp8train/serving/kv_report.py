@@ -43,7 +43,7 @@ def write_report(result: dict, out_dir) -> dict:
     each replaced whole (atomic), never through a link; returns their paths."""
     out_dir = Path(out_dir)
     if not out_dir.exists():
-        make_output_folder(out_dir, "kv-eval")
+        make_output_folder(out_dir, "kv-eval", REPORT_FILES.values())
     paths = {key: out_dir / name for key, name in REPORT_FILES.items()}
     write_text_atomic(paths["json"], json.dumps(result, indent=1))
     write_text_atomic(paths["md"], _markdown(result))

@@ -255,6 +255,9 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--weight-format", default="e4m3fn", help="FP8 weight format for --matrix")
 
 
+MAX_COUNT = 1024  # as train.eval_batches and export's --calib-batches
+
+
 def cli_main(args) -> int:
     torch.set_num_threads(min(torch.get_num_threads(), 2))
     opts = KvEvalOptions(
@@ -268,6 +271,9 @@ def cli_main(args) -> int:
                        ("--gen-tokens", opts.gen_tokens), ("--prompt-len", opts.prompt_len)):
         if value < 0:
             raise ValueError(f"{key} must be >= 0, got {value}")
+    for key, value in (("--calib-batches", opts.calib_batches), ("--gen-prompts", opts.gen_prompts)):
+        if value > MAX_COUNT:  # each is a forward pass (or a generation): a bound on hours before the report
+            raise ValueError(f"{key} {value} must be <= {MAX_COUNT}")
     out = check_report_folder(Path(args.run_dir) / "kv_eval" if args.out is None else args.out, args.force,
                               args.run_dir)
     result = kv_eval(args.run_dir, opts, log=lambda m: print(m, file=sys.stderr))

@@ -35,6 +35,8 @@ from fp8train.training.runs.sharded_checkpoint import latest_loadable_checkpoint
 from fp8train.training.config import layer_policy_from_config, load_config
 from fp8train.training.models.hf import hf_kv_shape
 from fp8train.training.models.decoder import HFCausalLM, build_model, tied_weight_groups
+from fp8train.training.runs.resume import resume_hash
+from fp8train.training.storage.files import read_json
 
 __all__ = ["LoadedRun", "load_run", "fp8_policy_names", "fp8_linear_names", "tied_aliases", "package_version", "kv_shape"]
 
@@ -90,22 +92,45 @@ def load_run(run_dir, log=None) -> LoadedRun:
                          "and no config.json (a Hugging Face folder)")
     cfg = load_config(str(config_file))
     # either format: DDP's model.safetensors or train.parallel=fsdp2's per-rank shards
-    ckpt = latest_loadable_checkpoint(run_dir / "checkpoints", log=log or (lambda m: None))
+    skipped = []  # why each newer checkpoint was passed over (damaged, incomplete): said if none is left
+
+    def passed_over(message: str) -> None:
+        skipped.append(message)
+        if log is not None:
+            log(message)
+
+    ckpt = latest_loadable_checkpoint(run_dir / "checkpoints", log=passed_over)
     if ckpt is None:
-        raise ValueError(f"run directory {str(run_dir)!r} has no valid checkpoint under checkpoints/ (train with "
-                         "checkpoint.save_final=true, or check the run finished)")
+        why = f": {' '.join(skipped[0].split())}" if skipped else ""
+        raise ValueError(f"run directory {str(run_dir)!r} has no valid checkpoint under checkpoints/{why} (train "
+                         "with checkpoint.save_final=true, or check the run finished)")
+    manifest = json.loads((ckpt / MANIFEST).read_text())  # verified by latest_loadable_checkpoint
+    _check_origin(ckpt, manifest, cfg, config_file)
     torch.manual_seed(0)  # the values are overwritten below; this only keeps construction deterministic
     model = build_model(cfg.model, load_weights=False)
     fp8_names = fp8_policy_names(model, cfg)
     state = read_model_state(ckpt)
     _load_master_weights(model, state, fp8_names, ckpt)
     model.eval()
-    step = json.loads((ckpt / MANIFEST).read_text())["step"]
-    return LoadedRun(model, cfg, run_dir, ckpt, int(step), fp8_names)
+    return LoadedRun(model, cfg, run_dir, ckpt, int(manifest["step"]), fp8_names)
+
+
+def _check_origin(ckpt: Path, manifest: dict, cfg, config_file: Path) -> None:
+    """The checkpoint was written by a run of this config.yaml, as a resume requires: its manifest's resume_hash
+    is the config's (on the data the manifest records). A checkpoint folder copied from another run, or a
+    config.yaml edited after training, would otherwise export or evaluate weights that are not this run's, or
+    under another model's settings."""
+    extra = manifest.get("extra") or {}
+    saved = extra.get("resume_hash")
+    if saved is not None and saved != resume_hash(cfg, extra.get("data_fingerprint")):
+        raise ValueError(f"checkpoint {ckpt} was not written by a run of {config_file} (its manifest's resume_hash "
+                         f"{str(saved)[:12]} is another config's: the checkpoint was copied from another run, or "
+                         "config.yaml was edited after training); restore the run's own config.yaml or checkpoint "
+                         "(nothing was written)")
 
 
 def _load_hf_folder(folder: Path) -> LoadedRun:
-    config = json.loads((folder / "config.json").read_text())
+    config = read_json(folder / "config.json")  # a damaged or non-object config.json: one line naming it
     max_pos = config.get("max_position_embeddings") or config.get("n_positions") or 128
     cfg = load_config(None, [f"model.hf_path={folder}", f"model.seq_len={min(128, int(max_pos))}"])
     model = build_model(cfg.model).eval()  # its weights, checked (fp8train.training.models.hf)

@@ -43,6 +43,7 @@ from fp8train.training.parallel.fsdp2 import all_finite, release_process_group
 from fp8train.training.parallel.rank0 import on_main_process
 from fp8train.training.runs import telemetry
 from fp8train.training.runs.checkpoint import load_checkpoint, save_checkpoint
+from fp8train.training.runs.lifetime import interrupts_held
 from fp8train.training.runs.claim import holding
 from fp8train.training.runs.fork import load_fork
 from fp8train.training.runs.run_log import (MetricsLog, finish, start_logs, summarize, summary_line,
@@ -191,6 +192,13 @@ def finish_step(run: Run, state: LoopState, record: dict, metrics: MetricsLog) -
 # Checkpoints
 # ------------------------------------------------------------------------------------------------------------
 def checkpoint(run: Run, state: LoopState, final: bool) -> bool:
+    # SIGTERM / Ctrl-C wait until the checkpoint is whole and recorded in `state` (lifetime.interrupts_held): an
+    # interrupted run's summary then names the newest checkpoint on disk, and pruning is never cut short.
+    with interrupts_held():
+        return _write_checkpoint(run, state, final)
+
+
+def _write_checkpoint(run: Run, state: LoopState, final: bool) -> bool:
     """Save step `state.done` (rank 0 writes, everyone waits, so no rank races ahead of a half-written
     checkpoint). Weights that are not all finite are never saved: the run is marked diverged instead and False
     returned. The manifest carries the skip-guard counters and the LR schedule's length, so a resumed run counts

@@ -81,6 +81,36 @@ class Run:
 
 
 
+def _device_memory_bytes(device: torch.device) -> int | None:
+    if device.type == "cpu":
+        import os
+
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).total_memory
+    return None
+
+
+def check_model_fits(cfg: FullConfig, device: torch.device) -> None:
+    """Refuse, before anything is built or written, a model.* / train.batch_size that cannot fit the device: a
+    LOWER bound of what training needs (q and o projections alone, 2 d_model^2 a layer, plus the embeddings, in
+    fp32 with gradient and two AdamW moments: 16 bytes a parameter; and each layer's saved input) against the
+    device's whole memory. Otherwise d_model=1048576 is an allocation traceback, n_layers=100000 minutes of
+    building first. A Hugging Face model (model.hf_path / hf_config) is sized by its own config: not checked."""
+    m = cfg.model
+    available = _device_memory_bytes(torch.device(device))
+    if m.hf_path or m.hf_config or available is None:
+        return
+    params = m.n_layers * 2 * m.d_model ** 2 + m.vocab_size * m.d_model
+    activations = m.n_layers * cfg.train.batch_size * m.seq_len * m.d_model * 4
+    needed = 16 * params + activations
+    if needed > available:
+        raise ValueError(f"model.n_layers={m.n_layers}, model.d_model={m.d_model}, train.batch_size="
+                         f"{cfg.train.batch_size} x model.seq_len={m.seq_len} need at least {needed / 2**30:,.1f} GiB "
+                         f"to train (weights, gradients, AdamW state, activations); {device} has "
+                         f"{available / 2**30:,.1f} GiB")
+
+
 def set_up(cfg: FullConfig, accelerator, show_progress: bool, model_factory=None) -> Run:
     """Everything a run needs before its first step, checked before anything is written; `model_factory(cfg.model)`
     builds the model (training.models.decoder.build_model unless given, e.g. a model with hooks of your own)."""
@@ -92,6 +122,7 @@ def set_up(cfg: FullConfig, accelerator, show_progress: bool, model_factory=None
         raise ValueError(f"train.batch_size={cfg.train.batch_size} must be divisible by processes x "
                          f"train.grad_accum = {world} x {cfg.train.grad_accum}")
     check_trackers_available(cfg)
+    check_model_fits(cfg, accelerator.device)
     data = build_data(cfg)
     val_batches = data.val_batches()
     torch.manual_seed(cfg.train.seed)  # same seed -> same initial weights in every run of a pair, any recipe

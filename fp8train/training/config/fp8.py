@@ -26,7 +26,7 @@ from fp8train.nn.te import te_config_refusal
 from fp8train.nn.recipes import (BASELINE_RECIPE, DEFAULT_RECIPE, RECIPE_NAMES, TENSORWISE_SCALINGS, Fp8Recipe,
                                  RecipeFieldError, recipe)
 from fp8train.numerics.kernel_probe import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES
-from fp8train.training.config.base import Section, require
+from fp8train.training.config.base import Section, check_settings_file, require
 
 FP8_RECIPE_CHOICES = (BASELINE_RECIPE,) + RECIPE_NAMES
 # Fp8Recipe fields that fp8.recipe decides (the preset's name and its scaling kind): not fp8.* keys of their own.
@@ -153,10 +153,11 @@ class PolicyConfig(Section):
 
 def read_plan_overrides(path: str) -> tuple[tuple[str, str], ...]:
     """The validated policy.overrides of a plan file (`fp8train plan` output), in file order."""
+    check_settings_file(path, "config policy.plan")
     try:
         text = Path(path).read_text()
-    except OSError as e:
-        raise ValueError(f"config policy.plan={path!r}: cannot read it ({e.strerror or e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"config policy.plan={path!r}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:

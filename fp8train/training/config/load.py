@@ -18,6 +18,7 @@ from typing import Any, Iterable, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fp8train.training.config.base import check_settings_file
 from fp8train.training.config.full import FullConfig
 from fp8train.training.config.run import RESUME_WORDS
 
@@ -105,8 +106,7 @@ def _check_yaml_bools(path: str) -> None:
 def _read_yaml(path: str) -> dict:
     if not os.path.exists(path):
         raise ValueError(f"config file {path!r} does not exist")
-    if os.path.isdir(path):
-        raise ValueError(f"config file {path!r} is a directory; give a YAML file")
+    check_settings_file(path, "config file")
     try:
         loaded = OmegaConf.load(path)
     except Exception as e:  # yaml.YAMLError and friends; their messages span lines, the CLI prints one

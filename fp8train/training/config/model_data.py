@@ -74,6 +74,8 @@ class ModelConfig(Section):
     def _check(self) -> None:
         for name in ("n_layers", "d_model", "n_heads"):
             self._at_least(name, 1)
+        # the deepest published decoders have ~100 layers; 100000 built for minutes before any check could run
+        require(self.n_layers <= 1024, "model.n_layers", self.n_layers, "must be <= 1024")
         self._at_least("n_kv_heads", 0, "must be >= 0 (0 = n_heads)")
         self._at_least("seq_len", 2, "must be >= 2 (inputs and shifted targets)")
         self._at_least("vocab_size", 2)

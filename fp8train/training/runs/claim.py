@@ -116,7 +116,10 @@ def holding(run):
         yield
     except OSError as err:
         if run.is_main and write_error(err) is not None:
-            record_write_failure(run.run_dir, err, {"steps": None, "config_hash": run.hashes["config_hash"]})
+            summary = {"steps": None, "config_hash": run.hashes["config_hash"]}
+            if not record_write_failure(run.run_dir, err, summary) and run.lock is not None:
+                run.lock.free_reserve()  # a full disk: the lock file's reserve makes room for the summary
+                record_write_failure(run.run_dir, err, summary)
         raise
     finally:
         if run.lock is not None:

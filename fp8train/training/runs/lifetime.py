@@ -4,6 +4,9 @@
   `Interrupted`, a KeyboardInterrupt that names its signal, in the main thread; the loop catches it to write a
   summary.json saying "interrupted" and at which step, then lets it end the process (run_log.summary_on_interrupt).
   Handlers are installed only in the main thread and only over the default ones, and restored on the way out.
+- `interrupts_held()`: inside it such a signal waits, and is raised when the block ends: a checkpoint is written
+  whole, and the loop's record of it updated, before the interrupt ends the run (so the summary names the newest
+  checkpoint on disk, and no pruning is cut short).
 - `die_with_parent(parent_pid)`: a worker process (validate.workers > 1) gets SIGTERM when its parent dies, even
   by SIGKILL, so no worker is left training, or blocked on a queue nobody will write, after `kill -9` of
   `fp8train validate` (Linux: prctl(PR_SET_PDEATHSIG); elsewhere a thread polls the parent's pid).
@@ -19,7 +22,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-__all__ = ["Interrupted", "interrupts_raised", "die_with_parent"]
+__all__ = ["Interrupted", "interrupts_raised", "interrupts_held", "die_with_parent"]
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _DEFAULTS = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
@@ -34,7 +37,14 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+# Signals that arrived inside interrupts_held, raised when it ends (main thread only: handlers run there).
+_held = {"depth": 0, "pending": []}
+
+
 def _raise(signum, _frame):
+    if _held["depth"]:
+        _held["pending"].append(signum)
+        return
     raise Interrupted(signum)
 
 
@@ -51,6 +61,21 @@ def interrupts_raised():
     finally:
         for signum, previous in installed.items():
             signal.signal(signum, previous)
+
+
+@contextmanager
+def interrupts_held():
+    """SIGTERM and SIGINT that arrive inside the block are raised (as Interrupted) when it ends (module docstring).
+    Nests; only the outermost block raises."""
+    _held["depth"] += 1
+    try:
+        yield
+    finally:
+        _held["depth"] -= 1
+        if not _held["depth"] and _held["pending"]:
+            signum = _held["pending"][0]
+            _held["pending"].clear()
+            raise Interrupted(signum)
 
 
 def _exit_on_signal(signum, _frame):

@@ -35,7 +35,7 @@ __all__ = [
 
 NONFINITE_FIELD = "nonfinite"  # {"loss": "nan"} beside "loss": null: strict JSON that still says what it was
 # Write failures that are the environment's, not fp8train's: reported in one line, never as a traceback.
-WRITE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
+WRITE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EFBIG}
 
 
 def json_safe(value: Any) -> Any:
@@ -175,13 +175,19 @@ def write_json_atomic(path: str | os.PathLike, value: Any) -> None:
     write_text_atomic(path, dumps(_marked(value), indent=2) + "\n")
 
 
-def read_json(path: str | os.PathLike) -> Any:
-    """Parse a JSON file; a damaged one is a ValueError that names the file."""
+def read_json(path: str | os.PathLike) -> dict:
+    """Parse a JSON file holding an object (every file fp8train keeps: summaries, plans, manifests, markers); a
+    damaged one (not UTF-8, not JSON, or a list or number instead of an object) is a ValueError naming the file."""
     path = Path(path)
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text (byte {err.start}); the file is damaged") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}); the file is damaged") from err
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object; the file is damaged")
+    return value
 
 
 def read_jsonl(path: str | os.PathLike, *, require_step: bool = True, check=None, on_damaged=None) -> list[dict]:

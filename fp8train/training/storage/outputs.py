@@ -8,8 +8,11 @@ symbolic links, errors that name the file). What this module adds is what may be
   a folder holding it, its checkpoints or one of the files a run keeps; and the nearest existing folder above it
   takes a new file (a probe file is made and removed there), so `/proc/x` or a read-only folder is one line,
   before minutes of work, not a traceback after them;
-- a folder that fp8train makes for an output holds the marker file `OUTPUT_MARKER`; `--force` replaces a folder
-  only if it holds that marker (or is empty): a folder fp8train did not write is never removed, whatever --force;
+- a folder that fp8train makes for an output holds the marker file `OUTPUT_MARKER`, which lists the names it wrote
+  there; `--force` replaces a folder only if it holds that marker and nothing the marker does not list (or is
+  empty): a folder fp8train did not write, or a file someone added to one, is never removed, whatever --force;
+- no output file is one of the files a run or validation folder keeps (a folder holding `.fp8train.lock`), nor
+  inside its checkpoints, whichever run it is: --force replaces outputs, never another run's records;
 - a replaced folder is built beside the old one and renamed into place, so a failure leaves the old one whole.
 """
 
@@ -21,17 +24,20 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterable
 
-from fp8train.training.storage.files import temp_path, write_failure, write_text_atomic
+from fp8train.training.storage.files import read_json, temp_path, write_failure, write_text_atomic
 from fp8train.training.storage.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, SUMMARY_FILE,
                                               TELEMETRY_FILE, TRACKERS_FILE)
 
-__all__ = ["OUTPUT_MARKER", "check_output_file", "check_output_folder", "check_output_files",
+__all__ = ["OUTPUT_MARKER", "KEPT_FILES", "check_output_file", "check_output_folder", "check_output_files",
+           "foreign_entries",
            "make_output_folder", "is_output_folder",
            "replace_output_folder", "probe_writable"]
 
 OUTPUT_MARKER = ".fp8train-output"
 # The files a run keeps: no command's --out may replace them, with or without --force.
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, TELEMETRY_FILE, SUMMARY_FILE, TRACKERS_FILE, LOCK_FILE)
+VALIDATION_PLAN_FILE = "plan.json"  # evidence.pairs.PLAN_FILE (a later layer): the file a validation is declared by
+KEPT_FILES = (*RUN_FILES, VALIDATION_PLAN_FILE)
 
 
 def _named(path, option: str) -> Path:
@@ -62,6 +68,28 @@ def _refuse_source(path: Path, option: str, sources: Iterable) -> None:
                              f"{source} keeps; write to a new path (nothing was written)")
 
 
+def _is_run_folder(folder: Path) -> bool:
+    """A folder fp8train trains or validates in: it holds the lock file every run and validation makes, a
+    validation's plan, or (copied without its hidden lock file) a run's config.yaml beside its logs or checkpoints."""
+    if (folder / LOCK_FILE).is_file() or (folder / VALIDATION_PLAN_FILE).is_file():
+        return True
+    return (folder / CONFIG_FILE).is_file() and any((folder / name).exists()
+                                                     for name in (METRICS_FILE, SUMMARY_FILE, CHECKPOINTS_DIR))
+
+
+def _refuse_kept(path: Path, option: str) -> None:
+    """`path` is not a file some run or validation keeps (its config, logs, summary, plan), nor under the
+    checkpoints of one, whichever run it is (the source run's are refused by _refuse_source, with its name)."""
+    target = path.resolve()
+    if target.name in KEPT_FILES and _is_run_folder(target.parent):
+        raise ValueError(f"{option} {path} is {target.name}, a file the run or validation in {target.parent} keeps; "
+                         "--force never replaces a run's records: write to a new path (nothing was written)")
+    for folder in target.parents:
+        if folder.name == CHECKPOINTS_DIR and _is_run_folder(folder.parent):
+            raise ValueError(f"{option} {path} is inside the checkpoints of the run {folder.parent}; write outside "
+                             "them (nothing was written)")
+
+
 def probe_writable(path: Path, option: str) -> None:
     """The nearest existing folder above `path` takes a new file: made and removed at once, so the failure of
     the real write (no such folder, a file where a folder should be, /proc, read-only) is said before the work."""
@@ -89,14 +117,38 @@ def check_output_file(path, *, force: bool, option: str = "--out", sources: Iter
     if path.exists() and not path.is_file():
         raise ValueError(f"{option} {path} exists and is not a regular file; give a file path (nothing was written)")
     _refuse_source(path, option, sources)
+    _refuse_kept(path, option)
     probe_writable(path, option)
     return path
 
 
-def is_output_folder(path: Path) -> bool:
-    """The folder holds fp8train's output marker (a regular file, not a link to one)."""
+def _marked_names(path: Path) -> set[str] | None:
+    """The names the marker of `path` lists as written by fp8train; None without a valid marker (absent, a link,
+    a hard link shared with another file, damaged, or one that lists no names)."""
     marker = path / OUTPUT_MARKER
-    return marker.is_file() and not marker.is_symlink()
+    if not marker.is_file() or marker.is_symlink() or marker.stat().st_nlink != 1:
+        return None
+    try:
+        record = read_json(marker)
+    except (OSError, ValueError):
+        return None
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(files, list) or not all(isinstance(name, str) for name in files):
+        return None
+    return set(files)
+
+
+def foreign_entries(path: Path) -> list[str]:
+    """The entries of the folder `path` that fp8train's marker does not list as its own (all of them without a
+    valid marker; none for an empty folder)."""
+    names = _marked_names(path) or set()
+    return sorted(p.name for p in path.iterdir() if p.name != OUTPUT_MARKER and p.name not in names)
+
+
+def is_output_folder(path: Path) -> bool:
+    """The folder holds fp8train's output marker (a regular file, not a link) and nothing the marker does not
+    list: every entry in it is one fp8train wrote."""
+    return _marked_names(path) is not None and not foreign_entries(path)
 
 
 def check_output_folder(path, *, force: bool, option: str = "--out", sources: Iterable = ()) -> Path:
@@ -108,15 +160,24 @@ def check_output_folder(path, *, force: bool, option: str = "--out", sources: It
         raise ValueError(f"{option} {path} is a file, not a folder; fp8train never replaces a file with a folder "
                          "(choose another path; nothing was written)")
     _refuse_source(path, option, sources)
+    _refuse_kept(path, option)
     if path.exists():
         if not force:
             raise FileExistsError(f"{option} {path} already exists; pass --force to replace it (nothing was written)")
         if any(path.iterdir()) and not is_output_folder(path):
-            raise ValueError(f"{option} {path} is a folder that fp8train did not write (no {OUTPUT_MARKER} in it); "
-                             "--force replaces only fp8train's own outputs: remove it yourself or choose another "
-                             "path (nothing was written)")
+            raise ValueError(_not_ours(path, option))
     probe_writable(path, option)
     return path
+
+
+def _not_ours(path: Path, option: str) -> str:
+    if _marked_names(path) is None:
+        return (f"{option} {path} is a folder that fp8train did not write (no valid {OUTPUT_MARKER} in it); --force "
+                "replaces only fp8train's own outputs: remove it yourself or choose another path (nothing was written)")
+    extra = foreign_entries(path)
+    return (f"{option} {path} holds {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}, which fp8train did not "
+            "write there; --force replaces only a folder of fp8train's own files: move them out or choose another "
+            "path (nothing was written)")
 
 
 def check_output_files(folder, names: Iterable[str], *, force: bool, option: str = "--out",
@@ -129,6 +190,7 @@ def check_output_files(folder, names: Iterable[str], *, force: bool, option: str
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{option} {folder} is a file, not a folder (choose another path; nothing was written)")
     _refuse_source(folder, option, sources)
+    _refuse_kept(folder, option)
     for name in names:
         path = folder / name
         _refuse_link(path, option)
@@ -141,17 +203,22 @@ def check_output_files(folder, names: Iterable[str], *, force: bool, option: str
     return folder
 
 
-def make_output_folder(path: Path, command: str) -> Path:
-    """Create `path` (and missing parents) as an output folder of `command`, with its marker; an existing folder
-    (checked before: empty or fp8train's) gains the marker. Errors name the folder."""
+def make_output_folder(path: Path, command: str, files: Iterable[str] = ()) -> Path:
+    """Create `path` (and missing parents) as an output folder of `command`, with its marker listing `files`, the
+    names it is about to write there. Only an absent folder (or one checked before: empty or fp8train's) is made
+    one. Errors name the folder."""
     _refuse_link(path, "output folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise write_failure(err, path) from None
-    if not is_output_folder(path):
-        write_text_atomic(path / OUTPUT_MARKER, json.dumps({"written_by": "fp8train", "command": command}) + "\n")
+    _write_marker(path, command, files)
     return path
+
+
+def _write_marker(path: Path, command: str, files: Iterable[str]) -> None:
+    record = {"written_by": "fp8train", "command": command, "files": sorted(set(files) - {OUTPUT_MARKER})}
+    write_text_atomic(path / OUTPUT_MARKER, json.dumps(record) + "\n")
 
 
 def replace_output_folder(path: Path, command: str, build: Callable[[Path], None]) -> None:
@@ -166,6 +233,7 @@ def replace_output_folder(path: Path, command: str, build: Callable[[Path], None
     try:
         make_output_folder(tmp, command)
         build(tmp)
+        _write_marker(tmp, command, (p.name for p in tmp.iterdir()))  # what it holds now, all of it fp8train's
         if path.exists():
             os.rename(path, old)
             moved = True

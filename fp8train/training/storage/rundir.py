@@ -77,6 +77,11 @@ def dir_state(directory: str | os.PathLike, marker: str) -> str:
     return "empty" if all(n == LOCK_FILE for n in names) else "other"
 
 
+# The lock file of a working run holds this much blank space after its record (DirLock.free_reserve): enough for
+# summary.json and its temp file on any filesystem's block size.
+LOCK_RESERVE_BYTES = 64 << 10
+
+
 class DirLock:
     """An exclusive lock on a run or validation directory for as long as it is held (`with DirLock(d):` or
     acquire/release). The lock is an flock on `<dir>/.fp8train.lock`, which also records the holder's PID, host
@@ -88,6 +93,7 @@ class DirLock:
         self.directory, self.what, self.log = Path(directory), what, log
         self.path = self.directory / LOCK_FILE
         self._fd: int | None = None
+        self._record = b""
 
     def acquire(self) -> "DirLock":
         refuse_symlink(self.path)
@@ -106,10 +112,28 @@ class DirLock:
             self.log(f"{self.what} {self.directory}: took over the lock of PID {stale['pid']}, which is no "
                      "longer running (killed?)")
         record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        self._record = (json.dumps(record) + "\n").encode()
         os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        os.pwrite(fd, self._record, 0)
+        try:  # blanks after the record (JSON ignores them): disk space held back for free_reserve
+            disk = os.fstatvfs(fd)
+            # at most half of what is free (a nearly full disk keeps room for the run), whole 4 KiB blocks
+            reserve = min(LOCK_RESERVE_BYTES, disk.f_bavail * disk.f_frsize // 2) // 4096 * 4096
+            if reserve:
+                os.pwrite(fd, b" " * reserve, len(self._record))
+        except OSError:
+            pass  # no reserve: the run goes on as it would have
         self._fd = fd
         return self
+
+    def free_reserve(self) -> None:
+        """Give back the lock file's reserve to the filesystem, so that after a full disk stopped the run, its
+        summary.json saying so still has room (the record of the holder stays)."""
+        if self._fd is not None:
+            try:
+                os.ftruncate(self._fd, len(self._record))
+            except OSError:
+                pass
 
     def release(self) -> None:
         if self._fd is None:
