@@ -12,7 +12,9 @@ the reference).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -61,13 +63,27 @@ SHAPES = [pytest.param((300,), id="1d"), pytest.param((130, 257), id="2d"), pyte
 KERNEL_PATHS = ["torch_cast", "integer_ops"]
 
 
+def _default_kernel(fn, kernel: str, positional_index: int | None):
+    """`fn` with `kernel` as its default kernel (a wrapper, not a patched __defaults__: that also works when `fn`
+    is itself a wrapper, as under a mutation tool)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if positional_index is None or len(args) <= positional_index:
+            kwargs.setdefault("kernel", kernel)
+        return fn(*args, **kwargs)
+    return call
+
+
 @contextlib.contextmanager
 def kernel_path(path: str):
     with pytest.MonkeyPatch.context() as mp:
         if path == "integer_ops":
-            mp.setattr(fp8quant.quantize, "__kwdefaults__",
-                       {**fp8quant.quantize.__kwdefaults__, "kernel": "compiled_select"})
-            mp.setattr(fp8quant.decode_fp8, "__defaults__", (None, "compiled_select"))
+            replaced = {name: _default_kernel(getattr(fp8quant, name), "compiled_select", index)
+                        for name, index in (("quantize", None), ("decode_fp8", 2))}
+            for module in list(sys.modules.values()):  # every module that bound these functions by name
+                for name, wrapper in replaced.items():
+                    if getattr(module, name, None) is wrapper.__wrapped__:
+                        mp.setattr(module, name, wrapper)
             mp.setattr(fp8quant, "_run", lambda fn, key, *args, **kwargs: fn(*args))
         yield
 
