@@ -584,6 +584,38 @@ def test_quant_error_exact_and_nonfinite():
     assert math.isfinite(stats["rel_l2"])
 
 
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_float64_row_floor_is_checked_on_whole_rows(axis):
+    """The float64 floor check (|x| below what the smallest fp32 scale can hold) takes each row's amax over the
+    whole row, not over 128-wide pieces of it: a row of 300 whose tail is 1e-300 quantizes (the tail to 0,
+    within the error bound), and of two rows only the one that is tiny throughout is reported."""
+    row = torch.full((300,), 1e-300, dtype=torch.float64)
+    row[:10] = 448.0  # e4m3fn max: the scale is exactly 1
+    tiny = torch.full((300,), 1e-300, dtype=torch.float64)
+    one_row = row[None, :] if axis == -1 else row[:, None]
+    q = quantize(one_row, "e4m3fn", granularity="row", axis=axis)
+    assert q.dequantize(torch.float64).flatten().tolist() == [448.0] * 10 + [0.0] * 290
+    two_rows = torch.stack([row, tiny]) if axis == -1 else torch.stack([row, tiny], dim=1)
+    with pytest.raises(ValueError, match=r"^1 row\(s\) of x \(float64\)"):
+        quantize(two_rows, "e4m3fn", granularity="row", axis=axis)
+
+
+@pytest.mark.parametrize("name", ["e4m3fn", "e5m2"])
+def test_quant_error_small_and_zero_signal(name):
+    """A signal and a noise far below 1 (sums of squares ~0.14 and ~1e-5) still get their real rel_l2 and SQNR
+    (float64 from the ml_dtypes dequantization); an all-zero tensor has rel_l2 0 and SQNR inf, not a 0/0."""
+    x = np.array([0.1, -0.3, 0.2, 0.013, -0.0071], dtype=np.float32)
+    stats = quant_error(torch.from_numpy(x), quantize(torch.from_numpy(x), name, scale=1.0))
+    deq = x.astype(ML_DTYPES[name]).astype(np.float64)
+    signal, noise = np.sum(x.astype(np.float64) ** 2), np.sum((x.astype(np.float64) - deq) ** 2)
+    assert 0 < noise < signal < 1
+    assert stats["rel_l2"] == pytest.approx(math.sqrt(noise / signal), rel=1e-9)
+    assert stats["sqnr_db"] == pytest.approx(10 * math.log10(signal / noise), rel=1e-9)
+    zeros = torch.zeros(4)
+    stats = quant_error(zeros, quantize(zeros, name))
+    assert stats["rel_l2"] == 0.0 and stats["sqnr_db"] == math.inf and stats["underflow_frac"] == 0.0
+
+
 @pytest.mark.parametrize("narrow,wide", [("e4m3fn", "e5m2"), ("e4m3fnuz", "e5m2fnuz")])
 def test_precision_versus_range(narrow, wide, rng):
     """Issue 2's illustration. Gaussian values with one outlier, tensor-scaled so the outlier lands on each
