@@ -188,6 +188,22 @@ def test_dequantized_values_are_value_times_scale(block, rng):
     assert torch.equal(mx.dequantized.nan_to_num(), quantize_mx(base, "e5m2").dequantize().nan_to_num())
 
 
+@needs_native
+def test_dequantize_writes_fp32_under_a_float64_default_dtype(rng):
+    """The C kernel writes fp32: its output buffer is fp32 whatever torch's default dtype is."""
+    x = torch.from_numpy((rng.standard_normal((4, 6)) * 9).astype(F32))
+    q = quantize(x, "e4m3fn", kernel="eager")
+    expected = ml_decode(q.data.view(torch.uint8).numpy(), "e4m3fn").astype(F32) * F32(q.scale.item())
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = native_cast.dequantize(q.data, q.scale, "tensor", 1, 128)
+    finally:
+        torch.set_default_dtype(default)
+    assert got.dtype == torch.float32
+    np.testing.assert_array_equal(got.numpy(), expected)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Decode: all 256 codes
 # ------------------------------------------------------------------------------------------------------------
