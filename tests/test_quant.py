@@ -814,6 +814,12 @@ def test_empty_tensor(granularity, block, axis, shape):
     assert compute_amax(x, granularity, block, axis).shape == q.scale.shape
 
 
+def test_empty_tensor_scale_is_on_the_tensors_device():
+    """The scale of an empty tensor is made on x's device (the meta device stands in for an accelerator)."""
+    q = quantize(torch.empty((0, 4), device="meta"), "e4m3fn")
+    assert q.data.device.type == "meta" and q.scale.device.type == "meta"
+
+
 def test_zero_dim_tensor():
     x = torch.tensor(-300.0)
     q = quantize(x, "e4m3fn")
