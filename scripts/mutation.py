@@ -78,10 +78,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="test N mutants drawn uniformly at random from all of the layer's (default 0: all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of --sample (default 0)")
     parser.add_argument("--only", nargs="+", default=[], metavar="NAME", help="re-test these mutants only")
+    parser.add_argument("--report", action="store_true",
+                        help="run nothing: score the last run's sample (or all mutants) from the saved results")
     parser.add_argument("--fresh", action="store_true", help="forget earlier results of this target")
     args = parser.parse_args(argv)
     name, layer = _layer_of(args.target)
     workdir = ROOT / ".mutation" / name
+    if args.report:
+        return _report(name, workdir, _modules(layer))
     if args.fresh and workdir.exists():
         shutil.rmtree(workdir)
     modules = _modules(layer)
@@ -96,14 +100,28 @@ def main(argv: list[str] | None = None) -> int:
                                                         indent=1) + "\n")
     mutmut = Path(sys.executable).parent / "mutmut"
     run = subprocess.run([str(mutmut), "run", "--max-children", str(args.jobs), *names], cwd=workdir, env=env)
-    score = _score(workdir, modules, names)
-    score.update(sample=args.sample, seed=args.seed if args.sample else None)
-    (workdir / ("score-only.json" if args.only else "score.json")).write_text(json.dumps(score, indent=1) + "\n")
+    if args.only:
+        score = _score(workdir, modules, names)
+        print(f"\nre-tested: {score['killed']} of {score['counted']} killed; still surviving: {score['survived']}")
+        _report(name, workdir, modules)
+    else:
+        _report(name, workdir, modules)
+    return run.returncode
+
+
+def _report(name: str, workdir: Path, modules: list[str]) -> int:
+    """Score the last sample (sample.json; all mutants without one) from mutmut's saved results."""
+    sample = workdir / "sample.json"
+    drawn = json.loads(sample.read_text()) if sample.exists() else {"n": 0, "seed": None, "mutants": []}
+    score = _score(workdir, modules, drawn["mutants"])
+    score.update(sample=drawn["n"], seed=drawn["seed"])
+    (workdir / "score.json").write_text(json.dumps(score, indent=1) + "\n")
     low, high = score["interval_95"]
     print(f"\n{name}: {score['killed']} killed of {score['counted']} mutants ({score['score']:.1%}, 95% interval "
-          f"{low:.1%}-{high:.1%}); {len(score['survived'])} survived, {score['no_tests']} without a covering test, "
+          f"{low:.1%}-{high:.1%}; {score['timeouts']} by timeout, {score['crashes']} by a crash); "
+          f"{len(score['survived'])} survived, {score['no_tests']} without a covering test, "
           f"{score['equivalent']} equivalent (excluded), {score['not_checked']} not run; details in {workdir}")
-    return run.returncode
+    return 0
 
 
 def _layer_of(target: str) -> tuple[str, dict]:
@@ -155,7 +173,10 @@ def _all_mutants(workdir: Path, env: dict, modules: list[str]) -> list[str]:
     subprocess.run([sys.executable, "-c", generate], cwd=workdir, env=env, check=True, stdout=subprocess.DEVNULL)
     names = []
     for module in modules:
-        names += json.loads((workdir / "mutants" / f"{module}.meta").read_text())["exit_code_by_key"]
+        meta = workdir / "mutants" / f"{module}.meta"
+        if not meta.exists():  # an interrupted earlier generation leaves a mutated copy without its list
+            raise SystemExit(f"mutmut listed no mutants of {module} in {workdir}: rerun with --fresh")
+        names += json.loads(meta.read_text())["exit_code_by_key"]
     return sorted(names)
 
 
@@ -194,10 +215,14 @@ def _score(workdir: Path, modules: list[str], names: list[str]) -> dict:
     if names:
         codes = {k: v for k, v in codes.items() if k in set(names)}
     equivalent = _equivalents()
-    killed_codes = {1, 3, 36, -24, 24, 152, 255}  # mutmut: a test failed, or the mutant ran past its time limit
+    # mutmut's exit codes: a test failed (1, 3), the mutant ran past its time limit (the rest of the first set),
+    # or the test process crashed (a segfault or an abort: the mutant broke the C kernel's inputs)
+    timeout_codes, crash_codes = {36, -24, 24, 152, 255}, {-11, -9, -6}
+    killed_codes = {1, 3} | timeout_codes | crash_codes
     counted = {k: v for k, v in codes.items() if k not in equivalent}
     killed = sorted(k for k, v in counted.items() if v in killed_codes)
-    timeouts = sorted(k for k, v in counted.items() if v in {36, -24, 24, 152, 255})
+    timeouts = sorted(k for k, v in counted.items() if v in timeout_codes)
+    crashes = sorted(k for k, v in counted.items() if v in crash_codes)
     survived = sorted(k for k, v in counted.items() if v == 0)
     no_tests = sorted(k for k, v in counted.items() if v in (5, 33))
     unchecked = sorted(k for k, v in counted.items() if v is None)
@@ -207,7 +232,8 @@ def _score(workdir: Path, modules: list[str], names: list[str]) -> dict:
     return {"modules": modules, "mutants": len(codes), "interval_95": _wilson_interval(len(killed), tested),
             "equivalent": len(codes) - len(counted), "counted": tested, "killed": len(killed),
             "score": len(killed) / tested if tested else 0.0, "survived": survived, "no_tests": len(no_tests),
-            "timeouts": len(timeouts), "timeout_names": timeouts, "no_tests_names": no_tests, "not_checked": len(unchecked), "other": other}
+            "timeouts": len(timeouts), "timeout_names": timeouts, "crashes": len(crashes), "crash_names": crashes,
+            "no_tests_names": no_tests, "not_checked": len(unchecked), "other": other}
 
 
 if __name__ == "__main__":
