@@ -262,10 +262,13 @@ def test_layout_of_one_element_and_of_empty_tensors():
 # ------------------------------------------------------------------------------------------------------------
 @needs_native
 @pytest.mark.parametrize("name", ALL_FORMATS)
-def test_decode_all_codes_matches_ml_dtypes(name):
+def test_decode_all_codes_matches_ml_dtypes(name, monkeypatch):
     codes = torch.arange(256, dtype=torch.uint8).view(TORCH_DTYPES[name])
     expected = np.arange(256, dtype=np.uint8).view(ML_DTYPES[name]).astype(np.float32)
+    decodes, real_decode = [], native_cast.decode
+    monkeypatch.setattr(native_cast, "decode", lambda *args: decodes.append(1) or real_decode(*args))
     got = decode_fp8(codes, name, kernel="native")
+    assert decodes == [1], "kernel='native' did not run the C decode"
     assert got.dtype == torch.float32
     np.testing.assert_array_equal(got.numpy(), expected)  # NaN == NaN here
     finite = ~np.isnan(expected)
