@@ -814,6 +814,18 @@ def test_empty_tensor(granularity, block, axis, shape):
     assert compute_amax(x, granularity, block, axis).shape == q.scale.shape
 
 
+def test_a_float64_scale_is_rounded_to_fp32_once():
+    """A given float64 scale (tensor or numpy) is stored as its nearest fp32 and the bytes are what that fp32
+    scale gives (1/3 is not an fp32 number, so a float64 scale kept as is would divide differently)."""
+    x = np.array([1.0, -2.5, 0.3, 100.0, 7.77], dtype=np.float32)
+    scale32 = np.float32(1.0 / 3.0)
+    expected = (x / scale32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    for scale in (torch.tensor(1.0 / 3.0, dtype=torch.float64), np.float64(1.0 / 3.0)):
+        q = quantize(torch.from_numpy(x), "e4m3fn", scale=scale)
+        assert q.scale.dtype == torch.float32 and q.scale.item() == scale32
+        np.testing.assert_array_equal(q.data.view(torch.uint8).numpy(), expected)
+
+
 def test_empty_tensor_scale_is_on_the_tensors_device():
     """The scale of an empty tensor is made on x's device (the meta device stands in for an accelerator)."""
     q = quantize(torch.empty((0, 4), device="meta"), "e4m3fn")
