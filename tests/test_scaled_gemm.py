@@ -67,6 +67,10 @@ class KernelTrace(TorchDispatchMode):
 def scaled_mm_on_cpu(monkeypatch):
     """torch._scaled_mm runs on CPU in this torch: let backend='scaled_mm' resolve here (users get a refusal)."""
     monkeypatch.setattr(gemm, "scaled_mm_available", lambda device: True)
+    # each test starts with no remembered kernel refusals: one remembered from an earlier test (the block
+    # kernel refused for the same shape) would skip the kernel call a later test traces, so results would
+    # depend on which tests ran before (a subset, as mutation testing runs, failed this way)
+    monkeypatch.setattr(scaled_gemm, "_kernel_answers", {})
 
 
 def _layer_fwd_bwd(name, bias=True, **overrides):
