@@ -63,8 +63,8 @@ LAYERS = {
     "training-state": dict(
         modules=["fp8train/training/checkpoint.py", "fp8train/training/resume.py", "fp8train/training/rundir.py"],
         exclude=[],
-        tests=["tests/test_checkpoint.py", "tests/test_run_files.py", "tests/test_resume_rules.py",
-               "tests/test_reliability.py"],
+        tests=["tests/test_checkpoint.py", "tests/test_run_files.py", "tests/test_resume_plan.py",
+               "tests/test_resume_rules.py", "tests/test_reliability.py"],
         # the slow-marked tests (in-process training runs) reach these modules too, but each costs minutes per
         # mutant on 2 shared cores: the run keeps to the direct tests of checkpoints, resume and run files
         markers="not slow and not compiled and not cuda"),

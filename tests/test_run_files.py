@@ -215,3 +215,32 @@ def test_the_lock_names_its_holder_and_takes_over_a_stale_one(tmp_path):
     with DirLock(tmp_path, log=said.append):  # released cleanly: nothing to take over
         pass
     assert len(said) == 1
+
+
+def test_a_holder_that_recorded_nothing_is_named_with_question_marks(tmp_path):
+    """The flock is held, but the holder's record lacks its fields (an older writer, or one killed before it
+    wrote them): the refusal still says what it knows, '?' for the rest."""
+    import fcntl
+    import os
+    from fp8train.training.rundir import LOCK_FILE, DirLock
+    (tmp_path / LOCK_FILE).write_text('{"host": "elsewhere"}\n')
+    fd = os.open(tmp_path / LOCK_FILE, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ValueError) as raised:
+            DirLock(tmp_path).acquire()
+    finally:
+        os.close(fd)
+    assert str(raised.value) == (f"run directory {tmp_path} is in use by another fp8train process (PID ? on "
+                                 "elsewhere, since ?); wait for it to finish or stop it (nothing was changed)")
+
+
+def test_truncate_drops_records_the_check_refuses(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": "high"}\n{"step": 3, "loss": 1.0}\n')
+    said = []
+    def check(record):
+        return None if isinstance(record.get("loss"), float) else "has a loss that is not a number"
+    kept = truncate_jsonl(path, 3, check=check, log=said.append)
+    assert kept == [{"step": 1, "loss": 2.0}, {"step": 3, "loss": 1.0}]
+    assert said == [f"dropping a damaged line: {path}, line 2, has a loss that is not a number; the file is damaged"]
