@@ -214,3 +214,16 @@ def test_another_configs_checkpoint_is_refused_with_both_hashes(tmp_path):
     assert str(raised.value) == (f"cannot resume from {tmp_path}: it was made from a different config (config_hash "
                                  f"{'a' * 12}, now {'b' * 12}: model, data, optimizer, train or FP8 settings differ); "
                                  "resume with the run's own config, or use a new run.name (nothing was changed)")
+
+
+def test_a_model_with_more_weights_than_the_checkpoint_is_refused(tmp_path):
+    """Missing weights that are not a tied alias (here a whole extra layer, nothing unexpected) do not fit."""
+    model, optimizer, _ = trained(steps=1)
+    path = save_checkpoint(tmp_path, 1, model, optimizer)
+    bigger = trained(seed=1, steps=0)[0]
+    bigger.extra = nn.Linear(16, 16)
+    with pytest.raises(ValueError) as raised:
+        load_checkpoint(path, bigger)
+    message = str(raised.value)  # safetensors reports the missing names as a set: their order varies
+    assert message.startswith(f"checkpoint {path} does not fit this model: missing ")
+    assert "'extra.bias'" in message and "'extra.weight'" in message and "unexpected []" in message
