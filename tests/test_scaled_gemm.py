@@ -235,6 +235,19 @@ def test_shape_rule_is_k_and_n_multiples_of_16(shape, fp8_kernel):
     assert (kind == "tensorwise") == fp8_kernel, reason
 
 
+def test_one_per_tensor_scale_and_one_per_row_scale_is_the_rowwise_kernel():
+    """Tensorwise needs both scales per tensor; with one of them per row (either side) the rowwise kernel runs
+    (the per-tensor scale broadcast along its rows or columns)."""
+    rows = Fp8Operand(torch.ones(32, 64).to(torch.float8_e4m3fn), torch.full((32, 1), 2.0))
+    whole = Fp8Operand(torch.ones(32, 64).to(torch.float8_e4m3fn), torch.tensor(1.0))
+    w_rows = Fp8Operand(torch.ones(48, 64).to(torch.float8_e4m3fn), torch.full((48, 1), 2.0)).t()
+    w_whole = Fp8Operand(torch.ones(48, 64).to(torch.float8_e4m3fn), torch.tensor(1.0)).t()
+    assert scaled_mm_kind(whole, w_whole) == ("tensorwise", "")
+    assert scaled_mm_kind(rows, w_whole) == ("rowwise", "")
+    assert scaled_mm_kind(whole, w_rows) == ("rowwise", "")
+    assert scaled_mm_kind(rows, w_rows) == ("rowwise", "")
+
+
 def test_blockwise_scale_layouts_are_outer_dim_major():
     g = torch.Generator().manual_seed(1)
     a = Fp8Operand(torch.zeros(M, K).to(torch.float8_e4m3fn), torch.rand(M, K // 128, generator=g), (1, 128))
