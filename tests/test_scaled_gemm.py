@@ -290,3 +290,17 @@ def test_cached_weight_is_made_column_major_once_per_weight_version():
         assert mat_b.stride(0) == 1  # column-major
         pointers.append(mat_b.data_ptr())
     assert pointers[0] == pointers[1]
+
+
+def test_planning_for_a_gpu_computes_the_fallback_with_its_bias():
+    """Under target_gpu no kernel runs: the result is dequant(a) @ dequant(b) + bias (exact here: every product
+    and sum is a small integer) and the record says which kernel the GPU would take."""
+    a = Fp8Operand(torch.full((16, 32), 2.0).to(torch.float8_e4m3fn), torch.tensor(1.5))
+    w = Fp8Operand(torch.full((48, 32), 0.5).to(torch.float8_e4m3fn), torch.tensor(4.0))
+    bias = torch.arange(48, dtype=torch.float32)
+    record = {}
+    with scaled_gemm.target_gpu((9, 0)):
+        out = scaled_gemm.scaled_mm_gemm(a, w.t(), bias=bias, record=record, gemm="output")
+    assert record == {"output": "scaled_mm:tensorwise"}
+    expected = torch.full((16, 48), 32 * (2.0 * 1.5) * (0.5 * 4.0)) + bias  # 32 products of 3 x 2 = 192, + bias
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
