@@ -1,6 +1,6 @@
 """Mutation testing of one layer folder (or one module) with mutmut, each mutant against that layer's tests only.
 
-    python scripts/mutation.py LAYER [--jobs N] [--sample-functions K] [--seed S] [--fresh]
+    python scripts/mutation.py LAYER [--jobs N] [--sample N] [--seed S] [--fresh] [--only NAME ...]
 
 LAYER is a name of LAYERS below (numerics, nn, evidence, training-state) or a module path such as
 fp8train/evidence/verdict.py (its layer's tests are used). The run happens in a copy of the tree under
@@ -8,8 +8,9 @@ fp8train/evidence/verdict.py (its layer's tests are used). The run happens in a 
 with this tree's [tool.mutmut] settings plus the layer's modules (only_mutate) and test files. Within those,
 mutmut runs for each mutant only the tests that called the mutated function in its first, clean run.
 
---sample-functions K mutates K functions drawn at random (seeded) from the layer's modules instead of all of
-them: all mutants of a drawn function, so a sampled score is the score of those functions.
+--sample N tests N mutants drawn uniformly at random (seeded by --seed) from mutmut's list of all the layer's
+mutants, instead of all of them; the score is then over the sample, given with a 95% (Wilson) interval for the
+layer's whole list. --only NAME... re-tests the named mutants (a survivor after its killing test was written).
 
 The score counts killed (a test failed, or the mutant ran past its time limit) over all mutants less the
 equivalent ones listed in docs/mutation-equivalents.md (one line each: `- `mutant name`: reason`). It is printed
@@ -20,7 +21,6 @@ and written to .mutation/<layer>/score.json with every survivor's name (`mutmut 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import random
@@ -58,16 +58,17 @@ LAYERS = {
         modules=["fp8train/evidence/*.py"],
         exclude=[],
         tests=["tests/test_verdict_threshold.py", "tests/test_validate.py", "tests/test_report.py",
-               "tests/test_run_files.py", "tests/test_overrides.py"],
+               "tests/test_run_files.py", "tests/test_overrides.py", "tests/test_sequential.py"],
         markers="not slow and not compiled and not cuda"),
     "training-state": dict(
         modules=["fp8train/training/runs/checkpoint.py", "fp8train/training/runs/resume.py",
                  "fp8train/training/storage/files.py", "fp8train/training/storage/rundir.py"],
         exclude=[],
-        tests=["tests/test_checkpoint.py", "tests/test_run_files.py", "tests/test_resume_rules.py",
-               "tests/test_reliability.py"],
-        # in-process training runs are slow-marked but do reach these modules; the crash/launch tests are not here
-        markers="not compiled and not cuda"),
+        tests=["tests/test_checkpoint.py", "tests/test_run_files.py", "tests/test_resume_plan.py",
+               "tests/test_resume_rules.py", "tests/test_reliability.py"],
+        # the slow-marked tests (in-process training runs) reach these modules too, but each costs minutes per
+        # mutant on 2 shared cores: the run keeps to the direct tests of checkpoints, resume and run files
+        markers="not slow and not compiled and not cuda"),
 }
 
 
@@ -75,29 +76,54 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("target", help=f"one of {', '.join(LAYERS)}, or a module path under fp8train/")
     parser.add_argument("--jobs", type=int, default=2, help="mutants tested at once (default 2)")
-    parser.add_argument("--sample-functions", type=int, default=0, metavar="K",
-                        help="mutate K functions drawn at random (default 0: all)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of --sample-functions (default 0)")
+    parser.add_argument("--sample", type=int, default=0, metavar="N",
+                        help="test N mutants drawn uniformly at random from all of the layer's (default 0: all)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --sample (default 0)")
+    parser.add_argument("--only", nargs="+", default=[], metavar="NAME", help="re-test these mutants only")
+    parser.add_argument("--report", action="store_true",
+                        help="run nothing: score the last run's sample (or all mutants) from the saved results")
     parser.add_argument("--fresh", action="store_true", help="forget earlier results of this target")
     args = parser.parse_args(argv)
     name, layer = _layer_of(args.target)
     workdir = ROOT / ".mutation" / name
+    if args.report:
+        return _report(name, workdir, _modules(layer))
     if args.fresh and workdir.exists():
         shutil.rmtree(workdir)
     modules = _modules(layer)
     _copy_tree(workdir)
     _write_config(workdir, layer, modules)
-    names = _sampled_functions(modules, args.sample_functions, args.seed) if args.sample_functions else []
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # tests must import mutants/, not a tree
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    names = list(args.only)
+    if args.sample:
+        names = _sampled_mutants(workdir, env, modules, args.sample, args.seed)
+        (workdir / "sample.json").write_text(json.dumps({"n": args.sample, "seed": args.seed, "mutants": names},
+                                                        indent=1) + "\n")
     mutmut = Path(sys.executable).parent / "mutmut"
     run = subprocess.run([str(mutmut), "run", "--max-children", str(args.jobs), *names], cwd=workdir, env=env)
-    score = _score(workdir, modules, names)
-    (workdir / "score.json").write_text(json.dumps(score, indent=1) + "\n")
-    print(f"\n{name}: {score['killed']} killed of {score['counted']} mutants ({score['score']:.1%}); "
-          f"{len(score['survived'])} survived, {score['no_tests']} without a covering test, "
-          f"{score['equivalent']} equivalent (excluded); details in {workdir / 'score.json'}")
+    if args.only:
+        score = _score(workdir, modules, names)
+        print(f"\nre-tested: {score['killed']} of {score['counted']} killed; still surviving: {score['survived']}")
+        _report(name, workdir, modules)
+    else:
+        _report(name, workdir, modules)
     return run.returncode
+
+
+def _report(name: str, workdir: Path, modules: list[str]) -> int:
+    """Score the last sample (sample.json; all mutants without one) from mutmut's saved results."""
+    sample = workdir / "sample.json"
+    drawn = json.loads(sample.read_text()) if sample.exists() else {"n": 0, "seed": None, "mutants": []}
+    score = _score(workdir, modules, drawn["mutants"])
+    score.update(sample=drawn["n"], seed=drawn["seed"])
+    (workdir / "score.json").write_text(json.dumps(score, indent=1) + "\n")
+    low, high = score["interval_95"]
+    print(f"\n{name}: {score['killed']} killed of {score['counted']} mutants ({score['score']:.1%}, 95% interval "
+          f"{low:.1%}-{high:.1%}; {score['timeouts']} by timeout, {score['crashes']} by a crash); "
+          f"{len(score['survived'])} survived, {score['no_tests']} without a covering test, "
+          f"{score['equivalent']} equivalent (excluded), {score['not_checked']} not run; details in {workdir}")
+    return 0
 
 
 def _layer_of(target: str) -> tuple[str, dict]:
@@ -142,24 +168,36 @@ def _write_config(workdir: Path, layer: dict, modules: list[str]) -> None:
     (workdir / "pyproject.toml").write_text(text.rstrip() + "\n\n[tool.mutmut]\n" + table + "\n")
 
 
-def _function_names(module: str) -> list[str]:
-    """mutmut's names of a module's functions: pkg.mod.x_func, pkg.mod.xǁClassǁmethod."""
-    dotted = module[:-3].replace("/", ".")
-    tree = ast.parse((ROOT / module).read_text())
+def _all_mutants(workdir: Path, env: dict, modules: list[str]) -> list[str]:
+    """mutmut's names of every mutant of `modules`: generated (no test run) by mutmut's own first step."""
+    generate = ("import mutmut.__main__ as m; m.copy_src_dir(); m.copy_also_copy_files(); m.setup_source_paths(); "
+                "m.create_mutants(1)")
+    subprocess.run([sys.executable, "-c", generate], cwd=workdir, env=env, check=True, stdout=subprocess.DEVNULL)
     names = []
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            names.append(f"{dotted}.x_{node.name}")
-        elif isinstance(node, ast.ClassDef):
-            names += [f"{dotted}.xǁ{node.name}ǁ{item.name}" for item in node.body
-                      if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    return names
+    for module in modules:
+        meta = workdir / "mutants" / f"{module}.meta"
+        if not meta.exists():  # an interrupted earlier generation leaves a mutated copy without its list
+            raise SystemExit(f"mutmut listed no mutants of {module} in {workdir}: rerun with --fresh")
+        names += json.loads(meta.read_text())["exit_code_by_key"]
+    return sorted(names)
 
 
-def _sampled_functions(modules: list[str], k: int, seed: int) -> list[str]:
-    functions = [f for m in modules for f in _function_names(m)]
-    drawn = sorted(random.Random(seed).sample(functions, min(k, len(functions))))
-    return [f"{f}__mutmut_*" for f in drawn]
+def _sampled_mutants(workdir: Path, env: dict, modules: list[str], n: int, seed: int) -> list[str]:
+    """N of the layer's mutants drawn uniformly without replacement; the same N and seed give the same draw."""
+    names = _all_mutants(workdir, env, modules)
+    print(f"{len(names)} mutants in {len(modules)} modules; testing {min(n, len(names))} drawn with seed {seed}")
+    return sorted(random.Random(seed).sample(names, min(n, len(names))))
+
+
+def _wilson_interval(killed: int, n: int) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion (a sample's score as an estimate of the whole list's)."""
+    if n == 0:
+        return 0.0, 1.0
+    z = 1.959963984540054
+    p = killed / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def _equivalents() -> dict[str, str]:
@@ -169,29 +207,34 @@ def _equivalents() -> dict[str, str]:
     return dict(found)
 
 
-def _score(workdir: Path, modules: list[str], patterns: list[str]) -> dict:
-    """Killed / (all - equivalent) over the target's mutants (only the sampled functions' with a sample)."""
+def _score(workdir: Path, modules: list[str], names: list[str]) -> dict:
+    """Killed / (tested - equivalent) over the target's mutants (only `names` when given: a sample)."""
     codes: dict[str, int | None] = {}
     for module in modules:
         meta = workdir / "mutants" / f"{module}.meta"
         if meta.exists():
             codes.update(json.loads(meta.read_text())["exit_code_by_key"])
-    if patterns:
-        prefixes = tuple(p[:-1] for p in patterns)  # "...__mutmut_*" -> "...__mutmut_"
-        codes = {k: v for k, v in codes.items() if k.startswith(prefixes)}
+    if names:
+        codes = {k: v for k, v in codes.items() if k in set(names)}
     equivalent = _equivalents()
-    killed_codes = {1, 3, 36, -24, 24, 152, 255}  # mutmut: a test failed, or the mutant ran past its time limit
+    # mutmut's exit codes: a test failed (1, 3), the mutant ran past its time limit (the rest of the first set),
+    # or the test process crashed (a segfault or an abort: the mutant broke the C kernel's inputs)
+    timeout_codes, crash_codes = {36, -24, 24, 152, 255}, {-11, -9, -6}
+    killed_codes = {1, 3} | timeout_codes | crash_codes
     counted = {k: v for k, v in codes.items() if k not in equivalent}
     killed = sorted(k for k, v in counted.items() if v in killed_codes)
+    timeouts = sorted(k for k, v in counted.items() if v in timeout_codes)
+    crashes = sorted(k for k, v in counted.items() if v in crash_codes)
     survived = sorted(k for k, v in counted.items() if v == 0)
     no_tests = sorted(k for k, v in counted.items() if v in (5, 33))
     unchecked = sorted(k for k, v in counted.items() if v is None)
     other = sorted(k for k, v in counted.items()
                    if k not in set(killed) | set(survived) | set(no_tests) | set(unchecked))
     tested = len(counted) - len(unchecked)
-    return {"modules": modules, "sampled_functions": patterns, "mutants": len(codes),
+    return {"modules": modules, "mutants": len(codes), "interval_95": _wilson_interval(len(killed), tested),
             "equivalent": len(codes) - len(counted), "counted": tested, "killed": len(killed),
             "score": len(killed) / tested if tested else 0.0, "survived": survived, "no_tests": len(no_tests),
+            "timeouts": len(timeouts), "timeout_names": timeouts, "crashes": len(crashes), "crash_names": crashes,
             "no_tests_names": no_tests, "not_checked": len(unchecked), "other": other}
 
 

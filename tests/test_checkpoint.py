@@ -180,3 +180,50 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
     wrong = nn.Sequential(nn.Linear(16, 16))
     with pytest.raises(ValueError, match="does not fit this model"):
         load_checkpoint(path, wrong)
+
+
+def test_what_verify_and_prune_say_exactly(tmp_path):
+    from fp8train.training.checkpoint import prune_checkpoints
+    model, optimizer, _ = trained(steps=1)
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, model, optimizer, keep_last=0)
+    (tmp_path / "step_000003" / MANIFEST).unlink()
+    assert verify_checkpoint(tmp_path / "step_000003") == "no manifest.json (incomplete write)"
+    said = []
+    assert prune_checkpoints(tmp_path, 1, log=said.append) == [tmp_path / "step_000001"]
+    assert said == [f"pruned checkpoint {tmp_path / 'step_000001'} (checkpoint.keep_last=1)"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000002", "step_000003"]  # unverified: kept
+
+
+def test_a_moved_aside_folder_of_a_killed_save_is_removed_too(tmp_path):
+    model, optimizer, _ = trained(steps=1)
+    save_checkpoint(tmp_path, 1, model, optimizer)
+    aside = tmp_path / ".old-step_000001-4242"  # a re-save killed between its two renames leaves this
+    aside.mkdir()
+    save_checkpoint(tmp_path, 2, model, optimizer)
+    assert not aside.exists()
+
+
+def test_another_configs_checkpoint_is_refused_with_both_hashes(tmp_path):
+    from fp8train.training.checkpoint import check_checkpoint_origin
+    fingerprint = {"train_sha256": "c" * 64}
+    manifest = {"extra": {"config_hash": "a" * 64, "data_fingerprint": fingerprint}}
+    check_checkpoint_origin(tmp_path, manifest, "a" * 64, fingerprint)  # the same config: fine
+    with pytest.raises(ValueError) as raised:
+        check_checkpoint_origin(tmp_path, manifest, "b" * 64, fingerprint)
+    assert str(raised.value) == (f"cannot resume from {tmp_path}: it was made from a different config (config_hash "
+                                 f"{'a' * 12}, now {'b' * 12}: model, data, optimizer, train or FP8 settings differ); "
+                                 "resume with the run's own config, or use a new run.name (nothing was changed)")
+
+
+def test_a_model_with_more_weights_than_the_checkpoint_is_refused(tmp_path):
+    """Missing weights that are not a tied alias (here a whole extra layer, nothing unexpected) do not fit."""
+    model, optimizer, _ = trained(steps=1)
+    path = save_checkpoint(tmp_path, 1, model, optimizer)
+    bigger = trained(seed=1, steps=0)[0]
+    bigger.extra = nn.Linear(16, 16)
+    with pytest.raises(ValueError) as raised:
+        load_checkpoint(path, bigger)
+    message = str(raised.value)  # safetensors reports the missing names as a set: their order varies
+    assert message.startswith(f"checkpoint {path} does not fit this model: missing ")
+    assert "'extra.bias'" in message and "'extra.weight'" in message and "unexpected []" in message

@@ -173,3 +173,11 @@ def test_tiny_model_trains_with_each_recipe(name):
         layer = model.layers[0].attn.q_proj
         assert layer.input_initialized.item() and layer.grad_output_initialized.item()
         assert (layer.input_amax_history > 0).sum().item() == 12
+
+
+def test_the_report_counts_every_converted_parameter():
+    """converted_params sums the weights of every converted layer, skipped_params those of the skipped ones
+    (here two 16x32 / 32x16 layers converted, a 32x8 one skipped: 8 is not a multiple of 16)."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16, bias=False), nn.Linear(16, 8))
+    report = convert_to_fp8(model, recipe("current"), LayerPolicy(min_features=1))
+    assert report.converted_params == 16 * 32 + 32 * 16 and report.skipped_params == 16 * 8

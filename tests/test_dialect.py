@@ -166,3 +166,16 @@ def test_reinterpreted_quantized_tensor_is_off_by_2x_but_converted_is_exact(ocp,
     nonzero = right != 0
     np.testing.assert_array_equal(wrong[nonzero] * 2, right[nonzero])
     assert_same_values(convert_dialect(q, fnuz), q)
+
+
+def test_formats_of_very_different_range_take_a_power_of_two_past_2x():
+    """e5m2 values up to 57344 into e4m3fn (max 448): neither 1, 1/2 nor 2 fits, so the scale grows by the
+    smallest power of two that does, 2^ceil(log2(57344 / 448)) = 128; these values stay exact (ml_dtypes)."""
+    values = np.array([57344.0, -1024.0, 3.0, 0.25, 0.0, -0.5], dtype=np.float32)  # 0.25 / 128: min subnormal
+    q = quantize(torch.from_numpy(values), "e5m2", scale=1.0)
+    moved = convert_dialect(q, "e4m3fn")
+    assert moved.fmt.name == "e4m3fn" and moved.scale.item() == 128.0
+    expected = (values / np.float32(128.0)).astype(ML_DTYPES["e4m3fn"])
+    np.testing.assert_array_equal(moved.data.view(torch.uint8).numpy(), expected.view(np.uint8))
+    np.testing.assert_array_equal(moved.dequantize().numpy(), values)
+

@@ -392,6 +392,31 @@ def test_format_table_contains_the_numbers():
                 assert cell == value, (name, column, cell)
 
 
+# name: exponent bits, mantissa bits, bias, binades (1 decimal), inf, -0 (hand values; docs/design.md's table)
+DESCRIBED = {"e4m3fn": (4, 3, 7, 17.8, False, True), "e5m2": (5, 2, 15, 31.8, True, True),
+             "e4m3fnuz": (4, 3, 8, 17.9, False, False), "e5m2fnuz": (5, 2, 16, 32.8, False, False)}
+
+
+@pytest.mark.parametrize("name", ALL_FORMATS)
+def test_describe_is_every_number_of_the_table(name):
+    """`fp8train formats --json` prints describe(): every key against ml_dtypes (limits, NaN codes) and hand
+    values; the derivation string evaluates to the max."""
+    fi, dtype = ml_dtypes.finfo(ML_DTYPES[name]), ML_DTYPES[name]
+    exponent_bits, mantissa_bits, bias, binades, has_inf, has_negative_zero = DESCRIBED[name]
+    every_code = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64)
+    described = FORMATS[name].describe()
+    assert eval(described.pop("max_derivation").replace("^", "**"), {}) == float(fi.max)  # noqa: S307
+    assert described == {
+        "name": name, "exponent_bits": exponent_bits, "mantissa_bits": mantissa_bits, "bias": bias,
+        "max": float(fi.max), "min_normal": float(fi.smallest_normal),
+        "min_normal_log2": float(1 - bias), "min_subnormal": float(fi.smallest_subnormal),
+        "min_subnormal_log2": float(1 - bias - mantissa_bits), "step": float(fi.eps),
+        "max_rel_error": float(fi.eps) / 2, "binades": binades, "has_inf": has_inf,
+        "has_negative_zero": has_negative_zero,
+        "nan_codes": [f"0x{code:02X}" for code in range(256) if np.isnan(every_code[code])],
+        "torch_dtype": f"torch.float8_{name}"}
+
+
 @pytest.mark.parametrize("name", ALL_FORMATS)
 def test_decode_rejects_out_of_range_codes(name):
     with pytest.raises(ValueError, match="code"):

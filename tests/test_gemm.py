@@ -1,6 +1,8 @@
 """GEMM backends: the emulated backend against an fp64 reference, and against torch._scaled_mm (CPU) for
 tensorwise and rowwise scales, in the layouts of all three linear-layer GEMMs."""
 
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -235,3 +237,11 @@ def test_fp32_output_is_never_rounded_to_bf16(emulated):
     assert gemm.gemm_compute_dtype(torch.bfloat16, torch.float32) == torch.float32
     assert gemm.gemm_compute_dtype(torch.bfloat16, torch.bfloat16) == torch.bfloat16
     assert gemm.gemm_compute_dtype(torch.float32, torch.bfloat16) == torch.float32
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="no /proc/cpuinfo on this system")
+def test_bf16_gemm_detection_follows_the_cpu_flags():
+    """bf16 GEMMs are detected from /proc/cpuinfo's flags: avx512_bf16 or amx_bf16 (docs/testing.md's rule)."""
+    flags = next(line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("flags"))
+    assert gemm._read_cpu_bf16_flags() is bool({"avx512_bf16", "amx_bf16"} & set(flags))

@@ -661,3 +661,17 @@ def test_delayed_update_ops_do_not_grow_with_layers():
             count = top_level_aten_ops(lambda: update_fp8_scales(model))
         counts.append(count)
     assert counts[0] == counts[1] and counts[0] <= 60, counts
+
+
+def test_a_square_layer_loads_its_own_state_dict_untransposed():
+    """Only a layer converted from a Conv1D reads a square weight as (in, out); a square nn.Linear's weight loads
+    as it is, and a state dict without the weight (strict=False) loads the rest."""
+    torch.manual_seed(0)
+    source = nn.Linear(16, 16)
+    layer = Fp8Linear(16, 16, recipe="current")
+    layer.load_state_dict({**layer.state_dict(), **source.state_dict()})
+    assert torch.equal(layer.weight, source.weight) and torch.equal(layer.bias, source.bias)
+    before = layer.weight.detach().clone()
+    without_weight = {k: v for k, v in layer.state_dict().items() if k != "weight"}
+    layer.load_state_dict({**without_weight, "bias": torch.zeros(16)}, strict=False)
+    assert torch.equal(layer.weight, before) and torch.equal(layer.bias, torch.zeros(16))

@@ -270,15 +270,79 @@ def test_keep_values_refuses_other_dtypes():
         quantize(torch.ones(4, 4), "e4m3fn", keep_values=torch.float16)
 
 
+@needs_native
+def test_dequantize_writes_fp32_under_a_float64_default_dtype(rng):
+    """The C kernel writes fp32: its output buffer is fp32 whatever torch's default dtype is."""
+    x = torch.from_numpy((rng.standard_normal((4, 6)) * 9).astype(F32))
+    q = quantize(x, "e4m3fn", kernel="eager")
+    expected = ml_decode(q.data.view(torch.uint8).numpy(), "e4m3fn").astype(F32) * F32(q.scale.item())
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = native_cast.dequantize(q.data, q.scale, "tensor", 1, 128)
+    finally:
+        torch.set_default_dtype(default)
+    assert got.dtype == torch.float32
+    np.testing.assert_array_equal(got.numpy(), expected)
+
+
+@needs_native
+@pytest.mark.parametrize("granularity, block, axis", [("tensor", (1, 128), -1), ("row", (1, 128), -1),
+                                                      ("row", (1, 128), 0), ("block", (2, 3), -1)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_quantize_outputs_are_fp32_under_a_float64_default_dtype(granularity, block, axis, transposed, rng,
+                                                                 native_calls):
+    """Scales, amaxes and values the C kernel writes are fp32 buffers whatever torch's default dtype is
+    (transposed block scale grids included): the same as eager quantize under the usual default."""
+    x = torch.from_numpy((rng.standard_normal((6, 9)) * 9).astype(F32))
+    x = x.t() if transposed else x
+    kwargs = dict(granularity=granularity, block=block, axis=axis, keep_values=True)
+    eager = quantize(x, "e4m3fn", kernel="eager", **kwargs)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        native = quantize(x, "e4m3fn", kernel="native", **kwargs)
+    finally:
+        torch.set_default_dtype(default)
+    assert len(native_calls) == 1
+    assert native.scale.dtype == native.values.dtype == native.amax.dtype == torch.float32
+    assert torch.equal(native.data.view(torch.uint8), eager.data.view(torch.uint8))
+    assert torch.equal(native.scale, eager.scale) and torch.equal(native.amax, eager.amax)
+    assert torch.equal(native.values, eager.values)
+
+
+def test_dequantizable_only_for_what_the_kernel_takes():
+    """One 2-D matrix of FP8 bytes (batch 1) with an fp32 scale of the layout's shape; anything else is not."""
+    data = torch.zeros(4, 6).to(torch.float8_e4m3fn)
+    scale = torch.ones(2, 2)
+    assert native_cast.dequantizable(data, scale, "block", 2, 3)
+    assert not native_cast.dequantizable(data, scale.double(), "block", 2, 3)
+    assert not native_cast.dequantizable(data, torch.ones(2, 3), "block", 2, 3)
+    assert not native_cast.dequantizable(torch.zeros(2, 4, 6).to(torch.float8_e4m3fn), scale, "block", 2, 3)
+    assert not native_cast.dequantizable(torch.zeros(4, 6), scale, "block", 2, 3)  # fp32, not FP8 bytes
+
+
+def test_layout_of_one_element_and_of_empty_tensors():
+    """A one-element tensor is a 1x1 matrix the kernel takes; an empty one is left to eager quantize."""
+    one = native_cast.NativeLayout(1, 1, 1, 1, 1, False, (), 1, 1)
+    assert native_cast.layout(torch.ones(1), "tensor") == one
+    assert native_cast.layout(torch.ones(1, 1), "tensor") == one
+    assert native_cast.layout(torch.ones(0), "tensor") is None
+    assert native_cast.layout(torch.ones(0, 4), "row") is None
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Decode: all 256 codes
 # ------------------------------------------------------------------------------------------------------------
 @needs_native
 @pytest.mark.parametrize("name", ALL_FORMATS)
-def test_decode_all_codes_matches_ml_dtypes(name):
+def test_decode_all_codes_matches_ml_dtypes(name, monkeypatch):
     codes = torch.arange(256, dtype=torch.uint8).view(TORCH_DTYPES[name])
     expected = np.arange(256, dtype=np.uint8).view(ML_DTYPES[name]).astype(np.float32)
+    decodes, real_decode = [], native_cast.decode
+    monkeypatch.setattr(native_cast, "decode", lambda *args: decodes.append(1) or real_decode(*args))
     got = decode_fp8(codes, name, kernel="native")
+    assert decodes == [1], "kernel='native' did not run the C decode"
     assert got.dtype == torch.float32
     np.testing.assert_array_equal(got.numpy(), expected)  # NaN == NaN here
     finite = ~np.isnan(expected)

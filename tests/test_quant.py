@@ -12,7 +12,9 @@ the reference).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -61,13 +63,27 @@ SHAPES = [pytest.param((300,), id="1d"), pytest.param((130, 257), id="2d"), pyte
 KERNEL_PATHS = ["torch_cast", "integer_ops"]
 
 
+def _default_kernel(fn, kernel: str, positional_index: int | None):
+    """`fn` with `kernel` as its default kernel (a wrapper, not a patched __defaults__: that also works when `fn`
+    is itself a wrapper, as under a mutation tool)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if positional_index is None or len(args) <= positional_index:
+            kwargs.setdefault("kernel", kernel)
+        return fn(*args, **kwargs)
+    return call
+
+
 @contextlib.contextmanager
 def kernel_path(path: str):
     with pytest.MonkeyPatch.context() as mp:
         if path == "integer_ops":
-            mp.setattr(fp8quant.quantize, "__kwdefaults__",
-                       {**fp8quant.quantize.__kwdefaults__, "kernel": "compiled_select"})
-            mp.setattr(fp8quant.decode_fp8, "__defaults__", (None, "compiled_select"))
+            replaced = {name: _default_kernel(getattr(fp8quant, name), "compiled_select", index)
+                        for name, index in (("quantize", None), ("decode_fp8", 2))}
+            for module in list(sys.modules.values()):  # every module that bound these functions by name
+                for name, wrapper in replaced.items():
+                    if getattr(module, name, None) is wrapper.__wrapped__:
+                        mp.setattr(module, name, wrapper)
             mp.setattr(fp8quant, "_run", lambda fn, key, *args, **kwargs: fn(*args))
         yield
 
@@ -568,6 +584,38 @@ def test_quant_error_exact_and_nonfinite():
     assert math.isfinite(stats["rel_l2"])
 
 
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_float64_row_floor_is_checked_on_whole_rows(axis):
+    """The float64 floor check (|x| below what the smallest fp32 scale can hold) takes each row's amax over the
+    whole row, not over 128-wide pieces of it: a row of 300 whose tail is 1e-300 quantizes (the tail to 0,
+    within the error bound), and of two rows only the one that is tiny throughout is reported."""
+    row = torch.full((300,), 1e-300, dtype=torch.float64)
+    row[:10] = 448.0  # e4m3fn max: the scale is exactly 1
+    tiny = torch.full((300,), 1e-300, dtype=torch.float64)
+    one_row = row[None, :] if axis == -1 else row[:, None]
+    q = quantize(one_row, "e4m3fn", granularity="row", axis=axis)
+    assert q.dequantize(torch.float64).flatten().tolist() == [448.0] * 10 + [0.0] * 290
+    two_rows = torch.stack([row, tiny]) if axis == -1 else torch.stack([row, tiny], dim=1)
+    with pytest.raises(ValueError, match=r"^1 row\(s\) of x \(float64\)"):
+        quantize(two_rows, "e4m3fn", granularity="row", axis=axis)
+
+
+@pytest.mark.parametrize("name", ["e4m3fn", "e5m2"])
+def test_quant_error_small_and_zero_signal(name):
+    """A signal and a noise far below 1 (sums of squares ~0.14 and ~1e-5) still get their real rel_l2 and SQNR
+    (float64 from the ml_dtypes dequantization); an all-zero tensor has rel_l2 0 and SQNR inf, not a 0/0."""
+    x = np.array([0.1, -0.3, 0.2, 0.013, -0.0071], dtype=np.float32)
+    stats = quant_error(torch.from_numpy(x), quantize(torch.from_numpy(x), name, scale=1.0))
+    deq = x.astype(ML_DTYPES[name]).astype(np.float64)
+    signal, noise = np.sum(x.astype(np.float64) ** 2), np.sum((x.astype(np.float64) - deq) ** 2)
+    assert 0 < noise < signal < 1
+    assert stats["rel_l2"] == pytest.approx(math.sqrt(noise / signal), rel=1e-9)
+    assert stats["sqnr_db"] == pytest.approx(10 * math.log10(signal / noise), rel=1e-9)
+    zeros = torch.zeros(4)
+    stats = quant_error(zeros, quantize(zeros, name))
+    assert stats["rel_l2"] == 0.0 and stats["sqnr_db"] == math.inf and stats["underflow_frac"] == 0.0
+
+
 @pytest.mark.parametrize("narrow,wide", [("e4m3fn", "e5m2"), ("e4m3fnuz", "e5m2fnuz")])
 def test_precision_versus_range(narrow, wide, rng):
     """Issue 2's illustration. Gaussian values with one outlier, tensor-scaled so the outlier lands on each
@@ -764,6 +812,24 @@ def test_empty_tensor(granularity, block, axis, shape):
     if granularity in expected_scale:
         assert tuple(q.scale.shape) == expected_scale[granularity]
     assert compute_amax(x, granularity, block, axis).shape == q.scale.shape
+
+
+def test_a_float64_scale_is_rounded_to_fp32_once():
+    """A given float64 scale (tensor or numpy) is stored as its nearest fp32 and the bytes are what that fp32
+    scale gives (1/3 is not an fp32 number, so a float64 scale kept as is would divide differently)."""
+    x = np.array([1.0, -2.5, 0.3, 100.0, 7.77], dtype=np.float32)
+    scale32 = np.float32(1.0 / 3.0)
+    expected = (x / scale32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    for scale in (torch.tensor(1.0 / 3.0, dtype=torch.float64), np.float64(1.0 / 3.0)):
+        q = quantize(torch.from_numpy(x), "e4m3fn", scale=scale)
+        assert q.scale.dtype == torch.float32 and q.scale.item() == scale32
+        np.testing.assert_array_equal(q.data.view(torch.uint8).numpy(), expected)
+
+
+def test_empty_tensor_scale_is_on_the_tensors_device():
+    """The scale of an empty tensor is made on x's device (the meta device stands in for an accelerator)."""
+    q = quantize(torch.empty((0, 4), device="meta"), "e4m3fn")
+    assert q.data.device.type == "meta" and q.scale.device.type == "meta"
 
 
 def test_zero_dim_tensor():

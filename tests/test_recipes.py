@@ -120,3 +120,13 @@ def test_mixed_dialects_rejected():
 def test_direct_construction_validates():
     with pytest.raises(ValueError, match="scaling"):
         Fp8Recipe(scaling="rowwize")
+
+
+def test_amax_history_length_bounds_are_inclusive():
+    """1 (the latest amax alone) and MAX_AMAX_HISTORY are both allowed; 0 and one past the maximum are not."""
+    from fp8train.nn.recipes import MAX_AMAX_HISTORY
+    assert recipe("delayed", amax_history_len=1).amax_history_len == 1
+    assert recipe("delayed", amax_history_len=MAX_AMAX_HISTORY).amax_history_len == MAX_AMAX_HISTORY
+    for bad in (0, MAX_AMAX_HISTORY + 1):
+        with pytest.raises(ValueError, match="amax_history_len"):
+            recipe("delayed", amax_history_len=bad)

@@ -82,3 +82,165 @@ def test_truncate_keeps_steps_up_to_the_checkpoint_and_drops_a_torn_line(tmp_pat
     kept = truncate_jsonl(path, 1)
     assert kept == METRICS[:2] and read_jsonl(path) == METRICS[:2]
     assert path.read_text().endswith("\n")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The run directory's other promises, each asserted exactly (what a directory is, links, non-finite values in
+# the logs, write failures, the lock and its holder)
+# ------------------------------------------------------------------------------------------------------------
+def test_dir_state_names_each_kind(tmp_path):
+    from fp8train.training.rundir import LOCK_FILE, dir_state
+    assert dir_state(tmp_path / "nothing", "config.yaml") == "absent"
+    (tmp_path / "file").write_text("x")
+    assert dir_state(tmp_path / "file", "config.yaml") == "other"
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    assert dir_state(tmp_path / "dangling", "config.yaml") == "other"  # a link to nothing is not "absent"
+    for name, files, state in [("empty", [], "empty"), ("locked", [LOCK_FILE], "empty"),
+                               ("run", [LOCK_FILE, "config.yaml"], "run"), ("busy", ["notes.txt"], "other")]:
+        (tmp_path / name).mkdir()
+        for file in files:
+            (tmp_path / name / file).write_text("")
+        assert dir_state(tmp_path / name, "config.yaml") == state, name
+
+
+@pytest.mark.parametrize("where", ["top", "checkpoint"])
+def test_a_link_in_a_run_directory_is_refused_by_name(tmp_path, where):
+    from fp8train.training.rundir import refuse_symlinks_in
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000001").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    refuse_symlinks_in(run)  # no link: nothing to say
+    refuse_symlinks_in(run / "metrics.jsonl")  # not a folder: nothing to look at
+    link = run / "summary.json" if where == "top" else run / "checkpoints" / "step_000001" / "model.safetensors"
+    link.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError) as raised:
+        refuse_symlinks_in(run)
+    assert str(raised.value) == (f"{link} is a symbolic link (to {tmp_path / 'elsewhere'}); fp8train does not write "
+                                 "through links in a run directory (remove the link; nothing was changed)")
+
+
+def test_nonfinite_values_are_null_in_the_log_and_named_beside_them(tmp_path):
+    from fp8train.training.rundir import append_jsonl, restore_nonfinite
+    path = tmp_path / "m.jsonl"
+    append_jsonl(path, [{"step": 1, "loss": math.nan, "lr": math.inf, "gap": -math.inf, "fp8": {"amax": math.nan},
+                         "ok": 0.5}])
+    line = path.read_text()
+    assert line == ('{"step": 1, "loss": null, "lr": null, "gap": null, "fp8": {"amax": null}, "ok": 0.5, '
+                    '"nonfinite": {"loss": "nan", "lr": "inf", "gap": "-inf", "fp8.amax": "nan"}}\n')
+    back = restore_nonfinite(json.loads(line))
+    assert math.isnan(back["loss"]) and back["lr"] == math.inf and back["gap"] == -math.inf
+    assert back["fp8"] == {"amax": None} and back["ok"] == 0.5  # only top-level keys come back
+
+
+def test_append_after_a_torn_line_keeps_every_complete_line(tmp_path):
+    from fp8train.training.rundir import append_jsonl
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')
+    append_jsonl(path, [{"step": 3}])
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
+
+
+def test_truncate_names_each_damaged_line_it_drops(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n{"step": 3}\n')
+    said = []
+    assert truncate_jsonl(path, 2, log=said.append) == [{"step": 1}, {"step": 2}]
+    assert said == [f"dropping a damaged line: {path}, line 2, is not valid JSON (Expecting value); the file is "
+                    "damaged"]
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def test_write_failures_name_the_file_and_keep_the_errno(tmp_path):
+    import errno
+    import os
+    from fp8train.training.rundir import write_failure
+    full = write_failure(OSError(errno.ENOSPC, ""), tmp_path / "summary.json")
+    assert type(full) is OSError and full.errno == errno.ENOSPC
+    assert full.strerror == os.strerror(errno.ENOSPC) and full.filename == str(tmp_path / "summary.json")
+    missing = write_failure(OSError(errno.ENOENT, "No such file or directory"), tmp_path / "a" / "b.json")
+    assert type(missing) is ValueError
+    assert str(missing) == (f"cannot write {tmp_path / 'a' / 'b.json'}: No such file or directory (nothing was "
+                            "written there)")
+    odd = write_failure(OSError("a driver said no"), tmp_path / "c.json")
+    assert str(odd) == f"cannot write {tmp_path / 'c.json'}: a driver said no (nothing was written there)"
+
+
+def test_a_library_error_carrying_an_os_error_becomes_one(tmp_path):
+    import errno
+    import os
+    from fp8train.training.rundir import as_os_error
+    found = as_os_error(RuntimeError("SafetensorError: I/O error: No space left on device (os error 28)"),
+                        tmp_path / "model.safetensors")
+    assert (found.errno, found.strerror, found.filename) == (errno.ENOSPC, os.strerror(errno.ENOSPC),
+                                                            str(tmp_path / "model.safetensors"))
+    assert as_os_error(RuntimeError("something else (os error)"), tmp_path) is None
+    err = OSError(errno.EROFS, "Read-only file system")
+    assert as_os_error(err, tmp_path) is err
+
+
+def test_a_write_failure_is_recorded_in_the_summary(tmp_path):
+    import errno
+    from fp8train.training.rundir import record_write_failure
+    err = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "metrics.jsonl"))
+    assert record_write_failure(tmp_path, err, {"steps": 3, "status": "running"})
+    assert json.loads((tmp_path / "summary.json").read_text()) == {
+        "steps": 3, "status": "failed", "reason": f"cannot write {tmp_path / 'metrics.jsonl'}: No space left on device "
+                                                  "(errno ENOSPC)"}
+    assert not record_write_failure(tmp_path / "gone", err)
+
+
+def test_the_lock_names_its_holder_and_takes_over_a_stale_one(tmp_path):
+    """A second DirLock on the same folder (another open file: flock refuses it even in this process) is refused
+    with the holder's PID, host and start time as the lock file records them; a lock file left by a process that
+    is gone is taken over with a message; a released lock leaves an empty file."""
+    import os
+    import socket
+    from fp8train.training.rundir import LOCK_FILE, DirLock
+    lock_file = tmp_path / LOCK_FILE
+    lock_file.write_text(json.dumps({"pid": 4194999, "host": "elsewhere", "since": "2026-01-01T00:00:00+0000",
+                                     "note": "a longer record than the new one" * 4}) + "\n")
+    said = []
+    with DirLock(tmp_path, log=said.append):
+        assert said == [f"run directory {tmp_path}: took over the lock of PID 4194999, which is no longer running "
+                        "(killed?)"]
+        holder = json.loads(lock_file.read_text())
+        assert lock_file.read_text().count("\n") == 1
+        assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+        with pytest.raises(ValueError) as raised:
+            DirLock(tmp_path, what="validation directory").acquire()
+        assert str(raised.value) == (
+            f"validation directory {tmp_path} is in use by another fp8train process (PID {os.getpid()} on "
+            f"{socket.gethostname()}, since {holder['since']}); wait for it to finish or stop it (nothing was changed)")
+    assert lock_file.read_text() == ""
+    with DirLock(tmp_path, log=said.append):  # released cleanly: nothing to take over
+        pass
+    assert len(said) == 1
+
+
+def test_a_holder_that_recorded_nothing_is_named_with_question_marks(tmp_path):
+    """The flock is held, but the holder's record lacks its fields (an older writer, or one killed before it
+    wrote them): the refusal still says what it knows, '?' for the rest."""
+    import fcntl
+    import os
+    from fp8train.training.rundir import LOCK_FILE, DirLock
+    (tmp_path / LOCK_FILE).write_text('{"host": "elsewhere"}\n')
+    fd = os.open(tmp_path / LOCK_FILE, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ValueError) as raised:
+            DirLock(tmp_path).acquire()
+    finally:
+        os.close(fd)
+    assert str(raised.value) == (f"run directory {tmp_path} is in use by another fp8train process (PID ? on "
+                                 "elsewhere, since ?); wait for it to finish or stop it (nothing was changed)")
+
+
+def test_truncate_drops_records_the_check_refuses(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": "high"}\n{"step": 3, "loss": 1.0}\n')
+    said = []
+    def check(record):
+        return None if isinstance(record.get("loss"), float) else "has a loss that is not a number"
+    kept = truncate_jsonl(path, 3, check=check, log=said.append)
+    assert kept == [{"step": 1, "loss": 2.0}, {"step": 3, "loss": 1.0}]
+    assert said == [f"dropping a damaged line: {path}, line 2, has a loss that is not a number; the file is damaged"]

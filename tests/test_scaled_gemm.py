@@ -67,6 +67,10 @@ class KernelTrace(TorchDispatchMode):
 def scaled_mm_on_cpu(monkeypatch):
     """torch._scaled_mm runs on CPU in this torch: let backend='scaled_mm' resolve here (users get a refusal)."""
     monkeypatch.setattr(gemm, "scaled_mm_available", lambda device: True)
+    # each test starts with no remembered kernel refusals: one remembered from an earlier test (the block
+    # kernel refused for the same shape) would skip the kernel call a later test traces, so results would
+    # depend on which tests ran before (a subset, as mutation testing runs, failed this way)
+    monkeypatch.setattr(scaled_gemm, "_kernel_answers", {})
 
 
 def _layer_fwd_bwd(name, bias=True, **overrides):
@@ -231,6 +235,19 @@ def test_shape_rule_is_k_and_n_multiples_of_16(shape, fp8_kernel):
     assert (kind == "tensorwise") == fp8_kernel, reason
 
 
+def test_one_per_tensor_scale_and_one_per_row_scale_is_the_rowwise_kernel():
+    """Tensorwise needs both scales per tensor; with one of them per row (either side) the rowwise kernel runs
+    (the per-tensor scale broadcast along its rows or columns)."""
+    rows = Fp8Operand(torch.ones(32, 64).to(torch.float8_e4m3fn), torch.full((32, 1), 2.0))
+    whole = Fp8Operand(torch.ones(32, 64).to(torch.float8_e4m3fn), torch.tensor(1.0))
+    w_rows = Fp8Operand(torch.ones(48, 64).to(torch.float8_e4m3fn), torch.full((48, 1), 2.0)).t()
+    w_whole = Fp8Operand(torch.ones(48, 64).to(torch.float8_e4m3fn), torch.tensor(1.0)).t()
+    assert scaled_mm_kind(whole, w_whole) == ("tensorwise", "")
+    assert scaled_mm_kind(rows, w_whole) == ("rowwise", "")
+    assert scaled_mm_kind(whole, w_rows) == ("rowwise", "")
+    assert scaled_mm_kind(rows, w_rows) == ("rowwise", "")
+
+
 def test_blockwise_scale_layouts_are_outer_dim_major():
     g = torch.Generator().manual_seed(1)
     a = Fp8Operand(torch.zeros(M, K).to(torch.float8_e4m3fn), torch.rand(M, K // 128, generator=g), (1, 128))
@@ -273,3 +290,17 @@ def test_cached_weight_is_made_column_major_once_per_weight_version():
         assert mat_b.stride(0) == 1  # column-major
         pointers.append(mat_b.data_ptr())
     assert pointers[0] == pointers[1]
+
+
+def test_planning_for_a_gpu_computes_the_fallback_with_its_bias():
+    """Under target_gpu no kernel runs: the result is dequant(a) @ dequant(b) + bias (exact here: every product
+    and sum is a small integer) and the record says which kernel the GPU would take."""
+    a = Fp8Operand(torch.full((16, 32), 2.0).to(torch.float8_e4m3fn), torch.tensor(1.5))
+    w = Fp8Operand(torch.full((48, 32), 0.5).to(torch.float8_e4m3fn), torch.tensor(4.0))
+    bias = torch.arange(48, dtype=torch.float32)
+    record = {}
+    with scaled_gemm.target_gpu((9, 0)):
+        out = scaled_gemm.scaled_mm_gemm(a, w.t(), bias=bias, record=record, gemm="output")
+    assert record == {"output": "scaled_mm:tensorwise"}
+    expected = torch.full((16, 48), 32 * (2.0 * 1.5) * (0.5 * 4.0)) + bias  # 32 products of 3 x 2 = 192, + bias
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
