@@ -12,6 +12,7 @@ import json
 import math
 
 import pytest
+from omegaconf import OmegaConf
 
 from fp8train.evidence.stats import GapEstimate, decide, estimate, t_quantile
 from fp8train.evidence.validate import run_validation
@@ -64,19 +65,30 @@ def test_t_quantiles_of_one_and_two_degrees_of_freedom_have_closed_forms():
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_real_validation_verdict_at_and_past_its_bounds(tmp_path, tiny, commands, capsys):
-    """A real 2-seed CPU validation of `current`; then plan.json's margin is set exactly on the candidate's upper
-    bound, one float step below it, exactly on its lower bound and one step below that, and `fp8train report`
-    recomputes the verdict from the run files each time: pass, inconclusive, inconclusive, fail, in summary.json
-    and in report.md."""
+    """A real 2-seed CPU validation of `current`; then the declared margin (plan.json and every run's config.yaml)
+    is set exactly on the candidate's upper bound, one float step below it, exactly on its lower bound and one step
+    below that, where those are margins a validation can declare (in (0, 1)), and `fp8train report` recomputes the
+    verdict from the run files each time: pass, inconclusive, inconclusive, fail, in summary.json and report.md."""
     cfg = load_config(None, [f"run.dir={tmp_path}", "run.name=val", f"data.path={tiny.corpus}", *TINY_VALIDATION])
     first = run_validation(cfg, candidates=["current"], show_progress=False)["candidates"]["current"]
     lower, upper = first["gap_lower"], first["gap_upper"]
     assert first["seeds"] == 2 and math.isfinite(lower) and lower < upper
     vdir = tmp_path / "val"
     plan = json.loads((vdir / "plan.json").read_text())
+    assert upper > 0  # the boundary a margin can be declared at (a margin is in (0, 1))
+    probed = []
     for margin, verdict in ((upper, "pass"), (math.nextafter(upper, -math.inf), "inconclusive"),
                             (lower, "inconclusive"), (math.nextafter(lower, -math.inf), "fail")):
+        if not 0 < margin < 1:  # not a margin a validation can declare (lower is usually < 0 here)
+            continue
+        probed.append(verdict)
+        # As a validation planned with this margin would be: plan.json and every run's config.yaml declare it
+        # (`report` refuses a plan.json edited on its own: test_report_tampering.py)
         (vdir / "plan.json").write_text(json.dumps({**plan, "margin": margin}))
+        for config_file in (vdir / "runs").glob("*/seed*/config.yaml"):
+            run_cfg = OmegaConf.load(config_file)
+            run_cfg.validate.margin = margin
+            OmegaConf.save(run_cfg, config_file)
         code, out, err = commands.main(["report", str(vdir)], capsys)
         assert code == 0, err
         summary = json.loads((vdir / "summary.json").read_text())
@@ -84,3 +96,4 @@ def test_real_validation_verdict_at_and_past_its_bounds(tmp_path, tiny, commands
         assert (candidate["gap_lower"], candidate["gap_upper"]) == (lower, upper)  # the same runs, re-read
         assert candidate["verdict"] == verdict and summary["verdict"] == verdict, (margin, candidate["reason"])
         assert f"**Verdict: {verdict.upper()}**" in (vdir / "report.md").read_text()
+    assert probed[:2] == ["pass", "inconclusive"]  # at the upper bound and one float step below it

@@ -281,8 +281,8 @@ def cli_main(args) -> int:
             raise ValueError(f"--{key.replace('_', '-')}={value}: a threshold must be a finite number")
         if key.endswith("_frac_max") and not 0 <= value <= 1:  # a fraction: -1 would keep every layer in bf16
             raise ValueError(f"--{key.replace('_', '-')}={value}: a fraction of values, in [0, 1]")
-        if key == "min_speedup" and value <= 0:
-            raise ValueError(f"--min-speedup={value}: a ratio of times, > 0")
+        if key == "min_speedup" and value < 0:  # (0 is meaningful: decide on numerics alone, docs/plan.md)
+            raise ValueError(f"--min-speedup={value}: a ratio of times, >= 0")
     plan = make_plan(args.run_dir, device, args.repeats, thresholds)
     write_text_atomic(out, plan_yaml(plan))
     print(f"{plan['fp8_layers']} of {len(plan['layers'])} layers in FP8 on {plan['device_name']}"
