@@ -183,7 +183,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
 
 
 def test_what_verify_and_prune_say_exactly(tmp_path):
-    from fp8train.training.checkpoint import prune_checkpoints
+    from fp8train.training.runs.checkpoint import prune_checkpoints
     model, optimizer, _ = trained(steps=1)
     for step in (1, 2, 3):
         save_checkpoint(tmp_path, step, model, optimizer, keep_last=0)
@@ -205,7 +205,7 @@ def test_a_moved_aside_folder_of_a_killed_save_is_removed_too(tmp_path):
 
 
 def test_another_configs_checkpoint_is_refused_with_both_hashes(tmp_path):
-    from fp8train.training.checkpoint import check_checkpoint_origin
+    from fp8train.training.runs.checkpoint import check_checkpoint_origin
     fingerprint = {"train_sha256": "c" * 64}
     manifest = {"extra": {"config_hash": "a" * 64, "data_fingerprint": fingerprint}}
     check_checkpoint_origin(tmp_path, manifest, "a" * 64, fingerprint)  # the same config: fine

@@ -11,9 +11,9 @@ import pytest
 import torch
 import yaml
 
-from fp8train.training.checkpoint import load_model_weights, save_checkpoint
+from fp8train.training.runs.checkpoint import load_model_weights, save_checkpoint
 from fp8train.training.config import config_to_yaml, load_config
-from fp8train.training.resume import ResumePlan, config_differences, plan_resume
+from fp8train.training.runs.resume import ResumePlan, config_differences, plan_resume
 
 TINY = {
     "model": {"n_layers": 1, "d_model": 64, "n_heads": 2, "seq_len": 16},

@@ -89,7 +89,7 @@ def test_truncate_keeps_steps_up_to_the_checkpoint_and_drops_a_torn_line(tmp_pat
 # the logs, write failures, the lock and its holder)
 # ------------------------------------------------------------------------------------------------------------
 def test_dir_state_names_each_kind(tmp_path):
-    from fp8train.training.rundir import LOCK_FILE, dir_state
+    from fp8train.training.storage.rundir import LOCK_FILE, dir_state
     assert dir_state(tmp_path / "nothing", "config.yaml") == "absent"
     (tmp_path / "file").write_text("x")
     assert dir_state(tmp_path / "file", "config.yaml") == "other"
@@ -105,7 +105,7 @@ def test_dir_state_names_each_kind(tmp_path):
 
 @pytest.mark.parametrize("where", ["top", "checkpoint"])
 def test_a_link_in_a_run_directory_is_refused_by_name(tmp_path, where):
-    from fp8train.training.rundir import refuse_symlinks_in
+    from fp8train.training.storage.rundir import refuse_symlinks_in
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000001").mkdir(parents=True)
     (run / "metrics.jsonl").write_text("")
@@ -120,7 +120,7 @@ def test_a_link_in_a_run_directory_is_refused_by_name(tmp_path, where):
 
 
 def test_nonfinite_values_are_null_in_the_log_and_named_beside_them(tmp_path):
-    from fp8train.training.rundir import append_jsonl, restore_nonfinite
+    from fp8train.training.storage.files import append_jsonl, restore_nonfinite
     path = tmp_path / "m.jsonl"
     append_jsonl(path, [{"step": 1, "loss": math.nan, "lr": math.inf, "gap": -math.inf, "fp8": {"amax": math.nan},
                          "ok": 0.5}])
@@ -133,7 +133,7 @@ def test_nonfinite_values_are_null_in_the_log_and_named_beside_them(tmp_path):
 
 
 def test_append_after_a_torn_line_keeps_every_complete_line(tmp_path):
-    from fp8train.training.rundir import append_jsonl
+    from fp8train.training.storage.files import append_jsonl
     path = tmp_path / "m.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')
     append_jsonl(path, [{"step": 3}])
@@ -153,7 +153,7 @@ def test_truncate_names_each_damaged_line_it_drops(tmp_path):
 def test_write_failures_name_the_file_and_keep_the_errno(tmp_path):
     import errno
     import os
-    from fp8train.training.rundir import write_failure
+    from fp8train.training.storage.files import write_failure
     full = write_failure(OSError(errno.ENOSPC, ""), tmp_path / "summary.json")
     assert type(full) is OSError and full.errno == errno.ENOSPC
     assert full.strerror == os.strerror(errno.ENOSPC) and full.filename == str(tmp_path / "summary.json")
@@ -168,7 +168,7 @@ def test_write_failures_name_the_file_and_keep_the_errno(tmp_path):
 def test_a_library_error_carrying_an_os_error_becomes_one(tmp_path):
     import errno
     import os
-    from fp8train.training.rundir import as_os_error
+    from fp8train.training.storage.files import as_os_error
     found = as_os_error(RuntimeError("SafetensorError: I/O error: No space left on device (os error 28)"),
                         tmp_path / "model.safetensors")
     assert (found.errno, found.strerror, found.filename) == (errno.ENOSPC, os.strerror(errno.ENOSPC),
@@ -180,7 +180,7 @@ def test_a_library_error_carrying_an_os_error_becomes_one(tmp_path):
 
 def test_a_write_failure_is_recorded_in_the_summary(tmp_path):
     import errno
-    from fp8train.training.rundir import record_write_failure
+    from fp8train.training.storage.rundir import record_write_failure
     err = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "metrics.jsonl"))
     assert record_write_failure(tmp_path, err, {"steps": 3, "status": "running"})
     assert json.loads((tmp_path / "summary.json").read_text()) == {
@@ -195,7 +195,7 @@ def test_the_lock_names_its_holder_and_takes_over_a_stale_one(tmp_path):
     is gone is taken over with a message; a released lock leaves an empty file."""
     import os
     import socket
-    from fp8train.training.rundir import LOCK_FILE, DirLock
+    from fp8train.training.storage.rundir import LOCK_FILE, DirLock
     lock_file = tmp_path / LOCK_FILE
     lock_file.write_text(json.dumps({"pid": 4194999, "host": "elsewhere", "since": "2026-01-01T00:00:00+0000",
                                      "note": "a longer record than the new one" * 4}) + "\n")
@@ -222,7 +222,7 @@ def test_a_holder_that_recorded_nothing_is_named_with_question_marks(tmp_path):
     wrote them): the refusal still says what it knows, '?' for the rest."""
     import fcntl
     import os
-    from fp8train.training.rundir import LOCK_FILE, DirLock
+    from fp8train.training.storage.rundir import LOCK_FILE, DirLock
     (tmp_path / LOCK_FILE).write_text('{"host": "elsewhere"}\n')
     fd = os.open(tmp_path / LOCK_FILE, os.O_RDWR)
     try:
