@@ -311,6 +311,7 @@ def test_quantize_outputs_are_fp32_under_a_float64_default_dtype(granularity, bl
     assert torch.equal(native.values, eager.values)
 
 
+@needs_native
 def test_dequantizable_only_for_what_the_kernel_takes():
     """One 2-D matrix of FP8 bytes (batch 1) with an fp32 scale of the layout's shape; anything else is not."""
     data = torch.zeros(4, 6).to(torch.float8_e4m3fn)
