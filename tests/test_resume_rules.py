@@ -147,10 +147,12 @@ def test_max_steps_may_grow_on_resume_and_the_schedule_holds_its_final_rate(work
     assert extras[0]["config_hash"] != extras[1]["config_hash"]
     assert extras[0]["lr_schedule_steps"] == extras[1]["lr_schedule_steps"] == 4
 
-    # One wandb run: both offline folders carry the id stored in trackers.json.
+    # One wandb run: both offline folders hold the run file of the id stored in trackers.json. (The folder name is
+    # not the test: wandb names it by the second it started and appends "-1" when two starts share that second.)
     run_id = json.loads((run_dir / "trackers.json").read_text())["wandb_run_id"]
     folders = offline_runs(run_dir)
-    assert len(folders) == 2 and all(f.name.endswith(f"-{run_id}") for f in folders), folders
+    assert len(folders) == 2 and all([p.name for p in f.glob("run-*.wandb")] == [f"run-{run_id}.wandb"]
+                                     for f in folders), folders
     first_file = next(folders[0].glob("run-*.wandb"))
     history = wandb_history(first_file)
     assert history[0]["val_loss"] == pytest.approx(before[0]["val_loss"], rel=1e-6)  # step 0 reached wandb
