@@ -4,7 +4,9 @@
   and the run resumes from its last checkpoint;
 - `fp8train validate` with validate.workers=2, killed with SIGKILL or stopped with SIGTERM while both workers
   train: within seconds no process of it is left (workers, the resource tracker), and each run that was training
-  says "interrupted" in its summary.json.
+  says "interrupted" in its summary.json;
+- a repeated signal (Linux sends a worker the parent-death signal again for each thread of its parent that ends)
+  does not cut the writing of that summary short.
 """
 
 from __future__ import annotations
@@ -58,6 +60,15 @@ def _wait_for(condition, proc: subprocess.Popen, timeout: float = 240) -> None:
         if time.monotonic() > deadline:
             pytest.fail("timed out waiting for the runs to start")
         time.sleep(0.2)
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (an orphan's exit status waits for whoever adopted it)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return text[text.rindex(")") + 2:].split()[0] != "Z"
 
 
 def _alive_in_group(pgid: int) -> list[str]:
@@ -124,9 +135,12 @@ def test_validate_workers_end_with_validate(tmp_path, corpus, commands, signum):
     finally:
         if _alive_in_group(proc.pid):  # what a failing run left: never leave it to the rest of the suite
             os.killpg(proc.pid, signal.SIGKILL)
+    err = proc.stderr.read()  # what validate and its workers printed: the first thing to read when this fails
     for run in runs:
+        assert (run / "summary.json").exists(), (f"{run} has no summary.json; its files: "
+                                                 f"{sorted(p.name for p in run.iterdir())}; stderr:\n{err}")
         summary = json.loads((run / "summary.json").read_text())
-        assert summary["status"] == "interrupted" and "interrupted by SIGTERM" in summary["reason"], summary
+        assert summary["status"] == "interrupted" and "interrupted by SIGTERM" in summary["reason"], (summary, err)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -146,3 +160,89 @@ def test_a_signal_inside_interrupts_held_waits_for_the_block_to_end(signum):
         with interrupts_held():
             after_signal.append("next")
     assert after_signal[-1] == "next"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_repeated_signal_does_not_cut_the_interrupt_handling_short(signum):
+    """The summary is written in the handler of the first Interrupted; a repeat of the signal while it is written
+    is dropped, inside the block and after it (where the worker's os._exit is on its way), until a new block."""
+    handled = []
+    with pytest.raises(Interrupted) as raised:
+        with interrupts_raised():
+            try:
+                os.kill(os.getpid(), signum)
+                time.sleep(0.05)
+            except Interrupted:
+                os.kill(os.getpid(), signal.SIGTERM)  # repeats, of either kind
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+                handled.append("summary written")
+                raise
+    assert handled == ["summary written"] and raised.value.signum == signum
+    with pytest.raises(Interrupted):  # the same after a signal held back by interrupts_held
+        with interrupts_raised():
+            try:
+                with interrupts_held():
+                    os.kill(os.getpid(), signum)
+                    time.sleep(0.05)
+            except Interrupted:
+                os.kill(os.getpid(), signum)
+                time.sleep(0.05)
+                handled.append("summary written after a checkpoint")
+                raise
+    assert handled[-1] == "summary written after a checkpoint"
+    with pytest.raises(Interrupted):  # a new block: its first signal is raised again
+        with interrupts_raised():
+            os.kill(os.getpid(), signum)
+            time.sleep(0.05)
+
+
+# A worker whose summary takes a second to write, and a parent that starts it from a thread which then ends, and
+# kills itself with SIGKILL 0.3 s later: Linux sends the parent-death signal when the thread the worker is a child
+# of ends (the worker passes to the parent's main thread) and again when the parent dies.
+_WORKER = """
+import os, signal, sys, time
+from pathlib import Path
+from fp8train.training.runs.lifetime import Interrupted, die_with_parent, interrupts_raised
+parent, out = int(sys.argv[1]), Path(sys.argv[2])
+die_with_parent(parent)
+try:
+    with interrupts_raised():
+        try:
+            (out / "ready").touch()
+            while True:
+                time.sleep(0.01)
+        except Interrupted as err:
+            time.sleep(1.0)
+            (out / "summary").write_text(signal.Signals(err.signum).name)
+            raise
+except Interrupted as err:
+    os._exit(128 + err.signum)
+"""
+_PARENT = """
+import os, signal, subprocess, sys, threading, time
+from pathlib import Path
+out = Path(sys.argv[1])
+def start_worker():
+    worker = subprocess.Popen([sys.executable, "-c", sys.argv[2], str(os.getpid()), str(out)])
+    print(worker.pid, flush=True)
+    while not (out / "ready").exists():
+        time.sleep(0.01)
+thread = threading.Thread(target=start_worker)
+thread.start()
+thread.join()
+time.sleep(0.3)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_worker_told_twice_by_its_dying_parent_still_writes_its_summary(tmp_path, commands):
+    parent = subprocess.run([sys.executable, "-c", _PARENT, str(tmp_path), _WORKER], env=commands.env(),
+                            capture_output=True, text=True, timeout=120)
+    assert parent.returncode == -signal.SIGKILL, parent.stderr
+    worker_pid = int(parent.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while _running(worker_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(worker_pid), "the worker outlived its parent"
+    assert (tmp_path / "summary").read_text() == "SIGTERM"

@@ -10,6 +10,13 @@
 - `die_with_parent(parent_pid)`: a worker process (validate.workers > 1) gets SIGTERM when its parent dies, even
   by SIGKILL, so no worker is left training, or blocked on a queue nobody will write, after `kill -9` of
   `fp8train validate` (Linux: prctl(PR_SET_PDEATHSIG); elsewhere a thread polls the parent's pid).
+
+One signal ends a run; its repeats are dropped until the interrupt has been handled (the summary written, the
+lock released). They do come: Linux sends the parent-death signal each time the thread a worker is a child of
+exits and the worker is handed to another thread of the same parent, so a `kill -9` of a validate with several
+threads delivers SIGTERM to each worker several times within milliseconds; a scheduler or an impatient user may
+repeat a signal too. Were a repeat raised, it would cut the summary's writing short (seen: a worker's run left
+without summary.json).
 """
 
 from __future__ import annotations
@@ -37,28 +44,38 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-# Signals that arrived inside interrupts_held, raised when it ends (main thread only: handlers run there).
-_held = {"depth": 0, "pending": []}
+# The process's signal state (handlers run in the main thread only): how deeply nested interrupts_raised and
+# interrupts_held are, the signals that arrived inside interrupts_held (raised when it ends), and the signal
+# already raised as Interrupted since the outermost interrupts_raised began (its repeats are dropped; it stays set
+# after the block, so a worker's _exit_on_signal drops them too while the interrupt unwinds to os._exit).
+_held = {"raising": 0, "depth": 0, "pending": [], "raised": None}
 
 
 def _raise(signum, _frame):
+    if _held["raised"] is not None:
+        return  # the run is already ending on a signal: a repeat must not interrupt the summary being written
     if _held["depth"]:
         _held["pending"].append(signum)
         return
+    _held["raised"] = signum
     raise Interrupted(signum)
 
 
 @contextmanager
 def interrupts_raised():
-    """SIGTERM and SIGINT raise Interrupted inside the block (see the module docstring)."""
+    """SIGTERM and SIGINT raise Interrupted inside the block, once (see the module docstring)."""
     installed = {}
     if threading.current_thread() is threading.main_thread():
+        if not _held["raising"]:  # a new outermost block: an interrupt handled before this one is over
+            _held["raised"] = None
         for signum in _SIGNALS:  # over the defaults, or our own (a validate worker's _exit_on_signal)
             if signal.getsignal(signum) in (_DEFAULTS[signum], _raise, _exit_on_signal):
                 installed[signum] = signal.signal(signum, _raise)
+    _held["raising"] += 1
     try:
         yield
     finally:
+        _held["raising"] -= 1
         for signum, previous in installed.items():
             signal.signal(signum, previous)
 
@@ -75,10 +92,13 @@ def interrupts_held():
         if not _held["depth"] and _held["pending"]:
             signum = _held["pending"][0]
             _held["pending"].clear()
+            _held["raised"] = signum
             raise Interrupted(signum)
 
 
 def _exit_on_signal(signum, _frame):
+    if _held["raised"] is not None:
+        return  # a repeat of the signal whose interrupt is unwinding this worker to its os._exit
     os._exit(128 + signum)
 
 
