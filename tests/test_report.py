@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fp8train.evidence import advisor
+from fp8train.evidence.curves import Curve
 from fp8train.evidence.report import write_report
 from fp8train.training.runs import telemetry
 from fp8train.training.config import config_hash, config_to_yaml, load_config
@@ -487,6 +488,98 @@ def test_shadow_section_of_a_run_report_by_hand(tmp_path):
         "| current | weight | 40.0 (a) | 0.00% | 0.00% |",
         ""]
     assert _shadow_markdown(tmp_path, [{"step": 10}]) == []  # no shadow recipes: no section
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures a plot function makes, kept for inspection instead of written."""
+    from fp8train.evidence import plots
+
+    figures = []
+    monkeypatch.setattr(plots, "_write_png", lambda fig, plt, path: figures.append(fig))
+    yield figures
+    import matplotlib.pyplot as plt
+
+    for fig in figures:
+        plt.close(fig)
+
+
+def test_forest_plot_puts_each_number_where_it_says(drawn, tmp_path):
+    """Row y of a candidate (the first on top): its seeds' gaps as 5 pt grey dots at y + 0.18, its bounds as a
+    bar at y, its mean as a 9 pt square at y; values in percent; the title says how to read it."""
+    from fp8train.evidence.plots import plot_forest
+
+    candidates = {"good": {"verdict": "pass", "gaps": {"1": 0.005, "2": 0.007}, "gap_lower": -0.0003,
+                           "gap_upper": 0.0123, "gap_mean": 0.006},
+                  "bad": {"verdict": "fail", "gaps": {"1": 0.04}, "gap_lower": 0.03, "gap_upper": 0.05,
+                          "gap_mean": 0.04}}
+    plot_forest(tmp_path / "forest.png", candidates, 0.02, "val")
+    (ax,) = drawn[0].axes
+    points = [(list(line.get_xdata()), list(line.get_ydata()), line.get_marker(), line.get_markersize())
+              for line in ax.get_lines()]
+    assert points[:3] == [([pytest.approx(0.5), pytest.approx(0.7)], [1.18, 1.18], "o", 5.0),
+                          ([pytest.approx(-0.03), pytest.approx(1.23)], [1, 1], "None", pytest.approx(6.0)),
+                          ([pytest.approx(0.6)], [1], "s", 9.0)]
+    assert points[3:6] == [([pytest.approx(4.0)], [0.18], "o", 5.0),
+                           ([pytest.approx(3.0), pytest.approx(5.0)], [0, 0], "None", pytest.approx(6.0)),
+                           ([pytest.approx(4.0)], [0], "s", 9.0)]
+    assert ax.get_title() == "val: paired gaps over seeds (PASS when the upper bound is left of the margin)"
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["bad (FAIL)", "good (PASS)"]
+    legend = ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["one seed's paired gap", "one-sided 95% bounds",
+                                                          "mean gap", "margin 2.0%"]
+    assert legend.get_texts()[0].get_fontsize() == 8.0
+
+
+def test_loss_curves_draw_every_seed_and_label_each_run_once(drawn, tmp_path):
+    import types
+
+    from fp8train.evidence.plots import plot_loss_curves
+
+    def run(scale):
+        return types.SimpleNamespace(curve=Curve(val={10: 4.0 * scale, 20: 3.0 * scale},
+                                                 train={5: 5.0 * scale, 10: 4.5 * scale}))
+
+    plot_loss_curves(tmp_path / "loss.png", {"bf16": [run(1.0), run(1.01)], "current": [run(1.02)]}, "val")
+    train_ax, val_ax, zoom_ax = drawn[0].axes
+    assert [list(line.get_ydata()) for line in train_ax.get_lines()] == [[5.0, 4.5], [5.05, 4.545], [5.1, 4.59]]
+    for ax in (val_ax, zoom_ax):
+        lines = ax.get_lines()
+        assert [list(line.get_xdata()) for line in lines] == [[10, 20]] * 3
+        assert [(line.get_marker(), line.get_markersize()) for line in lines] == [("o", 2.0)] * 3
+        assert [line.get_label() for line in lines][::2] == ["bf16", "current"]  # one legend entry per run label
+    legend = zoom_ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["bf16", "current"]
+    assert legend.get_texts()[0].get_fontsize() == 8.0
+    assert drawn[0]._suptitle.get_text() == "val: loss curves (one line per seed)"
+    # the zoom, by hand: from step 10 (half of 20) on the values are 3.0 ... 4.08, the middle one 4.0; high =
+    # min(4.08, 4.0 + 3 x 1.0) = 4.08, padded by 5% of 1.08 either side; x from 10 - 5% of 10 to 20 x 1.02
+    assert zoom_ax.get_ylim() == (pytest.approx(3.0 - 0.054), pytest.approx(4.08 + 0.054))
+    assert zoom_ax.get_xlim() == (pytest.approx(9.5), pytest.approx(20.4))
+
+
+def test_health_figure_size_grows_with_its_columns_and_layers(drawn, tmp_path):
+    """One stacked heatmap per statistic: width max(8, 0.75 x columns + 4) inches, height 3 x (1.6 + 0.28 x
+    layers); here 1 run x 3 roles = 3 columns (6.25 -> 8 wide) and 3 layers (6.12 high), then 4 runs: 12
+    columns, 13 wide."""
+    from fp8train.evidence.plots import plot_health
+
+    cell = {"overflow_frac": 0.001, "underflow_frac": 0.2, "sqnr_db": 25.0}
+    table = {layer: {role: dict(cell) for role in ("input", "weight", "grad_output")} for layer in ("a", "b", "c")}
+    assert plot_health(tmp_path / "h.png", {"x": table}, "val")
+    assert tuple(drawn[0].get_size_inches()) == (8.0, pytest.approx(6.12))
+    assert plot_health(tmp_path / "h.png", {name: table for name in "wxyz"}, "val")
+    assert tuple(drawn[1].get_size_inches()) == (13.0, pytest.approx(6.12))
+    assert not plot_health(tmp_path / "h.png", {"x": {}}, "val")  # no telemetry: no figure
+
+
+@pytest.mark.parametrize("value, spec, shown", [(None, "+.2%", "n/a"), (math.nan, ".4f", "n/a"),
+                                                 (math.inf, ".2%", "n/a"), (0.0123, "+.2%", "+1.23%"),
+                                                 (3.14159, ".4f", "3.1416")])
+def test_report_numbers_and_what_a_missing_one_shows(value, spec, shown):
+    from fp8train.evidence.report import _fmt
+
+    assert _fmt(value, spec) == shown
 
 
 def test_report_help_says_what_directory_it_takes(capsys):
