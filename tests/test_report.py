@@ -560,16 +560,16 @@ def test_loss_curves_draw_every_seed_and_label_each_run_once(drawn, tmp_path):
 
 def test_health_figure_size_grows_with_its_columns_and_layers(drawn, tmp_path):
     """One stacked heatmap per statistic: width max(8, 0.75 x columns + 4) inches, height 3 x (1.6 + 0.28 x
-    layers); here 1 run x 3 roles = 3 columns (6.25 -> 8 wide) and 3 layers (6.12 high), then 4 runs: 12
+    layers); here 1 run x 3 roles = 3 columns (6.25 -> 8 wide) and 3 layers (7.32 high), then 4 runs: 12
     columns, 13 wide."""
     from fp8train.evidence.plots import plot_health
 
     cell = {"overflow_frac": 0.001, "underflow_frac": 0.2, "sqnr_db": 25.0}
     table = {layer: {role: dict(cell) for role in ("input", "weight", "grad_output")} for layer in ("a", "b", "c")}
     assert plot_health(tmp_path / "h.png", {"x": table}, "val")
-    assert tuple(drawn[0].get_size_inches()) == (8.0, pytest.approx(6.12))
+    assert tuple(drawn[0].get_size_inches()) == (8.0, pytest.approx(7.32))
     assert plot_health(tmp_path / "h.png", {name: table for name in "wxyz"}, "val")
-    assert tuple(drawn[1].get_size_inches()) == (13.0, pytest.approx(6.12))
+    assert tuple(drawn[1].get_size_inches()) == (13.0, pytest.approx(7.32))
     assert not plot_health(tmp_path / "h.png", {"x": {}}, "val")  # no telemetry: no figure
 
 
