@@ -573,6 +573,29 @@ def test_health_figure_size_grows_with_its_columns_and_layers(drawn, tmp_path):
     assert not plot_health(tmp_path / "h.png", {"x": {}}, "val")  # no telemetry: no figure
 
 
+def test_health_heatmaps_colour_scales_and_cells_without_fp8(drawn, tmp_path):
+    """Overflow 0.1% and underflow 20% in every cell, SQNR 25 dB; layer c has FP8 telemetry for its input only.
+    Percent panels: log colour from 1e-3 to at least 1 (so 0.1% is not the top colour), else their largest value;
+    SQNR: 0 to 40 dB. A cell without FP8 is NaN, shown grey (#dddddd), never a crash."""
+    import matplotlib.colors
+    import numpy as np
+
+    from fp8train.evidence.plots import plot_health
+
+    cell = {"overflow_frac": 0.001, "underflow_frac": 0.2, "sqnr_db": 25.0}
+    table = {layer: {role: dict(cell) for role in ("input", "weight", "grad_output")} for layer in ("a", "b")}
+    table["c"] = {"input": dict(cell)}
+    assert plot_health(tmp_path / "h.png", {"x": table}, "val")
+    overflow, underflow, sqnr = (ax.images[0] for ax in drawn[0].axes if ax.images)  # (colour bars: no image)
+    assert (overflow.norm.vmin, overflow.norm.vmax) == (1e-3, 1.0)
+    assert (underflow.norm.vmin, underflow.norm.vmax) == (1e-3, pytest.approx(20.0))
+    assert (sqnr.norm.vmin, sqnr.norm.vmax) == (0.0, 40.0)
+    values = np.ma.getdata(sqnr.get_array())
+    assert values[:2].tolist() == [[25.0] * 3] * 2 and values[2, 0] == 25.0 and np.isnan(values[2, 1:]).all()
+    for image in (overflow, underflow, sqnr):
+        assert image.get_cmap().get_bad() == pytest.approx(matplotlib.colors.to_rgba("#dddddd"))
+
+
 @pytest.mark.parametrize("value, spec, shown", [(None, "+.2%", "n/a"), (math.nan, ".4f", "n/a"),
                                                  (math.inf, ".2%", "n/a"), (0.0123, "+.2%", "+1.23%"),
                                                  (3.14159, ".4f", "3.1416")])
