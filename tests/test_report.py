@@ -605,6 +605,34 @@ def test_report_numbers_and_what_a_missing_one_shows(value, spec, shown):
     assert _fmt(value, spec) == shown
 
 
+def test_evidence_cost_by_hand():
+    """Runs made (summaries), their wall seconds, wall x processes, CPU seconds (None when a run lacks them), and
+    what fixed designs would have run: every planned seed, and the fewest seeds that decide every candidate."""
+    import types
+
+    from fp8train.evidence import stats
+    from fp8train.evidence.verdict import evidence_cost
+
+    def run(summary):
+        return types.SimpleNamespace(summary=summary)
+
+    plan = {"margin": 0.02, "seeds": [1, 2, 3], "candidates": [{"label": "good"}]}
+    runs = {"bf16": {1: run({"wall_time_s": 10.0, "cpu_time_s": 8.0}),
+                     2: run({"wall_time_s": 12.0, "world_size": 2, "cpu_time_s": 9.0}), 3: run(None)},
+            "good": {1: run({"wall_time_s": 20.0, "cpu_time_s": 15.0}), 2: run(None), 3: run(None)}}
+    candidates = {"good": {"gap_mean": 0.006, "gap_sd": 0.001}}
+    fixed = max(stats.seeds_needed(0.006, 0.001, 0.02), 2)
+    assert evidence_cost(plan, runs, candidates) == {
+        "runs": 3, "run_seconds": 42.0, "device_seconds": 10.0 + 24.0 + 20.0, "cpu_seconds": 32.0,
+        "planned_seeds_runs": 6, "fixed_design_seeds": fixed, "fixed_design_runs": 2 * fixed}
+    runs["good"][2] = run({"wall_time_s": 5.0})  # no CPU time recorded: the CPU total is unknown
+    assert evidence_cost(plan, runs, candidates)["cpu_seconds"] is None
+    on_margin = {"good": {"gap_mean": 0.02, "gap_sd": 0.001}}  # no fixed design decides it
+    assert stats.seeds_needed(0.02, 0.001, 0.02) is None
+    cost = evidence_cost(plan, runs, on_margin)
+    assert (cost["fixed_design_seeds"], cost["fixed_design_runs"]) == (None, None)
+
+
 def test_report_help_says_what_directory_it_takes(capsys):
     from fp8train.cli import main
 

@@ -68,6 +68,7 @@ def test_paired_gap_over_the_final_window():
     assert stats.paired_gap(BASE, {0: 5.5, 10: 4.0, 20: 3.5}, 2) != stats.paired_gap(BASE, cand, 2)  # nan
     assert math.isnan(stats.paired_gap(BASE, {30: 3.2, 40: math.nan}, 2))
     assert stats.window_steps({0: 5.5}, 3) == []  # the untrained model is never the window
+    assert stats.window_steps({0: 5.5, 1: 5.0, 2: 4.0}, 3) == [1, 2]  # step 1 is the first trained step
 
 
 def test_estimate_and_bounds_by_hand():
