@@ -638,7 +638,9 @@ def test_report_help_says_what_directory_it_takes(capsys):
 
     with pytest.raises(SystemExit):
         main(["report", "--help"])
-    assert "a validation directory (with plan.json) or a run directory" in " ".join(capsys.readouterr().out.split())
+    help_text = " ".join(capsys.readouterr().out.split())  # the whole entry, from its name to the next section
+    assert "positional arguments: run_dir a validation directory (with plan.json) or a run directory options:" \
+        in help_text
 
 
 def _edit_json(path, **changes):
