@@ -58,7 +58,8 @@ LAYERS = {
         modules=["fp8train/evidence/*.py"],
         exclude=[],
         tests=["tests/test_verdict_threshold.py", "tests/test_validate.py", "tests/test_report.py",
-               "tests/test_run_files.py", "tests/test_overrides.py", "tests/test_sequential.py"],
+               "tests/test_run_files.py", "tests/test_overrides.py", "tests/test_sequential.py",
+               "tests/test_fork.py"],
         markers="not slow and not compiled and not cuda"),
     "training-state": dict(
         modules=["fp8train/training/runs/checkpoint.py", "fp8train/training/runs/resume.py",

@@ -131,3 +131,19 @@ def test_partial_sums_are_exactly_the_documented_rule(k, promotion, rng):
     if promotion:  # the interval matters: one group more or fewer per promotion gives other sums
         for other in {0, 32, 64, 96, 128} - {promotion}:
             assert not np.array_equal(expected, _hopper_ref(a, b, 8, other, 32)), other
+
+
+@pytest.mark.parametrize("promotion", [0, 32, 128])
+def test_the_layers_forward_accumulates_as_its_recipe_says(promotion, rng):
+    """The recipe's accumulator_bits and accumulator_promotion both reach the layer's output GEMM. Inputs and
+    weights are E4M3 values in [1, 2) and power-of-two scales, so quantizing them is exact and the output must
+    equal the float64 reference of the documented rule bit for bit (8 bits: every promotion interval differs)."""
+    mantissas = 1.0 + np.arange(8) / 8.0
+    x = rng.choice(mantissas, size=(3, 256)) * rng.choice([1.0, -1.0], size=(3, 256), p=[0.8, 0.2])
+    w = rng.choice(mantissas, size=(16, 256))
+    layer = Fp8Linear(256, 16, bias=False, recipe=recipe("current", pow2_scales=True, accumulator_bits=8,
+                                                         accumulator_promotion=promotion))
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor(w))
+        out = layer(torch.tensor(x, dtype=torch.float32))
+    assert np.array_equal(out.double().numpy(), _hopper_ref(x, w.T, 8, promotion, 32))

@@ -82,6 +82,39 @@ def test_default_policy_report():
     assert 0 < report.converted_frac < 1
 
 
+def test_report_text_line_by_line():
+    """The printed report: a header with the counts and the FP8 share of linear weights, then one row per layer,
+    names padded to the longest (here 11 characters), kind 'fp8' or 'skip' in 4 columns."""
+    report = ConversionReport(recipe=recipe("current"), converted=[("a.q", "why a")],
+                              skipped=[("long.name.x", "why x")], converted_params=3, skipped_params=1)
+    assert str(report).split("\n") == [
+        "FP8 conversion (current:e4m3/e4m3/e5m2:m0): 1 converted, 1 skipped, 75.0% of linear weights in FP8",
+        "layer" + " " * 6 + "  " + " " * 4 + "  reason",
+        "a.q" + " " * 8 + "  fp8   why a",
+        "long.name.x  skip  why x",
+    ]
+
+
+def test_a_transformers_conv1d_is_converted_with_its_weight_transposed_and_its_layout_kept():
+    from transformers.pytorch_utils import Conv1D  # GPT-2's layer: y = x @ weight + bias, weight (in, out)
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.c_fc = Conv1D(128, 64)  # nf=128 outputs, nx=64 inputs
+    model.plain = nn.Linear(64, 64)
+    weight, bias = model.c_fc.weight.detach().clone(), model.c_fc.bias.detach().clone()
+    x = torch.randn(4, 64)
+    expected = x @ weight + bias  # what the Conv1D computed, before the swap
+    report = convert_to_fp8(model, recipe("current", backend="emulated"))
+    assert [name for name, _ in report.converted] == ["c_fc", "plain"]
+    layer = model.c_fc
+    assert isinstance(layer, Fp8Linear) and layer.conv1d_layout and not model.plain.conv1d_layout
+    assert (layer.in_features, layer.out_features) == (64, 128)
+    assert torch.equal(layer.weight, weight.t()) and torch.equal(layer.bias, bias)
+    assert torch.equal(layer.state_dict()["weight"], weight)  # the state dict keeps Conv1D's (in, out)
+    torch.testing.assert_close(layer(x), expected, rtol=0.1, atol=0.1)  # FP8 numerics: same map, not bits
+
+
 def test_skip_first_and_last_blocks():
     model = TinyLM(n_layers=4)
     report = convert_to_fp8(model, "delayed", LayerPolicy(skip_first_blocks=1, skip_last_blocks=1))

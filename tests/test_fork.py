@@ -152,6 +152,27 @@ def _validate_cfg(root, tiny, fork_from, extra=()):
                               f"validate.fork_from={fork_from}", *extra])
 
 
+def test_a_plan_made_from_a_fork_is_finished_from_the_same_checkpoint_only(tmp_path):
+    """check_fork_unchanged by hand: no planned fork (a first run, or a plan without one) accepts any record;
+    a planned one refuses another checkpoint path, then other bytes under the same path."""
+    from fp8train.evidence.fork import check_fork_unchanged
+
+    record = {"checkpoint": "runs/src/checkpoints/step_16", "sha256": "1" * 64}
+    check_fork_unchanged(tmp_path, record, None)
+    check_fork_unchanged(tmp_path, record, {})
+    check_fork_unchanged(tmp_path, record, dict(record))
+    with pytest.raises(ValueError) as caught:
+        check_fork_unchanged(tmp_path, record, {**record, "checkpoint": "runs/src/checkpoints/step_8"})
+    assert str(caught.value).startswith(f"{tmp_path / 'plan.json'} was planned from the fork checkpoint "
+                                        "runs/src/checkpoints/step_8; validate.fork_from now resolves to "
+                                        "runs/src/checkpoints/step_16")
+    with pytest.raises(ValueError) as caught:
+        check_fork_unchanged(tmp_path, record, {**record, "sha256": "2" * 64})
+    assert str(caught.value).startswith("the fork checkpoint runs/src/checkpoints/step_16 changed since "
+                                        f"{tmp_path / 'plan.json'} was planned (sha256 222222222222 then, "
+                                        "111111111111 now)")
+
+
 @pytest.mark.slow
 def test_validation_from_a_fork_records_the_checkpoint_and_refuses_a_changed_or_missing_one(source, tiny, tmp_path):
     from fp8train.evidence.validate import run_validation

@@ -43,7 +43,8 @@ M, K, N = 48, 256, 80
 
 
 @pytest.mark.parametrize("emulated", ["fp32", "bf16"])  # fp32 output: both modes must accumulate and keep fp32
-@pytest.mark.parametrize("kind", ["tensor", "row_outer", "row_contracted", "block"])
+@pytest.mark.parametrize("kind", ["tensor", "row_outer", "row_contracted", "block", "block_a_tensor_b",
+                                  "tensor_a_block_b"])
 @pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)])
 def test_emulated_matches_fp64_reference(kind, dtypes, emulated):
     a_data, b_data = _fp8((M, K), dtypes[0], 1), _fp8((K, N), dtypes[1], 2)
@@ -59,6 +60,14 @@ def test_emulated_matches_fp64_reference(kind, dtypes, emulated):
         sa, sb = _pow2((1, K), 3), _pow2((K, 1), 4)
         a, b = Fp8Operand(a_data, sa), Fp8Operand(b_data, sb)
         fa, fb = sa, sb
+    elif kind == "block_a_tensor_b":  # only a varies along K: a is dequantized, b's scale still factors out
+        sa, sb = _pow2((M, K // 128), 3), _pow2((), 4) * 1.3
+        a, b = Fp8Operand(a_data, sa, (1, 128)), Fp8Operand(b_data, sb)
+        fa, fb = sa.repeat_interleave(128, 1), sb
+    elif kind == "tensor_a_block_b":  # only b varies along K
+        sa, sb = _pow2((), 3) * 0.7, _pow2((K // 128, 1), 4)
+        a, b = Fp8Operand(a_data, sa), Fp8Operand(b_data, sb, (128, 128))
+        fa, fb = sa, sb.repeat_interleave(128, 0).expand(K, N)
     else:  # 1x128 tiles for a, 128x128 tiles for b (ragged N=80 < 128)
         sa, sb = _pow2((M, K // 128), 3), _pow2((K // 128, 1), 4)
         a, b = Fp8Operand(a_data, sa, (1, 128)), Fp8Operand(b_data, sb, (128, 128))
@@ -136,6 +145,12 @@ def test_scaled_mm_refused_without_capable_gpu():
         fp8_mm(a, a, "scaled_mm")
     with pytest.raises(RuntimeError, match="compute capability 8.9"):
         resolve_backend("scaled_mm", "cpu")
+
+
+def test_unknown_backend_lists_the_allowed_ones():
+    with pytest.raises(ValueError) as caught:
+        resolve_backend("fp8", "cpu")
+    assert str(caught.value) == "unknown GEMM backend 'fp8'; allowed: auto, emulated, scaled_mm, te"
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -100,3 +101,71 @@ def test_choice_rule(timing, shadow, expected):
     choice, comment = choose(timing, shadow, "bf16", DEFAULT_THRESHOLDS)
     assert choice == expected, comment
     assert "speedup over bf16" in comment and "over fp32" in comment
+
+
+def test_choice_comment_lists_speedups_fastest_first_and_the_other_baseline():
+    """The comment behind a choice, by hand: speedups over the deciding baseline, fastest first; the fastest
+    recipe's speedup over the other baseline; the chosen recipe's SQNR per role."""
+    timing = {"fp32": 2.0, "bf16": 1.0, "current": 0.5, "rowwise": 0.4}
+    shadow = {"current": _shadow(), "rowwise": _shadow(sqnr=31.25)}  # current first: not the sorted order
+    assert choose(timing, shadow, "bf16", DEFAULT_THRESHOLDS) == (
+        "rowwise", "speedup over bf16: rowwise 2.50x, current 2.00x; over fp32: rowwise 5.00x; "
+                   "rowwise SQNR in/w/grad 31.2/31.2/31.2 dB")
+    assert choose(timing, shadow, "fp32", DEFAULT_THRESHOLDS) == (
+        "rowwise", "speedup over fp32: rowwise 5.00x, current 4.00x; over bf16: rowwise 2.50x; "
+                   "rowwise SQNR in/w/grad 31.2/31.2/31.2 dB")
+
+
+def test_shadow_table_means_maxima_and_a_resumed_step_counted_once():
+    from fp8train.evidence.plan import shadow_table
+
+    def record(step, sqnr, overflow, underflow):
+        stats = dict(sqnr_db=sqnr, overflow_frac=overflow, underflow_frac=underflow)
+        return {"step": step, "shadow": {"l": {"current": {"input": stats}}}}
+
+    records = [record(10, 20.0, 0.0, 0.1), record(20, "inf", 0.004, 0.2), {"step": 25},  # no shadow at 25
+               record(30, 40.0, 0.001, 0.6), record(30, 30.0, 0.002, 0.3)]  # step 30 again (resumed): the last
+    assert shadow_table(records) == {"l": {"current": {"input": {
+        "sqnr_db": 25.0,  # mean of the finite 20 and 30 (inf: an exact quantization, left out)
+        "overflow_frac": 0.004,  # the worst step
+        "underflow_frac": pytest.approx(0.2),  # mean of 0.1, 0.2, 0.3
+    }}}}
+
+
+def test_plan_command_on_a_hand_written_run(tmp_path, capsys):
+    """`fp8train plan` from a run directory written by hand: its config and shadow telemetry saying that one
+    layer's gradients lose too much in FP8 (SQNR 5 dB). With --min-speedup 0 the numerics alone decide (this
+    CPU's timings do not), so every other layer gets the one shadowed recipe."""
+    import argparse
+
+    from fp8train.evidence.plan import add_cli_arguments, cli_main
+    from fp8train.training.config import config_to_yaml
+
+    cfg = load_config(None, ["model.d_model=64", "model.n_layers=1", "model.n_heads=2", "model.seq_len=32",
+                             "train.batch_size=4"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(config_to_yaml(cfg))
+    names = [f"layers.0.attn.{p}_proj" for p in "qkvo"] + [f"layers.0.mlp.{p}_proj" for p in ("gate", "up",
+                                                                                              "down")]
+    good = dict(sqnr_db=30.0, overflow_frac=0.0, underflow_frac=0.01)
+    shadow = {n: {"current": {"input": good, "weight": good,
+                              "grad_output": dict(good, sqnr_db=5.0) if n.endswith("down_proj") else good}}
+              for n in names}
+    (run / "telemetry.jsonl").write_text("".join(json.dumps({"step": step, "layers": {}, "shadow": shadow}) + "\n"
+                                                 for step in (10, 20)))
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    assert "where to time the layer shapes (default: cuda if available)" in " ".join(parser.format_help().split())
+    out = tmp_path / "plan.yaml"
+    args = parser.parse_args([str(run), "--out", str(out), "--repeats", "1", "--min-speedup", "0"])
+    assert cli_main(args) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed.startswith("6 of 7 layers in FP8 on ") and printed.endswith(f"; plan written to {out}")
+    text = out.read_text()
+    assert text.splitlines()[0].endswith(" (cpu)")  # device auto on a machine without CUDA
+    assert read_plan_overrides(str(out)) == tuple(
+        ("^" + re.escape(n) + "$", "bf16" if n.endswith("down_proj") else "current") for n in names)
+    down = next(line for line in text.splitlines() if "down_proj" in line)
+    assert "# 128x176x64 speedup over bf16: current " in down  # 4 sequences x 32 tokens, in 176, out 64
+    assert down.endswith("; no recipe passes the numerics; current: grad_output SQNR 5.0 dB < 15")

@@ -130,3 +130,29 @@ def test_amax_history_length_bounds_are_inclusive():
     for bad in (0, MAX_AMAX_HISTORY + 1):
         with pytest.raises(ValueError, match="amax_history_len"):
             recipe("delayed", amax_history_len=bad)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(weight_block=(1, 128)), "scaling='mxfp8' uses 1x32 blocks for every operand (OCP MX); got "
+                                  "input_block=(1, 32), weight_block=(1, 128), grad_output_block=(1, 32)"),
+    (dict(margin=1), "scaling='mxfp8' takes its E8M0 scales from the OCP MX rule: margin must be 0 and pow2_scales "
+                     "False (the scales are powers of two already)"),
+    (dict(input_format="e4m3fnuz", weight_format="e4m3fnuz", grad_output_format="e4m3fnuz"),
+     "scaling='mxfp8' elements are OCP formats (e4m3fn, e5m2), not FNUZ"),
+])
+def test_mxfp8_refusals_say_which_rule(overrides, message):
+    with pytest.raises(ValueError) as caught:
+        recipe("mxfp8", **overrides)
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(amax_compute_algo="mean"), "amax_compute_algo must be one of max, most_recent, got 'mean'"),
+    (dict(backend="cublas"), "backend must be one of auto, emulated, scaled_mm, te, got 'cublas'"),
+    (dict(name=""), "name must be a non-empty string, got ''"),
+    (dict(name=7), "name must be a non-empty string, got 7"),
+])
+def test_field_errors_name_the_field_the_allowed_values_and_the_value(overrides, message):
+    with pytest.raises(ValueError) as caught:
+        Fp8Recipe(**overrides)
+    assert str(caught.value) == message

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fp8train.evidence import advisor
+from fp8train.evidence.curves import Curve
 from fp8train.evidence.report import write_report
 from fp8train.training.runs import telemetry
 from fp8train.training.config import config_hash, config_to_yaml, load_config
@@ -196,6 +197,51 @@ def validation_dir(tmp_path):
                extra={"divergence_telemetry": crash})
     _write_run(vdir, "broken", 2, BASE_VAL[2])
     return vdir
+
+
+def _sequential_vdir(tmp_path, missing):
+    """validate.seeds=auto with 4 seeds at most: seed 1 ran both, seed 2 lacks the `missing` run."""
+    from fp8train.evidence import sequential
+
+    vdir = tmp_path / "val"
+    vdir.mkdir()
+    plan = {"margin": 0.02, "final_window": 2, "seeds": [1, 2, 3, 4], "baseline": "bf16", "config_hash": "ab" * 32,
+            "candidates": [{"label": "good", "recipe": "delayed", "overrides": [], "recipe_code": "delayed:x"}],
+            "max_steps": 40, "eval_every": 10, "created": "2025-01-01T00:00:00", "data_fingerprint": FINGERPRINT,
+            "sequential": {"max_seeds": 4, **sequential.make_design(4).as_dict()}}
+    (vdir / "plan.json").write_text(json.dumps(plan))
+    _write_run(vdir, "bf16", 1, BASE_VAL[1])
+    _write_run(vdir, "good", 1, GOOD_VAL[1])
+    _write_run(vdir, "good" if missing == "bf16" else "bf16", 2, (GOOD_VAL if missing == "bf16" else BASE_VAL)[2])
+    return vdir
+
+
+@pytest.mark.parametrize("missing, waiting", [("good", "seed 2: candidate missing"),
+                                             ("bf16", "seed 2: bf16 baseline missing")])
+def test_a_sequential_validation_waits_for_the_seed_its_first_look_needs(tmp_path, missing, waiting):
+    """The looks stop at seed 2, so the first look (2 seeds) cannot be made yet: INCONCLUSIVE for now, the reason
+    naming the seed it waits for."""
+    from fp8train.evidence.verdict import load_validation, summarize_validation
+
+    good = summarize_validation(*load_validation(_sequential_vdir(tmp_path, missing)))["candidates"]["good"]
+    assert good["verdict"] == "inconclusive"
+    assert good["reason"] == f"needs 2 seeds for its first look; the next look needs 2 seeds ({waiting})"
+    assert good["sequential"]["next_seeds"] == 2 and good["sequential"]["decided"] is False
+    assert good["gaps"] == {"1": pytest.approx(0.005)}  # seed 1's paired gap, the only one usable
+
+
+def test_the_next_round_is_the_first_looks_seeds_of_the_baseline_and_the_undecided_candidate(tmp_path):
+    from fp8train.evidence.pairs import PlannedRun
+    from fp8train.evidence.rounds import next_round
+    from fp8train.training.config.validation import parse_candidate
+
+    vdir = _sequential_vdir(tmp_path, "good")
+    runs = []
+    for seed in (1, 2, 3, 4):
+        for label in ("bf16", "good"):
+            cfg = load_config(None, [f"run.dir={vdir / 'runs' / label}", f"run.name=seed{seed}", f"train.seed={seed}"])
+            runs.append(PlannedRun(label, seed, cfg, None if label == "bf16" else parse_candidate("good=delayed")))
+    assert [r.key for r in next_round(vdir, runs)] == ["bf16/seed1", "good/seed1", "bf16/seed2", "good/seed2"]
 
 
 def test_validation_report_from_fixture(validation_dir):
@@ -406,6 +452,197 @@ def test_plain_run_report_and_cli(validation_dir, capsys):
 # ------------------------------------------------------------------------------------------------------------
 # Pairing checked before any verdict: `report` refuses what `validate` would refuse, and rewrites nothing
 # ------------------------------------------------------------------------------------------------------------
+def test_a_run_made_from_another_config_than_planned_is_refused_by_its_plan_entry(validation_dir):
+    """plan.json's per-run config hash is checked against the run's config.yaml: the fixture's runs match their
+    own summaries, so only the plan entry can tell this one apart."""
+    from fp8train.evidence.pairing import check_pairing
+    from fp8train.evidence.verdict import load_validation
+
+    run = validation_dir / "runs" / "good" / "seed1"
+    own = config_hash(load_config(str(run / "config.yaml")))
+    plan, runs = load_validation(validation_dir)
+    check_pairing(validation_dir, {**plan, "runs": {"good/seed1": {"config_hash": own}}}, runs)  # as planned
+    with pytest.raises(ValueError) as caught:
+        check_pairing(validation_dir, {**plan, "runs": {"good/seed1": {"config_hash": "0" * 64}}}, runs)
+    assert str(caught.value).startswith(
+        f"{validation_dir}: its runs are not paired as plan.json declares, so no verdict is computed (nothing was "
+        "written): runs/good/seed1: its config.yaml is not the config plan.json planned for it. Restore")
+
+
+def test_shadow_section_of_a_run_report_by_hand(tmp_path):
+    """The worst layer per recipe and role: lowest mean SQNR (with its layer), highest overflow and underflow."""
+    from fp8train.evidence.report import _shadow_markdown
+
+    def stats(sqnr, overflow, underflow):
+        return dict(sqnr_db=sqnr, overflow_frac=overflow, underflow_frac=underflow)
+
+    shadow = {"a": {"current": {"input": stats(30.0, 0.001, 0.02), "weight": stats(40.0, 0.0, 0.0)}},
+              "b": {"current": {"input": stats(20.0, 0.0, 0.05)}}}
+    assert _shadow_markdown(tmp_path, [{"step": 10, "shadow": shadow}]) == [
+        "## Recipe shadowing", "",
+        "What each shadowed recipe would have done to this run's real operands (worst layer per role: lowest mean "
+        f"SQNR, highest overflow and underflow). `fp8train plan {tmp_path} --out plan.yaml` turns it into a "
+        "per-layer plan.", "",
+        "| recipe | role | min SQNR dB (layer) | max overflow | max underflow |", "|---|---|---|---|---|",
+        "| current | input | 20.0 (b) | 0.10% | 5.00% |",
+        "| current | weight | 40.0 (a) | 0.00% | 0.00% |",
+        ""]
+    assert _shadow_markdown(tmp_path, [{"step": 10}]) == []  # no shadow recipes: no section
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures a plot function makes, kept for inspection instead of written."""
+    from fp8train.evidence import plots
+
+    figures = []
+    monkeypatch.setattr(plots, "_write_png", lambda fig, plt, path: figures.append(fig))
+    yield figures
+    import matplotlib.pyplot as plt
+
+    for fig in figures:
+        plt.close(fig)
+
+
+def test_forest_plot_puts_each_number_where_it_says(drawn, tmp_path):
+    """Row y of a candidate (the first on top): its seeds' gaps as 5 pt grey dots at y + 0.18, its bounds as a
+    bar at y, its mean as a 9 pt square at y; values in percent; the title says how to read it."""
+    from fp8train.evidence.plots import plot_forest
+
+    candidates = {"good": {"verdict": "pass", "gaps": {"1": 0.005, "2": 0.007}, "gap_lower": -0.0003,
+                           "gap_upper": 0.0123, "gap_mean": 0.006},
+                  "bad": {"verdict": "fail", "gaps": {"1": 0.04}, "gap_lower": 0.03, "gap_upper": 0.05,
+                          "gap_mean": 0.04}}
+    plot_forest(tmp_path / "forest.png", candidates, 0.02, "val")
+    (ax,) = drawn[0].axes
+    points = [(list(line.get_xdata()), list(line.get_ydata()), line.get_marker(), line.get_markersize())
+              for line in ax.get_lines()]
+    assert points[:3] == [([pytest.approx(0.5), pytest.approx(0.7)], [1.18, 1.18], "o", 5.0),
+                          ([pytest.approx(-0.03), pytest.approx(1.23)], [1, 1], "None", pytest.approx(6.0)),
+                          ([pytest.approx(0.6)], [1], "s", 9.0)]
+    assert points[3:6] == [([pytest.approx(4.0)], [0.18], "o", 5.0),
+                           ([pytest.approx(3.0), pytest.approx(5.0)], [0, 0], "None", pytest.approx(6.0)),
+                           ([pytest.approx(4.0)], [0], "s", 9.0)]
+    assert ax.get_title() == "val: paired gaps over seeds (PASS when the upper bound is left of the margin)"
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["bad (FAIL)", "good (PASS)"]
+    legend = ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["one seed's paired gap", "one-sided 95% bounds",
+                                                          "mean gap", "margin 2.0%"]
+    assert legend.get_texts()[0].get_fontsize() == 8.0
+
+
+def test_loss_curves_draw_every_seed_and_label_each_run_once(drawn, tmp_path):
+    import types
+
+    from fp8train.evidence.plots import plot_loss_curves
+
+    def run(scale):
+        return types.SimpleNamespace(curve=Curve(val={10: 4.0 * scale, 20: 3.0 * scale},
+                                                 train={5: 5.0 * scale, 10: 4.5 * scale}))
+
+    plot_loss_curves(tmp_path / "loss.png", {"bf16": [run(1.0), run(1.01)], "current": [run(1.02)]}, "val")
+    train_ax, val_ax, zoom_ax = drawn[0].axes
+    assert [list(line.get_ydata()) for line in train_ax.get_lines()] == [[5.0, 4.5], [5.05, 4.545], [5.1, 4.59]]
+    for ax in (val_ax, zoom_ax):
+        lines = ax.get_lines()
+        assert [list(line.get_xdata()) for line in lines] == [[10, 20]] * 3
+        assert [(line.get_marker(), line.get_markersize()) for line in lines] == [("o", 2.0)] * 3
+        assert [line.get_label() for line in lines][::2] == ["bf16", "current"]  # one legend entry per run label
+    legend = zoom_ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["bf16", "current"]
+    assert legend.get_texts()[0].get_fontsize() == 8.0
+    assert drawn[0]._suptitle.get_text() == "val: loss curves (one line per seed)"
+    # the zoom, by hand: from step 10 (half of 20) on the values are 3.0 ... 4.08, the middle one 4.0; high =
+    # min(4.08, 4.0 + 3 x 1.0) = 4.08, padded by 5% of 1.08 either side; x from 10 - 5% of 10 to 20 x 1.02
+    assert zoom_ax.get_ylim() == (pytest.approx(3.0 - 0.054), pytest.approx(4.08 + 0.054))
+    assert zoom_ax.get_xlim() == (pytest.approx(9.5), pytest.approx(20.4))
+
+
+def test_health_figure_size_grows_with_its_columns_and_layers(drawn, tmp_path):
+    """One stacked heatmap per statistic: width max(8, 0.75 x columns + 4) inches, height 3 x (1.6 + 0.28 x
+    layers); here 1 run x 3 roles = 3 columns (6.25 -> 8 wide) and 3 layers (7.32 high), then 4 runs: 12
+    columns, 13 wide."""
+    from fp8train.evidence.plots import plot_health
+
+    cell = {"overflow_frac": 0.001, "underflow_frac": 0.2, "sqnr_db": 25.0}
+    table = {layer: {role: dict(cell) for role in ("input", "weight", "grad_output")} for layer in ("a", "b", "c")}
+    assert plot_health(tmp_path / "h.png", {"x": table}, "val")
+    assert tuple(drawn[0].get_size_inches()) == (8.0, pytest.approx(7.32))
+    assert plot_health(tmp_path / "h.png", {name: table for name in "wxyz"}, "val")
+    assert tuple(drawn[1].get_size_inches()) == (13.0, pytest.approx(7.32))
+    assert not plot_health(tmp_path / "h.png", {"x": {}}, "val")  # no telemetry: no figure
+
+
+def test_health_heatmaps_colour_scales_and_cells_without_fp8(drawn, tmp_path):
+    """Overflow 0.1% and underflow 20% in every cell, SQNR 25 dB; layer c has FP8 telemetry for its input only.
+    Percent panels: log colour from 1e-3 to at least 1 (so 0.1% is not the top colour), else their largest value;
+    SQNR: 0 to 40 dB. A cell without FP8 is NaN, shown grey (#dddddd), never a crash."""
+    import matplotlib.colors
+    import numpy as np
+
+    from fp8train.evidence.plots import plot_health
+
+    cell = {"overflow_frac": 0.001, "underflow_frac": 0.2, "sqnr_db": 25.0}
+    table = {layer: {role: dict(cell) for role in ("input", "weight", "grad_output")} for layer in ("a", "b")}
+    table["c"] = {"input": dict(cell)}
+    assert plot_health(tmp_path / "h.png", {"x": table}, "val")
+    overflow, underflow, sqnr = (ax.images[0] for ax in drawn[0].axes if ax.images)  # (colour bars: no image)
+    assert (overflow.norm.vmin, overflow.norm.vmax) == (1e-3, 1.0)
+    assert (underflow.norm.vmin, underflow.norm.vmax) == (1e-3, pytest.approx(20.0))
+    assert (sqnr.norm.vmin, sqnr.norm.vmax) == (0.0, 40.0)
+    values = np.ma.getdata(sqnr.get_array())
+    assert values[:2].tolist() == [[25.0] * 3] * 2 and values[2, 0] == 25.0 and np.isnan(values[2, 1:]).all()
+    for image in (overflow, underflow, sqnr):
+        assert image.get_cmap().get_bad() == pytest.approx(matplotlib.colors.to_rgba("#dddddd"))
+
+
+@pytest.mark.parametrize("value, spec, shown", [(None, "+.2%", "n/a"), (math.nan, ".4f", "n/a"),
+                                                 (math.inf, ".2%", "n/a"), (0.0123, "+.2%", "+1.23%"),
+                                                 (3.14159, ".4f", "3.1416")])
+def test_report_numbers_and_what_a_missing_one_shows(value, spec, shown):
+    from fp8train.evidence.report import _fmt
+
+    assert _fmt(value, spec) == shown
+
+
+def test_evidence_cost_by_hand():
+    """Runs made (summaries), their wall seconds, wall x processes, CPU seconds (None when a run lacks them), and
+    what fixed designs would have run: every planned seed, and the fewest seeds that decide every candidate."""
+    import types
+
+    from fp8train.evidence import stats
+    from fp8train.evidence.verdict import evidence_cost
+
+    def run(summary):
+        return types.SimpleNamespace(summary=summary)
+
+    plan = {"margin": 0.02, "seeds": [1, 2, 3], "candidates": [{"label": "good"}]}
+    runs = {"bf16": {1: run({"wall_time_s": 10.0, "cpu_time_s": 8.0}),
+                     2: run({"wall_time_s": 12.0, "world_size": 2, "cpu_time_s": 9.0}), 3: run(None)},
+            "good": {1: run({"wall_time_s": 20.0, "cpu_time_s": 15.0}), 2: run(None), 3: run(None)}}
+    candidates = {"good": {"gap_mean": 0.006, "gap_sd": 0.001}}
+    fixed = max(stats.seeds_needed(0.006, 0.001, 0.02), 2)
+    assert evidence_cost(plan, runs, candidates) == {
+        "runs": 3, "run_seconds": 42.0, "device_seconds": 10.0 + 24.0 + 20.0, "cpu_seconds": 32.0,
+        "planned_seeds_runs": 6, "fixed_design_seeds": fixed, "fixed_design_runs": 2 * fixed}
+    runs["good"][2] = run({"wall_time_s": 5.0})  # no CPU time recorded: the CPU total is unknown
+    assert evidence_cost(plan, runs, candidates)["cpu_seconds"] is None
+    on_margin = {"good": {"gap_mean": 0.02, "gap_sd": 0.001}}  # no fixed design decides it
+    assert stats.seeds_needed(0.02, 0.001, 0.02) is None
+    cost = evidence_cost(plan, runs, on_margin)
+    assert (cost["fixed_design_seeds"], cost["fixed_design_runs"]) == (None, None)
+
+
+def test_report_help_says_what_directory_it_takes(capsys):
+    from fp8train.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())  # the whole entry, from its name to the next section
+    assert "positional arguments: run_dir a validation directory (with plan.json) or a run directory options:" \
+        in help_text
+
+
 def _edit_json(path, **changes):
     record = json.loads(path.read_text())
     record.update(changes)

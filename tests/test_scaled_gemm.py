@@ -304,3 +304,55 @@ def test_planning_for_a_gpu_computes_the_fallback_with_its_bias():
     assert record == {"output": "scaled_mm:tensorwise"}
     expected = torch.full((16, 48), 32 * (2.0 * 1.5) * (0.5 * 4.0)) + bias  # 32 products of 3 x 2 = 192, + bias
     assert out.dtype == torch.float32 and torch.equal(out, expected)
+
+
+def test_a_bf16_only_kernel_output_comes_back_in_the_callers_dtype(monkeypatch):
+    """Some torch builds give a kernel a bf16 output only: the fp32 request is refused, the bf16 retry runs, and
+    its result is converted to the fp32 the caller asked for. The device is stood in for by a kernel that
+    refuses fp32 outputs (the answer a GPU build gives), so this holds on any CPU. Values are small integers
+    times powers of two: exact in bf16, so the result is exact."""
+    asked = []
+
+    def bf16_only_kernel(args, out_dtype, bias, fast_accum):
+        asked.append(out_dtype)
+        if out_dtype != torch.bfloat16:
+            raise RuntimeError("this kernel writes bf16 only")
+        a_values, b_values = args["mat_a"].float() * args["scale_a"], args["mat_b"].float() * args["scale_b"]
+        return (a_values @ b_values).to(torch.bfloat16)
+
+    monkeypatch.setattr(scaled_gemm, "call_scaled_mm", bf16_only_kernel)
+    a = Fp8Operand(torch.full((16, 32), 3.0).to(torch.float8_e4m3fn), torch.tensor(0.5))
+    w = Fp8Operand(torch.full((48, 32), 2.0).to(torch.float8_e4m3fn), torch.tensor(0.25))
+    record = {}
+    out = scaled_gemm.scaled_mm_gemm(a, w.t(), out_dtype=torch.float32, record=record, gemm="output")
+    assert asked == [torch.float32, torch.bfloat16]
+    assert record == {"output": "scaled_mm:tensorwise"}
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.full((16, 48), 32 * (3.0 * 0.5) * (2.0 * 0.25)))  # 32 products of 1.5 x 0.5 = 24
+
+
+@pytest.mark.skipif(not scaled_gemm.HAS_SCALED_MM_V2, reason="blockwise kinds need torch.nn.functional.scaled_mm")
+@pytest.mark.parametrize("capability, named", [((8, 9), "sm89"), ((10, 0), "sm100"), ((12, 1), "sm121")])
+def test_blockwise_off_hopper_names_the_gpu(capability, named):
+    a, w_t = _block_operands(M, K, N)
+    assert scaled_mm_kind(a, w_t, capability) == (
+        None, "blockwise_1x128_128x128 (DeepSeek-style 1x128 / 128x128 scales) needs sm90 (Hopper): torch runs it "
+              f"on sm90 only; this GPU is {named}")
+    assert scaled_mm_kind(a, w_t, (9, 0)) == ("blockwise_1x128_128x128", "")
+
+
+@pytest.mark.parametrize("kind", ["blockwise_1x128_128x128", "blockwise_128x128_1x128"])
+def test_padded_block_scales_are_made_on_the_operands_device(kind):
+    """The padded 128x128 scale grid is built where the scales are (a GPU in real use; the meta device here, which
+    holds shapes and strides but no data): made elsewhere, the copy of the scales into it would fail."""
+    m = k = n = 256
+    tile = (128, 128) if kind.startswith("blockwise_128x128") else (1, 128)
+    a = Fp8Operand(torch.empty(m, k, dtype=torch.float8_e4m3fn, device="meta"),
+                   torch.empty(m // tile[0], k // 128, device="meta"), tile)
+    w_tile = (128, 128) if kind.endswith("128x128") else (1, 128)
+    w = Fp8Operand(torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta"),
+                   torch.empty(n // w_tile[0], k // 128, device="meta"), w_tile)
+    args = scaled_mm_arguments(a, w.t(), kind)
+    padded = args["scale_b"] if kind == "blockwise_1x128_128x128" else args["scale_a"]
+    assert padded.device.type == "meta"
+    assert padded.shape == (4, 2) and padded.stride() == (1, 4)  # K/128 = 2 rounded up to 4; 2 tiles of 128 rows

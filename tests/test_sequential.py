@@ -67,6 +67,15 @@ def test_sequential_verdict_looks_in_order_and_stops_at_the_first_decision():
     assert sequential.sequential_verdict([0.2, 0.2001], design, MARGIN).verdict == "fail"
 
 
+@pytest.mark.parametrize("gaps", [[], [0.004]])
+def test_before_the_first_look_the_verdict_asks_for_its_seeds(gaps):
+    """Fewer usable seeds than the first look (2): no bound yet, and the next look is the first one."""
+    out = sequential.sequential_verdict(gaps, sequential.make_design(5), MARGIN)
+    assert (out.verdict, out.reason, out.next_seeds, out.look) == ("continue", "needs 2 seeds for its first look",
+                                                                   2, 0)
+    assert (out.lower, out.upper, out.estimate.n) == (-math.inf, math.inf, len(gaps))
+
+
 @pytest.mark.parametrize("override, names", [
     ("validate.max_seeds=1", "validate.max_seeds"), ("validate.spending=haybittle", "validate.spending"),
     ("validate.seeds=sometimes", "validate.seeds"),

@@ -22,7 +22,7 @@ from fp8train.evidence import stats
 from fp8train.evidence.curves import Curve, load_curve
 from fp8train.evidence.pairs import BASELINE, plan_runs
 from fp8train.evidence.runner import DivergenceGuard, _Schedule, default_workers
-from fp8train.evidence.validate import resolve_workers, run_validation
+from fp8train.evidence.validate import resolve_workers, run_validation, verdict_lines
 from fp8train.training.config import load_config
 from fp8train.training.config.validation import Candidate, parse_candidate, resolve_seeds
 
@@ -68,6 +68,7 @@ def test_paired_gap_over_the_final_window():
     assert stats.paired_gap(BASE, {0: 5.5, 10: 4.0, 20: 3.5}, 2) != stats.paired_gap(BASE, cand, 2)  # nan
     assert math.isnan(stats.paired_gap(BASE, {30: 3.2, 40: math.nan}, 2))
     assert stats.window_steps({0: 5.5}, 3) == []  # the untrained model is never the window
+    assert stats.window_steps({0: 5.5, 1: 5.0, 2: 4.0}, 3) == [1, 2]  # step 1 is the first trained step
 
 
 def test_estimate_and_bounds_by_hand():
@@ -245,6 +246,70 @@ def test_schedule_runs_baselines_first_and_candidates_after_their_baseline():
                                              "current/seed1338"]
 
 
+def _two_runs(tmp_path):
+    cfg = load_config(None, ["validate.seeds=1", "validate.candidates=[current]", f"run.dir={tmp_path}",
+                             "train.max_steps=20", "train.eval_every=5"])
+    runs = plan_runs(cfg)
+    for run in runs:
+        run.data_fingerprint = {"train_tokens": 10, "train_sha256": "a" * 64}
+    return runs
+
+
+def test_in_process_runs_train_with_the_shared_accelerator_and_say_how_each_ended(tmp_path, monkeypatch):
+    """One worker: the runs train one after the other in this process, baseline first, each with the
+    validation's one Accelerator (train is stood in for: what it is handed is the point here)."""
+    import types
+
+    from fp8train.evidence import runner
+
+    accelerator = types.SimpleNamespace(is_main_process=True, num_processes=1, wait_for_everyone=lambda: None,
+                                        init_trackers=lambda *a, **k: None, end_training=lambda: None, trackers=[])
+    handed = []
+
+    def train(cfg, accelerator=None, show_progress=True, should_stop=None):
+        handed.append((cfg.run.name, cfg.fp8.recipe, accelerator, show_progress, should_stop is None))
+        return {"status": "completed", "val_loss": 3.25, "wall_time_s": 12.4, "reason": None,
+                "data_fingerprint": {"train_tokens": 10, "train_sha256": "a" * 64}}
+
+    monkeypatch.setattr(runner, "train", train)
+    logged = []
+    runner.run_plan(_two_runs(tmp_path), workers=1, accelerator=accelerator, log=logged.append)
+    assert handed == [("seed1337", "none", accelerator, False, True), ("seed1337", "current", accelerator, False,
+                                                                       False)]  # the candidate has its guard
+    assert logged == ["[validate] bf16/seed1337: running (seed 1337)",
+                      "[validate] bf16/seed1337: completed, val_loss 3.2500, 12 s",
+                      "[validate] current/seed1337: running (seed 1337)",
+                      "[validate] current/seed1337: completed, val_loss 3.2500, 12 s"]
+
+
+def test_a_pool_of_workers_gives_each_its_share_of_the_cores(tmp_path, monkeypatch):
+    """train.threads 0 (torch's default): each of 2 workers on 2 cores gets 1 thread, said in the log and
+    passed to every worker's start. The pool itself is stood in for (it would spawn processes); it stops the
+    run as it is made."""
+    from fp8train.evidence import runner
+
+    class PoolMade(Exception):
+        pass
+
+    made = []
+
+    def pool(workers, mp_context=None, initializer=None, initargs=()):
+        made.append((workers, initargs[1:3]))
+        raise PoolMade
+
+    monkeypatch.setattr(runner, "_cpu_count", lambda: 2)
+    monkeypatch.setattr(runner, "ProcessPoolExecutor", pool)
+    runs = _two_runs(tmp_path)
+    assert runs[0].cfg.train.threads == 0
+    logged = []
+    with pytest.raises(PoolMade):
+        runner.run_plan(runs, workers=2, log=logged.append)
+    (workers, (threads, gpus)), = made
+    assert (workers, threads) == (2, 1)  # 1 thread each (a CUDA machine also pins each worker to a GPU)
+    said = f"one GPU each of {gpus}" if gpus else "1 thread(s) each"
+    assert logged == [f"[validate] 2 workers, {said}"]
+
+
 def test_divergence_guard():
     base = Curve(val={10: 3.0}, train={5: 4.0, 10: 3.1})
     guard = DivergenceGuard(base, factor=1.5, enabled=True)
@@ -255,6 +320,86 @@ def test_divergence_guard():
     assert "nan" in guard({"step": 7, "loss": float("nan")})
     off = DivergenceGuard(base, factor=1.5, enabled=False)
     assert off({"step": 5, "loss": 6.1}) is None and off({"step": 5, "loss": math.inf}) is not None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# run_validation up to the runs: the plan declared on disk first, then the runs handed to the runner (stood in for
+# here: training is what the slow tests below do), then the report
+# ------------------------------------------------------------------------------------------------------------
+PLANNED = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32", "train.batch_size=8",
+           "train.max_steps=40", "train.eval_every=10", "data.max_bytes=300000", "log.wandb=disabled",
+           "validate.margin=0.02", "validate.final_window=2", "validate.seeds=2", "validate.candidates=[current]"]
+
+
+def test_run_validation_declares_the_plan_then_hands_every_run_to_the_runner(tmp_path, monkeypatch):
+    from fp8train.evidence import validate
+    from fp8train.evidence.pairs import check_plan
+    from fp8train.training.config import config_hash
+
+    calls = []
+    monkeypatch.setattr(validate, "run_plan", lambda todo, workers, **kwargs: calls.append(("runs", todo, workers)))
+    monkeypatch.setattr(validate, "write_validation_report",
+                        lambda vdir: calls.append(("report", vdir)) or {"verdict": "inconclusive"})
+    cfg = load_config(str(RECIPES / "cpu_validate.yaml"), PLANNED + [f"run.dir={tmp_path}", "validate.workers=1"])
+    logged = []
+    assert run_validation(cfg, show_progress=False, log=logged.append) == {"verdict": "inconclusive"}
+    vdir = tmp_path / "cpu_validate"
+    (what, runs, workers), report = calls
+    assert what == "runs" and workers == 1 and report == ("report", vdir)
+    assert [r.key for r in runs] == ["bf16/seed1337", "current/seed1337", "bf16/seed1338", "current/seed1338"]
+    for run in runs:  # each run trains in its own folder with its own seed and recipe
+        assert Path(run.cfg.run.dir) == vdir / "runs" / run.label and run.cfg.run.name == f"seed{run.seed}"
+        assert run.cfg.train.seed == run.seed
+        assert run.cfg.fp8.recipe == ("none" if run.label == BASELINE else "current")
+        assert run.data_fingerprint == runs[0].data_fingerprint and run.data_fingerprint["train_tokens"] > 0
+    plan = json.loads((vdir / "plan.json").read_text())
+    assert plan["runs"] == {r.key: {"label": r.label, "seed": r.seed, "config_hash": config_hash(r.cfg)}
+                            for r in runs}
+    assert (plan["margin"], plan["final_window"], plan["seeds"], plan["baseline"]) == (0.02, 2, [1337, 1338], "bf16")
+    assert plan["candidates"] == [{"label": "current", "recipe": "current", "overrides": [],
+                                   "recipe_code": "current:e4m3/e4m3/e5m2:m0"}]
+    assert (plan["fork"], plan["sequential"], plan["max_steps"], plan["eval_every"]) == (None, None, 40, 10)
+    assert plan["data_fingerprint"] == runs[0].data_fingerprint
+    assert logged[0] == (f"[validate] {vdir}: 4 runs (2 seeds x (bf16 + 1 candidates)), margin 0.02 declared in "
+                         "plan.json, 1 at a time")
+    assert logged[-1] == f"[validate] verdict: INCONCLUSIVE -> {vdir / 'report.md'}"
+
+    # Again without the report: the same plan is accepted, the runs are handed over again, nothing is returned
+    calls.clear()
+    assert run_validation(cfg, show_progress=False, log=logged.append, write_report=False) == {}
+    assert [c[0] for c in calls] == ["runs"]
+
+    # What a changed declaration is told: each key that differs, in words
+    def refusal(**changes):
+        with pytest.raises(ValueError) as caught:
+            check_plan(vdir, {**plan, **changes})
+        return str(caught.value)
+
+    tail = (". The margin, candidates and seeds are declared before the runs and cannot change afterwards; use a new "
+            "run.name (nothing was changed)")
+    assert refusal(margin=0.03) == (f"{vdir} was planned from a different config (validate.margin: plan.json has "
+                                    f"0.02, now 0.03){tail}")
+    assert refusal(config_hash="0" * 64) == (f"{vdir} was planned from a different config (model/data/optimizer/"
+                                             f"train settings differ (config hash)){tail}")
+    assert refusal(runs={}) == f"{vdir} was planned from a different config (the runs' configs differ){tail}"
+    (vdir / "plan.json").write_text(json.dumps({k: v for k, v in plan.items() if k != "data_fingerprint"}))
+    assert refusal() == (f"{vdir} was planned from a different config (the data fingerprint differs (plan.json "
+                         f"from an older fp8train?)){tail}")
+
+
+def test_verdict_lines_by_hand():
+    summary = {"verdict": "fail", "margin": 0.02, "seeds": [1, 2, 3], "candidates": {
+        "current": {"seeds": 3, "gap_mean": 0.001, "gap_lower": -0.002, "gap_upper": 0.004, "mdg": 0.0056,
+                    "verdict": "pass", "reason": "upper bound +0.40% <= margin 2.00%"},
+        "e5": {"seeds": 2, "gap_mean": float("nan"), "gap_lower": None, "gap_upper": float("inf"), "mdg": 0.25,
+               "verdict": "fail", "reason": "seed 1 diverged"}}}
+    assert verdict_lines(summary) == [
+        "verdict: FAIL (margin 2.00%, 3 paired seeds; one-sided 95% bounds on the mean paired gap)",
+        "  candidate  seeds  mean gap  95% bounds        MDG     verdict",
+        "  current    3      +0.10%    [-0.20%, +0.40%]  0.56%   PASS   ",
+        "  e5         2      n/a       [n/a, n/a]        25.00%  FAIL   ",
+        "  e5: seed 1 diverged",
+    ]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -291,6 +436,14 @@ def test_help_documents_exit_codes(capsys):
         main(["validate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "0 PASS" in out and "1 FAIL" in out and "3 INCONCLUSIVE" in out and "2 bad input" in out
+    assert "--quiet optional: no progress bars or conversion tables" in out
+
+
+def test_a_candidate_whose_overrides_do_not_load_is_named_in_the_error():
+    cfg = load_config(None, ["validate.seeds=1", 'validate.candidates=["x=current:margin=-1"]', "run.dir=/nonexistent"])
+    with pytest.raises(ValueError) as caught:
+        plan_runs(cfg)
+    assert str(caught.value).startswith("validate.candidates: 'x': ") and "fp8.margin" in str(caught.value)
 
 
 # ------------------------------------------------------------------------------------------------------------
