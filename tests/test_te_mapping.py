@@ -87,39 +87,3 @@ def test_te_backend_refusal_names_the_recipe_error_first():
     message = te_config_refusal(recipe("current", margin=1))
     assert message.startswith("fp8.backend=te is refused: margin=1: TE supports a margin only for delayed scaling; "
                               "set margin=0 or use backend='emulated'; and fp8train's training loop")
-
-
-def test_make_te_linear_builds_the_te_recipe_for_the_given_gpu(monkeypatch):
-    """What make_te_linear asks of TE, with TE's two modules stood in for (TE needs CUDA to install, so it is
-    absent from CPU machines): a te.pytorch.Linear of the Linear's shape, dtype and device with its weights
-    copied in, and the recipe for the capability given. A rowwise recipe maps to MXFP8BlockScaling on sm100
-    only, so a capability lost on the way would raise."""
-    import enum
-    import types
-
-    import torch
-    from fp8train.nn import te
-
-    class Format(enum.Enum):
-        HYBRID = "HYBRID"
-        E4M3 = "E4M3"
-
-    class MXFP8BlockScaling:
-        def __init__(self, **kwargs):
-            self.kwargs = kwargs
-
-    class TeLinear(nn.Linear):
-        def __init__(self, in_features, out_features, bias, params_dtype, device):
-            super().__init__(in_features, out_features, bias=bias, dtype=params_dtype, device=device)
-
-    te_recipe = types.SimpleNamespace(Format=Format, MXFP8BlockScaling=MXFP8BlockScaling)
-    te_pytorch = types.SimpleNamespace(Linear=TeLinear)
-    monkeypatch.setattr(te, "_import_te", lambda: (te_recipe, te_pytorch))
-    torch.manual_seed(0)
-    linear = nn.Linear(64, 32, dtype=torch.float64)
-    layer = make_te_linear(linear, recipe("rowwise"), BLACKWELL)
-    assert isinstance(layer, TeLinear) and layer.weight.dtype == torch.float64
-    assert torch.equal(layer.weight, linear.weight) and torch.equal(layer.bias, linear.bias)
-    assert isinstance(layer.fp8_recipe, MXFP8BlockScaling) and layer.fp8_recipe.kwargs == dict(fp8_format=Format.E4M3)
-    with pytest.raises(ValueError, match="sm100"):  # the same recipe for a Hopper: refused before any TE call
-        make_te_linear(linear, recipe("rowwise"), HOPPER)
