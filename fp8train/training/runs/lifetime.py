@@ -45,20 +45,26 @@ class Interrupted(KeyboardInterrupt):
 
 
 # The process's signal state (handlers run in the main thread only): how deeply nested interrupts_raised and
-# interrupts_held are, the signals that arrived inside interrupts_held (raised when it ends), and the signal
+# interrupts_held are, the first signal that arrived inside interrupts_held (raised when it ends), and the signal
 # already raised as Interrupted since the outermost interrupts_raised began (its repeats are dropped; it stays set
 # after the block, so a worker's _exit_on_signal drops them too while the interrupt unwinds to os._exit).
-_held = {"raising": 0, "depth": 0, "pending": [], "raised": None}
+_held = {"raising": 0, "depth": 0, "pending": None, "raised": None}
+
+
+def _interrupt(signum: int) -> Interrupted:
+    """The one Interrupted of this block; every later signal is a repeat."""
+    _held["raised"] = signum
+    return Interrupted(signum)
 
 
 def _raise(signum, _frame):
     if _held["raised"] is not None:
         return  # the run is already ending on a signal: a repeat must not interrupt the summary being written
     if _held["depth"]:
-        _held["pending"].append(signum)
+        if _held["pending"] is None:
+            _held["pending"] = signum
         return
-    _held["raised"] = signum
-    raise Interrupted(signum)
+    raise _interrupt(signum)
 
 
 @contextmanager
@@ -89,11 +95,9 @@ def interrupts_held():
         yield
     finally:
         _held["depth"] -= 1
-        if not _held["depth"] and _held["pending"]:
-            signum = _held["pending"][0]
-            _held["pending"].clear()
-            _held["raised"] = signum
-            raise Interrupted(signum)
+        if not _held["depth"] and _held["pending"] is not None:
+            signum, _held["pending"] = _held["pending"], None
+            raise _interrupt(signum)
 
 
 def _exit_on_signal(signum, _frame):
