@@ -17,10 +17,12 @@ Backends
       non-power-of-two scales it can differ from the GPU's single rounding by one bf16 step, and with a bias by
       half a bf16 step of the product before the bias (more than a step of the output where the bias cancels).
       On CPU the scales, bias and output rounding after such a GEMM run as one pass of the native kernel
-      (native_cast.gemm_epilogue: the same operations, the same bits). A GEMM whose output is fp32 runs in fp32
-      in this mode too: that is grad_weight for fp32 master weights
-      (the GPU's FP8 wgrad GEMM writes fp32, so its 24-bit gradient is never rounded to 8 bits) and any GEMM
-      fed fp32 activations outside autocast. bf16 inputs would only pay off where the output is bf16 anyway.
+      (native_cast.gemm_epilogue: the same operations, the same bits). A GEMM whose output is fp32 (grad_weight
+      for fp32 master weights: the GPU's FP8 wgrad GEMM writes fp32, so its 24-bit gradient is never rounded to
+      8 bits; any GEMM fed fp32 activations outside autocast) keeps its fp32 sum: on a CPU with AVX512-BF16 it
+      reads bf16 copies through fp8train's native bf16 -> fp32 GEMM (numerics.native_gemm: exact products,
+      fp32 sums, fp32 result; the fp32 GEMM's arithmetic in another summation order, about 3x faster there);
+      elsewhere it runs in fp32.
     * `auto`: bf16 on CUDA and on CPUs with bf16 GEMM instructions (avx512_bf16 or AMX-BF16, from
       /proc/cpuinfo), where bf16 GEMMs are several times faster than fp32; fp32 on other CPUs, where fp32 GEMMs
       are the fast ones (AMD EPYC, 2 cores, avx2 only: 77 vs ~10 GFLOP/s at 4096x1024x1024). `auto` therefore
@@ -47,12 +49,12 @@ import torch
 from fp8train.nn.accumulation import hopper_accumulated_mm
 from fp8train.nn.scaled_gemm import check_dialect, scaled_mm_available, scaled_mm_gemm
 from fp8train.nn.recipes import BACKENDS
-from fp8train.numerics import native_cast
+from fp8train.numerics import native_cast, native_gemm
 from fp8train.numerics.quant import decode_fp8
 
 __all__ = ["Fp8Operand", "fp8_mm", "resolve_backend", "scaled_mm_available", "emulated_compute_dtype",
            "GEMM_BACKENDS", "EMULATED_DTYPES", "AUTO_EMULATED_DTYPE", "EMULATED_DTYPE_CHOICES", "check_emulated_dtype",
-           "cpu_has_bf16_gemm", "set_cpu_bf16_gemm", "gemm_compute_dtype"]
+           "cpu_has_bf16_gemm", "set_cpu_bf16_gemm", "gemm_compute_dtype", "tile_values_dtype"]
 
 GEMM_BACKENDS = tuple(b for b in BACKENDS if b != "te")  # te runs through nn/te.py, not a GEMM here
 EMULATED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -264,10 +266,26 @@ def emulated_compute_dtype(device: torch.device | str, choice: str = AUTO_EMULAT
         else torch.float32
 
 
-def gemm_compute_dtype(compute_dtype: torch.dtype, out_dtype: torch.dtype) -> torch.dtype:
-    """The dtype an emulated GEMM reads its FP8 values in: bf16 only when both the emulated dtype and the GEMM's
-    output are bf16; a GEMM whose result is kept in fp32 (or fp16) must not round its accumulator to 8 bits."""
-    return torch.bfloat16 if compute_dtype == torch.bfloat16 and out_dtype == torch.bfloat16 else torch.float32
+def gemm_compute_dtype(compute_dtype: torch.dtype, out_dtype: torch.dtype,
+                       device: torch.device | str | None = None) -> torch.dtype:
+    """The dtype an emulated GEMM reads its FP8 values in: bf16 when the emulated dtype is bf16 and either the
+    GEMM's output is bf16 or its output is fp32 and fp8train's native bf16 -> fp32 GEMM runs on `device`
+    (numerics.native_gemm: fp32 sums, fp32 result); else fp32, since a GEMM whose result is kept in fp32 (or
+    fp16) must not round its accumulator to 8 bits."""
+    if compute_dtype != torch.bfloat16:
+        return torch.float32
+    if out_dtype == torch.bfloat16:
+        return torch.bfloat16
+    fp32_from_bf16 = out_dtype == torch.float32 and device is not None and native_gemm.in_use(device)
+    return torch.bfloat16 if fp32_from_bf16 else torch.float32
+
+
+def tile_values_dtype(device: torch.device | str, choice: str = AUTO_EMULATED_DTYPE) -> torch.dtype:
+    """What an emulated GEMM reads of an operand with block or MX tiles (scales that vary along K): the bf16
+    values, with the tile scales applied per K block by fp8train's native GEMM, where that runs and the emulated
+    dtype is bf16; else value * scale in fp32 (the GEMM then runs in fp32). The quantizer keeps that copy."""
+    bf16_tiles = emulated_compute_dtype(device, choice) == torch.bfloat16 and native_gemm.in_use(device)
+    return torch.bfloat16 if bf16_tiles else torch.float32
 
 
 def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
@@ -290,12 +308,22 @@ def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
     if accumulation is not None:
         out = hopper_accumulated_mm(a.dequantize(torch.float32), b.dequantize(torch.float32), accumulation)
     else:
-        compute_dtype = gemm_compute_dtype(compute_dtype or emulated_compute_dtype(a.device), out_dtype)
-        if compute_dtype == torch.bfloat16 and a.device.type == "cpu" and a.scale_outer_rows and b.scale_outer_cols:
+        compute_dtype = gemm_compute_dtype(compute_dtype or emulated_compute_dtype(a.device), out_dtype, a.device)
+        outer_scales = a.scale_outer_rows and b.scale_outer_cols
+        if compute_dtype == torch.bfloat16 and a.device.type == "cpu" and outer_scales and \
+                out_dtype == torch.float32:  # fp8train's bf16 -> fp32 GEMM (gemm_compute_dtype said it runs here)
+            out = _apply_outer_scales(native_gemm.mm(a.values(compute_dtype), b.values(compute_dtype)),
+                                      a.scale, b.scale)
+        elif compute_dtype == torch.bfloat16 and a.device.type == "cpu" and outer_scales:
             acc = torch.mm(a.values(compute_dtype), b.values(compute_dtype))  # rounded to bf16 by the GEMM (above)
             if native_cast.epilogue_usable(acc, a.scale, b.scale, bias, out_dtype):  # the ops below, one pass
                 return native_cast.gemm_epilogue(acc, a.scale, b.scale, bias, out_dtype)
             out = _apply_outer_scales(acc.float(), a.scale, b.scale)
+        elif compute_dtype == torch.bfloat16 and native_gemm.in_use(a.device) and \
+                (k_scales := _k_block_scales(a, b)) is not None:
+            # scales vary along K (block / MX tiles): each K block's fp32 partial sum of exact FP8 products is
+            # scaled and added (a GPU's blockwise FP8 GEMM), instead of dequantizing and running fp32
+            out = native_gemm.mm(a.values(torch.bfloat16), b.values(torch.bfloat16), *k_scales)
         else:
             out = _emulated_gemm(a, b, compute_dtype)
     if bias is not None:  # bias in fp32, one rounding to the output dtype below (no no-op casts: each is an op)
@@ -313,6 +341,28 @@ def _emulated_gemm(a: Fp8Operand, b: Fp8Operand, compute_dtype: torch.dtype) -> 
     out = torch.mm(a_hp, b_hp)
     return _apply_outer_scales(out, a.scale if a.scale_outer_rows else None,
                                b.scale if b.scale_outer_cols else None)
+
+
+def _k_block_scales(a: Fp8Operand, b: Fp8Operand) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """(scale_a (M, K blocks), scale_b (K blocks, N), K block) for native_gemm.mm when a's and b's scales are
+    constant within one K block (tiles whose K extents agree; outer scales are constant along K anyway), else
+    None. The tile grids are expanded along M and N only: K / block_k scales per row or column, small."""
+    (m, k), n = a.shape, b.shape[1]
+    k_sizes = {op.block[side] for op, side in ((a, 1), (b, 0)) if op.block is not None}
+    if len(k_sizes) != 1 or (a.block is None and not a.scale_outer_rows) or \
+            (b.block is None and not b.scale_outer_cols):
+        return None
+    k_block = k_sizes.pop()
+    if k_block % 2 or k_block >= k:  # (one K block: the outer-scale paths serve it)
+        return None
+    blocks = -(-k // k_block)
+    scale_a = a.scale.reshape(-1, 1).expand(m, blocks) if a.block is None else \
+        a.scale.repeat_interleave(a.block[0], 0)[:m] if a.block[0] > 1 else a.scale
+    scale_b = b.scale.reshape(1, -1).expand(blocks, n) if b.block is None else \
+        b.scale.repeat_interleave(b.block[1], 1)[:, :n] if b.block[1] > 1 else b.scale
+    if tuple(scale_a.shape) != (m, blocks) or tuple(scale_b.shape) != (blocks, n):
+        return None
+    return scale_a.float().contiguous(), scale_b.float().contiguous(), k_block
 
 
 def _apply_outer_scales(out: torch.Tensor, scale_a: torch.Tensor | None, scale_b: torch.Tensor | None):

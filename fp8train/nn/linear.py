@@ -89,7 +89,7 @@ from fp8train.nn.accumulation import HopperAccumulation
 from fp8train.nn.fp8_all_gather import Fp8GatheredWeight
 from fp8train.nn.delayed_scaling import refuse_bad_fp8_state, update_group
 from fp8train.nn.gemm import (AUTO_EMULATED_DTYPE, Fp8Operand, check_emulated_dtype, emulated_compute_dtype,
-                              resolve_backend)
+                              resolve_backend, tile_values_dtype)
 from fp8train.nn.linear_function import Fp8LinearFunction, WeightFp8, to_dtype
 from fp8train.nn.quantizer import SCALING_BUFFERS, OperandQuantizer
 from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe, OperandRole, recipe as make_recipe
@@ -296,8 +296,13 @@ class Fp8Linear(nn.Linear):
         if cached is not None and key is not None and cached.key == key and not self.telemetry:
             return cached
         emulated = backend == "emulated"
+        blocked = self.recipe.granularity_of(OperandRole.WEIGHT) == "block"
+        # block tiles: the GEMMs read the bf16 values and tile scales, or value * scale in fp32 (tile_values_dtype)
+        tiles_dequantized = emulated and blocked and tile_values_dtype(weight.device, self.emulated_dtype) == \
+            torch.float32
+        keep = emulated if not blocked or not emulated or tiles_dequantized else torch.bfloat16
         with torch.no_grad():
-            weight_fp8 = self.quantizers[OperandRole.WEIGHT].quantize(weight, keep_values=emulated)
+            weight_fp8 = self.quantizers[OperandRole.WEIGHT].quantize(weight, keep_values=keep)
             if weight_fp8.values is not None and weight_fp8.granularity != "block":
                 # Only the dtype the GEMM reads is kept (block-scaled weights are dequantized in fp32).
                 compute_dtype = emulated_compute_dtype(weight.device, self.emulated_dtype)
@@ -305,11 +310,11 @@ class Fp8Linear(nn.Linear):
             weight_op = Fp8Operand.from_fp8_tensor(weight_fp8)
             if self.recipe.requantize_transposed(OperandRole.WEIGHT):  # scales along K, constant along the contracted N
                 weight_op_grad = Fp8Operand.from_fp8_tensor(
-                    self.quantizers[OperandRole.WEIGHT].quantize_transposed(weight)).t()
+                    self.quantizers[OperandRole.WEIGHT].quantize_transposed(weight, keep_values=keep)).t()
             else:
                 weight_op_grad = weight_op
             for op in {id(weight_op): weight_op, id(weight_op_grad): weight_op_grad}.values():
-                if emulated and op.block is not None:
+                if tiles_dequantized and op.block is not None:
                     op.dequantize(torch.float32)  # tiles vary along K: the GEMMs read the dequantized weight
             weights = WeightFp8(key, weight_fp8, weight_op.t(), weight_op_grad)
         if key is not None and not torch.compiler.is_compiling():  # compiled graphs re-derive (and fuse) it

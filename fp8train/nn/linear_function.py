@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8train.nn.gemm import Fp8Operand, emulated_compute_dtype, fp8_mm, gemm_compute_dtype
+from fp8train.nn.gemm import Fp8Operand, emulated_compute_dtype, fp8_mm, gemm_compute_dtype, tile_values_dtype
 from fp8train.nn.recipes import GemmRole, OperandRole
 from fp8train.numerics.quant import Fp8Tensor
 
@@ -37,7 +37,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         input_saved = input_fp8
         ctx.input_transposed = r.requantize_transposed(OperandRole.INPUT) and weight.requires_grad
         if ctx.input_transposed:
-            input_saved = input_quantizer.quantize_transposed(input_2d)   # (K, M)
+            input_saved = input_quantizer.quantize_transposed(input_2d, keep_values=False)   # (K, M), bytes only
         input_scale = input_saved.scale
         if torch.compiler.is_compiling():  # may be a view of a traced intermediate: dynamo must own what is saved
             input_scale = input_scale.clone()
@@ -55,10 +55,14 @@ class Fp8LinearFunction(torch.autograd.Function):
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_input = grad_weight = grad_bias = None
         options = layer.gemm_options(grad_output.device)
-        keep_values = backend == "emulated"
         grad_output_quantizer = layer.quantizers[OperandRole.GRAD_OUTPUT]
-        # grad_weight reads grad_output's fp32 values unless it requantizes grad_output along the other axis
-        grad_output_fp32_too = need_weight and not r.requantize_transposed(OperandRole.GRAD_OUTPUT)
+        # grad_weight's result is fp32 for fp32 master weights: it reads fp32 values, or bf16 ones where the
+        # native bf16 -> fp32 GEMM runs (gemm.gemm_compute_dtype); grad_output's own copy serves it unless
+        # grad_output is requantized along the other axis for it
+        grad_weight_reads = gemm_compute_dtype(emulated_compute_dtype(grad_output.device, layer.emulated_dtype),
+                                               ctx.weight_dtype, grad_output.device)
+        grad_output_fp32_too = need_weight and not r.requantize_transposed(OperandRole.GRAD_OUTPUT) \
+            and grad_weight_reads == torch.float32
         with torch.autocast(grad_output.device.type, enabled=False):
             grad_output_fp8 = grad_output_quantizer.quantize(grad_output, keep_values=values_to_keep(
                 layer, OperandRole.GRAD_OUTPUT, backend, ctx.input_dtype, grad_output.device,
@@ -70,10 +74,14 @@ class Fp8LinearFunction(torch.autograd.Function):
             if need_weight:   # grad_weight = grad_output.T @ input        (N, M) @ (M, K)
                 grad_output_t_op = grad_output_op.t()
                 if r.requantize_transposed(OperandRole.GRAD_OUTPUT):
-                    grad_output_t_op = Fp8Operand.from_fp8_tensor(
-                        grad_output_quantizer.quantize_transposed(grad_output))   # (N, M), scales along N
+                    grad_output_t_op = Fp8Operand.from_fp8_tensor(grad_output_quantizer.quantize_transposed(
+                        grad_output, keep_values=values_to_keep(layer, OperandRole.GRAD_OUTPUT, backend,
+                                                                ctx.weight_dtype, grad_output.device,
+                                                                fp32_too=False)))   # (N, M), scales along N
                 input_op = layer.quantizers[OperandRole.INPUT].saved_operand(
-                    input_data, input_scale, ctx.input_block, keep_values)  # (M, K), or (K, M)
+                    input_data, input_scale, ctx.input_block, values_to_keep(
+                        layer, OperandRole.INPUT, backend, ctx.weight_dtype, grad_output.device,
+                        fp32_too=False))  # (M, K), or (K, M)
                 if ctx.input_transposed:
                     input_op = input_op.t()
                 grad_weight = fp8_mm(grad_output_t_op, input_op, backend, out_dtype=ctx.weight_dtype,
@@ -100,9 +108,11 @@ def values_to_keep(layer, role: str, backend: str, out_dtype: torch.dtype, devic
     the fp32 one (``fp32_too``: grad_output's for grad_weight), both written in the quantizer's one pass."""
     if backend != "emulated":
         return False
-    if layer.recipe.accumulator_bits or layer.recipe.granularity_of(role) == "block":
-        return True  # (the Hopper accumulation model and block tiles read fp32 values or value * scale)
-    if gemm_compute_dtype(emulated_compute_dtype(device, layer.emulated_dtype), out_dtype) != torch.bfloat16:
+    if layer.recipe.accumulator_bits:
+        return True  # (the Hopper accumulation model reads fp32 values)
+    if layer.recipe.granularity_of(role) == "block":  # bf16 values, or value * scale in fp32 (True)
+        return True if tile_values_dtype(device, layer.emulated_dtype) == torch.float32 else torch.bfloat16
+    if gemm_compute_dtype(emulated_compute_dtype(device, layer.emulated_dtype), out_dtype, device) != torch.bfloat16:
         return True
     return (torch.float32, torch.bfloat16) if fp32_too else torch.bfloat16
 

@@ -89,10 +89,11 @@ class OperandQuantizer:
             self.record_amax(quantized.amax)
             return quantized  # no weight telemetry: the fp32 weight is not gathered
         kernel = self.layer.kernel_for(tensor.numel())
-        # Block tiles (block, mxfp8) vary along K, so the emulated GEMMs read value * scale: the C kernel writes
-        # that in the same pass instead of the values (eager and CUDA paths unchanged).
-        blocked = kernel == "native" and r.granularity_of(role) == "block"
-        keep = dict(keep_values=False if blocked else keep_values, keep_dequantized=bool(keep_values) and blocked)
+        # Block tiles (block, mxfp8) vary along K: where the emulated GEMMs read value * scale in fp32 (keep_values
+        # True, gemm.tile_values_dtype), the C kernel writes that in the same pass instead of the values (eager and
+        # CUDA paths unchanged); where they read the bf16 values and the tile scales, those are kept.
+        blocked = kernel == "native" and r.granularity_of(role) == "block" and keep_values is True
+        keep = dict(keep_values=False if blocked else keep_values, keep_dequantized=blocked)
         if r.is_delayed:
             amax = compute_amax(tensor, kernel=kernel)
             self.record_amax(amax)
@@ -102,7 +103,7 @@ class OperandQuantizer:
             quantized.amax = amax
         elif r.is_mx:
             quantized = quantize_mx(tensor, fmt, kernel=kernel,
-                                    **(keep if blocked else dict(keep_values=True)))
+                                    **(keep if blocked else dict(keep_values=keep_values or True)))
             # one reduction, then 0-d ops: the amaxes are >= 0 or NaN, so the max is finite iff all of them are
             nonfinite_count.add_(quantized.amax.amax().isfinite().logical_not().long())
         else:
@@ -115,20 +116,23 @@ class OperandQuantizer:
             self._record_stats(tensor, quantized)
         return quantized
 
-    def quantize_transposed(self, tensor: torch.Tensor) -> Fp8Tensor:
+    def quantize_transposed(self, tensor: torch.Tensor, keep_values=True) -> Fp8Tensor:
         """This role's recipe applied to tensor.T: (C, R) FP8 bytes whose scales run along the original first
         dim, written straight in the layout its backward GEMM reads (no separate FP8 transpose). Counters and
-        telemetry come from the primary quantization of the same tensor."""
+        telemetry come from the primary quantization of the same tensor. `keep_values` as quantize's (the copy
+        its GEMM reads); block tiles keep value * scale instead where the C kernel runs."""
         r, role = self.recipe, self.role
         kernel = self.layer.kernel_for(tensor.numel())
-        blocked = kernel == "native" and r.granularity_of(role) == "block"  # as in quantize
+        blocked = kernel == "native" and r.granularity_of(role) == "block" and keep_values is True  # as in quantize
         with torch.no_grad():
             tensor_t = tensor.t()
             if r.is_mx:
-                return quantize_mx(tensor_t, r.format_of(role), kernel=kernel, keep_dequantized=blocked)
+                return quantize_mx(tensor_t, r.format_of(role), kernel=kernel,
+                                   keep_values=False if blocked else keep_values, keep_dequantized=blocked)
             return quantize(tensor_t, self.format, granularity=r.granularity_of(role),
                             block=r.block_of(role), axis=-1, margin=r.margin, pow2=r.pow2_scales,
-                            keep_values=not blocked, keep_dequantized=blocked, kernel=kernel)
+                            keep_values=False if blocked else keep_values, keep_dequantized=blocked,
+                            kernel=kernel)
 
     def tensorwise_scale(self, amax: torch.Tensor) -> torch.Tensor:
         """The dequant scale a tensor of this role with this `amax` is quantized with, under a tensorwise recipe:
@@ -152,21 +156,22 @@ class OperandQuantizer:
             torch.maximum(pending, recorded if recorded.dim() == 0 else recorded.amax(), out=pending)
 
     # ------------------------------------------------------------------------------------------------------
-    def decode(self, data: torch.Tensor) -> torch.Tensor:
-        """FP8 bytes of this role's format -> their values (fp32)."""
+    def decode(self, data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """FP8 bytes of this role's format -> their values (fp32, or bf16: also exact)."""
         if torch.compiler.is_compiling():  # traced: the eager math, inlined (and no metadata reads on `data`)
-            return decode_fp8(data, self.format)
-        return decode_fp8(data, self.format, self.layer.kernel_for(data.numel()))
+            return decode_fp8(data, self.format, dtype=dtype)
+        return decode_fp8(data, self.format, self.layer.kernel_for(data.numel()), dtype=dtype)
 
-    def saved_operand(self, data: torch.Tensor, scale: torch.Tensor, block, keep_values: bool) -> Fp8Operand:
-        """The operand of FP8 bytes saved for backward, with what the emulated GEMM reads: the values, or for
-        block tiles value * scale in one native op (bytes, scale grid -> fp32) where the C kernel runs."""
+    def saved_operand(self, data: torch.Tensor, scale: torch.Tensor, block, keep_values) -> Fp8Operand:
+        """The operand of FP8 bytes saved for backward, with what the emulated GEMM reads: the values (fp32 for
+        `keep_values` True, or the dtype it names), or for block tiles value * scale in one native op (bytes,
+        scale grid -> fp32) where the C kernel runs."""
         if not keep_values:
             return Fp8Operand(data, scale, block)
-        if block is not None and self.layer.kernel_for(data.numel()) == "native" and \
+        if block is not None and keep_values is True and self.layer.kernel_for(data.numel()) == "native" and \
                 native_cast.dequantizable(data, scale, "block", *block):
             return Fp8Operand(data, scale, block, dequantized=native_cast.dequantize(data, scale, "block", *block))
-        return Fp8Operand(data, scale, block, self.decode(data))
+        return Fp8Operand(data, scale, block, self.decode(data, torch.float32 if keep_values is True else keep_values))
 
     def _record_stats(self, tensor: torch.Tensor, quantized: Fp8Tensor) -> None:
         stats = quant_error(tensor, quantized)

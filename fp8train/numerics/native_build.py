@@ -49,10 +49,13 @@ try:
 except ImportError:  # not POSIX: builds are not serialized across processes (each still renames a whole file)
     fcntl = None
 
-__all__ = ["available", "unavailable_reason", "library", "threading_kind", "Params", "COMPILER_NAMES", "SOURCE",
-           "cache_dir", "BUILD_LOG"]
+__all__ = ["available", "unavailable_reason", "library", "threading_kind", "Params", "COMPILER_NAMES", "SOURCES",
+           "HEADERS", "cache_dir", "BUILD_LOG"]
 
-SOURCE = Path(__file__).with_name("native_cast.c")
+# one library from these: the casts (native_cast.c) and the bf16 -> fp32 GEMM (native_gemm.c); the header holds
+# the threads both use. Every byte of all three goes into the library's name, so an edit rebuilds it.
+SOURCES = (Path(__file__).with_name("native_cast.c"), Path(__file__).with_name("native_gemm.c"))
+HEADERS = (Path(__file__).with_name("native_threads.h"),)
 COMPILER_NAMES = ("gcc", "cc")
 BUILD_LOG = "builds.log"
 # -ffp-contract=off: every product and sum rounded on its own, as torch's separate ops round them (bit equality)
@@ -61,7 +64,7 @@ _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pth
 # where torch uses GNU OpenMP), not threads of its own competing with torch's spinning ones. A compiler without
 # OpenMP (a bare clang) builds the pthreads variant instead.
 _VARIANTS = (("openmp", ("-fopenmp",)), ("pthreads", ()))
-_ABI_VERSION = 4
+_ABI_VERSION = 5  # 5: fp8_gemm_bf16
 _CACHE_LAYOUT = 2  # 2: family-source names, a size+sha256 record per library, the build lock
 _PRUNE_UNUSED_S = 7 * 24 * 3600  # another version's build, unused this long, is deleted at the next build
 _ORPHAN_TMP_S = 600  # a temporary file this old belongs to a builder that died
@@ -176,7 +179,7 @@ def _digest(*parts: str | bytes, length: int = 12) -> str:
 def _library_paths(compiler: str) -> tuple[str, dict]:
     """(family, {variant: path}) of this machine's and this fp8train's library."""
     family = _digest(_compiler_identity(compiler), " ".join(_FLAGS), _cpu_flags(), platform.machine())
-    source = _digest(SOURCE.read_bytes(), str(_ABI_VERSION), str(_CACHE_LAYOUT))
+    source = _digest(*(path.read_bytes() for path in (*SOURCES, *HEADERS)), str(_ABI_VERSION), str(_CACHE_LAYOUT))
     folder = cache_dir()
     return family, {name: folder / f"native_cast-{family}-{source}-{name}.so" for name, _ in _VARIANTS}
 
@@ -278,7 +281,7 @@ def _build(compiler: str, flags: tuple, path: Path) -> Path:
     tmp = path.with_name(f".{path.name}.{unique}.tmp")
     record_tmp = path.with_name(f".{path.name}.json.{unique}.tmp")
     try:
-        done = subprocess.run([compiler, *flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
+        done = subprocess.run([compiler, *flags, "-o", str(tmp), *map(str, SOURCES), "-lm"], capture_output=True,
                               text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"the C compiler {compiler} failed ({done.returncode}): {done.stderr.strip()[:400]}")
@@ -337,4 +340,7 @@ def _bind(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
     lib.fp8_dequantize.restype = ctypes.c_int
     lib.fp8_gemm_epilogue.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i32, i32]
     lib.fp8_gemm_epilogue.restype = ctypes.c_int
+    lib.fp8_gemm_bf16.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, i32, i32]
+    lib.fp8_gemm_bf16.restype = ctypes.c_int
+    lib.fp8_gemm_vectorized.restype = ctypes.c_int
     return lib

@@ -20,13 +20,11 @@
  * (rows, cols) for per-tensor, (1, cols) per row, (rows, 1) per column, (br, bc) blocks.
  */
 #include <math.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "native_threads.h"
 
 #define SPECIAL_IEEE 0 /* e5m2: inf and NaN at the all-ones exponent */
 #define SPECIAL_FN 1   /* e4m3fn: only S.1111.111 is NaN */
@@ -524,30 +522,6 @@ static void tile_row_scales(const job_t *j, int64_t grid_row, const uint32_t *ti
     }
 }
 
-/* ---- threads -------------------------------------------------------------------------------------------- */
-/* fn(items + i * size) for i in 0..n-1, on n threads. With OpenMP these are the threads of the process's OpenMP
- * runtime, which is torch's own when torch uses GNU OpenMP (one libgomp.so.1 in the process): they spin-wait
- * between torch's ops, and threads of our own would compete with them for the cores (measured on 2 cores: a
- * quantize 40-60% slower right after a torch op). Without OpenMP, pthreads started here; a thread that cannot
- * be started has its share run by the caller (slower, never wrong). */
-static void parallel_run(int32_t n, void *(*fn)(void *), void *items, size_t size) {
-    char *base = (char *)items;
-    if (n <= 1) { fn(base); return; }
-#ifdef _OPENMP
-#pragma omp parallel num_threads(n)
-    for (int32_t i = omp_get_thread_num(); i < n; i += omp_get_num_threads()) fn(base + (size_t)i * size);
-#else
-    pthread_t threads[64];
-    int started[64] = {0};
-    for (int32_t i = 1; i < n; i++) started[i] = pthread_create(&threads[i], NULL, fn, base + (size_t)i * size) == 0;
-    fn(base);
-    for (int32_t i = 1; i < n; i++) {
-        if (started[i]) pthread_join(threads[i], NULL);
-        else fn(base + (size_t)i * size);
-    }
-#endif
-}
-
 typedef struct { job_t *job; int32_t id; } worker_t;
 
 static int64_t ntile_rows(const job_t *j) { return (j->rows + j->tile_r - 1) / j->tile_r; }
@@ -600,14 +574,6 @@ static void run_workers(job_t *j, void *(*fn)(void *)) {
     parallel_run(j->nthreads, fn, workers, sizeof(worker_t));
 }
 
-static int32_t thread_count(int64_t numel, int64_t units, int32_t nthreads) {
-    int64_t want = numel / (1 << 18); /* below ~256K elements a thread costs more than it saves */
-    want = want < 1 ? 1 : want;
-    want = want < nthreads ? want : nthreads;
-    want = want < units ? want : units;
-    want = want < 1 ? 1 : want > 64 ? 64 : want;
-    return (int32_t)want;
-}
 
 /* Quantize (data != NULL) or only reduce to amax (data == NULL, rule RULE_GIVEN, scale_in NULL).
  * Returns 0, or a negative number on an internal error (the Python side then raises). */
@@ -786,7 +752,7 @@ int fp8_gemm_epilogue(const uint16_t *acc, int64_t rows, int64_t cols, const flo
 }
 
 /* The ABI version the Python side checks before using this library. */
-int fp8_abi_version(void) { return 4; }
+int fp8_abi_version(void) { return 5; }
 int fp8_params_size(void) { return (int)sizeof(fp8_params); }
 
 /* Whether the threads are the process's OpenMP runtime's (built with -fopenmp) or pthreads of its own. */

@@ -235,17 +235,19 @@ def _run(fn, key, *args, compiled: bool):
     return compiled_fn(*args)
 
 
-def decode_fp8(data: torch.Tensor, fmt=None, kernel: str = "eager") -> torch.Tensor:
-    """FP8 tensor -> fp32 values (exact). ``kernel``: 'eager' uses torch's cast; the compiled kernels decode
-    the bytes with integer ops (torch's own float8 -> fp32 cast is a slow scalar routine on CPU)."""
+def decode_fp8(data: torch.Tensor, fmt=None, kernel: str = "eager", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FP8 tensor -> its values in fp32 (or `dtype`, bf16: also exact). ``kernel``: 'eager' uses torch's cast;
+    'native' a 256-entry table; the compiled kernels decode the bytes with integer ops (torch's own float8 ->
+    fp32 cast is a slow scalar routine on CPU)."""
     fmt = get_format(fmt) if fmt is not None else _format_of(data.dtype)
     _check_kernel(kernel)
-    if kernel == "native" and not torch.compiler.is_compiling() and native_cast.decodable(data, torch.float32) \
+    if kernel == "native" and not torch.compiler.is_compiling() and native_cast.decodable(data, dtype) \
             and native_cast.available():  # a 256-entry table, vectorized
-        return native_cast.decode(data, fmt.name, torch.float32)
+        return native_cast.decode(data, fmt.name, dtype)
     if kernel in ("eager", "native") or data.numel() == 0:
-        return (data if data.dtype == fmt.torch_dtype else data.view(fmt.torch_dtype)).float()
-    return _run(decode_arithmetic, fmt.name, data, fmt, compiled=True)
+        return (data if data.dtype == fmt.torch_dtype else data.view(fmt.torch_dtype)).to(dtype)
+    values = _run(decode_arithmetic, fmt.name, data, fmt, compiled=True)
+    return values if dtype == torch.float32 else values.to(dtype)
 
 
 def _format_of(dtype: torch.dtype) -> Fp8Format:

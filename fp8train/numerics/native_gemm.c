@@ -1,0 +1,238 @@
+/* fp8train's bf16 x bf16 -> fp32 GEMM for the emulated FP8 GEMMs on CPU.
+ *
+ * Why it exists: an emulated FP8 GEMM multiplies FP8 values, which bf16 holds exactly, and the product of two
+ * FP8 values is exact in fp32; what a GPU's FP8 GEMM then does is sum those products in fp32 and write fp32
+ * (the weight gradient for fp32 master weights) or round once. torch 2.13 has no CPU GEMM that reads bf16 and
+ * writes fp32 (aten::mm.dtype is CUDA-only), so the emulation ran those GEMMs in fp32: 4x slower than bf16 on a
+ * CPU with AVX512-BF16. This kernel reads bf16, multiplies exactly and sums in fp32 (VDPBF16PS), and writes fp32:
+ * the fp32 GEMM's arithmetic on the same values, in another summation order.
+ *
+ * c (m, n) fp32, row-major, = a (m, k) @ b (k, n); a and b bf16 with any strides (in elements). The order of
+ * the sums, for one c[i, j] (every step an fp32 operation rounded to nearest even):
+ *   - k is walked in cache blocks of 2 * KC_PAIRS (with scales: the largest multiple of k_block up to that, or
+ *     one k_block), each summed from zero; c = that sum for the first cache block, then c = c + that sum;
+ *   - within a cache block, in K blocks (without scales one K block spans it): s = 0, and for each k pair
+ *     (2q, 2q + 1): s = s + a[i, 2q+1] * b[2q+1, j], then s = s + a[i, 2q] * b[2q, j] (VDPBF16PS's order in
+ *     the Intel SDM; an odd k's missing partner is 0); with scales, the cache block's sum t = t + (s * scale_a[i,
+ *     block]) * scale_b[block, j], in block order from t = 0; without, t = s.
+ * Per-K-block scales serve the block and MX recipes, whose scales vary along K: what a GPU's blockwise-scaled
+ * FP8 GEMM does (DeepSeek-V3's promotion of each 128-long partial sum).
+ * VDPBF16PS reads bf16 inputs below 2^-126 as zero and flushes such results: the callers pass FP8 values (at
+ * least 2^-16 in magnitude unless zero; products at least 2^-32) and apply scales to fp32 partial sums only.
+ *
+ * Layout of the work: b is packed per panel of NR columns as k pairs (one 512-bit register = 16 columns x 2 k),
+ * a per panel of MR rows as k pairs (one 32-bit broadcast), and an MR x NR register tile sums a cache block.
+ * Each thread owns a range of column panels (no shared writes, no barrier). The same loops also run in plain C
+ * (one product and one addition at a time, the same order): on CPUs without AVX512-BF16, and on request
+ * anywhere (`plain`), so every CPU runs the packing and the edges, and the two loops can be compared. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native_threads.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define GEMM_VECTOR 1
+#else
+#define GEMM_VECTOR 0
+#endif
+
+#define MR 12        /* rows of a register tile: 12 x 2 accumulators + 2 b registers of 32 */
+#define NR 32        /* columns of a register tile: two 16-lane fp32 registers */
+#define KC_PAIRS 256 /* k-pairs per cache block: b's panel 256 x 128 B = 32 KB stays in L1 beside a's 12 KB */
+
+static inline float bf16_to_f32(uint16_t v) {
+    const uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* b[k0:k0+2*pairs, n0:n0+NR] -> packed[pair][column][2] (zero beyond k and n: zeros add nothing) */
+static void pack_b(const uint16_t *b, int64_t k, int64_t n, int64_t sbk, int64_t sbn, int64_t k0, int64_t pairs,
+                   int64_t n0, uint16_t *packed) {
+    const int64_t cols = n - n0 < NR ? n - n0 : NR;
+    for (int64_t p = 0; p < pairs; p++) {
+        uint16_t *dst = packed + p * NR * 2;
+        const int64_t ka = k0 + 2 * p, kb = ka + 1;
+        for (int64_t j = 0; j < cols; j++) {
+            dst[2 * j] = ka < k ? b[ka * sbk + (n0 + j) * sbn] : 0;
+            dst[2 * j + 1] = kb < k ? b[kb * sbk + (n0 + j) * sbn] : 0;
+        }
+        for (int64_t j = cols; j < NR; j++) dst[2 * j] = dst[2 * j + 1] = 0;
+    }
+}
+
+/* a[m0:m0+MR, k0:k0+2*pairs] -> packed[pair][row][2] */
+static void pack_a(const uint16_t *a, int64_t m, int64_t k, int64_t sam, int64_t sak, int64_t m0, int64_t k0,
+                   int64_t pairs, uint16_t *packed) {
+    const int64_t rows = m - m0 < MR ? m - m0 : MR;
+    for (int64_t p = 0; p < pairs; p++) {
+        uint16_t *dst = packed + p * MR * 2;
+        const int64_t ka = k0 + 2 * p, kb = ka + 1;
+        for (int64_t i = 0; i < rows; i++) {
+            dst[2 * i] = ka < k ? a[(m0 + i) * sam + ka * sak] : 0;
+            dst[2 * i + 1] = kb < k ? a[(m0 + i) * sam + kb * sak] : 0;
+        }
+        for (int64_t i = rows; i < MR; i++) dst[2 * i] = dst[2 * i + 1] = 0;
+    }
+}
+
+/* tile[MR][NR] = the packed pairs' sum, in K blocks of `block_pairs` pairs: with scales (sa[b * MR + i] per row,
+ * sb[b * NR + j] per column of block b) each block's fresh fp32 sum is multiplied by its row's scale, then by its
+ * column's, and added to the tile; without (sa NULL) one fp32 sum over all pairs. */
+#if GEMM_VECTOR
+static void tile_sum_vector(const uint16_t *pa, const uint16_t *pb, int64_t pairs, int64_t block_pairs, const float *sa,
+                            const float *sb, float *tile) {
+    __m512 out[MR][2];
+    for (int i = 0; i < MR; i++) out[i][0] = out[i][1] = _mm512_setzero_ps();
+    for (int64_t p0 = 0, b = 0; p0 < pairs; p0 += block_pairs, b++) {
+        const int64_t p1 = p0 + block_pairs < pairs ? p0 + block_pairs : pairs;
+        __m512 acc[MR][2];
+        for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+        for (int64_t p = p0; p < p1; p++) {
+            const __m512bh b0 = (__m512bh)_mm512_loadu_si512(pb + p * NR * 2);
+            const __m512bh b1 = (__m512bh)_mm512_loadu_si512(pb + p * NR * 2 + 32);
+            const uint32_t *ap = (const uint32_t *)(pa + p * MR * 2);
+            for (int i = 0; i < MR; i++) {
+                const __m512bh ai = (__m512bh)_mm512_set1_epi32((int)ap[i]);
+                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);
+                acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);
+            }
+        }
+        if (sa) {
+            const __m512 sb0 = _mm512_loadu_ps(sb + b * NR), sb1 = _mm512_loadu_ps(sb + b * NR + 16);
+            for (int i = 0; i < MR; i++) {
+                const __m512 s = _mm512_set1_ps(sa[b * MR + i]);
+                out[i][0] = _mm512_add_ps(out[i][0], _mm512_mul_ps(_mm512_mul_ps(acc[i][0], s), sb0));
+                out[i][1] = _mm512_add_ps(out[i][1], _mm512_mul_ps(_mm512_mul_ps(acc[i][1], s), sb1));
+            }
+        } else {
+            for (int i = 0; i < MR; i++) out[i][0] = acc[i][0], out[i][1] = acc[i][1];
+        }
+    }
+    for (int i = 0; i < MR; i++) {
+        _mm512_storeu_ps(tile + i * NR, out[i][0]);
+        _mm512_storeu_ps(tile + i * NR + 16, out[i][1]);
+    }
+}
+#endif
+
+/* the same sums one product and one addition at a time: any CPU (and a reference for the vector loop) */
+static void tile_sum_plain(const uint16_t *pa, const uint16_t *pb, int64_t pairs, int64_t block_pairs, const float *sa,
+                           const float *sb, float *tile) {
+    float acc[MR * NR];
+    for (int i = 0; i < MR * NR; i++) tile[i] = 0.0f;
+    for (int64_t p0 = 0, b = 0; p0 < pairs; p0 += block_pairs, b++) {
+        const int64_t p1 = p0 + block_pairs < pairs ? p0 + block_pairs : pairs;
+        for (int i = 0; i < MR * NR; i++) acc[i] = 0.0f;
+        for (int64_t p = p0; p < p1; p++) {
+            const uint16_t *ap = pa + p * MR * 2, *bp = pb + p * NR * 2;
+            for (int i = 0; i < MR; i++)
+                for (int j = 0; j < NR; j++) {
+                    /* the odd k first, then the even one: VDPBF16PS's order (Intel SDM) */
+                    acc[i * NR + j] += bf16_to_f32(ap[2 * i + 1]) * bf16_to_f32(bp[2 * j + 1]);
+                    acc[i * NR + j] += bf16_to_f32(ap[2 * i]) * bf16_to_f32(bp[2 * j]);
+                }
+        }
+        for (int i = 0; i < MR; i++)
+            for (int j = 0; j < NR; j++)
+                tile[i * NR + j] = sa ? tile[i * NR + j] + (acc[i * NR + j] * sa[b * MR + i]) * sb[b * NR + j]
+                                      : acc[i * NR + j];
+    }
+}
+
+typedef struct {
+    const uint16_t *a, *b;
+    int64_t m, n, k, sam, sak, sbk, sbn;
+    const float *scale_a; /* NULL, or (m, k_blocks): row i, block kb at scale_a[i * k_blocks + kb] */
+    const float *scale_b; /* NULL, or (k_blocks, n) */
+    int64_t k_block, k_blocks;
+    float *c;
+    int64_t panel_lo, panel_hi; /* this thread's column panels */
+    int32_t plain; /* 1: the plain C loop even where the vector one is built */
+    int32_t status;
+} gemm_job;
+
+static void *gemm_worker(void *arg) {
+    gemm_job *j = (gemm_job *)arg;
+    /* a cache block holds whole K blocks (with scales; without, one "block" spans it) */
+    const int64_t block_pairs = j->scale_a ? j->k_block / 2 : KC_PAIRS;
+    const int64_t kc_pairs = block_pairs >= KC_PAIRS ? block_pairs : KC_PAIRS / block_pairs * block_pairs;
+    const int64_t kc_blocks = kc_pairs / block_pairs;
+    const int64_t m_panels = (j->m + MR - 1) / MR;
+    uint16_t *pa = aligned_alloc(64, (size_t)m_panels * MR * 2 * kc_pairs * 2 + 64);
+    uint16_t *pb = aligned_alloc(64, (size_t)NR * 2 * kc_pairs * 2 + 64);
+    float *tile = aligned_alloc(64, MR * NR * 4);
+    float *sa = j->scale_a ? aligned_alloc(64, (size_t)m_panels * kc_blocks * MR * 4 + 64) : NULL;
+    float *sb = j->scale_a ? aligned_alloc(64, (size_t)kc_blocks * NR * 4 + 64) : NULL;
+    if (!pa || !pb || !tile || (j->scale_a && (!sa || !sb))) {
+        free(pa); free(pb); free(tile); free(sa); free(sb);
+        j->status = -101;
+        return NULL;
+    }
+    const int64_t total_pairs = (j->k + 1) / 2;
+    for (int64_t p0 = 0; p0 < total_pairs; p0 += kc_pairs) {
+        const int64_t pairs = total_pairs - p0 < kc_pairs ? total_pairs - p0 : kc_pairs;
+        const int64_t k0 = 2 * p0, kb0 = j->scale_a ? p0 / block_pairs : 0;
+        const int64_t blocks = (pairs + block_pairs - 1) / block_pairs;
+        for (int64_t mp = 0; mp < m_panels; mp++) {
+            pack_a(j->a, j->m, j->k, j->sam, j->sak, mp * MR, k0, pairs, pa + mp * MR * 2 * kc_pairs);
+            if (sa) /* this panel's row scales per block: [block][row], 0 past m */
+                for (int64_t b = 0; b < blocks; b++)
+                    for (int64_t i = 0; i < MR; i++)
+                        sa[(mp * kc_blocks + b) * MR + i] =
+                            mp * MR + i < j->m ? j->scale_a[(mp * MR + i) * j->k_blocks + kb0 + b] : 0.0f;
+        }
+        for (int64_t np = j->panel_lo; np < j->panel_hi; np++) {
+            const int64_t n0 = np * NR, cols = j->n - n0 < NR ? j->n - n0 : NR;
+            pack_b(j->b, j->k, j->n, j->sbk, j->sbn, k0, pairs, n0, pb);
+            if (sb)
+                for (int64_t b = 0; b < blocks; b++)
+                    for (int64_t q = 0; q < NR; q++)
+                        sb[b * NR + q] = q < cols ? j->scale_b[(kb0 + b) * j->n + n0 + q] : 0.0f;
+            for (int64_t mp = 0; mp < m_panels; mp++) {
+                const int64_t m0 = mp * MR, rows = j->m - m0 < MR ? j->m - m0 : MR;
+                const float *panel_sa = sa ? sa + mp * kc_blocks * MR : NULL;
+#if GEMM_VECTOR
+                if (!j->plain) tile_sum_vector(pa + mp * MR * 2 * kc_pairs, pb, pairs, block_pairs, panel_sa, sb, tile);
+                else
+#endif
+                tile_sum_plain(pa + mp * MR * 2 * kc_pairs, pb, pairs, block_pairs, panel_sa, sb, tile);
+                for (int64_t i = 0; i < rows; i++) {
+                    float *c = j->c + (m0 + i) * j->n + n0;
+                    const float *t = tile + i * NR;
+                    if (p0 == 0) memcpy(c, t, (size_t)cols * 4);
+                    else for (int64_t q = 0; q < cols; q++) c[q] = c[q] + t[q];
+                }
+            }
+        }
+    }
+    free(pa); free(pb); free(tile); free(sa); free(sb);
+    return NULL;
+}
+
+/* Whether the fast (AVX512-BF16) loop is built in; 0: the plain C loop. */
+int fp8_gemm_vectorized(void) { return GEMM_VECTOR; }
+
+/* c = a @ b (see the top of this file). k_block: 0 (no scales) or the K block of scale_a / scale_b, which must
+ * then be even and both given. plain: 1 runs the plain C loop where the vector one is built too.
+ * Returns 0, or a negative number on an internal error. */
+int fp8_gemm_bf16(const uint16_t *a, const uint16_t *b, int64_t m, int64_t n, int64_t k, int64_t sam, int64_t sak,
+                  int64_t sbk, int64_t sbn, const float *scale_a, const float *scale_b, int64_t k_block, float *c,
+                  int32_t plain, int32_t nthreads) {
+    if (m <= 0 || n <= 0 || k <= 0) return -100;
+    if ((scale_a == NULL) != (scale_b == NULL) || (scale_a && (k_block <= 0 || k_block % 2))) return -102;
+    const int64_t panels = (n + NR - 1) / NR;
+    nthreads = thread_count(m * n * (k < 64 ? k : 64), panels, nthreads);
+    gemm_job jobs[64];
+    for (int32_t i = 0; i < nthreads; i++)
+        jobs[i] = (gemm_job){a, b, m, n, k, sam, sak, sbk, sbn, scale_a, scale_b, scale_a ? k_block : k,
+                             scale_a ? (k + k_block - 1) / k_block : 1, c, panels * i / nthreads,
+                             panels * (i + 1) / nthreads, plain, 0};
+    parallel_run(nthreads, gemm_worker, jobs, sizeof(gemm_job));
+    for (int32_t i = 0; i < nthreads; i++)
+        if (jobs[i].status) return jobs[i].status;
+    return 0;
+}

@@ -1,0 +1,116 @@
+"""fp8train's native bf16 x bf16 -> fp32 GEMM (native_gemm.c), built into the native kernels' library.
+
+Why: an emulated FP8 GEMM whose result is fp32 (grad_weight for fp32 master weights) must sum the exact products
+of FP8 values in fp32 and keep all 24 bits. torch 2.13's CPU GEMMs either read fp32 (4x slower than bf16 on a CPU
+with AVX512-BF16) or round a bf16 GEMM's result to bf16 (aten::mm.dtype, which would keep fp32, is CUDA-only).
+This kernel reads the FP8 values in bf16 (exact), multiplies them exactly and sums in fp32 with VDPBF16PS, and
+writes fp32: the arithmetic of an fp32 GEMM on the same values, summed in another order.
+
+``fp8train::gemm_bf16(a, b, k_block, scale_a, scale_b)`` is one op (one entry in a profile, traceable by
+torch.compile through its fake impl). With ``k_block`` > 0 it also applies scales that vary along K (block and
+MX tiles): each K block's fp32 partial sum is multiplied by the row's scale, then by the column's, and added.
+
+Where it runs (``fast()``): a CPU whose library was built with AVX512-BF16 (``-march=native`` on such a CPU).
+Elsewhere the same loops run in plain C (correct and slow): ``set_mode("on")`` uses it anyway (to test that path
+on any CPU), ``"off"`` never, ``"auto"`` (the default) where it is fast.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fp8train.numerics import native_build, native_cast
+
+__all__ = ["MODES", "set_mode", "mode", "fast", "in_use", "usable", "mm"]
+
+MODES = ("auto", "on", "off")
+_mode = "auto"
+
+# VDPBF16PS reads a bf16 input below 2^-126 as zero and flushes a result there to zero; an FP8 value (never
+# below 2^-16 in magnitude unless zero) and the product of two (>= 2^-32) never come near, so the emulated
+# GEMMs hand this kernel FP8 values, and K-varying scales are applied to fp32 partial sums, never to inputs.
+
+
+def set_mode(choice: str) -> None:
+    """'auto' (use the kernel where it is fast), 'on' (wherever the native library loads: on a CPU without
+    AVX512-BF16 its plain C loop, slow; a switch for testing that path), or 'off' (the fp32 GEMM, as before)."""
+    global _mode
+    if choice not in MODES:
+        raise ValueError(f"native GEMM mode must be one of {', '.join(MODES)}; got {choice!r}")
+    _mode = choice
+
+
+def mode() -> str:
+    return _mode
+
+
+def fast() -> bool:
+    """True when the native library is built here with its AVX512-BF16 loop (and not switched off by
+    native_cast.set_enabled(False), which stands for a machine without a C compiler)."""
+    return native_cast.available() and bool(native_build.library().fp8_gemm_vectorized())
+
+
+def in_use(device: torch.device | str) -> bool:
+    """Whether emulated GEMMs with an fp32 result on `device` read bf16 values through this kernel."""
+    if torch.device(device).type != "cpu" or _mode == "off" or torch.compiler.is_compiling():
+        return False
+    return native_cast.available() if _mode == "on" else fast()
+
+
+def usable(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``mm`` takes these: 2-D bf16 CPU tensors with matching inner dims, any strides, no overlap."""
+    return (a.dim() == 2 and b.dim() == 2 and a.dtype == b.dtype == torch.bfloat16 and a.device.type == "cpu"
+            and b.device.type == "cpu" and a.shape[1] == b.shape[0] and a.numel() > 0 and b.numel() > 0)
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, scale_a: Optional[torch.Tensor] = None,
+       scale_b: Optional[torch.Tensor] = None, k_block: int = 0, *, plain: bool = False) -> torch.Tensor:
+    """fp32 (M, N) = a (M, K) @ b (K, N) from bf16 inputs, summed in fp32 (check ``usable`` first). With
+    ``k_block`` (even, > 0): ``scale_a`` (M, ceil(K / k_block)) and ``scale_b`` (ceil(K / k_block), N), fp32,
+    scale each K block's partial sum (row's scale first, then column's). ``plain``: the plain C loop even where
+    the AVX512-BF16 one is built (the same sums; every CPU can run both paths' packing and edges this way)."""
+    return gemm_bf16_op(a, b, k_block, scale_a, scale_b, plain)
+
+
+def _check_scales(a, b, k_block, scale_a, scale_b):
+    if k_block == 0:
+        if scale_a is not None or scale_b is not None:
+            raise RuntimeError("internal error: gemm_bf16 got scales without a K block")
+        return
+    blocks = -(-a.shape[1] // k_block)
+    if k_block < 0 or k_block % 2 or scale_a is None or scale_b is None \
+            or tuple(scale_a.shape) != (a.shape[0], blocks) or tuple(scale_b.shape) != (blocks, b.shape[1]) \
+            or scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32:
+        raise RuntimeError(f"internal error: gemm_bf16 scales do not fit a {tuple(a.shape)} @ {tuple(b.shape)} GEMM "
+                           f"with K block {k_block}")
+
+
+def _gemm_bf16_cpu(a, b, k_block, scale_a, scale_b, plain):
+    _check_scales(a, b, k_block, scale_a, scale_b)
+    if not native_build.available():
+        raise RuntimeError(f"fp8train's native GEMM cannot run here: {native_build.unavailable_reason()}")
+    (m, k), n = a.shape, b.shape[1]
+    out = torch.empty((m, n), dtype=torch.float32)
+    if k_block:
+        scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()
+    rc = native_build.library().fp8_gemm_bf16(
+        a.data_ptr(), b.data_ptr(), m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        None if scale_a is None else scale_a.data_ptr(), None if scale_b is None else scale_b.data_ptr(), k_block,
+        out.data_ptr(), int(plain), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"internal error: fp8train native bf16 GEMM returned {rc}")
+    return out
+
+
+def _gemm_bf16_fake(a, b, k_block, scale_a, scale_b, plain):
+    return torch.empty((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
+
+
+_LIB = torch.library.Library("fp8train", "FRAGMENT")
+_LIB.define("gemm_bf16(Tensor a, Tensor b, int k_block, Tensor? scale_a, Tensor? scale_b, bool plain) -> Tensor")
+_LIB.impl("gemm_bf16", torch.library.fallthrough_kernel, "Autograd")  # reads values of a rounding: no grad
+_LIB.impl("gemm_bf16", _gemm_bf16_cpu, "CPU")
+torch.library.register_fake("fp8train::gemm_bf16", _gemm_bf16_fake, lib=_LIB)
+gemm_bf16_op = torch.ops.fp8train.gemm_bf16.default
