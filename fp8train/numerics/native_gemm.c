@@ -22,7 +22,7 @@
  *
  * Layout of the work: b is packed per panel of NR columns as k pairs (one 512-bit register = 16 columns x 2 k),
  * a per panel of MR rows as k pairs (one 32-bit broadcast), and an MR x NR register tile sums a cache block.
- * Each thread owns a range of column panels (no shared writes, no barrier). The same loops also run in plain C
+ * Threads split the larger of m and n into ranges of panels (no shared writes, no barrier). The same loops also run in plain C
  * (one product and one addition at a time, the same order): on CPUs without AVX512-BF16, and on request
  * anywhere (`plain`), so every CPU runs the packing and the edges, and the two loops can be compared. */
 #include <stdint.h>
@@ -41,6 +41,7 @@
 #define MR 12        /* rows of a register tile: 12 x 2 accumulators + 2 b registers of 32 */
 #define NR 32        /* columns of a register tile: two 16-lane fp32 registers */
 #define KC_PAIRS 256 /* k-pairs per cache block: b's panel 256 x 128 B = 32 KB stays in L1 beside a's 12 KB */
+#define MC_PANELS 20 /* row panels of a packed at once: 240 rows x 512 k x 2 B = 240 KB, held in L2 */
 
 static inline float bf16_to_f32(uint16_t v) {
     const uint32_t u = (uint32_t)v << 16;
@@ -49,34 +50,66 @@ static inline float bf16_to_f32(uint16_t v) {
     return f;
 }
 
-/* b[k0:k0+2*pairs, n0:n0+NR] -> packed[pair][column][2] (zero beyond k and n: zeros add nothing) */
+/* Packing: a run of `width` (MR rows of a, or NR columns of b) by 2 * pairs k values -> packed[pair][w][2],
+ * zeros past k and past the run's `valid` width (zeros add nothing). `sw`: the stride along the width, `sk`
+ * along k, in elements. Two memory layouts are common and get loops without per-element index arithmetic:
+ * k contiguous (sk == 1: each pair is one 32-bit word, copied whole) and the width contiguous (sw == 1: two
+ * runs of k, interleaved). */
+static inline uint32_t load_pair(const uint16_t *x) {
+    uint32_t v;
+    memcpy(&v, x, 4); /* the two bf16 of k and k + 1, low half first (little-endian: packed[w][0] = k) */
+    return v;
+}
+
+static void pack_run(const uint16_t *x, int64_t sw, int64_t sk, int64_t k, int64_t valid, int width, int64_t k0,
+                     int64_t pairs, uint16_t *packed) {
+    const int64_t full = (k - k0) / 2 < pairs ? ((k - k0) > 0 ? (k - k0) / 2 : 0) : pairs; /* pairs inside k */
+    if (valid == width && sk == 1) {
+        uint32_t *dst = (uint32_t *)packed;
+        for (int w = 0; w < width; w++) {
+            const uint16_t *src = x + w * sw + k0;
+            for (int64_t p = 0; p < full; p++) dst[p * width + w] = load_pair(src + 2 * p);
+        }
+    } else if (valid == width && sw == 1) {
+        for (int64_t p = 0; p < full; p++) {
+            const uint16_t *ra = x + (k0 + 2 * p) * sk, *rb = ra + sk;
+            uint16_t *dst = packed + p * width * 2;
+            for (int w = 0; w < width; w++) {
+                dst[2 * w] = ra[w];
+                dst[2 * w + 1] = rb[w];
+            }
+        }
+    } else {
+        for (int64_t p = 0; p < full; p++) {
+            uint16_t *dst = packed + p * width * 2;
+            const uint16_t *ra = x + (k0 + 2 * p) * sk, *rb = ra + sk;
+            for (int64_t w = 0; w < valid; w++) {
+                dst[2 * w] = ra[w * sw];
+                dst[2 * w + 1] = rb[w * sw];
+            }
+            for (int64_t w = valid; w < width; w++) dst[2 * w] = dst[2 * w + 1] = 0;
+        }
+    }
+    for (int64_t p = full; p < pairs; p++) { /* the last pairs: past k, or an odd k's last one */
+        uint16_t *dst = packed + p * width * 2;
+        const int64_t ka = k0 + 2 * p, kb = ka + 1;
+        for (int64_t w = 0; w < width; w++) {
+            dst[2 * w] = w < valid && ka < k ? x[w * sw + ka * sk] : 0;
+            dst[2 * w + 1] = w < valid && kb < k ? x[w * sw + kb * sk] : 0;
+        }
+    }
+}
+
+/* b[k0:k0+2*pairs, n0:n0+NR] -> packed[pair][column][2] */
 static void pack_b(const uint16_t *b, int64_t k, int64_t n, int64_t sbk, int64_t sbn, int64_t k0, int64_t pairs,
                    int64_t n0, uint16_t *packed) {
-    const int64_t cols = n - n0 < NR ? n - n0 : NR;
-    for (int64_t p = 0; p < pairs; p++) {
-        uint16_t *dst = packed + p * NR * 2;
-        const int64_t ka = k0 + 2 * p, kb = ka + 1;
-        for (int64_t j = 0; j < cols; j++) {
-            dst[2 * j] = ka < k ? b[ka * sbk + (n0 + j) * sbn] : 0;
-            dst[2 * j + 1] = kb < k ? b[kb * sbk + (n0 + j) * sbn] : 0;
-        }
-        for (int64_t j = cols; j < NR; j++) dst[2 * j] = dst[2 * j + 1] = 0;
-    }
+    pack_run(b + n0 * sbn, sbn, sbk, k, n - n0 < NR ? n - n0 : NR, NR, k0, pairs, packed);
 }
 
 /* a[m0:m0+MR, k0:k0+2*pairs] -> packed[pair][row][2] */
 static void pack_a(const uint16_t *a, int64_t m, int64_t k, int64_t sam, int64_t sak, int64_t m0, int64_t k0,
                    int64_t pairs, uint16_t *packed) {
-    const int64_t rows = m - m0 < MR ? m - m0 : MR;
-    for (int64_t p = 0; p < pairs; p++) {
-        uint16_t *dst = packed + p * MR * 2;
-        const int64_t ka = k0 + 2 * p, kb = ka + 1;
-        for (int64_t i = 0; i < rows; i++) {
-            dst[2 * i] = ka < k ? a[(m0 + i) * sam + ka * sak] : 0;
-            dst[2 * i + 1] = kb < k ? a[(m0 + i) * sam + kb * sak] : 0;
-        }
-        for (int64_t i = rows; i < MR; i++) dst[2 * i] = dst[2 * i + 1] = 0;
-    }
+    pack_run(a + m0 * sam, sam, sak, k, m - m0 < MR ? m - m0 : MR, MR, k0, pairs, packed);
 }
 
 /* tile[MR][NR] = the packed pairs' sum, in K blocks of `block_pairs` pairs: with scales (sa[b * MR + i] per row,
@@ -84,7 +117,7 @@ static void pack_a(const uint16_t *a, int64_t m, int64_t k, int64_t sam, int64_t
  * column's, and added to the tile; without (sa NULL) one fp32 sum over all pairs. */
 #if GEMM_VECTOR
 static void tile_sum_vector(const uint16_t *pa, const uint16_t *pb, int64_t pairs, int64_t block_pairs, const float *sa,
-                            const float *sb, float *tile) {
+                            const float *sb, float *tile, int64_t ld, int add) {
     __m512 out[MR][2];
     for (int i = 0; i < MR; i++) out[i][0] = out[i][1] = _mm512_setzero_ps();
     for (int64_t p0 = 0, b = 0; p0 < pairs; p0 += block_pairs, b++) {
@@ -112,9 +145,14 @@ static void tile_sum_vector(const uint16_t *pa, const uint16_t *pb, int64_t pair
             for (int i = 0; i < MR; i++) out[i][0] = acc[i][0], out[i][1] = acc[i][1];
         }
     }
-    for (int i = 0; i < MR; i++) {
-        _mm512_storeu_ps(tile + i * NR, out[i][0]);
-        _mm512_storeu_ps(tile + i * NR + 16, out[i][1]);
+    for (int i = 0; i < MR; i++) { /* tile: ld floats per row; add: tile = tile + out (c + t), else tile = out */
+        float *row = tile + i * ld;
+        if (add) {
+            out[i][0] = _mm512_add_ps(_mm512_loadu_ps(row), out[i][0]);
+            out[i][1] = _mm512_add_ps(_mm512_loadu_ps(row + 16), out[i][1]);
+        }
+        _mm512_storeu_ps(row, out[i][0]);
+        _mm512_storeu_ps(row + 16, out[i][1]);
     }
 }
 #endif
@@ -150,7 +188,7 @@ typedef struct {
     const float *scale_b; /* NULL, or (k_blocks, n) */
     int64_t k_block, k_blocks;
     float *c;
-    int64_t panel_lo, panel_hi; /* this thread's column panels */
+    int64_t m_lo, m_hi, n_lo, n_hi; /* this thread's row panels and column panels */
     int32_t plain; /* 1: the plain C loop even where the vector one is built */
     int32_t status;
 } gemm_job;
@@ -161,12 +199,13 @@ static void *gemm_worker(void *arg) {
     const int64_t block_pairs = j->scale_a ? j->k_block / 2 : KC_PAIRS;
     const int64_t kc_pairs = block_pairs >= KC_PAIRS ? block_pairs : KC_PAIRS / block_pairs * block_pairs;
     const int64_t kc_blocks = kc_pairs / block_pairs;
-    const int64_t m_panels = (j->m + MR - 1) / MR;
-    uint16_t *pa = aligned_alloc(64, (size_t)m_panels * MR * 2 * kc_pairs * 2 + 64);
-    uint16_t *pb = aligned_alloc(64, (size_t)NR * 2 * kc_pairs * 2 + 64);
+    const int64_t n_panels = j->n_hi - j->n_lo;
+    const size_t a_panel = (size_t)MR * 2 * kc_pairs, b_panel = (size_t)NR * 2 * kc_pairs; /* in bf16 */
+    uint16_t *pa = aligned_alloc(64, MC_PANELS * a_panel * 2 + 64);
+    uint16_t *pb = aligned_alloc(64, (size_t)n_panels * b_panel * 2 + 64);
     float *tile = aligned_alloc(64, MR * NR * 4);
-    float *sa = j->scale_a ? aligned_alloc(64, (size_t)m_panels * kc_blocks * MR * 4 + 64) : NULL;
-    float *sb = j->scale_a ? aligned_alloc(64, (size_t)kc_blocks * NR * 4 + 64) : NULL;
+    float *sa = j->scale_a ? aligned_alloc(64, (size_t)MC_PANELS * kc_blocks * MR * 4 + 64) : NULL;
+    float *sb = j->scale_a ? aligned_alloc(64, (size_t)n_panels * kc_blocks * NR * 4 + 64) : NULL;
     if (!pa || !pb || !tile || (j->scale_a && (!sa || !sb))) {
         free(pa); free(pb); free(tile); free(sa); free(sb);
         j->status = -101;
@@ -177,34 +216,49 @@ static void *gemm_worker(void *arg) {
         const int64_t pairs = total_pairs - p0 < kc_pairs ? total_pairs - p0 : kc_pairs;
         const int64_t k0 = 2 * p0, kb0 = j->scale_a ? p0 / block_pairs : 0;
         const int64_t blocks = (pairs + block_pairs - 1) / block_pairs;
-        for (int64_t mp = 0; mp < m_panels; mp++) {
-            pack_a(j->a, j->m, j->k, j->sam, j->sak, mp * MR, k0, pairs, pa + mp * MR * 2 * kc_pairs);
-            if (sa) /* this panel's row scales per block: [block][row], 0 past m */
-                for (int64_t b = 0; b < blocks; b++)
-                    for (int64_t i = 0; i < MR; i++)
-                        sa[(mp * kc_blocks + b) * MR + i] =
-                            mp * MR + i < j->m ? j->scale_a[(mp * MR + i) * j->k_blocks + kb0 + b] : 0.0f;
-        }
-        for (int64_t np = j->panel_lo; np < j->panel_hi; np++) {
-            const int64_t n0 = np * NR, cols = j->n - n0 < NR ? j->n - n0 : NR;
-            pack_b(j->b, j->k, j->n, j->sbk, j->sbn, k0, pairs, n0, pb);
-            if (sb)
+        for (int64_t np = 0; np < n_panels; np++) { /* this thread's b panels of the cache block, once */
+            const int64_t n0 = (j->n_lo + np) * NR, cols = j->n - n0 < NR ? j->n - n0 : NR;
+            pack_b(j->b, j->k, j->n, j->sbk, j->sbn, k0, pairs, n0, pb + np * b_panel);
+            if (sb) /* per block: [block][column], 0 past n */
                 for (int64_t b = 0; b < blocks; b++)
                     for (int64_t q = 0; q < NR; q++)
-                        sb[b * NR + q] = q < cols ? j->scale_b[(kb0 + b) * j->n + n0 + q] : 0.0f;
-            for (int64_t mp = 0; mp < m_panels; mp++) {
-                const int64_t m0 = mp * MR, rows = j->m - m0 < MR ? j->m - m0 : MR;
-                const float *panel_sa = sa ? sa + mp * kc_blocks * MR : NULL;
+                        sb[(np * kc_blocks + b) * NR + q] = q < cols ? j->scale_b[(kb0 + b) * j->n + n0 + q] : 0.0f;
+        }
+        for (int64_t mc = j->m_lo; mc < j->m_hi; mc += MC_PANELS) { /* a's panels, MC_PANELS at a time */
+            const int64_t mc_panels = j->m_hi - mc < MC_PANELS ? j->m_hi - mc : MC_PANELS;
+            for (int64_t mp = 0; mp < mc_panels; mp++) {
+                const int64_t m0 = (mc + mp) * MR;
+                pack_a(j->a, j->m, j->k, j->sam, j->sak, m0, k0, pairs, pa + mp * a_panel);
+                if (sa) /* per block: [block][row], 0 past m */
+                    for (int64_t b = 0; b < blocks; b++)
+                        for (int64_t i = 0; i < MR; i++)
+                            sa[(mp * kc_blocks + b) * MR + i] =
+                                m0 + i < j->m ? j->scale_a[(m0 + i) * j->k_blocks + kb0 + b] : 0.0f;
+            }
+            for (int64_t np = 0; np < n_panels; np++) {
+                const int64_t n0 = (j->n_lo + np) * NR, cols = j->n - n0 < NR ? j->n - n0 : NR;
+                const float *panel_sb = sb ? sb + np * kc_blocks * NR : NULL;
+                for (int64_t mp = 0; mp < mc_panels; mp++) {
+                    const int64_t m0 = (mc + mp) * MR, rows = j->m - m0 < MR ? j->m - m0 : MR;
+                    const float *panel_sa = sa ? sa + mp * kc_blocks * MR : NULL;
+                    const uint16_t *panel_a = pa + mp * a_panel, *panel_b = pb + np * b_panel;
 #if GEMM_VECTOR
-                if (!j->plain) tile_sum_vector(pa + mp * MR * 2 * kc_pairs, pb, pairs, block_pairs, panel_sa, sb, tile);
-                else
+                    if (!j->plain && rows == MR && cols == NR) { /* a whole tile: straight into c */
+                        tile_sum_vector(panel_a, panel_b, pairs, block_pairs, panel_sa, panel_sb,
+                                        j->c + m0 * j->n + n0, j->n, p0 != 0);
+                        continue;
+                    }
+                    if (!j->plain)
+                        tile_sum_vector(panel_a, panel_b, pairs, block_pairs, panel_sa, panel_sb, tile, NR, 0);
+                    else
 #endif
-                tile_sum_plain(pa + mp * MR * 2 * kc_pairs, pb, pairs, block_pairs, panel_sa, sb, tile);
-                for (int64_t i = 0; i < rows; i++) {
-                    float *c = j->c + (m0 + i) * j->n + n0;
-                    const float *t = tile + i * NR;
-                    if (p0 == 0) memcpy(c, t, (size_t)cols * 4);
-                    else for (int64_t q = 0; q < cols; q++) c[q] = c[q] + t[q];
+                    tile_sum_plain(panel_a, panel_b, pairs, block_pairs, panel_sa, panel_sb, tile);
+                    for (int64_t i = 0; i < rows; i++) {
+                        float *c = j->c + (m0 + i) * j->n + n0;
+                        const float *t = tile + i * NR;
+                        if (p0 == 0) memcpy(c, t, (size_t)cols * 4);
+                        else for (int64_t q = 0; q < cols; q++) c[q] = c[q] + t[q];
+                    }
                 }
             }
         }
@@ -224,13 +278,18 @@ int fp8_gemm_bf16(const uint16_t *a, const uint16_t *b, int64_t m, int64_t n, in
                   int32_t plain, int32_t nthreads) {
     if (m <= 0 || n <= 0 || k <= 0) return -100;
     if ((scale_a == NULL) != (scale_b == NULL) || (scale_a && (k_block <= 0 || k_block % 2))) return -102;
-    const int64_t panels = (n + NR - 1) / NR;
+    /* threads split the larger of m and n: each packs the other operand whole (the smaller one) */
+    const int64_t m_panels = (m + MR - 1) / MR, n_panels = (n + NR - 1) / NR;
+    const int split_rows = m > n;
+    const int64_t panels = split_rows ? m_panels : n_panels;
     nthreads = thread_count(m * n * (k < 64 ? k : 64), panels, nthreads);
     gemm_job jobs[64];
-    for (int32_t i = 0; i < nthreads; i++)
+    for (int32_t i = 0; i < nthreads; i++) {
+        const int64_t lo = panels * i / nthreads, hi = panels * (i + 1) / nthreads;
         jobs[i] = (gemm_job){a, b, m, n, k, sam, sak, sbk, sbn, scale_a, scale_b, scale_a ? k_block : k,
-                             scale_a ? (k + k_block - 1) / k_block : 1, c, panels * i / nthreads,
-                             panels * (i + 1) / nthreads, plain, 0};
+                             scale_a ? (k + k_block - 1) / k_block : 1, c, split_rows ? lo : 0,
+                             split_rows ? hi : m_panels, split_rows ? 0 : lo, split_rows ? n_panels : hi, plain, 0};
+    }
     parallel_run(nthreads, gemm_worker, jobs, sizeof(gemm_job));
     for (int32_t i = 0; i < nthreads; i++)
         if (jobs[i].status) return jobs[i].status;
