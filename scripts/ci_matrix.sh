@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # CI's second half (.ci/run runs README's test command first): every CPU code path and every torch release of
 # the supported range, on whatever CPU CI has.
-#   1. the numerics, nn and GEMM tests with `emulated_dtype: auto` forced to bf16, then to fp32 (the two CPU
-#      kinds: avx512_bf16/AMX, and AVX2-only), with the native cast switched off (the eager kernels), and on a
+#   1. the numerics, nn and GEMM tests with `emulated_dtype: auto` forced to bf16 (with the native bf16 -> fp32
+#      GEMM on, then off), then to fp32 (the two CPU kinds: avx512_bf16/AMX, and AVX2-only), with the native cast
+#      switched off (the eager kernels), and on a
 #      PATH without any C compiler and an empty build cache (what a machine without gcc gets);
 #   2. those tests plus the core training tests under the oldest and the newest torch of pyproject's range
 #      (torch_support.py), each in a venv of its own beside README's (2.13.0 is README's pin).
@@ -10,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-CORE=(tests/test_formats.py tests/test_quant.py tests/test_mx.py tests/test_native_cast.py tests/test_dialect.py
+CORE=(tests/test_formats.py tests/test_quant.py tests/test_mx.py tests/test_native_cast.py tests/test_native_gemm.py tests/test_dialect.py
       tests/test_gemm.py tests/test_scaled_gemm.py tests/test_accumulation.py tests/test_linear.py tests/test_recipes.py
       tests/test_convert.py tests/test_overrides.py tests/test_policy_defaults.py tests/test_shadow.py
       tests/test_step_syncs.py tests/test_te_mapping.py tests/test_torch_support.py)
@@ -19,8 +20,10 @@ PYTEST=(python -m pytest -q -rs -n 2 --dist loadfile -p no:cacheprovider)
 
 step() { echo; echo "=== ci_matrix: $*"; }
 
-step "emulated_dtype auto forced to bf16 (the avx512_bf16 / AMX path)"
-"${PYTEST[@]}" --emulated-auto=bf16 "${CORE[@]}"
+step "emulated_dtype auto forced to bf16 (the avx512_bf16 / AMX path), the native bf16 GEMM on (its plain C loop where AVX512-BF16 is missing)"
+"${PYTEST[@]}" --emulated-auto=bf16 --native-gemm=on "${CORE[@]}"
+step "emulated_dtype auto forced to bf16, the native bf16 GEMM off (bf16 emulation with fp32 GEMMs for fp32 results)"
+"${PYTEST[@]}" --emulated-auto=bf16 --native-gemm=off "${CORE[@]}"
 step "emulated_dtype auto forced to fp32 (the AVX2-only path)"
 "${PYTEST[@]}" --emulated-auto=fp32 "${CORE[@]}"
 step "native cast switched off (every quantize on the eager kernels)"

@@ -36,6 +36,10 @@ def pytest_addoption(parser):
     group.addoption("--native-cast", choices=("on", "off"), default="on",
                     help="off: every quantize runs its eager kernel, as on a machine without a C compiler "
                          "(fp8train.numerics.native_cast.set_enabled)")
+    group.addoption("--native-gemm", choices=("auto", "on", "off"), default="auto",
+                    help="fp8train's native bf16 -> fp32 GEMM under bf16 emulation: where its AVX512-BF16 loop is "
+                         "built (auto), wherever the library builds (on: the plain C loop elsewhere), or never "
+                         "(off) (fp8train.numerics.native_gemm.set_mode)")
 
 
 def pytest_configure(config):
@@ -45,15 +49,23 @@ def pytest_configure(config):
 
     set_cpu_bf16_gemm({"cpu": None, "bf16": True, "fp32": False}[config.getoption("--emulated-auto")])
     set_enabled(config.getoption("--native-cast") == "on")
+    from fp8train.numerics import native_gemm
+
+    native_gemm.set_mode(config.getoption("--native-gemm"))
 
 
 def pytest_report_header(config):
     from fp8train.nn.gemm import cpu_has_bf16_gemm
     from fp8train.numerics import native_cast
 
+    from fp8train.numerics import native_gemm
+
     return (f"fp8train: emulated_dtype auto -> {'bf16' if cpu_has_bf16_gemm() else 'fp32'} on CPU "
             f"(--emulated-auto={config.getoption('--emulated-auto')}); native cast "
-            f"{'on' if native_cast.available() else 'off: ' + str(native_cast.unavailable_reason() or 'switched off')}")
+            f"{'on' if native_cast.available() else 'off: ' + str(native_cast.unavailable_reason() or 'switched off')}"
+            f"; native bf16 GEMM {'in use' if native_gemm.in_use('cpu') else 'not used'} "
+            f"(--native-gemm={config.getoption('--native-gemm')}, AVX512-BF16 loop "
+            f"{'built' if native_gemm.fast() else 'not built'})")
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ the layers that use it: the same forward bits, and gradients within fp32's summa
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -94,7 +95,7 @@ def test_k_block_scales_in_the_documented_order(plain, m, k, n, k_block, pow2):
     scale_a, scale_b = torch.rand(m, blocks, generator=gen) + 0.5, torch.rand(blocks, n, generator=gen) * 3 + 0.1
     if pow2:
         scale_a, scale_b = torch.exp2(scale_a.log2().round()), torch.exp2(scale_b.log2().round())
-    got = native_gemm.mm(a, b, scale_a, scale_b, k_block, plain=plain)
+    got = native_gemm.mm(a, b, (scale_a, scale_b, k_block), plain=plain)
     assert_bits_equal(got, reference(a, b, scale_a, scale_b, k_block))
     if pow2:  # exact products and exact scalings: within fp32's summation bound of the float64 sum
         exact = sum((a[:, i * k_block:(i + 1) * k_block].double() @ b[i * k_block:(i + 1) * k_block].double())
@@ -102,6 +103,41 @@ def test_k_block_scales_in_the_documented_order(plain, m, k, n, k_block, pow2):
         bound = sum((a[:, i * k_block:(i + 1) * k_block].double().abs() @ b[i * k_block:(i + 1) * k_block].double().abs())
                     * scale_a[:, i, None].double() * scale_b[None, i].double() for i in range(blocks))
         assert ((got.double() - exact).abs() <= k * 2.0 ** -24 * bound + 1e-30).all()
+
+
+def epilogue_reference(c: np.ndarray, scale_a, scale_b, bias, out_dtype) -> np.ndarray:
+    """native_gemm.c's epilogue from its documentation: times the row's scale, times the column's, plus the bias,
+    each rounded in float32, then rounded to bf16 (ml_dtypes: to nearest even) for a bf16 output."""
+    if scale_a is not None:
+        c = c * (scale_a.numpy().reshape(-1, 1) if scale_a.numel() > 1 else scale_a.numpy().reshape(()))
+    if scale_b is not None:
+        c = c * (scale_b.numpy().reshape(1, -1) if scale_b.numel() > 1 else scale_b.numpy().reshape(()))
+    if bias is not None:
+        c = c + bias.numpy()
+    return c.astype(F32) if out_dtype == torch.float32 else c.astype(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("plain", LOOPS)
+@pytest.mark.parametrize("scales", ["none", "tensor", "row_col"])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,n", [(25, 1030, 65), (12, 64, 32), (7, 9, 3)])
+def test_the_epilogue_scales_adds_the_bias_and_rounds_once(plain, scales, with_bias, out_dtype, m, k, n):
+    gen = torch.Generator().manual_seed(m + k + n)
+    a, b = fp8_values((m, k), "e4m3fn", gen), fp8_values((k, n), "e5m2", gen)
+    scale_a = scale_b = None
+    if scales == "tensor":
+        scale_a, scale_b = torch.tensor(0.37), torch.tensor(1.9)
+    if scales == "row_col":
+        scale_a, scale_b = torch.rand(m, 1, generator=gen) + 0.1, torch.rand(1, n, generator=gen) + 0.1
+    bias = torch.randn(n, generator=gen) * 50 if with_bias else None
+    got = native_gemm.mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype, plain=plain)
+    expected = epilogue_reference(reference(a, b), scale_a, scale_b, bias, out_dtype)
+    if out_dtype == torch.float32:
+        assert_bits_equal(got, expected)
+    else:
+        assert got.dtype == torch.bfloat16
+        assert np.array_equal(got.view(torch.int16).numpy(), expected.view(np.int16))
 
 
 def test_the_two_loops_are_the_same_bits_where_both_run():
@@ -141,12 +177,16 @@ def test_threads_split_columns_and_change_no_bit(threads):
 
 def test_bad_calls_are_internal_errors():
     a, b = torch.ones(4, 6, dtype=torch.bfloat16), torch.ones(6, 5, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="internal error: gemm_bf16 got scales without a K block"):
-        native_gemm.mm(a, b, torch.ones(4, 1), torch.ones(1, 5))
-    with pytest.raises(RuntimeError, match=r"internal error: gemm_bf16 scales do not fit a \(4, 6\) @ \(6, 5\)"):
-        native_gemm.mm(a, b, torch.ones(4, 2), torch.ones(1, 5), 4)
+    with pytest.raises(RuntimeError, match="internal error: gemm_bf16 got K-block scales without a K block"):
+        native_gemm.mm(a, b, (torch.ones(4, 1), torch.ones(1, 5), 0))
+    with pytest.raises(RuntimeError, match=r"internal error: gemm_bf16 K-block scales do not fit a \(4, 6\) @ \(6, 5\)"):
+        native_gemm.mm(a, b, (torch.ones(4, 2), torch.ones(1, 5), 4))
     with pytest.raises(RuntimeError, match="internal error"):
-        native_gemm.mm(a, b, torch.ones(4, 2), torch.ones(2, 5), 3)  # an odd K block
+        native_gemm.mm(a, b, (torch.ones(4, 2), torch.ones(2, 5), 3))  # an odd K block
+    with pytest.raises(RuntimeError, match="internal error: gemm_bf16 does not take"):
+        native_gemm.mm(a, b, bias=torch.ones(4))  # a bias of the wrong length
+    with pytest.raises(RuntimeError, match="internal error: gemm_bf16 does not take"):
+        native_gemm.mm(a, b, out_dtype=torch.float16)
     with pytest.raises(ValueError, match="native GEMM mode must be one of auto, on, off; got 'fast'"):
         native_gemm.set_mode("fast")
 

@@ -53,9 +53,9 @@ __all__ = ["available", "unavailable_reason", "library", "threading_kind", "Para
            "HEADERS", "cache_dir", "BUILD_LOG"]
 
 # one library from these: the casts (native_cast.c) and the bf16 -> fp32 GEMM (native_gemm.c); the header holds
-# the threads both use. Every byte of all three goes into the library's name, so an edit rebuilds it.
+# what both use (threads, bf16 rounding). Every byte of all three goes into the library's name, so an edit rebuilds it.
 SOURCES = (Path(__file__).with_name("native_cast.c"), Path(__file__).with_name("native_gemm.c"))
-HEADERS = (Path(__file__).with_name("native_threads.h"),)
+HEADERS = (Path(__file__).with_name("native_common.h"),)
 COMPILER_NAMES = ("gcc", "cc")
 BUILD_LOG = "builds.log"
 # -ffp-contract=off: every product and sum rounded on its own, as torch's separate ops round them (bit equality)
@@ -340,7 +340,8 @@ def _bind(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
     lib.fp8_dequantize.restype = ctypes.c_int
     lib.fp8_gemm_epilogue.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i32, i32]
     lib.fp8_gemm_epilogue.restype = ctypes.c_int
-    lib.fp8_gemm_bf16.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, i32, i32]
+    lib.fp8_gemm_bf16.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, i64,
+                                  ptr, ptr, ptr, i32, i32]
     lib.fp8_gemm_bf16.restype = ctypes.c_int
     lib.fp8_gemm_vectorized.restype = ctypes.c_int
     return lib

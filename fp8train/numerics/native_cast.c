@@ -24,7 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "native_threads.h"
+#include "native_common.h"
 
 #define SPECIAL_IEEE 0 /* e5m2: inf and NaN at the all-ones exponent */
 #define SPECIAL_FN 1   /* e4m3fn: only S.1111.111 is NaN */
@@ -705,12 +705,6 @@ typedef struct {
     void *out;
     int32_t out_bf16, nthreads, id;
 } epilogue_job;
-
-static inline uint16_t f32_to_bf16(float f) {
-    const uint32_t u = f2u(f);
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return (uint16_t)select_u32((u & 0x7FFFFFFFu) > 0x7F800000u, 0xFFFFu, rounded);
-}
 
 static void *epilogue_worker(void *arg) {
     epilogue_job *d = (epilogue_job *)arg;

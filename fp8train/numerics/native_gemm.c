@@ -13,8 +13,10 @@
  *     one k_block), each summed from zero; c = that sum for the first cache block, then c = c + that sum;
  *   - within a cache block, in K blocks (without scales one K block spans it): s = 0, and for each k pair
  *     (2q, 2q + 1): s = s + a[i, 2q+1] * b[2q+1, j], then s = s + a[i, 2q] * b[2q, j] (VDPBF16PS's order in
- *     the Intel SDM; an odd k's missing partner is 0); with scales, the cache block's sum t = t + (s * scale_a[i,
- *     block]) * scale_b[block, j], in block order from t = 0; without, t = s.
+ *     the Intel SDM; an odd k's missing partner is 0); with K-block scales, the cache block's sum t = t + (s *
+ *     kscale_a[i, block]) * kscale_b[block, j], in block order from t = 0; without, t = s;
+ *   - then the epilogue on the whole sum: times the row's scale, times the column's scale, plus the column's bias
+ *     (each optional, each an fp32 operation), and rounded to bf16 (torch's rounding) where the output is bf16.
  * Per-K-block scales serve the block and MX recipes, whose scales vary along K: what a GPU's blockwise-scaled
  * FP8 GEMM does (DeepSeek-V3's promotion of each 128-long partial sum).
  * VDPBF16PS reads bf16 inputs below 2^-126 as zero and flushes such results: the callers pass FP8 values (at
@@ -29,7 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "native_threads.h"
+#include "native_common.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -184,10 +186,15 @@ static void tile_sum_plain(const uint16_t *pa, const uint16_t *pb, int64_t pairs
 typedef struct {
     const uint16_t *a, *b;
     int64_t m, n, k, sam, sak, sbk, sbn;
-    const float *scale_a; /* NULL, or (m, k_blocks): row i, block kb at scale_a[i * k_blocks + kb] */
-    const float *scale_b; /* NULL, or (k_blocks, n) */
+    const float *kscale_a; /* NULL, or (m, k_blocks): row i, K block kb at kscale_a[i * k_blocks + kb] */
+    const float *kscale_b; /* NULL, or (k_blocks, n) */
     int64_t k_block, k_blocks;
+    const float *scale_a; /* the epilogue's (after the whole sum): NULL, one value (a_step 0) or one per row */
+    const float *scale_b; /* NULL, one value (b_step 0) or one per column */
+    int64_t a_step, b_step;
+    const float *bias; /* NULL or one per column */
     float *c;
+    uint16_t *out_bf16; /* NULL: the result is c (fp32); else the result rounded to bf16 here, c a scratch sum */
     int64_t m_lo, m_hi, n_lo, n_hi; /* this thread's row panels and column panels */
     int32_t plain; /* 1: the plain C loop even where the vector one is built */
     int32_t status;
@@ -196,7 +203,7 @@ typedef struct {
 static void *gemm_worker(void *arg) {
     gemm_job *j = (gemm_job *)arg;
     /* a cache block holds whole K blocks (with scales; without, one "block" spans it) */
-    const int64_t block_pairs = j->scale_a ? j->k_block / 2 : KC_PAIRS;
+    const int64_t block_pairs = j->kscale_a ? j->k_block / 2 : KC_PAIRS;
     const int64_t kc_pairs = block_pairs >= KC_PAIRS ? block_pairs : KC_PAIRS / block_pairs * block_pairs;
     const int64_t kc_blocks = kc_pairs / block_pairs;
     const int64_t n_panels = j->n_hi - j->n_lo;
@@ -204,25 +211,27 @@ static void *gemm_worker(void *arg) {
     uint16_t *pa = aligned_alloc(64, MC_PANELS * a_panel * 2 + 64);
     uint16_t *pb = aligned_alloc(64, (size_t)n_panels * b_panel * 2 + 64);
     float *tile = aligned_alloc(64, MR * NR * 4);
-    float *sa = j->scale_a ? aligned_alloc(64, (size_t)MC_PANELS * kc_blocks * MR * 4 + 64) : NULL;
-    float *sb = j->scale_a ? aligned_alloc(64, (size_t)n_panels * kc_blocks * NR * 4 + 64) : NULL;
-    if (!pa || !pb || !tile || (j->scale_a && (!sa || !sb))) {
+    float *sa = j->kscale_a ? aligned_alloc(64, (size_t)MC_PANELS * kc_blocks * MR * 4 + 64) : NULL;
+    float *sb = j->kscale_a ? aligned_alloc(64, (size_t)n_panels * kc_blocks * NR * 4 + 64) : NULL;
+    if (!pa || !pb || !tile || (j->kscale_a && (!sa || !sb))) {
         free(pa); free(pb); free(tile); free(sa); free(sb);
         j->status = -101;
         return NULL;
     }
     const int64_t total_pairs = (j->k + 1) / 2;
+    const int epilogue = j->scale_a || j->scale_b || j->bias || j->out_bf16;
     for (int64_t p0 = 0; p0 < total_pairs; p0 += kc_pairs) {
         const int64_t pairs = total_pairs - p0 < kc_pairs ? total_pairs - p0 : kc_pairs;
-        const int64_t k0 = 2 * p0, kb0 = j->scale_a ? p0 / block_pairs : 0;
+        const int64_t k0 = 2 * p0, kb0 = j->kscale_a ? p0 / block_pairs : 0;
         const int64_t blocks = (pairs + block_pairs - 1) / block_pairs;
+        const int last = p0 + kc_pairs >= total_pairs;
         for (int64_t np = 0; np < n_panels; np++) { /* this thread's b panels of the cache block, once */
             const int64_t n0 = (j->n_lo + np) * NR, cols = j->n - n0 < NR ? j->n - n0 : NR;
             pack_b(j->b, j->k, j->n, j->sbk, j->sbn, k0, pairs, n0, pb + np * b_panel);
             if (sb) /* per block: [block][column], 0 past n */
                 for (int64_t b = 0; b < blocks; b++)
                     for (int64_t q = 0; q < NR; q++)
-                        sb[(np * kc_blocks + b) * NR + q] = q < cols ? j->scale_b[(kb0 + b) * j->n + n0 + q] : 0.0f;
+                        sb[(np * kc_blocks + b) * NR + q] = q < cols ? j->kscale_b[(kb0 + b) * j->n + n0 + q] : 0.0f;
         }
         for (int64_t mc = j->m_lo; mc < j->m_hi; mc += MC_PANELS) { /* a's panels, MC_PANELS at a time */
             const int64_t mc_panels = j->m_hi - mc < MC_PANELS ? j->m_hi - mc : MC_PANELS;
@@ -233,7 +242,7 @@ static void *gemm_worker(void *arg) {
                     for (int64_t b = 0; b < blocks; b++)
                         for (int64_t i = 0; i < MR; i++)
                             sa[(mp * kc_blocks + b) * MR + i] =
-                                m0 + i < j->m ? j->scale_a[(m0 + i) * j->k_blocks + kb0 + b] : 0.0f;
+                                m0 + i < j->m ? j->kscale_a[(m0 + i) * j->k_blocks + kb0 + b] : 0.0f;
             }
             for (int64_t np = 0; np < n_panels; np++) {
                 const int64_t n0 = (j->n_lo + np) * NR, cols = j->n - n0 < NR ? j->n - n0 : NR;
@@ -243,7 +252,7 @@ static void *gemm_worker(void *arg) {
                     const float *panel_sa = sa ? sa + mp * kc_blocks * MR : NULL;
                     const uint16_t *panel_a = pa + mp * a_panel, *panel_b = pb + np * b_panel;
 #if GEMM_VECTOR
-                    if (!j->plain && rows == MR && cols == NR) { /* a whole tile: straight into c */
+                    if (!j->plain && rows == MR && cols == NR && !(last && epilogue)) { /* straight into c */
                         tile_sum_vector(panel_a, panel_b, pairs, block_pairs, panel_sa, panel_sb,
                                         j->c + m0 * j->n + n0, j->n, p0 != 0);
                         continue;
@@ -256,8 +265,29 @@ static void *gemm_worker(void *arg) {
                     for (int64_t i = 0; i < rows; i++) {
                         float *c = j->c + (m0 + i) * j->n + n0;
                         const float *t = tile + i * NR;
-                        if (p0 == 0) memcpy(c, t, (size_t)cols * 4);
-                        else for (int64_t q = 0; q < cols; q++) c[q] = c[q] + t[q];
+                        if (!(last && epilogue)) {
+                            if (p0 == 0) memcpy(c, t, (size_t)cols * 4);
+                            else for (int64_t q = 0; q < cols; q++) c[q] = c[q] + t[q];
+                            continue;
+                        }
+                        /* the epilogue: the sum, times the row's scale, times the column's, plus the bias, each
+                         * rounded in fp32, then to bf16 (torch's rounding) or kept */
+                        float v[NR];
+                        for (int64_t q = 0; q < cols; q++) v[q] = p0 == 0 ? t[q] : c[q] + t[q];
+                        if (j->scale_a) {
+                            const float sa_row = j->scale_a[(m0 + i) * j->a_step];
+                            for (int64_t q = 0; q < cols; q++) v[q] = v[q] * sa_row;
+                        }
+                        if (j->scale_b)
+                            for (int64_t q = 0; q < cols; q++) v[q] = v[q] * j->scale_b[(n0 + q) * j->b_step];
+                        if (j->bias)
+                            for (int64_t q = 0; q < cols; q++) v[q] = v[q] + j->bias[n0 + q];
+                        if (j->out_bf16) {
+                            uint16_t *o = j->out_bf16 + (m0 + i) * j->n + n0;
+                            for (int64_t q = 0; q < cols; q++) o[q] = f32_to_bf16(v[q]);
+                        } else {
+                            memcpy(c, v, (size_t)cols * 4);
+                        }
                     }
                 }
             }
@@ -270,14 +300,18 @@ static void *gemm_worker(void *arg) {
 /* Whether the fast (AVX512-BF16) loop is built in; 0: the plain C loop. */
 int fp8_gemm_vectorized(void) { return GEMM_VECTOR; }
 
-/* c = a @ b (see the top of this file). k_block: 0 (no scales) or the K block of scale_a / scale_b, which must
- * then be even and both given. plain: 1 runs the plain C loop where the vector one is built too.
- * Returns 0, or a negative number on an internal error. */
+/* c = a @ b (see the top of this file), then the epilogue: times scale_a (NULL, one value: a_step 0, or one per
+ * row: a_step 1), times scale_b (likewise per column), plus bias (NULL or one per column), each an fp32 operation,
+ * and, with out_bf16, rounded to bf16 into out_bf16 (c is then a scratch sum). k_block: 0 (no K-block scales) or
+ * the K block of kscale_a (m, K blocks) / kscale_b (K blocks, n), which must then be even and both given. plain:
+ * 1 runs the plain C loop where the vector one is built too. Returns 0, or a negative number on an internal
+ * error. */
 int fp8_gemm_bf16(const uint16_t *a, const uint16_t *b, int64_t m, int64_t n, int64_t k, int64_t sam, int64_t sak,
-                  int64_t sbk, int64_t sbn, const float *scale_a, const float *scale_b, int64_t k_block, float *c,
-                  int32_t plain, int32_t nthreads) {
+                  int64_t sbk, int64_t sbn, const float *kscale_a, const float *kscale_b, int64_t k_block,
+                  const float *scale_a, int64_t a_step, const float *scale_b, int64_t b_step, const float *bias,
+                  float *c, uint16_t *out_bf16, int32_t plain, int32_t nthreads) {
     if (m <= 0 || n <= 0 || k <= 0) return -100;
-    if ((scale_a == NULL) != (scale_b == NULL) || (scale_a && (k_block <= 0 || k_block % 2))) return -102;
+    if ((kscale_a == NULL) != (kscale_b == NULL) || (kscale_a && (k_block <= 0 || k_block % 2))) return -102;
     /* threads split the larger of m and n: each packs the other operand whole (the smaller one) */
     const int64_t m_panels = (m + MR - 1) / MR, n_panels = (n + NR - 1) / NR;
     const int split_rows = m > n;
@@ -286,9 +320,10 @@ int fp8_gemm_bf16(const uint16_t *a, const uint16_t *b, int64_t m, int64_t n, in
     gemm_job jobs[64];
     for (int32_t i = 0; i < nthreads; i++) {
         const int64_t lo = panels * i / nthreads, hi = panels * (i + 1) / nthreads;
-        jobs[i] = (gemm_job){a, b, m, n, k, sam, sak, sbk, sbn, scale_a, scale_b, scale_a ? k_block : k,
-                             scale_a ? (k + k_block - 1) / k_block : 1, c, split_rows ? lo : 0,
-                             split_rows ? hi : m_panels, split_rows ? 0 : lo, split_rows ? n_panels : hi, plain, 0};
+        jobs[i] = (gemm_job){a, b, m, n, k, sam, sak, sbk, sbn, kscale_a, kscale_b, kscale_a ? k_block : k,
+                             kscale_a ? (k + k_block - 1) / k_block : 1, scale_a, scale_b, a_step, b_step, bias,
+                             c, out_bf16, split_rows ? lo : 0, split_rows ? hi : m_panels, split_rows ? 0 : lo,
+                             split_rows ? n_panels : hi, plain, 0};
     }
     parallel_run(nthreads, gemm_worker, jobs, sizeof(gemm_job));
     for (int32_t i = 0; i < nthreads; i++)

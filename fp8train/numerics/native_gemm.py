@@ -59,57 +59,92 @@ def in_use(device: torch.device | str) -> bool:
     return native_cast.available() if _mode == "on" else fast()
 
 
-def usable(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``mm`` takes these: 2-D bf16 CPU tensors with matching inner dims, any strides, no overlap."""
-    return (a.dim() == 2 and b.dim() == 2 and a.dtype == b.dtype == torch.bfloat16 and a.device.type == "cpu"
-            and b.device.type == "cpu" and a.shape[1] == b.shape[0] and a.numel() > 0 and b.numel() > 0)
+def _step(scale: Optional[torch.Tensor], dim: int, size: int) -> Optional[int]:
+    """0 for none or one value, 1 for one per index of ``dim`` of a dense 2-D (rows, 1) / (1, cols) fp32 scale,
+    None for anything else (the caller applies that scale itself)."""
+    if scale is None:
+        return 0
+    if scale.dtype != torch.float32 or scale.device.type != "cpu":
+        return None
+    if scale.numel() == 1:
+        return 0
+    if scale.dim() == 2 and scale.shape[dim] == size and scale.shape[1 - dim] == 1 and scale.stride(dim) == 1:
+        return 1
+    return None
 
 
-def mm(a: torch.Tensor, b: torch.Tensor, scale_a: Optional[torch.Tensor] = None,
-       scale_b: Optional[torch.Tensor] = None, k_block: int = 0, *, plain: bool = False) -> torch.Tensor:
-    """fp32 (M, N) = a (M, K) @ b (K, N) from bf16 inputs, summed in fp32 (check ``usable`` first). With
-    ``k_block`` (even, > 0): ``scale_a`` (M, ceil(K / k_block)) and ``scale_b`` (ceil(K / k_block), N), fp32,
-    scale each K block's partial sum (row's scale first, then column's). ``plain``: the plain C loop even where
-    the AVX512-BF16 one is built (the same sums; every CPU can run both paths' packing and edges this way)."""
-    return gemm_bf16_op(a, b, k_block, scale_a, scale_b, plain)
+def usable(a: torch.Tensor, b: torch.Tensor, scale_a=None, scale_b=None, bias=None,
+           out_dtype: torch.dtype = torch.float32) -> bool:
+    """Whether ``mm`` takes these: 2-D bf16 CPU tensors with matching inner dims (any strides); outer scales
+    that are one fp32 value, one per row (scale_a) or one per column (scale_b); an fp32 bias per column; an
+    fp32 or bf16 output."""
+    if not (a.dim() == 2 and b.dim() == 2 and a.dtype == b.dtype == torch.bfloat16 and a.device.type == "cpu"
+            and b.device.type == "cpu" and a.shape[1] == b.shape[0] and a.numel() > 0 and b.numel() > 0):
+        return False
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (b.shape[1],)
+                             or not bias.is_contiguous() or bias.device.type != "cpu"):
+        return False
+    return _step(scale_a, 0, a.shape[0]) is not None and _step(scale_b, 1, b.shape[1]) is not None
 
 
-def _check_scales(a, b, k_block, scale_a, scale_b):
+def mm(a: torch.Tensor, b: torch.Tensor, k_scales: Optional[tuple] = None, *, scale_a=None, scale_b=None,
+       bias=None, out_dtype: torch.dtype = torch.float32, plain: bool = False) -> torch.Tensor:
+    """``((a @ b) * scale_a) * scale_b + bias`` in `out_dtype` (fp32 or bf16) from bf16 inputs a (M, K), b (K, N):
+    the sum in fp32 (check ``usable`` first), each later step an fp32 operation, one rounding to bf16 at the end.
+    ``k_scales`` = (kscale_a (M, ceil(K / k_block)), kscale_b (ceil(K / k_block), N), k_block even > 0) scales
+    each K block's partial sum (row's scale first, then column's). ``plain``: the plain C loop even where the
+    AVX512-BF16 one is built (the same sums; so every CPU runs both paths' packing and edges)."""
+    kscale_a, kscale_b, k_block = k_scales if k_scales is not None else (None, None, 0)
+    return gemm_bf16_op(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype, plain)
+
+
+def _check(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype):
+    if not usable(a, b, scale_a, scale_b, bias, out_dtype):
+        raise RuntimeError(f"internal error: gemm_bf16 does not take a {tuple(a.shape)} {a.dtype} @ {tuple(b.shape)} "
+                           f"{b.dtype} GEMM with these scales, bias and output dtype {out_dtype}")
     if k_block == 0:
-        if scale_a is not None or scale_b is not None:
-            raise RuntimeError("internal error: gemm_bf16 got scales without a K block")
+        if kscale_a is not None or kscale_b is not None:
+            raise RuntimeError("internal error: gemm_bf16 got K-block scales without a K block")
         return
     blocks = -(-a.shape[1] // k_block)
-    if k_block < 0 or k_block % 2 or scale_a is None or scale_b is None \
-            or tuple(scale_a.shape) != (a.shape[0], blocks) or tuple(scale_b.shape) != (blocks, b.shape[1]) \
-            or scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32:
-        raise RuntimeError(f"internal error: gemm_bf16 scales do not fit a {tuple(a.shape)} @ {tuple(b.shape)} GEMM "
-                           f"with K block {k_block}")
+    if k_block < 0 or k_block % 2 or kscale_a is None or kscale_b is None \
+            or tuple(kscale_a.shape) != (a.shape[0], blocks) or tuple(kscale_b.shape) != (blocks, b.shape[1]) \
+            or kscale_a.dtype != torch.float32 or kscale_b.dtype != torch.float32:
+        raise RuntimeError(f"internal error: gemm_bf16 K-block scales do not fit a {tuple(a.shape)} @ "
+                           f"{tuple(b.shape)} GEMM with K block {k_block}")
 
 
-def _gemm_bf16_cpu(a, b, k_block, scale_a, scale_b, plain):
-    _check_scales(a, b, k_block, scale_a, scale_b)
+def _ptr(t: Optional[torch.Tensor]):
+    return None if t is None else t.data_ptr()
+
+
+def _gemm_bf16_cpu(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype, plain):
+    _check(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype)
     if not native_build.available():
         raise RuntimeError(f"fp8train's native GEMM cannot run here: {native_build.unavailable_reason()}")
     (m, k), n = a.shape, b.shape[1]
-    out = torch.empty((m, n), dtype=torch.float32)
+    acc = torch.empty((m, n), dtype=torch.float32)  # the result, or (bf16 out) the sum across cache blocks
+    out = acc if out_dtype == torch.float32 else torch.empty((m, n), dtype=out_dtype)
     if k_block:
-        scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()
+        kscale_a, kscale_b = kscale_a.contiguous(), kscale_b.contiguous()
     rc = native_build.library().fp8_gemm_bf16(
-        a.data_ptr(), b.data_ptr(), m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        None if scale_a is None else scale_a.data_ptr(), None if scale_b is None else scale_b.data_ptr(), k_block,
-        out.data_ptr(), int(plain), torch.get_num_threads())
+        a.data_ptr(), b.data_ptr(), m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), _ptr(kscale_a),
+        _ptr(kscale_b), k_block, _ptr(scale_a), _step(scale_a, 0, m), _ptr(scale_b), _step(scale_b, 1, n),
+        _ptr(bias), acc.data_ptr(), None if out is acc else out.data_ptr(), int(plain), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"internal error: fp8train native bf16 GEMM returned {rc}")
     return out
 
 
-def _gemm_bf16_fake(a, b, k_block, scale_a, scale_b, plain):
-    return torch.empty((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
+def _gemm_bf16_fake(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype, plain):
+    return torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
 
 
 _LIB = torch.library.Library("fp8train", "FRAGMENT")
-_LIB.define("gemm_bf16(Tensor a, Tensor b, int k_block, Tensor? scale_a, Tensor? scale_b, bool plain) -> Tensor")
+_LIB.define("gemm_bf16(Tensor a, Tensor b, int k_block, Tensor? kscale_a, Tensor? kscale_b, Tensor? scale_a, "
+            "Tensor? scale_b, Tensor? bias, ScalarType out_dtype, bool plain) -> Tensor")
 _LIB.impl("gemm_bf16", torch.library.fallthrough_kernel, "Autograd")  # reads values of a rounding: no grad
 _LIB.impl("gemm_bf16", _gemm_bf16_cpu, "CPU")
 torch.library.register_fake("fp8train::gemm_bf16", _gemm_bf16_fake, lib=_LIB)

@@ -1,6 +1,7 @@
-/* The threads of fp8train's native kernels (native_cast.c, native_gemm.c): included by both. */
-#ifndef FP8TRAIN_NATIVE_THREADS_H
-#define FP8TRAIN_NATIVE_THREADS_H
+/* What fp8train's native kernels (native_cast.c, native_gemm.c) share: their threads and torch's fp32 -> bf16
+ * rounding. Included by both. */
+#ifndef FP8TRAIN_NATIVE_COMMON_H
+#define FP8TRAIN_NATIVE_COMMON_H
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -8,6 +9,7 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* ---- threads -------------------------------------------------------------------------------------------- */
 /* fn(items + i * size) for i in 0..n-1, on n threads. With OpenMP these are the threads of the process's OpenMP
@@ -41,6 +43,16 @@ static inline int32_t thread_count(int64_t numel, int64_t units, int32_t nthread
     want = want < units ? want : units;
     want = want < 1 ? 1 : want > 64 ? 64 : want;
     return (int32_t)want;
+}
+
+/* ---- torch's fp32 -> bf16 rounding: to nearest even on the bits, every NaN 0xFFFF (branch-free: loops of it
+ * vectorize) ----------------------------------------------------------------------------------------------- */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t mask = 0u - (uint32_t)((u & 0x7FFFFFFFu) > 0x7F800000u);
+    return (uint16_t)((0xFFFFu & mask) | (rounded & ~mask));
 }
 
 #endif
