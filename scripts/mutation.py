@@ -45,14 +45,15 @@ LAYERS = {
         # show up as a failed build or a slower fallback, not as numbers a test can compare
         exclude=["fp8train/numerics/native_build.py", "fp8train/numerics/kernel_probe.py"],
         tests=["tests/test_formats.py", "tests/test_quant.py", "tests/test_dialect.py", "tests/test_mx.py",
-               "tests/test_native_cast.py"],
+               "tests/test_native_cast.py", "tests/test_native_gemm.py"],
         markers="not slow and not compiled and not cuda"),
     "nn": dict(
         modules=["fp8train/nn/*.py"],
         exclude=[],
         tests=["tests/test_linear.py", "tests/test_gemm.py", "tests/test_scaled_gemm.py", "tests/test_accumulation.py",
                "tests/test_recipes.py", "tests/test_convert.py", "tests/test_overrides.py", "tests/test_mx.py",
-               "tests/test_policy_defaults.py", "tests/test_te_mapping.py", "tests/test_fsdp2.py"],
+               "tests/test_policy_defaults.py", "tests/test_te_mapping.py", "tests/test_fsdp2.py",
+               "tests/test_native_gemm.py"],
         markers="not slow and not compiled and not cuda"),
     "evidence": dict(
         modules=["fp8train/evidence/*.py"],

@@ -207,9 +207,14 @@ static void *gemm_worker(void *arg) {
     const int64_t kc_pairs = block_pairs >= KC_PAIRS ? block_pairs : KC_PAIRS / block_pairs * block_pairs;
     const int64_t kc_blocks = kc_pairs / block_pairs;
     const int64_t n_panels = j->n_hi - j->n_lo;
-    const size_t a_panel = (size_t)MR * 2 * kc_pairs, b_panel = (size_t)NR * 2 * kc_pairs; /* in bf16 */
-    uint16_t *pa = aligned_alloc(64, MC_PANELS * a_panel * 2 + 64);
-    uint16_t *pb = aligned_alloc(64, (size_t)n_panels * b_panel * 2 + 64);
+    const int64_t total_pairs = (j->k + 1) / 2;
+    /* buffers for what this GEMM needs (a small one must not pay for a big one's: no large allocations) */
+    const int64_t kc_used = total_pairs < kc_pairs ? (total_pairs + block_pairs - 1) / block_pairs * block_pairs
+                                                   : kc_pairs;
+    const int64_t mc_used = j->m_hi - j->m_lo < MC_PANELS ? j->m_hi - j->m_lo : MC_PANELS;
+    const size_t a_panel = (size_t)MR * 2 * kc_used, b_panel = (size_t)NR * 2 * kc_used; /* in bf16 */
+    uint16_t *pa = aligned_alloc(64, (size_t)mc_used * MR * 2 * kc_used * 2 + 64);
+    uint16_t *pb = aligned_alloc(64, (size_t)n_panels * NR * 2 * kc_used * 2 + 64);
     float *tile = aligned_alloc(64, MR * NR * 4);
     float *sa = j->kscale_a ? aligned_alloc(64, (size_t)MC_PANELS * kc_blocks * MR * 4 + 64) : NULL;
     float *sb = j->kscale_a ? aligned_alloc(64, (size_t)n_panels * kc_blocks * NR * 4 + 64) : NULL;
@@ -218,7 +223,6 @@ static void *gemm_worker(void *arg) {
         j->status = -101;
         return NULL;
     }
-    const int64_t total_pairs = (j->k + 1) / 2;
     const int epilogue = j->scale_a || j->scale_b || j->bias || j->out_bf16;
     for (int64_t p0 = 0; p0 < total_pairs; p0 += kc_pairs) {
         const int64_t pairs = total_pairs - p0 < kc_pairs ? total_pairs - p0 : kc_pairs;
