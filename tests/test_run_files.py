@@ -244,3 +244,85 @@ def test_truncate_drops_records_the_check_refuses(tmp_path):
     kept = truncate_jsonl(path, 3, check=check, log=said.append)
     assert kept == [{"step": 1, "loss": 2.0}, {"step": 3, "loss": 1.0}]
     assert said == [f"dropping a damaged line: {path}, line 2, has a loss that is not a number; the file is damaged"]
+
+
+def _lock_reserve(tmp_path) -> int:
+    """Bytes of blank space after the record in a held lock file of `tmp_path`."""
+    from fp8train.training.storage.rundir import LOCK_FILE, DirLock
+    with DirLock(tmp_path):
+        data = (tmp_path / LOCK_FILE).read_bytes()
+    record_end = data.index(b"\n") + 1
+    assert set(data[record_end:]) <= {ord(" ")}
+    return len(data) - record_end
+
+
+def test_a_held_lock_keeps_64_kib_in_reserve_where_space_is_plenty(tmp_path):
+    import os
+    stat = os.statvfs(tmp_path)
+    if stat.f_bavail * stat.f_frsize < 1 << 20:
+        pytest.skip("less than 1 MiB free here")
+    assert _lock_reserve(tmp_path) == 64 * 1024
+
+
+def test_on_a_nearly_full_disk_the_reserve_is_at_most_half_of_what_is_free(tmp_path):
+    """A real small filesystem (a tmpfs; mounting needs root): with 56 KiB free the lock keeps half of that in
+    whole 4 KiB pages, 28 KiB, and leaves the rest to the run."""
+    import os
+    import subprocess
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        from fp8train.training.storage.rundir import LOCK_FILE
+        (mount / "run").mkdir()
+        (mount / "run" / LOCK_FILE).write_text("{}\n")  # the page its record will take, taken before measuring
+        stat = os.statvfs(mount)
+        with open(mount / "filler", "wb") as f:
+            f.write(b"\0" * (stat.f_bavail * stat.f_frsize - 56 * 1024))
+        stat = os.statvfs(mount)
+        free = stat.f_bavail * stat.f_frsize
+        assert free == 56 * 1024  # (tmpfs counts whole 4 KiB pages)
+        assert _lock_reserve(mount / "run") == 28 * 1024  # half of 56 KiB: 7 whole pages
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+@pytest.mark.parametrize("writer", ["append_jsonl", "write_file_atomic"])
+def test_a_write_under_a_file_names_the_path_and_writes_nothing(tmp_path, writer):
+    """A path whose parent is a file (ENOTDIR: not the environment's failure) is a one-line ValueError naming the
+    path the caller gave."""
+    from fp8train.training.storage import files
+    (tmp_path / "plain").write_text("x")
+    target = tmp_path / "plain" / "log.jsonl"
+    with pytest.raises(ValueError) as raised:
+        if writer == "append_jsonl":
+            files.append_jsonl(target, [{"step": 1}])
+        else:
+            files.write_file_atomic(target, lambda tmp: tmp.write_text("{}"))
+    assert str(raised.value) == f"cannot write {target}: Not a directory (nothing was written there)"
+    assert (tmp_path / "plain").read_text() == "x"
+
+
+def test_dumps_writes_unknown_objects_as_their_text_and_non_finite_floats_as_null():
+    from pathlib import Path
+    import torch
+    from fp8train.training.storage.files import dumps
+    assert dumps({"path": Path("/runs/a"), "dtype": torch.bfloat16, "loss": float("nan"), "up": [float("inf"), 1.5]}) \
+        == '{"path": "/runs/a", "dtype": "torch.bfloat16", "loss": null, "up": [null, 1.5]}'
+
+
+def test_give_default_mode_is_0666_less_the_umask(tmp_path):
+    import os
+    import stat
+    from fp8train.training.storage.files import give_default_mode
+    path = tmp_path / "shard.safetensors"
+    path.write_bytes(b"x")
+    os.chmod(path, 0o600)  # what safetensors creates
+    before = os.umask(0o027)
+    try:
+        give_default_mode(path)
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640

@@ -31,7 +31,9 @@ Backends
   Scales that are per tensor, or per row of a / per column of b (i.e. along the NON-contracted dims), factor out
   of the sum and are applied to the fp32 result: out = (a_fp8 @ b_fp8) * scale_a * scale_b. Scales that vary
   along the contracted dim (block tiles; per-row scales of an operand used transposed in a backward GEMM) do not
-  factor out, so that operand is dequantized first (exact when scales are powers of two) and the GEMM runs in fp32.
+  factor out, so that operand is dequantized first (exact when scales are powers of two) and the GEMM runs in fp32;
+  under bf16 emulation where fp8train's native GEMM runs, tiles whose K extents agree are applied instead to each
+  K block's fp32 partial sum of the unscaled FP8 values (`_k_block_scales`; a GPU's blockwise FP8 GEMM does that).
 - `scaled_mm` (CUDA sm89+): torch's FP8 scaled matmul (fp8train.nn.scaled_gemm): tensorwise, rowwise,
   blockwise (1x128 / 128x128, sm90) and MX (1x32 E8M0, sm100) scales, output straight in the caller's dtype, bias
   fused where the kernel takes it; a configuration no kernel takes falls back to dequantize + bf16 GEMM with fp32

@@ -157,12 +157,21 @@ def write_file_atomic(path: str | os.PathLike, write: Callable[[Path], Any]) -> 
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
+        _remove_temp(tmp)
         raise write_failure(err, path) from err
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _remove_temp(tmp)
         raise
     _fsync_folder(path.parent)
+
+
+def _remove_temp(tmp: Path) -> None:
+    """Remove a failed write's temp file if it is there. Its own failure (the folder is gone, or is a file) must
+    not replace the error being raised, which names the path the caller gave."""
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
