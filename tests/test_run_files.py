@@ -326,3 +326,19 @@ def test_give_default_mode_is_0666_less_the_umask(tmp_path):
     finally:
         os.umask(before)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+
+
+def test_a_writer_that_fails_otherwise_leaves_the_old_file_and_no_temp_file(tmp_path):
+    """Any other error of the writer (here a RuntimeError, after it wrote half of the temp file) propagates
+    unchanged; the previous file stays whole and no temp file is left beside it."""
+    from fp8train.training.storage.files import write_file_atomic
+    target = tmp_path / "summary.json"
+    target.write_text('{"old": true}')
+
+    def half_then_fail(tmp):
+        tmp.write_text('{"new": ')
+        raise RuntimeError("the writer broke")
+
+    with pytest.raises(RuntimeError, match="^the writer broke$"):
+        write_file_atomic(target, half_then_fail)
+    assert target.read_text() == '{"old": true}' and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
