@@ -179,3 +179,14 @@ def test_formats_of_very_different_range_take_a_power_of_two_past_2x():
     np.testing.assert_array_equal(moved.data.view(torch.uint8).numpy(), expected.view(np.uint8))
     np.testing.assert_array_equal(moved.dequantize().numpy(), values)
 
+
+def test_conversion_keeps_granularity_block_axis_and_amax():
+    """Per-column scales (row granularity, axis 0) stay per column: the result keeps the granularity, block, axis
+    and the amax the scale was made from (hand-computed: max |x| per column), and OCP -> FNUZ doubles the scale."""
+    x = torch.tensor([[1.0, -3.0], [2.0, 0.5]])
+    q = quantize(x, "e4m3fn", granularity="row", axis=0)
+    converted = convert_dialect(q, "e4m3fnuz")
+    assert (converted.granularity, converted.block, converted.axis) == ("row", (1, 128), 0)
+    assert converted.amax.tolist() == [[2.0, 3.0]]
+    assert converted.fmt is FORMATS["e4m3fnuz"]
+    assert torch.equal(converted.scale, q.scale * 2)

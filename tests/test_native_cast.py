@@ -332,6 +332,32 @@ def test_layout_of_one_element_and_of_empty_tensors():
     assert native_cast.layout(torch.ones(0, 4), "row") is None
 
 
+def test_layout_of_rows_and_of_a_transposed_tensor_hand_computed():
+    """Per row (axis -1) a contiguous (2, 3, 5) tensor is a 6x5 memory matrix with one 1x5 tile per row: a 6x1
+    scale grid. Per tensor the transpose of a contiguous 5x3 tensor is that 5x3 memory matrix, one tile: 1x1."""
+    assert native_cast.layout(torch.ones(2, 3, 5), "row") == native_cast.NativeLayout(
+        1, 6, 5, 1, 5, False, (2, 3, 1), 6, 1)
+    assert native_cast.layout(torch.ones(7), "row") == native_cast.NativeLayout(1, 1, 7, 1, 7, False, (1,), 1, 1)
+    assert native_cast.layout(torch.ones(5, 3).t(), "tensor") == native_cast.NativeLayout(
+        1, 5, 3, 5, 3, True, (), 1, 1)
+
+
+@needs_native
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_fake_impl_gives_the_real_outputs_for_blocks(transposed):
+    """Under FakeTensorMode (what torch.compile traces with) quantize_fp8 of a (6, 10) tensor in 4x3 blocks has
+    the real call's outputs: shapes, dtypes and strides; the scale grid is ceil(6/4) x ceil(10/3) = 2x4."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    x = torch.randn(10, 6).t() if transposed else torch.randn(6, 10)
+    options = native_cast.CastOptions("e4m3fn", "block", 4, 3, -1, native_cast.RULE_AMAX, 448.0, 1e30, False,
+                                      True, 8, True, True, False, True)
+    real = native_cast.quantize(x, None, options)
+    with FakeTensorMode() as mode:
+        fake = native_cast.quantize(mode.from_tensor(x), None, options)
+    assert real[1].shape == real[2].shape == (2, 4)
+    assert [(t.shape, t.dtype, t.stride()) for t in fake] == [(t.shape, t.dtype, t.stride()) for t in real]
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Decode: all 256 codes
 # ------------------------------------------------------------------------------------------------------------

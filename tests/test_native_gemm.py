@@ -191,6 +191,18 @@ def test_bad_calls_are_internal_errors():
         native_gemm.set_mode("fast")
 
 
+def test_usable_refuses_empty_mismatched_and_non_bf16_operands():
+    """usable() is True only for a non-empty bf16 (M, K) @ (K, N): an empty or mismatched operand is refused
+    whatever the other one is."""
+    bf = torch.bfloat16
+    assert native_gemm.usable(torch.ones(4, 6, dtype=bf), torch.ones(6, 5, dtype=bf))
+    assert not native_gemm.usable(torch.ones(0, 6, dtype=bf), torch.ones(6, 5, dtype=bf))  # empty a
+    assert not native_gemm.usable(torch.ones(4, 6, dtype=bf), torch.ones(6, 0, dtype=bf))  # empty b
+    assert not native_gemm.usable(torch.ones(4, 7, dtype=bf), torch.ones(6, 5, dtype=bf))  # K 7 vs 6
+    assert not native_gemm.usable(torch.ones(4, 6), torch.ones(6, 5, dtype=bf))  # fp32 a
+    assert not native_gemm.usable(torch.ones(6, dtype=bf), torch.ones(6, 5, dtype=bf))  # 1-D a
+
+
 def test_one_op_with_a_fake_impl():
     a, b = torch.ones(4, 6, dtype=torch.bfloat16), torch.ones(6, 5, dtype=torch.bfloat16)
     from torch._subclasses.fake_tensor import FakeTensorMode

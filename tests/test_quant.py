@@ -26,6 +26,7 @@ from hypothesis.extra import numpy as hnp
 
 import fp8train.numerics.quant as fp8quant
 from fp8train.numerics.formats import FORMATS
+from fp8train.numerics.scaling import amax_of
 from fp8train.numerics.quant import (
     Fp8Tensor,
     cast_to_fp8,
@@ -868,3 +869,102 @@ def test_block_larger_than_tensor_is_one_block():
 def test_unknown_kernel_is_refused():
     with pytest.raises(ValueError, match="kernel must be one of"):
         quantize(torch.ones(4), kernel="fast")
+
+
+def test_block_larger_than_a_1d_tensor_is_one_block_of_one_row():
+    """A 1-D tensor is one row: a (4, 1000) block over 10 elements is recorded as (1, 10), one scale."""
+    x = torch.arange(1.0, 11.0)
+    q = quantize(x, "e4m3fn", granularity="block", block=(4, 1000))
+    assert q.block == (1, 10)
+    assert q.scale.shape == (1, 1) and q.scale.item() == np.float32(10.0 / 448.0)
+
+
+def test_a_given_scale_that_broadcasts_to_the_scale_shape_is_taken():
+    """One value for all rows ((1, 1) for (4, 1)) or all blocks (() for (2, 2)) broadcasts, so it is accepted
+    (blocks get it expanded); a (4,) scale for (4, 1) rows would broadcast to (4, 4) and is refused."""
+    x = torch.arange(-12.0, 12.0).reshape(4, 6)
+    expected = (x.numpy() / np.float32(2.0)).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    q = quantize(x, "e4m3fn", granularity="row", scale=torch.tensor([[2.0]]))
+    np.testing.assert_array_equal(codes_of(q), expected)
+    q = quantize(x, "e4m3fn", granularity="block", block=(2, 3), scale=torch.tensor(2.0))
+    np.testing.assert_array_equal(codes_of(q), expected)
+    assert q.scale.tolist() == [[2.0, 2.0], [2.0, 2.0]]
+    with pytest.raises(ValueError, match=r"^scale has shape \(4,\); granularity='row' on x of shape \(4, 6\) "
+                                         r"needs \(4, 1\)$"):
+        quantize(x, "e4m3fn", granularity="row", scale=torch.full((4,), 2.0))
+
+
+def test_cast_to_fp8_uses_the_given_block():
+    """A (2, 2) grid of scales for (2, 3) blocks of a (4, 6) tensor: each block divided by its own scale."""
+    x = torch.linspace(-20.0, 20.0, 24).reshape(4, 6)
+    scale = torch.tensor([[1.0, 2.0], [4.0, 8.0]])
+    full = np.repeat(np.repeat(scale.numpy(), 2, axis=0), 3, axis=1)
+    expected = (x.numpy() / full).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    data = cast_to_fp8(x, scale, "e4m3fn", granularity="block", block=(2, 3))
+    np.testing.assert_array_equal(data.view(torch.uint8).numpy(), expected)
+
+
+@pytest.mark.parametrize("name", ALL_FORMATS)
+def test_decode_fp8_of_raw_uint8_codes_with_a_format(name):
+    """Raw bytes (uint8) with an explicit format decode to that format's values (ml_dtypes), eagerly."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    got = decode_fp8(codes, name, kernel="eager")
+    expected = ml_decode(np.arange(256), name)
+    assert got.dtype == torch.float32
+    np.testing.assert_array_equal(got.numpy(), expected)
+    finite = ~np.isnan(expected)
+    assert np.array_equal(np.signbit(got.numpy())[finite], np.signbit(expected)[finite])
+
+
+def test_without_values_keeps_everything_but_the_value_copies():
+    x = torch.tensor([[1.0, -3.0], [2.0, 0.5]])
+    q = quantize(x, "e5m2", granularity="row", axis=0, pow2=True, keep_values=(torch.float32, torch.bfloat16),
+                 keep_dequantized=True)
+    assert q.values is not None and q.values_bf16 is not None and q.dequantized is not None
+    w = q.without_values()
+    assert w.fmt is FORMATS["e5m2"]
+    assert w.data is q.data and w.scale is q.scale and w.amax is q.amax
+    assert (w.granularity, w.block, w.axis) == ("row", (1, 128), 0)
+    assert w.values is None and w.values_bf16 is None and w.dequantized is None
+    # power-of-two scales (amax 2 and 3 / 57344, rounded up: 2^-14 both): x / scale is 16384, -49152, 32768 and
+    # 8192, all e5m2 values, so decoding the bytes in the kept format gives x back exactly
+    assert q.scale.tolist() == [[2.0 ** -14, 2.0 ** -14]]
+    assert w.dequantize().tolist() == [[1.0, -3.0], [2.0, 0.5]]
+
+
+def test_amax_of_rows_reduces_along_the_axis_only_also_on_the_traced_path(monkeypatch):
+    """amax_of's traced branch (taken while torch.compile traces, here faked) reduces a row along its axis only."""
+    x = torch.tensor([[1.0, -5.0, 2.0], [-7.0, 3.0, 0.5]])
+    for compiling in (False, True):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+        assert amax_of(x, "row", 1).tolist() == [[5.0], [7.0]]
+        assert amax_of(x, "row", 0).tolist() == [[7.0, 5.0, 2.0]]
+
+
+def test_float64_block_floor_is_checked_per_block():
+    """float64 blocks: a block whose |values| no fp32 scale can hold (1e-300: even 2^-126 turns them into 0) is
+    a ValueError naming how many blocks; a block of 2^-130 is fine (scale 2^-126, FP8 value 2^-4, exact)."""
+    x = torch.full((4, 6), 448.0, dtype=torch.float64)  # e4m3fn max: scale 1
+    x[2:, 3:] = 2.0 ** -130
+    q = quantize(x, "e4m3fn", granularity="block", block=(2, 3))
+    assert q.scale.tolist() == [[1.0, 1.0], [1.0, 2.0 ** -126]]
+    assert torch.equal(q.dequantize(torch.float64), x)
+    x[2:, 3:] = 1e-300
+    with pytest.raises(ValueError, match=r"^1 block\(s\) of x \(float64\) has \|values\| only up to 1e-300: "):
+        quantize(x, "e4m3fn", granularity="block", block=(2, 3))
+
+
+def test_compiled_kernels_get_the_eager_division_options(monkeypatch):
+    """Each compiled function is compiled with eager_division_options() (IEEE fp32 division, as eager's);
+    torch.compile is replaced by a recorder here, so nothing compiles."""
+    calls = []
+
+    def record(fn, **kwargs):
+        calls.append(kwargs)
+        return fn
+
+    monkeypatch.setattr(fp8quant, "_compiled", {})
+    monkeypatch.setattr(torch, "compile", record)
+    q = quantize(torch.tensor([1.0, -2.0, 448.0]), "e4m3fn", kernel="compiled_cast")
+    assert q.data.float().tolist() == [1.0, -2.0, 448.0]
+    assert calls == [{"dynamic": None, "options": {"eager_numerics.division_rounding": True}}]
