@@ -953,18 +953,3 @@ def test_float64_block_floor_is_checked_per_block():
     with pytest.raises(ValueError, match=r"^1 block\(s\) of x \(float64\) has \|values\| only up to 1e-300: "):
         quantize(x, "e4m3fn", granularity="block", block=(2, 3))
 
-
-def test_compiled_kernels_get_the_eager_division_options(monkeypatch):
-    """Each compiled function is compiled with eager_division_options() (IEEE fp32 division, as eager's);
-    torch.compile is replaced by a recorder here, so nothing compiles."""
-    calls = []
-
-    def record(fn, **kwargs):
-        calls.append(kwargs)
-        return fn
-
-    monkeypatch.setattr(fp8quant, "_compiled", {})
-    monkeypatch.setattr(torch, "compile", record)
-    q = quantize(torch.tensor([1.0, -2.0, 448.0]), "e4m3fn", kernel="compiled_cast")
-    assert q.data.float().tolist() == [1.0, -2.0, 448.0]
-    assert calls == [{"dynamic": None, "options": {"eager_numerics.division_rounding": True}}]
