@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from fp8train.nn.gemm import cpu_has_bf16_gemm, emulated_compute_dtype
+from fp8train.numerics import native_gemm
 
 __all__ = ["Timing", "side_by_side", "paired_ratio", "machine_info", "enable_malloc_reuse", "count_top_level_ops",
            "cpu_flags_summary"]
@@ -55,6 +56,8 @@ def machine_info(device: str) -> dict:
         "device": device, "torchao": _torchao_version(), "cpu_flags": cpu_flags_summary(),
         "cpu_bf16_gemm": cpu_has_bf16_gemm(),
         "emulated_dtype": str(emulated_compute_dtype(device)).replace("torch.", ""),
+        # fp32-result and K-tiled emulated GEMMs: fp8train's native bf16 -> fp32 GEMM, or torch's fp32 GEMM
+        "native_bf16_gemm": native_gemm.in_use(device) and emulated_compute_dtype(device) == torch.bfloat16,
     }
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)

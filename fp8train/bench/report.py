@@ -120,7 +120,10 @@ def format_report(results: dict) -> str:
 
 def _machine_line(m: dict) -> str:
     return (f"machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), flags "
-            f"{m.get('cpu_flags', '?')}; emulated FP8 GEMMs in {m.get('emulated_dtype', '?')}; torch "
+            f"{m.get('cpu_flags', '?')}; emulated FP8 GEMMs in {m.get('emulated_dtype', '?')}"
+            + ("" if "native_bf16_gemm" not in m else " (fp32 results and K tiles: "
+               + ("fp8train's native bf16 GEMM)" if m["native_bf16_gemm"] else "torch's fp32 GEMM)"))
+            + "; torch "
             f"{m['torch']}, python {m['python']}, load average {m['load_average']}"
             + (f"; GPU {m['gpu']} (sm{m['gpu_capability']}, CUDA {m['cuda']})" if "gpu" in m else ""))
 
