@@ -260,3 +260,98 @@ def test_bf16_gemm_detection_follows_the_cpu_flags():
     flags = next(line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
                  if line.startswith("flags"))
     assert gemm._read_cpu_bf16_flags() is bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
+def test_bf16_gemm_detection_parses_the_flags_line():
+    """avx512_bf16 or amx_bf16 (lower case, as the kernel writes them) in the first `flags` line, nothing else."""
+    head = ["processor\t: 0\n", "model name\t: x\n"]
+    assert gemm._bf16_gemm_in_cpuinfo(head + ["flags\t\t: fpu sse2 avx512f avx512_bf16 avx512_vnni\n"]) is True
+    assert gemm._bf16_gemm_in_cpuinfo(head + ["flags\t\t: fpu sse2 amx_tile amx_bf16 amx_int8\n"]) is True
+    assert gemm._bf16_gemm_in_cpuinfo(head + ["flags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n"]) is False
+    assert gemm._bf16_gemm_in_cpuinfo(head + ["flags\t\t: fpu AMX_BF16 AVX512_BF16\n"]) is False
+    assert gemm._bf16_gemm_in_cpuinfo(head) is False  # no flags line (e.g. an ARM cpuinfo)
+    # only the first flags line counts (one per core, all the same on a real machine)
+    assert gemm._bf16_gemm_in_cpuinfo(head + ["flags\t: avx2\n", "flags\t: amx_bf16\n"]) is False
+
+
+def test_bf16_gemm_detection_reads_the_file_and_says_no_without_one(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n\nprocessor\t: 1\n")
+    assert gemm._read_cpu_bf16_flags(str(cpuinfo)) is True
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2\n")
+    assert gemm._read_cpu_bf16_flags(str(cpuinfo)) is False
+    assert gemm._read_cpu_bf16_flags(str(tmp_path / "absent")) is False  # no /proc (macOS, Windows): no bf16
+
+
+def test_te_backend_error_names_make_te_linear():
+    with pytest.raises(ValueError) as caught:
+        resolve_backend("te", "cpu")
+    assert str(caught.value) == ("backend='te' replaces the layer with Transformer Engine's Linear: use "
+                                 "fp8train.nn.te.make_te_linear(linear, recipe); Fp8Linear runs "
+                                 "'auto', 'emulated' or 'scaled_mm'")
+
+
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def native_gemm_mode():
+    """native_gemm.set_mode for one test, the session's mode restored after."""
+    from fp8train.numerics import native_cast, native_gemm
+    if not native_cast.available():
+        pytest.skip("the native library is not available (or --native-cast off)")
+    previous = native_gemm.mode()
+    yield native_gemm.set_mode
+    native_gemm.set_mode(previous)
+
+
+def test_fp32_output_under_bf16_emulation_runs_the_native_gemm(native_gemm_mode):
+    """emulated dtype bf16, fp32 output, native GEMM on: one fp8train::gemm_bf16 call (bf16 values, fp32 sums,
+    scales in its epilogue), bit-equal to native_gemm.mm on the bf16 values; with the native GEMM off: torch's
+    fp32 GEMM of the fp32 values, times the scales."""
+    from fp8train.numerics import native_gemm
+    a_data, b_data = _fp8((40, 192), E4M3, 31), _fp8((192, 24), E5M2, 32)
+    scale_a, scale_b = torch.tensor(0.0371), torch.tensor(1.3)
+    native_gemm_mode("on")
+    with _OpCounter() as ops:
+        out = fp8_mm(Fp8Operand(a_data, scale_a), Fp8Operand(b_data, scale_b), "emulated",
+                     compute_dtype=torch.bfloat16, out_dtype=torch.float32)
+    assert ops.counts.get("fp8train.gemm_bf16") == 1 and "aten.mm" not in ops.counts
+    expected = native_gemm.mm(a_data.to(torch.bfloat16), b_data.to(torch.bfloat16), scale_a=scale_a, scale_b=scale_b)
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+    native_gemm_mode("off")
+    with _OpCounter() as ops:
+        out = fp8_mm(Fp8Operand(a_data, scale_a), Fp8Operand(b_data, scale_b), "emulated",
+                     compute_dtype=torch.bfloat16, out_dtype=torch.float32)
+    assert "fp8train.gemm_bf16" not in ops.counts
+    assert torch.equal(out, torch.mm(a_data.float(), b_data.float()) * scale_a * scale_b)
+
+
+def test_native_gemm_with_a_strided_row_scale_and_fp32_bias(native_gemm_mode):
+    """A per-row scale that is a strided view (not one the native epilogue reads) goes through the fallback: the
+    native GEMM, then scales and the fp32 bias as torch ops: the same bits as the epilogue on a dense copy, and
+    as the exact reference (small integers, power-of-two scales: every step but the bias add exact in fp32)."""
+    native_gemm_mode("on")
+    m, k, n = 16, 64, 8
+    a_data, b_data = _int_fp8((m, k), E4M3, 41), _int_fp8((k, n), E4M3, 42)
+    grid = torch.exp2(torch.randint(-3, 3, (m, 2), generator=torch.Generator().manual_seed(43)).float())
+    strided_rows = grid[:, :1]  # (m, 1), stride (2, 1)
+    assert strided_rows.stride() == (2, 1)
+    scale_b = torch.tensor(0.5)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(44))
+    a_strided, a_dense = Fp8Operand(a_data, strided_rows), Fp8Operand(a_data, strided_rows.contiguous())
+    out = fp8_mm(a_strided, Fp8Operand(b_data, scale_b), "emulated", compute_dtype=torch.bfloat16,
+                 out_dtype=torch.float32, bias=bias)
+    dense = fp8_mm(a_dense, Fp8Operand(b_data, scale_b), "emulated", compute_dtype=torch.bfloat16,
+                   out_dtype=torch.float32, bias=bias)
+    exact = (a_data.double() @ b_data.double()) * strided_rows.double() * 0.5
+    expected = (exact.numpy().astype(np.float32) + bias.numpy()).astype(np.float32)
+    assert torch.equal(out, dense) and torch.equal(out, torch.from_numpy(expected))

@@ -787,3 +787,89 @@ def test_a_square_layer_loads_its_own_state_dict_untransposed():
     without_weight = {k: v for k, v in layer.state_dict().items() if k != "weight"}
     layer.load_state_dict({**without_weight, "bias": torch.zeros(16)}, strict=False)
     assert torch.equal(layer.weight, before) and torch.equal(layer.bias, torch.zeros(16))
+
+
+class _UnversionedSGD(torch.optim.Optimizer):
+    """Writes the weights through `.data` (its own version counter), as fused AdamW does: the parameter's
+    _version does not move, so only the optimizer-step count tells the weight cache that the weight changed."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
+def test_weight_fp8_remade_after_every_step_of_an_optimizer_that_does_not_bump_versions():
+    torch.manual_seed(5)
+    layer = Fp8Linear(32, 16, recipe="current")
+    optimizer = _UnversionedSGD(layer.parameters(), lr=0.5)
+    x = torch.randn(4, 32)
+    for _ in range(3):  # each step must be seen, not only the first one of the process
+        optimizer.zero_grad()
+        layer(x).sum().backward()
+        version, before = layer.weight._version, layer.weight.detach().clone()
+        optimizer.step()
+        assert layer.weight._version == version and not torch.equal(layer.weight, before)
+        fresh = Fp8Linear(32, 16, recipe="current")
+        fresh.load_state_dict(layer.state_dict())
+        assert torch.equal(layer(x), fresh(x))
+
+
+def test_auto_quantize_kernel_resolves_from_the_cache_where_the_native_cast_is_off(tmp_path, monkeypatch):
+    """quantize_kernel 'auto' without the native cast: small tensors run eagerly; the first tensor of
+    QUANT_KERNEL_MIN_NUMEL elements resolves 'auto' once (this machine's cached measurement) and keeps it."""
+    import json
+
+    from fp8train.nn import linear as linear_module
+    from fp8train.numerics import kernel_probe, native_cast
+
+    monkeypatch.setattr(native_cast, "_enabled", False)
+    monkeypatch.setattr(kernel_probe, "_resolved", {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cache = tmp_path / "fp8train" / "quant_kernel.json"
+    cache.parent.mkdir()
+    cache.write_text(json.dumps({kernel_probe.machine_key("cpu"): {"kernel": "compiled_select"}}))
+    layer = Fp8Linear(16, 16)
+    assert layer.quantize_kernel == "auto"
+    assert layer.kernel_for(linear_module.QUANT_KERNEL_MIN_NUMEL - 1) == "eager"
+    assert layer.quantize_kernel == "auto"  # no resolution for a small tensor
+    assert layer.kernel_for(1 << 20) == "compiled_select"
+    assert layer.quantize_kernel == "compiled_select"
+    assert linear_module.QUANT_KERNEL_MIN_NUMEL == 1 << 20
+
+
+def test_a_delayed_layers_forward_and_backward_do_not_sync():
+    """Delayed scaling quantizes with its stored scale (finite and > 0 by construction): once initialized, a
+    training forward + backward reads nothing back to the host (no aten._local_scalar_dense: .item(), bool(),
+    float() of a tensor; tests/test_step_syncs.py counts the same op), nor does an eval forward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LocalScalarReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket.__name__ in ("_local_scalar_dense", "is_nonzero")
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(1)
+    layer = Fp8Linear(32, 16, recipe="delayed")
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.01)
+    for _ in range(2):  # scales initialized, the host mirror read back
+        layer(torch.randn(8, 32)).sum().backward()
+        optimizer.step()
+        update_fp8_scales(layer)
+    assert all(q.initialized_on_host for q in layer.quantizers.values())
+    with LocalScalarReads() as reads:
+        layer(torch.randn(8, 32, requires_grad=True)).sum().backward()
+    assert reads.count == 0
+    layer.eval()
+    with LocalScalarReads() as reads:
+        layer(torch.randn(8, 32))
+    assert reads.count == 0

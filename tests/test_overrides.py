@@ -60,6 +60,21 @@ def test_bad_overrides_name_the_key(overrides, match):
         LayerPolicy(overrides=overrides)
 
 
+
+def test_normalize_overrides_errors_name_the_default_key():
+    from fp8train.nn.overrides import normalize_overrides
+    with pytest.raises(ValueError) as caught:
+        normalize_overrides({"q_proj": "fp16"})
+    assert str(caught.value) == "policy.overrides['q_proj']='fp16': allowed bf16, delayed, current, rowwise, block, mxfp8"
+    with pytest.raises(ValueError) as caught:
+        normalize_overrides([("q_proj", "bf16", "extra")])
+    assert str(caught.value) == "policy.overrides: each entry must map a regex to a recipe, got ('q_proj', 'bf16', 'extra')"
+    with pytest.raises(ValueError) as caught:
+        normalize_overrides({"(unclosed": "bf16"})
+    assert str(caught.value).startswith("policy.overrides: '(unclosed' is not a valid regex: ")
+    assert normalize_overrides({"q_proj$": "bf16", "up": "current"}) == (("q_proj$", "bf16"), ("up", "current"))
+
+
 def _plan(choices):
     rows = [dict(layer=name, shape=[1, 2, 3], choice=c, comment=f"because {name}") for name, c in choices]
     return dict(run_dir="runs/x", device="cpu", device_name="test cpu", baseline="bf16", repeats=3,

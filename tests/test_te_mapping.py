@@ -87,3 +87,17 @@ def test_te_backend_refusal_names_the_recipe_error_first():
     message = te_config_refusal(recipe("current", margin=1))
     assert message.startswith("fp8.backend=te is refused: margin=1: TE supports a margin only for delayed scaling; "
                               "set margin=0 or use backend='emulated'; and fp8train's training loop")
+
+
+def test_block_mapping_notes_and_tile_refusal_exactly():
+    """The block preset (power-of-two scales) maps exactly, with no note; non-pow2 scales say what TE does
+    instead; other tiles are refused naming TE's tiles and the recipe's."""
+    assert te_recipe_kwargs(recipe("block"), HOPPER) == dict(
+        recipe_class="Float8BlockScaling", kwargs=dict(fp8_format="E4M3"), exact=True, note="")
+    assert te_recipe_kwargs(recipe("block", pow2_scales=False), HOPPER) == dict(
+        recipe_class="Float8BlockScaling", kwargs=dict(fp8_format="E4M3"), exact=False,
+        note="TE's block recipe uses power-of-two scales by default")
+    with pytest.raises(ValueError) as caught:
+        te_recipe_kwargs(recipe("block", weight_block=(1, 128)), HOPPER)
+    assert str(caught.value) == ("Float8BlockScaling uses 1x128 input/grad_output tiles and 128x128 weight tiles; "
+                                 "recipe 'block' asks for (1, 128), (1, 128), (1, 128)")

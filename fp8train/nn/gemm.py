@@ -220,13 +220,19 @@ def resolve_backend(backend: str, device: torch.device | str, formats: tuple[str
     raise ValueError(f"unknown GEMM backend {backend!r}; allowed: {', '.join(GEMM_BACKENDS)}, te")
 
 
-def _read_cpu_bf16_flags() -> bool:
+def _bf16_gemm_in_cpuinfo(lines) -> bool:
+    """Whether /proc/cpuinfo's text (an iterable of its lines) lists bf16 GEMM instructions (avx512_bf16 or
+    amx_bf16) in its first `flags` line."""
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _read_cpu_bf16_flags(path: str = "/proc/cpuinfo") -> bool:
     try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+        with open(path) as f:
+            return _bf16_gemm_in_cpuinfo(f)
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 _CPU_HAS_BF16_GEMM = _read_cpu_bf16_flags()  # read once at import (also keeps file I/O out of traced code)
