@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -342,3 +343,28 @@ def test_a_writer_that_fails_otherwise_leaves_the_old_file_and_no_temp_file(tmp_
     with pytest.raises(RuntimeError, match="^the writer broke$"):
         write_file_atomic(target, half_then_fail)
     assert target.read_text() == '{"old": true}' and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_append_after_a_torn_one_byte_log_starts_it_over(tmp_path):
+    """A log holding only the first byte of a torn record: the byte is cut off and the new records start the file."""
+    from fp8train.training.storage.files import append_jsonl
+    path = tmp_path / "m.jsonl"
+    path.write_text("{")
+    append_jsonl(path, [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.0}])
+    assert path.read_text() == '{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.0}\n'
+
+
+def test_dumps_passes_its_options_to_json():
+    from fp8train.training.storage.files import dumps
+    assert dumps({"b": 1, "a": [2, 3]}, sort_keys=True, separators=(",", ":")) == '{"a":[2,3],"b":1}'
+
+
+def test_truncate_without_a_log_refuses_a_damaged_line(tmp_path):
+    """Without `log`, a damaged line is an error naming the file and the line (nothing is rewritten)."""
+    from fp8train.training.storage.files import truncate_jsonl
+    path = tmp_path / "m.jsonl"
+    text = '{"step": 1, "loss": 2.0}\nnot json\n{"step": 3, "loss": 1.0}\n'
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}"):
+        truncate_jsonl(path, last_step=2)
+    assert path.read_text() == text
