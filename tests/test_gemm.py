@@ -335,6 +335,43 @@ def test_fp32_output_under_bf16_emulation_runs_the_native_gemm(native_gemm_mode)
     assert torch.equal(out, torch.mm(a_data.float(), b_data.float()) * scale_a * scale_b)
 
 
+def test_native_gemm_takes_a_bf16_bias_into_its_epilogue_as_fp32(native_gemm_mode):
+    """A bf16 bias on an fp32-output native GEMM: converted to fp32 (one _to_copy more than with an fp32 bias)
+    and added in the kernel's epilogue (one fp8train::gemm_bf16 call, no torch mul/add after it): the same bits
+    as with an fp32 copy of the bias (bf16 -> fp32 is exact)."""
+    native_gemm_mode("on")
+    a_data, b_data = _fp8((40, 192), E4M3, 31), _fp8((192, 24), E5M2, 32)
+    scale_a, scale_b = torch.tensor(0.0371), torch.tensor(1.3)
+    bias = torch.randn(24, generator=torch.Generator().manual_seed(33)).to(torch.bfloat16)
+    runs = []
+    for b in (bias.float(), bias):
+        with _OpCounter() as ops:
+            out = fp8_mm(Fp8Operand(a_data, scale_a), Fp8Operand(b_data, scale_b), "emulated",
+                         compute_dtype=torch.bfloat16, out_dtype=torch.float32, bias=b)
+        runs.append((ops.counts, out))
+    (fp32_ops, fp32_out), (bf16_ops, bf16_out) = runs
+    assert set(fp32_ops) == {"aten._to_copy", "fp8train.gemm_bf16"} and fp32_ops["fp8train.gemm_bf16"] == 1
+    assert bf16_ops == {"aten._to_copy": fp32_ops["aten._to_copy"] + 1, "fp8train.gemm_bf16": 1}
+    assert bf16_out.dtype == torch.float32 and torch.equal(bf16_out, fp32_out)
+
+
+def test_tile_values_dtype_follows_the_explicit_choice(native_gemm_mode, cpu_flags_override):
+    """'bf16'/'fp32' pick the tile values' dtype whatever 'auto' would resolve to on this CPU; bf16 needs the
+    native GEMM in use (mode 'on'), with it off the tiles are always fp32 values."""
+    from fp8train.nn.gemm import tile_values_dtype
+    native_gemm_mode("on")
+    for cpu_bf16 in (False, True):
+        cpu_flags_override(cpu_bf16)
+        assert tile_values_dtype("cpu", "bf16") == torch.bfloat16
+        assert tile_values_dtype("cpu", "fp32") == torch.float32
+        assert tile_values_dtype("cpu", "auto") == (torch.bfloat16 if cpu_bf16 else torch.float32)
+        assert tile_values_dtype("cpu") == tile_values_dtype("cpu", "auto")
+    native_gemm_mode("off")
+    for cpu_bf16 in (False, True):
+        cpu_flags_override(cpu_bf16)
+        assert [tile_values_dtype("cpu", c) for c in ("bf16", "fp32", "auto")] == [torch.float32] * 3
+
+
 def test_native_gemm_with_a_strided_row_scale_and_fp32_bias(native_gemm_mode):
     """A per-row scale that is a strided view (not one the native epilogue reads) goes through the fallback: the
     native GEMM, then scales and the fp32 bias as torch ops: the same bits as the epilogue on a dense copy, and

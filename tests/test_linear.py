@@ -766,6 +766,25 @@ def test_a_forward_after_an_optimizer_step_without_update_warns_once(monkeypatch
         layer(torch.randn(2, 16))
 
 
+@pytest.mark.parametrize("name, training", [("current", True), ("rowwise", True), ("delayed", False)])
+def test_no_missing_update_warning_without_delayed_training(monkeypatch, name, training):
+    """Only a delayed layer in training checks for a missing update_fp8_scales: a current/rowwise layer in
+    training, or a delayed one in eval, runs forward, optimizer.step(), forward without the warning."""
+    import fp8train.nn.linear as linear_module
+
+    monkeypatch.setattr(linear_module, "_missing_update_warned", False)
+    layer = Fp8Linear(16, 16, recipe=name).train(training)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        layer(torch.randn(2, 16)).sum().backward()
+        optimizer.step()
+        layer(torch.randn(2, 16))
+        optimizer.step()
+        layer(torch.randn(2, 16))
+    assert linear_module._missing_update_warned is False
+
+
 @pytest.mark.parametrize("name", RECIPES)
 def test_a_layer_built_on_the_meta_device_has_every_buffer_there(name):
     """Built on meta (a model's skeleton, materialized later with to_empty), every scaling buffer is on meta
@@ -873,3 +892,17 @@ def test_a_delayed_layers_forward_and_backward_do_not_sync():
     with LocalScalarReads() as reads:
         layer(torch.randn(8, 32))
     assert reads.count == 0
+
+
+def test_is_scaling_buffer_on_real_state_dict_keys():
+    """Every scaling buffer of a (nested) delayed layer's state_dict, written out here, is one; weight/bias are not."""
+    from fp8train.nn.linear import is_scaling_buffer
+    buffers = ["nonfinite_amax_count", "amax_history", "scale", "scale_amax", "pending_amax", "initialized",
+               "stale_scale_steps"]
+    expected = {f"0.{role}_{name}" for role in ("input", "weight", "grad_output") for name in buffers}
+    keys = list(nn.Sequential(Fp8Linear(32, 32, recipe="delayed")).state_dict())
+    assert set(keys) == expected | {"0.weight", "0.bias"}
+    assert [k for k in keys if is_scaling_buffer(k)] == [k for k in keys if k in expected]
+    assert is_scaling_buffer("input_scale") and is_scaling_buffer("model.layers.3.q_proj.grad_output_amax_history")
+    for key in ("weight", "bias", "0.weight", "0.bias", "input_scale.x", "0.input", "0.scale", "x_scale"):
+        assert not is_scaling_buffer(key), key

@@ -151,6 +151,10 @@ def test_mxfp8_refusals_say_which_rule(overrides, message):
     (dict(backend="cublas"), "backend must be one of auto, emulated, scaled_mm, te, got 'cublas'"),
     (dict(name=""), "name must be a non-empty string, got ''"),
     (dict(name=7), "name must be a non-empty string, got 7"),
+    (dict(amax_history_len=0), "amax_history_len must be an int in [1, 65536] (steps of amax kept per layer and "
+                               "role; each is memory and work on every update), got 0"),
+    (dict(accumulator_promotion=48), "accumulator_promotion must be 0 (never) or a positive multiple of 32 "
+                                     "(the MMA depth), got 48"),
 ])
 def test_field_errors_name_the_field_the_allowed_values_and_the_value(overrides, message):
     with pytest.raises(ValueError) as caught:

@@ -267,6 +267,10 @@ def test_fnuz_refused_on_ocp_gpus_and_allowed_emulated(monkeypatch):
     with pytest.raises(ValueError, match="FNUZ"):
         check_dialect(fnuz, "cuda")
     check_dialect(("e4m3fn", "e4m3fn", "e5m2"), "cuda")  # OCP on an OCP GPU: fine
+    with pytest.raises(ValueError) as caught:  # the message lists the formats as given, '/'-joined
+        check_dialect(("e4m3fnuz", "e5m2fnuz"), "cuda")
+    assert str(caught.value) == ("formats e4m3fnuz/e5m2fnuz are FNUZ (AMD MI300): this GPU's FP8 tensor cores use "
+                                 "OCP formats; use e4m3fn/e5m2, or backend='emulated' to study FNUZ numerics")
     with pytest.raises(ValueError, match="FNUZ"):  # auto on a (pretended) capable OCP device: refused clearly
         resolve_backend("auto", "cpu", fnuz)
     monkeypatch.setattr(gemm, "scaled_mm_available", lambda device: False)
@@ -356,3 +360,18 @@ def test_padded_block_scales_are_made_on_the_operands_device(kind):
     padded = args["scale_b"] if kind == "blockwise_1x128_128x128" else args["scale_a"]
     assert padded.device.type == "meta"
     assert padded.shape == (4, 2) and padded.stride() == (1, 4)  # K/128 = 2 rounded up to 4; 2 tiles of 128 rows
+
+
+def test_swizzled_mx_scales_pad_with_code_127():
+    """swizzle_scales pads a ragged (R, C) E8M0 grid to 128x4 tiles with code 127 (2^0); the real scale (r, c)
+    sits in tile (r // 128, c // 4) at 16 * (r % 32) + 4 * ((r % 128) // 32) + c % 4 (cuBLAS's layout)."""
+    from fp8train.nn.scaled_mm_plan import swizzle_scales
+    rows, cols = 40, 5  # one row tile, two column tiles: 1024 codes, 200 real
+    codes = (torch.arange(rows * cols) % 100 + 1).to(torch.uint8).reshape(rows, cols)  # 1..100: never 127
+    out = swizzle_scales(codes.view(torch.float8_e8m0fnu)).view(torch.uint8)
+    expected = [127] * 1024
+    for r in range(rows):
+        for c in range(cols):
+            expected[(c // 4) * 512 + 16 * (r % 32) + 4 * ((r % 128) // 32) + c % 4] = int(codes[r, c])
+    assert out.tolist() == expected
+    assert out.tolist().count(127) == 1024 - 200
