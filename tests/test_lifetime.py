@@ -42,10 +42,25 @@ def corpus(tmp_path_factory):
     return path
 
 
+@pytest.fixture(autouse=True)
+def sigint_as_a_terminal_gives_it():
+    """These tests are about SIGINT where it has its usual meaning. A shell that starts the suite in the
+    background (`... &` in a script, nohup) starts every process with SIGINT ignored, which fp8train keeps (it
+    installs its handler only over the default: tests/test_lifetime.py's last test): the tests here, and the
+    processes they start (_start), get Python's default instead."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def _sigint_default() -> None:  # in the child, before exec: Python then installs its KeyboardInterrupt handler
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(commands, *args) -> subprocess.Popen:
     # its own session: the test can find every process it starts (workers, resource tracker) by process group
     return subprocess.Popen(commands.fp8train(*args), env=commands.env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_sigint_default)
 
 
 def _lines(path: Path) -> int:
@@ -246,3 +261,19 @@ def test_a_worker_told_twice_by_its_dying_parent_still_writes_its_summary(tmp_pa
         time.sleep(0.05)
     assert not _running(worker_pid), "the worker outlived its parent"
     assert (tmp_path / "summary").read_text() == "SIGTERM"
+
+
+def test_an_ignored_sigint_stays_ignored():
+    """A process started with SIGINT ignored (nohup, a background job of a script) keeps ignoring it inside a
+    run's block: fp8train takes over only the default handlers; SIGTERM still ends the block."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with interrupts_raised():
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+    with pytest.raises(Interrupted) as raised:
+        with interrupts_raised():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+    assert raised.value.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
