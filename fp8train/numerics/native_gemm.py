@@ -6,9 +6,11 @@ with AVX512-BF16) or round a bf16 GEMM's result to bf16 (aten::mm.dtype, which w
 This kernel reads the FP8 values in bf16 (exact), multiplies them exactly and sums in fp32 with VDPBF16PS, and
 writes fp32: the arithmetic of an fp32 GEMM on the same values, summed in another order.
 
-``fp8train::gemm_bf16(a, b, k_block, scale_a, scale_b)`` is one op (one entry in a profile, traceable by
-torch.compile through its fake impl). With ``k_block`` > 0 it also applies scales that vary along K (block and
-MX tiles): each K block's fp32 partial sum is multiplied by the row's scale, then by the column's, and added.
+``fp8train::gemm_bf16`` (``mm`` here) is one op (one entry in a profile, traceable by torch.compile through its
+fake impl). With K-block scales it also applies scales that vary along K (block and MX tiles): each K block's
+fp32 partial sum is multiplied by the row's scale, then by the column's, and added. Its epilogue takes the outer
+scales (per tensor, row or column), the bias and the rounding to a bf16 output: the same fp32 operations in the
+same order as the torch ops an emulated GEMM would run after it.
 
 Where it runs (``fast()``): a CPU whose library was built with AVX512-BF16 (``-march=native`` on such a CPU).
 Elsewhere the same loops run in plain C (correct and slow): ``set_mode("on")`` uses it anyway (to test that path
