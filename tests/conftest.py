@@ -243,3 +243,21 @@ def one_rank_group():
     created = fsdp2.ensure_process_group(torch.device("cpu"))
     yield
     fsdp2.release_process_group(created)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """small_fs(size) -> the folder of a real tmpfs of that size (e.g. "256k"), unmounted after the test: a full
+    disk, a read-only folder. Mounting needs root; the test is skipped where it cannot mount."""
+    mount = tmp_path / "fs"
+    mount.mkdir()
+
+    def make(size: str):
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                              capture_output=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
+        return mount
+
+    yield make
+    subprocess.run(["umount", str(mount)], capture_output=True)

@@ -293,26 +293,17 @@ def test_a_file_size_limit_during_a_metrics_append_stops_the_run_with_a_summary(
     _stopped_by_a_full_log(result, tmp_path / "runs" / "tiny", "EFBIG")
 
 
-def test_a_full_filesystem_during_a_metrics_append_stops_the_run_with_a_summary(tmp_path, tiny, commands):
+def test_a_full_filesystem_during_a_metrics_append_stops_the_run_with_a_summary(tmp_path, tiny, commands, small_fs):
     """A real full disk: a small tmpfs, nearly filled. The summary still fits because the run's lock file held
     back from the start (rundir.DirLock.free_reserve: 64 KiB, at most half of what is free). Needs root
     (mount); skipped elsewhere."""
-    import subprocess
-
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    try:
-        stat = os.statvfs(mount)
-        with open(mount / "filler", "wb") as f:  # leave 320 KiB: 64 of them the lock's reserve
-            f.write(b"\0" * (stat.f_bavail * stat.f_frsize - (320 << 10)))
-        config = tiny.write(tmp_path, **{**FILLING_RUN, "run": {"dir": str(mount), "name": "tiny"}})
-        result = commands.run(commands.fp8train("train", str(config), "--quiet"), cwd=tmp_path)
-        _stopped_by_a_full_log(result, mount / "tiny", "ENOSPC")
-    finally:
-        subprocess.run(["umount", str(mount)], capture_output=True)
+    mount = small_fs("1m")
+    stat = os.statvfs(mount)
+    with open(mount / "filler", "wb") as f:  # leave 320 KiB: 64 of them the lock's reserve
+        f.write(b"\0" * (stat.f_bavail * stat.f_frsize - (320 << 10)))
+    config = tiny.write(tmp_path, **{**FILLING_RUN, "run": {"dir": str(mount), "name": "tiny"}})
+    result = commands.run(commands.fp8train("train", str(config), "--quiet"), cwd=tmp_path)
+    _stopped_by_a_full_log(result, mount / "tiny", "ENOSPC")
 
 
 def test_temp_names_are_unique_per_write(tmp_path):

@@ -507,22 +507,6 @@ def test_08_bad_fp8_state_is_refused_at_load_naming_the_buffer(tmp_path, buffer,
 # ------------------------------------------------------------------------------------------------------------
 # 9. Full disk, read-only, forbidden folder (real file systems: a small tmpfs; needs root to mount)
 # ------------------------------------------------------------------------------------------------------------
-@pytest.fixture
-def small_fs(tmp_path):
-    mount = tmp_path / "fs"
-    mount.mkdir()
-
-    def make(size: str):
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
-                              capture_output=True)
-        if done.returncode:
-            pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
-        return mount
-
-    yield make
-    subprocess.run(["umount", str(mount)], capture_output=True)
-
-
 def _cli_subprocess(*args: str, no_dac_override: bool = False) -> subprocess.CompletedProcess:
     """`fp8train ARGS` in a child; with `no_dac_override`, without the capabilities that let root write into
     folders it may not (so a 0555 folder refuses root as it refuses anyone)."""

@@ -265,29 +265,21 @@ def test_a_held_lock_keeps_64_kib_in_reserve_where_space_is_plenty(tmp_path):
     assert _lock_reserve(tmp_path) == 64 * 1024
 
 
-def test_on_a_nearly_full_disk_the_reserve_is_at_most_half_of_what_is_free(tmp_path):
+def test_on_a_nearly_full_disk_the_reserve_is_at_most_half_of_what_is_free(small_fs):
     """A real small filesystem (a tmpfs; mounting needs root): with 56 KiB free the lock keeps half of that in
     whole 4 KiB pages, 28 KiB, and leaves the rest to the run."""
     import os
-    import subprocess
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    try:
-        from fp8train.training.storage.rundir import LOCK_FILE
-        (mount / "run").mkdir()
-        (mount / "run" / LOCK_FILE).write_text("{}\n")  # the page its record will take, taken before measuring
-        stat = os.statvfs(mount)
-        with open(mount / "filler", "wb") as f:
-            f.write(b"\0" * (stat.f_bavail * stat.f_frsize - 56 * 1024))
-        stat = os.statvfs(mount)
-        free = stat.f_bavail * stat.f_frsize
-        assert free == 56 * 1024  # (tmpfs counts whole 4 KiB pages)
-        assert _lock_reserve(mount / "run") == 28 * 1024  # half of 56 KiB: 7 whole pages
-    finally:
-        subprocess.run(["umount", str(mount)], capture_output=True)
+    from fp8train.training.storage.rundir import LOCK_FILE
+    mount = small_fs("256k")
+    (mount / "run").mkdir()
+    (mount / "run" / LOCK_FILE).write_text("{}\n")  # the page its record will take, taken before measuring
+    stat = os.statvfs(mount)
+    with open(mount / "filler", "wb") as f:
+        f.write(b"\0" * (stat.f_bavail * stat.f_frsize - 56 * 1024))
+    stat = os.statvfs(mount)
+    free = stat.f_bavail * stat.f_frsize
+    assert free == 56 * 1024  # (tmpfs counts whole 4 KiB pages)
+    assert _lock_reserve(mount / "run") == 28 * 1024  # half of 56 KiB: 7 whole pages
 
 
 @pytest.mark.parametrize("writer", ["append_jsonl", "write_file_atomic"])
