@@ -32,7 +32,7 @@ from fp8train.numerics.native_build import Params, library, threading_kind
 
 __all__ = ["available", "set_enabled", "unavailable_reason", "threading_kind", "layout", "usable_layout",
            "capped_block", "NativeLayout", "CastOptions", "quantize", "compute_amax", "decode", "decodable", "dequantize",
-           "dequantizable", "gemm_epilogue", "epilogue_usable", "RULE_GIVEN", "RULE_AMAX", "RULE_MX"]
+           "dequantizable", "gemm_epilogue", "epilogue_usable", "scale_step", "RULE_GIVEN", "RULE_AMAX", "RULE_MX"]
 
 RULE_GIVEN, RULE_AMAX, RULE_MX = 0, 1, 2  # as in native_cast.c
 _SPECIAL = {"ieee": 0, "fn": 1, "fnuz": 2}
@@ -404,8 +404,9 @@ def _dequantize_fake(data, scale, options):
     return torch.empty_strided(data.shape, data.stride(), dtype=torch.float32)
 
 
-def _scale_step(scale: Optional[torch.Tensor], dim: int, size: int) -> Optional[int]:
-    """0 for one value, 1 for one per index of ``dim`` laid out densely, None for anything else."""
+def scale_step(scale: Optional[torch.Tensor], dim: int, size: int) -> Optional[int]:
+    """How the native epilogues read an outer scale: 0 for none or one value, 1 for one per index of ``dim`` of
+    a (rows, 1) / (1, cols) scale laid out densely, None for anything else (the caller applies it itself)."""
     if scale is None or scale.numel() == 1:
         return 0
     if scale.dim() == 2 and scale.shape[dim] == size and scale.shape[1 - dim] == 1 and scale.stride(dim) == 1:
@@ -424,7 +425,7 @@ def epilogue_usable(acc: torch.Tensor, scale_a, scale_b, bias, out_dtype: torch.
         return False
     if bias is not None and (bias.shape != (cols,) or not bias.is_contiguous()):
         return False
-    return _scale_step(scale_a, 0, rows) is not None and _scale_step(scale_b, 1, cols) is not None
+    return scale_step(scale_a, 0, rows) is not None and scale_step(scale_b, 1, cols) is not None
 
 
 def gemm_epilogue(acc: torch.Tensor, scale_a, scale_b, bias, out_dtype: torch.dtype) -> torch.Tensor:
@@ -437,8 +438,8 @@ def _gemm_epilogue_cpu(acc, scale_a, scale_b, bias, out_dtype):
     rows, cols = acc.shape
     out = torch.empty((rows, cols), dtype=out_dtype)
     rc = library().fp8_gemm_epilogue(acc.data_ptr(), rows, cols, None if scale_a is None else scale_a.data_ptr(),
-                                     _scale_step(scale_a, 0, rows), None if scale_b is None else scale_b.data_ptr(),
-                                     _scale_step(scale_b, 1, cols), None if bias is None else bias.data_ptr(),
+                                     scale_step(scale_a, 0, rows), None if scale_b is None else scale_b.data_ptr(),
+                                     scale_step(scale_b, 1, cols), None if bias is None else bias.data_ptr(),
                                      out.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"internal error: fp8train native GEMM epilogue returned {rc}")

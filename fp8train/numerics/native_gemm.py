@@ -29,6 +29,7 @@ __all__ = ["MODES", "set_mode", "mode", "fast", "in_use", "usable", "mm"]
 
 MODES = ("auto", "on", "off")
 _mode = "auto"
+_vectorized: Optional[bool] = None  # whether the loaded library has the AVX512-BF16 loop
 
 # VDPBF16PS reads a bf16 input below 2^-126 as zero and flushes a result there to zero; an FP8 value (never
 # below 2^-16 in magnitude unless zero) and the product of two (>= 2^-32) never come near, so the emulated
@@ -51,7 +52,12 @@ def mode() -> str:
 def fast() -> bool:
     """True when the native library is built here with its AVX512-BF16 loop (and not switched off by
     native_cast.set_enabled(False), which stands for a machine without a C compiler)."""
-    return native_cast.available() and bool(native_build.library().fp8_gemm_vectorized())
+    global _vectorized
+    if not native_cast.available():
+        return False
+    if _vectorized is None:  # asked on every emulated GEMM: the library is asked once
+        _vectorized = bool(native_build.library().fp8_gemm_vectorized())
+    return _vectorized
 
 
 def in_use(device: torch.device | str) -> bool:
@@ -59,20 +65,6 @@ def in_use(device: torch.device | str) -> bool:
     if torch.device(device).type != "cpu" or _mode == "off" or torch.compiler.is_compiling():
         return False
     return native_cast.available() if _mode == "on" else fast()
-
-
-def _step(scale: Optional[torch.Tensor], dim: int, size: int) -> Optional[int]:
-    """0 for none or one value, 1 for one per index of ``dim`` of a dense 2-D (rows, 1) / (1, cols) fp32 scale,
-    None for anything else (the caller applies that scale itself)."""
-    if scale is None:
-        return 0
-    if scale.dtype != torch.float32 or scale.device.type != "cpu":
-        return None
-    if scale.numel() == 1:
-        return 0
-    if scale.dim() == 2 and scale.shape[dim] == size and scale.shape[1 - dim] == 1 and scale.stride(dim) == 1:
-        return 1
-    return None
 
 
 def usable(a: torch.Tensor, b: torch.Tensor, scale_a=None, scale_b=None, bias=None,
@@ -85,10 +77,12 @@ def usable(a: torch.Tensor, b: torch.Tensor, scale_a=None, scale_b=None, bias=No
         return False
     if out_dtype not in (torch.float32, torch.bfloat16):
         return False
-    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (b.shape[1],)
-                             or not bias.is_contiguous() or bias.device.type != "cpu"):
+    if any(t is not None and (t.dtype != torch.float32 or t.device.type != "cpu") for t in (scale_a, scale_b, bias)):
         return False
-    return _step(scale_a, 0, a.shape[0]) is not None and _step(scale_b, 1, b.shape[1]) is not None
+    if bias is not None and (tuple(bias.shape) != (b.shape[1],) or not bias.is_contiguous()):
+        return False
+    return native_cast.scale_step(scale_a, 0, a.shape[0]) is not None and \
+        native_cast.scale_step(scale_b, 1, b.shape[1]) is not None
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, k_scales: Optional[tuple] = None, *, scale_a=None, scale_b=None,
@@ -133,7 +127,8 @@ def _gemm_bf16_cpu(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, ou
         kscale_a, kscale_b = kscale_a.contiguous(), kscale_b.contiguous()
     rc = native_build.library().fp8_gemm_bf16(
         a.data_ptr(), b.data_ptr(), m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), _ptr(kscale_a),
-        _ptr(kscale_b), k_block, _ptr(scale_a), _step(scale_a, 0, m), _ptr(scale_b), _step(scale_b, 1, n),
+        _ptr(kscale_b), k_block, _ptr(scale_a), native_cast.scale_step(scale_a, 0, m), _ptr(scale_b),
+        native_cast.scale_step(scale_b, 1, n),
         _ptr(bias), acc.data_ptr(), None if out is acc else out.data_ptr(), int(plain), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"internal error: fp8train native bf16 GEMM returned {rc}")
