@@ -313,8 +313,6 @@ def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
                               record=record, gemm=gemm)
     if record is not None:
         record[gemm] = "emulated"
-    # the bias is added in fp32 (exact for a bf16 bias), by the epilogues or below; no no-op casts: each is an op
-    bias = bias if bias is None or bias.dtype == torch.float32 else bias.float()
     if accumulation is not None:
         out = hopper_accumulated_mm(a.dequantize(torch.float32), b.dequantize(torch.float32), accumulation)
     else:
@@ -323,13 +321,8 @@ def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
         native = compute_dtype == torch.bfloat16 and native_gemm.in_use(a.device)
         if native and outer_scales and out_dtype == torch.float32:
             # fp8train's bf16 -> fp32 GEMM (gemm_compute_dtype said it runs here), scales and bias in its epilogue
-            # where it takes them, else the same operations below
-            a_bf16, b_bf16 = a.values(compute_dtype), b.values(compute_dtype)
-            if native_gemm.usable(a_bf16, b_bf16, a.scale, b.scale, bias, out_dtype):
-                return native_gemm.mm(a_bf16, b_bf16, scale_a=a.scale, scale_b=b.scale, bias=bias,
-                                      out_dtype=out_dtype)
-            out = _apply_outer_scales(native_gemm.mm(a_bf16, b_bf16), a.scale, b.scale)
-        elif compute_dtype == torch.bfloat16 and a.device.type == "cpu" and outer_scales:
+            return _native_mm(a.values(compute_dtype), b.values(compute_dtype), None, a.scale, b.scale, bias, out_dtype)
+        if compute_dtype == torch.bfloat16 and a.device.type == "cpu" and outer_scales:
             acc = torch.mm(a.values(compute_dtype), b.values(compute_dtype))  # rounded to bf16 by the GEMM (above)
             if native_cast.epilogue_usable(acc, a.scale, b.scale, bias, out_dtype):  # the ops below, one pass
                 return native_cast.gemm_epilogue(acc, a.scale, b.scale, bias, out_dtype)
@@ -337,14 +330,11 @@ def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
         elif native and (k_scales := _k_block_scales(a, b)) is not None:
             # scales vary along K (block / MX tiles): each K block's fp32 partial sum of exact FP8 products is
             # scaled and added (a GPU's blockwise FP8 GEMM), instead of dequantizing and running fp32
-            a_bf16, b_bf16 = a.values(compute_dtype), b.values(compute_dtype)
-            if native_gemm.usable(a_bf16, b_bf16, None, None, bias, out_dtype):
-                return native_gemm.mm(a_bf16, b_bf16, k_scales, bias=bias, out_dtype=out_dtype)
-            out = native_gemm.mm(a_bf16, b_bf16, k_scales)
+            return _native_mm(a.values(compute_dtype), b.values(compute_dtype), k_scales, None, None, bias, out_dtype)
         else:
             out = _emulated_gemm(a, b, compute_dtype)
-    if bias is not None:  # bias in fp32, one rounding to the output dtype below
-        out.add_(bias)
+    if bias is not None:  # bias in fp32, one rounding to the output dtype below (no no-op casts: each is an op)
+        out.add_(bias if bias.dtype == torch.float32 else bias.float())
     return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
@@ -358,6 +348,19 @@ def _emulated_gemm(a: Fp8Operand, b: Fp8Operand, compute_dtype: torch.dtype) -> 
     out = torch.mm(a_hp, b_hp)
     return _apply_outer_scales(out, a.scale if a.scale_outer_rows else None,
                                b.scale if b.scale_outer_cols else None)
+
+
+def _native_mm(a_bf16, b_bf16, k_scales, scale_a, scale_b, bias, out_dtype: torch.dtype) -> torch.Tensor:
+    """native_gemm.mm with the epilogue in the kernel where it takes this output dtype and these scales (the same
+    fp32 operations in the same order as the torch ops below, which run it otherwise)."""
+    bias_fp32 = None if bias is None or bias.dtype == torch.float32 else bias.float()  # (exact)
+    if native_gemm.usable(a_bf16, b_bf16, scale_a, scale_b, bias if bias_fp32 is None else bias_fp32, out_dtype):
+        return native_gemm.mm(a_bf16, b_bf16, k_scales, scale_a=scale_a, scale_b=scale_b,
+                              bias=bias if bias_fp32 is None else bias_fp32, out_dtype=out_dtype)
+    out = _apply_outer_scales(native_gemm.mm(a_bf16, b_bf16, k_scales), scale_a, scale_b)
+    if bias is not None:
+        out.add_(bias if bias_fp32 is None else bias_fp32)
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
 def _k_block_scales(a: Fp8Operand, b: Fp8Operand) -> tuple[torch.Tensor, torch.Tensor, int] | None:
