@@ -342,6 +342,18 @@ def test_layout_of_rows_and_of_a_transposed_tensor_hand_computed():
         1, 5, 3, 5, 3, True, (), 1, 1)
 
 
+def test_layout_per_tensor_of_1d_and_0d_and_per_column_hand_computed():
+    """Per tensor a 1-D (100,) tensor is one 1x100 memory row (100 is no multiple of 1024, so no 1024-wide split)
+    and a 0-d tensor is a 1x1 matrix; per row along axis 0 a contiguous (4, 3, 5) tensor is the 4x15 memory matrix
+    with one 4x1 tile per column: a 1x15 scale grid, the scale shaped (1, 3, 5)."""
+    assert native_cast.layout(torch.ones(100), "tensor") == native_cast.NativeLayout(
+        1, 1, 100, 1, 100, False, (), 1, 1)
+    assert native_cast.layout(torch.tensor(3.0), "tensor") == native_cast.NativeLayout(
+        1, 1, 1, 1, 1, False, (), 1, 1)
+    assert native_cast.layout(torch.ones(4, 3, 5), "row", axis=0) == native_cast.NativeLayout(
+        1, 4, 15, 4, 1, False, (1, 3, 5), 1, 15)
+
+
 @needs_native
 @pytest.mark.parametrize("transposed", [False, True])
 def test_the_fake_impl_gives_the_real_outputs_for_blocks(transposed):

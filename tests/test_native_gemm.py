@@ -206,6 +206,17 @@ def test_usable_refuses_empty_mismatched_and_non_bf16_operands():
     assert not native_gemm.usable(torch.ones(6, dtype=bf), torch.ones(6, 5, dtype=bf))  # 1-D a
 
 
+def test_usable_refuses_scales_and_bias_that_are_not_fp32():
+    """An outer scale or a bias that is not fp32 (float64, bf16) is refused, though the same values in fp32 are
+    taken."""
+    bf = torch.bfloat16
+    a, b = torch.ones(4, 6, dtype=bf), torch.ones(6, 5, dtype=bf)
+    assert native_gemm.usable(a, b, scale_a=torch.ones(()), scale_b=torch.ones(()), bias=torch.zeros(5))
+    assert not native_gemm.usable(a, b, scale_a=torch.ones((), dtype=torch.float64))
+    assert not native_gemm.usable(a, b, scale_b=torch.ones((), dtype=torch.float64))
+    assert not native_gemm.usable(a, b, bias=torch.zeros(5, dtype=bf))
+
+
 def test_one_op_with_a_fake_impl():
     a, b = torch.ones(4, 6, dtype=torch.bfloat16), torch.ones(6, 5, dtype=torch.bfloat16)
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -300,6 +300,9 @@ HAND_SCALES = [
     # is still <= FLT_MAX: float32(FLT_MAX / 448) = 7.5955880e35, and 448 * that = FLT_MAX exactly in float64)
     ("e4m3fn", 3.0e38, 20, False, FP32_MAX / 448),
     ("e4m3fn", 3.0e38, 20, True, 2.0**119),        # pow2 cap: the largest power of two <= FLT_MAX / 448
+    # 7168 + 2^-11 (fp32 0x45E00001) / 448 = 16 + 2^-20 / 7: just above 16, so pow2 rounds up to 32 (an fp32
+    # quotient 16.000002 has log2 4 + 1.7e-7, which fp32 rounds down onto 4: scale 16 would clip amax)
+    ("e4m3fn", 7168.0 + 2.0**-11, 0, True, 32.0),
 ]
 
 
@@ -892,6 +895,29 @@ def test_a_given_scale_that_broadcasts_to_the_scale_shape_is_taken():
     with pytest.raises(ValueError, match=r"^scale has shape \(4,\); granularity='row' on x of shape \(4, 6\) "
                                          r"needs \(4, 1\)$"):
         quantize(x, "e4m3fn", granularity="row", scale=torch.full((4,), 2.0))
+
+
+def test_a_given_tensor_or_row_scale_keeps_its_own_shape():
+    """Only block scales are expanded: a (1,) per-tensor scale and a (1, 1) scale for (4, 1) rows stay as given,
+    and the codes are x / 2 in e4m3fn (ml_dtypes)."""
+    x = torch.arange(-12.0, 12.0).reshape(4, 6)
+    expected = (x.numpy() / np.float32(2.0)).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    q = quantize(x, "e4m3fn", scale=torch.tensor([2.0]))
+    np.testing.assert_array_equal(codes_of(q), expected)
+    assert q.scale.shape == (1,) and q.scale.tolist() == [2.0]
+    q = quantize(x, "e4m3fn", granularity="row", scale=torch.tensor([[2.0]]))
+    np.testing.assert_array_equal(codes_of(q), expected)
+    assert q.scale.shape == (1, 1) and q.scale.tolist() == [[2.0]]
+
+
+def test_float64_zeros_pass_the_floor_check():
+    """An amax of 0 is no lost value: an all-zero float64 tensor quantizes to zero codes with scale 1, and a zero
+    row beside the row [1, -2] does too (that row: scale 2/448, codes 224 -> 0x76 and -448 -> 0xFE)."""
+    q = quantize(torch.zeros(3, dtype=torch.float64), "e4m3fn")
+    assert codes_of(q).tolist() == [0, 0, 0] and q.scale.item() == 1.0
+    q = quantize(torch.tensor([[0.0, 0.0], [1.0, -2.0]], dtype=torch.float64), "e4m3fn", granularity="row")
+    assert codes_of(q).tolist() == [[0, 0], [0x76, 0xFE]]
+    assert q.scale.flatten().tolist() == [1.0, float(np.float32(2.0 / 448.0))]
 
 
 def test_cast_to_fp8_uses_the_given_block():
