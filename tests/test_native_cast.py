@@ -106,12 +106,14 @@ def test_cast_matches_ml_dtypes_on_crafted_and_random_values(name, saturate, rng
 # Granularities, with the documented scale rule (amax -> scale) done by the kernel
 # ------------------------------------------------------------------------------------------------------------
 LAYOUTS = [("tensor", (1, 128), -1), ("row", (1, 128), -1), ("row", (1, 128), 0), ("block", (1, 128), -1),
-           ("block", (128, 128), -1), ("block", (3, 5), -1)]
+           ("block", (128, 128), -1), ("block", (3, 5), -1), ("block", (1, 32), -1), ("block", (4, 64), -1)]
 
 
 @needs_native
 @pytest.mark.parametrize("granularity, block, axis", LAYOUTS)
-@pytest.mark.parametrize("shape", [(130, 257), (3, 40, 50)])  # ragged tiles; lead dims (1-D: above)
+# ragged tiles; lead dims (1-D: above); rows a multiple of 32 wide, whose tiles 32 or 128 wide the AVX2 loop
+# casts a whole row at a time with each tile's scale (the last 128-wide tile of 320 ragged)
+@pytest.mark.parametrize("shape", [(130, 257), (3, 40, 50), (70, 320), (2, 33, 96)])
 @pytest.mark.parametrize("name", ALL_FORMATS)
 def test_granularities_match_reference_and_eager(name, shape, granularity, block, axis, rng, native_calls):
     x = (rng.standard_normal(shape) * np.exp2(rng.integers(-8, 8, shape))).astype(F32)
@@ -129,9 +131,10 @@ def test_granularities_match_reference_and_eager(name, shape, granularity, block
 @needs_native
 @pytest.mark.parametrize("granularity, block, axis", LAYOUTS)
 @pytest.mark.parametrize("name", ["e4m3fn", "e5m2"])
-def test_transposed_views_and_bf16_inputs_match_eager(name, granularity, block, axis, rng, native_calls):
+@pytest.mark.parametrize("shape", [(257, 130), (256, 192)])
+def test_transposed_views_and_bf16_inputs_match_eager(name, granularity, block, axis, shape, rng, native_calls):
     """What Fp8Linear hands the kernel: bf16 activations under autocast, and x.t() for the backward GEMMs."""
-    base = torch.from_numpy((rng.standard_normal((257, 130)) * 5).astype(F32))
+    base = torch.from_numpy((rng.standard_normal(shape) * 5).astype(F32))
     base[4, 9] = math.nan
     for x in (base, base.t(), base.bfloat16(), base.bfloat16().t()):
         q = assert_same_as_eager(x, name, native_calls, granularity=granularity, block=block, axis=axis, pow2=True)
@@ -153,8 +156,9 @@ def test_given_scales_per_row_and_block_match_eager(rng, native_calls):
 
 
 @needs_native
-def test_amax_and_mx_match_eager(rng):
-    x = torch.from_numpy((rng.standard_normal((64, 200)) * 7).astype(F32))
+@pytest.mark.parametrize("cols", [200, 256])  # (256: whole rows cast at once, one scale per 32 columns)
+def test_amax_and_mx_match_eager(rng, cols):
+    x = torch.from_numpy((rng.standard_normal((64, cols)) * np.exp2(rng.integers(-20, 20, (64, cols)))).astype(F32))
     x[3, 5] = math.nan
     for granularity, block in (("tensor", (1, 1)), ("row", (1, 1)), ("block", (1, 32)), ("block", (16, 16))):
         native, eager = compute_amax(x, granularity, block, kernel="native"), compute_amax(x, granularity, block)

@@ -18,7 +18,7 @@ needs_native = pytest.mark.skipif(not native_cast.available(), reason=f"no nativ
                                   f"{native_cast.unavailable_reason()}")
 pytestmark = needs_native
 
-KC = 512  # k elements per cache block: 2 * KC_PAIRS of native_gemm.c
+KC = 2048  # k elements per cache block: 2 * KC_PAIRS of native_gemm.c
 F32 = np.float32
 LOOPS = [pytest.param(True, id="plain"),
          pytest.param(False, id="vector", marks=pytest.mark.skipif(
@@ -70,7 +70,8 @@ def fp8_values(shape, fmt: str, gen: torch.Generator, spread: float = 4.0) -> to
     return x.to(fp8).to(torch.bfloat16)
 
 
-SHAPES = [(1, 1, 1), (5, 7, 3), (13, 33, 70), (12, 512, 32), (25, 1030, 65), (3, 1025, 40), (40, 64, 97)]
+SHAPES = [(1, 1, 1), (5, 7, 3), (13, 33, 70), (12, 512, 32), (25, 1030, 65), (3, 2049, 40), (40, 64, 97),
+          (5, 4100, 37)]
 
 
 @pytest.mark.parametrize("plain", LOOPS)
@@ -87,9 +88,41 @@ def test_sums_in_the_documented_order(plain, m, k, n, formats, layout):
     assert_bits_equal(native_gemm.mm(a, b, plain=plain), reference(a, b))
 
 
+FP8_DTYPES = {"e4m3fn": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2,
+              "e4m3fnuz": ml_dtypes.float8_e4m3fnuz, "e5m2fnuz": ml_dtypes.float8_e5m2fnuz}
+
+
+def fp8_bytes(shape, fmt: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random FP8 codes of `fmt` (every finite code: an inf times a zero makes NaN) as a torch float8 tensor, and
+    their values in bf16 decoded by ml_dtypes (independent of torch's and of the kernel's table)."""
+    codes = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).numpy()
+    values = codes.view(FP8_DTYPES[fmt]).astype(np.float32)
+    finite = np.isfinite(values)
+    codes, values = np.where(finite, codes, 0).astype(np.uint8), np.where(finite, values, 0).astype(np.float32)
+    return torch.from_numpy(codes).view(getattr(torch, f"float8_{fmt}")), torch.from_numpy(values).bfloat16()
+
+
 @pytest.mark.parametrize("plain", LOOPS)
-@pytest.mark.parametrize("m,k,n,k_block", [(13, 300, 45, 128), (7, 97, 33, 32), (30, 1100, 64, 32),
-                                           (5, 260, 7, 128), (4, 1500, 20, 1024), (9, 200, 35, 96)])
+@pytest.mark.parametrize("m,k,n", [(5, 7, 3), (13, 34, 70), (25, 1030, 65), (3, 2049, 40)])
+@pytest.mark.parametrize("formats", [("e4m3fn", "e5m2"), ("e4m3fnuz", "e5m2fnuz"), ("e5m2", None), (None, "e4m3fn")])
+@pytest.mark.parametrize("layout", ["contiguous", "a_transposed", "b_transposed"])
+def test_fp8_byte_operands_read_as_their_values(plain, m, k, n, formats, layout):
+    """FP8 bytes (read through the kernel's table while packing) give the sums of their values in the documented
+    order; None: that operand in bf16."""
+    gen = torch.Generator().manual_seed(m + k + n)
+    a, a_values = fp8_bytes((m, k), formats[0], gen) if formats[0] else (None, fp8_values((m, k), "e4m3fn", gen))
+    b, b_values = fp8_bytes((k, n), formats[1], gen) if formats[1] else (None, fp8_values((k, n), "e4m3fn", gen))
+    a, b = a if a is not None else a_values, b if b is not None else b_values
+    if layout == "a_transposed":
+        a = a.t().contiguous().t()
+    if layout == "b_transposed":
+        b = b.t().contiguous().t()
+    assert_bits_equal(native_gemm.mm(a, b, plain=plain), reference(a_values, b_values))
+
+
+@pytest.mark.parametrize("plain", LOOPS)
+@pytest.mark.parametrize("m,k,n,k_block", [(13, 300, 45, 128), (7, 97, 33, 32), (6, 2300, 40, 32),
+                                           (5, 260, 7, 128), (4, 2500, 20, 1024), (9, 2100, 35, 96)])
 @pytest.mark.parametrize("pow2", [True, False])
 def test_k_block_scales_in_the_documented_order(plain, m, k, n, k_block, pow2):
     gen = torch.Generator().manual_seed(k + k_block)
@@ -195,10 +228,16 @@ def test_bad_calls_are_internal_errors():
 
 
 def test_usable_refuses_empty_mismatched_and_non_bf16_operands():
-    """usable() is True only for a non-empty bf16 (M, K) @ (K, N): an empty or mismatched operand is refused
-    whatever the other one is."""
+    """usable() is True only for a non-empty (M, K) @ (K, N) of bf16 or FP8 operands: an empty or mismatched
+    operand, or one of another dtype (fp32, fp16, uint8 bytes without a format), is refused whatever the other
+    one is."""
     bf = torch.bfloat16
     assert native_gemm.usable(torch.ones(4, 6, dtype=bf), torch.ones(6, 5, dtype=bf))
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+        assert native_gemm.usable(torch.ones(4, 6).to(fp8), torch.ones(6, 5, dtype=bf))
+        assert native_gemm.usable(torch.ones(4, 6, dtype=bf), torch.ones(6, 5).to(fp8))
+    assert not native_gemm.usable(torch.ones(4, 6, dtype=torch.uint8), torch.ones(6, 5, dtype=bf))
+    assert not native_gemm.usable(torch.ones(4, 6, dtype=torch.float16), torch.ones(6, 5, dtype=bf))
     assert not native_gemm.usable(torch.ones(0, 6, dtype=bf), torch.ones(6, 5, dtype=bf))  # empty a
     assert not native_gemm.usable(torch.ones(4, 6, dtype=bf), torch.ones(6, 0, dtype=bf))  # empty b
     assert not native_gemm.usable(torch.ones(4, 7, dtype=bf), torch.ones(6, 5, dtype=bf))  # K 7 vs 6
@@ -283,3 +322,36 @@ def test_mode_off_and_native_off_keep_the_fp32_grad_weight_gemm(set_gemm_mode, m
     assert gemm_compute_dtype(torch.float32, torch.float32, "cpu") == torch.float32
     monkeypatch.setattr(native_cast, "_enabled", False)  # what a machine without a C compiler gets
     assert gemm_compute_dtype(torch.bfloat16, torch.float32, "cpu") == torch.float32
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current", "rowwise", "block", "mxfp8"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_the_layer_hands_the_kernel_fp8_bytes_where_no_bf16_gemm_reads_the_values(recipe, x_dtype, set_gemm_mode,
+                                                                                    monkeypatch):
+    """Under bf16 emulation with the kernel on, what each native GEMM of an Fp8Linear step reads: the FP8 bytes
+    (a float8 dtype), never a decoded copy, except an operand that torch's bf16 GEMM reads too (tensorwise
+    scales: grad_output's one copy serves grad_input, bf16 for a bf16 input, and grad_weight): then its bf16
+    values, already made. (Rowwise requantizes grad_output along M for grad_weight: bytes again.)"""
+    set_gemm_mode("on")
+    seen = []
+    real_mm = native_gemm.mm
+    monkeypatch.setattr(native_gemm, "mm", lambda a, b, *args, **kwargs: seen.append((a.dtype, b.dtype))
+                        or real_mm(a, b, *args, **kwargs))
+    torch.manual_seed(3)
+    layer = Fp8Linear(256, 128, recipe=recipe)
+    layer.emulated_dtype = "bf16"
+    x = torch.randn(64, 256).to(x_dtype).requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    y.float().pow(2).mean().backward()
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    tiles = recipe in ("block", "mxfp8")
+    # the forward (bf16 out) runs here only for tiles; grad_input only for an fp32 input or tiles; grad_weight always
+    assert len(seen) == 1 + tiles + (x_dtype == torch.float32 or tiles)
+    grad_output_bytes = tiles or recipe == "rowwise" or x_dtype == torch.float32
+    *_, (grad_output_t, saved_input) = seen  # grad_weight = grad_output.T @ input: the last GEMM
+    assert saved_input in fp8  # the saved input, never decoded
+    assert (grad_output_t in fp8) == grad_output_bytes
+    assert grad_output_t in fp8 + (torch.bfloat16,)
+    if tiles:  # the forward and grad_input GEMMs: bytes on both sides
+        assert all(a in fp8 and b in fp8 for a, b in seen)

@@ -20,9 +20,10 @@ Backends
       (native_cast.gemm_epilogue: the same operations, the same bits). A GEMM whose output is fp32 (grad_weight
       for fp32 master weights: the GPU's FP8 wgrad GEMM writes fp32, so its 24-bit gradient is never rounded to
       8 bits; any GEMM fed fp32 activations outside autocast) keeps its fp32 sum: on a CPU with AVX512-BF16 it
-      reads bf16 copies through fp8train's native bf16 -> fp32 GEMM (numerics.native_gemm: exact products,
-      fp32 sums, fp32 result; the fp32 GEMM's arithmetic in another summation order, about 3x faster there);
-      elsewhere it runs in fp32.
+      runs on fp8train's native bf16 -> fp32 GEMM (numerics.native_gemm: the FP8 bytes decoded to bf16 while it
+      packs them, exact products, fp32 sums, fp32 result; the fp32 GEMM's arithmetic in another summation order,
+      about 3x faster there), so the quantizer keeps no copy of the values such a GEMM reads (only the bf16 copy
+      a torch bf16 GEMM reads: native_gemm_reads_bytes); elsewhere it runs in fp32.
     * `auto`: bf16 on CUDA and on CPUs with bf16 GEMM instructions (avx512_bf16 or AMX-BF16, from
       /proc/cpuinfo), where bf16 GEMMs are several times faster than fp32; fp32 on other CPUs, where fp32 GEMMs
       are the fast ones (AMD EPYC, 2 cores, avx2 only: 77 vs ~10 GFLOP/s at 4096x1024x1024). `auto` therefore
@@ -56,7 +57,8 @@ from fp8train.numerics.quant import decode_fp8
 
 __all__ = ["Fp8Operand", "fp8_mm", "resolve_backend", "scaled_mm_available", "emulated_compute_dtype",
            "GEMM_BACKENDS", "EMULATED_DTYPES", "AUTO_EMULATED_DTYPE", "EMULATED_DTYPE_CHOICES", "check_emulated_dtype",
-           "cpu_has_bf16_gemm", "set_cpu_bf16_gemm", "gemm_compute_dtype", "tile_values_dtype"]
+           "cpu_has_bf16_gemm", "set_cpu_bf16_gemm", "gemm_compute_dtype", "tile_values_dtype",
+           "native_gemm_reads_bytes"]
 
 GEMM_BACKENDS = tuple(b for b in BACKENDS if b != "te")  # te runs through nn/te.py, not a GEMM here
 EMULATED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -154,6 +156,12 @@ class Fp8Operand:
                 values = decode_fp8(self.data)
             found = self._store(dtype, values if values.dtype == dtype else values.to(dtype))
         return found
+
+    def native_input(self) -> torch.Tensor:
+        """What fp8train's native GEMM reads of this operand: its bf16 values where they were kept (for a bf16
+        GEMM too), else the FP8 bytes themselves, which the kernel decodes while packing (no decoded copy)."""
+        found = self._cached(torch.bfloat16)
+        return found if found is not None else self.data
 
     @property
     def scale_outer_rows(self) -> bool:
@@ -288,10 +296,20 @@ def gemm_compute_dtype(compute_dtype: torch.dtype, out_dtype: torch.dtype,
     return torch.bfloat16 if fp32_from_bf16 else torch.float32
 
 
+def native_gemm_reads_bytes(compute_dtype: torch.dtype, out_dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether fp8_mm runs an emulated GEMM with outer scales and this output dtype on fp8train's native GEMM,
+    which reads the FP8 bytes (no copy of the values needed): an fp32 result from bf16 values
+    (gemm_compute_dtype) where the kernel runs on `device`. A bf16 result runs torch's bf16 GEMM on the bf16
+    values instead. (Block and MX tiles: tile_values_dtype.)"""
+    bf16 = gemm_compute_dtype(compute_dtype, out_dtype, device) == torch.bfloat16
+    return bf16 and native_gemm.in_use(device) and out_dtype == torch.float32
+
+
 def tile_values_dtype(device: torch.device | str, choice: str = AUTO_EMULATED_DTYPE) -> torch.dtype:
     """What an emulated GEMM reads of an operand with block or MX tiles (scales that vary along K): the bf16
-    values, with the tile scales applied per K block by fp8train's native GEMM, where that runs and the emulated
-    dtype is bf16; else value * scale in fp32 (the GEMM then runs in fp32). The quantizer keeps that copy."""
+    values, which fp8train's native GEMM decodes from the FP8 bytes and sums per K block before applying the tile
+    scales, where that runs and the emulated dtype is bf16 (the quantizer keeps no copy); else value * scale in
+    fp32, which the quantizer keeps (the GEMM then runs in fp32)."""
     bf16_tiles = emulated_compute_dtype(device, choice) == torch.bfloat16 and native_gemm.in_use(device)
     return torch.bfloat16 if bf16_tiles else torch.float32
 
@@ -321,7 +339,7 @@ def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
         native = compute_dtype == torch.bfloat16 and native_gemm.in_use(a.device)
         if native and outer_scales and out_dtype == torch.float32:
             # fp8train's bf16 -> fp32 GEMM (gemm_compute_dtype said it runs here), scales and bias in its epilogue
-            return _native_mm(a.values(compute_dtype), b.values(compute_dtype), None, a.scale, b.scale, bias, out_dtype)
+            return _native_mm(a.native_input(), b.native_input(), None, a.scale, b.scale, bias, out_dtype)
         if compute_dtype == torch.bfloat16 and a.device.type == "cpu" and outer_scales:
             acc = torch.mm(a.values(compute_dtype), b.values(compute_dtype))  # rounded to bf16 by the GEMM (above)
             if native_cast.epilogue_usable(acc, a.scale, b.scale, bias, out_dtype):  # the ops below, one pass
@@ -330,7 +348,7 @@ def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
         elif native and (k_scales := _k_block_scales(a, b)) is not None:
             # scales vary along K (block / MX tiles): each K block's fp32 partial sum of exact FP8 products is
             # scaled and added (a GPU's blockwise FP8 GEMM), instead of dequantizing and running fp32
-            return _native_mm(a.values(compute_dtype), b.values(compute_dtype), k_scales, None, None, bias, out_dtype)
+            return _native_mm(a.native_input(), b.native_input(), k_scales, None, None, bias, out_dtype)
         else:
             out = _emulated_gemm(a, b, compute_dtype)
     if bias is not None:  # bias in fp32, one rounding to the output dtype below (no no-op casts: each is an op)
@@ -350,14 +368,15 @@ def _emulated_gemm(a: Fp8Operand, b: Fp8Operand, compute_dtype: torch.dtype) -> 
                                b.scale if b.scale_outer_cols else None)
 
 
-def _native_mm(a_bf16, b_bf16, k_scales, scale_a, scale_b, bias, out_dtype: torch.dtype) -> torch.Tensor:
-    """native_gemm.mm with the epilogue in the kernel where it takes this output dtype and these scales (the same
-    fp32 operations in the same order as the torch ops below, which run it otherwise)."""
+def _native_mm(a_in, b_in, k_scales, scale_a, scale_b, bias, out_dtype: torch.dtype) -> torch.Tensor:
+    """native_gemm.mm of a_in @ b_in (bf16 values or FP8 bytes: Fp8Operand.native_input) with the epilogue in the
+    kernel where it takes this output dtype and these scales (the same fp32 operations in the same order as the
+    torch ops below, which run it otherwise)."""
     bias_fp32 = None if bias is None or bias.dtype == torch.float32 else bias.float()  # (exact)
-    if native_gemm.usable(a_bf16, b_bf16, scale_a, scale_b, bias if bias_fp32 is None else bias_fp32, out_dtype):
-        return native_gemm.mm(a_bf16, b_bf16, k_scales, scale_a=scale_a, scale_b=scale_b,
+    if native_gemm.usable(a_in, b_in, scale_a, scale_b, bias if bias_fp32 is None else bias_fp32, out_dtype):
+        return native_gemm.mm(a_in, b_in, k_scales, scale_a=scale_a, scale_b=scale_b,
                               bias=bias if bias_fp32 is None else bias_fp32, out_dtype=out_dtype)
-    out = _apply_outer_scales(native_gemm.mm(a_bf16, b_bf16, k_scales), scale_a, scale_b)
+    out = _apply_outer_scales(native_gemm.mm(a_in, b_in, k_scales), scale_a, scale_b)
     if bias is not None:
         out.add_(bias if bias_fp32 is None else bias_fp32)
     return out if out_dtype == torch.float32 else out.to(out_dtype)
@@ -373,7 +392,7 @@ def _k_block_scales(a: Fp8Operand, b: Fp8Operand) -> tuple[torch.Tensor, torch.T
             (b.block is None and not b.scale_outer_cols):
         return None
     k_block = k_sizes.pop()
-    if k_block % 2 or k_block >= k:  # (one K block: the outer-scale paths serve it)
+    if k_block % 2:  # (the kernel sums k in pairs; one K block past k is one block, its partial sum the whole)
         return None
     blocks = -(-k // k_block)
     scale_a = a.scale.reshape(-1, 1).expand(m, blocks) if a.block is None else \

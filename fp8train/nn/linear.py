@@ -297,10 +297,11 @@ class Fp8Linear(nn.Linear):
             return cached
         emulated = backend == "emulated"
         blocked = self.recipe.granularity_of(OperandRole.WEIGHT) == "block"
-        # block tiles: the GEMMs read the bf16 values and tile scales, or value * scale in fp32 (tile_values_dtype)
+        # block tiles: the native GEMM reads the FP8 bytes and tile scales, or the GEMMs read value * scale in fp32
+        # (tile_values_dtype)
         tiles_dequantized = emulated and blocked and tile_values_dtype(weight.device, self.emulated_dtype) == \
             torch.float32
-        keep = emulated if not blocked or not emulated or tiles_dequantized else torch.bfloat16
+        keep = emulated if not blocked or not emulated or tiles_dequantized else False
         with torch.no_grad():
             weight_fp8 = self.quantizers[OperandRole.WEIGHT].quantize(weight, keep_values=keep)
             if weight_fp8.values is not None and weight_fp8.granularity != "block":

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from fp8train.nn.gemm import Fp8Operand, emulated_compute_dtype, fp8_mm, gemm_compute_dtype, tile_values_dtype
+from fp8train.nn.gemm import (Fp8Operand, emulated_compute_dtype, fp8_mm, gemm_compute_dtype,
+                               native_gemm_reads_bytes, tile_values_dtype)
 from fp8train.nn.recipes import GemmRole, OperandRole
 from fp8train.numerics.quant import Fp8Tensor
 
@@ -103,16 +104,20 @@ class WeightFp8:
 
 
 def values_to_keep(layer, role: str, backend: str, out_dtype: torch.dtype, device, fp32_too: bool):
-    """Which copies of an operand's FP8 values its emulated GEMMs read, for quantize's ``keep_values``: none
-    (scaled_mm), fp32 (True), or where the GEMM reads bf16 (gemm.gemm_compute_dtype) the bf16 copy, alone or with
-    the fp32 one (``fp32_too``: grad_output's for grad_weight), both written in the quantizer's one pass."""
+    """Which copies of an operand's FP8 values its emulated GEMM (output `out_dtype`) reads, for quantize's
+    ``keep_values``: none (scaled_mm; or fp8train's native GEMM, which reads the bytes: gemm.native_gemm_reads_bytes),
+    fp32 (True), or where torch's bf16 GEMM reads them (gemm.gemm_compute_dtype) the bf16 copy, alone or with the
+    fp32 one (``fp32_too``: grad_output's for grad_weight), both written in the quantizer's one pass."""
     if backend != "emulated":
         return False
     if layer.recipe.accumulator_bits:
         return True  # (the Hopper accumulation model reads fp32 values)
-    if layer.recipe.granularity_of(role) == "block":  # bf16 values, or value * scale in fp32 (True)
-        return True if tile_values_dtype(device, layer.emulated_dtype) == torch.float32 else torch.bfloat16
-    if gemm_compute_dtype(emulated_compute_dtype(device, layer.emulated_dtype), out_dtype, device) != torch.bfloat16:
+    if layer.recipe.granularity_of(role) == "block":  # the bytes (native GEMM), or value * scale in fp32 (True)
+        return tile_values_dtype(device, layer.emulated_dtype) == torch.float32
+    compute_dtype = emulated_compute_dtype(device, layer.emulated_dtype)
+    if native_gemm_reads_bytes(compute_dtype, out_dtype, device):
+        return False
+    if gemm_compute_dtype(compute_dtype, out_dtype, device) != torch.bfloat16:
         return True
     return (torch.float32, torch.bfloat16) if fp32_too else torch.bfloat16
 

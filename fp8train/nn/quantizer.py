@@ -91,7 +91,7 @@ class OperandQuantizer:
         kernel = self.layer.kernel_for(tensor.numel())
         # Block tiles (block, mxfp8) vary along K: where the emulated GEMMs read value * scale in fp32 (keep_values
         # True, gemm.tile_values_dtype), the C kernel writes that in the same pass instead of the values (eager and
-        # CUDA paths unchanged); where they read the bf16 values and the tile scales, those are kept.
+        # CUDA paths unchanged); where the native GEMM reads the bytes and the tile scales, nothing more is kept.
         blocked = kernel == "native" and r.granularity_of(role) == "block" and keep_values is True
         keep = dict(keep_values=False if blocked else keep_values, keep_dequantized=blocked)
         if r.is_delayed:
@@ -102,8 +102,7 @@ class OperandQuantizer:
                                  validate_scale=False, kernel=kernel)
             quantized.amax = amax
         elif r.is_mx:
-            quantized = quantize_mx(tensor, fmt, kernel=kernel,
-                                    **(keep if blocked else dict(keep_values=keep_values or True)))
+            quantized = quantize_mx(tensor, fmt, kernel=kernel, **keep)
             # one reduction, then 0-d ops: the amaxes are >= 0 or NaN, so the max is finite iff all of them are
             nonfinite_count.add_(quantized.amax.amax().isfinite().logical_not().long())
         else:

@@ -64,7 +64,7 @@ _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pth
 # where torch uses GNU OpenMP), not threads of its own competing with torch's spinning ones. A compiler without
 # OpenMP (a bare clang) builds the pthreads variant instead.
 _VARIANTS = (("openmp", ("-fopenmp",)), ("pthreads", ()))
-_ABI_VERSION = 5  # 5: fp8_gemm_bf16
+_ABI_VERSION = 6  # 5: fp8_gemm_bf16; 6: its FP8-byte operands
 _CACHE_LAYOUT = 2  # 2: family-source names, a size+sha256 record per library, the build lock
 _PRUNE_UNUSED_S = 7 * 24 * 3600  # another version's build, unused this long, is deleted at the next build
 _ORPHAN_TMP_S = 600  # a temporary file this old belongs to a builder that died
@@ -340,7 +340,7 @@ def _bind(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
     lib.fp8_dequantize.restype = ctypes.c_int
     lib.fp8_gemm_epilogue.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i32, i32]
     lib.fp8_gemm_epilogue.restype = ctypes.c_int
-    lib.fp8_gemm_bf16.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, i64,
+    lib.fp8_gemm_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, i64,
                                   ptr, ptr, ptr, i32, i32]
     lib.fp8_gemm_bf16.restype = ctypes.c_int
     lib.fp8_gemm_vectorized.restype = ctypes.c_int

@@ -175,13 +175,14 @@ static void rows_amax(const job_t *j, int64_t b, int64_t r0, int64_t r1, uint32_
 
 /* ---- scale rules (scalar, once per tile) ---------------------------------------------------------------- */
 static float rule_scale(const fp8_params *p, float amax) {
-    if (p->rule == RULE_MX) {
+    if (p->rule == RULE_MX) { /* on the bits: frexp and ldexp here cost more than the cast of a 1x32 tile */
         if (!(isfinite(amax) && amax > 0.0f)) return 1.0f;
-        int e;
-        frexpf(amax, &e); /* amax = f * 2^e, f in [0.5, 1): floor(log2 amax) = e - 1 */
-        int shared = e - 1 - p->mx_emax;
+        const uint32_t bits = f2u(amax), field = bits >> 23; /* amax > 0: no sign bit */
+        /* floor(log2 amax): the unbiased exponent, or for a subnormal the top set bit of m * 2^-149 */
+        const int floor_log2 = field ? (int)field - 127 : (31 - __builtin_clz(bits)) - 149;
+        int shared = floor_log2 - p->mx_emax;
         shared = shared < -127 ? -127 : shared > 127 ? 127 : shared;
-        return (float)ldexp(1.0, shared);
+        return u2f(shared >= -126 ? (uint32_t)(shared + 127) << 23 : 1u << 22); /* 2^-127: a subnormal */
     }
     if (p->fp32_divide) { /* quant.scale_rule's fp32 branch: one correctly rounded fp32 division */
         float s = amax / (float)p->divisor;
@@ -371,6 +372,14 @@ static inline __attribute__((always_inline)) __m256i vencode(const venc_t *v, __
     return code;
 }
 
+/* One scale per tile of `width` columns (a multiple of 32) along a row, the segment starting at column col0:
+ * each 32-column step of the vector loop takes its tile's scale, instead of a per-column copy of the scales
+ * (MX's 1x32 tiles: that copy cost as much as the cast). */
+typedef struct {
+    const float *scale;
+    int64_t width, col0;
+} tiles_t;
+
 /* x / scale for 8 lanes from element i of x (one scale, or one per column from col_scale + i): the same IEEE
  * division as divide_chunk, kept in registers (through a buffer, the cast pass measured 1.3x slower). */
 static inline __attribute__((always_inline)) __m256 vdivide(const void *x, int64_t i, const float *col_scale,
@@ -387,14 +396,20 @@ static inline __attribute__((always_inline)) __m256 vdivide(const void *x, int64
 /* 32 values per step -> 32 bytes: two saturating packs (codes are 0..255) and a lane fix-up. */
 static inline __attribute__((always_inline)) int64_t vencode_loop(const enc_t *e, const void *x, int64_t n,
                                                                    const float *col_scale, float scale,
-                                                                   uint8_t *out, float *values,
-                                                                   const int saturate, const int fnuz,
-                                                                   const int bf16) {
+                                                                   const tiles_t *tiles, uint8_t *out,
+                                                                   float *values, const int saturate,
+                                                                   const int fnuz, const int bf16) {
     const venc_t v = venc_of(e);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    const __m256 s = _mm256_set1_ps(scale);
+    __m256 s = _mm256_set1_ps(scale);
+    int64_t tile = tiles ? tiles->col0 / tiles->width : 0, left = tiles ? tiles->width - tiles->col0 % tiles->width : 0;
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
+        if (tiles) { /* 32 columns inside one tile (its width a multiple of 32): its scale, broadcast */
+            s = _mm256_set1_ps(tiles->scale[tile]);
+            left -= 32;
+            if (left == 0) tile++, left = tiles->width;
+        }
         float *vals = values ? values + i : NULL;
         const __m256i c0 = vencode(&v, vdivide(x, i, col_scale, s, bf16), vals, saturate, fnuz);
         const __m256i c1 = vencode(&v, vdivide(x, i + 8, col_scale, s, bf16), vals ? vals + 8 : NULL, saturate,
@@ -411,9 +426,10 @@ static inline __attribute__((always_inline)) int64_t vencode_loop(const enc_t *e
 
 /* x points at the segment's first element (fp32 or bf16). */
 static int64_t encode_chunk_avx2(const enc_t *e, int32_t saturate, int32_t kind, const void *x, int32_t x_bf16,
-                                 int64_t n, const float *col_scale, float scale, uint8_t *out, float *values) {
+                                 int64_t n, const float *col_scale, float scale, const tiles_t *tiles, uint8_t *out,
+                                 float *values) {
     const int fnuz = kind == SPECIAL_FNUZ;
-#define VLOOP(SAT, FNUZ, BF16) vencode_loop(e, x, n, col_scale, scale, out, values, SAT, FNUZ, BF16)
+#define VLOOP(SAT, FNUZ, BF16) vencode_loop(e, x, n, col_scale, scale, tiles, out, values, SAT, FNUZ, BF16)
     if (x_bf16) {
         if (saturate) return fnuz ? VLOOP(1, 1, 1) : VLOOP(1, 0, 1);
         return fnuz ? VLOOP(0, 1, 1) : VLOOP(0, 0, 1);
@@ -448,8 +464,10 @@ static void divide_chunk(const void *x, int32_t x_bf16, int64_t offset, int64_t 
     }
 }
 
-/* Row segment [offset, offset + n): x / scale (one scale, or one per column), cast, values. */
-static void cast_segment(const job_t *j, int64_t offset, int64_t n, const float *col_scale, float scale) {
+/* Row segment [offset, offset + n): x / scale (one scale, one per column, or one per tile: `tiles`, which only
+ * the AVX2 loop takes, for segments whose length is a multiple of 32), cast, values. */
+static void cast_segment(const job_t *j, int64_t offset, int64_t n, const float *col_scale, float scale,
+                         const tiles_t *tiles) {
     const enc_t e = enc_of(j->p);
     const int32_t saturate = j->p->saturate, kind = j->p->special;
     const float *lut = j->p->lut;
@@ -463,7 +481,9 @@ static void cast_segment(const job_t *j, int64_t offset, int64_t n, const float 
         int64_t done = 0;
 #if defined(__AVX2__)
         const void *xs = (const char *)j->x + (offset + c0) * (j->x_bf16 ? 2 : 4);
-        done = encode_chunk_avx2(&e, saturate, kind, xs, j->x_bf16, len, cs, scale, o, v);
+        const tiles_t chunk_tiles = tiles ? (tiles_t){tiles->scale, tiles->width, tiles->col0 + c0} : (tiles_t){0};
+        done = encode_chunk_avx2(&e, saturate, kind, xs, j->x_bf16, len, cs, scale, tiles ? &chunk_tiles : NULL, o,
+                                 v);
 #endif
         if (done < len) {
             divide_chunk(j->x, j->x_bf16, offset + c0 + done, len - done, cs ? cs + done : NULL, scale, y);
@@ -494,17 +514,24 @@ static void cast_rows(const job_t *j, int64_t b, int64_t r0, int64_t r1, const f
      * faster so than as 32-element segments, each paying the segment set-up), and for tall tile rows, where the
      * expansion is paid once for many rows (128x128: +20-30%); a 1x128 row is faster as 128-element segments */
     const int per_column = ntc > 1 && (tc < 64 || r1 - r0 >= 16);
+#if defined(__AVX2__)
+    if (ntc > 1 && tc % 32 == 0 && cols % 32 == 0 && !j->p->dequantize) { /* one segment per row, tile scales */
+        const tiles_t tiles = {tile_scale, tc, 0};
+        for (int64_t r = r0; r < r1; r++) cast_segment(j, base + r * cols, cols, NULL, 0.0f, &tiles);
+        return;
+    }
+#endif
     if (per_column) /* (no division per column: that costs more than the cast of a 1xN tile row) */
         for (int64_t t = 0, c = 0; t < ntc; t++)
             for (int64_t k = 0; k < tc && c < cols; k++, c++) col_scale[c] = tile_scale[t];
     for (int64_t r = r0; r < r1; r++) {
         if (per_column) {
-            cast_segment(j, base + r * cols, cols, col_scale, 0.0f);
+            cast_segment(j, base + r * cols, cols, col_scale, 0.0f, NULL);
             continue;
         }
         for (int64_t t = 0; t < ntc; t++) {
             int64_t c0 = t * tc, n = (c0 + tc < cols ? tc : cols - c0);
-            cast_segment(j, base + r * cols + c0, n, NULL, tile_scale[t]);
+            cast_segment(j, base + r * cols + c0, n, NULL, tile_scale[t], NULL);
         }
     }
 }
@@ -746,7 +773,7 @@ int fp8_gemm_epilogue(const uint16_t *acc, int64_t rows, int64_t cols, const flo
 }
 
 /* The ABI version the Python side checks before using this library. */
-int fp8_abi_version(void) { return 5; }
+int fp8_abi_version(void) { return 6; }
 int fp8_params_size(void) { return (int)sizeof(fp8_params); }
 
 /* Whether the threads are the process's OpenMP runtime's (built with -fopenmp) or pthreads of its own. */

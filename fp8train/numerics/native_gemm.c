@@ -7,7 +7,9 @@
  * CPU with AVX512-BF16. This kernel reads bf16, multiplies exactly and sums in fp32 (VDPBF16PS), and writes fp32:
  * the fp32 GEMM's arithmetic on the same values, in another summation order.
  *
- * c (m, n) fp32, row-major, = a (m, k) @ b (k, n); a and b bf16 with any strides (in elements). The order of
+ * c (m, n) fp32, row-major, = a (m, k) @ b (k, n); a and b bf16, or FP8 bytes with a table of their bf16 values
+ * (a_lut / b_lut: 256 bf16 bit patterns; FP8 values are exact in bf16), with any strides (in elements). Packing
+ * reads the bytes through the table, so an FP8 operand is never decoded to a bf16 copy in memory. The order of
  * the sums, for one c[i, j] (every step an fp32 operation rounded to nearest even):
  *   - k is walked in cache blocks of 2 * KC_PAIRS (with scales: the largest multiple of k_block up to that, or
  *     one k_block), each summed from zero; c = that sum for the first cache block, then c = c + that sum;
@@ -42,8 +44,9 @@
 
 #define MR 12        /* rows of a register tile: 12 x 2 accumulators + 2 b registers of 32 */
 #define NR 32        /* columns of a register tile: two 16-lane fp32 registers */
-#define KC_PAIRS 256 /* k-pairs per cache block: b's panel 256 x 128 B = 32 KB stays in L1 beside a's 12 KB */
-#define MC_PANELS 20 /* row panels of a packed at once: 240 rows x 512 k x 2 B = 240 KB, held in L2 */
+#define KC_PAIRS 1024 /* k-pairs per cache block: a K up to 2048 is summed in registers in one go (c written
+                        * once); b's panel 1024 x 128 B = 128 KB and a's 48 KB stream from L2 */
+#define MC_PANELS 5    /* row panels of a packed at once: 60 rows x 2048 k x 2 B = 240 KB, held in L2 */
 
 static inline float bf16_to_f32(uint16_t v) {
     const uint32_t u = (uint32_t)v << 16;
@@ -55,39 +58,151 @@ static inline float bf16_to_f32(uint16_t v) {
 /* Packing: a run of `width` (MR rows of a, or NR columns of b) by 2 * pairs k values -> packed[pair][w][2],
  * zeros past k and past the run's `valid` width (zeros add nothing). `sw`: the stride along the width, `sk`
  * along k, in elements. Two memory layouts are common and get loops without per-element index arithmetic:
- * k contiguous (sk == 1: each pair is one 32-bit word, copied whole) and the width contiguous (sw == 1: two
- * runs of k, interleaved). */
-static inline uint32_t load_pair(const uint16_t *x) {
+ * k contiguous (sk == 1: each pair is one 32-bit word) and the width contiguous (sw == 1: two runs of k,
+ * interleaved). FP8 bytes go through their table here: about as fast as copying bf16, and it saves writing and
+ * reading back a decoded copy of the operand. */
+/* element i of a run: a bf16 (lut NULL) or an FP8 byte read through the table; `lut` is a constant NULL or not in
+ * each specialization of pack_run_as below, so the test folds away */
+static inline __attribute__((always_inline)) uint16_t element(const void *x, int64_t i, const uint16_t *lut) {
+    return lut ? lut[((const uint8_t *)x)[i]] : ((const uint16_t *)x)[i];
+}
+
+static inline __attribute__((always_inline)) uint32_t load_pair(const void *x, int64_t i, const uint16_t *lut) {
+    if (lut) { /* the two values of k and k + 1, low half first (little-endian: packed[w][0] = k) */
+        const uint8_t *b = (const uint8_t *)x + i;
+        return (uint32_t)lut[b[0]] | (uint32_t)lut[b[1]] << 16;
+    }
     uint32_t v;
-    memcpy(&v, x, 4); /* the two bf16 of k and k + 1, low half first (little-endian: packed[w][0] = k) */
+    memcpy(&v, (const uint16_t *)x + i, 4);
     return v;
 }
 
-static void pack_run(const uint16_t *x, int64_t sw, int64_t sk, int64_t k, int64_t valid, int width, int64_t k0,
-                     int64_t pairs, uint16_t *packed) {
+/* FP8 bytes -> bf16 through the table, for runs of them: with AVX512-BW 32 at a time (the 256-entry table in
+ * eight registers, four two-register word permutes, then bits 6 and 7 of the code pick among them), one at a
+ * time elsewhere. */
+#if GEMM_VECTOR && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define DECODE_VECTOR 1
+typedef struct { __m512i t[8]; } fp8_table;
+
+static inline __attribute__((always_inline)) fp8_table table_of(const uint16_t *lut) {
+    fp8_table v;
+    for (int q = 0; q < 8; q++) v.t[q] = _mm512_loadu_si512(lut + 32 * q);
+    return v;
+}
+
+static inline __attribute__((always_inline)) __m512i decode32(const fp8_table *v, __m256i bytes) {
+    const __m512i idx = _mm512_cvtepu8_epi16(bytes);
+    const __m512i r0 = _mm512_permutex2var_epi16(v->t[0], idx, v->t[1]); /* codes 0..63 (low 6 bits) */
+    const __m512i r1 = _mm512_permutex2var_epi16(v->t[2], idx, v->t[3]); /* 64..127 */
+    const __m512i r2 = _mm512_permutex2var_epi16(v->t[4], idx, v->t[5]); /* 128..191 */
+    const __m512i r3 = _mm512_permutex2var_epi16(v->t[6], idx, v->t[7]); /* 192..255 */
+    const __mmask32 bit6 = _mm512_test_epi16_mask(idx, _mm512_set1_epi16(64));
+    const __mmask32 bit7 = _mm512_test_epi16_mask(idx, _mm512_set1_epi16(128));
+    return _mm512_mask_blend_epi16(bit7, _mm512_mask_blend_epi16(bit6, r0, r1), _mm512_mask_blend_epi16(bit6, r2, r3));
+}
+
+static inline __attribute__((always_inline)) void decode_run(const fp8_table *v, const uint8_t *src, int64_t n,
+                                                             uint16_t *dst) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        _mm512_storeu_si512(dst + i, decode32(v, _mm256_loadu_si256((const __m256i *)(src + i))));
+    if (i < n) { /* the last n - i (< 32): masked, no read or write past the run */
+        const __mmask32 mask = (__mmask32)((1ull << (n - i)) - 1);
+        _mm512_mask_storeu_epi16(dst + i, mask, decode32(v, _mm256_maskz_loadu_epi8(mask, src + i)));
+    }
+}
+#else
+#define DECODE_VECTOR 0
+typedef struct { const uint16_t *lut; } fp8_table;
+
+static inline fp8_table table_of(const uint16_t *lut) { return (fp8_table){lut}; }
+
+static inline void decode_run(const fp8_table *v, const uint8_t *src, int64_t n, uint16_t *dst) {
+    for (int64_t i = 0; i < n; i++) dst[i] = v->lut[src[i]];
+}
+#endif
+
+/* k contiguous FP8 bytes: each row's run decoded, then laid out in pairs as the bf16 loop does */
+static void pack_fp8_rows(const uint8_t *x, int64_t sw, int width, int64_t k0, int64_t full, uint16_t *packed,
+                          const uint16_t *lut) {
+    const fp8_table table = table_of(lut);
+    uint16_t run[2 * KC_PAIRS];
+    uint32_t *dst = (uint32_t *)packed;
+    for (int w = 0; w < width; w++) {
+        decode_run(&table, x + w * sw + k0, 2 * full, run);
+        for (int64_t p = 0; p < full; p++) {
+            uint32_t pair;
+            memcpy(&pair, run + 2 * p, 4);
+            dst[p * width + w] = pair;
+        }
+    }
+}
+
+#if DECODE_VECTOR
+/* the width contiguous (a run of `width` <= 32 bytes per k): the runs of k and k + 1 decoded together and
+ * interleaved into pairs by a word permute */
+static void pack_fp8_columns(const uint8_t *x, int64_t sk, int width, int64_t k0, int64_t full, uint16_t *packed,
+                             const uint16_t *lut) {
+    const fp8_table table = table_of(lut);
+    uint16_t even_first[32], even_last[32], narrow[32];
+    for (int j = 0; j < 32; j++) { /* output word j: k's value (j even) or k + 1's (j odd) of column j / 2 */
+        even_first[j] = (uint16_t)(j / 2 + (j % 2 ? 32 : 0));
+        even_last[j] = (uint16_t)(16 + j / 2 + (j % 2 ? 32 : 0));
+        narrow[j] = (uint16_t)(j / 2 + (j % 2 ? 16 : 0)); /* k's run in words 0..15, k + 1's in 16..31 */
+    }
+    const __m512i first = _mm512_loadu_si512(even_first), last = _mm512_loadu_si512(even_last);
+    const __m512i interleave = _mm512_loadu_si512(narrow);
+    const __mmask16 in_mask = (__mmask16)((1u << (width < 16 ? width : 16)) - 1);
+    const __mmask32 out_mask = (__mmask32)((1ull << (2 * (width < 16 ? width : 16))) - 1);
+    for (int64_t p = 0; p < full; p++) {
+        const uint8_t *ra = x + (k0 + 2 * p) * sk, *rb = ra + sk;
+        uint16_t *dst = packed + p * width * 2;
+        if (width == 32) {
+            const __m512i lo = decode32(&table, _mm256_loadu_si256((const __m256i *)ra));
+            const __m512i hi = decode32(&table, _mm256_loadu_si256((const __m256i *)rb));
+            _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(lo, first, hi));
+            _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(lo, last, hi));
+        } else {
+            const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_maskz_loadu_epi8(in_mask, ra)),
+                                                         _mm_maskz_loadu_epi8(in_mask, rb), 1);
+            _mm512_mask_storeu_epi16(dst, out_mask, _mm512_permutexvar_epi16(interleave, decode32(&table, both)));
+        }
+    }
+}
+#endif
+
+static inline __attribute__((always_inline)) void pack_run_as(const void *x, int64_t sw, int64_t sk, int64_t k,
+                                                              int64_t valid, int width, int64_t k0, int64_t pairs,
+                                                              uint16_t *packed, const uint16_t *lut) {
     const int64_t full = (k - k0) / 2 < pairs ? ((k - k0) > 0 ? (k - k0) / 2 : 0) : pairs; /* pairs inside k */
-    if (valid == width && sk == 1) {
+    if (lut && valid == width && sk == 1) {
+        pack_fp8_rows((const uint8_t *)x, sw, width, k0, full, packed, lut);
+#if DECODE_VECTOR
+    } else if (lut && valid == width && sw == 1 && (width == 32 || width <= 16)) {
+        pack_fp8_columns((const uint8_t *)x, sk, width, k0, full, packed, lut);
+#endif
+    } else if (valid == width && sk == 1) {
         uint32_t *dst = (uint32_t *)packed;
         for (int w = 0; w < width; w++) {
-            const uint16_t *src = x + w * sw + k0;
-            for (int64_t p = 0; p < full; p++) dst[p * width + w] = load_pair(src + 2 * p);
+            const int64_t row = w * sw + k0;
+            for (int64_t p = 0; p < full; p++) dst[p * width + w] = load_pair(x, row + 2 * p, lut);
         }
     } else if (valid == width && sw == 1) {
         for (int64_t p = 0; p < full; p++) {
-            const uint16_t *ra = x + (k0 + 2 * p) * sk, *rb = ra + sk;
+            const int64_t ra = (k0 + 2 * p) * sk, rb = ra + sk;
             uint16_t *dst = packed + p * width * 2;
             for (int w = 0; w < width; w++) {
-                dst[2 * w] = ra[w];
-                dst[2 * w + 1] = rb[w];
+                dst[2 * w] = element(x, ra + w, lut);
+                dst[2 * w + 1] = element(x, rb + w, lut);
             }
         }
     } else {
         for (int64_t p = 0; p < full; p++) {
             uint16_t *dst = packed + p * width * 2;
-            const uint16_t *ra = x + (k0 + 2 * p) * sk, *rb = ra + sk;
+            const int64_t ra = (k0 + 2 * p) * sk, rb = ra + sk;
             for (int64_t w = 0; w < valid; w++) {
-                dst[2 * w] = ra[w * sw];
-                dst[2 * w + 1] = rb[w * sw];
+                dst[2 * w] = element(x, ra + w * sw, lut);
+                dst[2 * w + 1] = element(x, rb + w * sw, lut);
             }
             for (int64_t w = valid; w < width; w++) dst[2 * w] = dst[2 * w + 1] = 0;
         }
@@ -96,22 +211,34 @@ static void pack_run(const uint16_t *x, int64_t sw, int64_t sk, int64_t k, int64
         uint16_t *dst = packed + p * width * 2;
         const int64_t ka = k0 + 2 * p, kb = ka + 1;
         for (int64_t w = 0; w < width; w++) {
-            dst[2 * w] = w < valid && ka < k ? x[w * sw + ka * sk] : 0;
-            dst[2 * w + 1] = w < valid && kb < k ? x[w * sw + kb * sk] : 0;
+            dst[2 * w] = w < valid && ka < k ? element(x, w * sw + ka * sk, lut) : 0;
+            dst[2 * w + 1] = w < valid && kb < k ? element(x, w * sw + kb * sk, lut) : 0;
         }
     }
 }
 
+/* x points at the run's first element */
+static void pack_run(const void *x, int64_t sw, int64_t sk, int64_t k, int64_t valid, int width, int64_t k0,
+                     int64_t pairs, uint16_t *packed, const uint16_t *lut) {
+    if (lut) pack_run_as(x, sw, sk, k, valid, width, k0, pairs, packed, lut);
+    else pack_run_as(x, sw, sk, k, valid, width, k0, pairs, packed, NULL);
+}
+
+/* x advanced by `offset` elements of its kind (2-byte bf16 or 1-byte FP8) */
+static inline const void *advance(const void *x, int64_t offset, const uint16_t *lut) {
+    return lut ? (const void *)((const uint8_t *)x + offset) : (const void *)((const uint16_t *)x + offset);
+}
+
 /* b[k0:k0+2*pairs, n0:n0+NR] -> packed[pair][column][2] */
-static void pack_b(const uint16_t *b, int64_t k, int64_t n, int64_t sbk, int64_t sbn, int64_t k0, int64_t pairs,
-                   int64_t n0, uint16_t *packed) {
-    pack_run(b + n0 * sbn, sbn, sbk, k, n - n0 < NR ? n - n0 : NR, NR, k0, pairs, packed);
+static void pack_b(const void *b, const uint16_t *lut, int64_t k, int64_t n, int64_t sbk, int64_t sbn, int64_t k0,
+                   int64_t pairs, int64_t n0, uint16_t *packed) {
+    pack_run(advance(b, n0 * sbn, lut), sbn, sbk, k, n - n0 < NR ? n - n0 : NR, NR, k0, pairs, packed, lut);
 }
 
 /* a[m0:m0+MR, k0:k0+2*pairs] -> packed[pair][row][2] */
-static void pack_a(const uint16_t *a, int64_t m, int64_t k, int64_t sam, int64_t sak, int64_t m0, int64_t k0,
-                   int64_t pairs, uint16_t *packed) {
-    pack_run(a + m0 * sam, sam, sak, k, m - m0 < MR ? m - m0 : MR, MR, k0, pairs, packed);
+static void pack_a(const void *a, const uint16_t *lut, int64_t m, int64_t k, int64_t sam, int64_t sak, int64_t m0,
+                   int64_t k0, int64_t pairs, uint16_t *packed) {
+    pack_run(advance(a, m0 * sam, lut), sam, sak, k, m - m0 < MR ? m - m0 : MR, MR, k0, pairs, packed, lut);
 }
 
 /* tile[MR][NR] = the packed pairs' sum, in K blocks of `block_pairs` pairs: with scales (sa[b * MR + i] per row,
@@ -184,7 +311,8 @@ static void tile_sum_plain(const uint16_t *pa, const uint16_t *pb, int64_t pairs
 }
 
 typedef struct {
-    const uint16_t *a, *b;
+    const void *a, *b;
+    const uint16_t *a_lut, *b_lut; /* NULL: bf16; else FP8 bytes and their bf16 values */
     int64_t m, n, k, sam, sak, sbk, sbn;
     const float *kscale_a; /* NULL, or (m, k_blocks): row i, K block kb at kscale_a[i * k_blocks + kb] */
     const float *kscale_b; /* NULL, or (k_blocks, n) */
@@ -231,7 +359,7 @@ static void *gemm_worker(void *arg) {
         const int last = p0 + kc_pairs >= total_pairs;
         for (int64_t np = 0; np < n_panels; np++) { /* this thread's b panels of the cache block, once */
             const int64_t n0 = (j->n_lo + np) * NR, cols = j->n - n0 < NR ? j->n - n0 : NR;
-            pack_b(j->b, j->k, j->n, j->sbk, j->sbn, k0, pairs, n0, pb + np * b_panel);
+            pack_b(j->b, j->b_lut, j->k, j->n, j->sbk, j->sbn, k0, pairs, n0, pb + np * b_panel);
             if (sb) /* per block: [block][column], 0 past n */
                 for (int64_t b = 0; b < blocks; b++)
                     for (int64_t q = 0; q < NR; q++)
@@ -241,7 +369,7 @@ static void *gemm_worker(void *arg) {
             const int64_t mc_panels = j->m_hi - mc < MC_PANELS ? j->m_hi - mc : MC_PANELS;
             for (int64_t mp = 0; mp < mc_panels; mp++) {
                 const int64_t m0 = (mc + mp) * MR;
-                pack_a(j->a, j->m, j->k, j->sam, j->sak, m0, k0, pairs, pa + mp * a_panel);
+                pack_a(j->a, j->a_lut, j->m, j->k, j->sam, j->sak, m0, k0, pairs, pa + mp * a_panel);
                 if (sa) /* per block: [block][row], 0 past m */
                     for (int64_t b = 0; b < blocks; b++)
                         for (int64_t i = 0; i < MR; i++)
@@ -304,13 +432,14 @@ static void *gemm_worker(void *arg) {
 /* Whether the fast (AVX512-BF16) loop is built in; 0: the plain C loop. */
 int fp8_gemm_vectorized(void) { return GEMM_VECTOR; }
 
-/* c = a @ b (see the top of this file), then the epilogue: times scale_a (NULL, one value: a_step 0, or one per
+/* c = a @ b (see the top of this file; a_lut / b_lut NULL for a bf16 operand, else its FP8 bytes' table), then
+ * the epilogue: times scale_a (NULL, one value: a_step 0, or one per
  * row: a_step 1), times scale_b (likewise per column), plus bias (NULL or one per column), each an fp32 operation,
  * and, with out_bf16, rounded to bf16 into out_bf16 (c is then a scratch sum). k_block: 0 (no K-block scales) or
  * the K block of kscale_a (m, K blocks) / kscale_b (K blocks, n), which must then be even and both given. plain:
  * 1 runs the plain C loop where the vector one is built too. Returns 0, or a negative number on an internal
  * error. */
-int fp8_gemm_bf16(const uint16_t *a, const uint16_t *b, int64_t m, int64_t n, int64_t k, int64_t sam, int64_t sak,
+int fp8_gemm_bf16(const void *a, const uint16_t *a_lut, const void *b, const uint16_t *b_lut, int64_t m, int64_t n, int64_t k, int64_t sam, int64_t sak,
                   int64_t sbk, int64_t sbn, const float *kscale_a, const float *kscale_b, int64_t k_block,
                   const float *scale_a, int64_t a_step, const float *scale_b, int64_t b_step, const float *bias,
                   float *c, uint16_t *out_bf16, int32_t plain, int32_t nthreads) {
@@ -324,7 +453,7 @@ int fp8_gemm_bf16(const uint16_t *a, const uint16_t *b, int64_t m, int64_t n, in
     gemm_job jobs[64];
     for (int32_t i = 0; i < nthreads; i++) {
         const int64_t lo = panels * i / nthreads, hi = panels * (i + 1) / nthreads;
-        jobs[i] = (gemm_job){a, b, m, n, k, sam, sak, sbk, sbn, kscale_a, kscale_b, kscale_a ? k_block : k,
+        jobs[i] = (gemm_job){a, b, a_lut, b_lut, m, n, k, sam, sak, sbk, sbn, kscale_a, kscale_b, kscale_a ? k_block : k,
                              kscale_a ? (k + k_block - 1) / k_block : 1, scale_a, scale_b, a_step, b_step, bias,
                              c, out_bf16, split_rows ? lo : 0, split_rows ? hi : m_panels, split_rows ? 0 : lo,
                              split_rows ? n_panels : hi, plain, 0};

@@ -6,6 +6,10 @@ with AVX512-BF16) or round a bf16 GEMM's result to bf16 (aten::mm.dtype, which w
 This kernel reads the FP8 values in bf16 (exact), multiplies them exactly and sums in fp32 with VDPBF16PS, and
 writes fp32: the arithmetic of an fp32 GEMM on the same values, summed in another order.
 
+An operand may also be FP8 bytes (a torch float8 tensor of one of fp8train's formats): the kernel reads each
+byte through a 256-entry table of its bf16 value while packing, so an FP8 operand needs no decoded copy in
+memory (the saved input of a backward GEMM, an operand no bf16 GEMM reads).
+
 ``fp8train::gemm_bf16`` (``mm`` here) is one op (one entry in a profile, traceable by torch.compile through its
 fake impl). With K-block scales it also applies scales that vary along K (block and MX tiles): each K block's
 fp32 partial sum is multiplied by the row's scale, then by the column's, and added. Its epilogue takes the outer
@@ -24,6 +28,7 @@ from typing import Optional
 import torch
 
 from fp8train.numerics import native_build, native_cast
+from fp8train.numerics.formats import FORMATS
 
 __all__ = ["MODES", "set_mode", "mode", "fast", "in_use", "usable", "mm"]
 
@@ -67,13 +72,29 @@ def in_use(device: torch.device | str) -> bool:
     return native_cast.available() if _mode == "on" else fast()
 
 
+# FP8 dtype -> its format's name: the operand dtypes `mm` reads through a table
+_FP8_DTYPES = {fmt.torch_dtype: name for name, fmt in FORMATS.items()}
+_tables: dict = {}
+
+
+def _bf16_table(dtype: torch.dtype) -> torch.Tensor:
+    """bf16 value of each of the 256 codes of FP8 dtype `dtype` (exact: FP8 values fit bf16's 8 bits), from
+    torch's own float8 -> bf16 conversion."""
+    table = _tables.get(dtype)
+    if table is None:
+        table = _tables[dtype] = torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.bfloat16)
+    return table
+
+
 def usable(a: torch.Tensor, b: torch.Tensor, scale_a=None, scale_b=None, bias=None,
            out_dtype: torch.dtype = torch.float32) -> bool:
-    """Whether ``mm`` takes these: 2-D bf16 CPU tensors with matching inner dims (any strides); outer scales
-    that are one fp32 value, one per row (scale_a) or one per column (scale_b); an fp32 bias per column; an
-    fp32 or bf16 output."""
-    if not (a.dim() == 2 and b.dim() == 2 and a.dtype == b.dtype == torch.bfloat16 and a.device.type == "cpu"
-            and b.device.type == "cpu" and a.shape[1] == b.shape[0] and a.numel() > 0 and b.numel() > 0):
+    """Whether ``mm`` takes these: 2-D CPU tensors, each bf16 or FP8 (a dtype of one of fp8train's formats),
+    with matching inner dims (any strides); outer scales that are one fp32 value, one per row (scale_a) or one
+    per column (scale_b); an fp32 bias per column; an fp32 or bf16 output."""
+    if not (a.dim() == 2 and b.dim() == 2 and all(t.dtype == torch.bfloat16 or t.dtype in _FP8_DTYPES
+                                                  for t in (a, b))
+            and a.device.type == "cpu" and b.device.type == "cpu" and a.shape[1] == b.shape[0]
+            and a.numel() > 0 and b.numel() > 0):
         return False
     if out_dtype not in (torch.float32, torch.bfloat16):
         return False
@@ -87,7 +108,8 @@ def usable(a: torch.Tensor, b: torch.Tensor, scale_a=None, scale_b=None, bias=No
 
 def mm(a: torch.Tensor, b: torch.Tensor, k_scales: Optional[tuple] = None, *, scale_a=None, scale_b=None,
        bias=None, out_dtype: torch.dtype = torch.float32, plain: bool = False) -> torch.Tensor:
-    """``((a @ b) * scale_a) * scale_b + bias`` in `out_dtype` (fp32 or bf16) from bf16 inputs a (M, K), b (K, N):
+    """``((a @ b) * scale_a) * scale_b + bias`` in `out_dtype` (fp32 or bf16) from a (M, K), b (K, N), each bf16 or
+    FP8 bytes (their values, exact in bf16):
     the sum in fp32 (check ``usable`` first), each later step an fp32 operation, one rounding to bf16 at the end.
     ``k_scales`` = (kscale_a (M, ceil(K / k_block)), kscale_b (ceil(K / k_block), N), k_block even > 0) scales
     each K block's partial sum (row's scale first, then column's). ``plain``: the plain C loop even where the
@@ -116,6 +138,11 @@ def _ptr(t: Optional[torch.Tensor]):
     return None if t is None else t.data_ptr()
 
 
+def _table_ptr(t: torch.Tensor):
+    """The operand's bf16 table (FP8 bytes), or None (bf16 itself)."""
+    return None if t.dtype == torch.bfloat16 else _bf16_table(t.dtype).data_ptr()
+
+
 def _gemm_bf16_cpu(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype, plain):
     _check(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype)
     if not native_build.available():
@@ -126,7 +153,7 @@ def _gemm_bf16_cpu(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, ou
     if k_block:
         kscale_a, kscale_b = kscale_a.contiguous(), kscale_b.contiguous()
     rc = native_build.library().fp8_gemm_bf16(
-        a.data_ptr(), b.data_ptr(), m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), _ptr(kscale_a),
+        a.data_ptr(), _table_ptr(a), b.data_ptr(), _table_ptr(b), m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), _ptr(kscale_a),
         _ptr(kscale_b), k_block, _ptr(scale_a), native_cast.scale_step(scale_a, 0, m), _ptr(scale_b),
         native_cast.scale_step(scale_b, 1, n),
         _ptr(bias), acc.data_ptr(), None if out is acc else out.data_ptr(), int(plain), torch.get_num_threads())
