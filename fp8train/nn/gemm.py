@@ -301,8 +301,8 @@ def native_gemm_reads_bytes(compute_dtype: torch.dtype, out_dtype: torch.dtype, 
     which reads the FP8 bytes (no copy of the values needed): an fp32 result from bf16 values
     (gemm_compute_dtype) where the kernel runs on `device`. A bf16 result runs torch's bf16 GEMM on the bf16
     values instead. (Block and MX tiles: tile_values_dtype.)"""
-    bf16 = gemm_compute_dtype(compute_dtype, out_dtype, device) == torch.bfloat16
-    return bf16 and native_gemm.in_use(device) and out_dtype == torch.float32
+    # (gemm_compute_dtype says bf16 for an fp32 result only where the kernel runs)
+    return out_dtype == torch.float32 and gemm_compute_dtype(compute_dtype, out_dtype, device) == torch.bfloat16
 
 
 def tile_values_dtype(device: torch.device | str, choice: str = AUTO_EMULATED_DTYPE) -> torch.dtype:
@@ -337,18 +337,24 @@ def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
         compute_dtype = gemm_compute_dtype(compute_dtype or emulated_compute_dtype(a.device), out_dtype, a.device)
         outer_scales = a.scale_outer_rows and b.scale_outer_cols
         native = compute_dtype == torch.bfloat16 and native_gemm.in_use(a.device)
-        if native and outer_scales and out_dtype == torch.float32:
+        # scales that vary along K (block / MX tiles): each K block's fp32 partial sum of exact FP8 products is
+        # scaled and added (a GPU's blockwise FP8 GEMM), instead of dequantizing and running fp32
+        k_scales = _k_block_scales(a, b) if native and not outer_scales else None
+        if k_scales is not None or (native and outer_scales and out_dtype == torch.float32):
             # fp8train's bf16 -> fp32 GEMM (gemm_compute_dtype said it runs here), scales and bias in its epilogue
-            return _native_mm(a.native_input(), b.native_input(), None, a.scale, b.scale, bias, out_dtype)
-        if compute_dtype == torch.bfloat16 and a.device.type == "cpu" and outer_scales:
+            # where it takes them, else in the torch ops below
+            scale_a, scale_b = (a.scale, b.scale) if k_scales is None else (None, None)
+            a_in, b_in = a.native_input(), b.native_input()
+            bias = bias if bias is None or bias.dtype == torch.float32 else bias.float()  # (exact)
+            if native_gemm.usable(a_in, b_in, scale_a, scale_b, bias, out_dtype):
+                return native_gemm.mm(a_in, b_in, k_scales, scale_a=scale_a, scale_b=scale_b, bias=bias,
+                                      out_dtype=out_dtype)
+            out = _apply_outer_scales(native_gemm.mm(a_in, b_in, k_scales), scale_a, scale_b)
+        elif compute_dtype == torch.bfloat16 and a.device.type == "cpu" and outer_scales:
             acc = torch.mm(a.values(compute_dtype), b.values(compute_dtype))  # rounded to bf16 by the GEMM (above)
             if native_cast.epilogue_usable(acc, a.scale, b.scale, bias, out_dtype):  # the ops below, one pass
                 return native_cast.gemm_epilogue(acc, a.scale, b.scale, bias, out_dtype)
             out = _apply_outer_scales(acc.float(), a.scale, b.scale)
-        elif native and (k_scales := _k_block_scales(a, b)) is not None:
-            # scales vary along K (block / MX tiles): each K block's fp32 partial sum of exact FP8 products is
-            # scaled and added (a GPU's blockwise FP8 GEMM), instead of dequantizing and running fp32
-            return _native_mm(a.native_input(), b.native_input(), k_scales, None, None, bias, out_dtype)
         else:
             out = _emulated_gemm(a, b, compute_dtype)
     if bias is not None:  # bias in fp32, one rounding to the output dtype below (no no-op casts: each is an op)
@@ -366,20 +372,6 @@ def _emulated_gemm(a: Fp8Operand, b: Fp8Operand, compute_dtype: torch.dtype) -> 
     out = torch.mm(a_hp, b_hp)
     return _apply_outer_scales(out, a.scale if a.scale_outer_rows else None,
                                b.scale if b.scale_outer_cols else None)
-
-
-def _native_mm(a_in, b_in, k_scales, scale_a, scale_b, bias, out_dtype: torch.dtype) -> torch.Tensor:
-    """native_gemm.mm of a_in @ b_in (bf16 values or FP8 bytes: Fp8Operand.native_input) with the epilogue in the
-    kernel where it takes this output dtype and these scales (the same fp32 operations in the same order as the
-    torch ops below, which run it otherwise)."""
-    bias_fp32 = None if bias is None or bias.dtype == torch.float32 else bias.float()  # (exact)
-    if native_gemm.usable(a_in, b_in, scale_a, scale_b, bias if bias_fp32 is None else bias_fp32, out_dtype):
-        return native_gemm.mm(a_in, b_in, k_scales, scale_a=scale_a, scale_b=scale_b,
-                              bias=bias if bias_fp32 is None else bias_fp32, out_dtype=out_dtype)
-    out = _apply_outer_scales(native_gemm.mm(a_in, b_in, k_scales), scale_a, scale_b)
-    if bias is not None:
-        out.add_(bias if bias_fp32 is None else bias_fp32)
-    return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
 def _k_block_scales(a: Fp8Operand, b: Fp8Operand) -> tuple[torch.Tensor, torch.Tensor, int] | None:

@@ -67,13 +67,10 @@ static inline __attribute__((always_inline)) uint16_t element(const void *x, int
     return lut ? lut[((const uint8_t *)x)[i]] : ((const uint16_t *)x)[i];
 }
 
-static inline __attribute__((always_inline)) uint32_t load_pair(const void *x, int64_t i, const uint16_t *lut) {
-    if (lut) { /* the two values of k and k + 1, low half first (little-endian: packed[w][0] = k) */
-        const uint8_t *b = (const uint8_t *)x + i;
-        return (uint32_t)lut[b[0]] | (uint32_t)lut[b[1]] << 16;
-    }
+/* bf16 elements i and i + 1 (k and k + 1) as one word, low half first (little-endian: packed[w][0] = k) */
+static inline uint32_t load_pair(const uint16_t *x, int64_t i) {
     uint32_t v;
-    memcpy(&v, (const uint16_t *)x + i, 4);
+    memcpy(&v, x + i, 4);
     return v;
 }
 
@@ -181,11 +178,11 @@ static inline __attribute__((always_inline)) void pack_run_as(const void *x, int
     } else if (lut && valid == width && sw == 1 && (width == 32 || width <= 16)) {
         pack_fp8_columns((const uint8_t *)x, sk, width, k0, full, packed, lut);
 #endif
-    } else if (valid == width && sk == 1) {
+    } else if (!lut && valid == width && sk == 1) {
         uint32_t *dst = (uint32_t *)packed;
         for (int w = 0; w < width; w++) {
             const int64_t row = w * sw + k0;
-            for (int64_t p = 0; p < full; p++) dst[p * width + w] = load_pair(x, row + 2 * p, lut);
+            for (int64_t p = 0; p < full; p++) dst[p * width + w] = load_pair((const uint16_t *)x, row + 2 * p);
         }
     } else if (valid == width && sw == 1) {
         for (int64_t p = 0; p < full; p++) {
