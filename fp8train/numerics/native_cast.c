@@ -510,17 +510,19 @@ static void cast_segment(const job_t *j, int64_t offset, int64_t n, const float 
 static void cast_rows(const job_t *j, int64_t b, int64_t r0, int64_t r1, const float *tile_scale, float *col_scale) {
     const int64_t cols = j->cols, tc = j->tile_c, ntc = (cols + tc - 1) / tc;
     const int64_t base = b * j->rows * cols;
-    /* one scale per column, one loop over the row: for narrow tiles (below 64 wide: MX's 1x32 rows cast 1.8x
-     * faster so than as 32-element segments, each paying the segment set-up), and for tall tile rows, where the
-     * expansion is paid once for many rows (128x128: +20-30%); a 1x128 row is faster as 128-element segments */
-    const int per_column = ntc > 1 && (tc < 64 || r1 - r0 >= 16);
 #if defined(__AVX2__)
-    if (ntc > 1 && tc % 32 == 0 && cols % 32 == 0 && !j->p->dequantize) { /* one segment per row, tile scales */
+    /* tiles a multiple of 32 wide on rows a multiple of 32 long: one segment per row, each 32-column step with
+     * its tile's scale (MX 1x32: 1.7x, 1x128: 1.25x the speed of the two ways below, 2-core Zen 5 EPYC) */
+    if (ntc > 1 && tc % 32 == 0 && cols % 32 == 0 && !j->p->dequantize) {
         const tiles_t tiles = {tile_scale, tc, 0};
         for (int64_t r = r0; r < r1; r++) cast_segment(j, base + r * cols, cols, NULL, 0.0f, &tiles);
         return;
     }
 #endif
+    /* otherwise one scale per column, one loop over the row: for narrow tiles (below 64 wide: 1x32 rows cast
+     * 1.8x faster so than as 32-element segments, each paying the segment set-up), and for tall tile rows, where
+     * the expansion is paid once for many rows (128x128: +20-30%); else segments of one tile each */
+    const int per_column = ntc > 1 && (tc < 64 || r1 - r0 >= 16);
     if (per_column) /* (no division per column: that costs more than the cast of a 1xN tile row) */
         for (int64_t t = 0, c = 0; t < ntc; t++)
             for (int64_t k = 0; k < tc && c < cols; k++, c++) col_scale[c] = tile_scale[t];
