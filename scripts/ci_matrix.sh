@@ -44,13 +44,32 @@ done
 PATH="$VIRTUAL_ENV/bin:$no_cc" XDG_CACHE_HOME="$cache" "${PYTEST[@]}" -m "not compiled" "${CORE[@]}"
 rm -rf "$no_cc" "$cache"
 
+# Each release's torch is a CUDA build (no CPU wheel of it on the registry): its venv holds about 5.5 GB at the
+# peak of the install (measured on this project's CI kind). CI machines' disks differ (a run ran out of space
+# installing the second release beside the first), so one such venv exists at a time, pip keeps no cache, and a
+# release is tried only where the disk has room; one it cannot try is named in a NOT TESTED line here and again
+# at the end, never counted as passed.
+NEED_MB=7000
+untested=()
 for release in 2.11.0 2.14.1; do
     step "torch $release: core numerics, nn and training tests"
     venv=".venv-torch$release"
+    rm -rf "$venv"
+    free_mb="$(df -Pm . | awk 'NR == 2 {print $4}')"
+    if [ "$free_mb" -lt "$NEED_MB" ]; then
+        echo "NOT TESTED: torch $release needs about $NEED_MB MB of disk for its venv, $free_mb MB are free here"
+        untested+=("$release")
+        continue
+    fi
     # pip resolves fp8train's other dependencies as for README's venv; torch comes first, so it stays this one
     python3 -m venv "$venv"
-    "$venv/bin/pip" install -q "torch==$release"
-    "$venv/bin/pip" install -q -e ".[test]"
+    "$venv/bin/pip" install -q --no-cache-dir "torch==$release"
+    "$venv/bin/pip" install -q --no-cache-dir -e ".[test]"
     "$venv/bin/python" -c "import torch, fp8train; print('torch', torch.__version__, 'fp8train', fp8train.__file__)"
     "$venv/bin/python" -m pytest -q -rs -n 2 --dist loadfile -p no:cacheprovider "${CORE[@]}" "${TRAINING[@]}"
+    rm -rf "$venv"
 done
+if [ "${#untested[@]}" -gt 0 ]; then
+    echo
+    echo "=== ci_matrix: NOT TESTED for lack of disk: torch ${untested[*]} (the rest of the matrix ran and passed)"
+fi
