@@ -29,11 +29,12 @@ Bytes: 1 byte per element plus nothing per rank for the scale (metadata), agains
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor
 
 from fp8train.nn.recipes import TENSORWISE_SCALINGS, OperandRole
 from fp8train.numerics.quant import Fp8Tensor, compute_amax, quantize
@@ -198,10 +199,13 @@ def wrap_weight_for_fp8_all_gather(layer: nn.Module) -> None:
 def unwrap_fp8_all_gather(tensor: torch.Tensor) -> torch.Tensor:
     """The plain fp32 tensor behind an Fp8AllGatherWeight (or a DTensor of one), sharing its storage; other
     tensors are returned as they are. For state dicts: checkpoints store plain tensors."""
+    # A DTensor exists only once torch.distributed.tensor is imported, which costs a process ~1.3 s: not here.
+    dtensor_module = sys.modules.get("torch.distributed.tensor")
+    is_dtensor = dtensor_module is not None and isinstance(tensor, dtensor_module.DTensor)
     # DTensor's own local shard: to_local() would put an autograd op between it and the state dict
-    local = tensor._local_tensor if isinstance(tensor, DTensor) else None
+    local = tensor._local_tensor if is_dtensor else None
     if isinstance(local, Fp8AllGatherWeight):
-        return DTensor.from_local(local.weight_fp32, tensor.device_mesh, tensor.placements,
+        return dtensor_module.DTensor.from_local(local.weight_fp32, tensor.device_mesh, tensor.placements,
                                   run_check=False, shape=tensor.shape, stride=tensor.stride())
     if isinstance(tensor, Fp8AllGatherWeight):
         return tensor.weight_fp32

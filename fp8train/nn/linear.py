@@ -76,13 +76,13 @@ host syncs and an extra pass over each tensor.
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fp8train.nn.accumulation import HopperAccumulation
@@ -118,6 +118,13 @@ MISSING_UPDATE_WARNING = (
     "update_fp8_scales(model) was not called after that optimizer.step(): the delayed scales never update and "
     "every step is scaled from its own amax (current scaling). Call fp8train.update_fp8_scales(model) after each "
     "optimizer.step(); with transformers.Trainer pass callbacks=[fp8train.Fp8ScalingCallback()]")
+
+
+def _is_fsdp_module(module: nn.Module) -> bool:
+    """Whether FSDP2's fully_shard has wrapped `module`. Its class exists only once torch.distributed.fsdp is
+    imported, an import that costs a process ~1.4 s: a run without FSDP2 does not pay it for this check."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 def is_scaling_buffer(key: str) -> bool:
@@ -287,7 +294,7 @@ class Fp8Linear(nn.Linear):
         # FSDP2 refills the unsharded weight by all-gather (no version bump) or hands over an FP8-gathered one:
         # then there is nothing to cache across forwards.
         cacheable = (self.weight_cache_allowed and not isinstance(weight, Fp8GatheredWeight)
-                     and not isinstance(self, FSDPModule))
+                     and not _is_fsdp_module(self))
         cacheable = cacheable and not torch.compiler.is_compiling()  # (a traced graph re-derives it anyway)
         # tensor._version: torch's in-place write counter, the one signal an in-place update of the weight gives
         key = (weight._version, _optimizer_steps, weight.data_ptr(), self.training, self._scale_generation, backend,

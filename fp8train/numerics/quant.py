@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch._dynamo
 
 from fp8train.numerics import native_cast
 from fp8train.numerics.arithmetic_codec import decode_arithmetic, round_and_encode
@@ -223,11 +222,13 @@ def _run(fn, key, *args, compiled: bool):
         return fn(*args)
     compiled_fn = _compiled.get((fn.__name__, key))
     if compiled_fn is None:
+        import torch._dynamo as dynamo  # here, not at the top: importing dynamo costs every process ~1.7 s at start
+
         # One compiled function per static configuration (format, granularity, options), each on its OWN copy
         # of the code object: dynamo keeps its cache per code object, and sharing one across formats made it
         # treat the format's integer fields (bias, mantissa bits) as symbolic after the second format, which
         # broke the graph into slow pieces. Shapes may still go dynamic within one configuration.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
         code = fn.__code__.replace(co_name=f"{fn.__name__}_{len(_compiled)}")
         clone = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
         compiled_fn = _compiled[(fn.__name__, key)] = torch.compile(clone, dynamic=None,

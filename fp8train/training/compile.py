@@ -11,7 +11,6 @@ import importlib.util
 import shutil
 
 import torch
-import torch._dynamo
 
 from fp8train.numerics.quant import eager_division_options
 
@@ -40,9 +39,11 @@ def check_compiler(device: torch.device | str) -> None:
 
 def compile_model(model: torch.nn.Module) -> torch.nn.Module:
     """Compile `model`'s forward in place (state_dict unchanged); returns it. The caller checked the compiler."""
+    import torch._dynamo as dynamo  # here, not at the top: importing dynamo costs every process ~1.7 s at start
+
     # One graph per FP8 format and scaling configuration: the default of 8 recompiles is too few for a model
     # whose layers differ in shape.
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
     # fp32 divisions IEEE-rounded as in eager (quant.eager_division_options): the FP8 quantization traced into
     # the model's graph then writes the same bytes compiled and eager, on GPUs too.
     model.compile(options=eager_division_options() or None)
