@@ -392,3 +392,76 @@ def test_native_gemm_with_a_strided_row_scale_and_fp32_bias(native_gemm_mode):
     exact = (a_data.double() @ b_data.double()) * strided_rows.double() * 0.5
     expected = (exact.numpy().astype(np.float32) + bias.numpy()).astype(np.float32)
     assert torch.equal(out, dense) and torch.equal(out, torch.from_numpy(expected))
+
+
+@pytest.mark.parametrize("native_cast_on", [True, False])
+def test_bf16_emulation_scales_the_bf16_sums_exactly(native_cast_on, request):
+    """bf16 emulation on CPU (on any CPU: the compute dtype is given): the FP8 values' products summed by the
+    bf16 GEMM, then both tensor scales applied in fp32, by the native epilogue or, with the native cast off, by
+    torch ops. Small-integer values keep every sum exact in bf16 (|sum| <= 256), and the scales are powers of
+    two, so the result must equal numpy's float64 product exactly, on either path."""
+    from fp8train.numerics import native_cast
+
+    if native_cast_on and not native_cast.available():
+        pytest.skip("fp8train's C kernel is not built here")
+    rng = np.random.default_rng(0)
+    a_vals, b_vals = rng.integers(-2, 3, (24, 64)), rng.integers(-2, 3, (64, 40))
+    a = Fp8Operand(torch.tensor(a_vals, dtype=torch.float32).to(torch.float8_e4m3fn), torch.tensor(0.5))
+    b = Fp8Operand(torch.tensor(b_vals.T.copy(), dtype=torch.float32).to(torch.float8_e4m3fn),
+                   torch.tensor(0.25)).t()
+    expected = (a_vals.astype(np.float64) @ b_vals.astype(np.float64)) * 0.125
+    native_cast.set_enabled(native_cast_on)
+    try:
+        out = fp8_mm(a, b, "emulated", compute_dtype=torch.bfloat16, out_dtype=torch.bfloat16)
+    finally:
+        native_cast.set_enabled(request.config.getoption("--native-cast") == "on")
+    assert out.dtype == torch.bfloat16
+    np.testing.assert_array_equal(out.double().numpy(), expected)
+
+
+def test_an_operand_reads_the_bf16_copy_its_quantizer_wrote():
+    """The bf16 values written in the quantizer's own pass are what the GEMMs read: no second decode or copy."""
+    from fp8train.numerics.quant import quantize
+
+    q = quantize(torch.randn(32, 64), "e4m3fn", keep_values=torch.bfloat16)
+    assert q.values_bf16 is not None
+    op = Fp8Operand.from_fp8_tensor(q)
+    assert op.values(torch.bfloat16) is q.values_bf16
+    assert op.native_input() is q.values_bf16
+    assert torch.equal(q.values_bf16.float(), torch.tensor(ml_dtypes_values(q.data), dtype=torch.float32))
+
+
+def ml_dtypes_values(data: torch.Tensor) -> np.ndarray:
+    """The values of e4m3fn bytes, read by ml_dtypes (the independent reference)."""
+    return data.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+@pytest.mark.parametrize("rowwise_side", ["a", "b"])
+def test_per_row_scales_against_block_tiles_on_the_native_gemm(rowwise_side, native_gemm_mode):
+    """One operand scaled per row of the GEMM's M (or per column of N), the other in 128x128 tiles: the native
+    GEMM takes each K block's scales as the per-row/column scale repeated along K. Small-integer values and
+    power-of-two scales keep every product and sum exact, so the result equals numpy's float64 product."""
+    native_gemm_mode("on")
+    rng = np.random.default_rng(1)
+    m, k, n = 24, 256, 128
+    a_vals, b_vals = rng.integers(-3, 4, (m, k)), rng.integers(-3, 4, (k, n))
+    a_rows = 2.0 ** rng.integers(-3, 3, (m, 1))
+    b_cols = 2.0 ** rng.integers(-3, 3, (1, n))
+    tiles = 2.0 ** rng.integers(-3, 3, (k // 128, n // 128))  # b's (K/128, N/128) grid: b is (K, N)
+    a_data = torch.tensor(a_vals, dtype=torch.float32).to(torch.float8_e4m3fn)
+    b_rows_first = torch.tensor(b_vals.T.copy(), dtype=torch.float32).to(torch.float8_e4m3fn)  # (N, K), as stored
+    if rowwise_side == "a":
+        a = Fp8Operand(a_data, torch.tensor(a_rows, dtype=torch.float32))
+        b = Fp8Operand(b_rows_first, torch.tensor(tiles.T.copy(), dtype=torch.float32), (128, 128)).t()
+        expected = (a_vals * a_rows) @ (b_vals * np.kron(tiles, np.ones((128, 128))))
+    else:  # a in 128x128 tiles of (M, K) needs M a multiple of 128: a (128, 256) here
+        a_vals = rng.integers(-3, 4, (128, k))
+        a_tiles = 2.0 ** rng.integers(-3, 3, (1, k // 128))
+        a = Fp8Operand(torch.tensor(a_vals, dtype=torch.float32).to(torch.float8_e4m3fn),
+                       torch.tensor(a_tiles, dtype=torch.float32), (128, 128))
+        b = Fp8Operand(b_rows_first, torch.tensor(b_cols.T.copy(), dtype=torch.float32)).t()
+        expected = (a_vals * np.kron(a_tiles, np.ones((128, 128)))) @ (b_vals * b_cols)
+    with _OpCounter() as ops:
+        out = fp8_mm(a, b, "emulated", compute_dtype=torch.bfloat16, out_dtype=torch.float32)
+    assert ops.counts.get("fp8train.gemm_bf16") == 1
+    np.testing.assert_array_equal(out.double().numpy(), expected)

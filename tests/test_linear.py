@@ -906,3 +906,68 @@ def test_is_scaling_buffer_on_real_state_dict_keys():
     assert is_scaling_buffer("input_scale") and is_scaling_buffer("model.layers.3.q_proj.grad_output_amax_history")
     for key in ("weight", "bias", "0.weight", "0.bias", "input_scale.x", "0.input", "0.scale", "x_scale"):
         assert not is_scaling_buffer(key), key
+
+
+# ---- how a layer runs: configure_execution, and the kernel that reaches every quantize call -------------------
+def test_configure_execution_sets_every_fp8_layer_and_only_those():
+    from fp8train.nn.linear import configure_execution
+
+    model = nn.Sequential(Fp8Linear(16, 16, recipe="current"), nn.Linear(16, 16), Fp8Linear(16, 8, recipe="block"))
+    assert configure_execution(model, quantize_kernel="eager", emulated_dtype="fp32") == 2
+    assert [(m.quantize_kernel, m.emulated_dtype) for m in (model[0], model[2])] == [("eager", "fp32")] * 2
+    assert not hasattr(model[1], "quantize_kernel")
+    with pytest.raises(ValueError, match="quantize_kernel must be one of auto, .*; got 'fast'"):
+        configure_execution(model, quantize_kernel="fast")
+    assert model[0].quantize_kernel == "eager"  # a refused call changes nothing
+
+
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("kernel", ["native", "eager"])
+def test_the_configured_kernel_reaches_every_quantize_call(name, kernel, monkeypatch):
+    """Both kernels write the same bytes (tests/test_native_cast.py), so outputs cannot tell which one ran: the
+    kernel each quantize call of a forward + backward was handed can. MX and the transposed copies included."""
+    from fp8train.nn import quantizer as quantizer_module
+    from fp8train.nn.linear import configure_execution
+    from fp8train.numerics import native_cast
+
+    if kernel == "native" and not native_cast.available():
+        pytest.skip("fp8train's C kernel is not built here (no C compiler)")
+    handed = []
+    for fn_name in ("quantize", "quantize_mx"):
+        original = getattr(quantizer_module, fn_name)
+
+        def spy(*args, _original=original, **kwargs):
+            handed.append(kwargs.get("kernel", "(not given)"))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(quantizer_module, fn_name, spy)
+    layer = Fp8Linear(128, 128, recipe=name)
+    configure_execution(layer, quantize_kernel=kernel)
+    x = torch.randn(64, 128, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x).float().sum().backward()
+    assert len(handed) >= 3 and set(handed) == {kernel}, handed
+
+
+def test_a_conv1d_layout_state_dict_holds_contiguous_tensors(tmp_path):
+    """The (in, out) weight a Conv1D-layout layer saves is a contiguous copy, not a transposed view: safetensors
+    (HF checkpoints) refuses non-contiguous tensors. keep_vars=True hands out the live view instead."""
+    import safetensors.torch
+
+    layer = Fp8Linear(16, 32, recipe="current")
+    layer.conv1d_layout = True
+    state = layer.state_dict()
+    assert state["weight"].shape == (16, 32) and state["weight"].is_contiguous()
+    safetensors.torch.save_file(state, tmp_path / "layer.safetensors")
+    assert torch.equal(safetensors.torch.load_file(tmp_path / "layer.safetensors")["weight"], layer.weight.t())
+    live = layer.state_dict(keep_vars=True)["weight"]
+    assert live.data_ptr() == layer.weight.data_ptr()
+
+
+def test_the_stale_scale_counters_are_int64():
+    """Delayed scaling's per-role count of steps a stale scale was used for: an integer counter (a float one
+    stops counting at 2**24)."""
+    layer = Fp8Linear(32, 16, recipe="delayed")
+    counters = {k: v for k, v in layer.state_dict().items() if k.endswith("_stale_scale_steps")}
+    assert sorted(counters) == [f"{role}_stale_scale_steps" for role in ("grad_output", "input", "weight")]
+    assert all(v.dtype == torch.int64 and v.shape == () for v in counters.values())

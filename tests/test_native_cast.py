@@ -597,3 +597,49 @@ def test_a_compiler_without_openmp_builds_the_pthreads_variant(monkeypatch, tmp_
     built = [p.name for p in (tmp_path / "cache").rglob("*.so")]
     assert len(built) == 1 and built[0].endswith("-pthreads.so")
     assert_threaded_quantize_matches_reference("e4m3fn", rng, native_calls)
+
+
+class _OpNames(torch.utils._python_dispatch.TorchDispatchMode):
+    """The names of the ops dispatched inside the block, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def _numpy_amax(x: np.ndarray, granularity: str, block: tuple[int, int]) -> np.ndarray:
+    """max |x| per tensor, row (kept as a column) or (br, bc) tile, written from the definition."""
+    a = np.abs(x.astype(np.float64))
+    if granularity == "tensor":
+        return np.array(a.max())
+    if granularity == "row":
+        return a.max(axis=-1, keepdims=True)
+    (rows, cols), (br, bc) = a.shape, block
+    return a.reshape(rows // br, br, cols // bc, bc).max(axis=(1, 3))
+
+
+@needs_native
+@pytest.mark.parametrize("granularity, block", [("tensor", (1, 128)), ("row", (1, 128)), ("block", (1, 128)),
+                                                ("block", (128, 128))])
+def test_compute_amax_runs_the_native_op_exactly_when_asked(granularity, block):
+    """kernel='native' is one fp8train::amax op, kernel='eager' none; both give numpy's amax."""
+    x = torch.randn(256, 384, generator=torch.Generator().manual_seed(5))
+    expected = _numpy_amax(x.numpy(), granularity, block)
+    for kernel, native_ops in (("native", 1), ("eager", 0)):
+        with _OpNames() as ops:
+            amax = compute_amax(x, granularity, block, kernel=kernel)
+        assert ops.names.count("fp8train::amax") == native_ops, (kernel, ops.names)
+        np.testing.assert_array_equal(amax.double().numpy(), expected)
+
+
+@pytest.mark.parametrize("kernel", ["eager", "native"])
+def test_the_amax_of_an_empty_3d_tensor_is_shaped_like_its_scales(kernel):
+    """No elements: zeros in the scale's shape, worked out by hand (leading dims kept, (0/1, 256/128) tiles)."""
+    empty = torch.empty(2, 0, 256)
+    assert compute_amax(empty, "block", (1, 128), kernel=kernel).shape == (2, 0, 2)
+    assert compute_amax(empty, "row", kernel=kernel).shape == (2, 0, 1)
+    assert compute_amax(empty, "tensor", kernel=kernel).shape == ()

@@ -375,3 +375,31 @@ def test_swizzled_mx_scales_pad_with_code_127():
             expected[(c // 4) * 512 + 16 * (r % 32) + 4 * ((r % 128) // 32) + c % 4] = int(codes[r, c])
     assert out.tolist() == expected
     assert out.tolist().count(127) == 1024 - 200
+
+
+def test_ocp_formats_refused_on_an_fnuz_gpu_with_the_formats_named(monkeypatch):
+    """The other direction of the dialect check (an MI300 given OCP formats), its message exactly."""
+    monkeypatch.setattr(scaled_gemm, "fp8_dialect_of", lambda device_type, index: "fnuz")
+    check_dialect(("e4m3fnuz", "e5m2fnuz"), "cuda")  # FNUZ on an FNUZ GPU: fine
+    with pytest.raises(ValueError) as caught:
+        check_dialect(("e4m3fn", "e5m2"), "cuda")
+    assert str(caught.value) == ("formats e4m3fn/e5m2 are OCP: this GPU (MI300) has FNUZ FP8 tensor cores; "
+                                 "use e4m3fnuz/e5m2fnuz, or backend='emulated'")
+
+
+def test_tiles_no_kernel_takes_are_named_in_the_refusal():
+    """1x32 input tiles against 128x128 weight tiles: no scaled_mm kernel exists; the reason names both tiles."""
+    a = Fp8Operand(torch.ones(128, 256).to(torch.float8_e4m3fn), torch.ones(128, 8), (1, 32))
+    w = Fp8Operand(torch.ones(128, 256).to(torch.float8_e4m3fn), torch.ones(1, 2), (128, 128))
+    assert scaled_mm_kind(a, w.t()) == (None, "scales vary along K in tiles (1, 32) x (128, 128), which no kernel "
+                                              "takes")
+
+
+def test_a_plan_the_kernel_takes_carries_an_empty_reason():
+    """A planned call's reason is '' (the string the layer's record and the fallback message are built from)."""
+    from fp8train.nn.scaled_mm_plan import plan_scaled_mm
+
+    a = Fp8Operand(torch.ones(32, 64).to(torch.float8_e4m3fn), torch.tensor(1.0))
+    w = Fp8Operand(torch.ones(48, 64).to(torch.float8_e4m3fn), torch.tensor(1.0))
+    plan = plan_scaled_mm(a, w.t(), out_dtype=torch.bfloat16, bias=None, use_fast_accum=False)
+    assert plan.kind == "tensorwise" and plan.reason == "" and plan.shape == (32, 64, 48)

@@ -101,3 +101,12 @@ def test_block_mapping_notes_and_tile_refusal_exactly():
         te_recipe_kwargs(recipe("block", weight_block=(1, 128)), HOPPER)
     assert str(caught.value) == ("Float8BlockScaling uses 1x128 input/grad_output tiles and 128x128 weight tiles; "
                                  "recipe 'block' asks for (1, 128), (1, 128), (1, 128)")
+
+
+@pytest.mark.parametrize("name, te_name", [("delayed", "delayed"), ("current", "current")])
+def test_tensorwise_mapping_with_pow2_scales_is_inexact_and_says_why(name, te_name):
+    plain = te_recipe_kwargs(recipe(name), HOPPER)
+    assert plain["exact"] is True and plain["note"] == ""
+    pow2 = te_recipe_kwargs(recipe(name, pow2_scales=True), HOPPER)
+    assert pow2["exact"] is False
+    assert pow2["note"] == f"TE's {te_name} scales are not rounded to powers of two"
