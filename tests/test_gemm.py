@@ -422,18 +422,14 @@ def test_bf16_emulation_scales_the_bf16_sums_exactly(native_cast_on, request):
 def test_an_operand_reads_the_bf16_copy_its_quantizer_wrote():
     """The bf16 values written in the quantizer's own pass are what the GEMMs read: no second decode or copy."""
     from fp8train.numerics.quant import quantize
+    from test_quant import codes_of, ml_decode
 
     q = quantize(torch.randn(32, 64), "e4m3fn", keep_values=torch.bfloat16)
     assert q.values_bf16 is not None
     op = Fp8Operand.from_fp8_tensor(q)
     assert op.values(torch.bfloat16) is q.values_bf16
     assert op.native_input() is q.values_bf16
-    assert torch.equal(q.values_bf16.float(), torch.tensor(ml_dtypes_values(q.data), dtype=torch.float32))
-
-
-def ml_dtypes_values(data: torch.Tensor) -> np.ndarray:
-    """The values of e4m3fn bytes, read by ml_dtypes (the independent reference)."""
-    return data.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(q.values_bf16.float().numpy(), ml_decode(codes_of(q), "e4m3fn"))  # ml_dtypes
 
 
 @pytest.mark.parametrize("rowwise_side", ["a", "b"])

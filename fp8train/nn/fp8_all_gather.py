@@ -206,7 +206,7 @@ def unwrap_fp8_all_gather(tensor: torch.Tensor) -> torch.Tensor:
     local = tensor._local_tensor if is_dtensor else None
     if isinstance(local, Fp8AllGatherWeight):
         return dtensor_module.DTensor.from_local(local.weight_fp32, tensor.device_mesh, tensor.placements,
-                                  run_check=False, shape=tensor.shape, stride=tensor.stride())
+                                                 run_check=False, shape=tensor.shape, stride=tensor.stride())
     if isinstance(tensor, Fp8AllGatherWeight):
         return tensor.weight_fp32
     return tensor
