@@ -14,8 +14,11 @@ R2  Dtype pairings: "Multiplication of two Float8_e5m2 matrices is not supported
     _scaled_mm_cuda_v2_out); rowwise through CUTLASS (sm89, sm100: ScaledBlas.cpp _scaled_rowwise_rowwise) wants
     the second operand in e4m3fn ("For RowWise scaling the second input is required to be a float8_e4m3fn dtype",
     RowwiseScaledMM.cu).
-R3  Blockwise operands are float8 with fp32 scales ("mat_a and mat_b must be fp8 types", _scaled_block1x128_*);
-    MX operands are float8 with float8_e8m0fnu scales (is_blockwise_1x32_scaling).
+R3  Blockwise and MX operands are float8_e4m3fn, both of them: ScaledBlasUtils.cpp check_deepseek_recipe and
+    check_mxfp8_recipe ("both types must be fp8" tests type == Float8_e4m3fn; anything else is "Invalid scaling
+    configuration"); blockwise scales are fp32, MX scales float8_e8m0fnu (is_blockwise_1x32_scaling).
+R8  Rowwise output dtype: cuBLAS takes rowwise scales on sm9x only; elsewhere torch uses CUTLASS, which asserts
+    "Only bf16 and fp16 high precision output types are supported for row-wise scaling" (ScaledBlas.cpp).
 R4  K and N are multiples of 16 ("Expected trailing dimension of mat1 to be divisible by 16", "mat2 shape ... must
     be divisible by 16", _scaled_mm_cuda_v2_out); blockwise kinds need whole 128-tiles along the dims they tile.
 R5  Scale shapes and strides: 1x128 (M, K/128) stride (1, M); 128x128 (L4, M/128) stride (1, L4) with L4 = K/128
@@ -29,6 +32,8 @@ R7  Bias: "Bias is not supported when out_dtype is set to Float32"; "Bias must b
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -67,7 +72,6 @@ def _cuda_rule_violations(args: dict, out_dtype, bias, fast_accum: bool, capabil
     a, b, sa, sb = args["mat_a"], args["mat_b"], args["scale_a"], args["scale_b"]
     (m, k), n = a.shape, b.shape[1]
     recipes = {args["recipe_a"], args["recipe_b"]}
-    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     problems = []
     if fast_accum and (recipes & BLOCK_RECIPES or "BlockWise1x32" in recipes):
         problems.append("R1: fast accumulation with block scales")
@@ -75,10 +79,13 @@ def _cuda_rule_violations(args: dict, out_dtype, bias, fast_accum: bool, capabil
         problems.append("R2: e5m2 x e5m2")
     if recipes == {"RowWise"} and capability[0] != 9 and b.dtype != torch.float8_e4m3fn:
         problems.append("R2: CUTLASS rowwise needs an e4m3fn second operand")
-    if recipes & BLOCK_RECIPES and not (a.dtype in fp8 and b.dtype in fp8 and sa.dtype == sb.dtype == torch.float32):
-        problems.append("R3: blockwise operands must be float8 with fp32 scales")
-    if "BlockWise1x32" in recipes and not (a.dtype in fp8 and sa.dtype == sb.dtype == torch.float8_e8m0fnu):
-        problems.append("R3: MX operands must be float8 with e8m0 scales")
+    e4m3_both = a.dtype == b.dtype == torch.float8_e4m3fn
+    if recipes & BLOCK_RECIPES and not (e4m3_both and sa.dtype == sb.dtype == torch.float32):
+        problems.append("R3: blockwise operands must be e4m3fn x e4m3fn with fp32 scales")
+    if "BlockWise1x32" in recipes and not (e4m3_both and sa.dtype == sb.dtype == torch.float8_e8m0fnu):
+        problems.append("R3: MX operands must be e4m3fn x e4m3fn with e8m0 scales")
+    if recipes == {"RowWise"} and capability[0] != 9 and out_dtype not in (torch.bfloat16, torch.float16):
+        problems.append("R8: CUTLASS rowwise (not sm9x) gives bf16 / fp16 outputs only")
     if k % 16 or n % 16:
         problems.append("R4: K and N must be multiples of 16")
     l4 = -(-(k // 128) // 4) * 4
@@ -102,9 +109,9 @@ def _cuda_rule_violations(args: dict, out_dtype, bias, fast_accum: bool, capabil
     return problems
 
 
-def _planned_layer_calls(name: str, capability, autocast: bool):
+def _planned_layer_calls(name: str, capability, autocast: bool, **overrides):
     torch.manual_seed(0)
-    layer = Fp8Linear(K, N, bias=True, recipe=recipe(name, backend="scaled_mm"))
+    layer = Fp8Linear(K, N, bias=True, recipe=recipe(name, **{"backend": "scaled_mm", **overrides}))
     x = torch.randn(M, K, requires_grad=True)
     plans = []
     with target_gpu(capability, plans), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -129,7 +136,8 @@ def test_every_gemm_call_passes_torch_meta_checks_and_cuda_rules(name, gpu, auto
         assert plan.kind == expected and path == f"scaled_mm:{plan.kind}", (gemm, path)
         args = {key: _meta(v) if isinstance(v, torch.Tensor) else v for key, v in plan.args.items()}
         request_dtype, fuse_bias = plan.requests[0]  # the call the GPU is asked first
-        assert request_dtype == out_dtypes[gemm]
+        cutlass_rowwise = plan.kind == "rowwise" and capability[0] != 9  # R8: bf16 out, widened afterwards
+        assert request_dtype == (torch.bfloat16 if cutlass_rowwise else out_dtypes[gemm])
         bias = _meta(layer.bias.detach().to(request_dtype)) if fuse_bias else None
         assert fuse_bias == (gemm == "output" and request_dtype == torch.bfloat16)
         out = call_scaled_mm(args, request_dtype, bias, plan.fast_accum)  # torch's meta checks raise here
@@ -184,3 +192,54 @@ def test_target_gpu_refuses_a_capability_without_fp8():
     with pytest.raises(ValueError, match=r"\(8, 9\)"):
         with target_gpu((8, 0)):
             pass
+
+
+@pytest.mark.parametrize("gpu", list(GPUS))
+@pytest.mark.parametrize("name,role", [("block", "grad_output"), ("mxfp8", "grad_output"), ("block", "input")])
+def test_block_and_mx_never_plan_a_kernel_for_e5m2_operands(name, role, gpu):
+    """R3: every GEMM that takes the e5m2 operand falls back at plan time, naming e4m3fn; the others still plan.
+    (The recipe is built for backend 'auto', as a config would: 'scaled_mm' refuses it, see below.)"""
+    layer, plans, _ = _planned_layer_calls(name, GPUS[gpu], True, backend="auto", **{f"{role}_format": "e5m2"})
+    takes = {"grad_output": ("grad_input", "grad_weight"), "input": ("output", "grad_weight")}[role]
+    for gemm, plan in plans:
+        if gemm in takes:
+            assert plan.kind is None and "e4m3fn for both operands" in plan.reason, (gemm, plan.reason)
+            assert layer.gemm_paths[gemm] == f"fallback:{plan.reason}"
+        elif plan.kind is not None:
+            args = {key: _meta(v) if isinstance(v, torch.Tensor) else v for key, v in plan.args.items()}
+            assert _cuda_rule_violations(args, plan.requests[0][0], None, plan.fast_accum, GPUS[gpu]) == []
+
+
+@pytest.mark.parametrize("name", ["block", "mxfp8"])
+def test_scaled_mm_backend_refuses_e5m2_with_block_or_mx_scales(name):
+    with pytest.raises(ValueError, match=r"grad_output_format must be e4m3fn .*backend='scaled_mm'.*got 'e5m2'"):
+        recipe(name, grad_output_format="e5m2", backend="scaled_mm")
+    assert recipe(name, grad_output_format="e5m2", backend="emulated").grad_output_format == "e5m2"
+
+
+def _bf16_rounded(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).to(t.dtype)
+
+
+@pytest.mark.parametrize("gpu", ["sm89", "sm90", "sm100"])
+def test_rowwise_fp32_backward_rounds_to_bf16_where_cutlass_runs_it(gpu):
+    """R8, modelled: under target_gpu, rowwise grad_input / grad_weight (fp32 GEMM outputs) are bf16-rounded on
+    sm89 and sm100 (CUTLASS) and exact fp32 on sm90 (cuBLAS), compared with the plain emulation of the same layer."""
+    capability = {"sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0)}[gpu]
+    torch.manual_seed(0)
+    layer = Fp8Linear(K, N, bias=False, recipe=recipe("rowwise", backend="auto"))
+    reference = Fp8Linear(K, N, bias=False, recipe=recipe("rowwise", backend="emulated"))
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(M, K)
+    grads = []
+    for module, planned in ((layer, True), (reference, False)):
+        x_leaf = x.clone().requires_grad_(True)
+        with target_gpu(capability) if planned else contextlib.nullcontext():
+            module(x_leaf).sum().backward()
+        grads.append((x_leaf.grad, module.weight.grad))
+    (gi, gw), (gi_ref, gw_ref) = grads
+    if gpu == "sm90":
+        assert torch.equal(gi, gi_ref) and torch.equal(gw, gw_ref)
+    else:
+        assert not torch.equal(gi, gi_ref)  # the bf16 rounding shows
+        assert torch.equal(gi, _bf16_rounded(gi_ref)) and torch.equal(gw, _bf16_rounded(gw_ref))

@@ -212,12 +212,26 @@ class Fp8Recipe:
                                    "0 (never) or a positive multiple of 32 (the MMA depth)")
         if self.is_mx:
             self._check_mxfp8()
+        self._check_scaled_mm_formats()
         # Multi-field rule: FNUZ (MI300) and OCP formats cannot be mixed inside one GEMM.
         dialects = {self.format_of(r).endswith("fnuz") for r in ROLES}
         if len(dialects) > 1:
             raise ValueError("input_format, weight_format and grad_output_format must all be OCP (e4m3fn, e5m2) "
                              "or all FNUZ (e4m3fnuz, e5m2fnuz); got "
                              + ", ".join(self.format_of(r) for r in ROLES))
+
+    def _check_scaled_mm_formats(self) -> None:
+        """torch's block (1x128 / 128x128) and MX scaled-matmul kernels take e4m3fn for both operands of every GEMM
+        (check_deepseek_recipe / check_mxfp8_recipe): asking the scaled_mm backend for another format there would
+        only ever run the dequantized fallback, so the recipe is refused where it is built."""
+        if self.backend != "scaled_mm" or self.scaling not in (ScalingKind.BLOCK, ScalingKind.MXFP8):
+            return
+        for role in ROLES:
+            if self.format_of(role) != "e4m3fn":
+                raise RecipeFieldError(f"{role}_format", self.format_of(role),
+                                       f"e4m3fn with scaling={self.scaling.value!r} on backend='scaled_mm' (torch's "
+                                       f"block and MX FP8 kernels take e4m3fn operands only; backend='emulated' "
+                                       f"studies other formats)")
 
     def _check_mxfp8(self) -> None:
         tiles = {r: self.block_of(r) for r in ROLES}

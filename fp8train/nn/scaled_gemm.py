@@ -10,7 +10,9 @@ core computes, up to accumulation order, but not FP8 speed. Every call can repor
 
 `target_gpu(capability)` plans every scaled_mm GEMM for a GPU that is not here (e.g. (9, 0) for H100, (10, 0) for
 B200) without running a kernel: `record` then says which kernel each GEMM would reach there, or why it would fall
-back, and the result is computed by the fallback, so a whole forward and backward can be planned on a CPU.
+back, and the result is computed by the fallback, rounded as that GPU's kernel rounds it (rowwise on sm89 / sm100
+returns bf16 for an fp32 request), so a whole forward and backward can be planned and its numerics modelled on a
+CPU.
 
 Kernel quirks handled by retrying a smaller request once per configuration and shape (and remembering the
 answer): some torch builds give rowwise/blockwise kernels a bf16 output only, and none fuses a bias into an fp32
@@ -140,7 +142,9 @@ def scaled_mm_gemm(a, b, *, out_dtype: torch.dtype = torch.float32, bias: torch.
             _targets[-1][1].append((gemm, plan))
         if record is not None:
             record[gemm] = f"scaled_mm:{plan.kind}" if plan.kind else f"fallback:{plan.reason}"
-        return _dequantized_gemm(a, b, out_dtype, bias)
+        out = _dequantized_gemm(a, b, out_dtype, bias)
+        # the device's own rounding: a kernel that returns bf16 for an fp32 request (CUTLASS rowwise) is modelled
+        return out.to(plan.rounds_to).to(out_dtype) if plan.kind and plan.rounds_to != out_dtype else out
     out, reason = _run_plan(plan, a, b, out_dtype, bias, capability) if plan.kind else (None, plan.reason)
     if record is not None:
         record[gemm] = f"scaled_mm:{plan.kind}" if out is not None else f"fallback:{reason}"

@@ -21,6 +21,13 @@ The first operand is always passed row-major and the second column-major (sm90's
 Rules of torch's CUDA path that decide the plan (torch 2.11 / 2.13, aten/src/ATen/native/cuda/ScaledBlas.cpp and
 aten/src/ATen/cuda/CUDABlas.cpp):
 - e5m2 x e5m2 is refused ("Multiplication of two Float8_e5m2 matrices is not supported").
+- Block (1x128 / 128x128) and MX (1x32) kinds take e4m3fn for BOTH operands (ScaledBlasUtils.cpp,
+  check_deepseek_recipe / check_mxfp8_recipe: "both types must be fp8" tests `== Float8_e4m3fn`; anything else is
+  "Invalid scaling configuration"), so an e5m2 gradient with block or MX scales has no kernel.
+- Rowwise with an fp32 output runs only where cuBLAS takes rowwise scales: sm9x (cuBLAS >= 12.9). On sm89 and on
+  sm100+ torch routes rowwise to CUTLASS, which gives bf16 / fp16 outputs only ("Only bf16 and fp16 high precision
+  output types are supported for row-wise scaling", ScaledBlas.cpp): there an fp32 request is planned as a bf16
+  output widened to fp32 (`rounds_to`), and `target_gpu` makes the emulation round the same way.
 - Fast accumulation is refused with 1x128 and 128x128 block scales (CUDABlas.cpp get_scale_mode: "scaled_gemm
   doesn't support fast accum with 1x128 blockwise scaling"), and the MX path always runs without it: fast
   accumulation is requested for tensorwise and rowwise kinds only, whatever the recipe asks.
@@ -61,7 +68,8 @@ class ScaledMmPlan:
     """One planned call. `kind` None: no kernel takes it, `reason` says why (the GEMM falls back).
 
     `requests`: (output dtype, fuse the bias) to try in order on the device (some builds give rowwise / blockwise
-    kernels a bf16 output only); `fast_accum`: the accumulation switch actually passed."""
+    kernels a bf16 output only); `fast_accum`: the accumulation switch actually passed; `rounds_to`: the dtype the
+    kernel's result is rounded to before it is widened to the asked output dtype (the first request's)."""
 
     kind: str | None
     reason: str
@@ -69,6 +77,10 @@ class ScaledMmPlan:
     args: dict | None = None
     requests: tuple = ()
     fast_accum: bool = False
+
+    @property
+    def rounds_to(self) -> torch.dtype | None:
+        return self.requests[0][0] if self.requests else None
 
 
 def scaled_mm_kind(a, b, capability: tuple[int, int] | None = None) -> tuple[str | None, str]:
@@ -87,6 +99,9 @@ def scaled_mm_kind(a, b, capability: tuple[int, int] | None = None) -> tuple[str
     kind = _TILES.get((_tile_of(a), _tile_of(b)))
     if kind is None:
         return None, f"scales vary along K in tiles {_tile_of(a)} x {_tile_of(b)}, which no kernel takes"
+    if not a.data.dtype == b.data.dtype == torch.float8_e4m3fn:
+        return None, (f"{kind} takes e4m3fn for both operands (torch's check_deepseek_recipe / check_mxfp8_recipe); "
+                      f"got {_short(a.data.dtype)} x {_short(b.data.dtype)}")
     if not HAS_SCALED_MM_V2:
         return None, f"{kind} scales need torch.nn.functional.scaled_mm (torch >= 2.10)"
     if kind == "mx_1x32":
@@ -104,6 +119,10 @@ def scaled_mm_kind(a, b, capability: tuple[int, int] | None = None) -> tuple[str
     return kind, ""
 
 
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.float8_")
+
+
 def _tile_of(op) -> tuple[int, int] | None:
     """The operand's scale tile; per-row / per-column scales of a full dimension are not tiles."""
     return tuple(op.block) if op.block is not None else None
@@ -116,6 +135,8 @@ def plan_scaled_mm(a, b, *, out_dtype: torch.dtype, bias: torch.Tensor | None, u
     kind, reason = scaled_mm_kind(a, b, capability)
     if kind is None:
         return ScaledMmPlan(None, reason, (m, k, n))
+    if kind == "rowwise" and out_dtype == torch.float32 and capability is not None and capability[0] != 9:
+        out_dtype = torch.bfloat16  # CUTLASS rowwise (sm89, sm100+): bf16 output only, widened by the caller
     return ScaledMmPlan(kind, "", (m, k, n), scaled_mm_arguments(a, b, kind), _requests(out_dtype, bias),
                         bool(use_fast_accum) and kind in FAST_ACCUM_KINDS)
 
