@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from fp8train.nn.accumulation import HopperAccumulation, hopper_accumulated_mm, truncate_significand
+from fp8train.nn.accumulation import (HopperAccumulation, accumulation_error_bound, hopper_accumulated_mm,
+                                      truncate_significand)
 from fp8train.nn.gemm import Fp8Operand, fp8_mm
 from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.recipes import recipe
@@ -147,3 +148,22 @@ def test_the_layers_forward_accumulates_as_its_recipe_says(promotion, rng):
         layer.weight.copy_(torch.tensor(w))
         out = layer(torch.tensor(x, dtype=torch.float32))
     assert np.array_equal(out.double().numpy(), _hopper_ref(x, w.T, 8, promotion, 32))
+
+
+@pytest.mark.parametrize("promotion", [128, 0], ids=["promoted", "fast-accum"])
+@pytest.mark.parametrize("k", [512, 4096])
+def test_accumulation_bound_holds_for_the_model_and_fails_for_a_narrower_one(promotion, k):
+    """The bound test_cuda holds the GPU to: the 14-bit model (truncating, the worst direction) stays inside it
+    element by element against an fp64 GEMM of the same FP8 values; a 10-bit accumulator does not, so the bound
+    is tight enough to catch an accumulator narrower than the one it was derived for."""
+    a, b = _long_k_operands(k=k, m=32, n=32)
+    a_hp, b_hp = a.data.float(), b.data.float()
+    exact = a_hp.double() @ b_hp.double()
+    acc = HopperAccumulation(accumulator_bits=14, promotion_interval=promotion)
+    bound = accumulation_error_bound(a_hp, b_hp, acc)
+    err = (hopper_accumulated_mm(a_hp, b_hp, acc).double() - exact).abs()
+    assert bool((err <= bound).all()) and float(err.max()) > 0
+    narrow = HopperAccumulation(accumulator_bits=10, promotion_interval=promotion)
+    assert bool((hopper_accumulated_mm(a_hp, b_hp, narrow).double() - exact).abs().gt(bound).any())
+    bf16 = accumulation_error_bound(a_hp, b_hp, acc, torch.bfloat16)
+    assert torch.allclose(bf16 - bound, (a_hp.double().abs() @ b_hp.double().abs()) * 2.0 ** -7)

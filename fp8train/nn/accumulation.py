@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["HopperAccumulation", "hopper_accumulated_mm", "truncate_significand"]
+__all__ = ["HopperAccumulation", "hopper_accumulated_mm", "truncate_significand", "accumulation_error_bound"]
 
 
 @dataclass(frozen=True)
@@ -73,3 +73,30 @@ def hopper_accumulated_mm(a: torch.Tensor, b: torch.Tensor, acc: HopperAccumulat
             narrow.zero_()
             since_promotion = 0
     return total + narrow
+
+
+FP32_UNIT_ROUNDOFF = 2.0 ** -24
+BF16_UNIT_ROUNDOFF = 2.0 ** -8
+
+
+def accumulation_error_bound(a: torch.Tensor, b: torch.Tensor, acc: HopperAccumulation | None,
+                             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Elementwise float64 bound on |tensor-core result - fp32 emulation| for the same dequantized a (M, K) @ b (K, N).
+
+    With S = |a| @ |b| (the sum of the absolute products, which bounds every partial sum):
+    - the narrow accumulator truncates after each of the P / mma_k instructions between promotions (P = K when it
+      never promotes: fast accumulation); each truncation loses < 2^(1 - bits) of a partial sum <= S of its
+      promotion block, and the blocks' losses add: <= (P / mma_k) * 2^(1 - bits) * S;
+    - fp32 summation in any order, on each side (the GPU's instruction sums and promotions, the emulation's GEMM),
+      errs by <= K * 2^-24 * S to first order (the classic gamma_K bound): 2 K 2^-24 S for the two;
+    - a bf16 output rounds each side once, by <= 2^-8 of its value (<= S): 2^-7 S more.
+    `acc` None: an exact fp32 accumulator (only the summation orders differ)."""
+    s = a.double().abs() @ b.double().abs()
+    k = a.shape[1]
+    rel = 2 * k * FP32_UNIT_ROUNDOFF
+    if acc is not None:
+        between = acc.promotion_interval or k
+        rel += -(-min(between, k) // acc.mma_k) * 2.0 ** (1 - acc.accumulator_bits)
+    if out_dtype in (torch.bfloat16, torch.float16):
+        rel += 2 * (BF16_UNIT_ROUNDOFF if out_dtype == torch.bfloat16 else 2.0 ** -11)
+    return s * rel
