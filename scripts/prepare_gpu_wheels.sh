@@ -3,8 +3,10 @@
 #     scripts/prepare_gpu_wheels.sh            (writes .gpu_site/ at the repository root, ~5 MB)
 # then carry `.gpu_site` with the source tree to the GPU machine; scripts/gpu_check.sh puts it on PYTHONPATH.
 #
-# The device image has torch, triton, accelerate, transformers, safetensors, numpy, pyyaml, tensorboard and
-# ml-dtypes, but no omegaconf (fp8train's config, hence train and bench) and no pytest (the cuda_tests section).
+# The device image has torch, triton, accelerate, transformers, safetensors, numpy, pyyaml, tensorboard, ml-dtypes
+# and pytest with plugins, but no omegaconf (fp8train's config, hence train and bench). pytest is carried for images
+# without it: scripts/gpu_check.sh puts on PYTHONPATH only the carried distributions the image lacks
+# (fp8train.bench.carried_site), so an image's own pytest, pluggy and packaging are never shadowed.
 # Only wheels that are pure Python (py3-none-any) are fetched, so they import on any Python >= 3.10 and any
 # platform; exceptiongroup and tomli are what pytest needs on Python 3.10 only. Nothing of wandb or torchao:
 # fp8train imports them only where they are used, and the check runs without them.

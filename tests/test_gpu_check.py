@@ -117,3 +117,34 @@ def test_module_runs_as_a_script_entry_point():
     proc = subprocess.run([sys.executable, "-m", "fp8train.bench.gpu_check", "--help"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and "usage:" in proc.stdout and "--dry-run" in proc.stdout and "--budget" in proc.stdout
+
+
+def _unpacked_wheel(site: Path, dist: str, version: str, module: str, body: str) -> None:
+    """A wheel as prepare_gpu_wheels.sh leaves it: the module, and a .dist-info whose RECORD lists both."""
+    (site / module).mkdir(parents=True)
+    (site / module / "__init__.py").write_text(body)
+    info = site / f"{dist}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "RECORD").write_text(f"{module}/__init__.py,,\n{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
+
+
+def test_carried_wheels_never_shadow_what_the_image_has(tmp_path):
+    """A carried pytest 0.0.1 (which would break on import) next to a package the image lacks: gpu_check.sh puts
+    only the missing one on the path; the checks then report the image's own pytest version."""
+    site = tmp_path / "site"
+    _unpacked_wheel(site, "pytest", "0.0.1", "pytest", "raise ImportError('the carried pytest shadowed the image')\n")
+    _unpacked_wheel(site, "fp8train_absent_dist", "1.0", "fp8train_absent_mod", "VALUE = 7\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_SITE": str(site), "TMPDIR": str(tmp_path)}
+    proc = subprocess.run(["bash", str(SCRIPT), str(out), "--dry-run", "--sections", "checks"], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr.strip().endswith("site: fp8train_absent_dist (the image has the rest)"), proc.stderr
+    modules = json.loads((out / "checks.json").read_text())["modules"]
+    assert modules["pytest"] == pytest.__version__  # the image's (this venv's), not 0.0.1
+    (links,) = tmp_path.glob("fp8train_gpu_site.*")
+    assert sorted(p.name for p in links.iterdir()) == ["fp8train_absent_dist-1.0.dist-info", "fp8train_absent_mod"]
+    probe = subprocess.run([sys.executable, "-c", "import fp8train_absent_mod, pytest; print(fp8train_absent_mod.VALUE)"],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(links)}, timeout=60)
+    assert probe.returncode == 0 and probe.stdout.strip() == "7", probe.stderr

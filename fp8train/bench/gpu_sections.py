@@ -297,7 +297,11 @@ def section_cuda_tests(device: str, dry: bool, out_dir: Path, limit_s: float) ->
     command += ["--collect-only"] if dry else ["-m", "cuda", f"--junitxml={out_dir / 'cuda_tests.xml'}"]
     log_path = out_dir / "cuda_tests.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True)
+        # the image's pytest plugins are not ours to load: test_cuda.py needs none, and one built for another pytest
+        # would fail the run before a test starts
+        env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True,
+                                env=env)
         try:
             returncode, timed_out = proc.wait(timeout=max(limit_s - 10, 1)), False
         except subprocess.TimeoutExpired:
