@@ -6,9 +6,11 @@
 # is network, unpacks omegaconf and pytest there). torch, numpy and ml_dtypes must be importable by python3 (or $PYTHON); a section
 # whose own needs are missing (train, bench: omegaconf, accelerate; cuda_tests: pytest) says so in its JSON and the
 # others still run. Sections, in order of information per second, each writing OUT_DIR/<section>.json as soon as
-# it ends (see fp8train/bench/gpu_check.py): checks, capability, gemm_tflops, sync, cuda_tests, train, bench.
+# it ends (see fp8train/bench/gpu_check.py): checks, parity, capability, gemm_tflops, sync, e2e, cuda_tests, train,
+# bench.
 # At most 8 minutes in all. --dry-run runs everything on the CPU at toy sizes (the test suite does).
-# Exit status: 0 all ok; 1 a section failed / timed out / was skipped; 2 usage error or no usable GPU.
+# Exit status: 0 all ok; 1 a section failed / timed out / was skipped; 2 usage error or no usable GPU;
+# 3 parity failed (CUDA and the CPU emulation disagree: OUT_DIR/parity.jsonl). A short digest is printed last.
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd) || exit 2
 PYTHON=${PYTHON:-python3}

@@ -8,7 +8,8 @@ is rewritten after each one, so a timeout or crash loses only the section it hit
 `--dry-run` runs every section on the CPU at toy sizes (the CUDA tests are only collected): the test suite runs
 it to prove the check itself cannot break. Nothing is installed or downloaded: HF and wandb are forced offline.
 Exit status: 0 every section ok; 1 a section failed, timed out or was skipped; 2 usage error, or (not dry) the
-checks found no usable GPU or a missing module, in which case nothing else runs.
+checks found no usable GPU or a missing module, in which case nothing else runs; 3 the parity section failed (CUDA
+and the CPU emulation disagree, see parity.jsonl), whatever the others did. The last lines printed are a digest.
 """
 
 from __future__ import annotations
@@ -67,7 +68,41 @@ def run_check(out_dir: Path, dry: bool, budget_s: float, sections: list[str]) ->
             print(f"gpu_check: the checks failed, nothing else can run: see {out_dir / 'checks.json'}",
                   file=sys.stderr)
             return 2
+    for line in digest(out_dir):
+        print(f"gpu_check: {line}", flush=True)
+    if "parity" in summary["sections"] and summary["sections"]["parity"]["status"] != "ok":
+        return 3  # CUDA and the emulation disagree (or the parity section could not finish): the first thing to read
     return 0 if all(s["status"] == "ok" for s in summary["sections"].values()) else 1
+
+
+def _read(out_dir: Path, name: str) -> dict:
+    try:
+        return json.loads((out_dir / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def digest(out_dir: Path) -> list[str]:
+    """A few lines to read first: parity, the GEMM speedups at the largest shape, the end-to-end step ratios."""
+    lines = []
+    parity = _read(out_dir, "parity")
+    if parity:
+        failed = [f"{c.get('kind') or c.get('recipe')}/{c.get('out') or c.get('gemm')}" for c in parity.get("failed", [])]
+        lines.append(f"parity: {parity.get('cases', 0) - len(failed)}/{parity.get('cases', 0)} cases hold"
+                     + (f"; FAILED: {', '.join(failed)}" if failed else "") + (" (error: " + parity["error"] + ")"
+                                                                               if "error" in parity else ""))
+    rows = _read(out_dir, "gemm_tflops").get("rows") or []
+    if rows:
+        first = rows[0]
+        ratios = [f"{key[:-len('_vs_bf16')]} {value:.2f}x" for key, value in first.items()
+                  if key.endswith("_vs_bf16") and isinstance(value, float)]
+        lines.append(f"gemm {first.get('shape')}: bf16 {first.get('bf16_tflops', 0):.0f} TFLOP/s; FP8 vs bf16: "
+                     + (", ".join(ratios) or "no FP8 kind ran"))
+    runs = _read(out_dir, "e2e").get("runs") or {}
+    if runs:
+        lines.append("e2e tokens/s vs bf16: " + ", ".join(
+            f"{name} {run['vs_bf16']:.2f}x" for name, run in runs.items() if name != "none" and run.get("vs_bf16")))
+    return lines
 
 
 def run_one_section(name: str, out_dir: Path, dry: bool, limit_s: float) -> int:

@@ -7,6 +7,10 @@ or crash keeps everything learned before it:
 | section     | what it answers                                                                 | limit (s) |
 |-------------|---------------------------------------------------------------------------------|-----------|
 | checks      | CUDA visible, capability, C compiler and Python.h (inductor), imports, offline   | 45        |
+| parity      | CUDA equals the float64 reference and the CPU emulation bit for bit per GEMM     | 90        |
+|             | kind and output dtype (integer FP8 values, per-tile pow2 scales); every recipe's |           |
+|             | Fp8Linear fwd+bwd vs the CPU emulation within the derived accumulation bound     |           |
+|             | (bench/gpu_parity.py; parity.jsonl, one line per case)                           |           |
 | capability  | which `_scaled_mm` calls this torch+GPU accept: dtype pairs x scaling kinds x    | 45        |
 |             | operand layouts x output dtype, each with its error against a dequantized GEMM   |           |
 | gemm_tflops | bf16 vs FP8 GEMM TFLOP/s per kind (1x128 x 1x128 wgrad and MX included) at       | 60        |
@@ -42,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from fp8train.bench.gpu_parity import kind_operands, section_parity
 from fp8train.nn.gemm import Fp8Operand
 from fp8train.nn.linear import Fp8Linear, update_fp8_scales
 from fp8train.nn.recipes import RECIPE_NAMES, recipe
@@ -52,7 +57,7 @@ from fp8train.training.storage.files import write_json_atomic
 # may lack them, and the other sections must run anyway)
 
 # name -> time limit (s), in the order the check runs them (information per second)
-SECTIONS = {"checks": 45, "capability": 45, "gemm_tflops": 60, "sync": 45, "e2e": 100, "cuda_tests": 100,
+SECTIONS = {"checks": 45, "parity": 90, "capability": 45, "gemm_tflops": 60, "sync": 45, "e2e": 100, "cuda_tests": 100,
             "train": 70, "bench": 200}
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REQUIRED_MODULES = ("torch", "numpy", "ml_dtypes", "fp8train")  # without these nothing runs
@@ -129,20 +134,7 @@ def _distribution_version(module: str) -> str:
 
 def _operands(kind: str, a_dtype, b_dtype, size: int, device: str):
     """(a (M, K), b (K, N)) Fp8Operands with the scale layout of `kind` (pow2 scales, so references are exact)."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    a_data = (torch.randn(size, size, generator=g) * 4).to(a_dtype).to(device)
-    b_data = (torch.randn(size, size, generator=g) * 4).to(b_dtype).to(device)  # stored (N, K): b = .t()
-    tiles = size // 128
-    pow2 = lambda *shape: torch.exp2(torch.randint(-3, 3, shape, generator=g).float()).to(device)  # noqa: E731
-    scales = {"tensorwise": (pow2(), pow2(), None, None),
-              "rowwise": (pow2(size, 1), pow2(size, 1), None, None),
-              "blockwise_1x128_128x128": (pow2(size, tiles), pow2(tiles, tiles), (1, 128), (128, 128)),
-              "blockwise_1x128_1x128": (pow2(size, tiles), pow2(size, tiles), (1, 128), (1, 128)),
-              "blockwise_128x128_1x128": (pow2(tiles, tiles), pow2(size, tiles), (128, 128), (1, 128)),
-              "mx_1x32": (pow2(size, size // 32), pow2(size, size // 32), (1, 32), (1, 32))}[kind]
-    a = Fp8Operand(a_data, scales[0], scales[2])
-    b = Fp8Operand(b_data, scales[1], scales[3]).t()
-    return a, b
+    return kind_operands(kind, size, size, size, device, values="random", a_dtype=a_dtype, b_dtype=b_dtype)
 
 
 def section_capability(device: str, dry: bool, out_dir: Path, limit_s: float) -> dict:
@@ -418,6 +410,6 @@ def section_bench(device: str, dry: bool, out_dir: Path, limit_s: float) -> dict
     return dict(ok=proc.returncode == 0, returncode=proc.returncode, result_file="bench_result.json")
 
 
-SECTION_FUNCTIONS = {"checks": section_checks, "capability": section_capability, "gemm_tflops": section_gemm_tflops,
+SECTION_FUNCTIONS = {"checks": section_checks, "parity": section_parity, "capability": section_capability, "gemm_tflops": section_gemm_tflops,
                      "sync": section_sync, "e2e": section_e2e, "cuda_tests": section_cuda_tests,
                      "train": section_train, "bench": section_bench}
