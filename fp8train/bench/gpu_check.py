@@ -96,7 +96,7 @@ def digest(out_dir: Path) -> list[str]:
         first = rows[0]
         ratios = [f"{key[:-len('_vs_bf16')]} {value:.2f}x" for key, value in first.items()
                   if key.endswith("_vs_bf16") and isinstance(value, float)]
-        lines.append(f"gemm {first.get('shape')}: bf16 {first.get('bf16_tflops', 0):.0f} TFLOP/s; FP8 vs bf16: "
+        lines.append(f"gemm {first.get('shape')}: bf16 {first.get('bf16_tflops', 0):.3g} TFLOP/s; FP8 vs bf16: "
                      + (", ".join(ratios) or "no FP8 kind ran"))
     runs = _read(out_dir, "e2e").get("runs") or {}
     if runs:

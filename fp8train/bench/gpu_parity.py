@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from pathlib import Path
 
 import torch
 
@@ -30,12 +31,14 @@ from fp8train.nn.accumulation import HopperAccumulation, accumulation_error_boun
 from fp8train.nn.gemm import Fp8Operand, fp8_mm
 from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.recipes import RECIPE_NAMES, recipe
-from fp8train.nn.scaled_gemm import call_scaled_mm, device_capability, plan_scaled_mm, scaled_mm_gemm, target_gpu
+from fp8train.nn.scaled_gemm import (call_scaled_mm, device_capability, plan_scaled_mm, scaled_mm_arguments,
+                                     scaled_mm_gemm, target_gpu)
 from fp8train.nn.scaled_mm_plan import SCALED_MM_KINDS
 
-__all__ = ["kind_operands", "gemm_parity_cases", "linear_parity_cases", "section_parity"]
+__all__ = ["kind_operands", "gemm_parity_cases", "linear_parity_cases", "section_parity", "section_capability"]
 
-PLANNED_GPUS = {"sm90": (9, 0), "sm100": (10, 0)}
+PLANNED_GPUS = {"sm90": (9, 0), "sm100": (10, 0)}  # planned on any machine with target_gpu
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 OUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # (a tile, b tile) of each kind in the operands' stored orientation: a (M, K), b stored (N, K) and passed as b.t()
 _KIND_TILES = {"tensorwise": (None, None), "rowwise": ("row", "row"),
@@ -203,8 +206,42 @@ def linear_parity_cases(device: str, tokens: int = 256, in_features: int = 512, 
     return cases
 
 
-def section_parity(device: str, dry: bool, out_dir, limit_s: float) -> dict:
+def section_parity(device: str, dry: bool, out_dir: Path, limit_s: float) -> dict:
     cases = gemm_parity_cases(device) + linear_parity_cases(device, tokens=128 if dry else 256)
     (out_dir / "parity.jsonl").write_text("".join(json.dumps(c) + "\n" for c in cases))
     failed = [c for c in cases if not c["ok"]]
     return dict(ok=not failed, cases=len(cases), failed=failed, jsonl="parity.jsonl")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The capability section: which calls this torch + GPU accept at all (random values, errors against a dequantized GEMM)
+# ------------------------------------------------------------------------------------------------------------
+def _operands(kind: str, a_dtype, b_dtype, size: int, device: str):
+    """(a (M, K), b (K, N)) Fp8Operands with the scale layout of `kind` (pow2 scales, so references are exact)."""
+    return kind_operands(kind, size, size, size, device, values="random", a_dtype=a_dtype, b_dtype=b_dtype)
+
+
+def section_capability(device: str, dry: bool, out_dir: Path, limit_s: float) -> dict:
+    size = 128 if dry else 256
+    kinds = SCALED_MM_KINDS
+    cells = []
+    for a_name, b_name in (("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e4m3"), ("e5m2", "e5m2")):
+        for kind in kinds:
+            a, b = _operands(kind, FP8[a_name], FP8[b_name], size, device)
+            reference = a.dequantize(torch.float32) @ b.dequantize(torch.float32)
+            for layout in ("TN", "NN", "TT"):  # TN: the layout fp8train passes; NN / TT probe what is refused
+                args = scaled_mm_arguments(a, b, kind)
+                if layout == "NN":
+                    args["mat_b"] = args["mat_b"].contiguous()
+                if layout == "TT":
+                    args["mat_a"] = args["mat_a"].t().contiguous().t()
+                for out_dtype in (torch.bfloat16, torch.float32):
+                    cell = dict(a=a_name, b=b_name, kind=kind, layout=layout, out=str(out_dtype).split(".")[-1])
+                    try:
+                        out = call_scaled_mm(args, out_dtype, None, False)
+                        cell.update(ok=True, rel_err=float((out.float() - reference).norm() / reference.norm()))
+                    except Exception as err:  # the point is to record what this build refuses, and how
+                        cell.update(ok=False, error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+                    cells.append(cell)
+    accepted = sorted({(c["kind"], c["a"], c["b"]) for c in cells if c["ok"] and c["layout"] == "TN"})
+    return dict(ok=True, cells=cells, accepted_tn=[list(x) for x in accepted])

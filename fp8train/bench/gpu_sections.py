@@ -46,12 +46,11 @@ from pathlib import Path
 
 import torch
 
-from fp8train.bench.gpu_parity import kind_operands, section_parity
+from fp8train.bench.gpu_parity import PLANNED_GPUS, section_capability, section_parity
 from fp8train.nn.gemm import Fp8Operand
 from fp8train.nn.linear import Fp8Linear, update_fp8_scales
 from fp8train.nn.recipes import RECIPE_NAMES, recipe
 from fp8train.nn.scaled_gemm import HAS_SCALED_MM_V2, call_scaled_mm, scaled_mm_arguments, target_gpu
-from fp8train.nn.scaled_mm_plan import SCALED_MM_KINDS
 from fp8train.training.storage.files import write_json_atomic
 # (the training side, which needs omegaconf and accelerate, is imported by the sections that train: the GPU image
 # may lack them, and the other sections must run anyway)
@@ -65,13 +64,11 @@ REQUIRED_MODULES = ("torch", "numpy", "ml_dtypes", "fp8train")  # without these 
 SECTION_NEEDS = {"cuda_tests": ("pytest",), "train": ("omegaconf", "accelerate", "safetensors"),
                  "e2e": ("omegaconf", "accelerate", "safetensors"), "bench": ("omegaconf", "accelerate")}
 OPTIONAL_MODULES = ("torchao", "transformer_engine", "transformers", "wandb", "tensorboard")
-PLANNED_GPUS = {"sm90": (9, 0), "sm100": (10, 0)}  # the GEMM paths each recipe would take there (target_gpu)
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "WANDB_MODE": "disabled"}
 # ~1B recipe (recipes/gpu_1b.yaml: d_model 2048, GQA 32/8 heads of 64, ffn 8192), 8192 tokens per micro-batch
 SHAPES_1B = {"qkv": (8192, 2048, 3072), "attn_out": (8192, 2048, 2048), "gate_up": (8192, 2048, 16384),
              "down": (8192, 8192, 2048)}
-FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -130,37 +127,6 @@ def _distribution_version(module: str) -> str:
         return importlib.metadata.version(module.replace("_", "-"))
     except importlib.metadata.PackageNotFoundError:
         return "present"
-
-
-def _operands(kind: str, a_dtype, b_dtype, size: int, device: str):
-    """(a (M, K), b (K, N)) Fp8Operands with the scale layout of `kind` (pow2 scales, so references are exact)."""
-    return kind_operands(kind, size, size, size, device, values="random", a_dtype=a_dtype, b_dtype=b_dtype)
-
-
-def section_capability(device: str, dry: bool, out_dir: Path, limit_s: float) -> dict:
-    size = 128 if dry else 256
-    kinds = SCALED_MM_KINDS
-    cells = []
-    for a_name, b_name in (("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e4m3"), ("e5m2", "e5m2")):
-        for kind in kinds:
-            a, b = _operands(kind, FP8[a_name], FP8[b_name], size, device)
-            reference = a.dequantize(torch.float32) @ b.dequantize(torch.float32)
-            for layout in ("TN", "NN", "TT"):  # TN: the layout fp8train passes; NN / TT probe what is refused
-                args = scaled_mm_arguments(a, b, kind)
-                if layout == "NN":
-                    args["mat_b"] = args["mat_b"].contiguous()
-                if layout == "TT":
-                    args["mat_a"] = args["mat_a"].t().contiguous().t()
-                for out_dtype in (torch.bfloat16, torch.float32):
-                    cell = dict(a=a_name, b=b_name, kind=kind, layout=layout, out=str(out_dtype).split(".")[-1])
-                    try:
-                        out = call_scaled_mm(args, out_dtype, None, False)
-                        cell.update(ok=True, rel_err=float((out.float() - reference).norm() / reference.norm()))
-                    except Exception as err:  # the point is to record what this build refuses, and how
-                        cell.update(ok=False, error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
-                    cells.append(cell)
-    accepted = sorted({(c["kind"], c["a"], c["b"]) for c in cells if c["ok"] and c["layout"] == "TN"})
-    return dict(ok=True, cells=cells, accepted_tn=[list(x) for x in accepted])
 
 
 def _median_time(fn, device: str, warmup: int, repeats: int, calls: int = 1) -> float:
@@ -410,6 +376,7 @@ def section_bench(device: str, dry: bool, out_dir: Path, limit_s: float) -> dict
     return dict(ok=proc.returncode == 0, returncode=proc.returncode, result_file="bench_result.json")
 
 
-SECTION_FUNCTIONS = {"checks": section_checks, "parity": section_parity, "capability": section_capability, "gemm_tflops": section_gemm_tflops,
+SECTION_FUNCTIONS = {"checks": section_checks, "parity": section_parity, "capability": section_capability,
+                     "gemm_tflops": section_gemm_tflops,
                      "sync": section_sync, "e2e": section_e2e, "cuda_tests": section_cuda_tests,
                      "train": section_train, "bench": section_bench}
