@@ -17,8 +17,9 @@ then saved in that form only, so every GEMM's scales factor out or tile K as the
 
 The weight's FP8 copy (bytes, scale, and its values in the GEMM's compute dtype) is made once per weight version
 and reused by every micro-batch and by backward: it is remade when the weight changes in place (optimizer step,
-checkpoint load: tensor._version; and any torch.optim optimizer's step, counted by a global step hook, because
-fused AdamW updates weights in place without bumping their version), when it is replaced, when delayed scales
+checkpoint load: tensor._version; and any torch.optim optimizer's step, counted by a global step hook that the
+first forward caching a weight registers (never an import), because fused AdamW updates weights in place without
+bumping their version), when it is replaced, when delayed scales
 are updated, and when the layer switches between train and eval. An fp32 (or bf16) copy of FP8 values exists
 only where a GEMM reads it.
 
@@ -100,7 +101,8 @@ __all__ = ["Fp8Linear", "update_fp8_scales", "configure_execution", "SCALING_BUF
            "MISSING_UPDATE_WARNING"]
 
 
-_optimizer_steps = 0  # steps of any torch.optim optimizer in this process (the hook below)
+_optimizer_steps = 0  # steps of any torch.optim optimizer since the hook below was registered
+_step_hook = None  # its handle, once a layer needs the count
 
 
 def _count_optimizer_step(optimizer, args, kwargs) -> None:
@@ -108,9 +110,18 @@ def _count_optimizer_step(optimizer, args, kwargs) -> None:
     _optimizer_steps += 1
 
 
-# Fused AdamW (transformers' Trainer default, fp8train's on CUDA) writes the weights in place without bumping
-# tensor._version, so the weight cache could not see its updates: every optimizer step counts instead.
-register_optimizer_step_post_hook(_count_optimizer_step)
+def _watch_optimizer_steps() -> None:
+    """Count optimizer steps from now on (process-wide, registered once).
+
+    Fused AdamW (transformers' Trainer default, fp8train's on CUDA) writes the weights in place without bumping
+    tensor._version, so the weight cache could not see its updates: every optimizer step counts instead, and the
+    delayed-scaling check (_check_scales_updated) reads the same count. Registered by the first forward that
+    caches a weight or checks delayed scales, never by importing fp8train or building a layer: a process that only
+    imports the package keeps its optimizers free of our hook. A count that starts late is enough, as both readers
+    compare it with the value they saw at an earlier forward."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
 
 _missing_update_warned = False  # the delayed-scaling warning (module docstring, 3.) is given once per process
 MISSING_UPDATE_WARNING = (
@@ -269,6 +280,7 @@ class Fp8Linear(nn.Linear):
 
     def _check_scales_updated(self) -> None:
         global _missing_update_warned
+        _watch_optimizer_steps()
         if self._pending_since_step is None:
             self._pending_since_step = _optimizer_steps
         elif self._pending_since_step != _optimizer_steps and not _missing_update_warned:
@@ -296,6 +308,8 @@ class Fp8Linear(nn.Linear):
         cacheable = (self.weight_cache_allowed and not isinstance(weight, Fp8GatheredWeight)
                      and not _is_fsdp_module(self))
         cacheable = cacheable and not torch.compiler.is_compiling()  # (a traced graph re-derives it anyway)
+        if cacheable:
+            _watch_optimizer_steps()
         # tensor._version: torch's in-place write counter, the one signal an in-place update of the weight gives
         key = (weight._version, _optimizer_steps, weight.data_ptr(), self.training, self._scale_generation, backend,
                self.emulated_dtype, self.quantize_kernel) if cacheable else None
