@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from fp8train.nn.convert import fp8_layers
 from fp8train.nn.fp8_all_gather import check_fp8_all_gather_recipe, wrap_weight_for_fp8_all_gather
 
-__all__ = ["ensure_process_group", "release_process_group", "decoder_blocks", "apply_fsdp2", "is_fsdp2",
+__all__ = ["ensure_process_group", "release_process_group", "decoder_blocks", "apply_fsdp2",
            "clip_grad_norm", "grad_norm", "clip_grad_norm_tensor", "grad_norm_tensor",
            "all_finite", "per_rank_state_bytes", "local_tensor",
            "AllGatherByteCounter", "count_all_gather_bytes"]
@@ -101,10 +101,6 @@ def apply_fsdp2(model: nn.Module, device: torch.device, *, fp8_all_gather: bool 
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(1.0)
     return model
-
-
-def is_fsdp2(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
