@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from fp8train.nn.linear import Fp8Linear, update_fp8_scales  # noqa: F401  (update_fp8_scales re-exported)
+from fp8train.nn.fp8_record import attach_fp8_record
 from fp8train.nn.linear_subclasses import check_plain_linear
 from fp8train.nn.master_weights import DEFAULT_MASTER_WEIGHTS, check_master_weights_choice, ensure_fp32_masters
 from fp8train.nn.overrides import OVERRIDE_BF16, first_override, normalize_overrides, unmatched_patterns
@@ -243,6 +244,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
         parent = model.get_submodule(parent_name) if parent_name else model
         swap = fp8_from_conv1d if is_conv1d(module) else Fp8Linear.from_linear
         setattr(parent, child, swap(module, layer_recipe))
+    attach_fp8_record(model)  # any save of a transformers model now says which layers are FP8 (nn/fp8_record.py)
 
     if not report.converted and not dry_run:
         warnings.warn(f"convert_to_fp8: no nn.Linear was eligible for FP8 ({len(report.skipped)} skipped); "

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fp8train.training.storage.rundir import refuse_run_directory_as_hf_folder
 from fp8train.training.data.data_files import DATA_FILE_BUILDERS, data_file_docs, is_data_file_spec
 
 __all__ = ["TokenEncoder", "dataset_docs", "UINT16_IDS", "BYTE_TOKENIZER", "TOKENIZER_FILES", "has_tokenizer",
@@ -63,6 +64,7 @@ def run_tokenizer(cfg, pretokenized: bool = False) -> str | None:
         return None
     if has_tokenizer(pretrained):
         return pretrained
+    refuse_run_directory_as_hf_folder(pretrained, "model.hf_path")  # the wrong kind of folder is said first
     raise ValueError(f"config data.tokenizer is empty and model.hf_path {pretrained!r} holds no tokenizer "
                      f"({' / '.join(TOKENIZER_FILES)}): its pretrained weights would read byte-level ids as "
                      "other tokens. Set data.tokenizer to the model's tokenizer folder, or data.tokenizer=bytes "
