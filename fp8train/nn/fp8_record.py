@@ -64,4 +64,5 @@ def attach_fp8_record(model: nn.Module) -> None:
         ignored = getattr(owner, "_keys_to_ignore_on_load_unexpected", None) or []
         if SCALING_BUFFER_PATTERN not in ignored:
             updated = [*ignored, SCALING_BUFFER_PATTERN]
+            # transformers' documented class hook for keys a checkpoint may hold that the model does not load
             owner._keys_to_ignore_on_load_unexpected = set(updated) if isinstance(ignored, set) else updated
