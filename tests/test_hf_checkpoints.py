@@ -82,7 +82,10 @@ def test_from_pretrained_restores_transformers_own_save_pretrained(tmp_path, arc
     x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     model(input_ids=x)  # a forward: amaxes and scales that are not the initial ones
     model.save_pretrained(str(tmp_path / "saved"))
-    _assert_same_fp8_model(fp8train.from_pretrained(tmp_path / "saved"), model)
+    loaded = fp8train.from_pretrained(tmp_path / "saved")
+    _assert_same_fp8_model(loaded, model)
+    loaded.save_pretrained(str(tmp_path / "again"))  # a restored model saves what restores it again
+    _assert_same_fp8_model(fp8train.from_pretrained(tmp_path / "again"), model)
 
 
 def test_a_plain_transformers_load_of_the_folder_is_quiet(checkpoint, capfd):

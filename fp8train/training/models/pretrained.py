@@ -31,7 +31,7 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from fp8train.nn.convert import is_conv1d, fp8_from_conv1d
-from fp8train.nn.fp8_record import FP8_RECORD_KEY, fp8_record, recipe_from_record
+from fp8train.nn.fp8_record import FP8_RECORD_KEY, attach_fp8_record, fp8_record, recipe_from_record
 from fp8train.nn.linear import Fp8Linear, is_scaling_buffer
 from fp8train.training.storage.files import give_default_mode, write_text_atomic
 
@@ -110,6 +110,7 @@ def from_pretrained(folder, device="cpu") -> nn.Module:
         setattr(parent, child, swap(module, recipes[index]))
     tensors = _read_weights(folder, device)  # Conv1D-born layers read (in, out)
     _load_exact(hf, tensors, folder, recorded=bool(section.get("layers")))
+    attach_fp8_record(hf)  # as convert_to_fp8 would: its next save_pretrained (or Trainer checkpoint) restores too
     return hf.eval()
 
 
