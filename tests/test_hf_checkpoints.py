@@ -62,7 +62,8 @@ def _assert_same_fp8_model(loaded, model):
         assert torch.equal(got[key], tensor), key  # weights and every scaling buffer, bit for bit
     for name, layer in model.named_modules():
         if isinstance(layer, Fp8Linear):
-            assert isinstance(loaded.get_submodule(name), Fp8Linear) and loaded.get_submodule(name).recipe == layer.recipe
+            restored = loaded.get_submodule(name)
+            assert isinstance(restored, Fp8Linear) and restored.recipe == layer.recipe
     x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=x).logits, model(input_ids=x).logits)

@@ -91,7 +91,8 @@ class LayerPolicy:
             except re.error as exc:
                 raise ValueError(f"LayerPolicy.exclude: invalid regex {pattern!r}: {exc}") from None
         object.__setattr__(self, "exclude", exclude)
-        classes = (self.linear_subclasses,) if isinstance(self.linear_subclasses, str) else tuple(self.linear_subclasses)
+        classes = self.linear_subclasses
+        classes = (classes,) if isinstance(classes, str) else tuple(classes)
         if not all(isinstance(c, str) and c.isidentifier() for c in classes):
             raise ValueError(f"LayerPolicy.linear_subclasses must be class names, got {self.linear_subclasses!r}")
         object.__setattr__(self, "linear_subclasses", classes)

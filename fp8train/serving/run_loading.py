@@ -141,8 +141,8 @@ def _load_hf_folder(folder: Path, tokenizer: str | None) -> LoadedRun:
     config = read_json(folder / "config.json")  # a damaged or non-object config.json: one line naming it
     if not tokenizer and not has_tokenizer(folder):
         raise ValueError(f"{str(folder)!r} holds no tokenizer files (a Trainer saves none unless given "
-                         "processing_class=tokenizer); name the model's tokenizer folder: export --tokenizer PATH (or copy "
-                         "the tokenizer's files into the folder)")
+                         "processing_class=tokenizer); name the model's tokenizer folder: export --tokenizer PATH "
+                         "(or copy the tokenizer's files into the folder)")
     max_pos = config.get("max_position_embeddings") or config.get("n_positions") or 128
     cfg = load_config(None, [f"model.hf_path={folder}", f"model.seq_len={min(128, int(max_pos))}",
                              *([f"data.tokenizer={tokenizer}"] if tokenizer else [])])

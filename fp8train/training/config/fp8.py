@@ -152,7 +152,8 @@ class PolicyConfig(Section):
         normalize_overrides(dict(self.overrides), "config policy.overrides")
         for i, name in enumerate(self.linear_subclasses):
             if not name.isidentifier():
-                raise ValueError(f"config policy.linear_subclasses[{i}]={name!r} is not a class name (e.g. FalconLinear)")
+                raise ValueError(f"config policy.linear_subclasses[{i}]={name!r} is not a class name "
+                                 "(e.g. FalconLinear)")
         if self.plan:
             read_plan_overrides(self.plan)  # a missing or malformed plan fails here, before anything runs
 

@@ -4,8 +4,9 @@ Corpora (`data.path`):
 - "" (default): the running Python's own standard library .py sources (site-packages and test folders left
   out), read in sorted path order up to `data.max_bytes`. Real, varied text that every machine has; note that
   it differs between Python versions, so compare runs made on the same interpreter.
-- a text file: byte-level tokens (a .jsonl / .json / .parquet / .csv or binary file is refused, naming
-  data.hf_dataset, which reads such files: fp8train.training.data.data_files); the last `val_fraction` of them is the validation split.
+- a text file: byte-level tokens; the last `val_fraction` of them is the validation split. A .jsonl / .json /
+  .parquet / .csv or binary file is refused, naming data.hf_dataset, which reads such files
+  (fp8train.training.data.data_files).
 - a folder: every non-hidden text file below it (recursive, sorted; files with NUL bytes are skipped as
   binary), up to `data.max_bytes`; if the folder holds a nanoGPT `train.bin`, that is used instead.
 - a nanoGPT uint16 `.bin`: token ids from some other tokenizer (model.vocab_size must exceed them all);

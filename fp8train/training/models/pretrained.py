@@ -131,10 +131,10 @@ def _load_exact(model: nn.Module, tensors: dict, folder: Path, recorded: bool) -
     unexpected = [k for k in tensors if k not in expected]
     wrong = [k for k in tensors if k in expected and tuple(tensors[k].shape) != tuple(expected[k].shape)]
     if unexpected and not recorded and all(is_scaling_buffer(k) for k in unexpected):
-        raise ValueError(f"{str(folder)!r} holds FP8 scaling buffers ({unexpected[0]}, ...) but its config.json records "
-                         f"no FP8 layers (no '{FP8TRAIN_SECTION}' section: saved before fp8train recorded them); "
-                         "model.hf_path fine-tunes from it (the buffers are dropped), or save it again from the "
-                         "converted model")
+        raise ValueError(f"{str(folder)!r} holds FP8 scaling buffers ({unexpected[0]}, ...) but its config.json "
+                         f"records no FP8 layers (no '{FP8TRAIN_SECTION}' section: saved before fp8train recorded "
+                         "them); model.hf_path fine-tunes from it (the buffers are dropped), or save it again from "
+                         "the converted model")
     if missing or unexpected or wrong:
         raise ValueError(f"{str(folder)!r} does not fit its config.json: missing {missing[:4]}, unexpected "
                          f"{unexpected[:4]}, wrong shape {wrong[:4]}")
