@@ -77,6 +77,8 @@ def test_hf_dataset_glob_reads_every_shard_in_order_and_the_fingerprint_follows_
 
 
 @pytest.mark.parametrize("spec, match", [("nothing*.jsonl", "matches no file"),
+                                         ("", r"not a dataset saved with save_to_disk \(for its data files give a "
+                                              r"glob: data.hf_dataset='.*/\*.csv'\)"),
                                          ("mixed*", "not of one kind"),
                                          ("mixed.jsonl", "data.text_field 'text' is not a column")])
 def test_hf_dataset_file_refusals_name_the_key(tmp_path, spec, match):

@@ -160,7 +160,9 @@ def dataset_docs(folder: str, text_field: str) -> tuple[list, list | None]:
     try:
         loaded = datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError, OSError) as err:
-        raise ValueError(f"data.hf_dataset: {folder!r} is not a dataset saved with save_to_disk: "
+        kinds = sorted({p.suffix for p in path.iterdir() if p.suffix in DATA_FILE_BUILDERS})
+        hint = f" (for its data files give a glob: data.hf_dataset='{folder}/*{kinds[0]}')" if kinds else ""
+        raise ValueError(f"data.hf_dataset: {folder!r} is not a dataset saved with save_to_disk{hint}: "
                          f"{' '.join(str(err).split())[:200]}") from None
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:
