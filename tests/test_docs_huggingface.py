@@ -1,5 +1,6 @@
 """docs/huggingface.md's commands, run as written (in this process, with fewer steps): the Llama and GPT-2
-round trips train -> dense folder -> from_pretrained -> second fine-tune -> FP8 export (or its refusal) -> load.
+round trips train -> dense folder -> from_pretrained -> second fine-tune -> FP8 export (or its refusal) -> load,
+and a transformers.Trainer checkpoint of a converted model -> FP8 export with --tokenizer -> load.
 A command whose comment says `exit 2` must be refused; every other one must succeed."""
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def _run(argv: list[str]) -> int:
         script = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(script)
         previous = sys.argv
-        sys.argv = [argv[1], *argv[2:], "--steps", "2"]
+        # make_tiny_hf's pretraining shortened; trainer_fp8 keeps its 20 steps: the page names checkpoint-20
+        sys.argv = [argv[1], *argv[2:], *(["--steps", "2"] if argv[1].endswith("make_tiny_hf.py") else [])]
         try:
             script.main()
         finally:
@@ -67,6 +69,6 @@ def test_the_pages_commands_run(tmp_path, monkeypatch, capsys):
         if expected == 2:
             assert "--format hf" in said.err  # the refusal names the dense export
         assert "vLLM fuses" not in said.out  # the page's FP8 export is one vLLM can load
-    for folder in ("hf_tiny/ft1", "hf_tiny/ft2-fp8", "hf_gpt2/ft1", "hf_gpt2/ft2"):
+    for folder in ("hf_tiny/ft1", "hf_tiny/ft2-fp8", "hf_tiny/trainer-fp8", "hf_gpt2/ft1", "hf_gpt2/ft2"):
         assert (tmp_path / folder / "config.json").is_file() and (tmp_path / folder / "tokenizer.json").is_file()
     assert not (tmp_path / "hf_gpt2" / "ft2-fp8").exists()

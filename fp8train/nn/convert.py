@@ -30,6 +30,9 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from fp8train.nn.linear import Fp8Linear, update_fp8_scales  # noqa: F401  (update_fp8_scales re-exported)
+from fp8train.nn.fp8_record import attach_fp8_record
+from fp8train.nn.linear_subclasses import check_plain_linear
+from fp8train.nn.master_weights import DEFAULT_MASTER_WEIGHTS, check_master_weights_choice, ensure_fp32_masters
 from fp8train.nn.overrides import OVERRIDE_BF16, first_override, normalize_overrides, unmatched_patterns
 from fp8train.nn.recipes import DEFAULT_RECIPE, Fp8Recipe, recipe as make_recipe
 
@@ -69,6 +72,9 @@ class LayerPolicy:
     overrides: tuple[tuple[str, str], ...] = ()
     """Per-layer recipes: ordered (regex, recipe name or 'bf16') pairs, or a {regex: choice} mapping; the first
     pattern that re.searches a converted layer's name decides its recipe (nn/overrides.py)."""
+    linear_subclasses: tuple[str, ...] = ()
+    """Class names of nn.Linear subclasses whose forward is plain x @ W.T + b (e.g. 'FalconLinear'), converted
+    like nn.Linear; each is checked on a random input first (nn/linear_subclasses.py). Others are skipped."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "overrides", normalize_overrides(self.overrides))
@@ -85,6 +91,11 @@ class LayerPolicy:
             except re.error as exc:
                 raise ValueError(f"LayerPolicy.exclude: invalid regex {pattern!r}: {exc}") from None
         object.__setattr__(self, "exclude", exclude)
+        classes = self.linear_subclasses
+        classes = (classes,) if isinstance(classes, str) else tuple(classes)
+        if not all(isinstance(c, str) and c.isidentifier() for c in classes):
+            raise ValueError(f"LayerPolicy.linear_subclasses must be class names, got {self.linear_subclasses!r}")
+        object.__setattr__(self, "linear_subclasses", classes)
         if not isinstance(self.exclude_defaults, bool):
             raise ValueError(f"LayerPolicy.exclude_defaults must be true or false, got {self.exclude_defaults!r}")
 
@@ -159,9 +170,12 @@ def block_index(name: str) -> int | None:
 
 
 def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolicy | None = None,
-                   dry_run: bool = False) -> ConversionReport:
+                   dry_run: bool = False, master_weights: str = DEFAULT_MASTER_WEIGHTS) -> ConversionReport:
     """Replace, in place, every nn.Linear (and transformers Conv1D) of `model` that `policy` allows by an
-    Fp8Linear using `recipe`. ``dry_run``: only report what would be converted; the model is left as it is."""
+    Fp8Linear using `recipe`. ``dry_run``: only report what would be converted; the model is left as it is.
+    ``master_weights``: a model whose parameters are not float32 is cast to float32 with a one-line warning
+    ("cast") or refused ("refuse"): FP8 training keeps fp32 master weights (nn/master_weights.py)."""
+    check_master_weights_choice(master_weights)
     recipe = make_recipe(recipe) if isinstance(recipe, str) else recipe
     policy = policy or LayerPolicy()
     names = [name for name, _ in model.named_modules()]
@@ -184,8 +198,10 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
         numel = module.weight.numel()
         if name == "":
             reason = "the model itself is an nn.Linear: wrap it in a container to swap it in place"
-        elif linear is module and type(module) is not nn.Linear:
-            reason = f"{type(module).__name__} is a subclass of nn.Linear; only plain nn.Linear is swapped"
+        elif linear is module and type(module) is not nn.Linear \
+                and type(module).__name__ not in policy.linear_subclasses:
+            reason = (f"{type(module).__name__} is a subclass of nn.Linear; only plain nn.Linear is swapped "
+                      f"(policy.linear_subclasses: [{type(module).__name__}] opts in one whose forward is x @ W.T + b)")
         else:
             reason = policy.skip_reason(seen_as(name), linear, n_blocks)
         override = first_override(policy.overrides, seen_as(name)) if reason is None else None
@@ -213,13 +229,23 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
     if unmatched:
         raise ValueError(f"policy.exclude: {', '.join(map(repr, unmatched))} matches no nn.Linear of this model "
                          f"(a typo, or a pattern for another model?); {listed}")
+    classes = {type(m).__name__ for _, m in model.named_modules() if isinstance(m, nn.Linear)}
+    unmatched = [c for c in policy.linear_subclasses if c not in classes]
+    if unmatched:
+        raise ValueError(f"policy.linear_subclasses: {', '.join(map(repr, unmatched))} is no nn.Linear subclass of "
+                         f"this model; its Linear classes: {', '.join(sorted(classes))}")
     if dry_run:
         return report
+    ensure_fp32_masters(model, master_weights)
+    for name, module, _ in swaps:
+        if isinstance(module, nn.Linear) and type(module) is not nn.Linear:
+            check_plain_linear(name, module)
     for name, module, layer_recipe in swaps:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         swap = fp8_from_conv1d if is_conv1d(module) else Fp8Linear.from_linear
         setattr(parent, child, swap(module, layer_recipe))
+    attach_fp8_record(model)  # any save of a transformers model now says which layers are FP8 (nn/fp8_record.py)
 
     if not report.converted and not dry_run:
         warnings.warn(f"convert_to_fp8: no nn.Linear was eligible for FP8 ({len(report.skipped)} skipped); "

@@ -45,7 +45,7 @@ from fp8train.numerics.quant import Fp8Tensor, convert_dialect, quantize
 from fp8train.serving.fp8_weights import (ACTIVATION_SCHEMES, Fp8WeightLinear, dequantized_weight_model,
                                           fp8_weight_model, quantize_weight_per_channel)
 from fp8train.serving.dense_export import DENSE_DTYPES, DENSE_FORMAT, export_dense_folder
-from fp8train.serving.hf_export import export_hf_folder, load_hf_export
+from fp8train.serving.hf_export import export_notes, export_hf_folder, load_hf_export
 from fp8train.serving.run_loading import (LoadedRun, fp8_linear_names, fp8_policy_names, load_run, package_version,
                                           tied_aliases)
 from fp8train.training.config import ModelConfig
@@ -123,12 +123,12 @@ def _model_config_dict(model_cfg) -> dict:
     return {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(model_cfg)}
 
 
-def export_run(run_dir, out, fmt="e4m3fn", force: bool = False) -> dict:
+def export_run(run_dir, out, fmt="e4m3fn", force: bool = False, tokenizer: str | None = None) -> dict:
     """Write the FP8 export of ``run_dir``'s newest valid checkpoint to ``out`` (see the module docstring)."""
     fmt = _export_format(fmt)
     out = Path(out)
     out = check_output_file(out, force=force, sources=[run_dir])
-    run = load_run(run_dir)
+    run = load_run(run_dir, tokenizer=tokenizer)
     names = fp8_linear_names(run)
     tensors, aliases = {}, tied_aliases(run.model)
     fp8_params = {f"{n}.weight" for n in names} | {f"{n}.bias" for n in names}
@@ -283,10 +283,10 @@ def compare_logits(model_a: nn.Module, model_b: nn.Module, batches, autocast: bo
             "tokens": tokens}
 
 
-def check_export(path, run_dir, batches: int = 2) -> dict:
+def check_export(path, run_dir, batches: int = 2, tokenizer: str | None = None) -> dict:
     """Logits of the reloaded export against the source model (bf16 weights) and against the source model with
     the same per-channel FP8 weights (which must agree up to bf16 rounding), on the run's validation batches."""
-    run = load_run(run_dir)
+    run = load_run(run_dir, tokenizer=tokenizer)
     exported = load_export(path)
     fmt = exported.export_metadata["fp8_format"]
     val = build_data(run.cfg).val_batches()[:batches]
@@ -319,6 +319,8 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--convert", metavar="SRC", help="convert the export SRC to --format instead of exporting a run")
     parser.add_argument("--allow-inexact", action="store_true",
                         help="with --convert: round values that the target dialect cannot hold exactly")
+    parser.add_argument("--tokenizer", metavar="PATH", help="the tokenizer folder of a Hugging Face folder that "
+                        "holds none (a Trainer checkpoint): used to check the export, and saved in it")
     parser.add_argument("--no-check", action="store_true",
                         help="skip reloading the export and comparing its logits with the source model")
 
@@ -331,18 +333,15 @@ def _print_check(check: dict) -> None:
 
 def _cli_folder(args) -> int:
     result = export_hf_folder(args.run_dir, args.out, args.format, args.activations, args.weight_block,
-                              args.calib_batches, force=args.force)
+                              args.calib_batches, force=args.force, tokenizer=args.tokenizer)
     scales = f"{args.weight_block}x{args.weight_block} weight blocks" if args.weight_block else "per-channel weights"
     print(f"exported step {result['step']} of {args.run_dir}: {result['fp8_layers']} FP8 Linears (e4m3fn, "
           f"{scales}, {result['activations']} input scales) -> {result['path']}/ (compressed-tensors, "
           f"{result['bytes']} bytes of weights)")
-    mixed = result["vllm_mixed_fused"]
-    if mixed:  # transformers loads it; vLLM fuses these layers and needs one precision per fused layer
-        print(f"  note: vLLM fuses {mixed[0]}" + (f" (and {len(mixed) - 1} more groups)" if len(mixed) > 1 else "")
-              + " into one layer and refuses parts of different precision; this export has some in FP8 and some "
-              "in bf16 (layer policy: lower policy.min_features, or exclude them together)")
+    for note in export_notes(result):
+        print(f"  note: {note}")
     if not args.no_check:
-        run = load_run(args.run_dir)
+        run = load_run(args.run_dir, tokenizer=args.tokenizer)
         val = build_data(run.cfg).val_batches()[:2]
         _print_check({"vs_source": compare_logits(run.model, load_hf_export(args.out), val,
                                                   run.cfg.train.autocast == "bf16")})
@@ -353,14 +352,14 @@ def _cli_dense(args) -> int:
     if args.out.endswith(".safetensors"):
         raise ValueError(f"--format {DENSE_FORMAT} writes a Hugging Face folder; give --out a folder path, not "
                          f"{args.out!r}")
-    result = export_dense_folder(args.run_dir, args.out, args.dtype, force=args.force)
+    result = export_dense_folder(args.run_dir, args.out, args.dtype, force=args.force, tokenizer=args.tokenizer)
     print(f"exported step {result['step']} of {args.run_dir}: {result['tensors']} {result['dtype']} tensors in the "
           f"model's own names and layout -> {result['path']}/ ({result['bytes']} bytes of weights; "
           "from_pretrained loads it, model.hf_path fine-tunes from it)")
     if not args.no_check:
         from transformers import AutoModelForCausalLM
 
-        run = load_run(args.run_dir)
+        run = load_run(args.run_dir, tokenizer=args.tokenizer)
         val = build_data(run.cfg).val_batches()[:2]
         loaded = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32, local_files_only=True).eval()
         _print_check({"transformers_vs_source": compare_logits(run.model, loaded, val, autocast=False)})
@@ -385,12 +384,13 @@ def _check_options(args) -> None:
     kind = _export_kind(args)
     applies = {"dtype": kind == f"--format {DENSE_FORMAT}", "activations": kind == "folder",
                "weight_block": kind == "folder", "calib_batches": kind == "folder" and args.activations == "static",
-               "allow_inexact": kind == "--convert"}
+               "allow_inexact": kind == "--convert", "tokenizer": kind != "--convert"}
     for key, ok in applies.items():
         given = getattr(args, key) not in (None, False)
         if given and not ok:
             where = ("a folder export with --activations static" if key == "calib_batches" else
-                     {"dtype": f"--format {DENSE_FORMAT}", "allow_inexact": "--convert"}.get(key, "a folder export"))
+                     {"dtype": f"--format {DENSE_FORMAT}", "allow_inexact": "--convert",
+                      "tokenizer": "an export of a Hugging Face folder"}.get(key, "a folder export"))
             raise ValueError(f"--{key.replace('_', '-')} applies to {where} only, not to {kind}; drop it "
                              "(nothing was written)")
     for key, default in OPTION_DEFAULTS.items():
@@ -414,9 +414,9 @@ def cli_main(args) -> int:
         return _cli_dense(args)
     if not args.out.endswith(".safetensors"):
         return _cli_folder(args)
-    result = export_run(args.run_dir, args.out, args.format, force=args.force)
+    result = export_run(args.run_dir, args.out, args.format, force=args.force, tokenizer=args.tokenizer)
     print(f"exported step {result['step']} of {args.run_dir}: {result['fp8_layers']} FP8 Linears "
           f"({result['format']}, per-output-channel scales) -> {result['path']} ({result['bytes']} bytes)")
     if not args.no_check:
-        _print_check(check_export(args.out, args.run_dir))
+        _print_check(check_export(args.out, args.run_dir, tokenizer=args.tokenizer))
     return 0

@@ -49,7 +49,7 @@ from fp8train.training.data.tokenized import run_tokenizer
 
 __all__ = ["export_hf_folder", "load_hf_export", "hf_export_names", "quantization_config", "llama_config_of",
            "hf_config_dict", "run_tokenizer_folder", "generation_config_of", "source_record", "write_folder",
-           "refuse_unsafe_out", "vllm_mixed_groups", "VLLM_FUSED"]
+           "refuse_unsafe_out", "vllm_mixed_groups", "VLLM_FUSED", "export_notes"]
 
 _DECODER_TO_LLAMA = (
     (r"^embed\.", "model.embed_tokens."),
@@ -244,11 +244,12 @@ def refuse_unsafe_out(run_dir, out, force: bool) -> Path:
 
 
 def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", weight_block: int = 0,
-                     calib_batches: int = 4, force: bool = False) -> dict:
-    """Write the Hugging Face FP8 folder of ``run_dir``'s newest valid checkpoint to ``out``."""
+                     calib_batches: int = 4, force: bool = False, tokenizer: str | None = None) -> dict:
+    """Write the Hugging Face FP8 folder of ``run_dir``'s newest valid checkpoint to ``out`` (``tokenizer``:
+    run_loading.load_run)."""
     _check_options(fmt, activations, weight_block)
     out = refuse_unsafe_out(run_dir, out, force)
-    run = load_run(run_dir)
+    run = load_run(run_dir, tokenizer=tokenizer)
     names = fp8_linear_names(run)
     ragged = [n for n in names if weight_block and run.model.get_submodule(n).in_features % weight_block]
     if ragged:
@@ -274,7 +275,28 @@ def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", w
     return {"path": str(out), "format": "e4m3fn", "fp8_layers": len(names), "step": run.step,
             "activations": activations, "weight_block": weight_block,
             "vllm_mixed_fused": vllm_mixed_groups(run.model, names, to_hf),
+            # transformers loads a partial last block row; vLLM checks each fused shard's outputs against B
+            "ragged_out_features": [(to_hf(n), run.model.get_submodule(n).out_features) for n in names
+                                    if weight_block and run.model.get_submodule(n).out_features % weight_block],
             "bytes": (out / "model.safetensors").stat().st_size}
+
+
+def export_notes(result: dict) -> list[str]:
+    """What a reader of `export_hf_folder`'s ``result`` should know before serving the folder with vLLM: fused
+    layers split between FP8 and bf16, and FP8 layers whose outputs are not a multiple of the weight block
+    (transformers loads both; vLLM checks each part of a fused layer)."""
+    notes, mixed, ragged = [], result["vllm_mixed_fused"], result["ragged_out_features"]
+    if mixed:
+        notes.append(f"vLLM fuses {mixed[0]}" + (f" (and {len(mixed) - 1} more groups)" if len(mixed) > 1 else "")
+                     + " into one layer and refuses parts of different precision; this export has some in FP8 and "
+                     "some in bf16 (layer policy: lower policy.min_features, or exclude them together)")
+    if ragged:
+        block = result["weight_block"]
+        notes.append(f"--weight-block {block}: {ragged[0][0]} has {ragged[0][1]} outputs, not a multiple of {block}"
+                     + (f" (and {len(ragged) - 1} more layers)" if len(ragged) > 1 else "") + "; transformers loads "
+                     "its partial last tile, vLLM refuses a fused part whose outputs are not a multiple of the block "
+                     "(choose a block that divides them)")
+    return notes
 
 
 # ------------------------------------------------------------------------------------------------------------

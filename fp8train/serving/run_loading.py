@@ -12,7 +12,9 @@ unexpected is an error.
 
 A Hugging Face folder (config.json and safetensors weights, e.g. a dense export) is loaded too, as the run a
 default config with `model.hf_path` set to it would start from (step 0; model.seq_len = min(128, its maximum
-positions); data: the built-in corpus with the folder's own tokenizer), so export and kv-eval take either.
+positions); data: the built-in corpus with the folder's own tokenizer, or the one `--tokenizer` names: a Trainer
+checkpoint holds none), so export and kv-eval take either. Its FP8 layers are the ones config.json records when
+a converted model was saved (`convert_to_fp8` recorded them: nn/fp8_record.py), else its default policy's.
 
 Which layers are FP8: those the run's recipe and layer policy convert (for a bf16 run: those its policy would
 convert), found by a dry run of `convert_to_fp8` on the same model, before its weights are loaded.
@@ -29,6 +31,7 @@ import torch.nn as nn
 
 from fp8train import __version__
 from fp8train.nn.convert import convert_to_fp8, is_conv1d
+from fp8train.nn.fp8_record import FP8_RECORD_KEY
 from fp8train.nn.recipes import ROLES
 from fp8train.training.runs.checkpoint import MANIFEST
 from fp8train.training.runs.sharded_checkpoint import latest_loadable_checkpoint, read_model_state
@@ -37,6 +40,7 @@ from fp8train.training.models.hf import hf_kv_shape
 from fp8train.training.models.decoder import HFCausalLM, build_model, tied_weight_groups
 from fp8train.training.runs.resume import resume_hash
 from fp8train.training.storage.files import read_json
+from fp8train.training.data.tokenized import has_tokenizer
 
 __all__ = ["LoadedRun", "load_run", "fp8_policy_names", "fp8_linear_names", "tied_aliases", "package_version", "kv_shape"]
 
@@ -79,14 +83,18 @@ def fp8_policy_names(model: nn.Module, cfg) -> list[str]:
     return [name for name, _ in report.converted]
 
 
-def load_run(run_dir, log=None) -> LoadedRun:
-    """The newest valid checkpoint of ``run_dir`` in the plain model rebuilt from its config.yaml."""
+def load_run(run_dir, log=None, tokenizer: str | None = None) -> LoadedRun:
+    """The newest valid checkpoint of ``run_dir`` in the plain model rebuilt from its config.yaml. ``tokenizer``:
+    the tokenizer folder of a Hugging Face folder that holds none (a Trainer checkpoint); a run has its own."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"run directory {str(run_dir)!r} does not exist")
     config_file = run_dir / "config.yaml"
     if not config_file.is_file() and (run_dir / "config.json").is_file():
-        return _load_hf_folder(run_dir)
+        return _load_hf_folder(run_dir, tokenizer)
+    if tokenizer:
+        raise ValueError(f"--tokenizer applies to a Hugging Face folder (e.g. a Trainer checkpoint); the run "
+                         f"directory {str(run_dir)!r} tokenizes with its own (data.tokenizer in its config.yaml)")
     if not config_file.is_file():
         raise ValueError(f"run directory {str(run_dir)!r} has no config.yaml (is it a run made by fp8train train?) "
                          "and no config.json (a Hugging Face folder)")
@@ -129,12 +137,34 @@ def _check_origin(ckpt: Path, manifest: dict, cfg, config_file: Path) -> None:
                          "(nothing was written)")
 
 
-def _load_hf_folder(folder: Path) -> LoadedRun:
+def _load_hf_folder(folder: Path, tokenizer: str | None) -> LoadedRun:
     config = read_json(folder / "config.json")  # a damaged or non-object config.json: one line naming it
+    if not tokenizer and not has_tokenizer(folder):
+        raise ValueError(f"{str(folder)!r} holds no tokenizer files (a Trainer saves none unless given "
+                         "processing_class=tokenizer); name the model's tokenizer folder: export --tokenizer PATH "
+                         "(or copy the tokenizer's files into the folder)")
     max_pos = config.get("max_position_embeddings") or config.get("n_positions") or 128
-    cfg = load_config(None, [f"model.hf_path={folder}", f"model.seq_len={min(128, int(max_pos))}"])
+    cfg = load_config(None, [f"model.hf_path={folder}", f"model.seq_len={min(128, int(max_pos))}",
+                             *([f"data.tokenizer={tokenizer}"] if tokenizer else [])])
     model = build_model(cfg.model).eval()  # its weights, checked (fp8train.training.models.hf)
-    return LoadedRun(model, cfg, folder, folder, 0, fp8_policy_names(model, cfg))
+    trainer_state = folder / "trainer_state.json"  # a Trainer checkpoint says its step; another folder is step 0
+    step = int(read_json(trainer_state).get("global_step") or 0) if trainer_state.is_file() else 0
+    return LoadedRun(model, cfg, folder, folder, step, _recorded_fp8_names(model, config, folder)
+                     or fp8_policy_names(model, cfg))
+
+
+def _recorded_fp8_names(model: nn.Module, config: dict, folder: Path) -> list[str]:
+    """The FP8 layers a converted model recorded in its config.json (nn/fp8_record.py: a save of a model that
+    convert_to_fp8 converted, e.g. a Trainer checkpoint), as names of the run's model; [] when none."""
+    recorded = list(((config.get(FP8_RECORD_KEY) or {}).get("layers") or {}))
+    prefix = getattr(model, "wrapped_name_prefix", "")
+    names = [prefix + name for name in recorded]
+    linear_names = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)}
+    unknown = [n for n in names if n not in linear_names]
+    if unknown:
+        raise ValueError(f"{str(folder)!r}: config.json records FP8 layer {unknown[0][len(prefix):]!r}, which is no "
+                         "Linear of the model it describes")
+    return names
 
 
 def _load_master_weights(model: nn.Module, state: dict, fp8_names: list, ckpt: Path) -> None:

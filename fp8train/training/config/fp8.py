@@ -131,6 +131,9 @@ class PolicyConfig(Section):
     overrides: Dict[str, str] = field(default_factory=dict)
     """Per-layer recipes: ordered {regex: recipe name or bf16}; the first regex that re.searches a converted
     layer's name decides its recipe (nn/overrides.py). A regex matching no nn.Linear is an error."""
+    linear_subclasses: List[str] = field(default_factory=list)
+    """Class names of nn.Linear subclasses whose forward is plain x @ W.T + b, converted like nn.Linear (e.g.
+    [FalconLinear]); each is checked on a random input before the swap. Others stay in high precision."""
     plan: str = ""
     """A `fp8train plan` output (YAML with policy.overrides): its overrides come before policy.overrides."""
     allow_no_fp8: bool = False
@@ -147,6 +150,10 @@ class PolicyConfig(Section):
             except re.error as e:
                 raise ValueError(f"config policy.exclude[{i}]={pattern!r} is not a valid regex: {e}") from None
         normalize_overrides(dict(self.overrides), "config policy.overrides")
+        for i, name in enumerate(self.linear_subclasses):
+            if not name.isidentifier():
+                raise ValueError(f"config policy.linear_subclasses[{i}]={name!r} is not a class name "
+                                 "(e.g. FalconLinear)")
         if self.plan:
             read_plan_overrides(self.plan)  # a missing or malformed plan fails here, before anything runs
 
@@ -187,4 +194,5 @@ def layer_policy_from_config(cfg) -> LayerPolicy:
         skip_first_blocks=p.skip_first_blocks,
         skip_last_blocks=p.skip_last_blocks,
         overrides=(read_plan_overrides(p.plan) if p.plan else ()) + normalize_overrides(dict(p.overrides)),
+        linear_subclasses=tuple(p.linear_subclasses),
     )

@@ -97,7 +97,8 @@ class ModelConfig(Section):
 class DataConfig(Section):
     _section = "data"
     path: str = ""
-    """Text file, folder of text files (recursive), or nanoGPT uint16 .bin; "" = built-in corpus (Python stdlib)."""
+    """Text file, folder of text files (recursive), or nanoGPT uint16 .bin; "" = built-in corpus (Python stdlib).
+    Text only: data files (.jsonl, .parquet, ...) go to data.hf_dataset."""
     val_fraction: float = 0.05
     """Share held out for validation: by file for folders and the built-in corpus, else the tail of the tokens."""
     split_seed: int = 0
@@ -108,7 +109,8 @@ class DataConfig(Section):
     """Local Hugging Face tokenizer folder (tokenizer.json): text is tokenized with it, once, and cached. "" =
     model.hf_path's own tokenizer (refused if it has none), else bytes; "bytes" = byte-level text on purpose."""
     hf_dataset: str = ""
-    """Local `datasets` dataset saved with save_to_disk (its text is data.text_field); replaces data.path."""
+    """Local `datasets` dataset saved with save_to_disk, or local .jsonl/.json/.parquet/.csv files (a file or a
+    glob); its text is data.text_field. Replaces data.path (which reads text only)."""
     text_field: str = "text"
     """Column of data.hf_dataset that holds the text."""
 

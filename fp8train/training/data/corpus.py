@@ -4,12 +4,14 @@ Corpora (`data.path`):
 - "" (default): the running Python's own standard library .py sources (site-packages and test folders left
   out), read in sorted path order up to `data.max_bytes`. Real, varied text that every machine has; note that
   it differs between Python versions, so compare runs made on the same interpreter.
-- a text file: byte-level tokens; the last `val_fraction` of them is the validation split.
+- a text file: byte-level tokens; the last `val_fraction` of them is the validation split. A .jsonl / .json /
+  .parquet / .csv or binary file is refused, naming data.hf_dataset, which reads such files
+  (fp8train.training.data.data_files).
 - a folder: every non-hidden text file below it (recursive, sorted; files with NUL bytes are skipped as
   binary), up to `data.max_bytes`; if the folder holds a nanoGPT `train.bin`, that is used instead.
 - a nanoGPT uint16 `.bin`: token ids from some other tokenizer (model.vocab_size must exceed them all);
   a `val.bin` beside a `train.bin` is the validation split, otherwise the tail of the file.
-- `data.hf_dataset`: a local `datasets` dataset (its `data.text_field` rows are the documents), and
+- `data.hf_dataset`: a local `datasets` dataset or local data files (its `data.text_field` rows are the documents), and
   `data.tokenizer`: a local HF tokenizer instead of bytes (both in fp8train.training.data.tokenized).
 
 Folders and the built-in corpus are split into train and validation BY FILE, on a hash of each file's
@@ -41,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fp8train.training.data.data_files import refuse_dataset_files_in_folder, refuse_non_text
 from fp8train.training.data.tokenized import TokenEncoder, dataset_docs, run_tokenizer
 
 __all__ = ["TextData", "build_data", "stdlib_files", "data_fingerprint", "describe_fingerprint_change"]
@@ -279,11 +282,15 @@ def _read_path(cfg, encoder, encode) -> tuple[str, list | None, tuple | None, bo
             encoder.check_fits(np.uint16, source)
         return source, None, _load_bin(path, cfg.model.vocab_size, d.val_fraction, T, source), False
     if path.is_dir():
-        docs = _read_files(path, _text_files(path), d.max_bytes, check_binary=True, source=source)
+        files = _text_files(path)
+        refuse_dataset_files_in_folder(path, files, source)
+        docs = _read_files(path, files, d.max_bytes, check_binary=True, source=source)
         if not docs:
             raise ValueError(f"{source} is a folder with no non-empty text files")
         return source, docs, None, encoder is None
     docs = _read_files(path.parent, [path], d.max_bytes, check_binary=False, source=source)
+    if docs:
+        refuse_non_text(path, docs[0][1], source)
     if not docs:
         raise ValueError(f"{source} is an empty file")
     return source, None, _tail_split(encode(docs), d.val_fraction, T), encoder is None

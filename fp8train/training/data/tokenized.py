@@ -8,7 +8,8 @@ else uint32. Encoding happens once: the array is cached under `$XDG_CACHE_HOME/f
 a file or the tokenizer makes a new entry and nothing stale is ever read. Batches stay a pure function of
 (train.seed, step): the token array is the same whether it was encoded now or read from the cache.
 
-`data.hf_dataset` (a folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`): the rows' text
+`data.hf_dataset` (a folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`, or local .jsonl /
+.json / .parquet / .csv files read with `datasets.load_dataset`: fp8train.training.data.data_files): the rows' text
 column `data.text_field` are the documents. A DatasetDict with a "validation" (or "test") split uses it as the
 validation split and "train" as the training split; a single Dataset is split by row on a hash of the row index,
 as folders are split by file. Nothing is downloaded: tokenizers and datasets are read from local folders only.
@@ -27,6 +28,9 @@ import os
 from pathlib import Path
 
 import numpy as np
+
+from fp8train.training.storage.rundir import refuse_run_directory_as_hf_folder
+from fp8train.training.data.data_files import DATA_FILE_BUILDERS, data_file_docs, is_data_file_spec
 
 __all__ = ["TokenEncoder", "dataset_docs", "UINT16_IDS", "BYTE_TOKENIZER", "TOKENIZER_FILES", "has_tokenizer",
            "run_tokenizer"]
@@ -60,6 +64,7 @@ def run_tokenizer(cfg, pretokenized: bool = False) -> str | None:
         return None
     if has_tokenizer(pretrained):
         return pretrained
+    refuse_run_directory_as_hf_folder(pretrained, "model.hf_path")  # the wrong kind of folder is said first
     raise ValueError(f"config data.tokenizer is empty and model.hf_path {pretrained!r} holds no tokenizer "
                      f"({' / '.join(TOKENIZER_FILES)}): its pretrained weights would read byte-level ids as "
                      "other tokens. Set data.tokenizer to the model's tokenizer folder, or data.tokenizer=bytes "
@@ -146,13 +151,18 @@ def dataset_docs(folder: str, text_field: str) -> tuple[list, list | None]:
     except ImportError as err:
         raise ImportError("data.hf_dataset needs Hugging Face datasets: pip install datasets  (or fp8train[hf])"
                           ) from err
+    if is_data_file_spec(folder):  # local .jsonl / .json / .parquet / .csv files (data_files.py)
+        return data_file_docs(folder, text_field, _rows), None
     path = Path(os.path.expanduser(folder))
     if not path.is_dir():
-        raise ValueError(f"data.hf_dataset: {folder!r} is not a folder; give a dataset written by save_to_disk")
+        raise ValueError(f"data.hf_dataset: {folder!r} is not a folder; give a dataset written by save_to_disk, or "
+                         f"local {' / '.join(DATA_FILE_BUILDERS)} files (a file or a glob)")
     try:
         loaded = datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError, OSError) as err:
-        raise ValueError(f"data.hf_dataset: {folder!r} is not a dataset saved with save_to_disk: "
+        kinds = sorted({p.suffix for p in path.iterdir() if p.suffix in DATA_FILE_BUILDERS})
+        hint = f" (for its data files give a glob: data.hf_dataset='{folder}/*{kinds[0]}')" if kinds else ""
+        raise ValueError(f"data.hf_dataset: {folder!r} is not a dataset saved with save_to_disk{hint}: "
                          f"{' '.join(str(err).split())[:200]}") from None
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:

@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from fp8train.nn.convert import is_conv1d
 from fp8train.nn.linear import is_scaling_buffer
+from fp8train.training.storage.rundir import refuse_run_directory_as_hf_folder
 
 __all__ = ["hf_config_of", "build_hf_model", "enable_kv_hook", "hf_kv_shape", "quiet_transformers"]
 
@@ -58,9 +59,7 @@ def _config_folder(path: str, key: str) -> Path:
     if not folder.is_dir():
         raise ValueError(f"model.{key}: {path!r} is not a folder")
     if not (folder / "config.json").is_file():
-        if (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir():
-            raise ValueError(f"model.{key}: {path!r} is an fp8train run directory, not a Hugging Face folder; write "
-                             f"one from it with `fp8train export {path} --format hf --out DIR` and give DIR")
+        refuse_run_directory_as_hf_folder(path, f"model.{key}")
         raise ValueError(f"model.{key}: folder {path!r} has no config.json")
     return folder
 

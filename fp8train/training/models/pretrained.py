@@ -7,19 +7,21 @@ The folder is a normal transformers folder: `config.json` (the model's own confi
 recording, per FP8 layer, its recipe) and `model.safetensors` holding the fp32 master weights under the Hugging
 Face names, in the Hugging Face layout (a GPT-2 Conv1D weight is stored (in, out) again), plus the FP8 scaling
 buffers (`*_amax_history`, `*_scale`, ...) of the converted layers. transformers' own from_pretrained reads it
-as the plain model (it reports the scaling buffers as unused), and `model.hf_path` fine-tunes from it; only
-`fp8train.from_pretrained` restores the FP8 layers with their state, bit for bit.
+as the plain model, and `model.hf_path` fine-tunes from it; `fp8train.from_pretrained` restores the FP8 layers
+with their state, bit for bit. It reads transformers' own `save_pretrained` folders and `Trainer` checkpoints of a
+converted model the same way: `convert_to_fp8` recorded the FP8 layers in the model's config
+(fp8train.nn.fp8_record), which every save writes into config.json.
 
 The rule for the scaling buffers, whoever saves: they are in the converted model's state_dict, so every save of
 it keeps them (this one, transformers' own `save_pretrained`, a `Trainer` checkpoint, which a Trainer resuming
 into the converted model restores), and every load into a plain model drops them (`model.hf_path` accepts such a
-folder and starts the run's own scaling state; transformers lists them as unused). The weights of every such
+folder and starts the run's own scaling state; transformers drops them quietly in a process that converted a model
+of that class, which declared them ignorable: nn/fp8_record.py). The weights of every such
 save are in the model's own layout, Conv1D's (in, out) included (Fp8Linear's state_dict).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -28,15 +30,16 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from fp8train.nn.convert import is_conv1d, fp8_from_conv1d, fp8_layers
-from fp8train.nn.linear import Fp8Linear
-from fp8train.nn.recipes import Fp8Recipe
+from fp8train.nn.convert import is_conv1d, fp8_from_conv1d
+from fp8train.nn.fp8_record import FP8_RECORD_KEY, attach_fp8_record, fp8_record, recipe_from_record
+from fp8train.nn.linear import Fp8Linear, is_scaling_buffer
 from fp8train.training.storage.files import give_default_mode, write_text_atomic
 
 __all__ = ["save_pretrained", "from_pretrained", "FP8TRAIN_SECTION", "WEIGHTS_NAME", "unwrap_hf"]
 
-FP8TRAIN_SECTION = "fp8train"
+FP8TRAIN_SECTION = FP8_RECORD_KEY
 WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
 
 
 def unwrap_hf(model: nn.Module) -> nn.Module:
@@ -65,15 +68,8 @@ def save_pretrained(model: nn.Module, folder, tokenizer=None) -> Path:
     hf = unwrap_hf(model)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    layers = fp8_layers(hf)
-    recipes = list(dict.fromkeys(layer.recipe for _, layer in layers))  # distinct recipes, in layer order
     config = json.loads(hf.config.to_json_string(use_diff=False))
-    config.pop(FP8TRAIN_SECTION, None)
-    config[FP8TRAIN_SECTION] = {
-        "recipes": [dataclasses.asdict(r) for r in recipes],
-        "layers": {name: recipes.index(layer.recipe) for name, layer in layers},
-        "conv1d_layout": [name for name, layer in layers if getattr(layer, "conv1d_layout", False)],
-    }
+    config[FP8TRAIN_SECTION] = fp8_record(hf)  # what the model holds now (a plain model: no FP8 layers)
     tmp = folder / f".{WEIGHTS_NAME}.tmp-{os.getpid()}"
     try:
         save_file(hf_layout_state(hf), str(tmp), metadata={"format": "pt"})
@@ -87,41 +83,46 @@ def save_pretrained(model: nn.Module, folder, tokenizer=None) -> Path:
     return folder
 
 
-def _recipe_from_dict(fields: dict) -> Fp8Recipe:
-    names = {f.name for f in dataclasses.fields(Fp8Recipe)}
-    return Fp8Recipe(**{k: v for k, v in fields.items() if k in names})  # JSON lists become tuples in Fp8Recipe
-
-
 def from_pretrained(folder, device="cpu") -> nn.Module:
-    """The transformers model saved by `save_pretrained`, its FP8 layers rebuilt with their recipes and scaling
-    state (eval mode, fp32 master weights)."""
+    """The transformers model saved by `save_pretrained` (fp8train's or transformers' own, or a Trainer checkpoint
+    of a converted model), its FP8 layers rebuilt with their recipes and scaling state (eval mode, fp32 master
+    weights)."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as err:
         raise ImportError("from_pretrained needs Hugging Face transformers: pip install transformers") from err
     folder = Path(folder)
-    if not (folder / "config.json").is_file() or not (folder / WEIGHTS_NAME).is_file():
-        raise ValueError(f"{str(folder)!r} is not a folder written by fp8train.save_pretrained (needs config.json "
-                         f"and {WEIGHTS_NAME})")
+    if not (folder / "config.json").is_file() or not any((folder / n).is_file() for n in (WEIGHTS_NAME, INDEX_NAME)):
+        raise ValueError(f"{str(folder)!r} is not a saved model folder (needs config.json and {WEIGHTS_NAME} or "
+                         f"{INDEX_NAME}, as save_pretrained and Trainer checkpoints write)")
     section = json.loads((folder / "config.json").read_text()).get(FP8TRAIN_SECTION) or {}
     config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     if hasattr(config, FP8TRAIN_SECTION):
         delattr(config, FP8TRAIN_SECTION)
     with torch.device(device):
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    recipes = [_recipe_from_dict(r) for r in section.get("recipes", [])]
+    recipes = [recipe_from_record(r) for r in section.get("recipes", [])]
     for name, index in section.get("layers", {}).items():
         parent_name, _, child = name.rpartition(".")
         parent = hf.get_submodule(parent_name) if parent_name else hf
         module = getattr(parent, child)
         swap = fp8_from_conv1d if is_conv1d(module) else Fp8Linear.from_linear
         setattr(parent, child, swap(module, recipes[index]))
-    tensors = load_file(str(folder / WEIGHTS_NAME), device=str(device))  # Conv1D-born layers read (in, out)
-    _load_exact(hf, tensors, folder)
+    tensors = _read_weights(folder, device)  # Conv1D-born layers read (in, out)
+    _load_exact(hf, tensors, folder, recorded=bool(section.get("layers")))
+    attach_fp8_record(hf)  # as convert_to_fp8 would: its next save_pretrained (or Trainer checkpoint) restores too
     return hf.eval()
 
 
-def _load_exact(model: nn.Module, tensors: dict, folder: Path) -> None:
+def _read_weights(folder: Path, device) -> dict:
+    """model.safetensors, or every shard that model.safetensors.index.json lists."""
+    if (folder / WEIGHTS_NAME).is_file():
+        return load_file(str(folder / WEIGHTS_NAME), device=str(device))
+    shards = sorted(set(json.loads((folder / INDEX_NAME).read_text())["weight_map"].values()))
+    return {k: v for shard in shards for k, v in load_file(str(folder / shard), device=str(device)).items()}
+
+
+def _load_exact(model: nn.Module, tensors: dict, folder: Path, recorded: bool) -> None:
     expected = model.state_dict(keep_vars=True)
     names_of: dict = {}
     for key, tensor in expected.items():
@@ -129,6 +130,11 @@ def _load_exact(model: nn.Module, tensors: dict, folder: Path) -> None:
     missing = [k for k in expected if not any(alias in tensors for alias in names_of[id(expected[k])])]
     unexpected = [k for k in tensors if k not in expected]
     wrong = [k for k in tensors if k in expected and tuple(tensors[k].shape) != tuple(expected[k].shape)]
+    if unexpected and not recorded and all(is_scaling_buffer(k) for k in unexpected):
+        raise ValueError(f"{str(folder)!r} holds FP8 scaling buffers ({unexpected[0]}, ...) but its config.json "
+                         f"records no FP8 layers (no '{FP8TRAIN_SECTION}' section: saved before fp8train recorded "
+                         "them); model.hf_path fine-tunes from it (the buffers are dropped), or save it again from "
+                         "the converted model")
     if missing or unexpected or wrong:
         raise ValueError(f"{str(folder)!r} does not fit its config.json: missing {missing[:4]}, unexpected "
                          f"{unexpected[:4]}, wrong shape {wrong[:4]}")

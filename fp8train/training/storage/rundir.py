@@ -27,7 +27,7 @@ from fp8train.training.storage.files import refuse_symlink, write_error, write_j
 
 __all__ = [
     "CONFIG_FILE", "METRICS_FILE", "TELEMETRY_FILE", "SUMMARY_FILE", "CHECKPOINTS_DIR", "TRACKERS_FILE", "LOCK_FILE",
-    "refuse_symlinks_in", "dir_state", "DirLock", "record_write_failure",
+    "refuse_symlinks_in", "dir_state", "DirLock", "record_write_failure", "refuse_run_directory_as_hf_folder",
 ]
 
 CONFIG_FILE = "config.yaml"
@@ -173,3 +173,14 @@ def record_write_failure(run_dir: str | os.PathLike, err: OSError, summary: dict
     except OSError:
         return False
     return True
+
+
+def refuse_run_directory_as_hf_folder(path: str, key: str) -> None:
+    """An fp8train run directory (config.yaml and checkpoints/, no config.json) given where a Hugging Face folder
+    is wanted (config ``key``) is refused, saying how to write one from it. Checked before anything else is said
+    about the folder (its tokenizer, its weights): the folder is the wrong kind, and that comes first."""
+    folder = Path(os.path.expanduser(path))
+    if folder.is_dir() and not (folder / "config.json").is_file() and (folder / CONFIG_FILE).is_file() \
+            and (folder / CHECKPOINTS_DIR).is_dir():
+        raise ValueError(f"{key}: {path!r} is an fp8train run directory, not a Hugging Face folder; write one from "
+                         f"it with `fp8train export {path} --format hf --out DIR` and give DIR")
