@@ -65,6 +65,7 @@ class Run:
     made_process_group: bool = False  # fsdp2 in one process without a launcher: set_up made a 1-rank group
     cpu_started: float = field(default_factory=time.process_time)  # this process's CPU time at set-up
     fork: Fork | None = None  # train.fork_from of a run that starts now (a resumed fork has its own checkpoints)
+    fork_record: dict | None = None  # what it forked from (path, step, sha256): in summary.json and checkpoints
 
     @property
     def sharded(self) -> bool:
@@ -158,7 +159,10 @@ def _prepare_training(run: Run) -> None:
     its device, AdamW and the LR schedule, accelerate's wrapping."""
     cfg, accelerator = run.cfg, run.accelerator
     accelerator.wait_for_everyone()
-    write_config = lambda: write_text_atomic(run.run_dir / CONFIG_FILE, config_to_yaml(cfg))  # noqa: E731
+    text = config_to_yaml(cfg)
+    if run.fork is not None:  # the path as given stays (a resume compares it); where it led, as a comment
+        text += f"# train.fork_from resolved to {run.fork.checkpoint} (step {run.fork.step})\n"
+    write_config = lambda: write_text_atomic(run.run_dir / CONFIG_FILE, text)  # noqa: E731
     run.lock = claim_run_dir(run.run_dir, accelerator, run.dir_state, write_config, lambda m: run.say(m))
     accelerator.wait_for_everyone()
     if run.conversion is not None:
