@@ -154,14 +154,26 @@ def set_up(cfg: FullConfig, accelerator, show_progress: bool, model_factory=None
     return run
 
 
+_FORK_COMMENT = "# train.fork_from resolved to "
+
+
+def _fork_comment(run: Run) -> str:
+    """train.fork_from stays as given in config.yaml (a resume compares it); where it led is a comment line,
+    written at the fork and kept by every resume (which never reads the source again)."""
+    if run.fork is not None:
+        return f"{_FORK_COMMENT}{run.fork.checkpoint} (step {run.fork.step})\n"
+    old = run.run_dir / CONFIG_FILE
+    if not run.cfg.train.fork_from or not old.is_file():
+        return ""
+    return "".join(line for line in old.read_text().splitlines(keepends=True) if line.startswith(_FORK_COMMENT))
+
+
 def _prepare_training(run: Run) -> None:
     """config.yaml written (rank 0, between barriers: no rank mistakes it for an earlier run's), the model on
     its device, AdamW and the LR schedule, accelerate's wrapping."""
     cfg, accelerator = run.cfg, run.accelerator
     accelerator.wait_for_everyone()
-    text = config_to_yaml(cfg)
-    if run.fork is not None:  # the path as given stays (a resume compares it); where it led, as a comment
-        text += f"# train.fork_from resolved to {run.fork.checkpoint} (step {run.fork.step})\n"
+    text = config_to_yaml(cfg) + _fork_comment(run)
     write_config = lambda: write_text_atomic(run.run_dir / CONFIG_FILE, text)  # noqa: E731
     run.lock = claim_run_dir(run.run_dir, accelerator, run.dir_state, write_config, lambda m: run.say(m))
     accelerator.wait_for_everyone()
