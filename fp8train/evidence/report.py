@@ -184,9 +184,9 @@ def _cost_markdown(summary: dict) -> list[str]:
     fixed = (f"; the fewest seeds with which a fixed design decides every candidate at the observed means and "
              f"spreads: {cost['fixed_design_seeds']} ({cost['fixed_design_runs']} runs)"
              if cost["fixed_design_seeds"] else "")
-    unfinished = cost.get("unfinished_runs")
-    started = (f" (and {unfinished} started without a summary.json: running now, or killed; `runs` below says "
-               "which)") if unfinished else ""
+    others = [f"{cost[key]} {what}" for key, what in (("running_runs", "running now"), ("unfinished_runs",
+              "unfinished: no summary.json and no process holds it, killed?")) if cost.get(key)]
+    started = f" (besides: {'; '.join(others)})" if others else ""
     lines += [f"Cost: **{cost['runs']} runs** ended{started}, {_fmt(cost['run_seconds'], '.0f')} s of run time "
               f"({_fmt(cost['device_seconds'], '.0f')} device-seconds: wall time x processes), "
               f"{_fmt(cost['cpu_seconds'], '.0f')} CPU seconds (rank 0). Every planned seed "

@@ -247,9 +247,9 @@ def evidence_cost(plan: dict, runs: dict[str, dict[int, RunData]], candidates: d
     needed = [stats.seeds_needed(c["gap_mean"], c["gap_sd"], margin) for c in candidates.values()]
     fixed = max(max(n, 2) for n in needed) if needed and None not in needed else None
     cpu = [s.get("cpu_time_s") for s in made]
-    unfinished = [r for by_seed in runs.values() for r in by_seed.values() if r.status in ("running", "unfinished")]
+    statuses = [r.status for by_seed in runs.values() for r in by_seed.values()]
     return {
-        "runs": len(made), "unfinished_runs": len(unfinished),
+        "runs": len(made), "running_runs": statuses.count("running"), "unfinished_runs": statuses.count("unfinished"),
         "run_seconds": sum(s.get("wall_time_s") or 0.0 for s in made),
         "device_seconds": sum((s.get("wall_time_s") or 0.0) * (s.get("world_size") or 1) for s in made),
         "cpu_seconds": sum(cpu) if cpu and None not in cpu else None,
