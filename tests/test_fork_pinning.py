@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import fp8train
 from fp8train.training.config import load_config
 from fp8train.training.loop import train
 from test_fork import TINY, _metrics, source  # noqa: F401  (source: the module's 16-step bf16 source run)
@@ -111,8 +112,10 @@ def test_a_source_replaced_under_a_worker_pool_is_refused_in_the_worker(source, 
             shutil.copytree(other / "checkpoints" / "step_000016", pinned)
             replaced.append(line)
 
-    with pytest.raises(ValueError, match="was replaced or edited since plan.json pinned it"):
+    with pytest.raises(ValueError, match="was replaced or edited since plan.json pinned it") as caught:
         run_validation(_validate_cfg(tmp_path, tiny, src, ["validate.workers=2"]), log=log, show_progress=False)
+    # raised again by fp8train in the validate process: the command line says it in one line, exit 2
+    assert Path(fp8train.__file__).parent in Path(caught.traceback[-1].path).resolve().parents
     plan = json.loads((tmp_path / "val" / "plan.json").read_text())
     made = _summaries(tmp_path / "val")
     assert made and all(s["fork"]["sha256"] == plan["fork"]["sha256"] for s in made.values())

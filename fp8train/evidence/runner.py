@@ -219,6 +219,21 @@ def _worker_run(run: PlannedRun, baseline_dir: str | None) -> dict:
         return train(run.cfg, show_progress=False, should_stop=guard)
     except Interrupted as err:  # the run's summary says "interrupted"; the pool would only wait for more work
         os._exit(128 + err.signum)
+    except ValueError as err:  # fp8train's own refusal (a deleted fork source, say): the validation raises it
+        if not _raised_by_fp8train(err):  # again, so the command line says it in one line, as in-process
+            raise
+        return {_REFUSED: str(err)}
+
+
+_REFUSED = "refused"
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+def _raised_by_fp8train(err: BaseException) -> bool:
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and _PACKAGE_DIR in Path(tb.tb_frame.f_code.co_filename).resolve().parents
 
 
 def _run_in_pool(schedule: _Schedule, baseline_dirs, workers: int, log) -> None:
@@ -247,6 +262,8 @@ def _run_in_pool(schedule: _Schedule, baseline_dirs, workers: int, log) -> None:
                 for future in finished:
                     run = running.pop(future)
                     summary = future.result()  # a run's exception ends the validation here, as in-process
+                    if _REFUSED in summary:
+                        raise ValueError(summary[_REFUSED])
                     _check_paired(run, summary)
                     schedule.done.add(run.key)
                     log(_describe(run, summary))
