@@ -61,8 +61,10 @@ class Fork:
 def deleted_message(key: str, path: str) -> str:
     """Why `path` (as given to `key`) cannot be found: deleted, or, for a relative path, resolved from here."""
     where = Path(path)
-    relative = "" if where.is_absolute() else f" (a relative path: from {Path.cwd()} it is {where.absolute()})"
-    return f"{key}={path}: {where.absolute() if relative else where} does not exist (deleted?){relative}"
+    if where.is_absolute():
+        return f"{key}={path}: {where} does not exist (deleted?)"
+    return (f"{key}={path}: {where.absolute()} does not exist (a relative path, read from {Path.cwd()}: deleted, "
+            "or meant from another folder?)")
 
 
 def resolve_fork_checkpoint(path: str, key: str = "train.fork_from") -> Path:
