@@ -121,8 +121,11 @@ def test_fork_from_another_model_or_optimizer_is_refused_before_anything_is_writ
 
 
 def test_fork_from_a_broken_or_missing_checkpoint_is_refused(source, tiny, tmp_path):
-    with pytest.raises(ValueError, match="not a checkpoint folder"):
+    with pytest.raises(ValueError, match=r"nowhere does not exist \(deleted\?\)$"):
         _fork(tmp_path, tiny, "none", tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="not a checkpoint folder"):
+        _fork(tmp_path, tiny, "none", tmp_path / "empty")
     broken = tmp_path / "copy"
     shutil.copytree(source / "src", broken)
     data = broken / "checkpoints" / "step_000016" / "model.safetensors"
@@ -202,7 +205,7 @@ def test_validation_from_a_fork_records_the_checkpoint_and_refuses_a_changed_or_
     with pytest.raises(ValueError, match="changed since"):
         run_validation(_validate_cfg(tmp_path, tiny, src), candidates=["current"], show_progress=False)
     shutil.rmtree(src)
-    with pytest.raises(ValueError, match="cannot be used now"):
+    with pytest.raises(ValueError, match="step_000016 \(sha256 [0-9a-f]{12}\), which was deleted: "):
         run_validation(_validate_cfg(tmp_path, tiny, src), candidates=["current"], show_progress=False)
     assert sorted(p.name for p in vdir.rglob("*")) == before
 

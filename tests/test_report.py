@@ -319,12 +319,15 @@ def test_missing_runs_make_it_inconclusive_not_a_crash(validation_dir):
 
 
 @pytest.mark.parametrize("unusable, why", [("candidate", "seed 3: candidate missing"),
-                                            ("baseline", "seed 3: bf16 baseline running")])
+                                            ("baseline", "seed 3: bf16 baseline unfinished"),
+                                            ("baseline held", "seed 3: bf16 baseline running")])
 def test_passing_usable_seeds_with_an_unusable_one_are_inconclusive(tmp_path, unusable, why):
     """Three seeds; seeds 1 and 2 are the fixture's good pair (gaps +0.5%, +0.7%: upper bound 0.6% + 6.314 x
-    0.1% = 1.23% <= 2%, a PASS on their own), seed 3 has no candidate run, or a baseline still running (metrics,
-    no summary). The estimate is the two usable seeds'; the verdict is INCONCLUSIVE, not PASS, and says why."""
+    0.1% = 1.23% <= 2%, a PASS on their own), seed 3 has no candidate run, or a baseline with metrics and no
+    summary: unfinished (killed: no process holds its directory), or running (this process holds its lock). The
+    estimate is the two usable seeds'; the verdict is INCONCLUSIVE, not PASS, and says why."""
     from fp8train.evidence.verdict import load_validation, summarize_validation
+    from fp8train.training.storage.rundir import DirLock
 
     vdir = tmp_path / "val"
     vdir.mkdir()
@@ -336,10 +339,15 @@ def test_passing_usable_seeds_with_an_unusable_one_are_inconclusive(tmp_path, un
         _write_run(vdir, "bf16", seed, BASE_VAL[seed])
         _write_run(vdir, "good", seed, GOOD_VAL[seed])
     base3 = _write_run(vdir, "bf16", 3, BASE_VAL[1])
-    if unusable == "baseline":
+    if unusable.startswith("baseline"):
         _write_run(vdir, "good", 3, GOOD_VAL[1])
         (base3 / "summary.json").unlink()
-    summary = summarize_validation(*load_validation(vdir))
+    lock = DirLock(base3).acquire() if unusable == "baseline held" else None
+    try:
+        summary = summarize_validation(*load_validation(vdir))
+    finally:
+        if lock is not None:
+            lock.release()
     good = summary["candidates"]["good"]
     assert good["verdict"] == "inconclusive" and summary["verdict"] == "inconclusive"
     assert good["reason"] == f"2 of 3 seeds usable: {why}"
@@ -613,17 +621,18 @@ def test_evidence_cost_by_hand():
     from fp8train.evidence import stats
     from fp8train.evidence.verdict import evidence_cost
 
-    def run(summary):
-        return types.SimpleNamespace(summary=summary)
+    def run(summary, status=None):
+        return types.SimpleNamespace(summary=summary, status=status or ("completed" if summary else "missing"))
 
     plan = {"margin": 0.02, "seeds": [1, 2, 3], "candidates": [{"label": "good"}]}
     runs = {"bf16": {1: run({"wall_time_s": 10.0, "cpu_time_s": 8.0}),
                      2: run({"wall_time_s": 12.0, "world_size": 2, "cpu_time_s": 9.0}), 3: run(None)},
-            "good": {1: run({"wall_time_s": 20.0, "cpu_time_s": 15.0}), 2: run(None), 3: run(None)}}
+            "good": {1: run({"wall_time_s": 20.0, "cpu_time_s": 15.0}), 2: run(None, "unfinished"),
+                     3: run(None, "running")}}
     candidates = {"good": {"gap_mean": 0.006, "gap_sd": 0.001}}
     fixed = max(stats.seeds_needed(0.006, 0.001, 0.02), 2)
     assert evidence_cost(plan, runs, candidates) == {
-        "runs": 3, "run_seconds": 42.0, "device_seconds": 10.0 + 24.0 + 20.0, "cpu_seconds": 32.0,
+        "runs": 3, "running_runs": 1, "unfinished_runs": 1, "run_seconds": 42.0, "device_seconds": 10.0 + 24.0 + 20.0, "cpu_seconds": 32.0,
         "planned_seeds_runs": 6, "fixed_design_seeds": fixed, "fixed_design_runs": 2 * fixed}
     runs["good"][2] = run({"wall_time_s": 5.0})  # no CPU time recorded: the CPU total is unknown
     assert evidence_cost(plan, runs, candidates)["cpu_seconds"] is None

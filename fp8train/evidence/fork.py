@@ -8,7 +8,13 @@ source's LR schedule go on for train.max_steps steps; a seed varies only what is
 order and dropout). plan.json records the checkpoint, its step, the sha256 of its files and, per candidate,
 whether its FP8 scaling state starts fresh or comes from the checkpoint (an FP8 source of the same recipe). A
 re-run whose checkpoint changed, or is missing, is refused before anything runs: the runs already made started
-from the recorded one.
+from the recorded one. The pin holds for the whole validation: every run checks the checkpoint's sha256 against
+plan.json in the process that trains it, just before it starts, and its summary.json records the sha256 of what
+it loaded, checked again when it ends and by `fp8train report`. A deleted, replaced or edited checkpoint ends
+the validation with one line; the runs made so far are kept.
+
+train.fork_from in a validation is refused unless it names validate.fork_from's checkpoint: it would fork every
+run from whatever the path holds when that run starts, with nothing pinned.
 """
 
 from __future__ import annotations
@@ -17,12 +23,14 @@ from pathlib import Path
 
 from fp8train.evidence.pairs import PLAN_FILE, PlannedRun, derive_config, validation_dir
 from fp8train.training.config import FullConfig
-from fp8train.training.runs.fork import checkpoint_sha256, fp8_state_origin, open_fork, resolve_fork_checkpoint
+from fp8train.training.runs.fork import (checkpoint_sha256, fp8_state_origin, open_fork, resolve_fork_checkpoint)
 from fp8train.training.storage.files import read_json
 
-__all__ = ["fork_config", "fork_record", "check_fork_unchanged"]
+__all__ = ["fork_config", "fork_record", "check_fork_unchanged", "check_pinned_fork", "check_run_fork",
+           "source_problem"]
 
 KEY = "validate.fork_from"
+_NEW_NAME = "use a new run.name (nothing was changed)"
 
 
 def _planned_fork(vdir: Path) -> dict | None:
@@ -32,10 +40,51 @@ def _planned_fork(vdir: Path) -> dict | None:
         return None  # a damaged plan: check_plan decides what to do with it
 
 
+def _check_train_fork(cfg: FullConfig) -> None:
+    """train.fork_from inside a validation: every run would fork from it with nothing pinned (no sha256 in
+    plan.json, nothing checked when it is replaced). Accepted only as the same checkpoint validate.fork_from
+    pins."""
+    given = cfg.train.fork_from
+    if not given:
+        return
+    if not cfg.validate.fork_from:
+        raise ValueError(f"train.fork_from={given} in a validation: use validate.fork_from={given} instead (it "
+                         "pins the checkpoint's sha256 in plan.json and checks it before every run; train.fork_from "
+                         "would fork each run from whatever the path holds when it starts); nothing was written")
+    ours = resolve_fork_checkpoint(cfg.validate.fork_from, KEY)
+    theirs = resolve_fork_checkpoint(given, "train.fork_from")
+    if ours != theirs:
+        raise ValueError(f"train.fork_from={given} ({theirs}) and {KEY}={cfg.validate.fork_from} ({ours}) are "
+                         f"different checkpoints: give {KEY} alone (train.fork_from is set for every run from it); "
+                         "nothing was written")
+
+
+def _elsewhere(given: str, pinned: Path) -> bool:
+    """A relative validate.fork_from that, from this folder, names neither the pinned checkpoint nor its run."""
+    return not Path(given).is_absolute() and Path(given).resolve() not in (pinned, pinned.parent.parent)
+
+
+def _unusable(cfg: FullConfig, planned: dict, err: ValueError) -> ValueError:
+    """Why the checkpoint plan.json pinned cannot be resolved now: deleted, or a relative path read elsewhere."""
+    vdir, pinned = validation_dir(cfg), Path(planned["checkpoint"])
+    given = Path(cfg.validate.fork_from)
+    head = f"{vdir / PLAN_FILE} was planned from the fork checkpoint {pinned} (sha256 {planned['sha256'][:12]})"
+    if _elsewhere(cfg.validate.fork_from, pinned) and pinned.exists():
+        return ValueError(f"{head}, but the relative {KEY}={given} resolves elsewhere from {Path.cwd()} "
+                          f"({given.absolute()}): run from the folder the validation was started in, or pass "
+                          f"{KEY}={pinned}; nothing was changed")
+    if not pinned.exists():
+        return ValueError(f"{head}, which was deleted: its runs started from it; restore it, or {_NEW_NAME}")
+    return ValueError(f"{head}, which cannot be used now: {err}. Its runs started from that checkpoint; restore "
+                      f"it, or {_NEW_NAME}")
+
+
 def fork_config(cfg: FullConfig) -> tuple[FullConfig, dict | None]:
     """(cfg with train.fork_from set to the resolved checkpoint, the plan's fork record without the per-candidate
     part), or (cfg, None) without validate.fork_from. ValueError for a checkpoint that is missing, broken, from
-    another model or optimizer, or another than the one plan.json recorded."""
+    another model or optimizer, written by another config.yaml than its run's now, or another than the one
+    plan.json recorded; and for train.fork_from other than validate.fork_from's checkpoint."""
+    _check_train_fork(cfg)
     if not cfg.validate.fork_from:
         return cfg, None
     planned = _planned_fork(validation_dir(cfg))
@@ -43,11 +92,10 @@ def fork_config(cfg: FullConfig) -> tuple[FullConfig, dict | None]:
         checkpoint = resolve_fork_checkpoint(cfg.validate.fork_from, KEY)
     except ValueError as err:
         if planned:
-            raise ValueError(f"{validation_dir(cfg) / PLAN_FILE} was planned from the fork checkpoint "
-                             f"{planned['checkpoint']} (sha256 {planned['sha256'][:12]}), which cannot be used now: "
-                             f"{err}. Its runs started from that checkpoint; restore it, or use a new run.name "
-                             "(nothing was changed)") from None
+            raise _unusable(cfg, planned, err) from None
         raise
+    if planned and _elsewhere(cfg.validate.fork_from, Path(planned["checkpoint"])):
+        raise _unusable(cfg, planned, ValueError("resolved elsewhere"))
     forked = derive_config(cfg, [f"train.fork_from={checkpoint}"])
     fork = open_fork(forked, key=KEY)
     record = {"checkpoint": str(checkpoint), "step": fork.step, "sha256": checkpoint_sha256(checkpoint),
@@ -79,3 +127,44 @@ def check_fork_unchanged(vdir: Path, record: dict, planned: dict | None) -> None
                          f"planned (sha256 {planned.get('sha256', '')[:12]} then, {record['sha256'][:12]} now): "
                          "the runs already made started from the old one; use a new run.name (nothing was "
                          "changed)")
+
+
+def source_problem(pinned: dict) -> str | None:
+    """None when the checkpoint plan.json pinned is there with the pinned sha256; else deleted or replaced."""
+    checkpoint = Path(pinned["checkpoint"])
+    if not checkpoint.exists():
+        return f"the fork checkpoint {checkpoint} pinned in {PLAN_FILE} was deleted"
+    try:
+        now = checkpoint_sha256(checkpoint)
+    except ValueError as err:
+        return str(err)
+    if now != pinned["sha256"]:
+        return (f"the fork checkpoint {checkpoint} was replaced or edited since {PLAN_FILE} pinned it (sha256 "
+                f"{pinned['sha256'][:12]} then, {now[:12]} now)")
+    return None
+
+
+def check_pinned_fork(run: PlannedRun) -> None:
+    """Before a run of a forked validation starts (in the process that trains it): the checkpoint is still the
+    pinned one. ValueError ends the validation; the runs made so far are kept."""
+    if run.pinned_fork is None:
+        return
+    problem = source_problem(run.pinned_fork)
+    if problem is not None:
+        raise ValueError(f"validation stopped before {run.key}: {problem}. The runs made so far started from the "
+                         "pinned checkpoint and are kept; restore it and re-run `fp8train validate`, or start a "
+                         "new validation under another run.name")
+
+
+def check_run_fork(run: PlannedRun, summary: dict) -> None:
+    """After a run of a forked validation: it started from the pinned checkpoint (the sha256 it recorded just
+    before loading), not from one that replaced it between the check above and the load."""
+    if run.pinned_fork is None:
+        return
+    started = (summary or {}).get("fork") or {}
+    if started.get("sha256") != run.pinned_fork["sha256"]:
+        raise ValueError(f"validation stopped: {run.key} started from {started.get('checkpoint')} with sha256 "
+                         f"{str(started.get('sha256'))[:12]}, not the checkpoint {PLAN_FILE} pinned (sha256 "
+                         f"{run.pinned_fork['sha256'][:12]}): it was replaced while the run started. No verdict "
+                         "uses that run; restore the checkpoint, delete the run's folder and re-run `fp8train "
+                         "validate`, or start a new validation under another run.name")

@@ -10,6 +10,9 @@ refused here (a ValueError naming the run and what differs; nothing is written):
   summary.json records the fingerprint of what it trained on, and it must be the plan's;
 - a run made from another config than planned (its config.yaml does not hash to plan.json's entry), or a
   summary.json that does not belong to its config and the planned data (validate refuses such a run too);
+- a run of a forked validation (validate.fork_from) whose summary.json records another checkpoint sha256 than
+  the one plan.json pinned (the source was replaced while the validation ran); a run recording none (an older
+  fp8train) passes only while the pinned checkpoint is still there, unchanged;
 - a plan.json whose margin or final window is not what its runs were planned with (edited afterwards), or a
   finished run whose metrics.jsonl does not end with the val_loss of its summary.json (another run's log).
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fp8train.evidence.fork import source_problem
 from fp8train.evidence.pairs import PLAN_FILE
 from fp8train.training.config import config_hash, load_config
 from fp8train.training.config.validation import check_candidate_key
@@ -77,6 +81,24 @@ def _log_problem(run) -> str | None:
     return None
 
 
+def _fork_problem(pinned: dict | None, summary: dict | None, source: list) -> str | None:
+    """A finished run of a forked validation started from the pinned checkpoint (the sha256 it recorded)."""
+    if not pinned or summary is None:
+        return None
+    started = summary.get("fork")
+    if isinstance(started, dict):
+        if started.get("sha256") == pinned.get("sha256"):
+            return None
+        return (f"it started from the fork checkpoint {started.get('checkpoint')} with sha256 "
+                f"{str(started.get('sha256'))[:12]}, not the one {PLAN_FILE} pinned ({str(pinned.get('sha256'))[:12]})")
+    if not source:
+        source.append(source_problem(pinned))  # read once per report, for every run that needs it
+    if source[0] is not None:
+        return (f"its summary.json records no fork checkpoint (an older fp8train), and {source[0]}, so what it "
+                "started from cannot be checked")
+    return None
+
+
 def check_pairing(vdir: Path, plan: dict, runs: dict) -> None:
     """Raise ValueError unless every run of `runs` ({label: {seed: RunData}}) is paired as `plan` declares (see
     the module docstring). Runs not started yet, or still running, are left to the verdict (it counts them)."""
@@ -84,11 +106,12 @@ def check_pairing(vdir: Path, plan: dict, runs: dict) -> None:
         for override in spec.get("overrides", []):
             check_candidate_key(str(override).partition("=")[0].strip(), str(spec.get("label")))
     planned_fp, planned_runs = plan.get("data_fingerprint"), plan.get("runs", {})
-    problems = []
+    problems, source = [], []
     for label, by_seed in runs.items():
         for seed, run in by_seed.items():
             key = f"{label}/seed{seed}"
-            problem = data_problem(planned_fp, run.summary) if run.summary is not None else None
+            problem = _fork_problem(plan.get("fork"), run.summary, source)
+            problem = problem or (data_problem(planned_fp, run.summary) if run.summary is not None else None)
             problem = problem or _config_problem(run.dir, (planned_runs.get(key) or {}).get("config_hash"),
                                                  planned_fp, run.summary, plan) or _log_problem(run)
             if problem is not None:

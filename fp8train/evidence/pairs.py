@@ -55,6 +55,7 @@ class PlannedRun:
     candidate: Candidate | None = None
     data_fingerprint: dict | None = None  # what train() will train on (set by fingerprint_runs)
     data_source: str = "the data"
+    pinned_fork: dict | None = None  # validate.fork_from: plan.json's checkpoint and sha256 (evidence/fork.py)
 
     def config_hash(self) -> str:
         """The hash train() records in this run's summary.json: its config and its data's fingerprint."""

@@ -184,7 +184,10 @@ def _cost_markdown(summary: dict) -> list[str]:
     fixed = (f"; the fewest seeds with which a fixed design decides every candidate at the observed means and "
              f"spreads: {cost['fixed_design_seeds']} ({cost['fixed_design_runs']} runs)"
              if cost["fixed_design_seeds"] else "")
-    lines += [f"Cost: **{cost['runs']} runs**, {_fmt(cost['run_seconds'], '.0f')} s of run time "
+    others = [f"{cost[key]} {what}" for key, what in (("running_runs", "running now"), ("unfinished_runs",
+              "unfinished: no summary.json and no process holds it, killed?")) if cost.get(key)]
+    started = f" (besides: {'; '.join(others)})" if others else ""
+    lines += [f"Cost: **{cost['runs']} runs** ended{started}, {_fmt(cost['run_seconds'], '.0f')} s of run time "
               f"({_fmt(cost['device_seconds'], '.0f')} device-seconds: wall time x processes), "
               f"{_fmt(cost['cpu_seconds'], '.0f')} CPU seconds (rank 0). Every planned seed "
               f"({len(summary['planned_seeds'])}) would have been {cost['planned_seeds_runs']} runs{fixed}.", ""]
@@ -242,7 +245,7 @@ def write_run_report(path: str | Path) -> dict:
              f"Status {run.status}; recipe `{s.get('recipe', '?')}`; {s.get('steps', '?')} steps; final loss "
              f"{_fmt(s.get('loss'), '.4f')}, val loss {_fmt(s.get('val_loss'), '.4f')}; wall time "
              f"{_fmt(s.get('wall_time_s'), '.0f')} s; median {_fmt(run.tokens_per_s, '.0f')} tokens/s.", "",
-             "![loss curves](loss_curves.png)", ""]
+             "![loss curves](loss_curves.png)", "", *_run_fork_markdown(s)]
     if health_png:
         lines += ["![per-layer FP8 health](health.png)", ""]
     lines += _advisor_markdown({run.label: (table, _exclude_list(run))})
@@ -250,6 +253,15 @@ def write_run_report(path: str | Path) -> dict:
     lines += _damage_markdown({run.label: run})
     write_text_atomic(path / "report.md", "\n".join(lines) + "\n")
     return {"status": run.status, "advisor": advisor.advise(table)}
+
+
+def _run_fork_markdown(summary: dict) -> list[str]:
+    """train.fork_from: the checkpoint the run started from, as it recorded it just before loading."""
+    fork = summary.get("fork")
+    if not isinstance(fork, dict):
+        return []
+    return [f"Forked from `{fork.get('checkpoint')}` (step {fork.get('step')}, files sha256 "
+            f"`{str(fork.get('sha256'))[:12]}`).", ""]
 
 
 def _shadow_markdown(run_dir: Path, records: list[dict]) -> list[str]:

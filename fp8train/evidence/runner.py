@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from fp8train.evidence.curves import Curve, load_curve
+from fp8train.evidence.fork import check_pinned_fork, check_run_fork
 from fp8train.evidence.pairing import data_problem
 from fp8train.evidence.pairs import PlannedRun
 from fp8train.training.config import FullConfig, config_hash
@@ -138,6 +139,7 @@ def run_plan(runs: list[PlannedRun], workers: int, accelerator=None, log=print, 
 def _check_paired(run: PlannedRun, summary: dict) -> None:
     """Stop the validation as soon as a run turns out to have trained on other data than planned (the data was
     rewritten while the validation ran): every later run would be unpaired too, and no verdict can use it."""
+    check_run_fork(run, summary)  # validate.fork_from: it loaded the pinned checkpoint, byte for byte
     problem = data_problem(run.data_fingerprint, summary)
     if problem is not None:
         raise ValueError(f"validation stopped: {run.key} is not paired with the plan: {problem}. Restore the data "
@@ -165,6 +167,7 @@ def _run_in_process(schedule: _Schedule, baseline_dirs, accelerator, log, show_p
             schedule.started.add(run.key)
             if accelerator.is_main_process:
                 log(f"[validate] {run.key}: running (seed {run.seed})")
+            check_pinned_fork(run)  # validate.fork_from: the pinned checkpoint, still there and unchanged
             summary = train(run.cfg, accelerator=accelerator, show_progress=show_progress,
                             should_stop=_guard(run, baseline_dirs))
             accelerator.wait_for_everyone()  # rank 0 wrote metrics.jsonl; every rank then reads the same curve
@@ -212,9 +215,25 @@ def _worker_init(slots, threads: int, gpus: int, parent_pid: int) -> None:
 def _worker_run(run: PlannedRun, baseline_dir: str | None) -> dict:
     guard = _guard(run, {run.seed: Path(baseline_dir)}) if baseline_dir else None
     try:
+        check_pinned_fork(run)  # in the worker, just before its run starts: the source may change at any time
         return train(run.cfg, show_progress=False, should_stop=guard)
     except Interrupted as err:  # the run's summary says "interrupted"; the pool would only wait for more work
         os._exit(128 + err.signum)
+    except ValueError as err:  # fp8train's own refusal (a deleted fork source, say): the validation raises it
+        if not _raised_by_fp8train(err):  # again, so the command line says it in one line, as in-process
+            raise
+        return {_REFUSED: str(err)}
+
+
+_REFUSED = "refused"
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+def _raised_by_fp8train(err: BaseException) -> bool:
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and _PACKAGE_DIR in Path(tb.tb_frame.f_code.co_filename).resolve().parents
 
 
 def _run_in_pool(schedule: _Schedule, baseline_dirs, workers: int, log) -> None:
@@ -243,6 +262,8 @@ def _run_in_pool(schedule: _Schedule, baseline_dirs, workers: int, log) -> None:
                 for future in finished:
                     run = running.pop(future)
                     summary = future.result()  # a run's exception ends the validation here, as in-process
+                    if _REFUSED in summary:
+                        raise ValueError(summary[_REFUSED])
                     _check_paired(run, summary)
                     schedule.done.add(run.key)
                     log(_describe(run, summary))

@@ -64,6 +64,8 @@ def run_validation(cfg: FullConfig, candidates=None, accelerator=None, show_prog
     fingerprint_runs(runs)
     plan = validation_plan(cfg, runs)
     plan["fork"] = fork_record(fork, runs)
+    for run in runs:  # every run checks the pinned checkpoint before it starts and after it ends (runner)
+        run.pinned_fork = fork
     vdir = validation_dir(cfg)
     check_plan(vdir, plan, runs[0].data_source)  # every rank checks (and fails alike) before rank 0 writes
     _check_run_dirs(runs, vdir)

@@ -18,7 +18,7 @@ from fp8train.evidence.curves import Curve, load_curve
 from fp8train.evidence.pairs import BASELINE, PLAN_FILE, run_dir
 from fp8train.training.runs import telemetry
 from fp8train.training.storage.files import read_json
-from fp8train.training.storage.rundir import METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE
+from fp8train.training.storage.rundir import METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE, is_locked
 
 __all__ = ["RunData", "load_validation", "summarize_validation", "evidence_cost", "METHOD", "SEQUENTIAL_METHOD"]
 
@@ -55,8 +55,10 @@ class RunData:
 
     @property
     def status(self) -> str:
-        if self.summary is None:
-            return "running" if self.curve.val or self.curve.train else "missing"
+        if self.summary is None:  # no summary.json: running only while a process holds the run directory
+            if not (self.curve.val or self.curve.train):
+                return "missing"
+            return "running" if is_locked(self.dir) else "unfinished"
         return self.summary.get("status", "unknown")
 
     @property
@@ -211,8 +213,10 @@ def summarize_validation(plan: dict, runs: dict[str, dict[int, RunData]]) -> dic
     finals = [f for f in (r.final(window) for r in base_runs.values()) if f is not None]
     spread = statistics.stdev(finals) / statistics.fmean(finals) if len(finals) > 1 else None
     sequential_plan = plan.get("sequential")
-    # validate.seeds=auto plans every seed up to max_seeds; the seeds are those that ran
-    seeds = [s for s in plan["seeds"] if not sequential_plan or base_runs[s].status != "missing"]
+    # validate.seeds=auto plans every seed up to max_seeds; the seeds are those whose baseline ended (one running,
+    # or killed between rounds, is no pair yet)
+    seeds = [s for s in plan["seeds"] if not sequential_plan
+             or base_runs[s].status not in ("missing", "running", "unfinished", "interrupted")]
     return {
         "verdict": stats.overall_verdict([c["verdict"] for c in candidates.values()]),
         "margin": float(plan["margin"]), "final_window": window, "seeds": seeds,
@@ -243,8 +247,9 @@ def evidence_cost(plan: dict, runs: dict[str, dict[int, RunData]], candidates: d
     needed = [stats.seeds_needed(c["gap_mean"], c["gap_sd"], margin) for c in candidates.values()]
     fixed = max(max(n, 2) for n in needed) if needed and None not in needed else None
     cpu = [s.get("cpu_time_s") for s in made]
+    statuses = [r.status for by_seed in runs.values() for r in by_seed.values()]
     return {
-        "runs": len(made),
+        "runs": len(made), "running_runs": statuses.count("running"), "unfinished_runs": statuses.count("unfinished"),
         "run_seconds": sum(s.get("wall_time_s") or 0.0 for s in made),
         "device_seconds": sum((s.get("wall_time_s") or 0.0) * (s.get("world_size") or 1) for s in made),
         "cpu_seconds": sum(cpu) if cpu and None not in cpu else None,

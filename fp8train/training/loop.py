@@ -45,7 +45,7 @@ from fp8train.training.runs import telemetry
 from fp8train.training.runs.checkpoint import load_checkpoint, save_checkpoint
 from fp8train.training.runs.lifetime import interrupts_held
 from fp8train.training.runs.claim import holding
-from fp8train.training.runs.fork import load_fork
+from fp8train.training.runs.fork import checkpoint_sha256, fork_record, load_fork
 from fp8train.training.runs.run_log import (MetricsLog, finish, start_logs, summarize, summary_line,
                                             summary_on_interrupt)
 from fp8train.training.runs.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
@@ -133,6 +133,7 @@ def resume(run: Run) -> LoopState:
     load = load_sharded_checkpoint if run.sharded else load_checkpoint
     manifest = load(run.plan.checkpoint, run.model, run.optimizer, run.scheduler)
     counts = manifest.get("extra", {})
+    run.fork_record = counts.get("fork")  # a resumed fork: what its first segment started from
     run.lr_horizon["steps"] = counts.get("lr_schedule_steps", run.cfg.train.max_steps)
     state.start_step = state.done = manifest["step"]
     state.resumed_from, state.last_checkpoint = str(run.plan.checkpoint), run.plan.checkpoint
@@ -145,7 +146,9 @@ def resume(run: Run) -> LoopState:
 def start_from_fork(run: Run) -> None:
     """train.fork_from: step 0 of this run holds the source checkpoint's weights, AdamW state and LR schedule
     (fp8train.training.runs.fork); the schedule's length is the source run's."""
+    sha256 = checkpoint_sha256(run.fork.checkpoint)  # of the files as they are now, just before they are loaded
     manifest = load_fork(run.fork, run.model, run.optimizer, run.scheduler, run.cfg.train.seed)
+    run.fork_record = fork_record(run.fork, sha256)
     run.lr_horizon["steps"] = manifest.get("extra", {}).get("lr_schedule_steps", run.fork.source_cfg.train.max_steps)
     run.say(f"[{run.cfg.run.name}] forked from {run.fork.checkpoint} (step {run.fork.step}; FP8 scaling state "
             f"{run.fork.fp8_state})")
@@ -211,7 +214,8 @@ def _write_checkpoint(run: Run, state: LoopState, final: bool) -> bool:
         return False
     ckpt_dir = run.run_dir / CHECKPOINTS_DIR
     path = ckpt_dir / f"step_{done:06d}"
-    extra = {**run.hashes, "lr_schedule_steps": run.lr_horizon["steps"], **state.counts()}
+    extra = {**run.hashes, "lr_schedule_steps": run.lr_horizon["steps"], **state.counts(),
+             **({"fork": run.fork_record} if run.fork_record else {})}
     protect = [run.plan.checkpoint] if run.plan.checkpoint is not None else []  # pruning keeps the resumed one
     if run.sharded:  # every rank writes its shard; collective
         path = save_sharded_checkpoint(ckpt_dir, done, run.model, run.optimizer, run.scheduler, extra=extra,

@@ -65,6 +65,7 @@ class Run:
     made_process_group: bool = False  # fsdp2 in one process without a launcher: set_up made a 1-rank group
     cpu_started: float = field(default_factory=time.process_time)  # this process's CPU time at set-up
     fork: Fork | None = None  # train.fork_from of a run that starts now (a resumed fork has its own checkpoints)
+    fork_record: dict | None = None  # what it forked from (path, step, sha256): in summary.json and checkpoints
 
     @property
     def sharded(self) -> bool:
@@ -153,12 +154,27 @@ def set_up(cfg: FullConfig, accelerator, show_progress: bool, model_factory=None
     return run
 
 
+_FORK_COMMENT = "# train.fork_from resolved to "
+
+
+def _fork_comment(run: Run) -> str:
+    """train.fork_from stays as given in config.yaml (a resume compares it); where it led is a comment line,
+    written at the fork and kept by every resume (which never reads the source again)."""
+    if run.fork is not None:
+        return f"{_FORK_COMMENT}{run.fork.checkpoint} (step {run.fork.step})\n"
+    old = run.run_dir / CONFIG_FILE
+    if not run.cfg.train.fork_from or not old.is_file():
+        return ""
+    return "".join(line for line in old.read_text().splitlines(keepends=True) if line.startswith(_FORK_COMMENT))
+
+
 def _prepare_training(run: Run) -> None:
     """config.yaml written (rank 0, between barriers: no rank mistakes it for an earlier run's), the model on
     its device, AdamW and the LR schedule, accelerate's wrapping."""
     cfg, accelerator = run.cfg, run.accelerator
     accelerator.wait_for_everyone()
-    write_config = lambda: write_text_atomic(run.run_dir / CONFIG_FILE, config_to_yaml(cfg))  # noqa: E731
+    text = config_to_yaml(cfg) + _fork_comment(run)
+    write_config = lambda: write_text_atomic(run.run_dir / CONFIG_FILE, text)  # noqa: E731
     run.lock = claim_run_dir(run.run_dir, accelerator, run.dir_state, write_config, lambda m: run.say(m))
     accelerator.wait_for_everyone()
     if run.conversion is not None:

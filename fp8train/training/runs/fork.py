@@ -15,8 +15,12 @@ checkpoint comes from an FP8 run of the same recipe (the same recipe code) with 
 scaling state (amax histories, scales) is loaded with the weights. `fp8_state_origin` says which.
 
 Everything is checked before the run directory is touched: the checkpoint verifies (its manifest's sizes and
-sha256), it is a single-file (DDP) checkpoint, its run's config.yaml is readable and compatible. A resumed
-forked run resumes from its own checkpoints and never reads the source again.
+sha256), it is a single-file (DDP) checkpoint, its run's config.yaml is readable, compatible and still the one
+that wrote the checkpoint (the manifest's resume_hash, as export checks: an edited config.yaml would record
+settings the checkpoint was not trained with). The sha256 of the checkpoint's files is taken just before they
+are loaded (`fork_record`): summary.json and every checkpoint of the forked run record it with the path and step,
+so what a run started from is on file. A resumed forked run resumes from its own checkpoints and never reads the
+source again. A checkpoint deleted under a fork (pruned by its still-training run) is a ValueError saying so.
 """
 
 from __future__ import annotations
@@ -32,12 +36,13 @@ from fp8train.nn.convert import fp8_layers
 from fp8train.training.runs.checkpoint import FILES, MANIFEST, checkpoint_step, load_optimizer_files, verify_checkpoint
 from fp8train.training.config import FullConfig, fp8_recipe_from_config, load_config
 from fp8train.training.models.decoder import tied_weight_groups
-from fp8train.training.runs.resume import config_differences
+from fp8train.training.runs.resume import config_differences, resume_hash
 from fp8train.training.storage.files import read_json, sha256_file
 from fp8train.training.storage.rundir import CHECKPOINTS_DIR, CONFIG_FILE
 from fp8train.training.runs.sharded_checkpoint import is_sharded_checkpoint, latest_loadable_checkpoint
 
-__all__ = ["Fork", "resolve_fork_checkpoint", "checkpoint_sha256", "open_fork", "fp8_state_origin", "load_fork"]
+__all__ = ["Fork", "resolve_fork_checkpoint", "checkpoint_sha256", "open_fork", "fp8_state_origin", "load_fork",
+           "fork_record", "deleted_message"]
 
 _MUST_MATCH = ("model.", "optim.", "train.lr")  # the checkpoint holds them: a different value would be ignored
 _MAY_DIFFER = ("model.seq_len",)  # RoPE / learned positions up to the source's length: the weights fit any
@@ -53,9 +58,28 @@ class Fork:
     fp8_state: str  # "fresh" | "checkpoint"
 
 
+def deleted_message(key: str, path: str) -> str:
+    """Why `path` (as given to `key`) cannot be found: deleted, or, for a relative path, resolved from here."""
+    where = Path(path)
+    if where.is_absolute():
+        return f"{key}={path}: {where} does not exist (deleted?)"
+    return (f"{key}={path}: {where.absolute()} does not exist (a relative path, read from {Path.cwd()}: deleted, "
+            "or meant from another folder?)")
+
+
 def resolve_fork_checkpoint(path: str, key: str = "train.fork_from") -> Path:
     """A checkpoint folder as given, or a run directory's newest checkpoint that verifies; ValueError else."""
+    try:
+        return _resolve(path, key)
+    except FileNotFoundError as err:  # removed while it was read (a pruning source run)
+        raise ValueError(f"{key}={path}: the checkpoint was deleted while it was read ({err.filename} is gone)"
+                         ) from None
+
+
+def _resolve(path: str, key: str) -> Path:
     where = Path(path)
+    if not where.exists():
+        raise ValueError(deleted_message(key, path))
     if (where / MANIFEST).is_file() or is_sharded_checkpoint(where):
         checkpoint = where
     elif (where / CHECKPOINTS_DIR).is_dir():
@@ -69,15 +93,27 @@ def resolve_fork_checkpoint(path: str, key: str = "train.fork_from") -> Path:
         raise ValueError(f"{key}={path}: {checkpoint} is a sharded (train.parallel=fsdp2) checkpoint; a fork "
                          "starts from a single-file checkpoint (train.parallel=ddp)")
     problem = verify_checkpoint(checkpoint)
+    if problem is not None and not checkpoint.exists():
+        raise ValueError(f"{key}={path}: checkpoint {checkpoint} was deleted while it was read")
     if problem is not None:
         raise ValueError(f"{key}={path}: checkpoint {checkpoint} does not verify: {problem}")
     return checkpoint.resolve()
 
 
 def checkpoint_sha256(checkpoint: Path) -> str:
-    """sha256 over the checkpoint's files (the manifest and each file's own sha256, in a fixed order)."""
-    lines = [f"{name}:{sha256_file(checkpoint / name)}" for name in (MANIFEST, *FILES)]
+    """sha256 over the checkpoint's files (the manifest and each file's own sha256, in a fixed order); a
+    ValueError saying it was deleted when a file is gone."""
+    try:
+        lines = [f"{name}:{sha256_file(checkpoint / name)}" for name in (MANIFEST, *FILES)]
+    except FileNotFoundError as err:
+        raise ValueError(f"the fork checkpoint {checkpoint} was deleted ({Path(err.filename or checkpoint).name} "
+                         "is gone)") from None
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def fork_record(fork: "Fork", sha256: str) -> dict:
+    """What a forked run records of its start (summary.json, its checkpoints' manifests): path, step, sha256."""
+    return {"checkpoint": str(fork.checkpoint), "step": fork.step, "sha256": sha256}
 
 
 def _recipe_code(cfg: FullConfig) -> str:
@@ -99,6 +135,7 @@ def open_fork(cfg: FullConfig, path: str | None = None, key: str = "train.fork_f
         raise ValueError(f"{key}: {checkpoint} is not inside a run directory (no {config_file}); fork from a "
                          "checkpoint of an fp8train run")
     source_cfg = load_config(str(config_file))
+    _check_source_config(checkpoint, source_cfg, config_file, key)
     diffs = [(k, old, new) for k, old, new in config_differences(source_cfg, cfg, ignore=_MAY_DIFFER)
              if k.startswith(_MUST_MATCH)]
     if diffs:
@@ -112,6 +149,18 @@ def open_fork(cfg: FullConfig, path: str | None = None, key: str = "train.fork_f
     return Fork(checkpoint, step, source_cfg, fp8_state_origin(cfg, source_cfg))
 
 
+def _check_source_config(checkpoint: Path, source_cfg: FullConfig, config_file: Path, key: str) -> None:
+    """The source's config.yaml is the one that wrote the checkpoint (its manifest's resume_hash): one edited
+    after training (another train.lr, say) would pass the checks above with values the checkpoint ignores."""
+    extra = read_json(checkpoint / MANIFEST).get("extra") or {}
+    saved = extra.get("resume_hash")
+    if saved is not None and saved != resume_hash(source_cfg, extra.get("data_fingerprint")):
+        raise ValueError(f"{key}: checkpoint {checkpoint} was not written by a run of {config_file} (its manifest's "
+                         f"resume_hash {str(saved)[:12]} is another config's: config.yaml was edited after "
+                         "training, or the checkpoint was copied from another run); restore the source run's own "
+                         "config.yaml (nothing was written)")
+
+
 def _fp8_buffer_names(model: torch.nn.Module) -> set[str]:
     return {f"{name}.{buf}" for name, layer in fp8_layers(model) for buf, _ in layer.named_buffers()}
 
@@ -122,7 +171,16 @@ def _linear_prefixes(model: torch.nn.Module) -> set[str]:
 
 def load_fork(fork: Fork, model: torch.nn.Module, optimizer, scheduler, seed: int) -> dict:
     """Load the fork's weights (and FP8 state when fork.fp8_state says so), AdamW state and LR schedule into a
-    freshly built run; returns the checkpoint's manifest. ValueError when the checkpoint does not fit."""
+    freshly built run; returns the checkpoint's manifest. ValueError when the checkpoint does not fit, or was
+    deleted (pruned by its still-training run)."""
+    try:
+        return _load_fork(fork, model, optimizer, scheduler, seed)
+    except FileNotFoundError as err:
+        raise ValueError(f"the fork checkpoint {fork.checkpoint} was deleted while it was loaded "
+                         f"({Path(err.filename or fork.checkpoint).name} is gone)") from None
+
+
+def _load_fork(fork: Fork, model: torch.nn.Module, optimizer, scheduler, seed: int) -> dict:
     saved = load_file(str(fork.checkpoint / "model.safetensors"))
     own = model.state_dict()
     fp8_buffers = _fp8_buffer_names(model)

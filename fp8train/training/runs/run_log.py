@@ -78,6 +78,7 @@ def summarize(run, state, collective: bool = True) -> dict:
         "diverged_at_step": state.diverged_at,
         "last_good_checkpoint": str(state.last_checkpoint) if state.last_checkpoint else None,
         "fp8_state_sha256": fp8_state_digest(layers) if layers else None,
+        "fork": run.fork_record,  # train.fork_from: the checkpoint (path, step, sha256) this run started from
     }
     if layers:
         summary.update(telemetry.counters(layers))

@@ -27,7 +27,8 @@ from fp8train.training.storage.files import refuse_symlink, write_error, write_j
 
 __all__ = [
     "CONFIG_FILE", "METRICS_FILE", "TELEMETRY_FILE", "SUMMARY_FILE", "CHECKPOINTS_DIR", "TRACKERS_FILE", "LOCK_FILE",
-    "refuse_symlinks_in", "dir_state", "DirLock", "record_write_failure", "refuse_run_directory_as_hf_folder",
+    "refuse_symlinks_in", "dir_state", "DirLock", "is_locked", "record_write_failure",
+    "refuse_run_directory_as_hf_folder",
 ]
 
 CONFIG_FILE = "config.yaml"
@@ -150,6 +151,23 @@ class DirLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def is_locked(directory: str | os.PathLike) -> bool:
+    """Whether a live process holds `directory`'s DirLock now (this one included): a run directory without a
+    summary.json is running when it is locked, and was killed or stopped when not (the kernel drops a dead
+    process's flock). Only tries the lock (shared, not waiting), never takes it over."""
+    try:
+        fd = os.open(Path(directory) / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the shared lock when it was taken
+    return False
 
 
 def _lock_holder(fd: int) -> dict:
