@@ -90,7 +90,10 @@ def fp8_grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor
     routed = sum(sizes)
     if scaling.training and scaling.recipe.is_delayed and not torch.compiler.is_compiling():
         scaling.check_scales_updated()
-    backend = resolve_backend(scaling.recipe.backend, input.device, tuple(map(scaling.recipe.format_of, ROLES)))
+    try:
+        backend = resolve_backend(scaling.recipe.backend, input.device, tuple(map(scaling.recipe.format_of, ROLES)))
+    except RuntimeError as exc:  # (the recipe's backend cannot run on this device: the user's choice)
+        raise ValueError(f"FP8 experts with recipe {scaling.recipe.code()!r}: {exc}") from None
     weights = weight.unbind(0)
     biases = bias.unbind(0) if bias is not None else [None] * len(sizes)
     groups = input[:routed].split(sizes) if routed else [input[:0]] * len(sizes)
