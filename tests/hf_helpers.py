@@ -33,7 +33,6 @@ TINY_MOE_ARCHS = {
                     layer_types=["sliding_attention", "full_attention"],
                     rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
 }
-TINY_ARCHS.update(TINY_MOE_ARCHS)
 
 
 def local_text(max_bytes: int = 120_000) -> str:
@@ -48,7 +47,7 @@ def local_text(max_bytes: int = 120_000) -> str:
 def hf_config(arch: str):
     from transformers import AutoConfig
 
-    fields = dict(TINY_ARCHS[arch], vocab_size=VOCAB)
+    fields = dict({**TINY_ARCHS, **TINY_MOE_ARCHS}[arch], vocab_size=VOCAB)
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
