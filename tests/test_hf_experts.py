@@ -185,3 +185,16 @@ def test_dry_run_leaves_the_experts_and_bad_top_k_is_refused():
     model.config.num_experts_per_tok = 5
     with pytest.raises(ValueError, match="top-k = 5"):
         convert_to_fp8(model, "current")
+
+
+def test_an_experts_module_left_out_runs_what_it_ran_before():
+    model = _model("qwen3_moe")
+    kept = _experts(model)[1]
+    hidden = torch.randn(16, 64)
+    index, weights = _route(16, 2, 4)
+    expected = kept(hidden, index, weights)
+    report = convert_to_fp8(model, "current", LayerPolicy(exclude=(r"layers\.1\.mlp\.experts$",)))
+    assert model.config._experts_implementation == EXPERTS_IMPLEMENTATION      # layer 0's experts are FP8
+    assert "excluded by pattern" in dict(report.skipped)["model.layers.1.mlp.experts.down_proj"]
+    assert not hasattr(kept, "gate_up_proj_fp8")
+    assert torch.equal(kept(hidden, index, weights), expected)

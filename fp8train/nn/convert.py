@@ -233,7 +233,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
     experts_swaps = plan_experts(model, recipe, policy, report, n_blocks, seen_as)
     count_other_weights(model, report, policy, seen_as)
     linear_names = [n for n, m in model.named_modules() if _as_linear_shape(m) is not None]
-    linear_names += [f"{name}.{param}" for name, _, choices in experts_swaps for param in choices]
+    linear_names += [n for name, _, choices in experts_swaps for n in (name, *(f"{name}.{p}" for p in choices))]
     seen_names = [n for name in linear_names for n in seen_as(name)]
     listed = f"its Linear layers: {', '.join(linear_names[:8])}" + (", ..." if len(linear_names) > 8 else "")
     unmatched = unmatched_patterns(policy.overrides, seen_names)
@@ -251,9 +251,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
         parent = model.get_submodule(parent_name) if parent_name else model
         swap = fp8_from_conv1d if is_conv1d(module) else Fp8Linear.from_linear
         setattr(parent, child, swap(module, layer_recipe))
-    for _, module, choices in experts_swaps:
-        if any(choice is not None for choice in choices.values()):
-            attach_experts(module, choices)
+    attach_experts(experts_swaps)
 
     if not report.converted and not dry_run:
         warnings.warn(f"convert_to_fp8: no nn.Linear was eligible for FP8 ({len(report.skipped)} skipped); "

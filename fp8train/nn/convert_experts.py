@@ -17,8 +17,8 @@ import re
 
 import torch.nn as nn
 
-from fp8train.nn.hf_experts import attach, expert_projections, experts_top_k, is_hf_experts, projection_shape, \
-    scaling_of
+from fp8train.nn.hf_experts import (attach, expert_projections, experts_top_k, is_hf_experts, projection_shape,
+                                     remember_implementation, scaling_of)
 from fp8train.nn.overrides import OVERRIDE_BF16, first_override
 from fp8train.nn.recipes import Fp8Recipe, recipe as make_recipe
 
@@ -66,8 +66,13 @@ def plan_experts(model: nn.Module, recipe: Fp8Recipe, policy, report, n_blocks: 
     return plans
 
 
-def attach_experts(module: nn.Module, choices: dict) -> None:
-    attach(module, {param: r for param, r in choices.items() if r is not None})
+def attach_experts(plans: list) -> None:
+    """Apply plan_experts' choices: every module's current implementation is kept first (modules share one
+    config, which the first converted module switches), then each module gets its FP8 projections."""
+    for _, module, _ in plans:
+        remember_implementation(module)
+    for _, module, choices in plans:
+        attach(module, {param: r for param, r in choices.items() if r is not None})
 
 
 def count_other_weights(model: nn.Module, report, policy, seen_as) -> None:

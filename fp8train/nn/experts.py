@@ -106,9 +106,9 @@ def fp8_grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor
                 # weight is still quantized in training, so its amax history keeps step with the others.
                 if scaling.training and scaling.recipe.is_delayed:
                     with torch.no_grad():
-                        view._weight_fp8(backend)
+                        view.weight_fp8(backend)
                 continue
-            weights_fp8 = view._weight_fp8(backend)
+            weights_fp8 = view.weight_fp8(backend)
             outputs.append(Fp8LinearFunction.apply(x_e, w_e, b_e, weights_fp8, view, backend, out_dtype))
     if routed < input.shape[0]:  # rows routed to no expert (torch's convention leaves them; here they are 0)
         outputs.append(input.new_zeros(input.shape[0] - routed, n, dtype=out_dtype))

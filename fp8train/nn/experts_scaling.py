@@ -84,7 +84,7 @@ class ExpertScaling(nn.Module):
 
     def check_scales_updated(self) -> None:
         """The dense layer's missing-update warning, for a training forward of a delayed grouped GEMM."""
-        check_scales_updated(self)
+        self._pending_since_step = check_scales_updated(self._pending_since_step)
 
     def configure(self, *, quantize_kernel: str | None = None, emulated_dtype: str | None = None) -> None:
         """How the experts run (not what they compute): as configure_execution does for an Fp8Linear."""
@@ -152,6 +152,10 @@ class ExpertView:
 
     def scales_updated(self) -> None:
         self._scale_generation += 1
+
+    def weight_fp8(self, backend: str):
+        """This expert's FP8 weight and its GEMM operands (Fp8Linear's cache: once per weight version)."""
+        return self._weight_fp8(backend)
 
     def __getattr__(self, name: str):
         # `{role}_{buffer}`: row `index` of the owner's buffer (a view, so in-place updates reach the owner)

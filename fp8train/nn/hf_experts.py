@@ -27,7 +27,8 @@ from fp8train.nn.experts import fp8_grouped_mm
 from fp8train.nn.experts_scaling import ExpertScaling
 from fp8train.nn.recipes import Fp8Recipe
 
-__all__ = ["EXPERTS_IMPLEMENTATION", "is_hf_experts", "expert_projections", "attach", "fp8_experts_forward",
+__all__ = ["EXPERTS_IMPLEMENTATION", "is_hf_experts", "expert_projections", "attach", "remember_implementation",
+           "fp8_experts_forward",
            "experts_top_k", "SCALING_SUFFIX"]
 
 EXPERTS_IMPLEMENTATION = "fp8train"
@@ -63,23 +64,32 @@ def experts_top_k(module: nn.Module) -> int | None:
     return None
 
 
-def attach(module: nn.Module, recipes: dict[str, Fp8Recipe | None]) -> None:
-    """Give each projection of an experts module named in `recipes` its per-expert FP8 state (None: it stays in
-    high precision) and route the module's config to EXPERTS_IMPLEMENTATION."""
+def remember_implementation(module: nn.Module) -> None:
+    """Keep the implementation an experts module runs now, for when it has nothing in FP8 (before any module
+    sharing its config is switched to EXPERTS_IMPLEMENTATION)."""
+    # `_experts_implementation` is transformers' own switch (PreTrainedModel.set_experts_implementation writes it)
+    current = module.config._experts_implementation
+    if current != EXPERTS_IMPLEMENTATION and not hasattr(module, "fp8train_fallback_implementation"):
+        module.fp8train_fallback_implementation = current or "eager"
+
+
+def attach(module: nn.Module, recipes: dict[str, Fp8Recipe]) -> None:
+    """Give each projection of an experts module named in `recipes` its per-expert FP8 state and route the
+    module's config to EXPERTS_IMPLEMENTATION (projections not named stay in high precision)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+    remember_implementation(module)
+    if not recipes:
+        return
     if EXPERTS_IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
         ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, fp8_experts_forward)
     for param, recipe in recipes.items():
-        if recipe is not None:
-            weight = getattr(module, param)
-            scaling = ExpertScaling(weight.shape[0], recipe, device=weight.device)
-            scaling.train(module.training)
-            setattr(module, param + SCALING_SUFFIX, scaling)
-    config = module.config
-    if config._experts_implementation != EXPERTS_IMPLEMENTATION:
-        module._fp8train_fallback = config._experts_implementation or "eager"
-        config._experts_implementation = EXPERTS_IMPLEMENTATION
+        weight = getattr(module, param)
+        scaling = ExpertScaling(weight.shape[0], recipe, device=weight.device)
+        scaling.train(module.training)
+        setattr(module, param + SCALING_SUFFIX, scaling)
+    # transformers' switch (as above); not serialized, so a saved config.json does not name fp8train
+    module.config._experts_implementation = EXPERTS_IMPLEMENTATION
 
 
 def scaling_of(module: nn.Module, param: str) -> ExpertScaling | None:
@@ -100,7 +110,7 @@ def fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_inde
     params = expert_projections(self)
     if all(scaling_of(self, p) is None for p in params):  # not converted: what it ran before
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-        fallback = getattr(self, "_fp8train_fallback", "grouped_mm")
+        fallback = getattr(self, "fp8train_fallback_implementation", "grouped_mm")
         original = type(self).forward.__wrapped__
         return ALL_EXPERTS_FUNCTIONS.get_interface(fallback, original)(self, hidden_states, top_k_index,
                                                                         top_k_weights)

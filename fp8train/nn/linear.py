@@ -131,17 +131,19 @@ MISSING_UPDATE_WARNING = (
     "optimizer.step(); with transformers.Trainer pass callbacks=[fp8train.Fp8ScalingCallback()]")
 
 
-def check_scales_updated(holder) -> None:
-    """The delayed-scaling check of the module docstring (3.), for a training forward of `holder` (an Fp8Linear,
-    or the per-expert scaling state of nn/experts_scaling.py): warns once per process when amaxes recorded before
-    an optimizer step are still pending, i.e. update_fp8_scales was not called after that step."""
+def check_scales_updated(pending_since_step: int | None) -> int:
+    """The delayed-scaling check of the module docstring (3.) for a training forward, given the optimizer-step
+    count its owner (an Fp8Linear, or a grouped layer's per-expert state, nn/experts_scaling.py) saw at its first
+    pending record (None: none yet): warns once per process when amaxes recorded before an optimizer step are
+    still pending, i.e. update_fp8_scales was not called after that step. Returns the count to keep."""
     global _missing_update_warned
     _watch_optimizer_steps()
-    if holder._pending_since_step is None:
-        holder._pending_since_step = _optimizer_steps
-    elif holder._pending_since_step != _optimizer_steps and not _missing_update_warned:
+    if pending_since_step is None:
+        return _optimizer_steps
+    if pending_since_step != _optimizer_steps and not _missing_update_warned:
         _missing_update_warned = True
         warnings.warn(MISSING_UPDATE_WARNING, RuntimeWarning, stacklevel=4)
+    return pending_since_step
 
 
 def _is_fsdp_module(module: nn.Module) -> bool:
@@ -292,7 +294,7 @@ class Fp8Linear(nn.Linear):
         return output if input.dim() == 2 else output.reshape(*input.shape[:-1], self.out_features)
 
     def _check_scales_updated(self) -> None:
-        check_scales_updated(self)
+        self._pending_since_step = check_scales_updated(self._pending_since_step)
 
     def kernel_for(self, numel: int) -> str:
         """The quantize kernel this layer runs on a tensor of `numel` elements (`quantize_kernel`, resolved)."""
