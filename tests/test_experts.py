@@ -290,3 +290,15 @@ def test_bad_operands_and_recipes_are_refused():
     on_gpu = ExpertScaling(2, recipe("current", backend="scaled_mm"))
     with pytest.raises(ValueError, match="scaled_mm"):
         fp8_grouped_mm(torch.randn(4, K), w, offs, on_gpu)
+
+
+def test_the_bench_section_is_reachable_and_its_routing_is_skewed():
+    from fp8train.bench.experts_section import EXPERTS_SHAPE, skewed_group_sizes
+    from fp8train.bench.options import OPTIONAL_SECTIONS, SECTIONS, parse_list
+
+    assert parse_list("experts", SECTIONS + OPTIONAL_SECTIONS, "--sections") == ("experts",) or \
+        list(parse_list("experts", SECTIONS + OPTIONAL_SECTIONS, "--sections")) == ["experts"]
+    experts, _, _, tokens = EXPERTS_SHAPE
+    sizes = skewed_group_sizes(experts, tokens)
+    assert sum(sizes) == tokens and len(sizes) == experts
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 20 * sizes[-1] > 0

@@ -3,8 +3,9 @@ GEMM (nn/experts.py, per recipe) against the fastest high-precision grouped GEMM
 grouped GEMM (`torch._grouped_mm`, where it runs on the device) and a loop of one GEMM per expert, each in bf16
 and fp32. The shape is DeepSeek-like scaled to a CPU: 16 experts, K=1024, N=512, 8192 routed tokens, skewed
 routing (expert e gets a share proportional to 0.8**e). Every contender's weight changes in place before each
-timed call (as after an optimizer step), so each re-casts or re-quantizes it as in training; the FP8 rows and the
-bf16 rows run under bf16 autocast. On CUDA the same contenders run, and the table adds TFLOP/s.
+timed call (as after an optimizer step), so each re-casts or re-quantizes it as in training; every contender keeps
+fp32 master weights (the bf16 rows cast them each step, as autocast does); the FP8 rows run under bf16 autocast.
+On CUDA the same contenders run (GFLOP/s in the table): the GPU section prepared for the H200, bf16 vs FP8.
 """
 
 from __future__ import annotations
@@ -40,17 +41,20 @@ def _grouped_mm_runs(device: str) -> bool:
 
 
 def _high_precision(weight, x, grad, offs, sizes, dtype, grouped: bool):
-    weight = weight.detach().clone().to(dtype).requires_grad_(True)
+    # fp32 master weights, as the FP8 contenders': the bf16 rows cast the weight each step (what autocast does for
+    # nn.Linear; torch's grouped GEMM is not on autocast's lists) and their weight gradient comes back as fp32
+    weight = weight.detach().clone().requires_grad_(True)
     x, grad = x.to(dtype), grad.to(dtype)
 
     def step():
         with torch.no_grad():
             weight.mul_(1.0)
         x_ = x.detach().requires_grad_(True)
+        w = weight.to(dtype)
         if grouped:
-            y = torch._grouped_mm(x_, weight.transpose(1, 2), offs=offs)
+            y = torch._grouped_mm(x_, w.transpose(1, 2), offs=offs)
         else:
-            y = torch.cat([x_e @ w_e.t() for x_e, w_e in zip(x_.split(sizes), weight.unbind(0))])
+            y = torch.cat([x_e @ w_e.t() for x_e, w_e in zip(x_.split(sizes), w.unbind(0))])
         y.backward(grad)
         weight.grad = None
     return step
