@@ -302,3 +302,36 @@ def test_the_bench_section_is_reachable_and_its_routing_is_skewed():
     sizes = skewed_group_sizes(experts, tokens)
     assert sum(sizes) == tokens and len(sizes) == experts
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > 20 * sizes[-1] > 0
+
+
+def test_one_all_reduce_carries_every_experts_pending_amax(monkeypatch):
+    """update_fp8_scales: the dense layer's and every expert's pending amaxes travel in ONE all-reduce (a real
+    collective of torch's in-process 'fake' backend, world size 2; the call is counted, then made)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    model = torch.nn.ModuleDict(dict(dense=Fp8Linear(K, N, recipe="delayed"),
+                                     a=Fp8GroupedLinear(3, K, N, recipe="delayed"),
+                                     b=Fp8GroupedLinear(2, K, N, recipe="delayed")))
+    x = torch.randn(8, K)
+    (model["dense"](x).sum() + model["a"](x, _offs([3, 0, 5])).sum() + model["b"](x, _offs([8, 0])).sum()).backward()
+    calls = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **kw: calls.append(t.numel()) or real(t, *a, **kw))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        update_fp8_scales(model)
+    finally:
+        dist.destroy_process_group()
+    assert calls == [3 * (1 + 3 + 2)]  # one collective: (dense + 5 experts) x 3 roles
+    assert model["a"].scaling.input_initialized.tolist() == [True, False, True]
+
+
+def test_configure_execution_reaches_the_experts():
+    from fp8train.nn.linear import configure_execution
+
+    model = torch.nn.ModuleDict(dict(dense=Fp8Linear(K, N), experts=Fp8GroupedLinear(2, K, N)))
+    assert configure_execution(model, emulated_dtype="fp32") == 2
+    assert model["experts"].scaling.emulated_dtype == "fp32"
+    with pytest.raises(ValueError, match="quantize_kernel"):
+        model["experts"].scaling.configure(quantize_kernel="fast")

@@ -1,6 +1,6 @@
 """``fp8train bench --sections experts``: one mixture-of-experts projection's forward+backward as an FP8 grouped
 GEMM (nn/experts.py, per recipe) against the fastest high-precision grouped GEMM on the same machine: torch's
-grouped GEMM (`torch._grouped_mm`, where it runs on the device) and a loop of one GEMM per expert, each in bf16
+grouped GEMM (`F.grouped_mm`, where it runs on the device) and a loop of one GEMM per expert, each in bf16
 and fp32. The shape is DeepSeek-like scaled to a CPU: 16 experts, K=1024, N=512, 8192 routed tokens, skewed
 routing (expert e gets a share proportional to 0.8**e). Every contender's weight changes in place before each
 timed call (as after an optimizer step), so each re-casts or re-quantizes it as in training; every contender keeps
@@ -11,6 +11,7 @@ On CUDA the same contenders run (GFLOP/s in the table): the GPU section prepared
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from fp8train.bench.harness import paired_ratio, side_by_side
 from fp8train.bench.options import BenchOptions
@@ -34,7 +35,7 @@ def _grouped_mm_runs(device: str) -> bool:
     try:
         x = torch.randn(4, 16, device=device, dtype=torch.bfloat16)
         w = torch.randn(2, 16, 16, device=device, dtype=torch.bfloat16)
-        torch._grouped_mm(x, w.transpose(1, 2), offs=torch.tensor([2, 4], dtype=torch.int32, device=device))
+        F.grouped_mm(x, w.transpose(1, 2), offs=torch.tensor([2, 4], dtype=torch.int32, device=device))
         return True
     except Exception:  # not built for this device / torch version: the per-expert loop is the baseline
         return False
@@ -52,7 +53,7 @@ def _high_precision(weight, x, grad, offs, sizes, dtype, grouped: bool):
         x_ = x.detach().requires_grad_(True)
         w = weight.to(dtype)
         if grouped:
-            y = torch._grouped_mm(x_, w.transpose(1, 2), offs=offs)
+            y = F.grouped_mm(x_, w.transpose(1, 2), offs=offs)
         else:
             y = torch.cat([x_e @ w_e.t() for x_e, w_e in zip(x_.split(sizes), w.unbind(0))])
         y.backward(grad)

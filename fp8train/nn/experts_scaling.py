@@ -31,7 +31,7 @@ from fp8train.nn.gemm import AUTO_EMULATED_DTYPE, check_emulated_dtype
 from fp8train.nn.linear import Fp8Linear, check_scales_updated
 from fp8train.nn.quantizer import OperandQuantizer
 from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe, recipe as make_recipe
-from fp8train.numerics.kernel_probe import DEFAULT_QUANTIZE_KERNEL
+from fp8train.numerics.kernel_probe import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES
 
 __all__ = ["ExpertScaling", "ExpertView"]
 
@@ -87,11 +87,14 @@ class ExpertScaling(nn.Module):
         self._pending_since_step = check_scales_updated(self._pending_since_step)
 
     def configure(self, *, quantize_kernel: str | None = None, emulated_dtype: str | None = None) -> None:
-        """How the experts run (not what they compute): as configure_execution does for an Fp8Linear."""
+        """How the experts run (not what they compute), as for an Fp8Linear; linear.configure_execution(model)
+        calls it for every ExpertScaling of the model."""
         if emulated_dtype is not None:
             check_emulated_dtype(emulated_dtype)
             self.emulated_dtype = emulated_dtype
         if quantize_kernel is not None:
+            if quantize_kernel not in KERNEL_CHOICES:
+                raise ValueError(f"quantize_kernel must be one of {', '.join(KERNEL_CHOICES)}; got {quantize_kernel!r}")
             self.quantize_kernel = quantize_kernel
         for view in self.experts:
             view.forget_weight_fp8()

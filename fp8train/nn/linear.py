@@ -367,8 +367,9 @@ def configure_execution(model: nn.Module, *, quantize_kernel: str = DEFAULT_QUAN
                         emulated_dtype: str = AUTO_EMULATED_DTYPE) -> int:
     """Set how every Fp8Linear in `model` runs (not what it computes): the quantize kernel (one of
     kernel_probe.KERNEL_CHOICES; 'auto' is measured once per machine when a layer first quantizes a tensor of
-    QUANT_KERNEL_MIN_NUMEL elements or more) and the emulated GEMMs' input dtype ('auto', 'fp32', 'bf16').
-    Returns the number of layers set. Read once, at set-up."""
+    QUANT_KERNEL_MIN_NUMEL elements or more) and the emulated GEMMs' input dtype ('auto', 'fp32', 'bf16'), and
+    the same on every grouped layer's per-expert scaling state. Returns the number of layers (and experts
+    states) set. Read once, at set-up."""
     if quantize_kernel not in KERNEL_CHOICES:
         raise ValueError(f"quantize_kernel must be one of {', '.join(KERNEL_CHOICES)}; got {quantize_kernel!r}")
     check_emulated_dtype(emulated_dtype)
@@ -376,7 +377,10 @@ def configure_execution(model: nn.Module, *, quantize_kernel: str = DEFAULT_QUAN
     for layer in layers:
         layer.quantize_kernel, layer.emulated_dtype = quantize_kernel, emulated_dtype
         layer.forget_weight_fp8()  # ('auto' may now resolve otherwise: gemm.set_cpu_bf16_gemm)
-    return len(layers)
+    experts = [m for m in model.modules() if hasattr(m, "delayed_units")]  # (nn/experts_scaling.py)
+    for scaling in experts:
+        scaling.configure(quantize_kernel=quantize_kernel, emulated_dtype=emulated_dtype)
+    return len(layers) + len(experts)
 
 
 # ------------------------------------------------------------------------------------------------------------
