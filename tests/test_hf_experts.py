@@ -198,3 +198,44 @@ def test_an_experts_module_left_out_runs_what_it_ran_before():
     assert "excluded by pattern" in dict(report.skipped)["model.layers.1.mlp.experts.down_proj"]
     assert not hasattr(kept, "gate_up_proj_fp8")
     assert torch.equal(kept(hidden, index, weights), expected)
+
+
+def test_a_saved_converted_moe_folder_loads_through_model_hf_path(tmp_path):
+    """fp8train's own loader takes the folder of a converted MoE model: its per-expert scaling buffers are known
+    FP8 state (dropped: the run starts its own), the expert weights load as saved."""
+    from fp8train.training.config import ModelConfig
+    from fp8train.training.models.decoder import build_model
+
+    model = _model("qwen3_moe")
+    convert_to_fp8(model, "delayed")
+    x = _batch()
+    model(input_ids=x, labels=x).loss.backward()
+    update_fp8_scales(model)
+    model.save_pretrained(tmp_path)
+    loaded = build_model(ModelConfig(hf_path=str(tmp_path), seq_len=32))
+    ours = {k[len("hf."):]: v for k, v in loaded.state_dict().items()}
+    assert torch.equal(ours["model.layers.1.mlp.experts.down_proj"], model.model.layers[1].mlp.experts.down_proj)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_fp8train_save_and_from_pretrained_restore_the_experts_state(arch, tmp_path):
+    import fp8train
+
+    model = _model(arch)
+    convert_to_fp8(model, "delayed")
+    x = _batch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        update_fp8_scales(model)
+    fp8train.save_pretrained(model, tmp_path)
+    restored = fp8train.from_pretrained(tmp_path)
+    scaling = _experts(restored)[0].gate_up_proj_fp8
+    assert isinstance(scaling, ExpertScaling) and scaling.recipe == _experts(model)[0].gate_up_proj_fp8.recipe
+    for key, value in model.state_dict().items():
+        assert torch.equal(restored.state_dict()[key], value), key
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(restored(input_ids=x).logits, model(input_ids=x).logits)

@@ -29,7 +29,7 @@ from fp8train.nn.recipes import Fp8Recipe
 
 __all__ = ["EXPERTS_IMPLEMENTATION", "is_hf_experts", "expert_projections", "attach", "remember_implementation",
            "fp8_experts_forward",
-           "experts_top_k", "SCALING_SUFFIX"]
+           "experts_top_k", "SCALING_SUFFIX", "scaling_of", "projection_shape"]
 
 EXPERTS_IMPLEMENTATION = "fp8train"
 SCALING_SUFFIX = "_fp8"  # the ExpertScaling of projection `gate_up_proj` is the submodule `gate_up_proj_fp8`
@@ -93,6 +93,7 @@ def attach(module: nn.Module, recipes: dict[str, Fp8Recipe]) -> None:
 
 
 def scaling_of(module: nn.Module, param: str) -> ExpertScaling | None:
+    """The per-expert FP8 state of projection `param` of an experts module (None: it runs in high precision)."""
     return getattr(module, param + SCALING_SUFFIX, None)
 
 

@@ -29,6 +29,7 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from fp8train.nn.convert import is_conv1d, fp8_from_conv1d, fp8_layers
+from fp8train.nn.hf_experts import attach, expert_projections, is_hf_experts, scaling_of
 from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.recipes import Fp8Recipe
 from fp8train.training.storage.files import give_default_mode, write_text_atomic
@@ -66,13 +67,16 @@ def save_pretrained(model: nn.Module, folder, tokenizer=None) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     layers = fp8_layers(hf)
-    recipes = list(dict.fromkeys(layer.recipe for _, layer in layers))  # distinct recipes, in layer order
+    experts = fp8_experts(hf)
+    # distinct recipes, in layer order (then the experts projections')
+    recipes = list(dict.fromkeys([layer.recipe for _, layer in layers] + [s.recipe for _, s in experts]))
     config = json.loads(hf.config.to_json_string(use_diff=False))
     config.pop(FP8TRAIN_SECTION, None)
     config[FP8TRAIN_SECTION] = {
         "recipes": [dataclasses.asdict(r) for r in recipes],
         "layers": {name: recipes.index(layer.recipe) for name, layer in layers},
         "conv1d_layout": [name for name, layer in layers if getattr(layer, "conv1d_layout", False)],
+        "experts": {name: recipes.index(scaling.recipe) for name, scaling in experts},
     }
     tmp = folder / f".{WEIGHTS_NAME}.tmp-{os.getpid()}"
     try:
@@ -85,6 +89,12 @@ def save_pretrained(model: nn.Module, folder, tokenizer=None) -> Path:
     if tokenizer is not None:
         tokenizer.save_pretrained(str(folder))
     return folder
+
+
+def fp8_experts(model: nn.Module) -> list:
+    """(`{experts module}.{projection}`, its ExpertScaling) for every FP8 experts projection of `model`."""
+    return [(f"{name}.{param}", scaling_of(module, param)) for name, module in model.named_modules()
+            if is_hf_experts(module) for param in expert_projections(module) if scaling_of(module, param) is not None]
 
 
 def _recipe_from_dict(fields: dict) -> Fp8Recipe:
@@ -116,6 +126,12 @@ def from_pretrained(folder, device="cpu") -> nn.Module:
         module = getattr(parent, child)
         swap = fp8_from_conv1d if is_conv1d(module) else Fp8Linear.from_linear
         setattr(parent, child, swap(module, recipes[index]))
+    projections: dict = {}  # experts module name -> {projection: recipe}
+    for name, index in section.get("experts", {}).items():
+        module_name, _, param = name.rpartition(".")
+        projections.setdefault(module_name, {})[param] = recipes[index]
+    for module_name, chosen in projections.items():
+        attach(hf.get_submodule(module_name), chosen)
     tensors = load_file(str(folder / WEIGHTS_NAME), device=str(device))  # Conv1D-born layers read (in, out)
     _load_exact(hf, tensors, folder)
     return hf.eval()
