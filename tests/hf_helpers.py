@@ -32,6 +32,13 @@ TINY_MOE_ARCHS = {
     "gpt_oss": dict(_MOE_COMMON, model_type="gpt_oss", intermediate_size=64, num_local_experts=4, sliding_window=16,
                     layer_types=["sliding_attention", "full_attention"],
                     rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+    "qwen2_moe": dict(_MOE_COMMON, model_type="qwen2_moe", moe_intermediate_size=64, intermediate_size=128,
+                      shared_expert_intermediate_size=64, num_experts=4, decoder_sparse_step=1),
+    "olmoe": dict(_MOE_COMMON, model_type="olmoe", intermediate_size=64, num_experts=4),
+    "deepseek_v3": dict(_MOE_COMMON, model_type="deepseek_v3", moe_intermediate_size=64, intermediate_size=128,
+                        n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
+                        q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
+                        head_dim=16),  # (its rotary dim: qk_rope_head_dim)
 }
 
 

@@ -18,7 +18,8 @@ from fp8train.nn.linear import Fp8Linear, update_fp8_scales
 from hf_helpers import TINY_MOE_ARCHS, VOCAB, hf_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-ARCHS = list(TINY_MOE_ARCHS)
+ARCHS = ["qwen3_moe", "mixtral", "gpt_oss"]   # every test; the other MoE layouts: the smoke test below
+MORE_ARCHS = [arch for arch in TINY_MOE_ARCHS if arch not in ARCHS]
 
 
 def _model(arch, seed=0):
@@ -239,3 +240,22 @@ def test_fp8train_save_and_from_pretrained_restore_the_experts_state(arch, tmp_p
     model.eval()
     with torch.no_grad():
         assert torch.equal(restored(input_ids=x).logits, model(input_ids=x).logits)
+
+
+@pytest.mark.parametrize("arch", MORE_ARCHS)
+def test_other_moe_layouts_convert_and_train(arch):
+    """Qwen2-MoE (with a shared expert), OLMoE and DeepSeek-V3 (shared experts, MLA attention): every routed
+    expert in FP8, two steps with finite, falling loss."""
+    model = _model(arch)
+    report = convert_to_fp8(model, "current")
+    assert report.kinds["experts"][1] == 0 and report.kinds["experts"][0] == 2 * 4 * 3 * 64 * 64
+    assert all(hasattr(m, "gate_up_proj_fp8") and hasattr(m, "down_proj_fp8") for m in _experts(model))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x, losses = _batch(), []
+    for _ in range(3):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
