@@ -21,6 +21,26 @@ TINY_ARCHS = {
                  n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
 }
 
+# Mixture-of-experts models whose experts are transformers 5's 3-D parameters (the experts interface): 4 experts,
+# top-2, 2 layers. gpt-oss stores them transposed, gate and up interleaved, with per-expert biases.
+_MOE_COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                   max_position_embeddings=64, tie_word_embeddings=False, num_experts_per_tok=2)
+TINY_MOE_ARCHS = {
+    "qwen3_moe": dict(_MOE_COMMON, model_type="qwen3_moe", moe_intermediate_size=64, intermediate_size=128,
+                      num_experts=4, decoder_sparse_step=1),
+    "mixtral": dict(_MOE_COMMON, model_type="mixtral", intermediate_size=64, num_local_experts=4),
+    "gpt_oss": dict(_MOE_COMMON, model_type="gpt_oss", intermediate_size=64, num_local_experts=4, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+    "qwen2_moe": dict(_MOE_COMMON, model_type="qwen2_moe", moe_intermediate_size=64, intermediate_size=128,
+                      shared_expert_intermediate_size=64, num_experts=4, decoder_sparse_step=1),
+    "olmoe": dict(_MOE_COMMON, model_type="olmoe", intermediate_size=64, num_experts=4),
+    "deepseek_v3": dict(_MOE_COMMON, model_type="deepseek_v3", moe_intermediate_size=64, intermediate_size=128,
+                        n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
+                        q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
+                        head_dim=16),  # (its rotary dim: qk_rope_head_dim)
+}
+
 
 def local_text(max_bytes: int = 120_000) -> str:
     """Real text every machine has: the head of a few standard-library modules."""
@@ -34,7 +54,7 @@ def local_text(max_bytes: int = 120_000) -> str:
 def hf_config(arch: str):
     from transformers import AutoConfig
 
-    fields = dict(TINY_ARCHS[arch], vocab_size=VOCAB)
+    fields = dict({**TINY_ARCHS, **TINY_MOE_ARCHS}[arch], vocab_size=VOCAB)
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 

@@ -88,7 +88,7 @@ def test_report_text_line_by_line():
     report = ConversionReport(recipe=recipe("current"), converted=[("a.q", "why a")],
                               skipped=[("long.name.x", "why x")], converted_params=3, skipped_params=1)
     assert str(report).split("\n") == [
-        "FP8 conversion (current:e4m3/e4m3/e5m2:m0): 1 converted, 1 skipped, 75.0% of linear weights in FP8",
+        "FP8 conversion (current:e4m3/e4m3/e5m2:m0): 1 converted, 1 skipped, 75.0% of GEMM weights in FP8",
         "layer" + " " * 6 + "  " + " " * 4 + "  reason",
         "a.q" + " " * 8 + "  fp8   why a",
         "long.name.x  skip  why x",

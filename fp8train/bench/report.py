@@ -57,6 +57,11 @@ def check_targets(results: dict, device: str) -> list[dict]:
         for name in TENSORWISE_SCALINGS:
             r = train.get(name)
             target(f"train step {name} speedup vs bf16 (~1B recipe)", r and r.get("speedup_vs_bf16"), ">=", 1.2)
+    experts = sections.get("experts")
+    for r in (experts or {}).get("rows", []):  # (both devices: the same shape, the fastest high precision there)
+        if "target" in r:
+            target(f"experts {r['contender']} fwd+bwd (x fastest high-precision grouped GEMM)", r["ratio"], "<=",
+                   r["target"], f"fastest: {experts['fastest_high_precision']}")
     for r in sections.get("memory", {}).get("rows", []):
         if r["contender"] != "bf16":
             target(f"activation memory {r['contender']} (x bf16)", r["ratio"], "<=", 1.0)
@@ -218,5 +223,18 @@ def _format_distributed(sec: dict, where: str) -> list[str]:
 
 
 # In the order they print (the order the suite runs them).
+def _format_experts(sec: dict, where: str) -> list[str]:
+    """FP8 grouped GEMMs (experts) against the fastest high-precision grouped GEMM (bench/experts_section.py)."""
+    s = sec["experts"]
+    shape = s["shape"]
+    rows = [[r["contender"], f"{r['median_s'] * 1e3:.0f}", f"{r['q1_s'] * 1e3:.0f}-{r['q3_s'] * 1e3:.0f}",
+             f"{r['tflops'] * 1e3:.1f}", _fmt_ratio(r)] for r in s["rows"]]
+    return [f"\nexperts forward+backward {where}: {shape['experts']} experts, K={shape['k']}, N={shape['n']}, "
+            f"{shape['tokens']} routed tokens in skewed groups {shape['group_sizes']}; ratios x the fastest "
+            f"high-precision contender, {s['fastest_high_precision']} (torch grouped_mm runs here: "
+            f"{s['grouped_mm_runs']})\n" + _table(["contender", "ms", "IQR ms", "GFLOP/s", "x fastest [IQR]"], rows)]
+
+
 _SECTION_FORMATTERS = (("quant", _format_quant), ("ops", _format_ops), ("linear", _format_linear),
-                       ("train", _format_train), ("memory", _format_memory), ("distributed", _format_distributed))
+                       ("train", _format_train), ("memory", _format_memory), ("distributed", _format_distributed),
+                       ("experts", _format_experts))

@@ -19,6 +19,8 @@ Sections (``--sections``):
 - train:  one optimizer step (forward, backward, clip, AdamW, FP8 scale update) of the decoder of the CPU
           validation recipe (CUDA: the ~1B recipe, smaller batch), bf16 vs each recipe: tokens/s and memory.
 - memory: bytes autograd saves for backward over one forward of that decoder (saved_tensors_hooks), bf16 vs FP8.
+- experts (not in the default run): an FP8 grouped GEMM fwd+bwd per recipe against the fastest high-precision
+          grouped GEMM (torch's grouped_mm or a per-expert loop, bf16 and fp32): bench/experts_section.py.
 
 Why the bf16 baseline is unusually slow on CPU: without avx512_bf16/AMX, torch's CPU bf16 GEMM is a slow path
 (~17 GFLOP/s unloaded vs ~78 for fp32), and the grad_input GEMM of a bf16 nn.Linear (grad_output @ weight, a
@@ -41,6 +43,7 @@ import time
 import torch
 
 from fp8train.bench.distributed import bench_distributed
+from fp8train.bench.experts_section import bench_experts
 from fp8train.bench.harness import Timing, enable_malloc_reuse, machine_info, paired_ratio
 from fp8train.bench.linear_section import bench_linear, bench_ops, torchao_linear
 from fp8train.bench.options import (OPTIONAL_SECTIONS, RECIPES, SECTIONS, BenchOptions, log, parse_list,
@@ -100,6 +103,8 @@ def run_bench(opts: BenchOptions) -> dict:
                 results["sections"]["memory"] = bench_memory(opts)
             elif name == "distributed":
                 results["sections"]["distributed"] = bench_distributed(opts.device)
+            elif name == "experts":
+                results["sections"]["experts"] = bench_experts(opts, warmup, repeats, kernel)
         except Exception as err:  # keep going: the other sections are still worth having
             results["errors"][name] = f"{type(err).__name__}: {err}"
             log(f"section {name} failed: {results['errors'][name]}")

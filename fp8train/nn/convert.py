@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from fp8train.nn.convert_experts import attach_experts, count_other_weights, plan_experts
 from fp8train.nn.linear import Fp8Linear, update_fp8_scales  # noqa: F401  (update_fp8_scales re-exported)
 from fp8train.nn.fp8_record import attach_fp8_record
 from fp8train.nn.linear_subclasses import check_plain_linear
@@ -142,23 +143,49 @@ class ConversionReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     converted_params: int = 0
     skipped_params: int = 0
+    kinds: dict[str, list[int]] = field(default_factory=dict)
+    """Per module kind ('linear', 'experts', 'other'): [FP8 params, high-precision params, FP8 GEMM FLOPs per
+    token, high-precision GEMM FLOPs per token]; experts' FLOPs count the top-k experts a token runs."""
 
     @property
     def converted_frac(self) -> float:
-        """Fraction of the nn.Linear weight elements that now run in FP8."""
+        """Fraction of the weight elements feeding GEMMs (nn.Linear, experts, other >= 2-D weights) now in FP8."""
         total = self.converted_params + self.skipped_params
         return self.converted_params / total if total else 0.0
 
+    @property
+    def converted_flops_frac(self) -> float | None:
+        """Fraction of the GEMM FLOPs per token that run in FP8 (None for a report without per-kind counts)."""
+        fp8, high = sum(k[2] for k in self.kinds.values()), sum(k[3] for k in self.kinds.values())
+        return fp8 / (fp8 + high) if fp8 + high else None
+
+    def count(self, kind: str, in_fp8: bool, params: int, flops: int) -> None:
+        row = self.kinds.setdefault(kind, [0, 0, 0, 0])
+        row[0 if in_fp8 else 1] += params
+        row[2 if in_fp8 else 3] += flops
+        if in_fp8:
+            self.converted_params += params
+        else:
+            self.skipped_params += params
+
     def to_dict(self) -> dict:
         return dict(recipe=self.recipe.code(), converted=[list(x) for x in self.converted],
-                    skipped=[list(x) for x in self.skipped], converted_frac=self.converted_frac)
+                    skipped=[list(x) for x in self.skipped], converted_frac=self.converted_frac,
+                    converted_flops_frac=self.converted_flops_frac,
+                    kinds={kind: dict(zip(("fp8_params", "high_precision_params", "fp8_flops_per_token",
+                                           "high_precision_flops_per_token"), row))
+                           for kind, row in self.kinds.items()})
 
     def __str__(self) -> str:
         rows = [(n, "fp8", r) for n, r in self.converted] + [(n, "skip", r) for n, r in self.skipped]
         width = max([len(n) for n, _, _ in rows] + [len("layer")])
+        flops = self.converted_flops_frac
         lines = [f"FP8 conversion ({self.recipe.code()}): {len(self.converted)} converted, "
-                 f"{len(self.skipped)} skipped, {100 * self.converted_frac:.1f}% of linear weights in FP8",
-                 f"{'layer':<{width}}  {'':4}  reason"]
+                 f"{len(self.skipped)} skipped, {100 * self.converted_frac:.1f}% of GEMM weights in FP8"
+                 + (f", {100 * flops:.1f}% of GEMM FLOPs per token" if flops is not None else "")]
+        lines += [f"  {kind}: FP8 {row[0]:,} params, {row[2]:,} FLOPs/token; high precision {row[1]:,} params, "
+                  f"{row[3]:,} FLOPs/token" for kind, row in self.kinds.items()]
+        lines += [f"{'layer':<{width}}  {'':4}  reason"]
         lines += [f"{n:<{width}}  {kind:4}  {r}" for n, kind, r in rows]
         return "\n".join(lines)
 
@@ -172,7 +199,8 @@ def block_index(name: str) -> int | None:
 def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolicy | None = None,
                    dry_run: bool = False, master_weights: str = DEFAULT_MASTER_WEIGHTS) -> ConversionReport:
     """Replace, in place, every nn.Linear (and transformers Conv1D) of `model` that `policy` allows by an
-    Fp8Linear using `recipe`. ``dry_run``: only report what would be converted; the model is left as it is.
+    Fp8Linear using `recipe`, and run the 3-D experts of transformers' experts modules as FP8 grouped GEMMs
+    (nn/convert_experts.py). ``dry_run``: only report what would be converted; the model is left as it is.
     ``master_weights``: a model whose parameters are not float32 is cast to float32 with a one-line warning
     ("cast") or refused ("refuse"): FP8 training keeps fp32 master weights (nn/master_weights.py)."""
     check_master_weights_choice(master_weights)
@@ -191,6 +219,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
     for name, module in model.named_modules():
         if isinstance(module, Fp8Linear):
             report.skipped.append((name, "already Fp8Linear"))
+            report.count("linear", True, module.weight.numel(), 2 * module.in_features * module.out_features)
             continue
         linear = _as_linear_shape(module)
         if linear is None:
@@ -214,11 +243,13 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
             swaps.append((name, module, layer_recipe))
             via = f" {layer_recipe.name} (policy.overrides {override[0]!r})" if override is not None else ""
             report.converted.append((name, f"{linear.in_features}->{linear.out_features}{via}"))
-            report.converted_params += numel
         else:
             report.skipped.append((name, reason))
-            report.skipped_params += numel
+        report.count("linear", reason is None, numel, 2 * linear.in_features * linear.out_features)
+    experts_swaps = plan_experts(model, recipe, policy, report, n_blocks, seen_as)
+    count_other_weights(model, report, policy, seen_as)
     linear_names = [n for n, m in model.named_modules() if _as_linear_shape(m) is not None]
+    linear_names += [n for name, _, choices in experts_swaps for n in (name, *(f"{name}.{p}" for p in choices))]
     seen_names = [n for name in linear_names for n in seen_as(name)]
     listed = f"its Linear layers: {', '.join(linear_names[:8])}" + (", ..." if len(linear_names) > 8 else "")
     unmatched = unmatched_patterns(policy.overrides, seen_names)
@@ -245,6 +276,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
         parent = model.get_submodule(parent_name) if parent_name else model
         swap = fp8_from_conv1d if is_conv1d(module) else Fp8Linear.from_linear
         setattr(parent, child, swap(module, layer_recipe))
+    attach_experts(experts_swaps)
     attach_fp8_record(model)  # any save of a transformers model now says which layers are FP8 (nn/fp8_record.py)
 
     if not report.converted and not dry_run:

@@ -11,7 +11,8 @@ the model's class (`_keys_to_ignore_on_load_unexpected`, which transformers matc
 training state of layers the plain model does not have). A process that never converted a model of that class
 has not declared them: transformers lists them there as UNEXPECTED, and loads the weights all the same.
 
-    {"recipes": [Fp8Recipe fields, ...], "layers": {name: index into recipes}, "conv1d_layout": [name, ...]}
+    {"recipes": [Fp8Recipe fields, ...], "layers": {name: index into recipes}, "conv1d_layout": [name, ...],
+     "experts": {"{experts module}.{projection}": index into recipes}}   (FP8 experts: nn/hf_experts.py)
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import dataclasses
 
 import torch.nn as nn
 
+from fp8train.nn.hf_experts import expert_projections, is_hf_experts, scaling_of
 from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.quantizer import SCALING_BUFFERS
 from fp8train.nn.recipes import ROLES, Fp8Recipe
 
 __all__ = ["FP8_RECORD_KEY", "SCALING_BUFFER_PATTERN", "fp8_record", "recipe_from_record", "transformers_model",
-           "attach_fp8_record"]
+           "attach_fp8_record", "fp8_experts"]
 
 FP8_RECORD_KEY = "fp8train"
 # A scaling buffer of any layer, as a state_dict key: what `nn.linear.is_scaling_buffer` accepts.
@@ -35,10 +37,19 @@ SCALING_BUFFER_PATTERN = rf"\.({'|'.join(str(r) for r in ROLES)})_({'|'.join(SCA
 def fp8_record(model: nn.Module) -> dict:
     """The record of ``model``'s Fp8Linear layers (module docstring), names relative to ``model``."""
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Fp8Linear)]
-    recipes = list(dict.fromkeys(layer.recipe for _, layer in layers))  # distinct recipes, in layer order
+    experts = fp8_experts(model)
+    # distinct recipes, in layer order, then the experts projections'
+    recipes = list(dict.fromkeys([layer.recipe for _, layer in layers] + [s.recipe for _, s in experts]))
     return {"recipes": [dataclasses.asdict(r) for r in recipes],
             "layers": {name: recipes.index(layer.recipe) for name, layer in layers},
-            "conv1d_layout": [name for name, layer in layers if getattr(layer, "conv1d_layout", False)]}
+            "conv1d_layout": [name for name, layer in layers if getattr(layer, "conv1d_layout", False)],
+            "experts": {name: recipes.index(scaling.recipe) for name, scaling in experts}}
+
+
+def fp8_experts(model: nn.Module) -> list:
+    """(`{experts module}.{projection}`, its ExpertScaling) for every FP8 experts projection of `model`."""
+    return [(f"{name}.{param}", scaling_of(module, param)) for name, module in model.named_modules()
+            if is_hf_experts(module) for param in expert_projections(module) if scaling_of(module, param) is not None]
 
 
 def recipe_from_record(fields: dict) -> Fp8Recipe:

@@ -98,7 +98,7 @@ from fp8train.numerics import native_cast
 from fp8train.numerics.kernel_probe import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES, resolve_kernel
 
 __all__ = ["Fp8Linear", "update_fp8_scales", "configure_execution", "SCALING_BUFFERS", "is_scaling_buffer",
-           "MISSING_UPDATE_WARNING"]
+           "MISSING_UPDATE_WARNING", "check_scales_updated"]
 
 
 _optimizer_steps = 0  # steps of any torch.optim optimizer since the hook below was registered
@@ -129,6 +129,21 @@ MISSING_UPDATE_WARNING = (
     "update_fp8_scales(model) was not called after that optimizer.step(): the delayed scales never update and "
     "every step is scaled from its own amax (current scaling). Call fp8train.update_fp8_scales(model) after each "
     "optimizer.step(); with transformers.Trainer pass callbacks=[fp8train.Fp8ScalingCallback()]")
+
+
+def check_scales_updated(pending_since_step: int | None) -> int:
+    """The delayed-scaling check of the module docstring (3.) for a training forward, given the optimizer-step
+    count its owner (an Fp8Linear, or a grouped layer's per-expert state, nn/experts_scaling.py) saw at its first
+    pending record (None: none yet): warns once per process when amaxes recorded before an optimizer step are
+    still pending, i.e. update_fp8_scales was not called after that step. Returns the count to keep."""
+    global _missing_update_warned
+    _watch_optimizer_steps()
+    if pending_since_step is None:
+        return _optimizer_steps
+    if pending_since_step != _optimizer_steps and not _missing_update_warned:
+        _missing_update_warned = True
+        warnings.warn(MISSING_UPDATE_WARNING, RuntimeWarning, stacklevel=4)
+    return pending_since_step
 
 
 def _is_fsdp_module(module: nn.Module) -> bool:
@@ -279,13 +294,7 @@ class Fp8Linear(nn.Linear):
         return output if input.dim() == 2 else output.reshape(*input.shape[:-1], self.out_features)
 
     def _check_scales_updated(self) -> None:
-        global _missing_update_warned
-        _watch_optimizer_steps()
-        if self._pending_since_step is None:
-            self._pending_since_step = _optimizer_steps
-        elif self._pending_since_step != _optimizer_steps and not _missing_update_warned:
-            _missing_update_warned = True
-            warnings.warn(MISSING_UPDATE_WARNING, RuntimeWarning, stacklevel=3)
+        self._pending_since_step = check_scales_updated(self._pending_since_step)
 
     def kernel_for(self, numel: int) -> str:
         """The quantize kernel this layer runs on a tensor of `numel` elements (`quantize_kernel`, resolved)."""
@@ -358,8 +367,9 @@ def configure_execution(model: nn.Module, *, quantize_kernel: str = DEFAULT_QUAN
                         emulated_dtype: str = AUTO_EMULATED_DTYPE) -> int:
     """Set how every Fp8Linear in `model` runs (not what it computes): the quantize kernel (one of
     kernel_probe.KERNEL_CHOICES; 'auto' is measured once per machine when a layer first quantizes a tensor of
-    QUANT_KERNEL_MIN_NUMEL elements or more) and the emulated GEMMs' input dtype ('auto', 'fp32', 'bf16').
-    Returns the number of layers set. Read once, at set-up."""
+    QUANT_KERNEL_MIN_NUMEL elements or more) and the emulated GEMMs' input dtype ('auto', 'fp32', 'bf16'), and
+    the same on every grouped layer's per-expert scaling state. Returns the number of layers (and experts
+    states) set. Read once, at set-up."""
     if quantize_kernel not in KERNEL_CHOICES:
         raise ValueError(f"quantize_kernel must be one of {', '.join(KERNEL_CHOICES)}; got {quantize_kernel!r}")
     check_emulated_dtype(emulated_dtype)
@@ -367,7 +377,10 @@ def configure_execution(model: nn.Module, *, quantize_kernel: str = DEFAULT_QUAN
     for layer in layers:
         layer.quantize_kernel, layer.emulated_dtype = quantize_kernel, emulated_dtype
         layer.forget_weight_fp8()  # ('auto' may now resolve otherwise: gemm.set_cpu_bf16_gemm)
-    return len(layers)
+    experts = [m for m in model.modules() if hasattr(m, "delayed_units")]  # (nn/experts_scaling.py)
+    for scaling in experts:
+        scaling.configure(quantize_kernel=quantize_kernel, emulated_dtype=emulated_dtype)
+    return len(layers) + len(experts)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -382,25 +395,36 @@ def update_fp8_scales(model: nn.Module, process_group=None) -> None:
     a fixed number of tensor ops per group of layers sharing history length and scale options (usually one
     group), however many layers there are.
     """
-    layers = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.recipe.is_delayed]
-    if not layers:
+    # Units: a delayed Fp8Linear, or one expert of a grouped layer's per-expert state (nn/experts_scaling.py,
+    # which lists them as `delayed_units`); each holds one quantizer per role. Every unit's amaxes go through the
+    # same single all-reduce.
+    owners = []
+    units = []
+    for module in model.modules():
+        if isinstance(module, Fp8Linear) and module.recipe.is_delayed:
+            owners.append(module)
+            units.append(module)
+        elif getattr(module, "delayed_units", None):
+            owners.append(module)
+            units.extend(module.delayed_units)
+    if not units:
         return
-    quantizers = [m.quantizers[role] for m in layers for role in ROLES]  # rows: (layer, role)
+    quantizers = [u.quantizers[role] for u in units for role in ROLES]  # rows: (unit, role)
     pendings = [q.buffer("pending_amax") for q in quantizers]
-    step_amax = torch.stack(pendings)  # (3 * layers,)
+    step_amax = torch.stack(pendings)  # (3 * units,)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
         dist.all_reduce(step_amax, op=dist.ReduceOp.MAX, group=process_group)
     groups: dict[tuple, list[int]] = {}
-    for index, layer in enumerate(layers):
-        r = layer.recipe
+    for index, unit in enumerate(units):
+        r = unit.recipe
         key = (r.amax_history_len, r.amax_compute_algo, r.margin, r.pow2_scales, r.amax_outlier_factor,
-               tuple(r.format_of(role) for role in ROLES), layer.weight.device)
+               tuple(r.format_of(role) for role in ROLES), pendings[index * len(ROLES)].device)
         groups.setdefault(key, []).append(index)
     for indices in groups.values():
-        rows = step_amax if len(indices) == len(layers) else \
+        rows = step_amax if len(indices) == len(units) else \
             step_amax.view(-1, len(ROLES))[indices].reshape(-1)
-        update_group([layers[i].quantizers[role] for i in indices for role in ROLES], rows)
+        update_group([units[i].quantizers[role] for i in indices for role in ROLES], rows)
     # one multi-tensor op for the whole list: torch's foreach kernels have no public name
     torch._foreach_copy_(pendings, [torch.full_like(step_amax[0], -1.0)] * len(pendings))
-    for layer in layers:
-        layer.scales_updated()
+    for owner in owners:
+        owner.scales_updated()

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from fp8train.nn.convert import is_conv1d
+from fp8train.nn.hf_experts import SCALING_SUFFIX, expert_projections, is_hf_experts
 from fp8train.nn.linear import is_scaling_buffer
 from fp8train.training.storage.rundir import refuse_run_directory_as_hf_folder
 
@@ -113,6 +114,8 @@ def _load_pretrained(folder: Path, config) -> nn.Module:
     tied = _tied_names(model)
     missing = [k for k in info.get("missing_keys", []) if k not in tied]
     linears = {name for name, module in model.named_modules() if isinstance(module, nn.Linear) or is_conv1d(module)}
+    linears |= {f"{name}.{param}{SCALING_SUFFIX}" for name, module in model.named_modules() if is_hf_experts(module)
+                for param in expert_projections(module)}  # an experts projection's per-expert scaling state
     unexpected = [k for k in info.get("unexpected_keys", []) if not _is_saved_scaling_state(k, linears)]
     problems = {"missing": missing, "unexpected": unexpected,
                 "wrong shape": [str(m[0]) if isinstance(m, tuple) else str(m) for m in info.get("mismatched_keys", [])]}
@@ -125,8 +128,9 @@ def _load_pretrained(folder: Path, config) -> nn.Module:
 
 
 def _is_saved_scaling_state(key: str, linear_names: set) -> bool:
-    """A scaling buffer of one of the model's Linear / Conv1D layers, saved from its converted form: fine-tuning
-    starts from the master weights, and the run's own recipe starts its own scaling state."""
+    """A scaling buffer of one of the model's Linear / Conv1D layers (or experts projections), saved from its
+    converted form: fine-tuning starts from the master weights, and the run's own recipe starts its own scaling
+    state."""
     return key.rpartition(".")[0] in linear_names and is_scaling_buffer(key)
 
 

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from fp8train.nn.convert import is_conv1d, fp8_from_conv1d
 from fp8train.nn.fp8_record import FP8_RECORD_KEY, attach_fp8_record, fp8_record, recipe_from_record
+from fp8train.nn.hf_experts import attach
 from fp8train.nn.linear import Fp8Linear, is_scaling_buffer
 from fp8train.training.storage.files import give_default_mode, write_text_atomic
 
@@ -108,8 +109,14 @@ def from_pretrained(folder, device="cpu") -> nn.Module:
         module = getattr(parent, child)
         swap = fp8_from_conv1d if is_conv1d(module) else Fp8Linear.from_linear
         setattr(parent, child, swap(module, recipes[index]))
+    projections: dict = {}  # experts module name -> {projection: recipe}
+    for name, index in section.get("experts", {}).items():
+        module_name, _, param = name.rpartition(".")
+        projections.setdefault(module_name, {})[param] = recipes[index]
+    for module_name, chosen in projections.items():
+        attach(hf.get_submodule(module_name), chosen)
     tensors = _read_weights(folder, device)  # Conv1D-born layers read (in, out)
-    _load_exact(hf, tensors, folder, recorded=bool(section.get("layers")))
+    _load_exact(hf, tensors, folder, recorded=bool(section.get("layers") or section.get("experts")))
     attach_fp8_record(hf)  # as convert_to_fp8 would: its next save_pretrained (or Trainer checkpoint) restores too
     return hf.eval()
 

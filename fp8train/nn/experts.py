@@ -1,0 +1,149 @@
+"""FP8 grouped GEMMs for mixture-of-experts layers: each expert's tokens times that expert's weight, in FP8.
+
+Tokens come sorted by expert, with group offsets `offs` in torch's grouped-GEMM convention: an int32 tensor (E,)
+of cumulative group ends, so expert e owns rows offs[e-1]:offs[e] (offs[-1] = 0); rows past offs[E-1] belong to
+no expert (their output and gradient are zero). For input x (T, K), weight W (E, N, K) and optional bias
+b (E, N), with x_e, dy_e the rows of expert e:
+
+    output_e      = x_e    @ W_e.T  (+ b_e)     (T_e, K) @ (K, N) -> (T_e, N)     forward
+    grad_input_e  = dy_e   @ W_e                (T_e, N) @ (N, K) -> (T_e, K)     backward
+    grad_weight_e = dy_e.T @ x_e                (N, T_e) @ (T_e, K) -> (N, K)     backward
+
+Each expert is one dense FP8 layer (nn/linear.py) with its own scales (nn/experts_scaling.py): the three GEMMs
+of expert e are exactly Fp8LinearFunction's for x_e, W_e and that expert's quantizers, so per recipe:
+tensorwise (delayed, current) = one scale per expert weight and one per expert token group for each GEMM input;
+rowwise = per token and per expert output channel; block = 1x128 token tiles and 128x128 weight tiles per
+expert; mxfp8 = 1x32 blocks along each GEMM's contracted dim. Groups of any size work (0, odd, not a multiple of
+16 or 128), as does E = 1. On CPU (and any device without a grouped FP8 kernel) the grouped GEMM is this loop
+over experts; nn/scaled_grouped_mm_plan.py says which calls torch's grouped FP8 kernel could take on a GPU.
+
+The result is therefore bit for bit each expert's tokens through the dense emulated path with that expert's
+scales. Autograd sees one unbind of W (its backward stacks the per-expert gradients, zeros for experts that ran
+nothing) and one split of x.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from fp8train.nn.experts_scaling import ExpertScaling
+from fp8train.nn.gemm import resolve_backend
+from fp8train.nn.linear_function import Fp8LinearFunction
+from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe
+
+__all__ = ["fp8_grouped_mm", "group_sizes", "Fp8GroupedLinear", "ExpertScaling"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def group_sizes(offs: torch.Tensor, num_tokens: int, num_experts: int) -> list[int]:
+    """The token count of each expert from `offs` (checked: one line per mistake). Reads offs on the host."""
+    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1:
+        shown = f"{offs.dtype} tensor of shape {tuple(offs.shape)}" if isinstance(offs, torch.Tensor) else \
+            type(offs).__name__
+        raise ValueError(f"offs must be a 1-D int32 tensor of cumulative group ends (torch's grouped-GEMM "
+                         f"convention), got a {shown}")
+    if offs.numel() != num_experts:
+        raise ValueError(f"offs has {offs.numel()} entries; it needs one per expert ({num_experts})")
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    bad = next((e for e, (s, t) in enumerate(zip(starts, ends)) if t < s), None)
+    if bad is not None:
+        raise ValueError(f"offs must be non-decreasing and >= 0; offs[{bad}] = {ends[bad]} < "
+                         f"{starts[bad]} ({'offs[%d]' % (bad - 1) if bad else 'the start'})")
+    if ends and ends[-1] > num_tokens:
+        raise ValueError(f"offs[-1] = {ends[-1]} is past the token count {num_tokens}")
+    return [t - s for s, t in zip(starts, ends)]
+
+
+def _check_operands(input, weight, bias, scaling) -> None:
+    if input.dim() != 2 or weight.dim() != 3:
+        raise ValueError(f"fp8_grouped_mm takes input (tokens, K) and weight (experts, N, K); got input "
+                         f"{tuple(input.shape)} and weight {tuple(weight.shape)}")
+    if input.shape[1] != weight.shape[2]:
+        raise ValueError(f"input's last dim {input.shape[1]} must equal weight's K = weight.shape[2] = "
+                         f"{weight.shape[2]}")
+    for name, tensor in (("input", input), ("weight", weight), ("bias", bias)):
+        if tensor is not None and tensor.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} dtype must be one of float32, bfloat16, float16; got {tensor.dtype}")
+    if bias is not None and (bias.dtype != weight.dtype or tuple(bias.shape) != tuple(weight.shape[:2])):
+        raise ValueError(f"bias must be (experts, N) = {tuple(weight.shape[:2])} in the weight's dtype "
+                         f"{weight.dtype}; got {tuple(bias.shape)} {bias.dtype}")
+    if scaling.num_experts != weight.shape[0]:
+        raise ValueError(f"the scaling state holds {scaling.num_experts} experts, the weight {weight.shape[0]}")
+
+
+def fp8_grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scaling: ExpertScaling,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """output (T, N): rows of expert e = input rows of e @ weight[e].T (+ bias[e]) in FP8 (module docstring).
+
+    `weight` (E, N, K) may be any view (a transposed (E, K, N) parameter: `param.transpose(1, 2)`); gradients
+    reach it and `bias` through autograd. The output dtype follows autocast, else the input's dtype."""
+    if input.is_meta or weight.is_meta:
+        raise ValueError("fp8_grouped_mm on the meta device cannot run its FP8 GEMMs (scaling needs real values)")
+    _check_operands(input, weight, bias, scaling)
+    sizes = group_sizes(offs, input.shape[0], weight.shape[0])
+    device_type = input.device.type
+    out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else input.dtype
+    n = weight.shape[1]
+    routed = sum(sizes)
+    if scaling.training and scaling.recipe.is_delayed and not torch.compiler.is_compiling():
+        scaling.check_scales_updated()
+    try:
+        backend = resolve_backend(scaling.recipe.backend, input.device, tuple(map(scaling.recipe.format_of, ROLES)))
+    except RuntimeError as exc:  # (the recipe's backend cannot run on this device: the user's choice)
+        raise ValueError(f"FP8 experts with recipe {scaling.recipe.code()!r}: {exc}") from None
+    weights = weight.unbind(0)
+    biases = bias.unbind(0) if bias is not None else [None] * len(sizes)
+    groups = input[:routed].split(sizes) if routed else [input[:0]] * len(sizes)
+    outputs = []
+    with torch.autocast(device_type, enabled=False):
+        for view, x_e, w_e, b_e, size in zip(scaling.experts, groups, weights, biases, sizes):
+            view.weight = w_e
+            if size == 0:
+                # No tokens: no GEMM runs, so input and grad_output record nothing (experts_scaling.py); a delayed
+                # weight is still quantized in training, so its amax history keeps step with the others.
+                if scaling.training and scaling.recipe.is_delayed:
+                    with torch.no_grad():
+                        view.weight_fp8(backend)
+                continue
+            weights_fp8 = view.weight_fp8(backend)
+            outputs.append(Fp8LinearFunction.apply(x_e, w_e, b_e, weights_fp8, view, backend, out_dtype))
+    if routed < input.shape[0]:  # rows routed to no expert (torch's convention leaves them; here they are 0)
+        outputs.append(input.new_zeros(input.shape[0] - routed, n, dtype=out_dtype))
+    if not outputs:
+        return input.new_zeros(input.shape[0], n, dtype=out_dtype)
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+
+class Fp8GroupedLinear(nn.Module):
+    """E experts' linear layers (weight (E, N, K), optional bias (E, N): fp32 master Parameters) run as one FP8
+    grouped GEMM: forward(input (T, K) sorted by expert, offs (E,) int32) -> (T, N). The per-expert scaling state
+    is the `scaling` submodule (ExpertScaling)."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,
+                 recipe: Fp8Recipe | str = DEFAULT_RECIPE, device=None, dtype=None):
+        super().__init__()
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        factory = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, **factory))
+        self.bias = nn.Parameter(torch.zeros(num_experts, out_features, **factory)) if bias else None
+        self.scaling = ExpertScaling(num_experts, recipe, device=device)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = self.in_features ** -0.5  # nn.Linear's default init range, per expert
+        with torch.no_grad():
+            self.weight.uniform_(-bound, bound)
+
+    @property
+    def recipe(self) -> Fp8Recipe:
+        return self.scaling.recipe
+
+    def forward(self, input: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return fp8_grouped_mm(input, self.weight, offs, self.scaling, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.bias is not None}")
