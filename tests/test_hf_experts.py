@@ -218,8 +218,12 @@ def test_a_saved_converted_moe_folder_loads_through_model_hf_path(tmp_path):
     assert torch.equal(ours["model.layers.1.mlp.experts.down_proj"], model.model.layers[1].mlp.experts.down_proj)
 
 
+@pytest.mark.parametrize("saver", ["fp8train", "transformers"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
-def test_fp8train_save_and_from_pretrained_restore_the_experts_state(arch, tmp_path):
+def test_fp8train_save_and_from_pretrained_restore_the_experts_state(arch, saver, tmp_path):
+    """fp8train.from_pretrained restores the experts' FP8 state from fp8train's save and from transformers' own
+    save_pretrained (what a Trainer checkpoint writes): convert_to_fp8 recorded the expert projections in the
+    model's config (config.fp8train["experts"])."""
     import fp8train
 
     model = _model(arch)
@@ -231,7 +235,12 @@ def test_fp8train_save_and_from_pretrained_restore_the_experts_state(arch, tmp_p
         opt.step()
         opt.zero_grad()
         update_fp8_scales(model)
-    fp8train.save_pretrained(model, tmp_path)
+    if saver == "fp8train":
+        fp8train.save_pretrained(model, tmp_path)
+    else:
+        model.save_pretrained(tmp_path)
+        assert set(json.loads((tmp_path / "config.json").read_text())["fp8train"]["experts"]) == {
+            f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")}
     restored = fp8train.from_pretrained(tmp_path)
     scaling = _experts(restored)[0].gate_up_proj_fp8
     assert isinstance(scaling, ExpertScaling) and scaling.recipe == _experts(model)[0].gate_up_proj_fp8.recipe

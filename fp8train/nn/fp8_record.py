@@ -27,7 +27,8 @@ from fp8train.nn.quantizer import SCALING_BUFFERS
 from fp8train.nn.recipes import ROLES, Fp8Recipe
 
 __all__ = ["FP8_RECORD_KEY", "SCALING_BUFFER_PATTERN", "fp8_record", "recipe_from_record", "transformers_model",
-           "attach_fp8_record", "fp8_experts"]
+           "attach_fp8_record", "fp8_experts",
+           "declare_scaling_buffers_ignorable"]
 
 FP8_RECORD_KEY = "fp8train"
 # A scaling buffer of any layer, as a state_dict key: what `nn.linear.is_scaling_buffer` accepts.
@@ -71,7 +72,13 @@ def attach_fp8_record(model: nn.Module) -> None:
     if hf is None:
         return
     setattr(hf.config, FP8_RECORD_KEY, fp8_record(hf))
-    for owner in (type(hf), hf):  # the class, for later loads; the instance, which copied it at construction
+    declare_scaling_buffers_ignorable(type(hf), hf)
+
+
+def declare_scaling_buffers_ignorable(*owners) -> None:
+    """Add the scaling buffers' pattern to each owner's (a transformers model class or instance)
+    `_keys_to_ignore_on_load_unexpected`."""
+    for owner in owners:  # the class, for later loads; the instance, which copied it at construction
         ignored = getattr(owner, "_keys_to_ignore_on_load_unexpected", None) or []
         if SCALING_BUFFER_PATTERN not in ignored:
             updated = [*ignored, SCALING_BUFFER_PATTERN]

@@ -28,10 +28,12 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from fp8train.nn.convert import is_conv1d, fp8_from_conv1d
-from fp8train.nn.fp8_record import FP8_RECORD_KEY, attach_fp8_record, fp8_record, recipe_from_record
+from fp8train.nn.fp8_record import (FP8_RECORD_KEY, attach_fp8_record, declare_scaling_buffers_ignorable,
+                                    fp8_record, recipe_from_record)
 from fp8train.nn.hf_experts import attach
 from fp8train.nn.linear import Fp8Linear, is_scaling_buffer
 from fp8train.training.storage.files import give_default_mode, write_text_atomic
@@ -87,9 +89,15 @@ def save_pretrained(model: nn.Module, folder, tokenizer=None) -> Path:
 def from_pretrained(folder, device="cpu") -> nn.Module:
     """The transformers model saved by `save_pretrained` (fp8train's or transformers' own, or a Trainer checkpoint
     of a converted model), its FP8 layers rebuilt with their recipes and scaling state (eval mode, fp32 master
-    weights)."""
+    weights).
+
+    The weights are read by transformers' own from_pretrained, so whatever layout that save wrote loads: fp8train
+    writes the model's state_dict layout, transformers' save_pretrained may write the checkpoint layout of the
+    architecture (for MoE models, one tensor per expert and projection, which it fuses back on load). The FP8
+    scaling buffers, which transformers does not load into a plain model, are then read from the files by name."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     except ImportError as err:
         raise ImportError("from_pretrained needs Hugging Face transformers: pip install transformers") from err
     folder = Path(folder)
@@ -100,8 +108,15 @@ def from_pretrained(folder, device="cpu") -> nn.Module:
     config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     if hasattr(config, FP8TRAIN_SECTION):
         delattr(config, FP8TRAIN_SECTION)
-    with torch.device(device):
-        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if model_class is not None:
+        declare_scaling_buffers_ignorable(model_class)  # read below, by name: transformers need not list them
+    hf, info = AutoModelForCausalLM.from_pretrained(str(folder), config=config, dtype=torch.float32,
+                                                    local_files_only=True, output_loading_info=True)
+    unexpected = sorted(k for k in info["unexpected_keys"] if not is_scaling_buffer(k))
+    if info["missing_keys"] or unexpected or info["mismatched_keys"]:
+        raise ValueError(f"{str(folder)!r} does not fit its config.json: missing {sorted(info['missing_keys'])[:4]}, "
+                         f"unexpected {unexpected[:4]}, wrong shape {[k for k, *_ in info['mismatched_keys']][:4]}")
     recipes = [recipe_from_record(r) for r in section.get("recipes", [])]
     for name, index in section.get("layers", {}).items():
         parent_name, _, child = name.rpartition(".")
@@ -115,34 +130,35 @@ def from_pretrained(folder, device="cpu") -> nn.Module:
         projections.setdefault(module_name, {})[param] = recipes[index]
     for module_name, chosen in projections.items():
         attach(hf.get_submodule(module_name), chosen)
-    tensors = _read_weights(folder, device)  # Conv1D-born layers read (in, out)
-    _load_exact(hf, tensors, folder, recorded=bool(section.get("layers") or section.get("experts")))
+    _load_scaling_buffers(hf, folder, recorded=bool(section.get("layers") or section.get("experts")))
     attach_fp8_record(hf)  # as convert_to_fp8 would: its next save_pretrained (or Trainer checkpoint) restores too
-    return hf.eval()
+    return hf.to(device).eval()
 
 
-def _read_weights(folder: Path, device) -> dict:
+def _weight_files(folder: Path) -> list[Path]:
     """model.safetensors, or every shard that model.safetensors.index.json lists."""
     if (folder / WEIGHTS_NAME).is_file():
-        return load_file(str(folder / WEIGHTS_NAME), device=str(device))
-    shards = sorted(set(json.loads((folder / INDEX_NAME).read_text())["weight_map"].values()))
-    return {k: v for shard in shards for k, v in load_file(str(folder / shard), device=str(device)).items()}
+        return [folder / WEIGHTS_NAME]
+    return [folder / shard for shard in sorted(set(json.loads((folder / INDEX_NAME).read_text())["weight_map"].values()))]
 
 
-def _load_exact(model: nn.Module, tensors: dict, folder: Path, recorded: bool) -> None:
-    expected = model.state_dict(keep_vars=True)
-    names_of: dict = {}
-    for key, tensor in expected.items():
-        names_of.setdefault(id(tensor), []).append(key)
-    missing = [k for k in expected if not any(alias in tensors for alias in names_of[id(expected[k])])]
-    unexpected = [k for k in tensors if k not in expected]
-    wrong = [k for k in tensors if k in expected and tuple(tensors[k].shape) != tuple(expected[k].shape)]
-    if unexpected and not recorded and all(is_scaling_buffer(k) for k in unexpected):
+def _load_scaling_buffers(model: nn.Module, folder: Path, recorded: bool) -> None:
+    """Every FP8 scaling buffer of ``model`` from the folder's files, exactly: none missing, none left over."""
+    expected = {k for k in model.state_dict() if is_scaling_buffer(k)}
+    tensors = {}
+    for path in _weight_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys() if is_scaling_buffer(k)})
+    unexpected = sorted(set(tensors) - expected)
+    if unexpected and not recorded:
         raise ValueError(f"{str(folder)!r} holds FP8 scaling buffers ({unexpected[0]}, ...) but its config.json "
                          f"records no FP8 layers (no '{FP8TRAIN_SECTION}' section: saved before fp8train recorded "
                          "them); model.hf_path fine-tunes from it (the buffers are dropped), or save it again from "
                          "the converted model")
+    missing = sorted(expected - set(tensors))
+    wrong = [k for k in sorted(expected & set(tensors))
+             if tuple(tensors[k].shape) != tuple(model.get_buffer(k).shape)]
     if missing or unexpected or wrong:
-        raise ValueError(f"{str(folder)!r} does not fit its config.json: missing {missing[:4]}, unexpected "
-                         f"{unexpected[:4]}, wrong shape {wrong[:4]}")
+        raise ValueError(f"{str(folder)!r} does not fit its config.json: FP8 scaling buffers missing {missing[:4]}, "
+                         f"unexpected {unexpected[:4]}, wrong shape {wrong[:4]}")
     model.load_state_dict(tensors, strict=False)
