@@ -1,0 +1,112 @@
+"""Tensor parallelism for `train.tp_size > 1`: a 2-D (dp, tp) mesh and torch's TP styles on the decoder blocks.
+
+The launched processes form a DeviceMesh of shape (dp, tp) = (processes / tp_size, tp_size), rank r at
+(r // tp_size, r % tp_size): the tp_size ranks of one tp group are consecutive (on GPUs, one node's NVLink).
+Within a tp group every block's projections are split with torch.distributed.tensor.parallel (Megatron's
+layout): attention q/k/v and MLP gate/up ColwiseParallel (output features split: each rank holds its heads and
+its share of the hidden units), attention o and MLP down RowwiseParallel (input features split; the partial sums
+all-reduced). Everything else (embeddings, norms, lm_head) is replicated within the group. fp8train's Fp8Linear
+runs underneath on the local shards with the scales of the unsharded layer (fp8train.nn.tensor_parallel).
+`train.parallel` applies along dp: fsdp2 shards every block and the root over the dp axis (2-D: FSDP2 over TP,
+torch's composition); ddp runs with dp = 1 only (every process in one tp group; DDP over DTensor parameters
+is not what this loop wraps).
+
+A tp group sees one batch: data slices, evaluation batches and the loss average go by the dp rank
+(`data_parallel`). The model's own Attention splits its heads by the local width (view(..., -1, head_dim)).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from fp8train.nn.linear import Fp8Linear
+from fp8train.nn.tensor_parallel import check_tile_shards, keep_scaling_state_local
+
+__all__ = ["check_tensor_parallel", "data_parallel", "make_mesh", "tp_plan", "check_tp_model", "apply_tensor_parallel",
+           "COLWISE", "ROWWISE"]
+
+# The projections of one block, by the name under the block: split along output (colwise) or input (rowwise)
+# features. Built-in Decoder: attn.*, mlp.*; Llama-like Hugging Face models: self_attn.*, mlp.*.
+COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROWWISE = ("o_proj", "down_proj")
+
+
+def check_tensor_parallel(cfg, processes: int) -> None:
+    """Refuse, in one line, a tp_size the launch cannot form (before anything is built or written)."""
+    tp = cfg.train.tp_size
+    if tp == 1:
+        return
+    if processes % tp:
+        raise ValueError(f"train.tp_size={tp} must divide the number of processes ({processes}): the mesh is "
+                         f"(processes / tp_size, tp_size)")
+    if cfg.train.parallel == "ddp" and processes != tp:
+        raise ValueError(f"train.tp_size={tp} with train.parallel=ddp needs processes == tp_size (got "
+                         f"{processes}): for dp x tp set train.parallel=fsdp2")
+    if cfg.fp8.all_gather:
+        raise ValueError(f"fp8.all_gather=true is not supported with train.tp_size={tp} (the FP8 weight "
+                         "all-gather covers 1-D FSDP2 only): set fp8.all_gather=false")
+
+
+def data_parallel(accelerator, tp_size: int) -> tuple[int, int]:
+    """(dp rank, dp size): the ranks of one tp group share a rank here, hence one slice of each batch."""
+    return accelerator.process_index // tp_size, accelerator.num_processes // tp_size
+
+
+def make_mesh(device: torch.device, processes: int, tp_size: int) -> DeviceMesh:
+    return init_device_mesh(device.type, (processes // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+
+
+def tp_plan(model: nn.Module) -> dict:
+    """{module name: parallel style} for every block projection of `model` (named as in COLWISE / ROWWISE)."""
+    plan = {}
+    for name, module in model.named_modules():
+        leaf = name.rpartition(".")[2]
+        if isinstance(module, nn.Linear) and leaf in COLWISE + ROWWISE:
+            plan[name] = ColwiseParallel() if leaf in COLWISE else RowwiseParallel()
+    if not plan:
+        raise ValueError(f"train.tp_size>1 needs a model whose blocks name their projections {COLWISE + ROWWISE} "
+                         f"(fp8train's Decoder, Llama-like Hugging Face models); {type(model).__name__} has none")
+    return plan
+
+
+def _check_heads(model: nn.Module, tp: int) -> None:
+    """Heads and hidden units must split evenly: each rank holds whole heads."""
+    config = getattr(model, "cfg", None)
+    if config is not None and hasattr(config, "kv_heads"):  # fp8train's Decoder
+        sizes = {"model.n_heads": config.n_heads, "model.n_kv_heads": config.kv_heads(),
+                 "the MLP's hidden size (model.ffn_hidden)": config.ffn_dim()}
+    else:  # a Hugging Face model
+        hf = getattr(getattr(model, "hf", model), "config", None)
+        sizes = {f"config.{k}": getattr(hf, k) for k in ("num_attention_heads", "num_key_value_heads",
+                                                           "intermediate_size") if getattr(hf, k, None)}
+    for key, size in sizes.items():
+        if size % tp:
+            raise ValueError(f"train.tp_size={tp} must divide {key}={size} (each rank holds whole heads and an "
+                             "equal share of the MLP)")
+
+
+def check_tp_model(model: nn.Module, tp: int) -> dict:
+    """Refuse (ValueError, one line) a model that `tp` ranks cannot split: heads or MLP not divisible, or a
+    shard that would cut an FP8 scaling tile (naming the layer and sizes). Returns the plan (tp_plan)."""
+    _check_heads(model, tp)
+    plan = tp_plan(model)
+    modules = dict(model.named_modules())
+    for name, style in plan.items():
+        if isinstance(modules[name], Fp8Linear):
+            check_tile_shards(name, modules[name], tp, 0 if isinstance(style, ColwiseParallel) else 1)
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Split `model`'s block projections over `tp_mesh` (in place; after the FP8 swap, before FSDP2 and the
+    optimizer), after check_tp_model."""
+    plan = check_tp_model(model, tp_mesh.size())
+    modules = dict(model.named_modules())
+    parallelize_module(model, tp_mesh, plan)
+    for name in plan:
+        if isinstance(modules[name], Fp8Linear):
+            keep_scaling_state_local(modules[name])
+    return model
