@@ -1,0 +1,105 @@
+"""Run under `accelerate launch --multi_gpu --num_processes 2` by tests/test_tensor_parallel.py (not a test).
+
+Job `layers OUT`: for every recipe, an Fp8Linear split colwise and rowwise over the 2 ranks (torch's styles)
+against the same layer unsharded in this process, over 3 steps (forward, backward, optimizer step, delayed
+update); writes, per GEMM, whether it is bit-identical and its largest difference over the bound that the test
+derives (inputs: |x| @ |W|^T in float64). Job `train OUT CONFIG RECIPE...`: fp8train's train() with
+train.tp_size=2 for each recipe, every MAX all-reduce's size recorded in order."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+job, out = sys.argv[1], sys.argv[2]
+
+
+def layers() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from fp8train.nn.linear import Fp8Linear, update_fp8_scales
+    from fp8train.nn.recipes import recipe
+    from fp8train.nn.tensor_parallel import keep_scaling_state_local
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    tiles = dict(input_block=(1, 32), weight_block=(32, 32), grad_output_block=(1, 32))
+    results = {}
+    for name in ("delayed", "current", "rowwise", "block"):
+        r = recipe(name, **tiles) if name == "block" else recipe(name)
+        for style_name in ("colwise", "rowwise"):
+            torch.manual_seed(0)
+            ref = Fp8Linear(128, 64, bias=False, recipe=r)
+            tp = Fp8Linear(128, 64, bias=False, recipe=r)
+            tp.load_state_dict(ref.state_dict())
+            for layer in (ref, tp):
+                layer.emulated_dtype = "fp32"  # fp32 GEMMs: results that do not depend on the CPU
+            style = ColwiseParallel(output_layouts=Replicate()) if style_name == "colwise" else RowwiseParallel()
+            parallelize_module(tp, mesh, style)
+            keep_scaling_state_local(tp)
+            opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, tp)]
+            rows = []
+            for step in range(3):
+                x = torch.randn(16, 128) * (1 + step)
+                g = torch.randn(16, 64)
+                x_ref = x.clone().requires_grad_()
+                x_tp = (x.chunk(world, -1)[rank] if style_name == "rowwise" else x).clone().requires_grad_()
+                w = ref.weight.detach().double()
+                y_ref, y_tp = ref(x_ref), tp(x_tp)
+                y_ref.backward(g)
+                y_tp.backward(g)
+                gin_ref = x_ref.grad.chunk(world, -1)[rank] if style_name == "rowwise" else x_ref.grad
+                gw_tp = tp.weight.grad.full_tensor()
+                # the sums of |products| each GEMM adds (unquantized operands; the test widens for FP8 rounding)
+                rows.append({
+                    "output": [torch.equal(y_ref, y_tp), (y_ref - y_tp).abs().double().tolist(),
+                               (x.abs().double() @ w.abs().t()).tolist(), 128],
+                    "grad_input": [torch.equal(gin_ref, x_tp.grad), (gin_ref - x_tp.grad).abs().double().tolist(),
+                                   (g.abs().double() @ w.abs()).chunk(world, -1)[rank].tolist()
+                                   if style_name == "rowwise" else (g.abs().double() @ w.abs()).tolist(), 64],
+                    "grad_weight": [torch.equal(ref.weight.grad, gw_tp), (ref.weight.grad - gw_tp).abs().double()
+                                    .tolist(), (g.abs().double().t() @ x.abs().double()).tolist(), 16]})
+                for opt in opts:  # grad_weight is bit-identical (checked): the weights stay equal
+                    opt.step()
+                    opt.zero_grad()
+                update_fp8_scales(ref)
+                update_fp8_scales(tp)
+            results[f"{name}/{style_name}"] = rows
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def train_runs(cfg_path: str, names: list[str]) -> None:
+    from fp8train.training.config import load_config
+    from fp8train.training.loop import train
+
+    real_all_reduce, max_reduces = dist.all_reduce, []
+
+    def recording_all_reduce(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
+        if op == dist.ReduceOp.MAX:
+            max_reduces.append(tensor.numel())
+        return real_all_reduce(tensor, op, *args, **kwargs)
+
+    dist.all_reduce = recording_all_reduce
+    # (quantizers call dist.all_reduce through the module: the recorder sees the TP amax reductions too)
+    results = {}
+    for name in names:
+        max_reduces.clear()
+        summary = train(load_config(cfg_path, [f"run.name=tp_{name}", f"fp8.recipe={name}", "train.tp_size=2"]),
+                        show_progress=False)
+        results[name] = {"summary": summary, "max_reduces": list(max_reduces)}
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f, default=str)
+
+
+if job == "layers":
+    layers()
+else:
+    train_runs(sys.argv[3], sys.argv[4:])
