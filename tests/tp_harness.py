@@ -1,6 +1,6 @@
 """Run under `accelerate launch --multi_gpu --num_processes 2` by tests/test_tensor_parallel.py (not a test).
 
-Job `layers OUT`: for every recipe, an Fp8Linear split colwise and rowwise over the 2 ranks (torch's styles)
+Job `both OUT_DIR CONFIG RECIPE...` runs the two below in one launch. Job `layers OUT`: for every recipe, an Fp8Linear split colwise and rowwise over the 2 ranks (torch's styles)
 against the same layer unsharded in this process, over 3 steps (forward, backward, optimizer step, delayed
 update); writes, per GEMM, whether it is bit-identical and its largest difference over the bound that the test
 derives (inputs: |x| @ |W|^T in float64). Job `train OUT CONFIG RECIPE...`: fp8train's train() with
@@ -24,7 +24,8 @@ def layers() -> None:
     from fp8train.nn.recipes import recipe
     from fp8train.nn.tensor_parallel import keep_scaling_state_local
 
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # (job both: the trainings after this go on in the same group)
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     tiles = dict(input_block=(1, 32), weight_block=(32, 32), grad_output_block=(1, 32))
@@ -72,7 +73,6 @@ def layers() -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
-    dist.destroy_process_group()
 
 
 def train_runs(cfg_path: str, names: list[str]) -> None:
@@ -101,5 +101,11 @@ def train_runs(cfg_path: str, names: list[str]) -> None:
 
 if job == "layers":
     layers()
-else:
+elif job == "train":
+    train_runs(sys.argv[3], sys.argv[4:])
+else:  # "both": layers to OUT/layers.json, then the trainings to OUT/train.json (one launch, one import)
+    out_dir = out
+    out = f"{out_dir}/layers.json"
+    layers()
+    out = f"{out_dir}/train.json"
     train_runs(sys.argv[3], sys.argv[4:])

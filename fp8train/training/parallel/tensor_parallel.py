@@ -45,9 +45,6 @@ def check_tensor_parallel(cfg, processes: int) -> None:
     if cfg.train.parallel == "ddp" and processes != tp:
         raise ValueError(f"train.tp_size={tp} with train.parallel=ddp needs processes == tp_size (got "
                          f"{processes}): for dp x tp set train.parallel=fsdp2")
-    if cfg.fp8.all_gather:
-        raise ValueError(f"fp8.all_gather=true is not supported with train.tp_size={tp} (the FP8 weight "
-                         "all-gather covers 1-D FSDP2 only): set fp8.all_gather=false")
 
 
 def data_parallel(accelerator, tp_size: int) -> tuple[int, int]:
