@@ -14,7 +14,9 @@ CPU processes, tests/tp_harness.py), then one-process references here:
 - training: fp8train's train() with train.tp_size=2 for 20 steps against one process, every recipe. Over
   training no a-priori bound holds: FP8 rounding turns those last-bit differences into different roundings a
   few steps on. The tolerance is the one the FSDP2 tests use (1e-5 over the first steps, 1e-3 over the run);
-  observed on the 2-core EPYC here: block/rowwise mostly bit-identical, delayed/current within 2e-4.
+  observed on the 2-core EPYC here: rowwise/block losses mostly bit-identical, delayed/current within 2e-4.
+  Gradient norms are compared over the first steps only: later single steps move by percents under ANY
+  reordering (one process, grad_accum 2 against 1: delayed's step-15 norm by 54%, its losses by 1e-2).
 - delayed scaling: once scales exist, its one MAX all-reduce per step is the only amax collective (TP included);
   block scaling needs none (tiles inside shards); a checkpoint written with tp 2 resumes in one process.
 """
@@ -170,7 +172,9 @@ def test_tp2_trains_like_one_process(tp_runs, name):
     for a, b in zip(tp[1:], one[1:]):
         rtol = 1e-5 if a["step"] <= EARLY else 1e-3
         assert a["loss"] == pytest.approx(b["loss"], rel=rtol), f"{name} step {a['step']}"
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=10 * rtol), f"{name} step {a['step']}"
+        if a["step"] <= EARLY:  # (later, a step whose gradient hangs on a few E5M2 roundings moves its norm
+            # by percents: one process with grad_accum 2 against 1 moves delayed's step-15 norm by 54% here)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), f"{name} step {a['step']}"
     summary = json.loads((tp_runs / "runs" / f"tp_{name}" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == STEPS
 
