@@ -159,7 +159,8 @@ def _copies(grad: torch.Tensor) -> int:
     mesh = grad.device_mesh
     shards = 1
     for dim, placement in enumerate(grad.placements):
-        if placement.is_shard():
+        # (FSDP2 over TP shards along dp with torch's _StridedShard, which is_shard() does not count)
+        if not (placement.is_replicate() or placement.is_partial()):
             shards *= mesh.size(dim)
     return world // shards
 
