@@ -17,6 +17,8 @@ CPU processes, tests/tp_harness.py), then one-process references here:
   observed on the 2-core EPYC here: rowwise/block losses mostly bit-identical, delayed/current within 2e-4.
   Gradient norms are compared over the first steps only: later single steps move by percents under ANY
   reordering (one process, grad_accum 2 against 1: delayed's step-15 norm by 54%, its losses by 1e-2).
+- dp 2 x tp 2 (4 processes, train.parallel=fsdp2) against one process accumulating 2 micro-batches (the same
+  micro-batches as 2 dp ranks, as in the FSDP2 tests): the same tolerances;
 - delayed scaling: once scales exist, its one MAX all-reduce per step is the only amax collective (TP included);
   block scaling needs none (tiles inside shards); a checkpoint written with tp 2 resumes in one process.
 """
@@ -208,3 +210,32 @@ def test_tp2_checkpoint_resumes_in_one_process(tp_runs):
         assert r["loss"] == pytest.approx(by_step[r["step"]]["loss"], rel=rtol), r["step"]
     summary = json.loads((tp_runs / "runs" / "tp_2to1" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary.get("resumed_from", "").endswith("step_000010")
+
+
+@pytest.fixture(scope="module")
+def dp2_tp2(tmp_path_factory, single_thread):
+    root = tmp_path_factory.mktemp("dp2tp2")
+    write_stdlib_corpus(root / "corpus.txt")
+    config = {**TINY, "run": {"dir": str(root / "runs"), "name": "x"}, "data": {"path": str(root / "corpus.txt")}}
+    config["train"] = {**TINY["train"], "parallel": "fsdp2"}
+    (root / "tiny.yaml").write_text(yaml.safe_dump(config))
+    harness = Path(__file__).parent / "tp_harness.py"
+    argv = Commands.accelerate_launch(4, str(harness), "train", str(root / "train.json"), str(root / "tiny.yaml"),
+                                      "delayed")
+    done = subprocess.run(argv, env=Commands.launch_env(root / "hf"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"launch failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    train(load_config(str(root / "tiny.yaml"), ["run.name=one_delayed", "train.grad_accum=2"]), show_progress=False)
+    return root
+
+
+@pytest.mark.slow
+def test_dp2_tp2_fsdp2_trains_like_one_process(dp2_tp2):
+    mesh, one = _metrics(dp2_tp2, "tp_delayed"), _metrics(dp2_tp2, "one_delayed")
+    assert [r["step"] for r in mesh] == [r["step"] for r in one] and len(mesh) == STEPS + 1
+    for a, b in zip(mesh[1:], one[1:]):
+        rtol = 1e-5 if a["step"] <= EARLY else 1e-3
+        assert a["loss"] == pytest.approx(b["loss"], rel=rtol), a["step"]
+        if a["step"] <= EARLY:  # (a norm that counted a replica twice, or a shard once too few, is off by percents)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), a["step"]
+    summary = json.loads((dp2_tp2 / "runs" / "tp_delayed" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 4
