@@ -19,6 +19,7 @@ CPU processes, tests/tp_harness.py), then one-process references here:
   reordering (one process, grad_accum 2 against 1: delayed's step-15 norm by 54%, its losses by 1e-2).
 - dp 2 x tp 2 (4 processes, train.parallel=fsdp2) against one process accumulating 2 micro-batches (the same
   micro-batches as 2 dp ranks, as in the FSDP2 tests): the same tolerances;
+- docs/distributed.md's TP command, as written (size overrides appended, wandb offline): exit 0;
 - delayed scaling: once scales exist, its one MAX all-reduce per step is the only amax collective (TP included);
   block scaling needs none (tiles inside shards); a checkpoint written with tp 2 resumes in one process.
 """
@@ -26,6 +27,8 @@ CPU processes, tests/tp_harness.py), then one-process references here:
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -239,3 +242,30 @@ def test_dp2_tp2_fsdp2_trains_like_one_process(dp2_tp2):
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), a["step"]
     summary = json.loads((dp2_tp2 / "runs" / "tp_delayed" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["world_size"] == 4
+
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "distributed.md"
+SMALL = ["train.max_steps=4", "train.eval_every=2", "train.eval_batches=1", "train.batch_size=4",
+         "model.seq_len=32", "optim.warmup_steps=1", "data.max_bytes=200000", "log.telemetry_every=0", "--quiet"]
+
+
+@pytest.mark.slow
+def test_docs_tp_command_exits_0_with_wandb_offline(tmp_path, single_thread):
+    block = re.search(r"## Tensor parallelism.*?```bash\n(.*?)```", DOCS.read_text(), flags=re.S).group(1)
+    line = next(x for x in block.splitlines() if x.startswith("accelerate launch") and "--num_processes 2" in x)
+    argv = shlex.split(line)
+    script = argv.index("scripts/train.py")
+    repo = DOCS.parent.parent
+    wandb_home = str(tmp_path / "wandb-home")
+    env = Commands.launch_env(tmp_path / "hf", WANDB_CONFIG_DIR=wandb_home, WANDB_CACHE_DIR=wandb_home,
+                              WANDB_DATA_DIR=wandb_home, WANDB_SILENT="true")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *argv[2:script], "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", str(repo / argv[script]), *argv[script + 1:], *SMALL,
+           f"run.dir={tmp_path / 'runs'}", "log.wandb=offline"]
+    done = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    run_dir = next((tmp_path / "runs").iterdir())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["steps"] == 4
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert (run_dir / "checkpoints" / "step_000004" / "COMPLETE").exists()  # a sharded (DCP) checkpoint
