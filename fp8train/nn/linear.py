@@ -304,7 +304,7 @@ class Fp8Linear(nn.Linear):
             self._pending_since_step = _optimizer_steps
         elif self._pending_since_step != _optimizer_steps and not _missing_update_warned:
             _missing_update_warned = True
-            warnings.warn(MISSING_UPDATE_WARNING, RuntimeWarning, stacklevel=3)
+            warnings.warn(MISSING_UPDATE_WARNING, RuntimeWarning, stacklevel=4)  # (the caller of the layer)
 
     def kernel_for(self, numel: int) -> str:
         """The quantize kernel this layer runs on a tensor of `numel` elements (`quantize_kernel`, resolved)."""
