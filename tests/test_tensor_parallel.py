@@ -18,7 +18,8 @@ CPU processes, tests/tp_harness.py), then one-process references here:
   Gradient norms are compared over the first steps only: later single steps move by percents under ANY
   reordering (one process, grad_accum 2 against 1: delayed's step-15 norm by 54%, its losses by 1e-2).
 - dp 2 x tp 2 (4 processes, train.parallel=fsdp2) against one process accumulating 2 micro-batches (the same
-  micro-batches as 2 dp ranks, as in the FSDP2 tests): the same tolerances;
+  micro-batches as 2 dp ranks, as in the FSDP2 tests): the same tolerances; its step-10 checkpoint resumed as
+  dp 4 (tp 1) continues its curve to the same tolerances;
 - docs/distributed.md's TP command, as written (size overrides appended, wandb offline): exit 0;
 - delayed scaling: once scales exist, its one MAX all-reduce per step is the only amax collective (TP included);
   block scaling needs none (tiles inside shards); a checkpoint written with tp 2 resumes in one process.
@@ -223,8 +224,7 @@ def dp2_tp2(tmp_path_factory, single_thread):
     config["train"] = {**TINY["train"], "parallel": "fsdp2"}
     (root / "tiny.yaml").write_text(yaml.safe_dump(config))
     harness = Path(__file__).parent / "tp_harness.py"
-    argv = Commands.accelerate_launch(4, str(harness), "train", str(root / "train.json"), str(root / "tiny.yaml"),
-                                      "delayed")
+    argv = Commands.accelerate_launch(4, str(harness), "mesh", str(root / "train.json"), str(root / "tiny.yaml"))
     done = subprocess.run(argv, env=Commands.launch_env(root / "hf"), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"launch failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     train(load_config(str(root / "tiny.yaml"), ["run.name=one_delayed", "train.grad_accum=2"]), show_progress=False)
@@ -269,3 +269,16 @@ def test_docs_tp_command_exits_0_with_wandb_offline(tmp_path, single_thread):
     assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["steps"] == 4
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert (run_dir / "checkpoints" / "step_000004" / "COMPLETE").exists()  # a sharded (DCP) checkpoint
+
+
+@pytest.mark.slow
+def test_dp2_tp2_checkpoint_resumes_as_dp4(dp2_tp2):
+    resumed, source = _metrics(dp2_tp2, "tp_to_dp"), _metrics(dp2_tp2, "tp_delayed")
+    after = [r for r in resumed if r["step"] > 10 and "loss" in r]
+    assert [r["step"] for r in after] == list(range(11, STEPS + 1))
+    by_step = {r["step"]: r for r in source}
+    for r in after:  # dp 4 runs 2 sequences a rank where dp 2 ran 4: stored delayed scales do not depend on it
+        rtol = 1e-5 if r["step"] <= 10 + EARLY else 1e-3
+        assert r["loss"] == pytest.approx(by_step[r["step"]]["loss"], rel=rtol), r["step"]
+    summary = json.loads((dp2_tp2 / "runs" / "tp_to_dp" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 4

@@ -1,6 +1,7 @@
 """Run under `accelerate launch --multi_gpu --num_processes 2` by tests/test_tensor_parallel.py (not a test).
 
-Job `both OUT_DIR CONFIG RECIPE...` runs the two below in one launch. Job `layers OUT`: for every recipe, an Fp8Linear split colwise and rowwise over the 2 ranks (torch's styles)
+Job `both OUT_DIR CONFIG RECIPE...` runs the two below in one launch; job `mesh OUT CONFIG` trains delayed
+with tp 2 and resumes its step-10 checkpoint with tp 1 (all processes data parallel). Job `layers OUT`: for every recipe, an Fp8Linear split colwise and rowwise over the 2 ranks (torch's styles)
 against the same layer unsharded in this process, over 3 steps (forward, backward, optimizer step, delayed
 update); writes, per GEMM, whether it is bit-identical and its largest difference over the bound that the test
 derives (inputs: |x| @ |W|^T in float64). Job `train OUT CONFIG RECIPE...`: fp8train's train() with
@@ -99,10 +100,32 @@ def train_runs(cfg_path: str, names: list[str]) -> None:
             json.dump(results, f, default=str)
 
 
+def resume_on_another_mesh(cfg_path: str, source: str, resumed: str, step: int, *overrides: str) -> None:
+    """Run `source` as it was after checkpoint `step`, resumed as `resumed` with `overrides` (another mesh)."""
+    import shutil
+    from pathlib import Path
+
+    from fp8train.training.config import load_config
+    from fp8train.training.loop import train
+
+    runs = Path(load_config(cfg_path).run.dir)
+    if dist.get_rank() == 0:
+        shutil.copytree(runs / source, runs / resumed)
+        for ckpt in (runs / resumed / "checkpoints").glob("step_*"):
+            if int(ckpt.name[5:]) > step:
+                shutil.rmtree(ckpt)
+        (runs / resumed / "summary.json").unlink()
+    dist.barrier()
+    train(load_config(cfg_path, [f"run.name={resumed}", "train.resume=true", *overrides]), show_progress=False)
+
+
 if job == "layers":
     layers()
 elif job == "train":
     train_runs(sys.argv[3], sys.argv[4:])
+elif job == "mesh":  # delayed on dp x tp = processes/2 x 2, then its step-10 checkpoint resumed with tp 1 (dp 4)
+    train_runs(sys.argv[3], ["delayed"])
+    resume_on_another_mesh(sys.argv[3], "tp_delayed", "tp_to_dp", 10, "fp8.recipe=delayed", "train.tp_size=1")
 else:  # "both": layers to OUT/layers.json, then the trainings to OUT/train.json (one launch, one import)
     out_dir = out
     out = f"{out_dir}/layers.json"
