@@ -92,8 +92,10 @@ def train_runs(cfg_path: str, names: list[str]) -> None:
     results = {}
     for name in names:
         max_reduces.clear()
-        summary = train(load_config(cfg_path, [f"run.name=tp_{name}", f"fp8.recipe={name}", "train.tp_size=2"]),
-                        show_progress=False)
+        recipe, _, variant = name.partition("-")  # "delayed-nosp": without sequence parallelism
+        overrides = ["train.sequence_parallel=false"] if variant == "nosp" else []
+        summary = train(load_config(cfg_path, [f"run.name=tp_{name}", f"fp8.recipe={recipe}", "train.tp_size=2",
+                                               *overrides]), show_progress=False)
         results[name] = {"summary": summary, "max_reduces": list(max_reduces)}
     if dist.get_rank() == 0:
         with open(out, "w") as f:

@@ -54,6 +54,7 @@ class TpLayout:
 
     group: object  # the TP ProcessGroup
     weight_axis: int  # 0: colwise (output features split), 1: rowwise (input features split)
+    mesh: object  # the 1-D TP DeviceMesh the weight is sharded over
 
     def global_amax(self, quantizer, tensor: torch.Tensor, kernel: str, transposed: bool):
         """The amax the unsharded layer would scale `tensor` (this rank's part of quantizer's operand; its
@@ -78,26 +79,23 @@ class TpLayout:
         return amax
 
 
-_layouts: dict = {}  # (mesh, weight_axis) -> TpLayout: one object per mesh and style, not one per forward
-
-
-def _layout_of(weight: DTensor) -> TpLayout:
+def _layout_of(layer, weight: DTensor) -> TpLayout:
+    """The layer's TpLayout, made on its first forward (and again only if its weight moved to another mesh)."""
     mesh, placements = weight.device_mesh, weight.placements
     if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard) or \
             placements[0].dim not in (0, 1):
         raise RuntimeError(f"internal error: an Fp8Linear weight under tensor parallelism must be a DTensor "
                            f"sharded along dim 0 or 1 of a 1-D mesh; got {placements} on a {mesh.ndim}-D mesh")
-    key = (id(mesh), placements[0].dim)
-    if key not in _layouts:
-        _layouts[key] = TpLayout(mesh.get_group(), placements[0].dim)
-    return _layouts[key]
+    layout = layer.tp_layout
+    if layout is None or layout.mesh is not mesh or layout.weight_axis != placements[0].dim:
+        layout = layer.tp_layout = TpLayout(mesh.get_group(), placements[0].dim, mesh)
+    return layout
 
 
 def tensor_parallel_forward(layer, input: torch.Tensor) -> DTensor:
     """`layer`'s forward on the local shards (see the module docstring); the output as a DTensor."""
     weight = layer.weight
-    layout = _layout_of(weight)
-    layer.tp_layout = layout
+    layout = _layout_of(layer, weight)
     mesh = weight.device_mesh
     if not isinstance(input, DTensor):
         raise RuntimeError("internal error: an Fp8Linear with a DTensor weight needs a DTensor input (parallelize "

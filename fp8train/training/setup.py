@@ -180,7 +180,7 @@ def _prepare_training(run: Run) -> None:
         mesh = None
         if cfg.train.tp_size > 1:  # TP first, then FSDP2 along dp over the TP shards (torch's 2-D composition)
             mesh = make_mesh(accelerator.device, accelerator.num_processes, cfg.train.tp_size)
-            apply_tensor_parallel(run.model, mesh["tp"])
+            apply_tensor_parallel(run.model, mesh["tp"], cfg.train.sequence_parallel)
         if cfg.train.parallel == "fsdp2":
             apply_fsdp2(run.model, accelerator.device, fp8_all_gather=cfg.fp8.all_gather,
                         mesh=None if mesh is None else mesh["dp"])

@@ -22,6 +22,7 @@ from fp8train.training.config import FullConfig
 from fp8train.training.evaluation import run_autocast
 from fp8train.training.parallel.distributed import all_mean_tensor
 from fp8train.training.parallel.fsdp2 import clip_grad_norm_tensor, grad_norm_tensor
+from fp8train.training.parallel.tensor_parallel import reduce_partial_grads
 from fp8train.training.runs import telemetry
 from fp8train.training.setup import Run
 from fp8train.training.step_guard import StepGuard
@@ -174,6 +175,8 @@ def _forward_backward(run: Run, step: int) -> torch.Tensor:
 def _clip_grad_norm(run: Run) -> torch.Tensor:
     # One rule for DDP (replicated gradients) and FSDP2 (DTensor shards): a float64 norm that does not depend on
     # how the gradient is split, so both, at any world size, clip by the same factor (fsdp2.grad_norm).
+    if run.cfg.train.tp_size > 1:
+        reduce_partial_grads(run.model)  # (sequence-parallel norms: partial sums over positions)
     clip = run.cfg.train.grad_clip
     return clip_grad_norm_tensor(run.model, clip) if clip > 0 else grad_norm_tensor(run.model)
 

@@ -84,6 +84,9 @@ class TrainConfig(Section):
     tp_size: int = 1
     """Tensor-parallel degree: the processes form a (dp, tp) mesh, dp = processes / tp_size, each decoder block's
     projections split over tp (fp8train.training.parallel.tensor_parallel); train.parallel applies along dp. 1 = off."""
+    sequence_parallel: bool = True
+    """With train.tp_size > 1 and fp8train's decoder: norms and residual stream split along the sequence over tp
+    (all-gather before each block's colwise projections, reduce-scatter after the rowwise ones). false: replicated."""
     compile: bool = False
     """torch.compile the model (every recipe compiles without graph breaks; needs a C++ compiler on CPU)."""
     fork_from: str = ""

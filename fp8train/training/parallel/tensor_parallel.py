@@ -20,13 +20,15 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
 
 from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.tensor_parallel import check_tile_shards, keep_scaling_state_local
 
-__all__ = ["check_tensor_parallel", "data_parallel", "make_mesh", "tp_plan", "check_tp_model", "apply_tensor_parallel",
-           "COLWISE", "ROWWISE"]
+__all__ = ["check_tensor_parallel", "data_parallel", "make_mesh", "tp_plan", "check_tp_model", "sequence_parallel_plan", "apply_tensor_parallel",
+           "COLWISE", "ROWWISE", "reduce_partial_grads"]
 
 # The projections of one block, by the name under the block: split along output (colwise) or input (rowwise)
 # features. Built-in Decoder: attn.*, mlp.*; Llama-like Hugging Face models: self_attn.*, mlp.*.
@@ -69,6 +71,38 @@ def tp_plan(model: nn.Module) -> dict:
     return plan
 
 
+def sequence_parallel_plan(model: nn.Module) -> dict:
+    """tp_plan with sequence parallelism for fp8train's Decoder (Megatron-SP, torch's styles): the residual stream
+    and the norms hold T / tp positions each (the embedding's output sliced, no communication); each attention
+    and MLP all-gathers its normed input once before the colwise projections, and the rowwise projections
+    reduce-scatter their partial sums back to sequence shards (the bytes of the all-reduce they replace); lm_head
+    all-gathers the final norm's output. RMSNorm is per position: the same numbers."""
+    sequence, whole = Shard(1), Replicate()
+    plan = {"embed": PrepareModuleOutput(output_layouts=whole, desired_output_layouts=sequence),
+            "norm": SequenceParallel(),
+            "lm_head": PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(whole,),
+                                          use_local_output=True)}
+    for i in range(len(model.layers)):
+        block = f"layers.{i}"
+        plan |= {f"{block}.attn_norm": SequenceParallel(), f"{block}.mlp_norm": SequenceParallel(),
+                 f"{block}.attn": PrepareModuleInput(input_layouts=(sequence, None, None),
+                                                     desired_input_layouts=(whole, None, None), use_local_output=True),
+                 f"{block}.mlp": PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(whole,),
+                                                    use_local_output=True)}
+        for name in ("q_proj", "k_proj", "v_proj"):
+            plan[f"{block}.attn.{name}"] = ColwiseParallel()
+        for name in ("gate_proj", "up_proj"):
+            plan[f"{block}.mlp.{name}"] = ColwiseParallel()
+        plan[f"{block}.attn.o_proj"] = RowwiseParallel(output_layouts=sequence)
+        plan[f"{block}.mlp.down_proj"] = RowwiseParallel(output_layouts=sequence)
+    return plan
+
+
+def _is_decoder(model: nn.Module) -> bool:
+    config = getattr(model, "cfg", None)
+    return config is not None and hasattr(config, "kv_heads") and not config.tie_embeddings
+
+
 def _check_heads(model: nn.Module, tp: int) -> None:
     """Heads and hidden units must split evenly: each rank holds whole heads."""
     config = getattr(model, "cfg", None)
@@ -97,13 +131,28 @@ def check_tp_model(model: nn.Module, tp: int) -> dict:
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
     """Split `model`'s block projections over `tp_mesh` (in place; after the FP8 swap, before FSDP2 and the
-    optimizer), after check_tp_model."""
+    optimizer), after check_tp_model; with `sequence_parallel` (fp8train's Decoder without tied embeddings;
+    others run without) its norms and residual stream too (sequence_parallel_plan)."""
     plan = check_tp_model(model, tp_mesh.size())
+    if sequence_parallel and _is_decoder(model):
+        plan = sequence_parallel_plan(model)
     modules = dict(model.named_modules())
     parallelize_module(model, tp_mesh, plan)
     for name in plan:
         if isinstance(modules[name], Fp8Linear):
             keep_scaling_state_local(modules[name])
     return model
+
+
+@torch.no_grad()
+def reduce_partial_grads(model: nn.Module) -> None:
+    """Sum the gradients that are still partial over a mesh dim (sequence parallelism: a norm's weight gradient
+    is each rank's sum over its own positions) into whole ones: one all-reduce each, after the last backward of
+    a step and before the gradient norm, which reads local values."""
+    for p in model.parameters():
+        grad = p.grad
+        if isinstance(grad, DTensor) and any(placement.is_partial() for placement in grad.placements):
+            p.grad = grad.redistribute(placements=[Replicate() if placement.is_partial() else placement
+                                                   for placement in grad.placements])
