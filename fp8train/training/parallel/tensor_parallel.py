@@ -85,10 +85,11 @@ def sequence_parallel_plan(model: nn.Module) -> dict:
     for i in range(len(model.layers)):
         block = f"layers.{i}"
         plan |= {f"{block}.attn_norm": SequenceParallel(), f"{block}.mlp_norm": SequenceParallel(),
+                 # the gathered input stays a DTensor: the colwise layers' partial input gradients add up as
+                 # such and go back as ONE reduce-scatter per module, not an all-reduce per projection
                  f"{block}.attn": PrepareModuleInput(input_layouts=(sequence, None, None),
-                                                     desired_input_layouts=(whole, None, None), use_local_output=True),
-                 f"{block}.mlp": PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(whole,),
-                                                    use_local_output=True)}
+                                                     desired_input_layouts=(whole, None, None)),
+                 f"{block}.mlp": PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(whole,))}
         for name in ("q_proj", "k_proj", "v_proj"):
             plan[f"{block}.attn.{name}"] = ColwiseParallel()
         for name in ("gate_proj", "up_proj"):
