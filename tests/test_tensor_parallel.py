@@ -14,8 +14,9 @@ CPU processes, tests/tp_harness.py), then one-process references here:
 - training: fp8train's train() with train.tp_size=2 for 20 steps against one process, every recipe with
   sequence parallelism (the default) and delayed without it. Over
   training no a-priori bound holds: FP8 rounding turns those last-bit differences into different roundings a
-  few steps on. The tolerance is the one the FSDP2 tests use (1e-5 over the first steps, 1e-3 over the run);
-  observed on the 2-core EPYC here: rowwise/block losses mostly bit-identical, delayed/current within 2e-4.
+  few steps on. Tolerances: 1e-5 over the first 5 steps, 1e-2 over the run, the spread a mere re-split gives
+  one process (EARLY_RTOL, LATE_RTOL below); observed on the 2-core EPYC here: rowwise and block losses mostly
+  bit-identical, delayed within 2e-4, current within 2.3e-3 (at its sensitive step 15).
   Gradient norms are compared over the first steps only: later single steps move by percents under ANY
   reordering (one process, grad_accum 2 against 1: delayed's step-15 norm by 54%, its losses by 1e-2).
 - dp 2 x tp 2 (4 processes, train.parallel=fsdp2) against one process accumulating 2 micro-batches (the same
@@ -51,6 +52,11 @@ from refs import write_stdlib_corpus
 
 RECIPES = ("delayed", "current", "rowwise", "block")
 STEPS, EARLY = 20, 5
+# Losses within EARLY_RTOL over the first EARLY steps (only summation order differs yet) and LATE_RTOL over the run:
+# not derived (no a-priori bound survives FP8 rounding over steps) but set by what a pure re-split does to ONE
+# process: grad_accum 2 against 1 moves its losses by up to 1.1e-2 (delayed) and 6e-3 (current) over 20 steps on
+# this config, and single sensitive steps (step 15 here) by the most. TP stayed within 2.3e-3 (current, step 15).
+EARLY_RTOL, LATE_RTOL = 1e-5, 1e-2
 U = 2.0 ** -24
 TINY = {
     "model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "seq_len": 32, "ffn_hidden": 128},
@@ -178,11 +184,15 @@ def test_tp2_trains_like_one_process(tp_runs, name):
     assert [r["step"] for r in tp] == [r["step"] for r in one] and len(tp) == STEPS + 1
     assert tp[0]["val_loss"] == pytest.approx(one[0]["val_loss"], rel=1e-6)  # the untrained model: one forward
     for a, b in zip(tp[1:], one[1:]):
-        rtol = 1e-5 if a["step"] <= EARLY else 1e-3
+        rtol = EARLY_RTOL if a["step"] <= EARLY else LATE_RTOL
         assert a["loss"] == pytest.approx(b["loss"], rel=rtol), f"{name} step {a['step']}"
-        if a["step"] <= EARLY:  # (later, a step whose gradient hangs on a few E5M2 roundings moves its norm
-            # by percents: one process with grad_accum 2 against 1 moves delayed's step-15 norm by 54% here)
-            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), f"{name} step {a['step']}"
+        # step 1: the same weights and batch, only sums in another order (the norm itself in float64): a norm that
+        # counts a replica twice or a partial sum once (off by 4e-5 .. 3% when that was the bug) is caught here.
+        # Later a step whose gradient hangs on a few E5M2 roundings moves its norm by percents under any reordering
+        # (one process with grad_accum 2 against 1 moves delayed's step-15 norm by 54% here): first steps only.
+        if a["step"] <= EARLY:
+            rel = 1e-6 if a["step"] == 1 else 1e-3
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=rel), f"{name} step {a['step']}"
     summary = json.loads((tp_runs / "runs" / f"tp_{name}" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == STEPS
 
@@ -212,7 +222,7 @@ def test_tp2_checkpoint_resumes_in_one_process(tp_runs):
     assert [r["step"] for r in after] == list(range(11, STEPS + 1))
     by_step = {r["step"]: r for r in source}
     for r in after:  # the same weights, AdamW state and FP8 scaling state: the first steps agree closely
-        rtol = 1e-5 if r["step"] <= 10 + EARLY else 1e-3
+        rtol = EARLY_RTOL if r["step"] <= 10 + EARLY else LATE_RTOL
         assert r["loss"] == pytest.approx(by_step[r["step"]]["loss"], rel=rtol), r["step"]
     summary = json.loads((tp_runs / "runs" / "tp_2to1" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary.get("resumed_from", "").endswith("step_000010")
@@ -238,10 +248,10 @@ def test_dp2_tp2_fsdp2_trains_like_one_process(dp2_tp2):
     mesh, one = _metrics(dp2_tp2, "tp_delayed"), _metrics(dp2_tp2, "one_delayed")
     assert [r["step"] for r in mesh] == [r["step"] for r in one] and len(mesh) == STEPS + 1
     for a, b in zip(mesh[1:], one[1:]):
-        rtol = 1e-5 if a["step"] <= EARLY else 1e-3
+        rtol = EARLY_RTOL if a["step"] <= EARLY else LATE_RTOL
         assert a["loss"] == pytest.approx(b["loss"], rel=rtol), a["step"]
-        if a["step"] <= EARLY:  # (a norm that counted a replica twice, or a shard once too few, is off by percents)
-            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), a["step"]
+        if a["step"] <= EARLY:  # (as in test_tp2_trains_like_one_process)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6 if a["step"] == 1 else 1e-3), a["step"]
     summary = json.loads((dp2_tp2 / "runs" / "tp_delayed" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["world_size"] == 4
 
@@ -280,7 +290,7 @@ def test_dp2_tp2_checkpoint_resumes_as_dp4(dp2_tp2):
     assert [r["step"] for r in after] == list(range(11, STEPS + 1))
     by_step = {r["step"]: r for r in source}
     for r in after:  # dp 4 runs 2 sequences a rank where dp 2 ran 4: stored delayed scales do not depend on it
-        rtol = 1e-5 if r["step"] <= 10 + EARLY else 1e-3
+        rtol = EARLY_RTOL if r["step"] <= 10 + EARLY else LATE_RTOL
         assert r["loss"] == pytest.approx(by_step[r["step"]]["loss"], rel=rtol), r["step"]
     summary = json.loads((dp2_tp2 / "runs" / "tp_to_dp" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["world_size"] == 4
