@@ -9,6 +9,7 @@ train.tp_size=2 for each recipe, every MAX all-reduce's size recorded in order."
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -92,10 +93,12 @@ def train_runs(cfg_path: str, names: list[str]) -> None:
     results = {}
     for name in names:
         max_reduces.clear()
-        recipe, _, variant = name.partition("-")  # "delayed-nosp": without sequence parallelism
+        # "delayed-nosp": without sequence parallelism; "current-hf": the Hugging Face Llama of hf.yaml beside it
+        recipe, _, variant = name.partition("-")
         overrides = ["train.sequence_parallel=false"] if variant == "nosp" else []
-        summary = train(load_config(cfg_path, [f"run.name=tp_{name}", f"fp8.recipe={recipe}", "train.tp_size=2",
-                                               *overrides]), show_progress=False)
+        path = str(Path(cfg_path).with_name("hf.yaml")) if variant == "hf" else cfg_path
+        summary = train(load_config(path, [f"run.name=tp_{name}", f"fp8.recipe={recipe}", "train.tp_size=2",
+                                           *overrides]), show_progress=False)
         results[name] = {"summary": summary, "max_reduces": list(max_reduces)}
     if dist.get_rank() == 0:
         with open(out, "w") as f:
