@@ -10,12 +10,11 @@ CPU processes, tests/tp_harness.py), then one-process references here:
   sum of |products| of one output, fp32 summation in any order is within (K - 1) u S of the exact sum, so two
   orders differ by at most 2 (K - 1) u S, plus at most 2 u |out| from each side's two scale multiplications and
   the all-reduce's addition: bound (2 K + 4) u S. S is taken from the unquantized operands widened by the FP8
-  rounding (E4M3 / E5M2 values are within 2^-4 / 2^-3 of theirs, relative; scales round up by design): 1.25 S.
+  rounding (E4M3 / E5M2 values are within 2^-4 / 2^-3 of theirs, relative, above the subnormals): 1.25 S.
 - training: fp8train's train() with train.tp_size=2 for 20 steps against one process, every recipe with
   sequence parallelism (the default), delayed without it, and current on a Hugging Face Llama (random init,
-  its own TP plan by projection names, no sequence parallelism). Over
-  training no a-priori bound holds: FP8 rounding turns those last-bit differences into different roundings a
-  few steps on. Tolerances: 1e-4 over the first 5 steps, 1e-2 over the run, the spread a mere re-split gives
+  its own TP plan by projection names, no sequence parallelism). Over training no a-priori bound holds: FP8
+  rounding turns those last-bit differences into different roundings a few steps on. Tolerances: 1e-4 over the first 5 steps, 1e-2 over the run, the spread a mere re-split gives
   one process (EARLY_RTOL, LATE_RTOL below); observed on the 2-core EPYC here: rowwise and block losses mostly
   bit-identical, delayed within 2e-4, current within 2.3e-3 (at its sensitive step 15).
   Gradient norms are compared over the first steps only: later single steps move by percents under ANY
