@@ -83,7 +83,7 @@ def test_another_experiment_is_refused_with_key_and_both_values(tmp_path):
         plan_resume(cfg_of(tmp_path, "train.resume=auto", "train.lr=0.001", "train.max_steps=9"), run_dir, print)
     assert str(raised.value) == (
         f"train.resume=auto but {run_dir / 'config.yaml'} was made from a different experiment: train.lr: 0.003 "
-        "(run) -> 0.001 (now). Only train.max_steps, train.eval_every, train.grad_accum and run/log/checkpoint keys "
+        "(run) -> 0.001 (now). Only train.max_steps, train.eval_every, train.grad_accum, train.tp_size, train.sequence_parallel and run/log/checkpoint keys "
         "may change on resume; use a new run.name (nothing was changed)")
 
 

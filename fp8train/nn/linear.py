@@ -131,7 +131,7 @@ MISSING_UPDATE_WARNING = (
     "optimizer.step(); with transformers.Trainer pass callbacks=[fp8train.Fp8ScalingCallback()]")
 
 
-def check_scales_updated(pending_since_step: int | None) -> int:
+def check_scales_updated(pending_since_step: int | None, stacklevel: int = 4) -> int:
     """The delayed-scaling check of the module docstring (3.) for a training forward, given the optimizer-step
     count its owner (an Fp8Linear, or a grouped layer's per-expert state, nn/experts_scaling.py) saw at its first
     pending record (None: none yet): warns once per process when amaxes recorded before an optimizer step are
@@ -142,7 +142,7 @@ def check_scales_updated(pending_since_step: int | None) -> int:
         return _optimizer_steps
     if pending_since_step != _optimizer_steps and not _missing_update_warned:
         _missing_update_warned = True
-        warnings.warn(MISSING_UPDATE_WARNING, RuntimeWarning, stacklevel=4)
+        warnings.warn(MISSING_UPDATE_WARNING, RuntimeWarning, stacklevel=stacklevel)
     return pending_since_step
 
 
@@ -151,6 +151,13 @@ def _is_fsdp_module(module: nn.Module) -> bool:
     imported, an import that costs a process ~1.4 s: a run without FSDP2 does not pay it for this check."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return fsdp is not None and isinstance(module, fsdp.FSDPModule)
+
+
+def _is_dtensor(tensor) -> bool:
+    """Whether `tensor` is a DTensor (tensor parallelism), without importing torch.distributed.tensor (its import
+    costs a process that never uses it about a second): no DTensor exists before that module is loaded."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
 
 
 def is_scaling_buffer(key: str) -> bool:
@@ -228,6 +235,9 @@ class Fp8Linear(nn.Linear):
     # a Trainer checkpoint or fp8train's checkpoints of the converted model are then read by the plain model's
     # from_pretrained as they should be (a square attn.c_proj would otherwise load silently transposed).
     conv1d_layout = False
+    # How this layer's weight is split over a tensor-parallel group (nn/tensor_parallel.TpLayout, set by its first
+    # forward on a DTensor weight): its quantizers reduce the amaxes of split operands over that group. None: whole.
+    tp_layout = None
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -274,27 +284,37 @@ class Fp8Linear(nn.Linear):
 
     # ------------------------------------------------------------------------------------------------------
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.weight.is_meta or input.is_meta:  # shapes only: no amax, no scale, nothing to quantize
+        if _is_dtensor(self.weight):  # a tensor-parallel shard (torch's Colwise/RowwiseParallel): local GEMMs
+            from fp8train.nn.tensor_parallel import tensor_parallel_forward  # loaded with DTensor already
+
+            return tensor_parallel_forward(self, input)
+        return self.forward_local(input, self.weight, self.bias)
+
+    def forward_local(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The layer's computation with these (plain) weight and bias tensors: its own, or this rank's shards."""
+        if weight.is_meta or input.is_meta:  # shapes only: no amax, no scale, nothing to quantize
             raise ValueError("Fp8Linear on the meta device cannot run its FP8 GEMMs (scaling needs real values): "
                              "materialize it first, e.g. model.to_empty(device=...) and then load a state_dict")
         device_type = input.device.type
         # Output dtype follows autocast (bf16 under torch.autocast), else the input's dtype.
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
             else input.dtype
-        input_2d = input if input.dim() == 2 else input.reshape(-1, self.in_features)  # (M, K)
+        in_features, out_features = weight.shape[1], weight.shape[0]
+        input_2d = input if input.dim() == 2 else input.reshape(-1, in_features)  # (M, K)
         if input_2d.shape[0] == 0:
-            return F.linear(input, self.weight.to(out_dtype), None if self.bias is None else self.bias.to(out_dtype))
+            return F.linear(input, weight.to(out_dtype), None if bias is None else bias.to(out_dtype))
         if self.training and self.recipe.is_delayed and not torch.compiler.is_compiling():
             self._check_scales_updated()
         backend = resolve_backend(self.recipe.backend, input.device, tuple(map(self.recipe.format_of, ROLES)))
         # Our GEMMs pick their own precision; autocast must not recast them to bf16.
         with torch.autocast(device_type, enabled=False):
-            weights = self._weight_fp8(backend)
-            output = Fp8LinearFunction.apply(input_2d, self.weight, self.bias, weights, self, backend, out_dtype)
-        return output if input.dim() == 2 else output.reshape(*input.shape[:-1], self.out_features)
+            weights = self._weight_fp8(backend, weight)
+            output = Fp8LinearFunction.apply(input_2d, weight, bias, weights, self, backend, out_dtype)
+        return output if input.dim() == 2 else output.reshape(*input.shape[:-1], out_features)
 
     def _check_scales_updated(self) -> None:
-        self._pending_since_step = check_scales_updated(self._pending_since_step)
+        # (forward_local adds a frame: the warning names the caller of the layer)
+        self._pending_since_step = check_scales_updated(self._pending_since_step, stacklevel=5)
 
     def kernel_for(self, numel: int) -> str:
         """The quantize kernel this layer runs on a tensor of `numel` elements (`quantize_kernel`, resolved)."""
@@ -309,9 +329,9 @@ class Fp8Linear(nn.Linear):
             self.quantize_kernel = resolve_kernel("auto", self.weight.device)
         return self.quantize_kernel
 
-    def _weight_fp8(self, backend: str) -> WeightFp8:
-        """The weight's FP8 copy and its GEMM operands, made once per weight version (see the module docstring)."""
-        weight = self.weight
+    def _weight_fp8(self, backend: str, weight: torch.Tensor) -> WeightFp8:
+        """The FP8 copy of `weight` (the layer's, or this rank's shard of it) and its GEMM operands, made once per
+        weight version (see the module docstring)."""
         # FSDP2 refills the unsharded weight by all-gather (no version bump) or hands over an FP8-gathered one:
         # then there is nothing to cache across forwards.
         cacheable = (self.weight_cache_allowed and not isinstance(weight, Fp8GatheredWeight)

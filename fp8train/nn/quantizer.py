@@ -94,13 +94,22 @@ class OperandQuantizer:
         # CUDA paths unchanged); where the native GEMM reads the bytes and the tile scales, nothing more is kept.
         blocked = kernel == "native" and r.granularity_of(role) == "block" and keep_values is True
         keep = dict(keep_values=False if blocked else keep_values, keep_dequantized=blocked)
+        # a tensor-parallel shard: the amax of the whole operand where its scale spans the split (tensor_parallel.py)
+        layout = self.layer.tp_layout
+        global_amax = None if layout is None else layout.global_amax(self, tensor, kernel, transposed=False)
         if r.is_delayed:
             amax = compute_amax(tensor, kernel=kernel)
-            self.record_amax(amax)
+            self.record_amax(amax)  # (this rank's: update_fp8_scales' MAX over all ranks makes it the whole's)
             # the scale is finite and > 0 by construction (tensorwise_scale): no per-call host sync
-            quantized = quantize(tensor, fmt, scale=self.tensorwise_scale(amax), keep_values=keep_values,
-                                 validate_scale=False, kernel=kernel)
+            scale = self.tensorwise_scale(amax if global_amax is None else global_amax)
+            quantized = quantize(tensor, fmt, scale=scale, keep_values=keep_values, validate_scale=False,
+                                 kernel=kernel)
             quantized.amax = amax
+        elif global_amax is not None:  # current tensorwise or rowwise scales from the whole operand's amaxes
+            quantized = quantize(tensor, fmt, granularity=r.granularity_of(role), axis=-1, kernel=kernel,
+                                 scale=scale_from_amax(global_amax, fmt, r.margin, r.pow2_scales),
+                                 validate_scale=False, **keep)
+            quantized.amax = global_amax
         elif r.is_mx:
             quantized = quantize_mx(tensor, fmt, kernel=kernel, **keep)
             # one reduction, then 0-d ops: the amaxes are >= 0 or NaN, so the max is finite iff all of them are
@@ -128,10 +137,14 @@ class OperandQuantizer:
             if r.is_mx:
                 return quantize_mx(tensor_t, r.format_of(role), kernel=kernel,
                                    keep_values=False if blocked else keep_values, keep_dequantized=blocked)
+            layout = self.layer.tp_layout  # a tensor-parallel shard: rows that span the split (tensor_parallel.py)
+            global_amax = None if layout is None else layout.global_amax(self, tensor_t, kernel, transposed=True)
+            scale = None if global_amax is None else scale_from_amax(global_amax, self.format, r.margin,
+                                                                     r.pow2_scales)
             return quantize(tensor_t, self.format, granularity=r.granularity_of(role),
                             block=r.block_of(role), axis=-1, margin=r.margin, pow2=r.pow2_scales,
                             keep_values=False if blocked else keep_values, keep_dequantized=blocked,
-                            kernel=kernel)
+                            kernel=kernel, scale=scale, validate_scale=False)
 
     def tensorwise_scale(self, amax: torch.Tensor) -> torch.Tensor:
         """The dequant scale a tensor of this role with this `amax` is quantized with, under a tensorwise recipe:

@@ -25,9 +25,10 @@ def evaluate(model, batches, cfg: FullConfig, accelerator) -> float:
     collective (buffer broadcast) that the other ranks would never join."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-    world, rank = accelerator.num_processes, accelerator.process_index
+    tp = cfg.train.tp_size  # the ranks of a tensor-parallel group run the same batches (summed tp times below)
+    world, rank = accelerator.num_processes // tp, accelerator.process_index // tp
     mine = list(range(rank, len(batches), world))
-    if cfg.train.parallel == "fsdp2":  # every forward all-gathers: each rank runs as many as the busiest one
+    if cfg.train.parallel == "fsdp2" or tp > 1:  # every forward is collective: each rank runs as many as the busiest
         mine += [None] * (-(-len(batches) // world) - len(mine))  # None: batch 0 again, not counted
     for i in mine:
         x, y = batches[0 if i is None else i]

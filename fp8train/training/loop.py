@@ -48,7 +48,8 @@ from fp8train.training.runs.claim import holding
 from fp8train.training.runs.fork import checkpoint_sha256, fork_record, load_fork
 from fp8train.training.runs.run_log import (MetricsLog, finish, start_logs, summarize, summary_line,
                                             summary_on_interrupt)
-from fp8train.training.runs.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+from fp8train.training.runs.sharded_checkpoint import (is_sharded_checkpoint, load_sharded_checkpoint,
+                                                      save_sharded_checkpoint)
 from fp8train.training.setup import Run, set_up
 from fp8train.training.shadow import gemm_paths
 from fp8train.training.step import LoopState, is_periodic_checkpoint, optimizer_step, step_kinds
@@ -130,7 +131,9 @@ def resume(run: Run) -> LoopState:
         if run.fork is not None:
             start_from_fork(run)
         return state
-    load = load_sharded_checkpoint if run.sharded else load_checkpoint
+    # a sharded (DCP) checkpoint loads into any mesh: also into a plain model (train.tp_size 2 -> 1 under ddp)
+    sharded = run.sharded or is_sharded_checkpoint(run.plan.checkpoint)
+    load = load_sharded_checkpoint if sharded else load_checkpoint
     manifest = load(run.plan.checkpoint, run.model, run.optimizer, run.scheduler)
     counts = manifest.get("extra", {})
     run.fork_record = counts.get("fork")  # a resumed fork: what its first segment started from

@@ -25,6 +25,8 @@ from fp8train.training.data.corpus import build_data
 from fp8train.training.parallel.distributed import Fp8StateSync, check_distributed_type, set_cpu_threads
 from fp8train.training.runs.fork import Fork, open_fork
 from fp8train.training.parallel.fsdp2 import apply_fsdp2, ensure_process_group
+from fp8train.training.parallel.tensor_parallel import (apply_tensor_parallel, check_tensor_parallel, check_tp_model,
+                                                        data_parallel, make_mesh)
 from fp8train.training.models.decoder import build_model, check_model_for_run
 from fp8train.training.optim import AdamW
 from fp8train.training.runs.resume import ResumePlan, plan_resume
@@ -69,8 +71,14 @@ class Run:
 
     @property
     def sharded(self) -> bool:
-        """train.parallel=fsdp2: the model is FSDP2-sharded, checkpoints are sharded, collectives everywhere."""
-        return self.cfg.train.parallel == "fsdp2"
+        """train.parallel=fsdp2 or train.tp_size > 1: parameters are DTensors (FSDP2 shards, TP shards), no DDP
+        wrapper, checkpoints are sharded (DCP), collectives everywhere."""
+        return self.cfg.train.parallel == "fsdp2" or self.cfg.train.tp_size > 1
+
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """(this rank's dp rank, dp size): the ranks of one tensor-parallel group train on one slice."""
+        return data_parallel(self.accelerator, self.cfg.train.tp_size)
 
     @property
     def is_main(self) -> bool:
@@ -118,9 +126,10 @@ def set_up(cfg: FullConfig, accelerator, show_progress: bool, model_factory=None
     started = time.time()
     check_distributed_type(accelerator, cfg)
     set_cpu_threads(cfg, accelerator)
-    world = accelerator.num_processes
+    check_tensor_parallel(cfg, accelerator.num_processes)
+    world = accelerator.num_processes // cfg.train.tp_size  # data-parallel ranks
     if cfg.train.batch_size % (world * cfg.train.grad_accum):
-        raise ValueError(f"train.batch_size={cfg.train.batch_size} must be divisible by processes x "
+        raise ValueError(f"train.batch_size={cfg.train.batch_size} must be divisible by data-parallel processes x "
                          f"train.grad_accum = {world} x {cfg.train.grad_accum}")
     check_trackers_available(cfg)
     check_model_fits(cfg, accelerator.device)
@@ -138,6 +147,8 @@ def set_up(cfg: FullConfig, accelerator, show_progress: bool, model_factory=None
         configure_execution(model, quantize_kernel=cfg.fp8.quantize_kernel, emulated_dtype=cfg.fp8.emulated_dtype)
     check_model_for_run(model, data.vocab_size, conversion, cfg.policy.allow_no_fp8)
     check_backend_device(fp8_recipe, accelerator.device)
+    if cfg.train.tp_size > 1:
+        check_tp_model(model, cfg.train.tp_size)  # heads, MLP and FP8 tiles split evenly (one line if not)
     if cfg.train.compile:
         check_compiler(accelerator.device)  # a missing compiler is a config error, before anything is written
     run_dir = cfg.run_dir
@@ -182,7 +193,13 @@ def _prepare_training(run: Run) -> None:
     run.model.to(accelerator.device)
     if run.sharded:  # before AdamW exists, so its state is built on the shards
         run.made_process_group = ensure_process_group(accelerator.device)
-        apply_fsdp2(run.model, accelerator.device, fp8_all_gather=cfg.fp8.all_gather)
+        mesh = None
+        if cfg.train.tp_size > 1:  # TP first, then FSDP2 along dp over the TP shards (torch's 2-D composition)
+            mesh = make_mesh(accelerator.device, accelerator.num_processes, cfg.train.tp_size)
+            apply_tensor_parallel(run.model, mesh["tp"], cfg.train.sequence_parallel)
+        if cfg.train.parallel == "fsdp2":
+            apply_fsdp2(run.model, accelerator.device, fp8_all_gather=cfg.fp8.all_gather,
+                        mesh=None if mesh is None else mesh["dp"])
     if cfg.train.compile:
         compile_model(run.model)  # in place: state_dict keys (checkpoints) unchanged
     optimizer = _make_optimizer(run.model, cfg)

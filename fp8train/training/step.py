@@ -22,6 +22,7 @@ from fp8train.training.config import FullConfig
 from fp8train.training.evaluation import run_autocast
 from fp8train.training.parallel.distributed import all_mean_tensor
 from fp8train.training.parallel.fsdp2 import clip_grad_norm_tensor, grad_norm_tensor
+from fp8train.training.parallel.tensor_parallel import reduce_partial_grads
 from fp8train.training.runs import telemetry
 from fp8train.training.setup import Run
 from fp8train.training.step_guard import StepGuard
@@ -126,9 +127,10 @@ def _micro_batches(run: Run, step: int):
     """This rank's slice of step `step`'s global batch, as (x, y) micro-batches on the device."""
     cfg, accelerator, device = run.cfg, run.accelerator, run.accelerator.device
     accum = cfg.train.grad_accum
-    micro = cfg.train.batch_size // accelerator.num_processes // accum
+    dp_rank, dp_size = run.data_parallel  # a tensor-parallel group shares one slice
+    micro = cfg.train.batch_size // dp_size // accum
     x_all, y_all = run.data.train_batch(step)
-    rank_rows = slice(accelerator.process_index * micro * accum, (accelerator.process_index + 1) * micro * accum)
+    rank_rows = slice(dp_rank * micro * accum, (dp_rank + 1) * micro * accum)
     x_rank, y_rank = x_all[rank_rows], y_all[rank_rows]
     for m in range(accum):
         rows = slice(m * micro, (m + 1) * micro)
@@ -150,8 +152,10 @@ def _forward_backward(run: Run, step: int) -> torch.Tensor:
     accum = cfg.train.grad_accum
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for m, (x, y) in enumerate(_micro_batches(run, step)):
-        if run.sharded:  # FSDP2 decides in backward (DDP in forward): reduce-scatter the last micro-batch's only
-            run.model.set_requires_gradient_sync(m == accum - 1)
+        if cfg.train.parallel == "fsdp2":  # FSDP2 decides in backward (DDP in forward): reduce-scatter the last
+            run.model.set_requires_gradient_sync(m == accum - 1)  # micro-batch's only
+            sync = nullcontext()
+        elif run.sharded:  # tensor parallelism with dp = 1: no DDP wrapper, nothing to hold back
             sync = nullcontext()
         else:
             sync = nullcontext() if m == accum - 1 else accelerator.no_sync(run.ddp_model)
@@ -159,7 +163,9 @@ def _forward_backward(run: Run, step: int) -> torch.Tensor:
             _, loss = run.ddp_model(x, y)
         # FSDP2 sums gradients over ranks (fsdp2.apply_fsdp2), so each micro-batch counts 1 / (its number in
         # the global batch): a rank's grad_output, hence its FP8 scale history, is the same at any world size.
-        accelerator.backward(loss / (accum * accelerator.num_processes if run.sharded else accum))
+        # (tensor parallelism: every rank of a tp group holds the whole loss of its slice: dp ranks count)
+        fsdp2 = cfg.train.parallel == "fsdp2"
+        accelerator.backward(loss / (accum * run.data_parallel[1] if fsdp2 else accum))
         loss_sum += loss.detach().double()  # the same float64 sum as before, without a sync per micro-batch
     # an IEEE float64 division by a device tensor, as the host's float(loss_sum) / accum was (on CUDA a Python
     # scalar divisor becomes a multiply by its reciprocal)
@@ -169,6 +175,8 @@ def _forward_backward(run: Run, step: int) -> torch.Tensor:
 def _clip_grad_norm(run: Run) -> torch.Tensor:
     # One rule for DDP (replicated gradients) and FSDP2 (DTensor shards): a float64 norm that does not depend on
     # how the gradient is split, so both, at any world size, clip by the same factor (fsdp2.grad_norm).
+    if run.cfg.train.tp_size > 1:
+        reduce_partial_grads(run.model)  # (sequence-parallel norms: partial sums over positions)
     clip = run.cfg.train.grad_clip
     return clip_grad_norm_tensor(run.model, clip) if clip > 0 else grad_norm_tensor(run.model)
 

@@ -29,6 +29,9 @@ class FullConfig:
             raise ValueError(f"config fp8.all_gather=true is invalid: it changes how FSDP2 all-gathers weights, "
                              f"and train.parallel={self.train.parallel}; set train.parallel=fsdp2 or "
                              "fp8.all_gather=false")
+        if self.fp8.all_gather and self.train.tp_size > 1:  # (the FP8 weight all-gather covers 1-D FSDP2 only)
+            raise ValueError(f"config fp8.all_gather=true is invalid with train.tp_size={self.train.tp_size}: FP8 "
+                             "weight all-gathers are not built for a (dp, tp) mesh; set fp8.all_gather=false")
 
     @property
     def run_dir(self) -> Path:

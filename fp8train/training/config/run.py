@@ -28,6 +28,7 @@ MAX_LR = 1e3
 MAX_EVAL_BATCHES = 1024
 DEVICES = ("auto", "cpu", "cuda")
 AUTOCAST_MODES = ("bf16", "none")
+MAX_TP_SIZE = 64  # a tensor-parallel group spans one node's GPUs; 64 already exceeds any node
 PARALLEL_MODES = ("ddp", "fsdp2")  # data parallelism: replicated (DDP) or sharded (torch's FSDP2 fully_shard)
 
 
@@ -80,6 +81,12 @@ class TrainConfig(Section):
     parallel: str = "ddp"
     """Data parallelism over the launched processes: ddp (replicated weights) | fsdp2 (weights, gradients and
     AdamW state sharded by torch's fully_shard, per decoder block then the root; sharded checkpoints)."""
+    tp_size: int = 1
+    """Tensor-parallel degree: the processes form a (dp, tp) mesh, dp = processes / tp_size, each decoder block's
+    projections split over tp (fp8train.training.parallel.tensor_parallel); train.parallel applies along dp. 1 = off."""
+    sequence_parallel: bool = True
+    """With train.tp_size > 1 and fp8train's decoder: norms and residual stream split along the sequence over tp
+    (all-gather before each block's colwise projections, reduce-scatter after the rowwise ones). false: replicated."""
     compile: bool = False
     """torch.compile the model (every recipe compiles without graph breaks; needs a C++ compiler on CPU)."""
     fork_from: str = ""
@@ -110,6 +117,10 @@ class TrainConfig(Section):
         require(isinstance(self.resume, bool) or self.resume == "auto", "train.resume", self.resume,
                  "one of true, false, auto")
         self._in("parallel", PARALLEL_MODES)
+        require(isinstance(self.tp_size, int) and 1 <= self.tp_size <= MAX_TP_SIZE, "train.tp_size", self.tp_size,
+                 f"must be an integer in [1, {MAX_TP_SIZE}] (1 = no tensor parallelism)")
+        require(self.tp_size == 1 or not self.compile, "train.tp_size", self.tp_size,
+                 "tensor parallelism runs eagerly: set train.compile=false")
 
 
 @dataclass

@@ -72,11 +72,12 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_fsdp2(model: nn.Module, device: torch.device, *, fp8_all_gather: bool = False,
-                gather_dtype: torch.dtype | None = None) -> nn.Module:
+                gather_dtype: torch.dtype | None = None, mesh=None) -> nn.Module:
     """Shard `model` in place with FSDP2: each decoder block, then the root. Call after the FP8 swap and before
     the optimizer is built (its parameters become DTensor shards). `gather_dtype` (FSDP2's mixed-precision
     param_dtype, e.g. bf16: weights gathered and used in bf16) is for comparisons in the bench; training keeps
-    fp32 weights and bf16 autocast."""
+    fp32 weights and bf16 autocast. `mesh`: the data-parallel axis of a (dp, tp) mesh (tensor_parallel.py);
+    all ranks when None."""
     if fp8_all_gather and gather_dtype is not None:
         raise ValueError("fp8_all_gather and gather_dtype exclude each other (FP8 codes are what is gathered)")
     for _, layer in fp8_layers(model):
@@ -89,7 +90,7 @@ def apply_fsdp2(model: nn.Module, device: torch.device, *, fp8_all_gather: bool 
             check_fp8_all_gather_recipe(None)
         for _, layer in layers:
             wrap_weight_for_fp8_all_gather(layer)  # refuses a recipe that cannot (ValueError)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=gather_dtype)
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy)
@@ -137,11 +138,31 @@ def grad_norm_tensor(model: nn.Module) -> torch.Tensor:
     squares = torch.zeros((), dtype=torch.float64, device=grads[0].device)
     for g in grads:
         flat = local_tensor(g).detach().reshape(-1)
+        own = torch.zeros((), dtype=torch.float64, device=flat.device)
         # float64 a slice at a time: at most GRAD_NORM_CHUNK elements (32 MiB) in float64 at once, never a
         # float64 copy of a whole gradient (a 2048 x 16384 one would be 256 MiB)
         for start in range(0, flat.numel(), GRAD_NORM_CHUNK):
-            squares = squares + flat[start:start + GRAD_NORM_CHUNK].double().pow(2).sum()
+            own = own + flat[start:start + GRAD_NORM_CHUNK].double().pow(2).sum()
+        copies = _copies(g) if sharded else 1
+        squares = squares + (own if copies == 1 else own / copies)
     return _sum_over_ranks(squares, sharded).sqrt().float()
+
+
+def _copies(grad: torch.Tensor) -> int:
+    """On how many ranks this rank's part of `grad` lives, when shards are summed over all ranks: a DTensor is
+    replicated along its mesh's non-sharded dims and across the ranks its mesh leaves out (a tp submesh); a plain
+    tensor beside DTensors (tensor parallelism with dp = 1: norms, embeddings) is whole on every rank. Powers of
+    two divide float64 sums exactly."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if not isinstance(grad, DTensor):
+        return world
+    mesh = grad.device_mesh
+    shards = 1
+    for dim, placement in enumerate(grad.placements):
+        # (FSDP2 over TP shards along dp with torch's _StridedShard, which is_shard() does not count)
+        if not (placement.is_replicate() or placement.is_partial()):
+            shards *= mesh.size(dim)
+    return world // shards
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:

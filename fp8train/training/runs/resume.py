@@ -37,7 +37,8 @@ __all__ = ["RESUMABLE_KEYS", "ResumePlan", "plan_resume", "config_differences", 
 # Keys that only say how long to train and how often to evaluate: they may change when a run is resumed. And
 # train.grad_accum: the global batch (train.batch_size) is fixed, so resuming on another number of processes
 # with the same micro-batches means another accumulation count (2 ranks x 1 = 1 rank x 2).
-RESUMABLE_KEYS = ("train.max_steps", "train.eval_every", "train.grad_accum")
+RESUMABLE_KEYS = ("train.max_steps", "train.eval_every", "train.grad_accum", "train.tp_size",
+                  "train.sequence_parallel")
 
 
 def resume_hash(cfg, data_fingerprint: dict | None = None) -> str:
