@@ -135,6 +135,7 @@ class ExpertView:
     forget_weight_fp8 = Fp8Linear.forget_weight_fp8
     weight_cache_allowed = True
     _accumulation = None
+    tp_layout = None  # experts are never split by tensor parallelism (docs/distributed.md)
 
     def __init__(self, owner: ExpertScaling, index: int):
         self._owner, self.index = owner, index
@@ -158,7 +159,7 @@ class ExpertView:
 
     def weight_fp8(self, backend: str):
         """This expert's FP8 weight and its GEMM operands (Fp8Linear's cache: once per weight version)."""
-        return self._weight_fp8(backend)
+        return self._weight_fp8(backend, self.weight)
 
     def __getattr__(self, name: str):
         # `{role}_{buffer}`: row `index` of the owner's buffer (a view, so in-place updates reach the owner)
