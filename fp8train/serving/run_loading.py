@@ -170,10 +170,19 @@ def _read_newest(run_dir: Path, cfg, config_file: Path, pruned: list, log):
 
 
 def _was_pruned(ckpt: Path) -> bool:
-    """``ckpt`` failed because the run deleted it: it is gone (or going: shutil.rmtree, its manifest first or
-    not), and a newer checkpoint exists, as keep_last pruning leaves it."""
-    gone = not ckpt.exists() or not (ckpt / MANIFEST).exists()
-    return gone and any(checkpoint_step(other) > checkpoint_step(ckpt) for other in list_checkpoints(ckpt.parent))
+    """``ckpt`` failed because the run deleted it: it is gone or going (shutil.rmtree), and a newer checkpoint
+    exists, as keep_last pruning leaves it."""
+    return _partly_deleted(ckpt) and any(checkpoint_step(other) > checkpoint_step(ckpt)
+                                         for other in list_checkpoints(ckpt.parent))
+
+
+def _partly_deleted(ckpt: Path) -> bool:
+    """The folder, its manifest or a file the manifest lists is gone (rmtree removes them one by one)."""
+    try:
+        files = json.loads((ckpt / MANIFEST).read_text())["files"]
+        return any(not (ckpt / str(name)).exists() for name in files)
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
 
 
 def _check_origin(ckpt: Path, manifest: dict, cfg, config_file: Path) -> None:
