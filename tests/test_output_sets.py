@@ -62,3 +62,22 @@ def test_a_replaced_report_is_the_old_set_or_the_new_one(kv_result, tmp_path, sm
     with pytest.raises(OSError):
         write_report(changed, out)  # --force was given: the old set stays whole until the new one is
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_run_report_that_does_not_fit_leaves_the_run_folder_as_it_was(tiny_fp8_run, small_fs):
+    from fp8train.evidence.report import write_run_report
+
+    fs = small_fs("2m")
+    run = fs / "tiny"
+    run.mkdir()
+    for name in ("config.yaml", "metrics.jsonl", "summary.json"):  # what a report reads
+        (run / name).write_bytes((tiny_fp8_run / name).read_bytes())
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    filler = _fill(fs, 8192)  # not room for the loss curves
+    with pytest.raises(OSError):
+        write_run_report(run)
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before  # no plot without its report.md, no temp
+    filler.unlink()
+    write_run_report(run)
+    written = {p.name for p in run.iterdir()} - set(before)
+    assert {"report.md", "loss_curves.png"} <= written and not [n for n in written if n.startswith(".")]

@@ -253,7 +253,8 @@ def replace_output_folder(path: Path, command: str, build: Callable[[Path], None
 
 def write_output_set(folder: Path, writers: dict[str, Callable[[Path], object]], command: str) -> None:
     """Write the files ``writers`` names ({name: write(temp_path)}) into ``folder`` as one set: each to a temp file
-    beside its target, fsync'd; only when all are written are they renamed into place. A failure in any (a full
+    beside its target, fsync'd; only when all are written are they renamed into place (a writer that writes
+    nothing, e.g. a plot with no data, leaves its target as it was). A failure in any (a full
     disk) leaves every target as it was (the earlier report's files, or none) and no temp file; a folder this call
     created is removed again, so no marker is left behind to block a plain re-run. Checked before with
     check_output_files."""
@@ -266,6 +267,9 @@ def write_output_set(folder: Path, writers: dict[str, Callable[[Path], object]],
         for name, write in writers.items():
             temps[name] = temp_path(folder / name)
             write(temps[name])
+            if not temps[name].exists():
+                del temps[name]
+                continue
             with open(temps[name], "rb+") as f:
                 os.fsync(f.fileno())
         if created:  # marked as fp8train's only once it holds a whole set
