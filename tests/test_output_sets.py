@@ -64,16 +64,23 @@ def test_a_replaced_report_is_the_old_set_or_the_new_one(kv_result, tmp_path, sm
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
-def test_a_run_report_that_does_not_fit_leaves_the_run_folder_as_it_was(tiny_fp8_run, small_fs):
-    from fp8train.evidence.report import write_run_report
-
-    fs = small_fs("2m")
-    run = fs / "tiny"
+def _copy_run(source: Path, run: Path) -> Path:
     run.mkdir()
     for name in ("config.yaml", "metrics.jsonl", "summary.json"):  # what a report reads
-        (run / name).write_bytes((tiny_fp8_run / name).read_bytes())
+        (run / name).write_bytes((source / name).read_bytes())
+    return run
+
+
+def test_a_run_report_that_does_not_fit_leaves_the_run_folder_as_it_was(tiny_fp8_run, tmp_path, small_fs):
+    from fp8train.evidence.report import write_run_report
+
+    sized = _copy_run(tiny_fp8_run, tmp_path / "sized")
+    write_run_report(sized)
+    plot_pages = -(-(sized / "loss_curves.png").stat().st_size // 4096)
+    fs = small_fs("2m")
+    run = _copy_run(tiny_fp8_run, fs / "tiny")
     before = {p.name: p.read_bytes() for p in run.iterdir()}
-    filler = _fill(fs, 8192)  # not room for the loss curves
+    filler = _fill(fs, plot_pages * 4096 + 1024)  # room for the plot (written first), not for report.md
     with pytest.raises(OSError):
         write_run_report(run)
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before  # no plot without its report.md, no temp
