@@ -147,7 +147,12 @@ def _read_newest(run_dir: Path, cfg, config_file: Path, pruned: list, log):
             log(message)
 
     # either format: DDP's model.safetensors or train.parallel=fsdp2's per-rank shards
-    ckpt = latest_loadable_checkpoint(run_dir / "checkpoints", log=passed_over)
+    try:
+        ckpt = latest_loadable_checkpoint(run_dir / "checkpoints", log=passed_over)
+    except OSError:  # a file that verification had listed was deleted under it
+        if not any(_was_pruned(path) for path in listed):
+            raise
+        ckpt = None
     if ckpt is None:
         if any(_was_pruned(path) for path in listed):
             pruned += [path for path in listed if _was_pruned(path)]
