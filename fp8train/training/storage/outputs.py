@@ -24,7 +24,8 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterable
 
-from fp8train.training.storage.files import read_json, temp_path, write_failure, write_text_atomic
+from fp8train.training.storage.files import (read_json, refuse_symlink, temp_path, write_failure,
+                                             write_text_atomic)
 from fp8train.training.storage.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, SUMMARY_FILE,
                                               TELEMETRY_FILE, TRACKERS_FILE)
 
@@ -259,6 +260,8 @@ def write_output_set(folder: Path, writers: dict[str, Callable[[Path], object]],
     created is removed again, so no marker is left behind to block a plain re-run. Checked before with
     check_output_files."""
     folder = Path(folder)
+    for name in writers:  # never through a link, and nothing written when one is there
+        refuse_symlink(folder / name)
     created = not folder.exists()
     temps: dict[str, Path] = {}
     try:
