@@ -29,9 +29,11 @@ def _figures(text: str) -> list[tuple[str, float, float, float]]:
         r"logits (\S+): max\|diff\| (\S+), mean KL (\S+), top-1 agreement (\S+)%", text)]
 
 
-@pytest.fixture
-def live_run(tmp_path, commands):
-    """A run training in another process, writing a checkpoint every step and pruning the one before."""
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory, commands):
+    """A run training in another process, writing a checkpoint every step and pruning the one before (one for
+    the module's tests: each reads it while it moves on)."""
+    tmp_path = tmp_path_factory.mktemp("live")
     config = tmp_path / "empty.yaml"
     config.write_text("{}\n")
     proc = subprocess.Popen(commands.fp8train("train", str(config), f"run.dir={tmp_path}", "run.name=live", *LIVE,
