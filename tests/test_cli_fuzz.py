@@ -133,6 +133,7 @@ OUT_OF_RANGE = {
     "validate.stop_on_divergence": [],
     "validate.divergence_factor": ["1", "0.5"],
     "validate.max_seeds": ["-1", "0"],
+    "validate.max_plan_steps": ["-1", "1.5"],
     "validate.spending": ["linear"],
 }
 # Free-form strings and switches: any value of the right type is in range.

@@ -979,3 +979,27 @@ def test_float64_block_floor_is_checked_per_block():
     with pytest.raises(ValueError, match=r"^1 block\(s\) of x \(float64\) has \|values\| only up to 1e-300: "):
         quantize(x, "e4m3fn", granularity="block", block=(2, 3))
 
+
+
+# A tensor of 2^20 elements or more takes its own eager amax (scaling.amax_of: one aminmax pass); 2^20 exactly and
+# one more, with the largest magnitude negative, positive, or NaN somewhere. Reference: numpy float64 max |x|.
+@pytest.mark.parametrize("numel", [1 << 20, (1 << 20) + 1])
+@pytest.mark.parametrize("where", ["negative", "positive", "nan"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_amax_of_a_big_tensor_is_max_abs(numel, where, dtype):
+    rng = np.random.default_rng(numel)
+    values = rng.uniform(-1.0, 1.0, numel).astype(np.float32)
+    spot = int(rng.integers(numel))
+    values[spot] = {"negative": -7.5, "positive": 7.5, "nan": np.nan}[where]
+    x = torch.from_numpy(values).to(dtype)
+    reference = np.abs(x.float().numpy().astype(np.float64)).max()  # NaN anywhere makes it NaN
+    for shaped in (x, x.reshape(1024, -1) if numel % 1024 == 0 else x):
+        amax = compute_amax(shaped, "tensor", kernel="eager")
+        assert amax.dtype == torch.float32 and amax.shape == ()
+        if where == "nan":
+            assert math.isnan(float(amax))
+        else:
+            assert float(amax) == reference == 7.5
+    if where != "nan":  # and the scale the tensor-wise quantize takes from it
+        q = quantize(x.float(), "e4m3fn", granularity="tensor", kernel="eager")
+        assert float(q.scale) == float(np.float32(7.5 / 448.0))

@@ -20,6 +20,7 @@ from fp8train.evidence.verdict import RunData, load_validation, summarize_valida
 from fp8train.nn.recipes import ROLES
 from fp8train.training.config import load_config
 from fp8train.training.storage.files import write_json_atomic, write_text_atomic
+from fp8train.training.storage.outputs import write_output_set
 from fp8train.training.storage.rundir import CONFIG_FILE, METRICS_FILE
 
 __all__ = ["write_report", "write_validation_report", "write_run_report", "add_cli_arguments", "cli_main"]
@@ -56,15 +57,19 @@ def write_validation_report(vdir: str | Path) -> dict:
     plan, runs = load_validation(vdir)
     check_pairing(vdir, plan, runs)  # runs that validate would refuse give no verdict here either
     summary = summarize_validation(plan, runs)
-    margin = summary["margin"]
-    plots.plot_forest(vdir / "forest.png", summary["candidates"], margin, title=vdir.name)
-    plots.plot_gap_over_steps(vdir / "gap.png", summary["candidates"], margin, title=vdir.name)
-    plots.plot_loss_curves(vdir / "loss_curves.png", {k: list(v.values()) for k, v in runs.items()}, vdir.name)
+    margin, drawn = summary["margin"], {}
     tables = {label: advisor.layer_table([rec for r in by_seed.values() for rec in r.telemetry])
               for label, by_seed in runs.items() if label != BASELINE}
-    health_png = plots.plot_health(vdir / "health.png", tables, title=vdir.name)
-    write_text_atomic(vdir / "report.md", _validation_markdown(vdir, plan, summary, runs, tables, health_png))
-    write_json_atomic(vdir / "summary.json", summary)
+    # written aside and moved in together: a full disk leaves the earlier report whole, never a mix
+    write_output_set(vdir, {
+        "forest.png": lambda tmp: plots.plot_forest(tmp, summary["candidates"], margin, title=vdir.name),
+        "gap.png": lambda tmp: plots.plot_gap_over_steps(tmp, summary["candidates"], margin, title=vdir.name),
+        "loss_curves.png": lambda tmp: plots.plot_loss_curves(tmp, {k: list(v.values()) for k, v in runs.items()},
+                                                              vdir.name),
+        "health.png": lambda tmp: drawn.update(health=plots.plot_health(tmp, tables, title=vdir.name)),
+        "report.md": lambda tmp: write_text_atomic(tmp, _validation_markdown(vdir, plan, summary, runs, tables,
+                                                                            drawn["health"])),
+        "summary.json": lambda tmp: write_json_atomic(tmp, summary)}, "report")
     return summary
 
 
@@ -237,10 +242,16 @@ def _advisor_markdown(per_run: dict) -> list[str]:
 def write_run_report(path: str | Path) -> dict:
     path = Path(path)
     run = RunData(path, path.name)
+    table, drawn = advisor.layer_table(run.telemetry), {}
+    write_output_set(path, {  # written aside and moved in together (the report.md below with them)
+        "loss_curves.png": lambda tmp: plots.plot_loss_curves(tmp, {run.label: [run]}, title=path.name),
+        "health.png": lambda tmp: drawn.update(health=plots.plot_health(tmp, {run.label: table}, title=path.name)),
+        "report.md": lambda tmp: write_text_atomic(tmp, _run_markdown(path, run, table, drawn["health"]))}, "report")
+    return {"status": run.status, "advisor": advisor.advise(table)}
+
+
+def _run_markdown(path: Path, run: RunData, table: dict, health_png: bool) -> str:
     s = run.summary or {}
-    table = advisor.layer_table(run.telemetry)
-    plots.plot_loss_curves(path / "loss_curves.png", {run.label: [run]}, title=path.name)
-    health_png = plots.plot_health(path / "health.png", {run.label: table}, title=path.name)
     lines = [f"# Run report: {path.name}", "",
              f"Status {run.status}; recipe `{s.get('recipe', '?')}`; {s.get('steps', '?')} steps; final loss "
              f"{_fmt(s.get('loss'), '.4f')}, val loss {_fmt(s.get('val_loss'), '.4f')}; wall time "
@@ -251,8 +262,7 @@ def write_run_report(path: str | Path) -> dict:
     lines += _advisor_markdown({run.label: (table, _exclude_list(run))})
     lines += _shadow_markdown(path, run.telemetry)
     lines += _damage_markdown({run.label: run})
-    write_text_atomic(path / "report.md", "\n".join(lines) + "\n")
-    return {"status": run.status, "advisor": advisor.advise(table)}
+    return "\n".join(lines) + "\n"
 
 
 def _run_fork_markdown(summary: dict) -> list[str]:

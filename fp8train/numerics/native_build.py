@@ -15,6 +15,14 @@ milliseconds. The cache, file by file:
 - ``build.lock``: builders take it (``flock``), so of the ranks or test workers that start at once one compiles
   and the others load its result; a builder that gets the lock first looks again for a good library.
 - ``builds.log``: one line per build (when, which process, which file, how long).
+- ``<library stem>.failed.json``: a build that did not finish within 120 s (a hung compiler) or whose output does
+  not load (a compiler that writes garbage and exits 0). Later processes of the same compiler and
+  source use the eager kernel at once, with one warning naming this file, instead of hanging or loading it again;
+  deleting it (or another compiler) tries again. A compiler that exits non-zero is not recorded (it fails fast).
+
+The compiler runs in its own process group, killed whole at the time limit. A process that waits for
+``build.lock`` longer than 150 s (the build limit and a margin) gives up with a warning naming the
+holder (its pid and host, written in the lock file) and uses the eager kernel.
 
 A build is written to a temporary file named by pid and a random suffix, fsync'd with its record, then renamed into
 place and the folder fsync'd: a crash leaves either no library or a whole one. Under the lock, builds of this
@@ -40,14 +48,10 @@ import subprocess
 import threading
 import time
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-try:
-    import fcntl
-except ImportError:  # not POSIX: builds are not serialized across processes (each still renames a whole file)
-    fcntl = None
+from fp8train.numerics import native_build_guard as guard
 
 __all__ = ["available", "unavailable_reason", "library", "threading_kind", "Params", "COMPILER_NAMES", "SOURCES",
            "HEADERS", "cache_dir", "BUILD_LOG"]
@@ -138,7 +142,12 @@ def _load_or_reason() -> dict:
                 "enable it."}
     try:
         return {"lib": _load(compiler)}
-    except Exception as err:  # a failed build, a library that does not load: say what failed, no install advice
+    except guard.Recorded as err:  # a hung build or one that does not load: later processes do not try it again
+        return {"reason": str(err), "hint": "Later processes with this compiler use the eager kernel without "
+                "building; delete the .failed.json file named above to try again."}
+    except guard.LockWait as err:
+        return {"reason": str(err), "hint": "The next process tries again."}
+    except Exception as err:  # a failed build: say what failed, no install advice
         return {"reason": f"{type(err).__name__}: {err}", "hint": "A failed build is not cached: the next process "
                 "tries again."}
 
@@ -223,26 +232,17 @@ def _good_library(paths: dict) -> tuple[Optional[Path], list]:
     return None, damaged
 
 
-@contextmanager
-def _build_lock(folder: Path):
-    fd = os.open(folder / "build.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        if fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd closes, also when the process dies
-        yield
-    finally:
-        os.close(fd)
-
-
 def _load(compiler: str) -> ctypes.CDLL:
     family, paths = _library_paths(compiler)
     path, _ = _good_library(paths)  # the common case: built by an earlier process, no lock needed
     if path is None:
+        _raise_if_failed_before(paths)
         folder = cache_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        with _build_lock(folder):
+        with guard.build_lock(folder):
             path, damaged = _good_library(paths)  # built by another process while this one waited?
             if path is None:
+                _raise_if_failed_before(paths)
                 for bad, problem in damaged:
                     warnings.warn(f"fp8train: the cached native library {bad} is damaged ({problem}); rebuilding "
                                   "it", RuntimeWarning, stacklevel=4)
@@ -254,14 +254,30 @@ def _load(compiler: str) -> ctypes.CDLL:
         os.utime(_record_path(path))  # "last used", which pruning reads
     except OSError:
         pass  # a read-only cache still loads
-    return _bind(ctypes.CDLL(str(path)), path)
+    try:
+        return _bind(ctypes.CDLL(str(path)), path)
+    except (OSError, RuntimeError, AttributeError) as err:  # garbage the compiler wrote, a foreign library
+        path.unlink(missing_ok=True)  # not loaded again: the failure record below says why it is gone
+        _record_path(path).unlink(missing_ok=True)
+        raise guard.record_failure(paths, f"the library {compiler} built does not load ({type(err).__name__}: "
+                                     f"{' '.join(str(err).split())[:300]})") from None
+
+
+def _raise_if_failed_before(paths: dict) -> None:
+    earlier = guard.recorded_failure(paths)
+    if earlier is not None:
+        raise guard.Recorded(f"an earlier build with this compiler failed ({earlier}); see "
+                             f"{guard.failure_path(paths)}")
 
 
 def _build_a_variant(compiler: str, paths: dict) -> Path:
-    failures = []
+    failures, deadline = [], time.monotonic() + guard.BUILD_TIMEOUT_S
     for name, extra in _VARIANTS:
         try:
-            return _build(compiler, (*_FLAGS, *extra), paths[name])
+            return _build(compiler, (*_FLAGS, *extra), paths[name], deadline)
+        except subprocess.TimeoutExpired:
+            raise guard.record_failure(paths, f"the C compiler {compiler} did not finish within "
+                                              f"{guard.BUILD_TIMEOUT_S:g} s (killed)") from None
         except RuntimeError as err:
             failures.append(f"{name}: {err}")
     raise RuntimeError("; ".join(failures))
@@ -275,14 +291,13 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _build(compiler: str, flags: tuple, path: Path) -> Path:
+def _build(compiler: str, flags: tuple, path: Path, deadline: float) -> Path:
     started = time.monotonic()
     unique = f"{os.getpid()}.{secrets.token_hex(4)}"  # pids repeat across containers sharing a cache
     tmp = path.with_name(f".{path.name}.{unique}.tmp")
     record_tmp = path.with_name(f".{path.name}.json.{unique}.tmp")
     try:
-        done = subprocess.run([compiler, *flags, "-o", str(tmp), *map(str, SOURCES), "-lm"], capture_output=True,
-                              text=True, timeout=120)
+        done = guard.compile_in_group([compiler, *flags, "-o", str(tmp), *map(str, SOURCES), "-lm"], deadline)
         if done.returncode != 0:
             raise RuntimeError(f"the C compiler {compiler} failed ({done.returncode}): {done.stderr.strip()[:400]}")
         data = tmp.read_bytes()

@@ -21,7 +21,7 @@ import torch
 
 from fp8train.serving.hf_export import (generation_config_of, hf_config_dict, hf_export_names, refuse_unsafe_out,
                                         run_tokenizer_folder, source_record, write_folder)
-from fp8train.serving.run_loading import load_run, tied_aliases
+from fp8train.serving.run_loading import loaded_run, source_dir, tied_aliases
 
 __all__ = ["DENSE_FORMAT", "DENSE_DTYPES", "export_dense_folder"]
 
@@ -29,14 +29,12 @@ DENSE_FORMAT = "hf"  # export --format value
 DENSE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def export_dense_folder(run_dir, out, dtype: str = "float32", force: bool = False,
-                        tokenizer: str | None = None) -> dict:
-    """Write the dense Hugging Face folder of ``run_dir``'s newest valid checkpoint to ``out``."""
+def export_dense_folder(run_dir, out, dtype: str = "float32", force: bool = False) -> dict:
+    """Write the dense Hugging Face folder of ``run_dir``'s newest valid checkpoint (or of a LoadedRun) to ``out``."""
     if dtype not in DENSE_DTYPES:
         raise ValueError(f"--dtype {dtype!r}; allowed: {', '.join(DENSE_DTYPES)}")
-    out = refuse_unsafe_out(run_dir, out, force)
-    # the plain model (Conv1D again for GPT-2), its scaling buffers dropped
-    run = load_run(run_dir, tokenizer=tokenizer)
+    out = refuse_unsafe_out(source_dir(run_dir), out, force)
+    run = loaded_run(run_dir)  # the plain model (Conv1D again for GPT-2), its scaling buffers dropped
     to_hf = hf_export_names(run.model)
     aliases = tied_aliases(run.model)
     tensors = {}

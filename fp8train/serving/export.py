@@ -45,9 +45,11 @@ from fp8train.numerics.quant import Fp8Tensor, convert_dialect, quantize
 from fp8train.serving.fp8_weights import (ACTIVATION_SCHEMES, Fp8WeightLinear, dequantized_weight_model,
                                           fp8_weight_model, quantize_weight_per_channel)
 from fp8train.serving.dense_export import DENSE_DTYPES, DENSE_FORMAT, export_dense_folder
-from fp8train.serving.hf_export import export_notes, export_hf_folder, load_hf_export
-from fp8train.serving.run_loading import (LoadedRun, fp8_linear_names, fp8_policy_names, load_run, package_version,
-                                          tied_aliases)
+from fp8train.serving.export_checks import compare_logits, print_check, refuse_failed_source
+from fp8train.serving.export_options import check_options
+from fp8train.serving.hf_export import export_hf_folder, export_notes, load_hf_export
+from fp8train.serving.run_loading import (LoadedRun, fp8_linear_names, fp8_policy_names, load_run, loaded_run,
+                                          package_version, source_dir, tied_aliases)
 from fp8train.training.config import ModelConfig
 from fp8train.training.data.corpus import build_data
 from fp8train.training.models.decoder import build_model
@@ -67,7 +69,7 @@ SCALE_CONVENTION = "dequant: w = weight.float() * weight_scale"
 SCALE_LAYOUT = "per-output-channel: weight_scale float32 shape (out_features, 1), amax(|row|) / fmt.max"
 
 
-def _dialect(fmt_name: str) -> str:
+def _dialect(fmt_name: str) -> str:  # ocp | fnuz
     return "fnuz" if fmt_name.endswith("fnuz") else "ocp"
 
 
@@ -123,12 +125,13 @@ def _model_config_dict(model_cfg) -> dict:
     return {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(model_cfg)}
 
 
-def export_run(run_dir, out, fmt="e4m3fn", force: bool = False, tokenizer: str | None = None) -> dict:
-    """Write the FP8 export of ``run_dir``'s newest valid checkpoint to ``out`` (see the module docstring)."""
+def export_run(run_dir, out, fmt="e4m3fn", force: bool = False) -> dict:
+    """Write the FP8 export of ``run_dir``'s newest valid checkpoint (or of a LoadedRun) to ``out`` (see the module
+    docstring)."""
     fmt = _export_format(fmt)
     out = Path(out)
-    out = check_output_file(out, force=force, sources=[run_dir])
-    run = load_run(run_dir, tokenizer=tokenizer)
+    out = check_output_file(out, force=force, sources=[source_dir(run_dir)])
+    run = loaded_run(run_dir)
     names = fp8_linear_names(run)
     tensors, aliases = {}, tied_aliases(run.model)
     fp8_params = {f"{n}.weight" for n in names} | {f"{n}.bias" for n in names}
@@ -264,29 +267,13 @@ def _fill_range(q: Fp8Tensor) -> Fp8Tensor:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Logit agreement (the export check)
+# Logit agreement (the export check; export_checks.py holds the comparison and its bounds)
 # ------------------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def compare_logits(model_a: nn.Module, model_b: nn.Module, batches, autocast: bool = True) -> dict:
-    """max |logit diff|, mean KL(p_a || p_b) per token and top-1 agreement of two models on the same inputs."""
-    max_abs, kl_sum, agree, tokens = 0.0, 0.0, 0, 0
-    for x, _ in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logits_a = model_a(x)[0].float()
-            logits_b = model_b(x)[0].float()
-        logp_a, logp_b = logits_a.log_softmax(-1), logits_b.log_softmax(-1)
-        max_abs = max(max_abs, float((logits_a - logits_b).abs().max()))
-        kl_sum += float((logp_a.exp() * (logp_a - logp_b)).sum(-1).sum())
-        agree += int((logits_a.argmax(-1) == logits_b.argmax(-1)).sum())
-        tokens += x.numel()
-    return {"max_abs_logit_diff": max_abs, "mean_kl": kl_sum / tokens, "top1_agreement": agree / tokens,
-            "tokens": tokens}
-
-
-def check_export(path, run_dir, batches: int = 2, tokenizer: str | None = None) -> dict:
+def check_export(path, run_dir, batches: int = 2) -> dict:
     """Logits of the reloaded export against the source model (bf16 weights) and against the source model with
-    the same per-channel FP8 weights (which must agree up to bf16 rounding), on the run's validation batches."""
-    run = load_run(run_dir, tokenizer=tokenizer)
+    the same per-channel FP8 weights (which must agree up to bf16 rounding), on the run's validation batches.
+    ``run_dir``: the LoadedRun the export was made from (a path is read again: a live run may have moved on)."""
+    run = loaded_run(run_dir)
     exported = load_export(path)
     fmt = exported.export_metadata["fp8_format"]
     val = build_data(run.cfg).val_batches()[:batches]
@@ -321,102 +308,65 @@ def add_cli_arguments(parser) -> None:
                         help="with --convert: round values that the target dialect cannot hold exactly")
     parser.add_argument("--tokenizer", metavar="PATH", help="the tokenizer folder of a Hugging Face folder that "
                         "holds none (a Trainer checkpoint): used to check the export, and saved in it")
+    parser.add_argument("--allow-diverged", action="store_true",
+                        help="export a run whose summary.json says it diverged or was stopped as diverging")
     parser.add_argument("--no-check", action="store_true",
                         help="skip reloading the export and comparing its logits with the source model")
 
 
-def _print_check(check: dict) -> None:
-    for name, stats in check.items():
-        print(f"  logits {name}: max|diff| {stats['max_abs_logit_diff']:.4g}, mean KL {stats['mean_kl']:.3g}, "
-              f"top-1 agreement {100 * stats['top1_agreement']:.2f}% over {stats['tokens']} tokens")
-
-
-def _cli_folder(args) -> int:
-    result = export_hf_folder(args.run_dir, args.out, args.format, args.activations, args.weight_block,
-                              args.calib_batches, force=args.force, tokenizer=args.tokenizer)
+def _cli_folder(args, run: LoadedRun) -> int:
+    result = export_hf_folder(run, args.out, args.format, args.activations, args.weight_block,
+                              args.calib_batches, force=args.force)
     scales = f"{args.weight_block}x{args.weight_block} weight blocks" if args.weight_block else "per-channel weights"
     print(f"exported step {result['step']} of {args.run_dir}: {result['fp8_layers']} FP8 Linears (e4m3fn, "
           f"{scales}, {result['activations']} input scales) -> {result['path']}/ (compressed-tensors, "
           f"{result['bytes']} bytes of weights)")
     for note in export_notes(result):
         print(f"  note: {note}")
-    if not args.no_check:
-        run = load_run(args.run_dir, tokenizer=args.tokenizer)
-        val = build_data(run.cfg).val_batches()[:2]
-        _print_check({"vs_source": compare_logits(run.model, load_hf_export(args.out), val,
-                                                  run.cfg.train.autocast == "bf16")})
-    return 0
+    if args.no_check:
+        return 0
+    val = build_data(run.cfg).val_batches()[:2]  # the source as exported, not the run folder read again
+    return print_check({"vs_source": compare_logits(run.model, load_hf_export(args.out), val,
+                                                    run.cfg.train.autocast == "bf16")}, args.out)
 
 
-def _cli_dense(args) -> int:
+def _cli_dense(args, run: LoadedRun) -> int:
     if args.out.endswith(".safetensors"):
         raise ValueError(f"--format {DENSE_FORMAT} writes a Hugging Face folder; give --out a folder path, not "
                          f"{args.out!r}")
-    result = export_dense_folder(args.run_dir, args.out, args.dtype, force=args.force, tokenizer=args.tokenizer)
+    result = export_dense_folder(run, args.out, args.dtype, force=args.force)
     print(f"exported step {result['step']} of {args.run_dir}: {result['tensors']} {result['dtype']} tensors in the "
           f"model's own names and layout -> {result['path']}/ ({result['bytes']} bytes of weights; "
           "from_pretrained loads it, model.hf_path fine-tunes from it)")
-    if not args.no_check:
-        from transformers import AutoModelForCausalLM
+    if args.no_check:
+        return 0
+    from transformers import AutoModelForCausalLM
 
-        run = load_run(args.run_dir, tokenizer=args.tokenizer)
-        val = build_data(run.cfg).val_batches()[:2]
-        loaded = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32, local_files_only=True).eval()
-        _print_check({"transformers_vs_source": compare_logits(run.model, loaded, val, autocast=False)})
-    return 0
-
-
-# Options that shape one kind of export only, and their defaults when not given. Given to another kind, each is
-# refused rather than ignored: an export without the asked-for static scales or blocks would look like it had them.
-OPTION_DEFAULTS = {"dtype": "float32", "activations": "dynamic", "weight_block": 0, "calib_batches": 4}
-MAX_CALIB_BATCHES = 1024  # as train.eval_batches: a bound on minutes of calibration before anything is written
-
-
-def _export_kind(args) -> str:
-    if args.convert is not None:
-        return "--convert"
-    if args.format == DENSE_FORMAT:
-        return f"--format {DENSE_FORMAT}"
-    return "a .safetensors file" if args.out.endswith(".safetensors") else "folder"
-
-
-def _check_options(args) -> None:
-    kind = _export_kind(args)
-    applies = {"dtype": kind == f"--format {DENSE_FORMAT}", "activations": kind == "folder",
-               "weight_block": kind == "folder", "calib_batches": kind == "folder" and args.activations == "static",
-               "allow_inexact": kind == "--convert", "tokenizer": kind != "--convert"}
-    for key, ok in applies.items():
-        given = getattr(args, key) not in (None, False)
-        if given and not ok:
-            where = ("a folder export with --activations static" if key == "calib_batches" else
-                     {"dtype": f"--format {DENSE_FORMAT}", "allow_inexact": "--convert",
-                      "tokenizer": "an export of a Hugging Face folder"}.get(key, "a folder export"))
-            raise ValueError(f"--{key.replace('_', '-')} applies to {where} only, not to {kind}; drop it "
-                             "(nothing was written)")
-    for key, default in OPTION_DEFAULTS.items():
-        if getattr(args, key) is None:
-            setattr(args, key, default)
-    if not 1 <= args.calib_batches <= MAX_CALIB_BATCHES:
-        raise ValueError(f"--calib-batches {args.calib_batches} must be in [1, {MAX_CALIB_BATCHES}]")
+    val = build_data(run.cfg).val_batches()[:2]
+    loaded = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32, local_files_only=True).eval()
+    return print_check({"transformers_vs_source": compare_logits(run.model, loaded, val, autocast=False)}, args.out)
 
 
 def cli_main(args) -> int:
     if (args.run_dir is None) == (args.convert is None):
         raise ValueError("give either RUN_DIR (export a run) or --convert SRC (convert an export), not both/neither")
-    _check_options(args)
+    check_options(args)
     if args.convert is not None:
         result = convert_export(args.convert, args.out, args.format, force=args.force,
                                 allow_inexact=args.allow_inexact)
         print(f"converted {args.convert} ({result['from']}) -> {result['path']} ({result['format']}), "
               f"{result['changed_values']} values changed, {result['bytes']} bytes")
         return 0
+    if args.format != DENSE_FORMAT:
+        _export_format(args.format)  # refused before the run is read
+    refuse_failed_source(args.run_dir, args.allow_diverged)
+    # read once: a live run may write and prune checkpoints while this exports
+    run = load_run(args.run_dir, tokenizer=args.tokenizer)
     if args.format == DENSE_FORMAT:
-        return _cli_dense(args)
+        return _cli_dense(args, run)
     if not args.out.endswith(".safetensors"):
-        return _cli_folder(args)
-    result = export_run(args.run_dir, args.out, args.format, force=args.force, tokenizer=args.tokenizer)
+        return _cli_folder(args, run)
+    result = export_run(run, args.out, args.format, force=args.force)
     print(f"exported step {result['step']} of {args.run_dir}: {result['fp8_layers']} FP8 Linears "
           f"({result['format']}, per-output-channel scales) -> {result['path']} ({result['bytes']} bytes)")
-    if not args.no_check:
-        _print_check(check_export(args.out, args.run_dir, tokenizer=args.tokenizer))
-    return 0
+    return 0 if args.no_check else print_check(check_export(args.out, run), args.out)

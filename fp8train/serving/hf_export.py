@@ -40,7 +40,8 @@ from safetensors.torch import load_file, save_file
 from fp8train.numerics.formats import get_format
 from fp8train.serving.fp8_weights import (ACTIVATION_SCHEMES, Fp8ActivationLinear, quantize_weight_blocks,
                                           quantize_weight_per_channel)
-from fp8train.serving.run_loading import LoadedRun, fp8_linear_names, load_run, package_version, tied_aliases
+from fp8train.serving.run_loading import (LoadedRun, fp8_linear_names, loaded_run, package_version, source_dir,
+                                          tied_aliases)
 from fp8train.training.data.corpus import build_data, is_pretokenized
 from fp8train.training.models.decoder import HFCausalLM
 from fp8train.training.storage.outputs import check_output_folder, replace_output_folder
@@ -244,12 +245,11 @@ def refuse_unsafe_out(run_dir, out, force: bool) -> Path:
 
 
 def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", weight_block: int = 0,
-                     calib_batches: int = 4, force: bool = False, tokenizer: str | None = None) -> dict:
-    """Write the Hugging Face FP8 folder of ``run_dir``'s newest valid checkpoint to ``out`` (``tokenizer``:
-    run_loading.load_run)."""
+                     calib_batches: int = 4, force: bool = False) -> dict:
+    """Write the Hugging Face FP8 folder of ``run_dir``'s newest valid checkpoint (or of a LoadedRun) to ``out``."""
     _check_options(fmt, activations, weight_block)
-    out = refuse_unsafe_out(run_dir, out, force)
-    run = load_run(run_dir, tokenizer=tokenizer)
+    out = refuse_unsafe_out(source_dir(run_dir), out, force)
+    run = loaded_run(run_dir)
     names = fp8_linear_names(run)
     ragged = [n for n in names if weight_block and run.model.get_submodule(n).in_features % weight_block]
     if ragged:

@@ -6,8 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from fp8train.training.storage.outputs import check_output_files, make_output_folder
-from fp8train.training.storage.files import write_file_atomic, write_text_atomic
+from fp8train.training.storage.outputs import check_output_files, write_output_set
 
 __all__ = ["REPORT_FILES", "check_report_folder", "write_report", "format_stat", "kib", "weights_label"]
 
@@ -39,16 +38,14 @@ def check_report_folder(out_dir, force: bool, run_dir) -> Path:
 
 
 def write_report(result: dict, out_dir) -> dict:
-    """kv_eval.json, kv_eval.md and kv_eval.png in ``out_dir`` (created as an fp8train output folder if absent);
-    each replaced whole (atomic), never through a link; returns their paths."""
+    """kv_eval.json, kv_eval.md and kv_eval.png in ``out_dir`` (created as an fp8train output folder if absent),
+    written aside and moved in together (outputs.write_output_set): all three or none, never through a link;
+    returns their paths."""
     out_dir = Path(out_dir)
-    if not out_dir.exists():
-        make_output_folder(out_dir, "kv-eval", REPORT_FILES.values())
-    paths = {key: out_dir / name for key, name in REPORT_FILES.items()}
-    write_text_atomic(paths["json"], json.dumps(result, indent=1))
-    write_text_atomic(paths["md"], _markdown(result))
-    _plot(result, paths["png"])
-    return {k: str(v) for k, v in paths.items()}
+    write_output_set(out_dir, {REPORT_FILES["json"]: lambda tmp: tmp.write_text(json.dumps(result, indent=1)),
+                               REPORT_FILES["md"]: lambda tmp: tmp.write_text(_markdown(result)),
+                               REPORT_FILES["png"]: lambda tmp: _plot(result, tmp)}, "kv-eval")
+    return {key: str(out_dir / name) for key, name in REPORT_FILES.items()}
 
 
 def _markdown(r: dict) -> str:
@@ -152,6 +149,8 @@ def _plot(r: dict, path: Path) -> None:
     handles, labels = ax_loss.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(3, max(1, len(labels))), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.06 + 0.035 * math.ceil(len(labels) / 3), 1, 1))
-    write_file_atomic(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120, format="png")
+    finally:
+        plt.close(fig)
 

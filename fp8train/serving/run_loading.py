@@ -12,9 +12,15 @@ unexpected is an error.
 
 A Hugging Face folder (config.json and safetensors weights, e.g. a dense export) is loaded too, as the run a
 default config with `model.hf_path` set to it would start from (step 0; model.seq_len = min(128, its maximum
-positions); data: the built-in corpus with the folder's own tokenizer, or the one `--tokenizer` names: a Trainer
-checkpoint holds none), so export and kv-eval take either. Its FP8 layers are the ones config.json records when
-a converted model was saved (`convert_to_fp8` recorded them: nn/fp8_record.py), else its default policy's.
+positions); data: the built-in corpus with the folder's own tokenizer, the one `--tokenizer` names (a Trainer
+checkpoint holds none), or bytes for fp8train's dense export of a byte-level run, which has none), so export and
+kv-eval take either. Its FP8 layers are the ones config.json records when a converted model was saved
+(`convert_to_fp8` recorded them: nn/fp8_record.py), else its default policy's.
+
+A live run (still training, pruning with checkpoint.keep_last) is read at one checkpoint: the newest that
+verifies, read whole into memory once; every later step of export or kv-eval uses that copy (a LoadedRun is
+passed on, never the run folder read again). A checkpoint the run prunes while it is being read is reported as
+pruned (not as damaged) and the newest one is read instead, up to PRUNED_RETRIES times.
 
 Which layers are FP8: those the run's recipe and layer policy convert (for a bf16 run: those its policy would
 convert), found by a dry run of `convert_to_fp8` on the same model, before its weights are loaded.
@@ -33,16 +39,17 @@ from fp8train import __version__
 from fp8train.nn.convert import convert_to_fp8, is_conv1d
 from fp8train.nn.fp8_record import FP8_RECORD_KEY
 from fp8train.nn.recipes import ROLES
-from fp8train.training.runs.checkpoint import MANIFEST
+from fp8train.training.data.corpus import BYTE_VOCAB
+from fp8train.training.data.tokenized import has_tokenizer
+from fp8train.training.runs.checkpoint import MANIFEST, checkpoint_step, list_checkpoints
 from fp8train.training.runs.sharded_checkpoint import latest_loadable_checkpoint, read_model_state
 from fp8train.training.config import layer_policy_from_config, load_config
 from fp8train.training.models.hf import hf_kv_shape
 from fp8train.training.models.decoder import HFCausalLM, build_model, tied_weight_groups
 from fp8train.training.runs.resume import resume_hash
 from fp8train.training.storage.files import read_json
-from fp8train.training.data.tokenized import has_tokenizer
 
-__all__ = ["LoadedRun", "load_run", "fp8_policy_names", "fp8_linear_names", "tied_aliases", "package_version", "kv_shape"]
+__all__ = ["LoadedRun", "load_run", "loaded_run", "source_dir", "PRUNED_RETRIES", "fp8_policy_names", "fp8_linear_names", "tied_aliases", "package_version", "kv_shape"]
 
 
 @dataclass
@@ -53,6 +60,20 @@ class LoadedRun:
     checkpoint: Path
     step: int
     fp8_names: list  # Linears the run's layer policy puts in FP8
+
+
+PRUNED_RETRIES = 5  # a run saving every step with keep_last=1 prunes each checkpoint about a step after writing it
+
+
+def loaded_run(run, tokenizer: str | None = None) -> LoadedRun:
+    """``run`` itself when already loaded, else ``load_run(run, tokenizer=tokenizer)``: one reading of a source,
+    passed on."""
+    return run if isinstance(run, LoadedRun) else load_run(run, tokenizer=tokenizer)
+
+
+def source_dir(run) -> Path:
+    """The folder of ``run`` (a LoadedRun or a path): what an output must never overwrite."""
+    return run.run_dir if isinstance(run, LoadedRun) else Path(run)
 
 
 def fp8_linear_names(run: LoadedRun) -> list[str]:
@@ -99,28 +120,82 @@ def load_run(run_dir, log=None, tokenizer: str | None = None) -> LoadedRun:
         raise ValueError(f"run directory {str(run_dir)!r} has no config.yaml (is it a run made by fp8train train?) "
                          "and no config.json (a Hugging Face folder)")
     cfg = load_config(str(config_file))
-    # either format: DDP's model.safetensors or train.parallel=fsdp2's per-rank shards
-    skipped = []  # why each newer checkpoint was passed over (damaged, incomplete): said if none is left
-
-    def passed_over(message: str) -> None:
-        skipped.append(message)
-        if log is not None:
-            log(message)
-
-    ckpt = latest_loadable_checkpoint(run_dir / "checkpoints", log=passed_over)
-    if ckpt is None:
-        why = f": {' '.join(skipped[0].split())}" if skipped else ""
-        raise ValueError(f"run directory {str(run_dir)!r} has no valid checkpoint under checkpoints/{why} (train "
-                         "with checkpoint.save_final=true, or check the run finished)")
-    manifest = json.loads((ckpt / MANIFEST).read_text())  # verified by latest_loadable_checkpoint
-    _check_origin(ckpt, manifest, cfg, config_file)
+    pruned = []  # checkpoints the live run deleted while this process read them
+    for _ in range(PRUNED_RETRIES):
+        read = _read_newest(run_dir, cfg, config_file, pruned, log)
+        if read is not None:
+            ckpt, manifest, state = read
+            break
+    else:
+        raise ValueError(f"every checkpoint of {str(run_dir)!r} this process chose was pruned while it was read "
+                         f"({', '.join(p.name for p in pruned)}): the run is still training and deletes them "
+                         "(checkpoint.keep_last); export or evaluate it when it has finished, or train with a "
+                         "larger checkpoint.keep_last (nothing was written)")
     torch.manual_seed(0)  # the values are overwritten below; this only keeps construction deterministic
     model = build_model(cfg.model, load_weights=False)
     fp8_names = fp8_policy_names(model, cfg)
-    state = read_model_state(ckpt)
     _load_master_weights(model, state, fp8_names, ckpt)
     model.eval()
     return LoadedRun(model, cfg, run_dir, ckpt, int(manifest["step"]), fp8_names)
+
+
+def _read_newest(run_dir: Path, cfg, config_file: Path, pruned: list, log):
+    """(checkpoint, manifest, model state) of the newest checkpoint that verifies, read whole; None when the one
+    chosen was pruned while being read (added to ``pruned``: try again with the newest)."""
+    skipped = []  # why each newer checkpoint was passed over (damaged, incomplete): said if none is left
+    listed = list_checkpoints(run_dir / "checkpoints")
+
+    def passed_over(message: str) -> None:
+        path = next((p for p in listed if message.startswith(f"skipping checkpoint {p}:")), None)
+        if path is not None and _was_pruned(path):  # complete when listed, deleted by the run since: not damaged
+            message = f"checkpoint {path} was pruned by the run while it was checked; reading a newer one"
+        else:
+            skipped.append(message)
+        if log is not None:
+            log(message)
+
+    # either format: DDP's model.safetensors or train.parallel=fsdp2's per-rank shards
+    try:
+        ckpt = latest_loadable_checkpoint(run_dir / "checkpoints", log=passed_over)
+    except OSError:  # a file that verification had listed was deleted under it
+        if not any(_was_pruned(path) for path in listed):
+            raise
+        ckpt = None
+    if ckpt is None:
+        if any(_was_pruned(path) for path in listed):
+            pruned += [path for path in listed if _was_pruned(path)]
+            return None  # those passed over were deleted while checked: the run wrote newer ones
+        why = f": {' '.join(skipped[0].split())}" if skipped else ""
+        raise ValueError(f"run directory {str(run_dir)!r} has no valid checkpoint under checkpoints/{why} (train "
+                         "with checkpoint.save_final=true, or check the run finished)")
+    try:
+        manifest = json.loads((ckpt / MANIFEST).read_text())  # verified by latest_loadable_checkpoint
+        _check_origin(ckpt, manifest, cfg, config_file)
+        return ckpt, manifest, read_model_state(ckpt)  # verified again, then read into memory
+    except (OSError, ValueError) as err:
+        if not _was_pruned(ckpt):
+            raise
+        if log is not None:
+            log(f"checkpoint {ckpt} was pruned by the run while it was read ({type(err).__name__}); reading the "
+                "newest one instead")
+        pruned.append(ckpt)
+        return None
+
+
+def _was_pruned(ckpt: Path) -> bool:
+    """``ckpt`` failed because the run deleted it: it is gone or going (shutil.rmtree), and a newer checkpoint
+    exists, as keep_last pruning leaves it."""
+    return _partly_deleted(ckpt) and any(checkpoint_step(other) > checkpoint_step(ckpt)
+                                         for other in list_checkpoints(ckpt.parent))
+
+
+def _partly_deleted(ckpt: Path) -> bool:
+    """The folder, its manifest or a file the manifest lists is gone (rmtree removes them one by one)."""
+    try:
+        files = json.loads((ckpt / MANIFEST).read_text())["files"]
+        return any(not (ckpt / str(name)).exists() for name in files)
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
 
 
 def _check_origin(ckpt: Path, manifest: dict, cfg, config_file: Path) -> None:
@@ -139,13 +214,19 @@ def _check_origin(ckpt: Path, manifest: dict, cfg, config_file: Path) -> None:
 
 def _load_hf_folder(folder: Path, tokenizer: str | None) -> LoadedRun:
     config = read_json(folder / "config.json")  # a damaged or non-object config.json: one line naming it
-    if not tokenizer and not has_tokenizer(folder):
+    byte_level_export = isinstance(config.get("fp8train_export"), dict) and config.get("vocab_size") == BYTE_VOCAB
+    if not tokenizer and not has_tokenizer(folder) and not byte_level_export:
         raise ValueError(f"{str(folder)!r} holds no tokenizer files (a Trainer saves none unless given "
                          "processing_class=tokenizer); name the model's tokenizer folder: export --tokenizer PATH "
                          "(or copy the tokenizer's files into the folder)")
     max_pos = config.get("max_position_embeddings") or config.get("n_positions") or 128
-    cfg = load_config(None, [f"model.hf_path={folder}", f"model.seq_len={min(128, int(max_pos))}",
-                             *([f"data.tokenizer={tokenizer}"] if tokenizer else [])])
+    overrides = [f"model.hf_path={folder}", f"model.seq_len={min(128, int(max_pos))}"]
+    if tokenizer:
+        overrides.append(f"data.tokenizer={tokenizer}")
+    elif not has_tokenizer(folder) and byte_level_export:
+        # fp8train's dense export copies the run's tokenizer; without one the run was byte-level
+        overrides.append("data.tokenizer=bytes")
+    cfg = load_config(None, overrides)
     model = build_model(cfg.model).eval()  # its weights, checked (fp8train.training.models.hf)
     trainer_state = folder / "trainer_state.json"  # a Trainer checkpoint says its step; another folder is step 0
     step = int(read_json(trainer_state).get("global_step") or 0) if trainer_state.is_file() else 0

@@ -136,6 +136,9 @@ class ValidateConfig(Section):
     fork_from: str = ""
     """A run directory (its newest valid checkpoint) or one checkpoint folder of it: every paired run starts from
     its weights and optimizer state and trains train.max_steps more steps. Empty: from scratch."""
+    max_plan_steps: int = 500_000
+    """The most training steps a plan may hold (runs x train.max_steps; validate.seeds=auto counts max_seeds):
+    a larger plan is refused before anything is written, naming its size; raise this, or 0 for no bound."""
     workers: Optional[int] = None
     """Training runs at once; null = auto (CPU: cores // train.threads; CUDA: one run per GPU)."""
     final_window: int = 3
@@ -158,6 +161,8 @@ class ValidateConfig(Section):
         if self.workers is not None:
             require(is_int(self.workers) and self.workers >= 1, "validate.workers", self.workers,
                      "an int >= 1, or null for auto (CPU: cores // train.threads; CUDA: one run per GPU)")
+        require(is_int(self.max_plan_steps) and self.max_plan_steps >= 0, "validate.max_plan_steps",
+                 self.max_plan_steps, "an int >= 0 (0: no bound)")
         self._at_least("final_window", 1)
         require(self.divergence_factor > 1, "validate.divergence_factor", self.divergence_factor, "must be > 1")
 

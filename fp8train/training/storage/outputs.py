@@ -24,11 +24,13 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterable
 
-from fp8train.training.storage.files import read_json, temp_path, write_failure, write_text_atomic
+from fp8train.training.storage.files import (read_json, refuse_symlink, temp_path, write_failure,
+                                             write_text_atomic)
 from fp8train.training.storage.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, SUMMARY_FILE,
                                               TELEMETRY_FILE, TRACKERS_FILE)
 
 __all__ = ["OUTPUT_MARKER", "KEPT_FILES", "check_output_file", "check_output_folder", "check_output_files",
+           "write_output_set",
            "foreign_entries",
            "make_output_folder", "is_output_folder",
            "replace_output_folder", "probe_writable"]
@@ -248,3 +250,44 @@ def replace_output_folder(path: Path, command: str, build: Callable[[Path], None
         shutil.rmtree(tmp, ignore_errors=True)
     if moved:
         shutil.rmtree(old)
+
+
+def write_output_set(folder: Path, writers: dict[str, Callable[[Path], object]], command: str) -> None:
+    """Write the files ``writers`` names ({name: write(temp_path)}) into ``folder`` as one set: each to a temp file
+    beside its target, fsync'd; only when all are written are they renamed into place (a writer that writes
+    nothing, e.g. a plot with no data, leaves its target as it was). A failure in any (a full
+    disk) leaves every target as it was (the earlier report's files, or none) and no temp file; a folder this call
+    created is removed again, so no marker is left behind to block a plain re-run. Checked before with
+    check_output_files."""
+    folder = Path(folder)
+    for name in writers:  # never through a link, and nothing written when one is there
+        refuse_symlink(folder / name)
+    created = not folder.exists()
+    temps: dict[str, Path] = {}
+    try:
+        if created:
+            folder.mkdir(parents=True)
+        for name, write in writers.items():
+            temps[name] = temp_path(folder / name)
+            write(temps[name])
+            if not temps[name].exists():
+                del temps[name]
+                continue
+            with open(temps[name], "rb+") as f:
+                os.fsync(f.fileno())
+        if created:  # marked as fp8train's only once it holds a whole set
+            _write_marker(folder, command, writers)
+        for name, tmp in temps.items():  # renames within one folder: nothing left to run out of
+            os.replace(tmp, folder / name)
+    except BaseException as err:
+        for tmp in temps.values():
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+        if created:
+            shutil.rmtree(folder, ignore_errors=True)
+        if isinstance(err, OSError):
+            raise write_failure(err, folder / (list(temps)[-1] if temps else "")) from err
+        raise
+

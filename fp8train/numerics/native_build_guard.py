@@ -1,0 +1,116 @@
+"""Bounds on the native build (native_build.py): a time limit on the compiler, a limit on the wait for another
+process's build, and a record of a build that must not be tried again.
+
+A compiler that never returns (a hung ``gcc`` on PATH) would otherwise hang every process that quantizes, and a
+process that holds ``build.lock`` while stuck would hang every other process on the same cache. A build that timed
+out, or whose output does not load (a compiler that wrote garbage and exited 0), is written to
+``<library stem>.failed.json``: later processes with the same compiler and source use the eager kernel at once.
+Stdlib only, like native_build.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import secrets
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: builds are not serialized across processes (each still renames a whole file)
+    fcntl = None
+
+__all__ = ["BUILD_TIMEOUT_S", "LOCK_WAIT_S", "Recorded", "LockWait", "failure_path", "recorded_failure",
+           "record_failure", "build_lock", "compile_in_group"]
+
+BUILD_TIMEOUT_S = 120.0  # all variants together; a real build takes about a second
+LOCK_WAIT_S = BUILD_TIMEOUT_S + 30.0  # a holder past this is stuck, not building
+
+class Recorded(RuntimeError):
+    """A failure written to the library's .failed.json (the message says what failed and names the file)."""
+
+
+class LockWait(RuntimeError):
+    """The build lock was not free within LOCK_WAIT_S."""
+
+
+def failure_path(paths: dict) -> Path:
+    """One failure record for the build of this compiler and source (whichever variant failed)."""
+    first = next(iter(paths.values()))
+    return first.with_name(first.name.rsplit("-", 1)[0] + ".failed.json")
+
+
+def recorded_failure(paths: dict) -> Optional[str]:
+    path = failure_path(paths)
+    try:
+        record = json.loads(path.read_text())
+        return f"{record['when']} pid {record['pid']}: {record['reason']}"
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"unreadable record ({type(err).__name__})"
+
+
+def record_failure(paths: dict, reason: str) -> Recorded:
+    path = failure_path(paths)
+    try:
+        _write_whole(path, json.dumps({"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "pid": os.getpid(),
+                                       "reason": reason}))
+        where = f"recorded in {path}"
+    except OSError as err:  # a read-only cache: this process still falls back, the next one tries again
+        where = f"not recorded ({err.strerror})"
+    return Recorded(f"{reason}; {where}")
+
+
+def _write_whole(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@contextmanager
+def build_lock(folder: Path):
+    path = folder / "build.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if fcntl is not None:
+            deadline = time.monotonic() + LOCK_WAIT_S
+            while True:  # polled, so a stuck holder costs a bounded wait, not a hang
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when fd closes or the process dies
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
+                        raise LockWait(f"the build lock {path} was held by {holder} for over {LOCK_WAIT_S:.0f} s "
+                                        "(a stuck build?)") from None
+                    time.sleep(0.05)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {platform.node()} since {time.strftime('%H:%M:%S')}".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def compile_in_group(command: list, deadline: float) -> subprocess.CompletedProcess:
+    """The compiler in a process group of its own: at the deadline the group is killed whole (a driver such as
+    gcc leaves cc1 and as behind otherwise, holding the pipes open)."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, 9)
+        except OSError:
+            proc.kill()
+        proc.stdout.close()  # not read: a grandchild that left the group may still hold the pipes
+        proc.stderr.close()
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)

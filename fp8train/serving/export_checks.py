@@ -1,0 +1,81 @@
+"""What an export says about its source, checked: the source did not end diverged, and the reloaded export's
+logits are within the documented bounds of the source model's (docs/serving.md).
+
+A diverged run's last good checkpoint can hold weights far outside what FP8 represents well (an export of one
+measured logits max |diff| 4.4e4, mean KL 250): ``export`` refuses a run whose summary.json says it ended
+diverged, or was stopped by a validation's divergence guard, unless ``--allow-diverged``. A run still training
+has no summary yet and is exported at the checkpoint it is read at (serving.run_loading). After writing, the
+export is reloaded and compared with that same in-memory source; a comparison outside FIDELITY_BOUNDS is printed
+with its figures and the command exits 1.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from fp8train.training.storage.files import read_json
+from fp8train.training.storage.rundir import SUMMARY_FILE
+
+__all__ = ["REFUSED_STATUSES", "FIDELITY_BOUNDS", "refuse_failed_source", "compare_logits", "outside_bounds",
+           "print_check"]
+
+REFUSED_STATUSES = ("diverged", "stopped")  # stopped: validate's divergence guard (loss > factor x baseline)
+# Per comparison of an export with its source, on the run's first validation batches (docs/serving.md)
+FIDELITY_BOUNDS = {"max_abs_logit_diff": 0.5, "mean_kl": 1e-3}
+_BOUND_NAMES = {"max_abs_logit_diff": "max|diff|", "mean_kl": "mean KL"}
+
+
+def refuse_failed_source(run_dir, allow_diverged: bool) -> None:
+    """ValueError when ``run_dir``'s summary.json says the run ended diverged or stopped, unless allowed."""
+    path = Path(run_dir) / SUMMARY_FILE
+    if allow_diverged or not path.is_file():  # a run still training, or a Hugging Face folder
+        return
+    summary = read_json(path)
+    status = summary.get("status") if isinstance(summary, dict) else None
+    if status in REFUSED_STATUSES:
+        at = summary.get("diverged_at_step")
+        raise ValueError(f"run {run_dir} ended {status}" + (f" at step {at}" if at is not None else "")
+                         + f" ({summary.get('reason') or 'no reason recorded'}); its last checkpoint is not a model "
+                         "to serve. Pass --allow-diverged to export it anyway (nothing was written)")
+
+
+@torch.no_grad()
+def compare_logits(model_a: nn.Module, model_b: nn.Module, batches, autocast: bool = True) -> dict:
+    """max |logit diff|, mean KL(p_a || p_b) per token and top-1 agreement of two models on the same inputs."""
+    max_abs, kl_sum, agree, tokens = 0.0, 0.0, 0, 0
+    for x, _ in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits_a = model_a(x)[0].float()
+            logits_b = model_b(x)[0].float()
+        logp_a, logp_b = logits_a.log_softmax(-1), logits_b.log_softmax(-1)
+        max_abs = max(max_abs, float((logits_a - logits_b).abs().max()))
+        kl_sum += float((logp_a.exp() * (logp_a - logp_b)).sum(-1).sum())
+        agree += int((logits_a.argmax(-1) == logits_b.argmax(-1)).sum())
+        tokens += x.numel()
+    return {"max_abs_logit_diff": max_abs, "mean_kl": kl_sum / tokens, "top1_agreement": agree / tokens,
+            "tokens": tokens}
+
+
+def outside_bounds(check: dict) -> list[str]:
+    """Each figure of ``check`` ({comparison: compare_logits result}) over its bound (a NaN is over)."""
+    return [f"{name}: {_BOUND_NAMES[key]} {stats[key]:.4g} > {bound:g}" for name, stats in check.items()
+            for key, bound in FIDELITY_BOUNDS.items() if not (math.isfinite(stats[key]) and stats[key] <= bound)]
+
+
+def print_check(check: dict, out) -> int:
+    """Print the comparisons; 0 when all are within bounds, else 1 after one line naming what is over."""
+    for name, stats in check.items():
+        print(f"  logits {name}: max|diff| {stats['max_abs_logit_diff']:.4g}, mean KL {stats['mean_kl']:.3g}, "
+              f"top-1 agreement {100 * stats['top1_agreement']:.2f}% over {stats['tokens']} tokens")
+    over = outside_bounds(check)
+    if over:
+        bounds = ", ".join(f"{_BOUND_NAMES[k]} <= {v:g}" for k, v in FIDELITY_BOUNDS.items())
+        print(f"fp8train export: the export at {out} is outside the documented bounds ({bounds}): "
+              f"{'; '.join(over)}. It was written, but does not match its source", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,133 @@
+"""The native build's bounds (numerics/native_build_guard.py) with real processes and fake compilers (small shell
+scripts on PATH): a compiler that never returns is killed at the time limit and the process quantizes eagerly; a
+process waiting for another's stuck build gives up naming the holder; a compiler that writes garbage and exits 0
+is recorded as failed, its output never loaded again. Each child runs with limits of seconds, not the shipped
+120 s, set on the module before its first use."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fp8train.numerics import native_build
+
+# A process that sets the limits (where the tree has them) and loads the kernel once; prints what it got.
+CHILD = """
+import importlib, sys, warnings
+build = importlib.import_module("fp8train.numerics.native_build")
+guard = sys.modules.get("fp8train.numerics.native_build_guard")
+if guard is not None:
+    guard.BUILD_TIMEOUT_S, guard.LOCK_WAIT_S = float(sys.argv[1]), float(sys.argv[2])
+warnings.simplefilter("always")
+print("available", build.available(), flush=True)
+print("reason", build.unavailable_reason(), flush=True)
+"""
+
+
+def _compilers(bin_dir: Path, body: str) -> str:
+    bin_dir.mkdir(exist_ok=True)
+    for name in native_build.COMPILER_NAMES:
+        script = bin_dir / name
+        script.write_text("#!/bin/sh\n" + body)
+        script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def _start(cache: Path, path: str, build_s: float, lock_s: float) -> subprocess.Popen:
+    env = dict(os.environ, XDG_CACHE_HOME=str(cache), PATH=path)
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(build_s), str(lock_s)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, limit_s: float = 90) -> tuple[str, str, str, float]:
+    started = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail(f"the process hung for {limit_s} s")
+    assert proc.returncode == 0, err
+    reason = next(line for line in out.splitlines() if line.startswith("reason "))[len("reason "):]
+    return out, reason, err, time.monotonic() - started
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def _unavailable_warnings(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "native FP8 cast is unavailable" in line]
+
+
+@pytest.mark.slow
+def test_a_hung_compiler_is_killed_at_the_limit_and_not_tried_again(tmp_path):
+    calls, sleeper = tmp_path / "calls", tmp_path / "sleeper"
+    # the driver starts a child that never returns, as gcc starts cc1: both are killed, not left behind
+    path = _compilers(tmp_path / "bin", f"echo run >> {calls}\nsleep 300 &\necho $! > {sleeper}\nwait\n")
+    out, reason, err, took = _finish(_start(tmp_path / "cache", path, build_s=3, lock_s=30))
+    assert "available False" in out and took < 40, (out, err, took)
+    assert "did not finish within 3 s (killed)" in reason and "recorded in" in reason, reason
+    assert len(_unavailable_warnings(err)) == 1, err
+    deadline = time.monotonic() + 10
+    while not _gone(int(sleeper.read_text())) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(int(sleeper.read_text())), "the compiler's child outlived the time limit"
+    # the next process on this cache: the eager kernel at once, the compiler not run again
+    out, reason, err, took = _finish(_start(tmp_path / "cache", path, build_s=3, lock_s=30))
+    assert "available False" in out and "an earlier build with this compiler failed" in reason, reason
+    assert "did not finish within 3 s" in reason and calls.read_text().splitlines() == ["run"]
+    assert len(_unavailable_warnings(err)) == 1 and "tries again" not in err, err
+
+
+@pytest.mark.slow
+def test_a_process_waiting_for_a_stuck_build_gives_up_naming_the_holder(tmp_path):
+    group = tmp_path / "group"
+    path = _compilers(tmp_path / "bin", f"echo $$ > {group}\nsleep 120\n")
+    holder = _start(tmp_path / "cache", path, build_s=100, lock_s=100)
+    lock = tmp_path / "cache" / "fp8train" / "native" / "build.lock"
+    try:
+        deadline = time.monotonic() + 60
+        while not (lock.exists() and f"pid {holder.pid} " in lock.read_text()):
+            assert time.monotonic() < deadline and holder.poll() is None, "the holder never took the lock"
+            time.sleep(0.1)
+        out, reason, err, took = _finish(_start(tmp_path / "cache", path, build_s=100, lock_s=2))
+        assert "available False" in out and took < 40, (out, err)
+        assert f"the build lock {lock} was held by pid {holder.pid} on" in reason, reason
+        assert "for over 2 s" in reason and len(_unavailable_warnings(err)) == 1, err
+        assert holder.poll() is None  # the holder is still stuck: the waiter did not wait for it
+    finally:
+        holder.kill()
+        holder.communicate()
+        if group.exists():  # the fake compiler's own process group (the build runs it in a new session)
+            try:
+                os.killpg(int(group.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.slow
+def test_a_compiler_that_writes_garbage_and_exits_0_is_recorded_failed_not_loaded_again(tmp_path):
+    calls = tmp_path / "calls"
+    path = _compilers(tmp_path / "bin", f"echo run >> {calls}\nwhile [ $# -gt 0 ]; do\n"
+                      "  if [ \"$1\" = -o ]; then echo 'not a library' > \"$2\"; fi\n  shift\ndone\nexit 0\n")
+    out, reason, err, _ = _finish(_start(tmp_path / "cache", path, build_s=30, lock_s=30))
+    assert "available False" in out and "built does not load (OSError" in reason and "recorded in" in reason
+    assert "tries again" not in err and len(_unavailable_warnings(err)) == 1, err
+    folder = tmp_path / "cache" / "fp8train" / "native"
+    assert not list(folder.glob("*.so")) and not list(folder.glob("*.so.json"))  # the garbage is gone
+    for _ in range(2):  # every later process: no build, no load of garbage, the same accurate reason
+        out, reason, err, _ = _finish(_start(tmp_path / "cache", path, build_s=30, lock_s=30))
+        assert "available False" in out and "an earlier build with this compiler failed" in reason, reason
+        assert "built does not load" in reason and "tries again" not in err, err
+    assert calls.read_text().splitlines() == ["run"]

@@ -1,0 +1,90 @@
+"""kv-eval's report is one set (serving/kv_report.py, storage/outputs.write_output_set): on a disk that fills
+while it is written, none of kv_eval.json/.md/.png is left, nor a marker or folder that would refuse a plain
+re-run; once there is room the same command writes all three."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from fp8train.serving.kv_report import REPORT_FILES, check_report_folder, write_report
+from fp8train.serving.kvcache import KvEvalOptions, kv_eval
+from fp8train.training.storage.outputs import OUTPUT_MARKER
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def kv_result(tiny_fp8_run):
+    return kv_eval(tiny_fp8_run, KvEvalOptions(formats=("e4m3fn",), batches=1, calib_batches=1, gen_prompts=0),
+                   log=lambda _: None)
+
+
+def _fill(folder: Path, leave: int) -> Path:
+    """A filler file taking all but about ``leave`` bytes of the filesystem of ``folder``."""
+    stat = os.statvfs(folder)
+    filler = folder / "filler"
+    filler.write_bytes(b"\0" * max(0, stat.f_bavail * stat.f_frsize - leave))
+    return filler
+
+
+def test_a_report_that_does_not_fit_leaves_nothing_and_the_same_command_then_writes_it(kv_result, tmp_path,
+                                                                                         small_fs):
+    sizes = {name: len(Path(path).read_bytes()) for name, path in
+             ((REPORT_FILES[k], p) for k, p in write_report(kv_result, tmp_path / "sizes").items())}
+    fs = small_fs("2m")
+    # room for the json and the markdown (and their folder), not for the plot after them
+    filler = _fill(fs, sizes["kv_eval.json"] + sizes["kv_eval.md"] + 3 * 4096)
+    out = fs / "kv_eval"
+    check_report_folder(out, force=False, run_dir=tmp_path)
+    with pytest.raises(OSError, match="No space left|no space left"):
+        write_report(kv_result, out)
+    assert not out.exists()  # no partial set, no marker: a plain re-run is not refused
+    assert sorted(p.name for p in fs.iterdir()) == ["filler"]
+    filler.unlink()
+    check_report_folder(out, force=False, run_dir=tmp_path)  # the same command, no --force
+    paths = write_report(kv_result, out)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*REPORT_FILES.values(), OUTPUT_MARKER])
+    assert json.loads(Path(paths["json"]).read_text()) == json.loads(json.dumps(kv_result))
+
+
+def test_a_replaced_report_is_the_old_set_or_the_new_one(kv_result, tmp_path, small_fs):
+    fs = small_fs("2m")
+    out = fs / "kv_eval"
+    write_report(kv_result, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    changed = json.loads(json.dumps(kv_result))
+    changed["manifest"]["seed"] = 4242
+    _fill(fs, 8192)
+    with pytest.raises(OSError):
+        write_report(changed, out)  # --force was given: the old set stays whole until the new one is
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def _copy_run(source: Path, run: Path) -> Path:
+    run.mkdir()
+    for name in ("config.yaml", "metrics.jsonl", "summary.json"):  # what a report reads
+        (run / name).write_bytes((source / name).read_bytes())
+    return run
+
+
+def test_a_run_report_that_does_not_fit_leaves_the_run_folder_as_it_was(tiny_fp8_run, tmp_path, small_fs):
+    from fp8train.evidence.report import write_run_report
+
+    sized = _copy_run(tiny_fp8_run, tmp_path / "sized")
+    write_run_report(sized)
+    plot_pages = -(-(sized / "loss_curves.png").stat().st_size // 4096)
+    fs = small_fs("2m")
+    run = _copy_run(tiny_fp8_run, fs / "tiny")
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    filler = _fill(fs, plot_pages * 4096 + 1024)  # room for the plot (written first), not for report.md
+    with pytest.raises(OSError):
+        write_run_report(run)
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before  # no plot without its report.md, no temp
+    filler.unlink()
+    write_run_report(run)
+    written = {p.name for p in run.iterdir()} - set(before)
+    assert {"report.md", "loss_curves.png"} <= written and not [n for n in written if n.startswith(".")]
