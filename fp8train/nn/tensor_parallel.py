@@ -149,4 +149,4 @@ def keep_scaling_state_local(layer) -> None:
     write in place. Call after parallelize_module."""
     for name, buffer in list(layer.named_buffers(recurse=False)):
         if isinstance(buffer, DTensor):
-            layer._buffers[name] = buffer.to_local()
+            setattr(layer, name, buffer.to_local())  # (a registered buffer name: Module keeps it a buffer)
