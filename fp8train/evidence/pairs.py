@@ -26,15 +26,15 @@ from pathlib import Path
 from fp8train.evidence import stats
 from fp8train.evidence.plan import check_fp8_conversion
 from fp8train.evidence.sequential import sequential_plan
-from fp8train.training.config import (BASELINE_RECIPE, HASH_EXCLUDE, FullConfig, config_hash, config_to_yaml,
-                                      fp8_recipe_from_config, load_config)
+from fp8train.training.config import (AUTOCAST_PRECISION, BASELINE_RECIPE, HASH_EXCLUDE, FullConfig, config_hash,
+                                      config_to_yaml, fp8_recipe_from_config, load_config)
 from fp8train.training.config.validation import BASELINE_LABEL, Candidate, parse_candidate, resolve_seeds
 from fp8train.training.data.corpus import build_data, describe_fingerprint_change
 from fp8train.training.storage.files import read_json
 from fp8train.training.storage.rundir import dir_state
 
 __all__ = ["PLAN_FILE", "BASELINE", "PlannedRun", "plan_runs", "fingerprint_runs", "validation_plan", "check_plan", "validation_dir",
-           "run_dir", "derive_config"]
+           "run_dir", "derive_config", "wandb_labels"]
 
 PLAN_FILE = "plan.json"
 BASELINE = BASELINE_LABEL
@@ -126,15 +126,28 @@ def plan_runs(cfg: FullConfig, candidates=None) -> list[PlannedRun]:
     common = ["train.resume=auto", f"checkpoint.every={every}"]
     runs = []
     for seed in seeds:
-        def where(label):
-            return [f"run.dir={vdir / RUNS_DIR / label}", f"run.name=seed{seed}", f"train.seed={seed}"]
-        runs.append(PlannedRun(BASELINE, seed, derive_config(cfg, common + where(BASELINE) + ["fp8.recipe=none"])))
+        def where(label, recipe_name):
+            shown = AUTOCAST_PRECISION[cfg.train.autocast] if label == BASELINE else label  # what it computes in
+            return [f"run.dir={vdir / RUNS_DIR / label}", f"run.name=seed{seed}", f"train.seed={seed}",
+                    *wandb_labels(cfg.run.name, shown, recipe_name, seed)]
+        runs.append(PlannedRun(BASELINE, seed, derive_config(
+            cfg, common + where(BASELINE, BASELINE_RECIPE) + ["fp8.recipe=none"])))
         for cand in parsed:
-            overrides = common + where(cand.label) + [f"fp8.recipe={cand.recipe}", *cand.overrides]
+            overrides = common + where(cand.label, cand.recipe) + [f"fp8.recipe={cand.recipe}", *cand.overrides]
             runs.append(PlannedRun(cand.label, seed, derive_config(cfg, overrides, repr(cand.label)), cand))
             if seed == seeds[0]:
                 check_fp8_conversion(runs[-1].cfg)  # e.g. a policy.plan made for another model: refused now
     return runs
+
+
+def wandb_labels(validation: str, label: str, recipe_name: str, seed: int) -> list[str]:
+    """The log.wandb_* overrides of one run: named <validation>/<label>/seed<N> (the baseline's label is its
+    precision, bf16 or fp32, whatever its folder's name), grouped by the validation, job
+    type baseline or candidate, tagged recipe:<name> and seed:<N>, so wandb's UI tells the runs apart (the keys
+    are outside the config hash: they change nothing measured)."""
+    job_type = "baseline" if recipe_name == BASELINE_RECIPE else "candidate"
+    return [f"log.wandb_name={validation}/{label}/seed{seed}", f"log.wandb_group={validation}",
+            f"log.wandb_job_type={job_type}", f"log.wandb_tags=[recipe:{recipe_name},seed:{seed}]"]
 
 
 def _check_eval_points(cfg: FullConfig) -> None:
@@ -158,6 +171,7 @@ def validation_plan(cfg: FullConfig, runs: list[PlannedRun]) -> dict:
         "margin": v.margin, "final_window": v.final_window, "seeds": list(dict.fromkeys(r.seed for r in runs)),
         "stop_on_divergence": v.stop_on_divergence, "divergence_factor": v.divergence_factor,
         "confidence": stats.CONFIDENCE, "power": stats.POWER, "baseline": BASELINE,
+        "baseline_precision": AUTOCAST_PRECISION[runs[0].cfg.train.autocast],  # what the baseline computes in
         "candidates": [dict(r.candidate.as_dict(), recipe_code=_recipe_code(r.cfg)) for r in runs
                        if not r.is_baseline and r.seed == first_seed],
         "runs": {r.key: {"label": r.label, "seed": r.seed, "config_hash": config_hash(r.cfg)} for r in runs},

@@ -68,8 +68,14 @@ def write_validation_report(vdir: str | Path) -> dict:
     return summary
 
 
+def _baseline(summary: dict) -> str:
+    """The baseline's name in the report: the precision it ran in (bf16 autocast, or fp32 with autocast none)."""
+    return summary.get("baseline_precision", "bf16")
+
+
 def _verdict_table(summary: dict) -> list[str]:
-    lines = ["| candidate | recipe | seeds | mean gap | one-sided 95% bounds | MDG | verdict | why | speed vs bf16 |",
+    lines = ["| candidate | recipe | seeds | mean gap | one-sided 95% bounds | MDG | verdict | why | "
+             f"speed vs {_baseline(summary)} |",
              "|---|---|---|---|---|---|---|---|---|"]
     for label, c in summary["candidates"].items():
         needed = f"; ~{c['seeds_needed']} seeds would decide" if c.get("seeds_needed") and \
@@ -85,7 +91,7 @@ def _seed_table(summary: dict, runs: dict) -> list[str]:
     seeds = summary["seeds"]
     lines = ["| run | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
     base = summary["baseline_final_val_loss"]
-    lines.append(f"| {BASELINE} (final-window val loss) | "
+    lines.append(f"| {_baseline(summary)} baseline (final-window val loss) | "
                  + " | ".join(_fmt(base.get(str(s)), ".4f") for s in seeds) + " |")
     for label, c in summary["candidates"].items():
         cells = []
@@ -97,17 +103,17 @@ def _seed_table(summary: dict, runs: dict) -> list[str]:
 
 
 def _how_to_read(summary: dict) -> list[str]:
-    m = summary["margin"]
+    m, base = summary["margin"], _baseline(summary)
     return [
-        "How to read it: each seed trains bf16 and every candidate from the same initial weights on the same "
-        "batches, so a seed's paired gap is what the recipe alone changed. The verdict bounds the true mean gap "
+        f"How to read it: each seed trains the {base} baseline and every candidate from the same initial weights "
+        "on the same batches, so a seed's paired gap is what the recipe alone changed. The verdict bounds the true mean gap "
         f"over seeds. **PASS**: the upper bound is at most the margin ({m:.2%}), so FP8 costs at most {m:.2%} "
         "(95% confidence). **FAIL**: a run diverged or the lower bound is above the margin. **INCONCLUSIVE**: "
         "the interval straddles the margin; more seeds (the count shown, at the observed spread) would decide. "
         "**MDG** (minimum detectable gap) is the smallest true gap this design detects with 80% power at the "
         "observed spread: a harmless candidate passes reliably only when MDG <= margin. A negative gap means FP8 "
-        "ended lower than bf16. Speed: median tokens/s over bf16 (on CPU FP8 GEMMs are emulated in fp32, so CPU "
-        "speed says nothing about GPU speed).", "", f"Method: {summary['method']}", ""]
+        f"ended lower than {base}. Speed: median tokens/s over {base} (on CPU FP8 GEMMs are emulated in fp32, so "
+        "CPU speed says nothing about GPU speed).", "", f"Method: {summary['method']}", ""]
 
 
 def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:
@@ -124,7 +130,7 @@ def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:
         f"`{plan['config_hash'][:12]}`.", "",
         *_fork_markdown(plan),
         "## Verdict", "", *_verdict_table(summary), "", *_cost_markdown(summary),
-        f"For context, not a threshold: the bf16 seeds' final losses spread by {_fmt(spread, '.2%')} (sd / mean); "
+        f"For context, not a threshold: the {_baseline(summary)} seeds' final losses spread by {_fmt(spread, '.2%')} (sd / mean); "
         "pairing removes most of that from the gaps.", "",
         *_how_to_read(summary),
         "## Paired gaps by seed", "", *_seed_table(summary, runs), "",
@@ -201,7 +207,7 @@ def _runs_table(summary: dict) -> list[str]:
 
 def _advisor_markdown(per_run: dict) -> list[str]:
     mean_t, worst_t = advisor.MEAN_THRESHOLDS, advisor.WORST_STEP_THRESHOLDS
-    lines = ["## Advisor: layers to keep in bf16", "",
+    lines = ["## Advisor: layers to keep in high precision", "",
              f"A layer is flagged when, in any operand role, the mean over its sampled steps has SQNR below "
              f"{mean_t['sqnr_db_min']:g} dB, overflow (clipped) above {mean_t['overflow_frac_max']:.1%} or underflow "
              f"(flushed to zero) above {mean_t['underflow_frac_max']:.0%}; or when a single sampled step has SQNR "
