@@ -138,7 +138,8 @@ OUT_OF_RANGE = {
 # Free-form strings and switches: any value of the right type is in range.
 NO_RANGE = {"data.path", "model.hf_config", "model.hf_path", "data.tokenizer", "data.hf_dataset", "policy.allow_no_fp8",
             "policy.exclude_defaults", "train.fork_from", "validate.fork_from",
-            "log.wandb_project", "log.wandb_name", "log.wandb_group", "log.wandb_job_type", "model.tie_embeddings", "train.skip_nonfinite_grads",
+            "log.wandb_project", "log.wandb_name", "log.wandb_group", "log.wandb_job_type", "model.tie_embeddings",
+            "train.skip_nonfinite_grads",
             "checkpoint.save_final"}
 
 

@@ -19,6 +19,7 @@ from fp8train.evidence.plan import shadow_table
 from fp8train.evidence.verdict import RunData, load_validation, summarize_validation
 from fp8train.nn.recipes import ROLES
 from fp8train.training.config import load_config
+from fp8train.training.models.decoder import HFCausalLM
 from fp8train.training.storage.files import write_json_atomic, write_text_atomic
 from fp8train.training.storage.rundir import CONFIG_FILE, METRICS_FILE
 
@@ -106,8 +107,8 @@ def _how_to_read(summary: dict) -> list[str]:
     m, base = summary["margin"], _baseline(summary)
     return [
         f"How to read it: each seed trains the {base} baseline and every candidate from the same initial weights "
-        "on the same batches, so a seed's paired gap is what the recipe alone changed. The verdict bounds the true mean gap "
-        f"over seeds. **PASS**: the upper bound is at most the margin ({m:.2%}), so FP8 costs at most {m:.2%} "
+        "on the same batches, so a seed's paired gap is what the recipe alone changed. The verdict bounds the true "
+        f"mean gap over seeds. **PASS**: the upper bound is at most the margin ({m:.2%}), so FP8 costs at most {m:.2%} "
         "(95% confidence). **FAIL**: a run diverged or the lower bound is above the margin. **INCONCLUSIVE**: "
         "the interval straddles the margin; more seeds (the count shown, at the observed spread) would decide. "
         "**MDG** (minimum detectable gap) is the smallest true gap this design detects with 80% power at the "
@@ -130,7 +131,8 @@ def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:
         f"`{plan['config_hash'][:12]}`.", "",
         *_fork_markdown(plan),
         "## Verdict", "", *_verdict_table(summary), "", *_cost_markdown(summary),
-        f"For context, not a threshold: the {_baseline(summary)} seeds' final losses spread by {_fmt(spread, '.2%')} (sd / mean); "
+        f"For context, not a threshold: the {_baseline(summary)} seeds' final losses spread by "
+        f"{_fmt(spread, '.2%')} (sd / mean); "
         "pairing removes most of that from the gaps.", "",
         *_how_to_read(summary),
         "## Paired gaps by seed", "", *_seed_table(summary, runs), "",
@@ -205,6 +207,16 @@ def _runs_table(summary: dict) -> list[str]:
     return lines + [""]
 
 
+def _wrapper_prefix_note(layers: list[str]) -> list[str]:
+    """Once per report, for a Hugging Face model: what the `hf.` in front of its layer names is."""
+    prefix = HFCausalLM.wrapped_name_prefix
+    if not any(name.startswith(prefix) for name in layers):
+        return []
+    return [f"Layer names are module paths in fp8train's wrapper of the transformers model: `{prefix}` "
+            "followed by transformers' own name (`hf.model.layers.0.mlp.up_proj` is `model.layers.0.mlp.up_proj`). "
+            "policy.exclude and policy.overrides match either form.", ""]
+
+
 def _advisor_markdown(per_run: dict) -> list[str]:
     mean_t, worst_t = advisor.MEAN_THRESHOLDS, advisor.WORST_STEP_THRESHOLDS
     lines = ["## Advisor: layers to keep in high precision", "",
@@ -214,6 +226,7 @@ def _advisor_markdown(per_run: dict) -> list[str]:
              f"below {worst_t['sqnr_db_min']:g} dB, overflow above {worst_t['overflow_frac_max']:.0%}, underflow "
              f"above {worst_t['underflow_frac_max']:.0%} or staleness above {worst_t['staleness_max']:g}x (that step "
              "is named).", ""]
+    lines += _wrapper_prefix_note([layer for health, _ in per_run.values() for layer in health])
     any_data = False
     for label, (health, exclude) in per_run.items():
         if not health:

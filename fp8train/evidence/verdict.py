@@ -26,8 +26,8 @@ from fp8train.training.storage.rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_
 __all__ = ["RunData", "load_validation", "baseline_precision", "summarize_validation", "evidence_cost", "METHOD",
            "SEQUENTIAL_METHOD"]
 
-METHOD = ("Per seed s, the paired gap g_s = (candidate - baseline) / baseline of the mean validation loss over the final "
-          "window (the same steps, the same validation batches, the same initial weights and batches for both). "
+METHOD = ("Per seed s, the paired gap g_s = (candidate - baseline) / baseline of the mean validation loss over the "
+          "final window (the same steps, the same validation batches, the same initial weights and batches for both). "
           "Over the n seeds: mean, sample sd, and one-sided 95% Student-t bounds mean -/+ t(0.95, n-1) sd/sqrt(n). "
           "PASS: upper bound <= margin. FAIL: a run diverged or stopped, a loss is non-finite, or lower bound > "
           "margin. Otherwise INCONCLUSIVE. Minimum detectable gap (one-sided 95%, 80% power): "

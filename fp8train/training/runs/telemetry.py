@@ -176,8 +176,8 @@ def collect_fp8_telemetry(model, per_layer: bool = True) -> dict[str, float]:
         accelerator.log(fp8train.collect_fp8_telemetry(model), step=step)   # or wandb.log(...)
     """
     layers = fp8_layers(model)
-    wrapped = hasattr(model, "hf")  # fp8train's HFCausalLM: its layers are hf.<the transformers name>
-    stats = {name[3:] if wrapped and name.startswith("hf.") else name: roles
+    prefix = getattr(model, "wrapped_name_prefix", "")  # fp8train's HFCausalLM: hf.<the transformers name>
+    stats = {name[len(prefix):] if prefix and name.startswith(prefix) else name: roles
              for name, roles in collect(layers).items() if roles}
     for _, layer in layers:  # read once: the next call reports the next sampled step, or nothing
         layer.last_stats = {}
