@@ -58,9 +58,11 @@ def write_validation_report(vdir: str | Path) -> dict:
     check_pairing(vdir, plan, runs)  # runs that validate would refuse give no verdict here either
     summary = summarize_validation(plan, runs)
     margin = summary["margin"]
-    plots.plot_forest(vdir / "forest.png", summary["candidates"], margin, title=vdir.name)
-    plots.plot_gap_over_steps(vdir / "gap.png", summary["candidates"], margin, title=vdir.name)
-    plots.plot_loss_curves(vdir / "loss_curves.png", {k: list(v.values()) for k, v in runs.items()}, vdir.name)
+    base = _baseline(summary)
+    plots.plot_forest(vdir / "forest.png", summary["candidates"], margin, title=vdir.name, baseline=base)
+    plots.plot_gap_over_steps(vdir / "gap.png", summary["candidates"], margin, title=vdir.name, baseline=base)
+    plots.plot_loss_curves(vdir / "loss_curves.png", {(f"{base} baseline" if k == BASELINE else k): list(v.values())
+                                                      for k, v in runs.items()}, vdir.name)
     tables = {label: advisor.layer_table([rec for r in by_seed.values() for rec in r.telemetry])
               for label, by_seed in runs.items() if label != BASELINE}
     health_png = plots.plot_health(vdir / "health.png", tables, title=vdir.name)

@@ -79,9 +79,11 @@ class RunData:
 def _precision(config_file: Path) -> str | None:
     try:
         autocast = (yaml.safe_load(config_file.read_text()) or {}).get("train", {}).get("autocast")
-    except (OSError, yaml.YAMLError, AttributeError):  # a missing or damaged config names no precision
+        return AUTOCAST_PRECISION.get(autocast)
+    # a missing or damaged config (not UTF-8, not YAML, not a mapping) names no precision; the report's own read
+    # of it says what is wrong
+    except (OSError, ValueError, TypeError, yaml.YAMLError, AttributeError):
         return None
-    return AUTOCAST_PRECISION.get(autocast)
 
 
 def baseline_precision(plan: dict, base_runs: dict[int, "RunData"]) -> str:
