@@ -114,8 +114,8 @@ def test_a_tokenizer_larger_than_the_hf_vocabulary_names_keys_that_apply(tmp_pat
     model_dir = make_pretrained(tmp_path / "llama", "llama", steps=1)  # vocab_size 320
     tokenizer = make_tokenizer(tmp_path / "tok", vocab_size=400)
     (tmp_path / "empty.yaml").write_text("{}\n")
-    code, _, err = commands.main(["train", "--quiet", str(tmp_path / "empty.yaml"), f"model.hf_path={model_dir}", "model.seq_len=16",
-                                  f"data.tokenizer={tokenizer}", f"run.dir={tmp_path / 'runs'}", "run.name=v",
+    code, _, err = commands.main(["train", "--quiet", str(tmp_path / "empty.yaml"), f"model.hf_path={model_dir}",
+                                  "model.seq_len=16", f"data.tokenizer={tokenizer}", f"run.dir={tmp_path / 'runs'}", "run.name=v",
                                   "log.wandb=disabled", "train.max_steps=1", "data.max_bytes=50000"], capsys)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err
