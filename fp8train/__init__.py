@@ -31,6 +31,9 @@ _LAZY = {
     "save_pretrained": "fp8train.training.models.pretrained",
     "from_pretrained": "fp8train.training.models.pretrained",
     "Fp8ScalingCallback": "fp8train.training.models.hf_trainer",
+    "Fp8TelemetryCallback": "fp8train.training.runs.hf_telemetry",
+    "collect_fp8_telemetry": "fp8train.training.runs.telemetry",
+    "sample_fp8_telemetry": "fp8train.training.runs.telemetry",
 }
 
 __all__ = [

@@ -109,6 +109,7 @@ OUT_OF_RANGE = {
     "log.every": ["0"],
     "log.telemetry_every": ["-1"],
     "log.wandb": ["cloud", "true"],
+    "log.wandb_tags": ["['']", "[" + "x" * 65 + "]"],
     "log.trackers": ["[wandbx]", "[wandb, wandb]", "[tensorboard, neptune]"],
     "log.shadow_recipes": ["[nope]", "[current, current]"],
     "fp8.fast_accum_forward": [],
@@ -139,7 +140,8 @@ OUT_OF_RANGE = {
 # Free-form strings and switches: any value of the right type is in range.
 NO_RANGE = {"data.path", "model.hf_config", "model.hf_path", "data.tokenizer", "data.hf_dataset", "policy.allow_no_fp8",
             "policy.exclude_defaults", "train.fork_from", "validate.fork_from",
-            "log.wandb_project", "model.tie_embeddings", "train.skip_nonfinite_grads",
+            "log.wandb_project", "log.wandb_name", "log.wandb_group", "log.wandb_job_type", "model.tie_embeddings",
+            "train.skip_nonfinite_grads",
             "checkpoint.save_final"}
 
 

@@ -66,6 +66,7 @@ def test_two_processes_with_wandb_offline_exit_0(workdir, commands):
                   "--config", str(workdir / "tiny.yaml"), "run.name=two", "log.wandb=offline", "--quiet")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "process group" not in proc.stderr
+    assert "asked for several processes but started 1" not in proc.stderr  # it did start 2
     run_dir = workdir / "runs" / "two"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["steps"] == 4

@@ -27,15 +27,15 @@ from pathlib import Path
 from fp8train.evidence import stats
 from fp8train.evidence.plan import check_fp8_conversion
 from fp8train.evidence.sequential import sequential_plan
-from fp8train.training.config import (BASELINE_RECIPE, HASH_EXCLUDE, FullConfig, apply_overrides, config_hash,
-                                      fp8_recipe_from_config)
+from fp8train.training.config import (AUTOCAST_PRECISION, BASELINE_RECIPE, HASH_EXCLUDE, FullConfig,
+                                      apply_overrides, config_hash, fp8_recipe_from_config)
 from fp8train.training.config.validation import BASELINE_LABEL, Candidate, parse_candidate, resolve_seeds
 from fp8train.training.data.corpus import build_data, describe_fingerprint_change
 from fp8train.training.storage.files import read_json
 from fp8train.training.storage.rundir import dir_state
 
 __all__ = ["PLAN_FILE", "BASELINE", "PlannedRun", "plan_runs", "fingerprint_runs", "validation_plan", "check_plan", "validation_dir",
-           "run_dir", "derive_config"]
+           "run_dir", "derive_config", "wandb_labels"]
 
 PLAN_FILE = "plan.json"
 BASELINE = BASELINE_LABEL
@@ -103,13 +103,15 @@ def derive_config(cfg: FullConfig, overrides: list[str], what: str = "") -> Full
         raise ValueError(f"validate.candidates: {what}: {err}") from None
 
 
-def _for_seed(template: FullConfig, runs_dir: Path, seed: int) -> FullConfig:
-    """``template`` (one label's derived config) for one seed: its own copy, with run.dir, run.name and train.seed
-    set through the sections' constructors (their checks run). OmegaConf costs ~0.1 s a config, so the merge is
-    done once per label, not once per run: 1000 seeds plan in seconds."""
+def _for_seed(template: FullConfig, runs_dir: Path, seed: int, wandb: dict) -> FullConfig:
+    """``template`` (one label's derived config) for one seed: its own copy, with run.dir, run.name, train.seed and
+    the run's wandb labels (``wandb``: log fields) set through the sections' constructors (their checks run).
+    OmegaConf costs ~0.1 s a config, so the merge is done once per label, not once per run: 1000 seeds plan in
+    seconds."""
     own = copy.deepcopy(template)
     return dataclasses.replace(own, run=dataclasses.replace(own.run, dir=str(runs_dir), name=f"seed{seed}"),
-                               train=dataclasses.replace(own.train, seed=seed))
+                               train=dataclasses.replace(own.train, seed=seed),
+                               log=dataclasses.replace(own.log, **wandb))
 
 
 def plan_runs(cfg: FullConfig, candidates=None) -> list[PlannedRun]:
@@ -140,13 +142,15 @@ def plan_runs(cfg: FullConfig, candidates=None) -> list[PlannedRun]:
         return [f"run.dir={vdir / RUNS_DIR / label}", f"run.name=seed{first}", f"train.seed={first}"]
 
     # each label's config derived once, at the first seed, with every check; the other seeds differ only there
-    templates = [(BASELINE, None, derive_config(cfg, common + where(BASELINE) + ["fp8.recipe=none"]))]
+    templates = [(BASELINE, None, BASELINE_RECIPE, derive_config(cfg, common + where(BASELINE) + ["fp8.recipe=none"]))]
     for cand in parsed:
         overrides = common + where(cand.label) + [f"fp8.recipe={cand.recipe}", *cand.overrides]
-        templates.append((cand.label, cand, derive_config(cfg, overrides, repr(cand.label))))
-        check_fp8_conversion(templates[-1][2])  # e.g. a policy.plan made for another model: refused now
-    return [PlannedRun(label, seed, template if seed == first else _for_seed(template, vdir / RUNS_DIR / label, seed),
-                       cand) for seed in seeds for label, cand, template in templates]
+        templates.append((cand.label, cand, cand.recipe, derive_config(cfg, overrides, repr(cand.label))))
+        check_fp8_conversion(templates[-1][3])  # e.g. a policy.plan made for another model: refused now
+    baseline_shown = AUTOCAST_PRECISION[cfg.train.autocast]  # what the baseline computes in: its wandb label
+    return [PlannedRun(label, seed, _for_seed(template, vdir / RUNS_DIR / label, seed, wandb_labels(
+                cfg.run.name, baseline_shown if label == BASELINE else label, recipe_name, seed)), cand)
+            for seed in seeds for label, cand, recipe_name, template in templates]
 
 
 def _check_plan_size(cfg: FullConfig, runs: int) -> None:
@@ -155,6 +159,16 @@ def _check_plan_size(cfg: FullConfig, runs: int) -> None:
         raise ValueError(f"validate: the plan is {runs} runs x train.max_steps={cfg.train.max_steps} = {steps} "
                          f"training steps, over validate.max_plan_steps={bound}; if you mean it, set "
                          f"validate.max_plan_steps={steps} (or 0 for no bound) (nothing was written)")
+
+
+def wandb_labels(validation: str, label: str, recipe_name: str, seed: int) -> dict:
+    """The log.wandb_* overrides of one run: named <validation>/<label>/seed<N> (the baseline's label is its
+    precision, bf16 or fp32, whatever its folder's name), grouped by the validation, job
+    type baseline or candidate, tagged recipe:<name> and seed:<N>, so wandb's UI tells the runs apart (the keys
+    are outside the config hash: they change nothing measured)."""
+    job_type = "baseline" if recipe_name == BASELINE_RECIPE else "candidate"
+    return {"wandb_name": f"{validation}/{label}/seed{seed}", "wandb_group": validation, "wandb_job_type": job_type,
+            "wandb_tags": [f"recipe:{recipe_name}", f"seed:{seed}"]}
 
 
 def _check_eval_points(cfg: FullConfig) -> None:
@@ -178,6 +192,7 @@ def validation_plan(cfg: FullConfig, runs: list[PlannedRun]) -> dict:
         "margin": v.margin, "final_window": v.final_window, "seeds": list(dict.fromkeys(r.seed for r in runs)),
         "stop_on_divergence": v.stop_on_divergence, "divergence_factor": v.divergence_factor,
         "confidence": stats.CONFIDENCE, "power": stats.POWER, "baseline": BASELINE,
+        "baseline_precision": AUTOCAST_PRECISION[runs[0].cfg.train.autocast],  # what the baseline computes in
         "candidates": [dict(r.candidate.as_dict(), recipe_code=_recipe_code(r.cfg)) for r in runs
                        if not r.is_baseline and r.seed == first_seed],
         "runs": {r.key: {"label": r.label, "seed": r.seed, "config_hash": config_hash(r.cfg)} for r in runs},

@@ -3,7 +3,7 @@ for everything but reports).
 
 - forest.png: per candidate, each seed's paired gap, the mean and its one-sided 95% bounds, against the margin;
 - gap.png: the mean paired gap over steps with its interval, per candidate;
-- loss_curves.png: training and validation loss of every run (bf16 black, seeds thin);
+- loss_curves.png: training and validation loss of every run (the baseline black, seeds thin);
 - health.png: per layer and operand, mean overflow, underflow and SQNR over the sampled steps.
 """
 
@@ -52,7 +52,7 @@ def _write_png(fig, plt, path: Path) -> None:
         plt.close(fig)
 
 
-def plot_forest(path: Path, candidates: dict, margin: float, title: str) -> None:
+def plot_forest(path: Path, candidates: dict, margin: float, title: str, baseline: str = "bf16") -> None:
     """One row per candidate: seeds as dots, the mean as a square, [lower, upper] as a bar; margin dashed."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.8 * max(1, len(candidates))))
@@ -74,14 +74,14 @@ def plot_forest(path: Path, candidates: dict, margin: float, title: str) -> None
     ax.set_yticks(range(len(labels)))
     ax.set_yticklabels([f"{lab} ({candidates[lab]['verdict'].upper()})" for lab in reversed(labels)], fontsize=9)
     ax.set_ylim(-0.6, len(labels) - 0.4)
-    ax.set(xlabel="paired gap (FP8 - bf16) / bf16 of the final-window validation loss, %",
+    ax.set(xlabel=f"paired gap (FP8 - {baseline}) / {baseline} of the final-window validation loss, %",
            title=f"{title}: paired gaps over seeds (PASS when the upper bound is left of the margin)")
     ax.grid(alpha=0.3, axis="x")
     ax.legend(fontsize=8, loc="best")
     _save(fig, plt, path)
 
 
-def plot_gap_over_steps(path: Path, candidates: dict, margin: float, title: str) -> None:
+def plot_gap_over_steps(path: Path, candidates: dict, margin: float, title: str, baseline: str = "bf16") -> None:
     """The mean paired gap at every evaluation step, with its one-sided 95% bounds shaded."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(10, 5.5))
@@ -105,7 +105,7 @@ def plot_gap_over_steps(path: Path, candidates: dict, margin: float, title: str)
 
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:+g}%" if v else "0"))
     ax.set(title=f"{title}: mean paired gap over steps (shaded: one-sided 95% bounds over seeds)",
-           xlabel="optimizer step", ylabel="(FP8 - bf16) / bf16 validation loss, % (symlog)")
+           xlabel="optimizer step", ylabel=f"(FP8 - {baseline}) / {baseline} validation loss, % (symlog)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="best")
     _save(fig, plt, path)

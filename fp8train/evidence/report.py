@@ -19,6 +19,7 @@ from fp8train.evidence.plan import shadow_table
 from fp8train.evidence.verdict import RunData, load_validation, summarize_validation
 from fp8train.nn.recipes import ROLES
 from fp8train.training.config import load_config
+from fp8train.training.models.decoder import HFCausalLM
 from fp8train.training.storage.files import write_json_atomic, write_text_atomic
 from fp8train.training.storage.outputs import write_output_set
 from fp8train.training.storage.rundir import CONFIG_FILE, METRICS_FILE
@@ -57,15 +58,18 @@ def write_validation_report(vdir: str | Path) -> dict:
     plan, runs = load_validation(vdir)
     check_pairing(vdir, plan, runs)  # runs that validate would refuse give no verdict here either
     summary = summarize_validation(plan, runs)
-    margin, drawn = summary["margin"], {}
+    margin, drawn, base = summary["margin"], {}, _baseline(summary)
     tables = {label: advisor.layer_table([rec for r in by_seed.values() for rec in r.telemetry])
               for label, by_seed in runs.items() if label != BASELINE}
     # written aside and moved in together: a full disk leaves the earlier report whole, never a mix
     write_output_set(vdir, {
-        "forest.png": lambda tmp: plots.plot_forest(tmp, summary["candidates"], margin, title=vdir.name),
-        "gap.png": lambda tmp: plots.plot_gap_over_steps(tmp, summary["candidates"], margin, title=vdir.name),
-        "loss_curves.png": lambda tmp: plots.plot_loss_curves(tmp, {k: list(v.values()) for k, v in runs.items()},
-                                                              vdir.name),
+        "forest.png": lambda tmp: plots.plot_forest(tmp, summary["candidates"], margin, title=vdir.name,
+                                                    baseline=base),
+        "gap.png": lambda tmp: plots.plot_gap_over_steps(tmp, summary["candidates"], margin, title=vdir.name,
+                                                         baseline=base),
+        "loss_curves.png": lambda tmp: plots.plot_loss_curves(
+            tmp, {(f"{base} baseline" if k == BASELINE else k): list(v.values()) for k, v in runs.items()},
+            vdir.name),
         "health.png": lambda tmp: drawn.update(health=plots.plot_health(tmp, tables, title=vdir.name)),
         "report.md": lambda tmp: write_text_atomic(tmp, _validation_markdown(vdir, plan, summary, runs, tables,
                                                                             drawn["health"])),
@@ -73,8 +77,14 @@ def write_validation_report(vdir: str | Path) -> dict:
     return summary
 
 
+def _baseline(summary: dict) -> str:
+    """The baseline's name in the report: the precision it ran in (bf16 autocast, or fp32 with autocast none)."""
+    return summary.get("baseline_precision", "bf16")
+
+
 def _verdict_table(summary: dict) -> list[str]:
-    lines = ["| candidate | recipe | seeds | mean gap | one-sided 95% bounds | MDG | verdict | why | speed vs bf16 |",
+    lines = ["| candidate | recipe | seeds | mean gap | one-sided 95% bounds | MDG | verdict | why | "
+             f"speed vs {_baseline(summary)} |",
              "|---|---|---|---|---|---|---|---|---|"]
     for label, c in summary["candidates"].items():
         needed = f"; ~{c['seeds_needed']} seeds would decide" if c.get("seeds_needed") and \
@@ -90,7 +100,7 @@ def _seed_table(summary: dict, runs: dict) -> list[str]:
     seeds = summary["seeds"]
     lines = ["| run | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
     base = summary["baseline_final_val_loss"]
-    lines.append(f"| {BASELINE} (final-window val loss) | "
+    lines.append(f"| {_baseline(summary)} baseline (final-window val loss) | "
                  + " | ".join(_fmt(base.get(str(s)), ".4f") for s in seeds) + " |")
     for label, c in summary["candidates"].items():
         cells = []
@@ -102,17 +112,17 @@ def _seed_table(summary: dict, runs: dict) -> list[str]:
 
 
 def _how_to_read(summary: dict) -> list[str]:
-    m = summary["margin"]
+    m, base = summary["margin"], _baseline(summary)
     return [
-        "How to read it: each seed trains bf16 and every candidate from the same initial weights on the same "
-        "batches, so a seed's paired gap is what the recipe alone changed. The verdict bounds the true mean gap "
-        f"over seeds. **PASS**: the upper bound is at most the margin ({m:.2%}), so FP8 costs at most {m:.2%} "
+        f"How to read it: each seed trains the {base} baseline and every candidate from the same initial weights "
+        "on the same batches, so a seed's paired gap is what the recipe alone changed. The verdict bounds the true "
+        f"mean gap over seeds. **PASS**: the upper bound is at most the margin ({m:.2%}), so FP8 costs at most {m:.2%} "
         "(95% confidence). **FAIL**: a run diverged or the lower bound is above the margin. **INCONCLUSIVE**: "
         "the interval straddles the margin; more seeds (the count shown, at the observed spread) would decide. "
         "**MDG** (minimum detectable gap) is the smallest true gap this design detects with 80% power at the "
         "observed spread: a harmless candidate passes reliably only when MDG <= margin. A negative gap means FP8 "
-        "ended lower than bf16. Speed: median tokens/s over bf16 (on CPU FP8 GEMMs are emulated in fp32, so CPU "
-        "speed says nothing about GPU speed).", "", f"Method: {summary['method']}", ""]
+        f"ended lower than {base}. Speed: median tokens/s over {base} (on CPU FP8 GEMMs are emulated in fp32, so "
+        "CPU speed says nothing about GPU speed).", "", f"Method: {summary['method']}", ""]
 
 
 def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:
@@ -129,7 +139,8 @@ def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:
         f"`{plan['config_hash'][:12]}`.", "",
         *_fork_markdown(plan),
         "## Verdict", "", *_verdict_table(summary), "", *_cost_markdown(summary),
-        f"For context, not a threshold: the bf16 seeds' final losses spread by {_fmt(spread, '.2%')} (sd / mean); "
+        f"For context, not a threshold: the {_baseline(summary)} seeds' final losses spread by "
+        f"{_fmt(spread, '.2%')} (sd / mean); "
         "pairing removes most of that from the gaps.", "",
         *_how_to_read(summary),
         "## Paired gaps by seed", "", *_seed_table(summary, runs), "",
@@ -207,15 +218,26 @@ def _runs_table(summary: dict) -> list[str]:
     return lines + [""]
 
 
+def _wrapper_prefix_note(layers: list[str]) -> list[str]:
+    """Once per report, for a Hugging Face model: what the `hf.` in front of its layer names is."""
+    prefix = HFCausalLM.wrapped_name_prefix
+    if not any(name.startswith(prefix) for name in layers):
+        return []
+    return [f"Layer names are module paths in fp8train's wrapper of the transformers model: `{prefix}` "
+            "followed by transformers' own name (`hf.model.layers.0.mlp.up_proj` is `model.layers.0.mlp.up_proj`). "
+            "policy.exclude and policy.overrides match either form.", ""]
+
+
 def _advisor_markdown(per_run: dict) -> list[str]:
     mean_t, worst_t = advisor.MEAN_THRESHOLDS, advisor.WORST_STEP_THRESHOLDS
-    lines = ["## Advisor: layers to keep in bf16", "",
+    lines = ["## Advisor: layers to keep in high precision", "",
              f"A layer is flagged when, in any operand role, the mean over its sampled steps has SQNR below "
              f"{mean_t['sqnr_db_min']:g} dB, overflow (clipped) above {mean_t['overflow_frac_max']:.1%} or underflow "
              f"(flushed to zero) above {mean_t['underflow_frac_max']:.0%}; or when a single sampled step has SQNR "
              f"below {worst_t['sqnr_db_min']:g} dB, overflow above {worst_t['overflow_frac_max']:.0%}, underflow "
              f"above {worst_t['underflow_frac_max']:.0%} or staleness above {worst_t['staleness_max']:g}x (that step "
              "is named).", ""]
+    lines += _wrapper_prefix_note([layer for health, _ in per_run.values() for layer in health])
     any_data = False
     for label, (health, exclude) in per_run.items():
         if not health:

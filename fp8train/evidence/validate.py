@@ -96,7 +96,8 @@ def _run_planned(runs, plan, vdir, workers, accelerator, show_progress, log, wri
     is_main = accelerator.is_main_process
     if is_main:
         upto = "up to " if plan.get("sequential") else ""  # validate.seeds=auto runs only what the looks need
-        log(f"[validate] {vdir}: {upto}{len(runs)} runs ({len(plan['seeds'])} seeds x (bf16 + "
+        base = plan.get("baseline_precision", "bf16")
+        log(f"[validate] {vdir}: {upto}{len(runs)} runs ({len(plan['seeds'])} seeds x ({base} + "
             f"{len(plan['candidates'])} candidates)), margin {plan['margin']:g} declared in {PLAN_FILE}, "
             f"{workers} at a time")
     say = log if is_main else (lambda _: None)

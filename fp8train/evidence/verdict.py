@@ -13,17 +13,21 @@ import math
 import statistics
 from pathlib import Path
 
+import yaml
+
 from fp8train.evidence import advisor, sequential, stats
 from fp8train.evidence.curves import Curve, load_curve
 from fp8train.evidence.pairs import BASELINE, PLAN_FILE, run_dir
 from fp8train.training.runs import telemetry
 from fp8train.training.storage.files import read_json
-from fp8train.training.storage.rundir import METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE, is_locked
+from fp8train.training.config import AUTOCAST_PRECISION
+from fp8train.training.storage.rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE, is_locked
 
-__all__ = ["RunData", "load_validation", "summarize_validation", "evidence_cost", "METHOD", "SEQUENTIAL_METHOD"]
+__all__ = ["RunData", "load_validation", "baseline_precision", "summarize_validation", "evidence_cost", "METHOD",
+           "SEQUENTIAL_METHOD"]
 
-METHOD = ("Per seed s, the paired gap g_s = (candidate - bf16) / bf16 of the mean validation loss over the final "
-          "window (the same steps, the same validation batches, the same initial weights and batches for both). "
+METHOD = ("Per seed s, the paired gap g_s = (candidate - baseline) / baseline of the mean validation loss over the "
+          "final window (the same steps, the same validation batches, the same initial weights and batches for both). "
           "Over the n seeds: mean, sample sd, and one-sided 95% Student-t bounds mean -/+ t(0.95, n-1) sd/sqrt(n). "
           "PASS: upper bound <= margin. FAIL: a run diverged or stopped, a loss is non-finite, or lower bound > "
           "margin. Otherwise INCONCLUSIVE. Minimum detectable gap (one-sided 95%, 80% power): "
@@ -40,11 +44,13 @@ SEQUENTIAL_METHOD = ("validate.seeds=auto: the same gaps, looked at after 2, 3, 
 
 
 class RunData:
-    """One run directory read back: its summary (None while running), losses and telemetry records."""
+    """One run directory read back: its summary (None while running), losses and telemetry records, and the
+    precision it ran in outside FP8 (its saved config.yaml's train.autocast; None without one)."""
 
     def __init__(self, path: Path, label: str, seed: int | None = None):
         self.dir, self.label, self.seed = path, label, seed
         self.summary = read_json(path / SUMMARY_FILE) if (path / SUMMARY_FILE).exists() else None
+        self.precision = _precision(path / CONFIG_FILE)
         self.damage: list[str] = []  # damaged lines of its logs, skipped (file and line each)
         self.curve: Curve = load_curve(path, on_damaged=self.damage.append)
         self.telemetry = [dict(r, seed=seed) for r in telemetry.load(path / TELEMETRY_FILE, self.damage.append)]
@@ -70,6 +76,25 @@ class RunData:
         steps = stats.window_steps(self.curve.val, window)
         value = sum(self.curve.val[s] for s in steps) / len(steps) if steps else math.nan
         return value if math.isfinite(value) else None
+
+
+def _precision(config_file: Path) -> str | None:
+    try:
+        autocast = (yaml.safe_load(config_file.read_text()) or {}).get("train", {}).get("autocast")
+        return AUTOCAST_PRECISION.get(autocast)
+    # a missing or damaged config (not UTF-8, not YAML, not a mapping) names no precision; the report's own read
+    # of it says what is wrong
+    except (OSError, ValueError, TypeError, yaml.YAMLError, AttributeError):
+        return None
+
+
+def baseline_precision(plan: dict, base_runs: dict[int, "RunData"]) -> str:
+    """What the baseline ran in, bf16 or fp32: its runs' saved configs say (the baseline is "bf16" by its folder
+    name only), else plan.json's declaration, else bf16 (a plan from before it was declared)."""
+    ran = {r.precision for r in base_runs.values() if r.precision is not None}
+    if len(ran) == 1:
+        return ran.pop()
+    return plan.get("baseline_precision", "bf16") if not ran else "/".join(sorted(ran))
 
 
 def load_validation(vdir: Path) -> tuple[dict, dict[str, dict[int, RunData]]]:
@@ -99,18 +124,18 @@ def _damaged(run: RunData, expected: list[int]) -> str | None:
     return f"{METRICS_FILE} has no val_loss for step(s) {missing} that it logged ({why})"
 
 
-def _seed_problems(base: RunData, cand: RunData, window: int, expected: list[int]) -> tuple[list[str], list[str],
-                                                                                            float]:
-    """(failures, reasons the seed is unusable, paired gap) of one seed."""
+def _seed_problems(base: RunData, cand: RunData, window: int, expected: list[int],
+                   precision: str = "bf16") -> tuple[list[str], list[str], float]:
+    """(failures, reasons the seed is unusable, paired gap) of one seed; `precision` names the baseline."""
     seed = cand.seed
     if cand.status in ("diverged", "stopped"):
         reason = (cand.summary or {}).get("reason")
         return [f"seed {seed} {cand.status}" + (f": {reason}" if reason else "")], [], math.nan
     if base.status != "completed":
-        return [], [f"seed {seed}: bf16 baseline {base.status}"], math.nan
+        return [], [f"seed {seed}: {precision} baseline {base.status}"], math.nan
     if cand.status != "completed":
         return [], [f"seed {seed}: candidate {cand.status}"], math.nan
-    for who, run in (("bf16 baseline", base), ("candidate", cand)):  # damaged logs: unusable, not a failure
+    for who, run in ((f"{precision} baseline", base), ("candidate", cand)):  # damaged logs: unusable, not a failure
         damage = _damaged(run, expected)
         if damage is not None:
             return [], [f"seed {seed}: {who} damaged: {damage}"], math.nan
@@ -141,7 +166,8 @@ def _fixed_verdict(plan: dict, base_runs: dict, cand_runs: dict) -> tuple:
     expected = final_evaluations(plan, window)
     failures, unusable, gaps = [], [], {}
     for seed in plan["seeds"]:
-        failed, missing, gap = _seed_problems(base_runs[seed], cand_runs[seed], window, expected)
+        failed, missing, gap = _seed_problems(base_runs[seed], cand_runs[seed], window, expected,
+                                              plan.get("baseline_precision", "bf16"))
         failures += failed
         unusable += missing
         if math.isfinite(gap):
@@ -162,7 +188,8 @@ def _sequential_verdict(plan: dict, base_runs: dict, cand_runs: dict) -> tuple:
     expected = final_evaluations(plan, window)
     failures, gaps, waiting = [], {}, None
     for seed in plan["seeds"]:
-        failed, missing, gap = _seed_problems(base_runs[seed], cand_runs[seed], window, expected)
+        failed, missing, gap = _seed_problems(base_runs[seed], cand_runs[seed], window, expected,
+                                              plan.get("baseline_precision", "bf16"))
         failures += failed
         if missing or not math.isfinite(gap):
             waiting = "; ".join(missing) or f"seed {seed}: no usable gap"
@@ -195,6 +222,8 @@ def _candidate(plan: dict, base_runs: dict, cand_runs: dict, spec: dict) -> dict
         "recipe_code": spec.get("recipe_code", spec["recipe"]),
         "status": {str(s): cand_runs[s].status if s in looked or cand_runs[s].status != "missing" else "not needed"
                    for s in plan["seeds"]},
+        # speed_vs_bf16 kept for scripts that read it: it is the speed over the baseline, whatever its precision
+        "speed_vs_baseline": statistics.median(speeds) if speeds else None,
         "speed_vs_bf16": statistics.median(speeds) if speeds else None,
         "per_step": per_step_gaps(base_runs, cand_runs),
         "divergence": [{"seed": s, "reason": (r.summary or {}).get("reason"),
@@ -208,6 +237,8 @@ def summarize_validation(plan: dict, runs: dict[str, dict[int, RunData]]) -> dic
     """The validation's summary.json content (see the module docstring for the names scripts rely on)."""
     window = int(plan["final_window"])
     base_runs = runs[BASELINE]
+    precision = baseline_precision(plan, base_runs)
+    plan = {**plan, "baseline_precision": precision}
     candidates = {spec["label"]: _candidate(plan, base_runs, runs[spec["label"]], spec)
                   for spec in plan["candidates"]}
     finals = [f for f in (r.final(window) for r in base_runs.values()) if f is not None]
@@ -223,6 +254,7 @@ def summarize_validation(plan: dict, runs: dict[str, dict[int, RunData]]) -> dic
         "planned_seeds": list(plan["seeds"]), "sequential": sequential_plan,
         "cost": evidence_cost(plan, runs, candidates),
         "confidence": stats.CONFIDENCE, "power": stats.POWER, "baseline": BASELINE,
+        "baseline_precision": precision,
         "method": METHOD + (" " + SEQUENTIAL_METHOD if sequential_plan else ""),
         "baseline_final_val_loss": {str(s): r.final(window) for s, r in base_runs.items()},
         "baseline_seed_spread_rel": spread,

@@ -1,4 +1,4 @@
-"""Swap a model's eligible `nn.Linear` layers for `Fp8Linear`, following a `LayerPolicy`, and say what was done.
+r"""Swap a model's eligible `nn.Linear` layers for `Fp8Linear`, following a `LayerPolicy`, and say what was done.
 
     report = convert_to_fp8(model, recipe("delayed"))
     print(report)             # every Linear: converted, or skipped with the reason

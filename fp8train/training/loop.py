@@ -46,8 +46,8 @@ from fp8train.training.runs.checkpoint import load_checkpoint, save_checkpoint
 from fp8train.training.runs.lifetime import interrupts_held
 from fp8train.training.runs.claim import holding
 from fp8train.training.runs.fork import checkpoint_sha256, fork_record, load_fork
-from fp8train.training.runs.run_log import (MetricsLog, finish, start_logs, summarize, summary_line,
-                                            summary_on_interrupt)
+from fp8train.training.runs.run_log import (MetricsLog, finish, progress_line, start_logs, summarize,
+                                            summary_line, summary_on_interrupt)
 from fp8train.training.runs.sharded_checkpoint import (is_sharded_checkpoint, load_sharded_checkpoint,
                                                       save_sharded_checkpoint)
 from fp8train.training.setup import Run, set_up
@@ -82,8 +82,11 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
         if state.start_step == 0:
             log_initial_evaluation(run, state, metrics)
 
+        # a terminal (or a notebook) gets a bar that stays after the run; a log file or a pipe gets one line per
+        # logged step (log.every), where a bar's carriage returns would be noise
+        show, interactive = run.is_main and show_progress, sys.stderr.isatty() or "ipykernel" in sys.modules
         progress = tqdm(total=cfg.train.max_steps, initial=state.start_step, desc=cfg.run.name, mininterval=2.0,
-                        disable=not (run.is_main and show_progress), dynamic_ncols=True, leave=False)
+                        disable=not (show and interactive), dynamic_ncols=True, leave=True)
         with summary_on_interrupt(run, state):  # SIGTERM / Ctrl-C: summary.json says "interrupted", and where
             for step in range(state.start_step, cfg.train.max_steps):
                 record = optimizer_step(run, state, step)
@@ -94,6 +97,8 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
                     continue
                 finish_step(run, state, record, metrics)
                 progress.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
+                if show and not interactive and step_kinds(cfg, state.done)[1]:
+                    print(progress_line(cfg.run.name, cfg.train.max_steps, record), file=sys.stderr, flush=True)
                 stop_reason = should_stop(record) if should_stop is not None else None
                 if stop_reason:
                     state.status, state.reason = "stopped", stop_reason

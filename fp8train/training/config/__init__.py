@@ -24,8 +24,8 @@ from fp8train.training.config.fp8 import (BASELINE_RECIPE, FP8_RECIPE_CHOICES, F
 from fp8train.training.config.full import FullConfig
 from fp8train.training.config.load import HASH_EXCLUDE, apply_overrides, config_hash, config_to_yaml, load_config
 from fp8train.training.config.model_data import DataConfig, ModelConfig
-from fp8train.training.config.run import (AUTOCAST_MODES, DEVICES, WANDB_MODES, CheckpointConfig, LogConfig,
-                                          OptimConfig, RunConfig, TrainConfig)
+from fp8train.training.config.run import (AUTOCAST_MODES, AUTOCAST_PRECISION, DEVICES, WANDB_MODES, CheckpointConfig,
+                                          LogConfig, OptimConfig, RunConfig, TrainConfig)
 from fp8train.training.config.validation import ValidateConfig
 
 __all__ = [
@@ -33,5 +33,5 @@ __all__ = [
     "LogConfig", "CheckpointConfig", "ValidateConfig", "FullConfig",
     "load_config", "apply_overrides", "config_to_yaml", "config_hash", "fp8_recipe_from_config", "layer_policy_from_config",
     "add_config_arguments", "resolve_config_arguments", "HASH_EXCLUDE", "RECIPE_NAMES", "FP8_RECIPE_CHOICES", "BASELINE_RECIPE",
-    "DEFAULT_EXCLUDE", "WANDB_MODES", "DEVICES", "AUTOCAST_MODES",
+    "DEFAULT_EXCLUDE", "WANDB_MODES", "DEVICES", "AUTOCAST_MODES", "AUTOCAST_PRECISION",
 ]

@@ -33,7 +33,11 @@ def drop_decoder_fields(config: dict) -> dict:
     model: they were not used, so they are not recorded as if they were."""
     model = config.get("model", {})
     if model.get("hf_path") or model.get("hf_config"):
-        config = {**config, "model": {k: v for k, v in model.items() if k not in DECODER_ONLY_FIELDS}}
+        # vocab_size at its default (256, byte-level text for the Decoder) is unused too: the HF model's
+        # vocabulary is its config.json's (recorded under model_config); a value set on purpose (a nanoGPT .bin
+        # checks its token ids against it) is kept
+        unused = DECODER_ONLY_FIELDS + (("vocab_size",) if model.get("vocab_size") == ModelConfig.vocab_size else ())
+        config = {**config, "model": {k: v for k, v in model.items() if k not in unused}}
     return config
 
 

@@ -29,6 +29,8 @@ MAX_EVAL_BATCHES = 1024
 DEVICES = ("auto", "cpu", "cuda")
 AUTOCAST_MODES = ("bf16", "none")
 MAX_TP_SIZE = 64  # a tensor-parallel group spans one node's GPUs; 64 already exceeds any node
+# What a run without FP8 computes in, by train.autocast: the name a baseline is labelled with (reports, verdicts)
+AUTOCAST_PRECISION = {"bf16": "bf16", "none": "fp32"}
 PARALLEL_MODES = ("ddp", "fsdp2")  # data parallelism: replicated (DDP) or sharded (torch's FSDP2 fully_shard)
 
 
@@ -156,10 +158,19 @@ class LogConfig(Section):
     trackers: List[str] = field(default_factory=lambda: ["wandb"])
     """accelerate trackers to log to: wandb, tensorboard, mlflow, aim, ... (wandb only while log.wandb is not
     disabled; file-based trackers write under the run directory). [] = none."""
-    wandb: str = "offline"
-    """disabled | offline (files under the run directory; upload later with `wandb sync`) | online."""
-    wandb_project: str = "fp8train"
-    """wandb project name."""
+    wandb: str = ""
+    """disabled | offline (files under the run directory; upload later with `wandb sync`) | online. "" (the
+    default) = the environment's WANDB_MODE if set, else offline: a value written here wins over WANDB_MODE."""
+    wandb_project: str = ""
+    """wandb project name; "" (the default) = WANDB_PROJECT if set, else fp8train."""
+    wandb_name: str = ""
+    """wandb run name; "" = run.name (fp8train validate sets <validation>/<label>/seed<N>)."""
+    wandb_group: str = ""
+    """wandb run group; "" = none (fp8train validate sets the validation's name)."""
+    wandb_job_type: str = ""
+    """wandb job type; "" = none (fp8train validate sets baseline or candidate)."""
+    wandb_tags: List[str] = field(default_factory=list)
+    """wandb run tags (fp8train validate sets recipe=<recipe> and seed=<N>)."""
     shadow_recipes: List[str] = field(default_factory=list)
     """Recipes to shadow on every telemetry step: each Fp8Linear (each nn.Linear in a bf16 run) also measures
     what these recipes would do to its real operands (SQNR, overflow, underflow per role); training unchanged.
@@ -168,7 +179,10 @@ class LogConfig(Section):
     def _check(self) -> None:
         self._at_least("every", 1)
         self._at_least("telemetry_every", 0, "must be >= 0 (0 = off)")
-        self._in("wandb", WANDB_MODES)
+        require(self.wandb in WANDB_MODES + ("",), "log.wandb", self.wandb,
+                f"one of {list(WANDB_MODES)}, or \"\" for WANDB_MODE if set, else offline")
+        for tag in self.wandb_tags:  # wandb refuses these only at wandb.init, after the run directory exists
+            require(0 < len(tag) <= 64, "log.wandb_tags", list(self.wandb_tags), "tags of 1 to 64 characters")
         for name in self.trackers:
             require(name in TRACKER_NAMES, "log.trackers", list(self.trackers), f"names from {list(TRACKER_NAMES)}")
         require(len(set(self.trackers)) == len(self.trackers), "log.trackers", list(self.trackers), "no duplicates")

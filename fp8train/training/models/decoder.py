@@ -225,6 +225,11 @@ def check_model_for_run(model: nn.Module, data_vocab: int, conversion, allow_no_
     """Refuse, before anything is written, a model that cannot hold the data's token ids, and an FP8 run in
     which no layer converted (it would train in high precision while its summary says FP8)."""
     rows = vocab_rows(model)
+    if data_vocab > rows and hasattr(model, "hf"):  # an HF model: its vocabulary is its config.json's
+        raise ValueError(f"the data has {data_vocab} token ids (its tokenizer's length; 256 for bytes) but the Hugging "
+                         f"Face model's embedding has {rows} rows (vocab_size in its config.json): set data.tokenizer to a tokenizer of at most "
+                         f"{rows} tokens (\"\" = the model folder's own), or train a new model from model.hf_config "
+                         f"with vocab_size >= {data_vocab}")
     if data_vocab > rows:
         raise ValueError(f"the data has token ids up to {data_vocab - 1} but the model's embedding has {rows} rows; "
                          f"set model.vocab_size >= {data_vocab} (or use a Hugging Face model whose vocabulary "

@@ -34,6 +34,7 @@ from fp8train.nn.convert import is_conv1d
 from fp8train.nn.hf_experts import SCALING_SUFFIX, expert_projections, is_hf_experts
 from fp8train.nn.linear import is_scaling_buffer
 from fp8train.training.storage.rundir import refuse_run_directory_as_hf_folder
+from fp8train.training.config.model_data import ModelConfig
 
 __all__ = ["hf_config_of", "build_hf_model", "enable_kv_hook", "hf_kv_shape", "quiet_transformers"]
 
@@ -75,7 +76,9 @@ def hf_config_of(model_cfg):
         raise ValueError(f"model.{key}: {str(source)!r} is not a readable transformers config: "
                          f"{' '.join(str(err).split())[:300]}") from None
     vocab = getattr(config, "vocab_size", None)
-    if vocab is not None and vocab < model_cfg.vocab_size:
+    # model.vocab_size at its default is the Decoder's byte vocabulary, unused here (the data's tokens are checked
+    # against the model's embedding once they are read); set on purpose (a nanoGPT .bin's ids) it must fit
+    if vocab is not None and model_cfg.vocab_size != ModelConfig.vocab_size and vocab < model_cfg.vocab_size:
         raise ValueError(f"model.{key}: its vocab_size {vocab} is smaller than model.vocab_size "
                          f"{model_cfg.vocab_size} (the data's token ids); raise vocab_size in the HF config")
     max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)

@@ -9,7 +9,8 @@ says so, once: fp8train.nn.linear). The callback calls it in `on_optimizer_step`
 optimizer step, after `optimizer.step()` and after every micro-batch of gradient accumulation has run its
 forward and backward: the step's amax is the max over its micro-batches, as in fp8train's own loop. Under
 torch.distributed the update all-reduces the amaxes with MAX, so every rank keeps the same scales. Recipes other
-than delayed have nothing to update (no-op).
+than delayed have nothing to update (no-op). Per-layer FP8 health under the Trainer: Fp8TelemetryCallback
+(fp8train.training.runs.hf_telemetry).
 """
 
 from __future__ import annotations

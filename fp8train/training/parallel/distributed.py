@@ -13,12 +13,20 @@ anything is written, with a message that says what to do instead; none is silent
   autocast itself, the same on every backend), `fp16` needs loss scaling the loop does not do, and `fp8` is
   accelerate's own FP8 path (TE or torchao) that would fight fp8train's: fp8train IS the FP8 layer, chosen with
   `fp8.recipe`.
+
+A launch that asked for several processes and got one is said in one line (`process_count_note`), not refused:
+accelerate's simple launcher, which `accelerate launch --cpu --num_processes N` and a MULTI_CPU config file use
+without mpirun, starts ONE process; it exports MASTER_ADDR / MASTER_PORT only when more than one process or
+machine was asked for, and a launcher that really started several sets WORLD_SIZE (torchrun) or an MPI size.
+fp8train makes its own Accelerator with `cpu=True` on CPU, so `accelerate launch --multi_gpu --num_processes N`
+starts N gloo CPU processes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from typing import Mapping
 
 import torch
@@ -27,7 +35,8 @@ from accelerate import Accelerator
 
 from fp8train.nn.recipes import ROLES
 
-__all__ = ["make_accelerator", "check_launch_settings", "set_cpu_threads", "all_mean", "all_mean_tensor",
+__all__ = ["make_accelerator", "check_launch_settings", "process_count_note", "set_cpu_threads", "all_mean",
+           "all_mean_tensor",
            "fp8_state_digest",
            "Fp8StateSync"]
 
@@ -62,6 +71,22 @@ def check_launch_settings(cfg, env: Mapping[str, str] = os.environ) -> None:
                          f"{cfg.train.autocast}; drop one of the two")
 
 
+# set by a launcher that started several processes: torchrun / accelerate's multi-process launcher, MPI
+_WORLD_SIZE_ENV = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+
+
+def process_count_note(num_processes: int, env: Mapping[str, str] = os.environ) -> str | None:
+    """The line to print when `accelerate launch` asked for several processes and this one runs alone (see the
+    module docstring), else None."""
+    launched = _MIXED_PRECISION_ENV in env  # accelerate launch exports it whatever the choice
+    asked_for_more = "MASTER_ADDR" in env and not any(var in env for var in _WORLD_SIZE_ENV)
+    if num_processes != 1 or not (launched and asked_for_more):
+        return None
+    return ("fp8train: accelerate launch asked for several processes but started 1 (on CPU, --cpu and a MULTI_CPU "
+            "config start one process unless mpirun runs them); training in 1 process, world_size 1. For N CPU "
+            "processes: accelerate launch --multi_gpu --num_processes N (fp8train uses gloo on CPU)")
+
+
 def make_accelerator(cfg) -> Accelerator:
     """The Accelerator of a run: CPU or CUDA as `train.device` says, mixed_precision="no" because the loop applies
     `train.autocast` itself; trackers are started by fp8train.training.runs.tracking, not by the Accelerator."""
@@ -71,6 +96,9 @@ def make_accelerator(cfg) -> Accelerator:
     cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
     accelerator = Accelerator(cpu=cpu, mixed_precision="no")
     check_distributed_type(accelerator, cfg)
+    note = process_count_note(accelerator.num_processes)
+    if note:
+        print(note, file=sys.stderr)
     return accelerator
 
 

@@ -23,7 +23,7 @@ from fp8train.training.storage.files import append_jsonl, truncate_jsonl, write_
 from fp8train.training.storage.rundir import METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE
 from fp8train.training.runs.tracking import Trackers, tracked_config
 
-__all__ = ["MetricsLog", "start_logs", "summarize", "summary_on_interrupt", "finish", "summary_line"]
+__all__ = ["MetricsLog", "start_logs", "summarize", "summary_on_interrupt", "finish", "summary_line", "progress_line"]
 
 
 class MetricsLog:
@@ -132,3 +132,15 @@ def summary_line(name: str, summary: dict) -> str:
         summary.get("recipe") not in (None, "none") else ""
     return (f"[{name}] {summary['status']}: {summary['steps']} steps, val_loss {val}, "
             f"{summary['wall_time_s']:.1f}s, recipe {summary['recipe']}{unused}{reason}")
+
+
+def progress_line(name: str, max_steps: int, record: dict) -> str:
+    """The line a logged step prints when the output is not a terminal, e.g. `[cpu_delayed] step 20/300: loss
+    2.4810, val_loss 2.5120, lr 0.003, 41233 tokens/s`."""
+    parts = [f"loss {record['loss']:.4f}"]
+    if record.get("val_loss") is not None:
+        parts.append(f"val_loss {record['val_loss']:.4f}")
+    parts.append(f"lr {record['lr']:.3g}")
+    if record.get("tokens_per_s") is not None:
+        parts.append(f"{record['tokens_per_s']:.0f} tokens/s")
+    return f"[{name}] step {record['step']}/{max_steps}: " + ", ".join(parts)

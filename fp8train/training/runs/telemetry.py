@@ -6,6 +6,11 @@ records, per operand role (input, weight, grad_output): amax, scale, overflow (c
 step's amax over the amax its scale was made from: > 1 means the tensor grew past what its scale expected).
 Sampling keeps the cost off the other steps. Records go to ``telemetry.jsonl`` (one line per sampled step,
 every layer and role) and a few worst-case numbers go into metrics.jsonl and wandb.
+
+Layer names are module paths in the trained model. For a Hugging Face model fp8train trains a wrapper whose
+`hf` attribute is the transformers model, so its names read `hf.<transformers name>` (`hf.model.layers.0.mlp.
+up_proj`); policy.exclude patterns and the advisor's suggestions match those names. `collect_fp8_telemetry` (for
+code that holds the transformers model itself) drops the prefix.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from fp8train.nn.convert import fp8_layers
 from fp8train.nn.recipes import ROLES
 from fp8train.training.storage.files import append_jsonl, read_jsonl
 
@@ -145,3 +151,40 @@ def load(path: str | Path, on_damaged=None) -> list[dict]:
     """telemetry.jsonl's records; a torn last line (kill -9 mid-append) is dropped, damage elsewhere (also a
     wrongly shaped record) is named, or passed to `on_damaged(message)` and skipped."""
     return read_jsonl(path, check=record_problem, on_damaged=on_damaged)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# For library and transformers.Trainer users (fp8train.collect_fp8_telemetry, Fp8TelemetryCallback)
+# ------------------------------------------------------------------------------------------------------------
+def sample_fp8_telemetry(model) -> int:
+    """Turn per-layer sampling on for the next forward and backward of `model`'s Fp8Linear layers (it costs host
+    syncs and a pass over each operand, so sample one step now and then); returns how many layers sample."""
+    layers = fp8_layers(model)
+    enable(layers, True)
+    return len(layers)
+
+
+def collect_fp8_telemetry(model, per_layer: bool = True) -> dict[str, float]:
+    """Per-layer FP8 health of the last sampled step, as flat tracker metrics, and sampling off again:
+    `fp8/<layer>/<role>/<stat>` for every Fp8Linear (role: input, weight, grad_output; stat: amax, scale,
+    overflow_frac, underflow_frac, sqnr_db, staleness for delayed scaling, nonfinite), then the worst cases over
+    layers (`fp8/<role>/sqnr_min_db`, ...; the only keys with per_layer=False). Layer names are the model's own
+    module paths (fp8train's wrapper prefix `hf.` removed). {} when no step was sampled since the last call.
+
+        fp8train.sample_fp8_telemetry(model)
+        loss = model(**batch).loss; loss.backward()
+        accelerator.log(fp8train.collect_fp8_telemetry(model), step=step)   # or wandb.log(...)
+    """
+    layers = fp8_layers(model)
+    prefix = getattr(model, "wrapped_name_prefix", "")  # fp8train's HFCausalLM: hf.<the transformers name>
+    stats = {name[len(prefix):] if prefix and name.startswith(prefix) else name: roles
+             for name, roles in collect(layers).items() if roles}
+    for _, layer in layers:  # read once: the next call reports the next sampled step, or nothing
+        layer.last_stats = {}
+    out = {}
+    if per_layer:
+        for name, roles in stats.items():
+            for role, values in roles.items():
+                out.update({f"fp8/{name}/{role}/{key}": float(value) for key, value in values.items()
+                            if isinstance(value, (int, float)) and not isinstance(value, bool)})
+    return {**out, **summarize(stats)} if stats else {}
