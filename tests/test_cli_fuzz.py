@@ -135,13 +135,14 @@ OUT_OF_RANGE = {
     "validate.divergence_factor": ["1", "0.5"],
     "validate.max_seeds": ["-1", "0"],
     "validate.max_plan_steps": ["-1", "1.5"],
+    "train.tp_size": ["0", "65", "1.5"],
     "validate.spending": ["linear"],
 }
 # Free-form strings and switches: any value of the right type is in range.
 NO_RANGE = {"data.path", "model.hf_config", "model.hf_path", "data.tokenizer", "data.hf_dataset", "policy.allow_no_fp8",
             "policy.exclude_defaults", "train.fork_from", "validate.fork_from",
             "log.wandb_project", "log.wandb_name", "log.wandb_group", "log.wandb_job_type", "model.tie_embeddings",
-            "train.skip_nonfinite_grads",
+            "train.skip_nonfinite_grads", "train.sequence_parallel",
             "checkpoint.save_final"}
 
 

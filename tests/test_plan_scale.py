@@ -47,8 +47,13 @@ def test_a_thousand_seeds_plan_in_seconds_and_every_config_is_the_rule(tmp_path)
     for seed in (1337, 1338, 1337 + 517, 1337 + 999):
         for label, extra in label_overrides.items():
             run = by_key[f"{label}/seed{seed}"]
+            shown, recipe_name = {"bf16": ("bf16", "none"), "current": ("current", "current"),
+                                  "slow": ("slow", "delayed")}[label]
+            wandb = [f"log.wandb_name=cpu_validate/{shown}/seed{seed}", "log.wandb_group=cpu_validate",
+                     f"log.wandb_job_type={'baseline' if label == 'bf16' else 'candidate'}",
+                     f"log.wandb_tags=[recipe:{recipe_name},seed:{seed}]"]
             want = _reference(cfg, ["train.resume=auto", every, f"run.dir={vdir / label}", f"run.name=seed{seed}",
-                                    f"train.seed={seed}", *extra], tmp_path)
+                                    f"train.seed={seed}", *extra, *wandb], tmp_path)
             assert run.cfg == want, (label, seed)
             assert plan["runs"][run.key]["config_hash"] == config_hash(want)
     # runs do not share mutable sections: changing one run's config leaves the others as they were
