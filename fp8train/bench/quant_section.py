@@ -2,7 +2,7 @@
 
 Contenders: a naive eager chain (amax, divide, clamp, torch's float8 cast: the reference speedups are relative
 to), fp8train's eager kernel, its native C kernel (numerics/native_cast.c, on CPU where it builds), its compiled
-kernels (compile time reported apart, never inside the timing), and an amax-only pass (one read of the tensor:
+kernel (compile time reported apart, never inside the timing), and an amax-only pass (one read of the tensor:
 what the memory system allows).
 """
 
@@ -63,8 +63,7 @@ def bench_quant(opts: BenchOptions, warmup: int, repeats: int) -> dict:
         if granularity == "tensor" and fmt_name == "e4m3fn":  # what the memory system allows right now
             contenders["reference: amax only (1 read)"] = lambda: torch.amax(x)
         if opts.compile != "off" and not (opts.quick and (granularity, fmt_name) != ("tensor", "e4m3fn")):
-            for kernel in ("compiled_cast", "compiled_select"):
-                contenders[f"fp8train {kernel}"] = run(kernel)
+            contenders["fp8train compiled"] = run("compiled")
         first = {}
         timings = side_by_side(contenders, opts.device, warmup, repeats, first_call=first)
         base = timings["naive eager"]

@@ -94,10 +94,15 @@ class OperandQuantizer:
         # CUDA paths unchanged); where the native GEMM reads the bytes and the tile scales, nothing more is kept.
         blocked = kernel == "native" and r.granularity_of(role) == "block" and keep_values is True
         keep = dict(keep_values=False if blocked else keep_values, keep_dequantized=blocked)
-        if r.is_delayed:
+        if r.is_delayed and self.initialized_on_host:
+            # the stored scale is known before the tensor is read: cast with it and take the amax in the same
+            # pass (one read of the tensor; finite and > 0 by construction: no per-call host sync)
+            quantized = quantize(tensor, fmt, scale=self.buffer("scale"), keep_values=keep_values,
+                                 validate_scale=False, kernel=kernel, with_amax=True)
+            self.record_amax(quantized.amax)
+        elif r.is_delayed:  # first step: the scale may be the tensor's own, so the amax comes first
             amax = compute_amax(tensor, kernel=kernel)
             self.record_amax(amax)
-            # the scale is finite and > 0 by construction (tensorwise_scale): no per-call host sync
             quantized = quantize(tensor, fmt, scale=self.tensorwise_scale(amax), keep_values=keep_values,
                                  validate_scale=False, kernel=kernel)
             quantized.amax = amax
