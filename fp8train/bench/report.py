@@ -156,12 +156,13 @@ def _format_ops(sec: dict, where: str) -> list[str]:
     """Top-level aten op counts per contender."""
     parts: list[str] = []
     o = sec["ops"]
-    rows = [[r["contender"], r["ops"], "-" if r["ops_fresh_weight"] is None else r["ops_fresh_weight"]]
-            for r in o["rows"]]
+    rows = [[r["contender"], r["ops"], "-" if r["ops_fresh_weight"] is None else r["ops_fresh_weight"],
+             r.get("input_reads", "-")] for r in o["rows"]]
     parts.append(f"\ntop-level aten ops, one forward + .float().sum().backward() of 512x256->256 under bf16 "
                  f"autocast {where}; delayed update (stacked) for 1 / 8 layers: "
                  f"{o['delayed_update_ops'].get('1')} / {o['delayed_update_ops'].get('8')}\n"
-                 + _table(["contender", "ops (weight copy reused)", "ops (fresh weight copy)"], rows))
+                 + _table(["contender", "ops (weight copy reused)", "ops (fresh weight copy)",
+                           "passes over the input (fp32 forward)"], rows))
     return parts
 
 
