@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -68,7 +69,7 @@ class Fp8Format:
             return self._exp_field_max, self._man_mask - 1
         return self._exp_field_max, self._man_mask  # fnuz: NaN lives at 0x80, the top binade is whole
 
-    @property
+    @cached_property  # read on every cast: worked out once per format
     def max(self) -> float:
         e, m = self._max_fields
         return math.ldexp(1.0 + m / (1 << self.mantissa_bits), e - self.bias)
@@ -102,13 +103,13 @@ class Fp8Format:
         """Dynamic range in powers of two, from the smallest subnormal to the max."""
         return math.log2(self.max / self.min_subnormal)
 
-    @property
+    @cached_property  # read on every cast: worked out once per format
     def step_at_max(self) -> float:
         """Spacing between the two largest finite values; half of it is the rounding slack above max."""
         e, _ = self._max_fields
         return math.ldexp(1.0, e - self.bias - self.mantissa_bits)
 
-    @property
+    @cached_property  # read on every cast: worked out once per format
     def torch_dtype(self) -> torch.dtype:
         return _TORCH_DTYPES[self.name]
 

@@ -23,6 +23,7 @@ import math
 import torch
 
 from fp8train.numerics.formats import get_format
+from fp8train.numerics.native_layout import capped_block
 from fp8train.numerics.quant import Fp8Tensor, compute_amax, native_quantize, quantize, value_copies
 
 __all__ = ["MX_BLOCK_SIZE", "E8M0_BIAS", "mx_scale_from_amax", "e8m0_codes", "quantize_mx"]
@@ -64,7 +65,8 @@ def quantize_mx(x: torch.Tensor, fmt="e4m3fn", *, keep_values: bool = False, ker
     block = (1, MX_BLOCK_SIZE)
     if kernel == "native" and x.dim() == 2 and x.numel():
         keep_fp32, keep_bf16 = value_copies(keep_values)
-        native = native_quantize(x, get_format(fmt), "block", 1, MX_BLOCK_SIZE, -1, 0, False, True, None,
+        br, bc = capped_block(x, *block)  # (a block no larger than the tensor, as quantize records it)
+        native = native_quantize(x, get_format(fmt), "block", br, bc, -1, 0, False, True, None,
                                  keep_fp32, keep_bf16, keep_dequantized, mx=True)
         if native is not None:
             return native

@@ -30,7 +30,7 @@ from fp8train.numerics.formats import FORMATS, Fp8Format
 from fp8train.numerics import native_build
 from fp8train.numerics.native_build import Params, library, threading_kind
 from fp8train.numerics.native_layout import FP8_DTYPES as _FP8_DTYPES, INPUT_DTYPES as _INPUT_DTYPES
-from fp8train.numerics.native_layout import NativeLayout, capped_block, dense_kind, layout
+from fp8train.numerics.native_layout import NativeLayout, capped_block, dense_kind, layout, scale_step
 
 __all__ = ["available", "set_enabled", "unavailable_reason", "threading_kind", "layout", "usable_layout",
            "capped_block", "NativeLayout", "quantize_fp8", "compute_amax", "decode", "decodable", "dequantize",
@@ -127,21 +127,25 @@ def _decode_table(fmt: Fp8Format) -> torch.Tensor:
 def _outputs(x: torch.Tensor, lay: NativeLayout, fmt: Fp8Format, with_amax: bool, keep_values: bool,
              keep_values_bf16: bool = False):
     """Empty outputs in the layouts the kernel writes (transposed inputs give transposed outputs, as eager)."""
-    def like_x(dtype):
-        if lay.transposed:
-            return torch.empty_strided(x.shape, (1, x.shape[0]), dtype=dtype)
-        return torch.empty(x.shape, dtype=dtype)
-
-    def grid():
-        if lay.transposed and len(lay.scale_shape) == 2 and lay.grid_rows > 1 and lay.grid_cols > 1:
-            return torch.empty_strided(lay.scale_shape, (1, lay.scale_shape[0]), dtype=torch.float32)
-        return torch.empty(lay.scale_shape, dtype=torch.float32)
-
-    data = like_x(fmt.torch_dtype)
-    scale = grid()
-    amax = grid() if with_amax else torch.empty(0)
-    values = like_x(torch.float32) if keep_values else torch.empty(0)
-    values_bf16 = like_x(torch.bfloat16) if keep_values_bf16 else torch.empty(0, dtype=torch.bfloat16)
+    if lay.transposed:
+        shape, strides = x.shape, (1, x.shape[0])
+        data = torch.empty_strided(shape, strides, dtype=fmt.torch_dtype)
+        values = torch.empty_strided(shape, strides, dtype=torch.float32) if keep_values else torch.empty(0)
+        values_bf16 = torch.empty_strided(shape, strides, dtype=torch.bfloat16) if keep_values_bf16 \
+            else torch.empty(0, dtype=torch.bfloat16)
+    else:
+        data = torch.empty(x.shape, dtype=fmt.torch_dtype)
+        values = torch.empty(x.shape, dtype=torch.float32) if keep_values else torch.empty(0)
+        values_bf16 = torch.empty(x.shape, dtype=torch.bfloat16) if keep_values_bf16 \
+            else torch.empty(0, dtype=torch.bfloat16)
+    scale_shape = lay.scale_shape
+    if lay.transposed and len(scale_shape) == 2 and lay.grid_rows > 1 and lay.grid_cols > 1:  # the grid, transposed
+        scale = torch.empty_strided(scale_shape, (1, scale_shape[0]), dtype=torch.float32)
+        amax = torch.empty_strided(scale_shape, (1, scale_shape[0]), dtype=torch.float32) if with_amax \
+            else torch.empty(0)
+    else:
+        scale = torch.empty(scale_shape, dtype=torch.float32)
+        amax = torch.empty(scale_shape, dtype=torch.float32) if with_amax else torch.empty(0)
     return data, scale, amax, values, values_bf16
 
 
@@ -157,10 +161,6 @@ def _scale_in_memory_order(scale: torch.Tensor, lay: NativeLayout) -> torch.Tens
     if lay.transposed and scale.dim() == 2:
         scale = scale.t()
     return scale.float().contiguous()
-
-
-def _ptr(t: torch.Tensor):
-    return t.data_ptr() if t.numel() else None
 
 
 # Registered with the low-level torch.library API: torch.library.custom_op wraps every call in autograd and
@@ -184,7 +184,9 @@ def _quantize_fp8_cpu(x, scale, fmt, granularity, block_rows, block_cols, axis, 
     (the amax rule, or MX's with ``mx``; or the given ``scale``, whose amax is written only ``with_amax``, in the
     same pass as the cast) -> x / scale -> FP8 bytes; values (the FP8 values in fp32, or value * scale with
     ``dequantize``) only with ``keep_values``, values_bf16 (the FP8 values in bf16) only with ``keep_values_bf16``."""
-    lay = _layout_or_raise(x, granularity, block_rows, block_cols, axis)
+    lay = layout(x, granularity, block_rows, block_cols, axis)
+    if lay is None:
+        _layout_or_raise(x, granularity, block_rows, block_cols, axis)  # (raises, naming the input)
     fp8 = FORMATS[fmt]
     with_amax = scale is None or with_amax
     data, scale_out, amax, values, values_bf16 = _outputs(x, lay, fp8, with_amax, keep_values, keep_values_bf16)
@@ -196,7 +198,8 @@ def _quantize_fp8_cpu(x, scale, fmt, granularity, block_rows, block_cols, axis, 
     rc = library().fp8_quantize(
         ctypes.byref(params), x.data_ptr(), int(x.dtype == torch.bfloat16), lay.batch, lay.rows, lay.cols,
         lay.tile_rows, lay.tile_cols, None if scale_in is None else scale_in.data_ptr(), data.data_ptr(),
-        scale_out.data_ptr(), _ptr(amax), _ptr(values), _ptr(values_bf16), torch.get_num_threads())
+        scale_out.data_ptr(), amax.data_ptr() if with_amax else None, values.data_ptr() if keep_values else None,
+        values_bf16.data_ptr() if keep_values_bf16 else None, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"internal error: fp8train native cast returned {rc}")
     return data, scale_out, amax, values, values_bf16
@@ -290,16 +293,6 @@ def _dequantize_cpu(data, scale, granularity, block_rows, block_cols, axis):
 def _dequantize_fake(data, scale, granularity, block_rows, block_cols, axis):
     _dequantize_layout(data, granularity, block_rows, block_cols, axis)
     return torch.empty_strided(data.shape, data.stride(), dtype=torch.float32)
-
-
-def scale_step(scale: Optional[torch.Tensor], dim: int, size: int) -> Optional[int]:
-    """How the native epilogues read an outer scale: 0 for none or one value, 1 for one per index of ``dim`` of
-    a (rows, 1) / (1, cols) scale laid out densely, None for anything else (the caller applies it itself)."""
-    if scale is None or scale.numel() == 1:
-        return 0
-    if scale.dim() == 2 and scale.shape[dim] == size and scale.shape[1 - dim] == 1 and scale.stride(dim) == 1:
-        return 1
-    return None
 
 
 def epilogue_usable(acc: torch.Tensor, scale_a, scale_b, bias, out_dtype: torch.dtype) -> bool:

@@ -11,7 +11,7 @@ import torch
 
 from fp8train.numerics.formats import FORMATS
 
-__all__ = ["NativeLayout", "layout", "capped_block", "dense_kind", "INPUT_DTYPES", "FP8_DTYPES"]
+__all__ = ["NativeLayout", "layout", "capped_block", "dense_kind", "scale_step", "INPUT_DTYPES", "FP8_DTYPES"]
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16)
 FP8_DTYPES = tuple(f.torch_dtype for f in FORMATS.values())
@@ -102,3 +102,13 @@ def capped_block(x: torch.Tensor, block_rows: int, block_cols: int) -> tuple[int
     """A block no larger than the tensor's last two dims (as quant.quantize records it)."""
     rows, cols = (1, x.shape[0]) if x.dim() == 1 else x.shape[-2:] if x.dim() else (1, 1)
     return max(min(block_rows, rows), 1), max(min(block_cols, cols), 1)
+
+
+def scale_step(scale: Optional[torch.Tensor], dim: int, size: int) -> Optional[int]:
+    """How the native epilogues read an outer scale: 0 for none or one value, 1 for one per index of ``dim`` of
+    a (rows, 1) / (1, cols) scale laid out densely, None for anything else (the caller applies it itself)."""
+    if scale is None or scale.numel() == 1:
+        return 0
+    if scale.dim() == 2 and scale.shape[dim] == size and scale.shape[1 - dim] == 1 and scale.stride(dim) == 1:
+        return 1
+    return None

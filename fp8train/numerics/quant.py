@@ -38,6 +38,8 @@ from fp8train.numerics.scaling import (GRANULARITIES, check_amax_floor, check_am
                                        scale_rule, scale_shape_of)
 from fp8train.numerics.torch_cast import eager_division_options, quantize_impl, run, untile
 
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what check_input allows
+
 __all__ = [
     "Fp8Tensor", "quantize", "compute_amax", "scale_from_amax", "expand_scale", "cast_to_fp8", "decode_fp8",
     "quant_error", "convert_dialect", "GRANULARITIES", "QUANT_KERNELS", "max_scale", "scale_rule", "native_quantize",
@@ -84,10 +86,12 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
     cast by the native and compiled kernels (``.amax``; without a scale the amax is always returned).
     A block larger than the tensor is one block over the whole tensor (it is recorded at the tensor's size).
     """
-    check_input(x)
-    fmt = get_format(fmt)
-    check_kernel(kernel)
-    margin = check_margin(margin)
+    if not (isinstance(x, torch.Tensor) and x.dtype in _INPUT_DTYPES):
+        check_input(x)  # (raises for anything that is not a float tensor of at least 16 bits)
+    fmt = fmt if isinstance(fmt, Fp8Format) else get_format(fmt)
+    if kernel not in QUANT_KERNELS:
+        check_kernel(kernel)  # (raises)
+    margin = margin if type(margin) is int and -256 <= margin <= 256 else check_margin(margin)
     br, bc = check_layout(granularity, block, axis, x.dim())
     if granularity == "row":
         axis = axis % max(x.dim(), 1)
@@ -100,7 +104,7 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
         scale = _check_scale_shape(scale, x.shape, granularity, br, bc, axis)
         if validate_scale and not bool((torch.isfinite(scale) & (scale > 0)).all()):
             raise ValueError("scale must be finite and > 0 everywhere (it is a dequantization scale)")
-    keep_fp32, keep_bf16 = value_copies(keep_values)
+    keep_fp32, keep_bf16 = (keep_values, False) if type(keep_values) is bool else value_copies(keep_values)
     if x.numel() == 0:
         empty = _quantize_empty(x, fmt, granularity, br, bc, axis, scale, keep_fp32 or keep_bf16)
         empty.amax = torch.zeros_like(empty.scale) if with_amax else empty.amax
@@ -182,10 +186,10 @@ def native_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis:
                     saturate: bool, scale, keep_fp32: bool, keep_bf16: bool, keep_dequantized: bool = False,
                     with_amax: bool = False, mx: bool = False):
     """quantize() through the C kernel (one op, typed arguments), or None where it does not apply (or the kernel
-    is not built, or torch.compile is tracing). ``mx``: MX's power-of-two scale rule instead of the amax rule."""
+    is not built, or torch.compile is tracing). Arguments as quantize() normalized them (a block no larger than
+    the tensor, a non-negative row axis). ``mx``: MX's power-of-two scale rule instead of the amax rule."""
     if torch.compiler.is_compiling() or not native_cast.available():
         return None
-    br, bc = native_cast.capped_block(x, br, bc)
     lay = native_layout(x, granularity, br, bc, axis)
     if lay is None or (scale is not None and tuple(scale.shape) != lay.scale_shape
                        and not (granularity == "tensor" and scale.numel() == 1 and scale.dim() <= 1 <= x.dim())):

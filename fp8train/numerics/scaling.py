@@ -76,8 +76,10 @@ def check_layout(granularity: str, block, axis: int, ndim: int) -> tuple[int, in
     if granularity == "row" and not -max(ndim, 1) <= axis < max(ndim, 1):
         raise ValueError(f"axis={axis} is out of range for a {ndim}-d tensor")
     try:  # operator.index: an int (or numpy/torch integer), never a float silently truncated (1.5 -> 1)
-        br, bc = (operator.index(b) for b in block)
-    except (TypeError, ValueError):
+        if len(block) != 2:
+            raise ValueError
+        br, bc = operator.index(block[0]), operator.index(block[1])
+    except (TypeError, ValueError, IndexError, KeyError):
         raise ValueError(f"block must be two positive ints like (1, 128), got {block!r}") from None
     if br <= 0 or bc <= 0:
         raise ValueError(f"block sizes must be positive, got {block!r}")
