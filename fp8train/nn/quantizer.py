@@ -31,7 +31,8 @@ from fp8train.nn.recipes import Fp8Recipe, OperandRole
 from fp8train.numerics import native_cast
 from fp8train.numerics.formats import get_format
 from fp8train.numerics.mx import quantize_mx
-from fp8train.numerics.quant import Fp8Tensor, compute_amax, decode_fp8, quant_error, quantize, scale_from_amax
+from fp8train.numerics.quant import Fp8Tensor, compute_amax, decode_fp8, quant_error, quantize
+from fp8train.numerics.scaling import format_scale
 
 __all__ = ["OperandQuantizer", "SCALING_BUFFERS", "DELAYED_SCALING_BUFFERS"]
 
@@ -151,7 +152,8 @@ class OperandQuantizer:
         fp8_all_gather uses it too, with the amax of the whole sharded weight."""
         if self.delayed and self.initialized_on_host:  # known on the host: no fallback ops to compute
             return self.buffer("scale")
-        own_scale = scale_from_amax(amax, self.format, self.margin, self.pow2)
+        # (the recipe checked margin and pow2: the rule itself, without scale_from_amax's argument checks)
+        own_scale = format_scale(torch.as_tensor(amax, dtype=torch.float32), self.format, self.margin, self.pow2)
         if not self.delayed:
             return own_scale
         return torch.where(self.buffer("initialized"), self.buffer("scale"), own_scale)

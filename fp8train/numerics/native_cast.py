@@ -224,7 +224,9 @@ def compute_amax(x: torch.Tensor, granularity: str, block_rows: int, block_cols:
 
 def _amax_cpu(x, granularity, block_rows, block_cols, axis):
     """max |x| per tensor, row or block (fp32, shaped like the scale), NaN propagating; one pass."""
-    lay = _layout_or_raise(x, granularity, block_rows, block_cols, axis)
+    lay = layout(x, granularity, block_rows, block_cols, axis)
+    if lay is None:
+        _layout_or_raise(x, granularity, block_rows, block_cols, axis)  # (raises, naming the input)
     out = _amax_out(lay)
     params = _params(FORMATS["e4m3fn"], True, RULE_GIVEN, 0, False)  # no scale is made
     rc = library().fp8_quantize(ctypes.byref(params), x.data_ptr(), int(x.dtype == torch.bfloat16), lay.batch,

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from fp8train.numerics import native_cast
 from fp8train.numerics.cast_kernels import NATIVE
+from fp8train.numerics.native_layout import capped_block, layout as native_layout
 from fp8train.numerics.formats import FORMATS, Fp8Format, get_format
 
 __all__ = ["GRANULARITIES", "compute_amax", "scale_from_amax", "expand_scale", "max_scale", "scale_rule",
@@ -192,8 +193,10 @@ def compute_amax(x, granularity: str = "tensor", block=(1, 128), axis: int = -1,
     br, bc = check_layout(granularity, block, axis, x.dim())
     if x.numel() == 0:
         return torch.zeros(scale_shape_of(x.shape, granularity, br, bc, axis), device=x.device)
-    if kernel == NATIVE and native_cast.usable_layout(x, granularity, br, bc, axis) is not None:
-        return native_cast.compute_amax(x, granularity, *native_cast.capped_block(x, br, bc), axis)
+    if kernel == NATIVE and not torch.compiler.is_compiling() and native_cast.available():
+        br, bc = capped_block(x, br, bc)
+        if native_layout(x, granularity, br, bc, axis) is not None:
+            return native_cast.amax(x, granularity, br, bc, axis)
     with torch.no_grad():  # not x.detach(): that is one more dispatched op per call on the hot path
         x = as_blocks(x, br, bc) if granularity == "block" else x
         amax = amax_of(x, granularity, axis)
