@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from fp8train.numerics.formats import get_format
+from fp8train.numerics.formats import Fp8Format, get_format
 from fp8train.numerics.native_layout import capped_block
 from fp8train.numerics.quant import Fp8Tensor, compute_amax, native_quantize, quantize, value_copies
 
@@ -64,10 +64,11 @@ def quantize_mx(x: torch.Tensor, fmt="e4m3fn", *, keep_values: bool = False, ker
     ``keep_dequantized`` as in quant.quantize."""
     block = (1, MX_BLOCK_SIZE)
     if kernel == "native" and x.dim() == 2 and x.numel():
-        keep_fp32, keep_bf16 = value_copies(keep_values)
-        br, bc = capped_block(x, *block)  # (a block no larger than the tensor, as quantize records it)
-        native = native_quantize(x, get_format(fmt), "block", br, bc, -1, 0, False, True, None,
-                                 keep_fp32, keep_bf16, keep_dequantized, mx=True)
+        keep_fp32, keep_bf16 = (keep_values, False) if type(keep_values) is bool else value_copies(keep_values)
+        br, bc = (1, MX_BLOCK_SIZE) if x.shape[1] >= MX_BLOCK_SIZE else capped_block(x, *block)  # (as quantize
+        # records it: a block no larger than the tensor)
+        native = native_quantize(x, fmt if isinstance(fmt, Fp8Format) else get_format(fmt), "block", br, bc, -1, 0,
+                                 False, True, None, keep_fp32, keep_bf16, keep_dequantized, mx=True)
         if native is not None:
             return native
     amax = compute_amax(x, "block", block)
