@@ -7,7 +7,7 @@ Three kernels, all bit-identical (each checked against ml_dtypes by the tests):
 - ``native``: fp8train's C kernel (numerics/native_cast.c) for fp32/bf16 CPU tensors: amax, scale and cast in
   one op, one read of the tensor per tile row (and, with a known scale, the amax recorded in the same pass).
 - ``compiled``: the eager chain through torch.compile, for devices without the native kernel (the GPU). On the
-  CPUs measured (docs/benchmarks.md) it ran at a fifth of the native kernel's speed, so 'auto' never picks it
+  CPUs measured (docs/benchmarks.md) it ran at a fifth of the native kernel's speed or less, so 'auto' never picks it
   there; the compare-and-select CPU variant and the per-machine speed probe that chose between four kernels were
   removed with it.
 
