@@ -19,7 +19,8 @@ import torch
 from fp8train.nn.gemm import cpu_has_bf16_gemm, emulated_compute_dtype
 from fp8train.numerics import native_gemm
 
-__all__ = ["Timing", "side_by_side", "paired_ratio", "machine_info", "enable_malloc_reuse", "count_top_level_ops", "count_input_reads",
+__all__ = ["Timing", "side_by_side", "paired_ratio", "machine_info", "enable_malloc_reuse", "count_top_level_ops",
+           "count_input_reads",
            "cpu_flags_summary"]
 
 FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")

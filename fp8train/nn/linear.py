@@ -358,7 +358,8 @@ class Fp8Linear(nn.Linear):
 def configure_execution(model: nn.Module, *, quantize_kernel: str = DEFAULT_QUANTIZE_KERNEL,
                         emulated_dtype: str = AUTO_EMULATED_DTYPE) -> int:
     """Set how every Fp8Linear in `model` runs (not what it computes): the quantize kernel (one of
-    cast_kernels.KERNEL_CHOICES; 'auto' is resolved per layer device, cast_kernels.resolve_kernel) and the emulated GEMMs' input dtype ('auto', 'fp32', 'bf16').
+    cast_kernels.KERNEL_CHOICES; 'auto' is resolved per layer device, cast_kernels.resolve_kernel) and the
+    emulated GEMMs' input dtype ('auto', 'fp32', 'bf16').
     Returns the number of layers set. Read once, at set-up."""
     check_kernel(quantize_kernel, KERNEL_CHOICES, "quantize_kernel")
     check_emulated_dtype(emulated_dtype)

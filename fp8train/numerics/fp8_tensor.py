@@ -34,8 +34,10 @@ class Fp8Tensor:
         """The FP8 values without the scale, exactly, in ``dtype`` (FP8 values are exact in bf16 and fp32)."""
         if dtype == torch.bfloat16 and self.values_bf16 is not None:
             return self.values_bf16
-        values = self.values if self.values is not None else self.data.to(torch.float32) if self.data.dtype == self.fmt.torch_dtype \
-            else self.data.view(self.fmt.torch_dtype).to(torch.float32)
+        values = self.values
+        if values is None:  # torch's own decode (exact)
+            data = self.data if self.data.dtype == self.fmt.torch_dtype else self.data.view(self.fmt.torch_dtype)
+            values = data.to(torch.float32)
         return values if values.dtype == dtype else values.to(dtype)
 
     def expanded_scale(self) -> torch.Tensor:

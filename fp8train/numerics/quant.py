@@ -38,13 +38,13 @@ from fp8train.numerics.scaling import (GRANULARITIES, check_amax_floor, check_am
                                        scale_rule, scale_shape_of)
 from fp8train.numerics.torch_cast import eager_division_options, quantize_impl, run, untile
 
-_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what check_input allows
-
 __all__ = [
     "Fp8Tensor", "quantize", "compute_amax", "scale_from_amax", "expand_scale", "cast_to_fp8", "decode_fp8",
     "quant_error", "convert_dialect", "GRANULARITIES", "QUANT_KERNELS", "max_scale", "scale_rule", "native_quantize",
     "eager_division_options", "value_copies",
 ]
+
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what check_input allows
 
 
 def decode_fp8(data: torch.Tensor, fmt=None, kernel: str = EAGER, dtype: torch.dtype = torch.float32) -> torch.Tensor:
