@@ -980,3 +980,25 @@ def test_float64_block_floor_is_checked_per_block():
     with pytest.raises(ValueError, match=r"^1 block\(s\) of x \(float64\) has \|values\| only up to 1e-300: "):
         quantize(x, "e4m3fn", granularity="block", block=(2, 3))
 
+
+
+@pytest.mark.parametrize("granularity,block,axis", [("tensor", (1, 128), -1), ("row", (1, 128), -1),
+                                                    ("row", (1, 128), 0), ("block", (4, 32), -1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_given_scale_with_amax_casts_by_that_scale_and_returns_the_amax(kernel, granularity, block, axis, dtype,
+                                                                           rng):
+    """quantize(scale=s, with_amax=True) (delayed scaling's cast): the bytes of the cast by s (ml_dtypes), and the
+    fp32 amax of x per tensor, row or block (numpy), NaN propagating; without with_amax a given scale returns
+    no amax."""
+    x_np = wide_random(rng, (70, 100), -30, 30)
+    x_np[3, 7] = np.nan
+    x = torch.from_numpy(x_np).to(dtype)
+    scale = fp8quant.quantize(torch.from_numpy(np.nan_to_num(x_np)), "e4m3fn", granularity=granularity,
+                              block=block, axis=axis).scale * 1.25
+    q = fp8quant.quantize(x, "e4m3fn", granularity=granularity, block=block, axis=axis, scale=scale,
+                          with_amax=True)
+    codes, _ = ref_quantize(x_np, "e4m3fn", granularity=granularity, block=block, axis=axis, scale=scale.numpy())
+    assert_codes_equal(codes_of(q), codes, "e4m3fn")
+    assert q.amax.dtype == torch.float32
+    np.testing.assert_array_equal(q.amax.numpy(), ref_amax(x_np, granularity, block, axis))
+    assert fp8quant.quantize(x, "e4m3fn", granularity=granularity, block=block, axis=axis, scale=scale).amax is None

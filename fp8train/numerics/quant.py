@@ -132,6 +132,8 @@ def _torch_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis:
     with torch.no_grad():  # not x.detach(): one dispatched op less per call
         data, scale, amax, grid = run(quantize_impl, key, x, scale, fmt, granularity, br, bc, axis, margin,
                                       pow2, saturate, keep_any, with_amax, compiled=compiled)
+    if with_amax and amax.dtype != torch.float32:  # (a float64 x) fp32, as compute_amax gives it
+        amax = amax.float()
     if granularity == "block":
         data = untile(data, x.shape, br, bc)
         grid = untile(grid, x.shape, br, bc) if grid is not None else None
