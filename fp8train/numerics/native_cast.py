@@ -11,11 +11,13 @@ and quantize runs its eager kernel instead (same bytes, slower).
 
 Ops (torch.library, so each is ONE op in a profile and torch.compile can trace it, via its fake impl):
 ``fp8train::quantize_fp8`` (amax -> scale -> x / scale -> FP8 bytes, optionally the FP8 values in fp32 and/or
-bf16, what the emulated GEMMs read, written in the same pass),
+bf16, what the emulated GEMMs read, written in the same pass; with a given scale, optionally x's amax taken in the
+same pass as the cast, for delayed scaling),
 ``fp8train::amax``, ``fp8train::decode_fp8`` (a 256-entry table) and ``fp8train::dequantize_fp8`` (bytes and
 tile scales -> value * scale), and ``fp8train::gemm_epilogue`` (an emulated bf16 GEMM's accumulator
 -> its scales, bias and output dtype in one pass). Inputs: fp32 or bf16 CPU tensors, contiguous or the transpose
-of a contiguous 2-D tensor; ``layout()`` says whether a call is supported (None: use the eager kernel).
+of a contiguous 2-D tensor; ``layout()`` (native_layout.py) says whether a call is supported (None: use the eager
+kernel).
 """
 
 from __future__ import annotations
