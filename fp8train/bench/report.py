@@ -67,8 +67,9 @@ def _quant_targets(quant: dict, target) -> None:
     """The fastest fp8train kernel per layout (what `quantize_kernel: auto` picks), 16M fp32 elements."""
     best: dict = {}
     for (gran, fmt, path), r in quant.items():
-        if path.startswith("fp8train") and (gran, fmt) not in best or \
-                path.startswith("fp8train") and r["gelem_per_s"] > best[(gran, fmt)]["gelem_per_s"]:
+        if not path.startswith("fp8train") or "known scale" in path:  # (the target is for a scale from the amax)
+            continue
+        if (gran, fmt) not in best or r["gelem_per_s"] > best[(gran, fmt)]["gelem_per_s"]:
             best[(gran, fmt)] = r
     for (gran, fmt), r in best.items():
         target(f"quantize {gran} {fmt} {r['numel'] / 2**20:.0f}M (G el/s)", r["gelem_per_s"], ">=",
