@@ -35,8 +35,8 @@ from fp8train.numerics.native_layout import FP8_DTYPES as _FP8_DTYPES, INPUT_DTY
 from fp8train.numerics.native_layout import NativeLayout, capped_block, dense_kind, layout, scale_step
 
 __all__ = ["available", "set_enabled", "unavailable_reason", "threading_kind", "layout", "usable_layout",
-           "capped_block", "NativeLayout", "quantize_fp8", "compute_amax", "decode", "decodable", "dequantize",
-           "dequantizable", "gemm_epilogue", "epilogue_usable", "scale_step", "RULE_GIVEN", "RULE_AMAX", "RULE_MX"]
+           "capped_block", "NativeLayout", "quantize_fp8", "amax", "decode", "decodable", "dequantize",
+           "dequantizable", "gemm_epilogue", "epilogue_usable", "scale_step"]
 
 RULE_GIVEN, RULE_AMAX, RULE_MX = 0, 1, 2  # as in native_cast.c
 _SPECIAL = {"ieee": 0, "fn": 1, "fnuz": 2}
@@ -217,11 +217,6 @@ def _amax_out(lay: NativeLayout) -> torch.Tensor:
     if lay.transposed and len(lay.scale_shape) == 2 and lay.grid_rows > 1 and lay.grid_cols > 1:
         return torch.empty_strided(lay.scale_shape, (1, lay.scale_shape[0]), dtype=torch.float32)
     return torch.empty(lay.scale_shape, dtype=torch.float32)
-
-
-def compute_amax(x: torch.Tensor, granularity: str, block_rows: int, block_cols: int, axis: int) -> torch.Tensor:
-    """max |x| per tensor, row or block through the one op (``_amax_cpu``)."""
-    return amax(x, granularity, block_rows, block_cols, axis)
 
 
 def _amax_cpu(x, granularity, block_rows, block_cols, axis):
