@@ -26,7 +26,7 @@ step "emulated_dtype auto forced to bf16, the native bf16 GEMM off (bf16 emulati
 "${PYTEST[@]}" --emulated-auto=bf16 --native-gemm=off "${CORE[@]}"
 step "emulated_dtype auto forced to fp32 (the AVX2-only path)"
 "${PYTEST[@]}" --emulated-auto=fp32 "${CORE[@]}"
-step "native cast switched off (every quantize on the eager kernels)"
+step "native cast switched off (every quantize on the eager kernel: what quantize_kernel auto is on a CPU without it)"
 "${PYTEST[@]}" --native-cast=off "${CORE[@]}"
 
 step "no C compiler on PATH, empty build cache (torch.compile needs one too: its tests are deselected)"

@@ -8,7 +8,6 @@ model; torch's own compile caches make reruns cheaper.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import torch.nn as nn
 
 from fp8train.nn.linear import Fp8Linear, configure_execution
 from fp8train.nn.recipes import RECIPE_NAMES
-from fp8train.numerics import kernel_probe, native_build, native_cast
+from fp8train.numerics.cast_kernels import resolve_kernel
 from fp8train.numerics.quant import QUANT_KERNELS, quantize
 from fp8train.training.compile import check_compiler
 from fp8train.training.config import load_config
@@ -83,52 +82,30 @@ def test_quantize_traced_inside_a_compiled_function_gives_eager_bytes(granularit
     assert torch.equal(data, eager_data) and torch.equal(scale, eager_scale)
 
 
-# ---- the kernel probe -------------------------------------------------------------------------------------------
-def test_concrete_kernel_is_returned_without_measuring(tmp_path):
+# ---- which kernel 'auto' is ------------------------------------------------------------------------------------
+def test_concrete_kernels_resolve_to_themselves_and_removed_names_are_refused():
     for kernel in QUANT_KERNELS:
-        assert kernel_probe.resolve_kernel(kernel, "cpu", cache_path=tmp_path / "k.json") == kernel
-    assert not (tmp_path / "k.json").exists()
-    with pytest.raises(ValueError, match="quantize kernel must be one of auto, eager"):
-        kernel_probe.resolve_kernel("fastest", "cpu")
+        assert resolve_kernel(kernel, "cpu") == kernel
+    with pytest.raises(ValueError, match="quantize kernel must be one of auto, eager, native, compiled"):
+        resolve_kernel("fastest", "cpu")
+    for removed in ("compiled_cast", "compiled_select"):
+        with pytest.raises(ValueError, match="merged into 'compiled'"):
+            resolve_kernel(removed, "cpu")
+        with pytest.raises(ValueError, match="kernel must be one of eager, native, compiled"):
+            quantize(torch.ones(4), kernel=removed)
 
 
-def test_auto_reads_the_cached_answer_for_this_machine(tmp_path, monkeypatch):
-    # where the native C kernel builds, auto on CPU is native without measuring; the cache serves the others
-    kernel_probe._resolved.clear()
-    if native_cast.available():
-        assert kernel_probe.resolve_kernel("auto", "cpu", cache_path=tmp_path / "unused.json") == "native"
-        assert not (tmp_path / "unused.json").exists()  # nothing measured, nothing cached
-    monkeypatch.setattr(native_build, "_state", {"reason": "test: as on a machine without a C compiler"})
-    path = tmp_path / "k.json"
-    key = kernel_probe.machine_key("cpu")
-    path.write_text(json.dumps({key: {"kernel": "compiled_select"}, "another machine": {"kernel": "eager"}}))
-    kernel_probe._resolved.clear()
-    assert kernel_probe.resolve_kernel("auto", "cpu", cache_path=path) == "compiled_select"
-    assert "torch " + torch.__version__ in key and "cpu" in key
-
-
-@pytest.mark.compiled
-@pytest.mark.slow
-def test_probe_measures_once_and_caches(tmp_path, monkeypatch):
-    # the probe is what 'auto' runs where the native C kernel is not built (GPUs, CPUs without a compiler)
-    monkeypatch.setattr(native_build, "_state", {"reason": "test: as on a machine without a C compiler"})
-    path = tmp_path / "k.json"
-    kernel_probe._resolved.clear()
-    logged = []
-    chosen = kernel_probe.resolve_kernel("auto", "cpu", cache_path=path, log=logged.append)
-    entry = json.loads(path.read_text())[kernel_probe.machine_key("cpu")]
-    assert chosen == entry["kernel"] and chosen in QUANT_KERNELS and len(logged) == 1
-    speeds = entry["gelem_per_s"]
-    assert set(speeds) == set(QUANT_KERNELS) and speeds[chosen] == max(v for v in speeds.values() if v)
-    kernel_probe._resolved.clear()
-    assert kernel_probe.resolve_kernel("auto", "cpu", cache_path=path, log=logged.append) == chosen
-    assert len(logged) == 1  # the second call read the cache
+def test_auto_is_native_on_a_cpu_with_the_c_kernel_compiled_on_cuda_else_eager():
+    assert resolve_kernel("auto", "cpu", native_available=True) == "native"
+    assert resolve_kernel("auto", "cpu", native_available=False) == "eager"
+    assert resolve_kernel("auto", "cuda", native_available=True) == "compiled"
+    assert resolve_kernel("auto", "meta") == "eager"
 
 
 def test_configure_execution_sets_every_layer_and_refuses_unknown_names():
     model = _tiny("current")
-    assert configure_execution(model, quantize_kernel="compiled_cast", emulated_dtype="bf16") == 2
-    assert all(m.quantize_kernel == "compiled_cast" and m.emulated_dtype == "bf16"
+    assert configure_execution(model, quantize_kernel="compiled", emulated_dtype="bf16") == 2
+    assert all(m.quantize_kernel == "compiled" and m.emulated_dtype == "bf16"
                for m in model.modules() if isinstance(m, Fp8Linear))
     with pytest.raises(ValueError, match="quantize_kernel must be one of"):
         configure_execution(model, quantize_kernel="triton")
@@ -138,7 +115,8 @@ def test_configure_execution_sets_every_layer_and_refuses_unknown_names():
 
 # ---- bad input: refused with the key named, before anything is written -----------------------------------------
 @pytest.mark.parametrize("override, words", [("fp8.emulated_dtype=fp16", ["fp8.emulated_dtype", "bf16"]),
-                                             ("fp8.quantize_kernel=fast", ["fp8.quantize_kernel", "compiled_select"]),
+                                             ("fp8.quantize_kernel=fast", ["fp8.quantize_kernel", "compiled"]),
+                                             ("fp8.quantize_kernel=compiled_select", ["fp8.quantize_kernel", "native"]),
                                              ("fp8.amax_outlier_factor=0.5", ["fp8.amax_outlier_factor", "> 1"])])
 def test_bad_execution_keys_are_config_errors(override, words):
     with pytest.raises(ValueError) as err:

@@ -226,8 +226,8 @@ def test_every_gemm_reports_its_kernel_and_tensorwise_rowwise_reach_fp8(name):
 
 # Each case is a cold Triton compile (~10-20 s on a fresh machine): the cases that decide are kept. Tensor scales
 # are not powers of two (a division rounded one ulp off would change a byte, quant.eager_division_options); block
-# scales are. compiled_select is a CPU kernel choice and is not compiled for CUDA here.
-@pytest.mark.parametrize("kernel", ["compiled_cast"])
+# scales are.
+@pytest.mark.parametrize("kernel", ["compiled"])
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
 @pytest.mark.parametrize("granularity", ["tensor", "block"])
 def test_compiled_quantize_matches_eager_bytes_at_2_20_elements(kernel, fmt, granularity):

@@ -21,7 +21,7 @@ from fp8train.nn.gemm import AUTO_EMULATED_DTYPE, emulated_compute_dtype
 from fp8train.nn.linear import Fp8Linear, configure_execution
 from fp8train.nn.recipes import (BASELINE_RECIPE, DEFAULT_RECIPE, OVERRIDE_BF16, RECIPE_NAMES, Fp8Recipe,
                                  RecipeFieldError, recipe)
-from fp8train.numerics.kernel_probe import DEFAULT_QUANTIZE_KERNEL
+from fp8train.numerics.cast_kernels import DEFAULT_QUANTIZE_KERNEL
 from fp8train.training.config import Fp8Config, ValidateConfig, load_config
 
 PACKAGE = Path(fp8train.__file__).parent

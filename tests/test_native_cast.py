@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from fp8train.bench.harness import count_top_level_ops
-from fp8train.nn.linear import Fp8Linear
+from fp8train.bench.harness import count_input_reads, count_top_level_ops
+from fp8train.nn.linear import Fp8Linear, update_fp8_scales
 from fp8train.numerics import native_build, native_cast
 from fp8train.numerics.formats import get_format
 from fp8train.numerics.mx import quantize_mx
@@ -65,8 +65,8 @@ def wide_random(rng, n: int) -> np.ndarray:
 def native_calls(monkeypatch):
     """Counts the calls that reach the C kernel (a case it does not take would silently run eagerly)."""
     calls = []
-    real = native_cast.quantize
-    monkeypatch.setattr(native_cast, "quantize", lambda *args: calls.append(1) or real(*args))
+    real = native_cast.quantize_fp8
+    monkeypatch.setattr(native_cast, "quantize_fp8", lambda *args: calls.append(1) or real(*args))
     return calls
 
 
@@ -365,11 +365,11 @@ def test_the_fake_impl_gives_the_real_outputs_for_blocks(transposed):
     the real call's outputs: shapes, dtypes and strides; the scale grid is ceil(6/4) x ceil(10/3) = 2x4."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     x = torch.randn(10, 6).t() if transposed else torch.randn(6, 10)
-    options = native_cast.CastOptions("e4m3fn", "block", 4, 3, -1, native_cast.RULE_AMAX, 448.0, 1e30, False,
-                                      True, 8, True, True, False, True)
-    real = native_cast.quantize(x, None, options)
+    # e4m3fn, 4x3 blocks, axis -1, margin 0, no pow2, amax rule, saturating, fp32 and bf16 values kept
+    options = ("e4m3fn", "block", 4, 3, -1, 0, False, False, True, True, True, False, False)
+    real = native_cast.quantize_fp8(x, None, *options)
     with FakeTensorMode() as mode:
-        fake = native_cast.quantize(mode.from_tensor(x), None, options)
+        fake = native_cast.quantize_fp8(mode.from_tensor(x), None, *options)
     assert real[1].shape == real[2].shape == (2, 4)
     assert [(t.shape, t.dtype, t.stride()) for t in fake] == [(t.shape, t.dtype, t.stride()) for t in real]
 
@@ -461,11 +461,10 @@ def test_each_native_call_is_one_op():
 @pytest.mark.compiled  # dynamo only (backend "eager"): ~3 s, most of it dynamo's first use
 def test_the_op_traces_into_one_graph():
     x = torch.randn(32, 256)
-    options = native_cast.CastOptions("e4m3fn", "block", 1, 128, 1, native_cast.RULE_AMAX, 448.0,
-                                      1e30, False, True, 8, True, True)
+    options = ("e4m3fn", "block", 1, 128, 1, 0, False, False, True, True, False, False, False)
 
     def fn(t):
-        data, scale, _, values, _ = native_cast.quantize(t * 2, None, options)
+        data, scale, _, values, _ = native_cast.quantize_fp8(t * 2, None, *options)
         return data.view(torch.uint8), scale, values
 
     compiled = torch.compile(fn, backend="eager", fullgraph=True)  # fullgraph: a graph break would raise
@@ -633,3 +632,48 @@ def test_the_amax_of_an_empty_3d_tensor_is_shaped_like_its_scales(kernel):
     assert compute_amax(empty, "block", (1, 128), kernel=kernel).shape == (2, 0, 2)
     assert compute_amax(empty, "row", kernel=kernel).shape == (2, 0, 1)
     assert compute_amax(empty, "tensor", kernel=kernel).shape == ()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A given scale with its amax (delayed scaling): one op, one pass
+# ------------------------------------------------------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,transposed", [((300, 257), False), ((257, 300), True), ((2, 5000), False),
+                                              ((4096, 256), False)])
+@pytest.mark.parametrize("granularity,axis", [("tensor", -1), ("row", -1), ("row", 0)])
+def test_given_scale_with_amax_is_one_call_with_the_reference_bytes_and_amax(native_calls, dtype, shape,
+                                                                               transposed, granularity, axis, rng):
+    """quantize(scale=..., with_amax=True): one native call; the bytes of a cast by that scale (ml_dtypes, the
+    documented rule), and the amax numpy takes of |x| per tensor or row (a NaN propagates)."""
+    x_np = (rng.standard_normal(shape) * 40).astype(np.float32)
+    x_np[1, 3] = np.nan
+    x = torch.from_numpy(x_np).to(dtype)
+    x = x.t().contiguous().t() if transposed else x  # the transpose of a contiguous tensor: the other layout
+    x_ref = x.float().numpy()
+    scale_shape = () if granularity == "tensor" else (shape[0], 1) if axis == -1 else (1, shape[1])
+    scale = torch.full(scale_shape, 0.37)
+    before = len(native_calls)
+    q = quantize(x, "e4m3fn", granularity=granularity, axis=axis, scale=scale, with_amax=True, kernel="native")
+    assert len(native_calls) == before + 1
+    codes, _ = ref_quantize(x_ref, "e4m3fn", granularity=granularity, axis=axis, scale=scale.numpy())
+    assert_codes_equal(q.data.view(torch.uint8).numpy(), codes, "e4m3fn")
+    with np.errstate(invalid="ignore"):
+        amax = np.abs(x_ref).max(axis=None if granularity == "tensor" else axis,
+                                 keepdims=granularity != "tensor")
+    np.testing.assert_array_equal(q.amax.numpy(), amax)  # NaN == NaN here
+    assert q.scale is scale or torch.equal(q.scale, scale)
+
+
+@needs_native
+def test_delayed_forward_reads_its_input_once_and_records_its_amax():
+    """An Fp8Linear with delayed scaling, scales initialized: its forward reads the input with one op (the cast
+    by the stored scale, amax in the same pass), and the amax it records is max |x|."""
+    layer = Fp8Linear(256, 128, recipe="delayed")
+    x = torch.randn(64, 256) * 3
+    layer(x).sum().backward()
+    update_fp8_scales(layer)
+    assert count_input_reads(lambda: layer(x), x) == 1
+    assert float(layer.input_pending_amax) == float(x.abs().max())
+    current = Fp8Linear(256, 128, recipe="current")
+    assert count_input_reads(lambda: current(x), x) == 1

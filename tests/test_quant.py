@@ -56,12 +56,11 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 SHAPES = [pytest.param((300,), id="1d"), pytest.param((130, 257), id="2d"), pytest.param((3, 40, 50), id="3d")]
 
 
-# Two implementations of the cast live in quant.py: torch's own float8 cast ("torch_cast": kernels eager and
-# compiled_cast) and compare-and-select arithmetic that also decodes bytes with integer ops ("integer_ops": kernel
-# compiled_select). The compile test below covers one or two compiled graphs; to check the integer-op math on
-# every case without compiling, run it eagerly: the default kernel becomes compiled_select and quant._run (the
-# compile dispatcher) is replaced by a plain call.
-KERNEL_PATHS = ["torch_cast", "integer_ops"]
+# Two implementations of the cast: torch's own float8 cast ("torch_cast": kernels eager and compiled, the same
+# function; the compile test below covers the compiled graphs) and fp8train's C kernel ("native": the default
+# kernel of quantize and decode_fp8 becomes native, so every case below also checks it; a case it does not take
+# runs eagerly, as quantize documents).
+KERNEL_PATHS = ["torch_cast", "native"]
 
 
 def _default_kernel(fn, kernel: str, positional_index: int | None):
@@ -78,14 +77,13 @@ def _default_kernel(fn, kernel: str, positional_index: int | None):
 @contextlib.contextmanager
 def kernel_path(path: str):
     with pytest.MonkeyPatch.context() as mp:
-        if path == "integer_ops":
-            replaced = {name: _default_kernel(getattr(fp8quant, name), "compiled_select", index)
+        if path == "native":
+            replaced = {name: _default_kernel(getattr(fp8quant, name), "native", index)
                         for name, index in (("quantize", None), ("decode_fp8", 2))}
             for module in list(sys.modules.values()):  # every module that bound these functions by name
                 for name, wrapper in replaced.items():
                     if getattr(module, name, None) is wrapper.__wrapped__:
                         mp.setattr(module, name, wrapper)
-            mp.setattr(fp8quant, "_run", lambda fn, key, *args, **kwargs: fn(*args))
         yield
 
 
@@ -669,16 +667,15 @@ def test_decode_fp8_matches_torch_cast_for_all_codes(name, kernel):
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.compiled
 def test_compiled_quantize_is_bit_identical_to_eager(rng):
-    """Compiled (integer-op kernel, fused by inductor; and torch's cast, fused) against eager (torch's native
-    cast), for a ragged shape:
+    """Compiled (torch's cast, fused by inductor; tensorwise, block tiles, and a given scale with the amax taken
+    in the same graph) against eager, for a ragged shape:
     300 columns are 2 full 1x128 blocks and a partial one. This caught an inductor miscompile that left the
     partial block unwritten when the crop back to x's shape was inside the compiled region."""
     x_np = wide_random(rng, (96, 300), -10, 10)
     x_np[5, 5], x_np[7, 9], x_np[8, 1] = np.nan, np.inf, -np.inf
     x = torch.from_numpy(x_np)
-    configs = [dict(granularity="tensor", kernel="compiled_select"),
-               dict(granularity="block", block=(1, 128), kernel="compiled_select"),
-               dict(granularity="tensor", kernel="compiled_cast")]
+    configs = [dict(granularity="tensor", kernel="compiled"),
+               dict(granularity="block", block=(1, 128), kernel="compiled")]
     name = "e4m3fn"
     compiled_out = [quantize(x, name, saturate=False, **kw) for kw in configs]
     eager_out = [quantize(x, name, saturate=False, **{**kw, "kernel": "eager"}) for kw in configs]
@@ -688,6 +685,10 @@ def test_compiled_quantize_is_bit_identical_to_eager(rng):
         codes, scale = ref_quantize(x_np, name, saturate=False, **{k: v for k, v in kw.items() if k != "kernel"})
         assert_codes_equal(codes_of(qc), codes, name)
         np.testing.assert_array_equal(qc.scale.numpy(), scale)
+    given = quantize(x, name, scale=torch.tensor(0.03), with_amax=True, kernel="compiled", saturate=False)
+    codes, _ = ref_quantize(x_np, name, saturate=False, scale=0.03)
+    assert_codes_equal(codes_of(given), codes, name)
+    assert torch.isnan(given.amax)  # x holds a NaN: the amax propagates it
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1003,3 +1004,25 @@ def test_eager_amax_of_a_big_tensor_is_max_abs(numel, where, dtype):
     if where != "nan":  # and the scale the tensor-wise quantize takes from it
         q = quantize(x.float(), "e4m3fn", granularity="tensor", kernel="eager")
         assert float(q.scale) == float(np.float32(7.5 / 448.0))
+
+
+@pytest.mark.parametrize("granularity,block,axis", [("tensor", (1, 128), -1), ("row", (1, 128), -1),
+                                                    ("row", (1, 128), 0), ("block", (4, 32), -1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_given_scale_with_amax_casts_by_that_scale_and_returns_the_amax(kernel, granularity, block, axis, dtype,
+                                                                           rng):
+    """quantize(scale=s, with_amax=True) (delayed scaling's cast): the bytes of the cast by s (ml_dtypes), and the
+    fp32 amax of x per tensor, row or block (numpy), NaN propagating; without with_amax a given scale returns
+    no amax."""
+    x_np = wide_random(rng, (70, 100), -30, 30)
+    x_np[3, 7] = np.nan
+    x = torch.from_numpy(x_np).to(dtype)
+    scale = fp8quant.quantize(torch.from_numpy(np.nan_to_num(x_np)), "e4m3fn", granularity=granularity,
+                              block=block, axis=axis).scale * 1.25
+    q = fp8quant.quantize(x, "e4m3fn", granularity=granularity, block=block, axis=axis, scale=scale,
+                          with_amax=True)
+    codes, _ = ref_quantize(x_np, "e4m3fn", granularity=granularity, block=block, axis=axis, scale=scale.numpy())
+    assert_codes_equal(codes_of(q), codes, "e4m3fn")
+    assert q.amax.dtype == torch.float32
+    np.testing.assert_array_equal(q.amax.numpy(), ref_amax(x_np, granularity, block, axis))
+    assert fp8quant.quantize(x, "e4m3fn", granularity=granularity, block=block, axis=axis, scale=scale).amax is None

@@ -20,6 +20,7 @@ from fp8train.nn.gemm import cpu_has_bf16_gemm, emulated_compute_dtype
 from fp8train.numerics import native_gemm
 
 __all__ = ["Timing", "side_by_side", "paired_ratio", "machine_info", "enable_malloc_reuse", "count_top_level_ops",
+           "count_input_reads",
            "cpu_flags_summary"]
 
 FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -180,3 +181,27 @@ def count_top_level_ops(fn: Callable) -> int:
         return False
 
     return sum(1 for e in prof.events() if is_op(e) and not nested(e))
+
+
+def count_input_reads(fn: Callable, source: torch.Tensor) -> int:
+    """How many ops that `fn` dispatches read `source` (any view of its storage): the passes over that tensor,
+    e.g. 1 for a cast that takes the amax in the same pass, 2 for an amax op and then a cast. Counted below
+    autograd and autocast (TorchDispatchMode: the ops as they reach the kernels), by storage, not by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    storage = source.untyped_storage().data_ptr()
+    reads = [0]
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat = list(args) + list((kwargs or {}).values())
+            flat += [t for a in flat if isinstance(a, (list, tuple)) for t in a]
+            if not func.is_view and any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == storage
+                                        for t in flat):  # (a view reads no data)
+                reads[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        fn()
+    return reads[0]
+

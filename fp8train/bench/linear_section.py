@@ -12,7 +12,7 @@ import copy
 import torch
 import torch.nn as nn
 
-from fp8train.bench.harness import count_top_level_ops, paired_ratio, side_by_side
+from fp8train.bench.harness import count_input_reads, count_top_level_ops, paired_ratio, side_by_side
 from fp8train.bench.options import GPU_PEAKS, SHAPES, BenchOptions, log
 from fp8train.nn.linear import Fp8Linear, configure_execution, update_fp8_scales
 
@@ -116,7 +116,8 @@ def bench_ops(opts: BenchOptions, kernel: str = "eager") -> dict:
     """Top-level aten ops of one forward + `.float().sum().backward()` of a 512x256 -> 256 layer (bf16 autocast)
     per recipe, with the weight's FP8 copy reused (a later micro-batch) and made afresh (the first micro-batch
     after an optimizer step); and of one delayed-scaling update for 1 and 8 layers (stacked: independent of the
-    layer count)."""
+    layer count). ``input_reads``: the ops of one forward (fp32, no autocast, steady state) that read the input:
+    its passes over memory (delayed scaling casts with its known scale and takes the amax in that same pass)."""
     torch.manual_seed(0)
     x = torch.randn(512, 256, device=opts.device)
 
@@ -131,16 +132,19 @@ def bench_ops(opts: BenchOptions, kernel: str = "eager") -> dict:
         return step
 
     base = nn.Linear(256, 256, device=opts.device)
-    rows = [{"contender": "nn.Linear bf16", "ops": count_top_level_ops(fwd_bwd(base, False)), "ops_fresh_weight": None}]
+    rows = [{"contender": "nn.Linear bf16", "ops": count_top_level_ops(fwd_bwd(base, False)), "ops_fresh_weight": None,
+             "input_reads": count_input_reads(lambda: base(x), x)}]
     for name in opts.recipes:
         layer = Fp8Linear(256, 256, recipe=name, device=opts.device)
         configure_execution(layer, quantize_kernel=kernel)
         fwd_bwd(layer, False)()
         update_fp8_scales(layer)  # steady state: delayed scales initialized
         fwd_bwd(layer, True)()
+        layer(x)  # (the weight's FP8 copy made: only the input is read below)
         rows.append({"contender": name, "ops": count_top_level_ops(fwd_bwd(layer, False)),
                      # minus the in-place weight change itself (one op, the optimizer's, not the layer's)
-                     "ops_fresh_weight": count_top_level_ops(fwd_bwd(layer, True)) - 1})
+                     "ops_fresh_weight": count_top_level_ops(fwd_bwd(layer, True)) - 1,
+                     "input_reads": count_input_reads(lambda: layer(x), x)})
     update = {}
     for n_layers in (1, 8):
         model = nn.Sequential(*[Fp8Linear(256, 256, recipe="delayed", device=opts.device) for _ in range(n_layers)])

@@ -9,7 +9,6 @@ from typing import Optional
 
 from fp8train.nn.recipes import RECIPE_NAMES
 from fp8train.numerics import native_cast
-from fp8train.numerics.kernel_probe import resolve_kernel
 
 __all__ = ["BenchOptions", "parse_shapes", "parse_list", "resolve_fp8_kernel", "log", "SECTIONS", "OPTIONAL_SECTIONS",
            "RECIPES",
@@ -49,8 +48,8 @@ class BenchOptions:
     sections: tuple = SECTIONS
     """Which sections run."""
     compile: str = "auto"
-    """FP8 quantize kernel in linear/train: 'on' (compiled_select), 'off' (eager), or 'auto' (off for --quick
-    on CPU, where the compiled kernel does not pay for its compile time, on otherwise)."""
+    """FP8 quantize kernel in linear/train where the native C kernel does not run: 'on' (compiled), 'off'
+    (eager), or 'auto' (off for --quick on CPU, where the compiled kernel does not pay for its compile time)."""
     malloc_tuning: bool = True
     """CPU: keep freed memory in the process (glibc mallopt) so repeats do not page-fault."""
     train_config: Optional[str] = None
@@ -93,8 +92,8 @@ def parse_list(text: str, allowed: tuple, key: str) -> tuple:
 
 def resolve_fp8_kernel(opts: BenchOptions) -> tuple[str, str]:
     """(quantize kernel for the linear/train sections, why): on a CPU where the C kernel builds, native (no
-    compile; bit-exact); else --compile on -> the per-machine probe's choice (kernel_probe), off -> eager;
-    auto -> eager for --quick on CPU (a compile costs 5-25 s there), else the probe."""
+    compile; bit-exact); else --compile off -> eager, on -> compiled; auto -> eager for --quick on CPU (a compile
+    costs 5-25 s there), else compiled."""
     if opts.device == "cpu" and native_cast.available():
         return "native", ("native: fp8train's C kernel (numerics/native_cast.c), built for this CPU, threads: "
                           f"{native_cast.threading_kind()}")
@@ -103,7 +102,7 @@ def resolve_fp8_kernel(opts: BenchOptions) -> tuple[str, str]:
         return "eager", "--compile off" + why_native
     if opts.compile == "auto" and opts.quick and opts.device == "cpu":
         return "eager", "auto: eager for --quick on CPU (each kernel compile costs 5-25 s here)" + why_native
-    return resolve_kernel("auto", opts.device, log=log), f"--compile {opts.compile}: measured per machine (kernel_probe)"
+    return "compiled", f"--compile {opts.compile}: the compiled kernel" + why_native
 
 
 def log(msg: str) -> None:

@@ -72,8 +72,9 @@ def _quant_targets(quant: dict, target) -> None:
     """The fastest fp8train kernel per layout (what `quantize_kernel: auto` picks), 16M fp32 elements."""
     best: dict = {}
     for (gran, fmt, path), r in quant.items():
-        if path.startswith("fp8train") and (gran, fmt) not in best or \
-                path.startswith("fp8train") and r["gelem_per_s"] > best[(gran, fmt)]["gelem_per_s"]:
+        if not path.startswith("fp8train") or "known scale" in path:  # (the target is for a scale from the amax)
+            continue
+        if (gran, fmt) not in best or r["gelem_per_s"] > best[(gran, fmt)]["gelem_per_s"]:
             best[(gran, fmt)] = r
     for (gran, fmt), r in best.items():
         target(f"quantize {gran} {fmt} {r['numel'] / 2**20:.0f}M (G el/s)", r["gelem_per_s"], ">=",
@@ -161,12 +162,13 @@ def _format_ops(sec: dict, where: str) -> list[str]:
     """Top-level aten op counts per contender."""
     parts: list[str] = []
     o = sec["ops"]
-    rows = [[r["contender"], r["ops"], "-" if r["ops_fresh_weight"] is None else r["ops_fresh_weight"]]
-            for r in o["rows"]]
+    rows = [[r["contender"], r["ops"], "-" if r["ops_fresh_weight"] is None else r["ops_fresh_weight"],
+             r.get("input_reads", "-")] for r in o["rows"]]
     parts.append(f"\ntop-level aten ops, one forward + .float().sum().backward() of 512x256->256 under bf16 "
                  f"autocast {where}; delayed update (stacked) for 1 / 8 layers: "
                  f"{o['delayed_update_ops'].get('1')} / {o['delayed_update_ops'].get('8')}\n"
-                 + _table(["contender", "ops (weight copy reused)", "ops (fresh weight copy)"], rows))
+                 + _table(["contender", "ops (weight copy reused)", "ops (fresh weight copy)",
+                           "passes over the input (fp32 forward)"], rows))
     return parts
 
 

@@ -31,7 +31,7 @@ from fp8train.nn.gemm import AUTO_EMULATED_DTYPE, check_emulated_dtype
 from fp8train.nn.linear import Fp8Linear, check_scales_updated
 from fp8train.nn.quantizer import OperandQuantizer
 from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe, recipe as make_recipe
-from fp8train.numerics.kernel_probe import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES
+from fp8train.numerics.cast_kernels import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES, check_kernel
 
 __all__ = ["ExpertScaling", "ExpertView"]
 
@@ -93,8 +93,7 @@ class ExpertScaling(nn.Module):
             check_emulated_dtype(emulated_dtype)
             self.emulated_dtype = emulated_dtype
         if quantize_kernel is not None:
-            if quantize_kernel not in KERNEL_CHOICES:
-                raise ValueError(f"quantize_kernel must be one of {', '.join(KERNEL_CHOICES)}; got {quantize_kernel!r}")
+            check_kernel(quantize_kernel, KERNEL_CHOICES, "quantize_kernel")
             self.quantize_kernel = quantize_kernel
         for view in self.experts:
             view.forget_weight_fp8()
@@ -114,6 +113,7 @@ class ExpertScaling(nn.Module):
             self._buffers[name] = moved if moved is None or moved.dtype == buffer.dtype else buffer.to(moved.device)
         for view in self.experts:
             view.forget_weight_fp8()
+            view._resolved_kernel = (None, None)  # 'auto' depends on the device (Fp8Linear._apply does the same)
         return self
 
     def extra_repr(self) -> str:
@@ -153,6 +153,7 @@ class ExpertView:
             quantizer.reset()
         self._weight_cache = None
         self._scale_generation = 0
+        self._resolved_kernel = (None, None)  # (quantize_kernel, what it is on this device): Fp8Linear.kernel_for
 
     def scales_updated(self) -> None:
         self._scale_generation += 1

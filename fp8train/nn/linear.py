@@ -61,10 +61,10 @@ Delayed scaling, exactly:
   when the largest history entry exceeds the factor times the second largest (and that is > 0), the scale comes
   from the second largest. Two outliers in the window are trusted.
 
-Execution options (same results, different speed): `layer.quantize_kernel` ('auto' or one of quant.QUANT_KERNELS;
-default kernel_probe.DEFAULT_QUANTIZE_KERNEL, 'auto': native (the C kernel) on a CPU where it builds, at every
-size, else measured once per machine; 'native' where it does not build runs eager; tensors under
-QUANT_KERNEL_MIN_NUMEL elements never run a compiled kernel, which does not pay) and
+Execution options (same results, different speed): `layer.quantize_kernel` ('auto' or one of
+cast_kernels.QUANT_KERNELS; default 'auto': native (the C kernel) on a CPU where it builds, at every size, compiled
+on a GPU, else eager; 'native' where it does not build runs eager; tensors under QUANT_KERNEL_MIN_NUMEL elements
+never run the compiled kernel, which does not pay) and
 `layer.emulated_dtype` ('auto' | 'fp32' | 'bf16', gemm.emulated_compute_dtype). `configure_execution(model, ...)`
 sets both on every Fp8Linear.
 
@@ -95,7 +95,7 @@ from fp8train.nn.linear_function import Fp8LinearFunction, WeightFp8, to_dtype
 from fp8train.nn.quantizer import SCALING_BUFFERS, OperandQuantizer
 from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe, OperandRole, recipe as make_recipe
 from fp8train.numerics import native_cast
-from fp8train.numerics.kernel_probe import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES, resolve_kernel
+from fp8train.numerics.cast_kernels import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES, check_kernel, resolve_kernel
 
 __all__ = ["Fp8Linear", "update_fp8_scales", "configure_execution", "SCALING_BUFFERS", "is_scaling_buffer",
            "MISSING_UPDATE_WARNING", "check_scales_updated"]
@@ -190,6 +190,7 @@ class Fp8Linear(nn.Linear):
         self._accumulation = None if not self.recipe.accumulator_bits else HopperAccumulation(
             self.recipe.accumulator_bits, self.recipe.accumulator_promotion)
         self.quantize_kernel = DEFAULT_QUANTIZE_KERNEL  # same bytes whichever kernel runs
+        self._resolved_kernel = (None, None)  # (quantize_kernel, what it is on this layer's device): kernel_for
         self.emulated_dtype = AUTO_EMULATED_DTYPE
         # One per operand role, each owning that role's scaling buffers (registered on this layer: nn/quantizer.py)
         self.quantizers = {role: OperandQuantizer(self, role) for role in ROLES}
@@ -272,6 +273,7 @@ class Fp8Linear(nn.Linear):
         for name, buffer in scaling_state.items():
             moved = buffer if buffer is None else fn(buffer)
             self._buffers[name] = moved if moved is None or moved.dtype == buffer.dtype else buffer.to(moved.device)
+        self._resolved_kernel = (None, None)  # 'auto' depends on the device
         return self
 
     def gemm_options(self, device) -> dict:
@@ -320,14 +322,13 @@ class Fp8Linear(nn.Linear):
         """The quantize kernel this layer runs on a tensor of `numel` elements (`quantize_kernel`, resolved)."""
         if torch.compiler.is_compiling():
             return "eager"  # (a traced model inlines the math into its own graph anyway)
-        if self.quantize_kernel in ("native", "auto") and self.weight.device.type == "cpu" \
-                and native_cast.available():
-            return "native"  # no compile, no probe: at every size (quant.quantize runs eager where it cannot)
-        if self.quantize_kernel == "native" or numel < QUANT_KERNEL_MIN_NUMEL:
-            return "eager"  # (native: not built here, or not a CPU layer)
-        if self.quantize_kernel == "auto":  # measured once per machine on first need, then read from a cache
-            self.quantize_kernel = resolve_kernel("auto", self.weight.device)
-        return self.quantize_kernel
+        asked, kernel = self._resolved_kernel
+        if asked is not self.quantize_kernel:  # 'auto': native on a CPU where it builds, compiled on a GPU, else eager
+            kernel = resolve_kernel(self.quantize_kernel, self.weight.device, native_cast.available())
+            self._resolved_kernel = (self.quantize_kernel, kernel)
+        if kernel == "native":
+            return kernel  # at every size (quant.quantize runs eager where the C kernel cannot)
+        return "eager" if numel < QUANT_KERNEL_MIN_NUMEL else kernel
 
     def _weight_fp8(self, backend: str, weight: torch.Tensor) -> WeightFp8:
         """The FP8 copy of `weight` (the layer's, or this rank's shard of it) and its GEMM operands, made once per
@@ -386,16 +387,15 @@ class Fp8Linear(nn.Linear):
 def configure_execution(model: nn.Module, *, quantize_kernel: str = DEFAULT_QUANTIZE_KERNEL,
                         emulated_dtype: str = AUTO_EMULATED_DTYPE) -> int:
     """Set how every Fp8Linear in `model` runs (not what it computes): the quantize kernel (one of
-    kernel_probe.KERNEL_CHOICES; 'auto' is measured once per machine when a layer first quantizes a tensor of
-    QUANT_KERNEL_MIN_NUMEL elements or more) and the emulated GEMMs' input dtype ('auto', 'fp32', 'bf16'), and
-    the same on every grouped layer's per-expert scaling state. Returns the number of layers (and experts
-    states) set. Read once, at set-up."""
-    if quantize_kernel not in KERNEL_CHOICES:
-        raise ValueError(f"quantize_kernel must be one of {', '.join(KERNEL_CHOICES)}; got {quantize_kernel!r}")
+    cast_kernels.KERNEL_CHOICES; 'auto' is resolved per layer device, cast_kernels.resolve_kernel) and the
+    emulated GEMMs' input dtype ('auto', 'fp32', 'bf16'), and the same on every grouped layer's per-expert scaling
+    state. Returns the number of layers (and experts states) set. Read once, at set-up."""
+    check_kernel(quantize_kernel, KERNEL_CHOICES, "quantize_kernel")
     check_emulated_dtype(emulated_dtype)
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     for layer in layers:
         layer.quantize_kernel, layer.emulated_dtype = quantize_kernel, emulated_dtype
+        layer._resolved_kernel = (None, None)
         layer.forget_weight_fp8()  # ('auto' may now resolve otherwise: gemm.set_cpu_bf16_gemm)
     experts = [m for m in model.modules() if hasattr(m, "delayed_units")]  # (nn/experts_scaling.py)
     for scaling in experts:

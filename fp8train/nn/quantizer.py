@@ -31,7 +31,8 @@ from fp8train.nn.recipes import Fp8Recipe, OperandRole
 from fp8train.numerics import native_cast
 from fp8train.numerics.formats import get_format
 from fp8train.numerics.mx import quantize_mx
-from fp8train.numerics.quant import Fp8Tensor, compute_amax, decode_fp8, quant_error, quantize, scale_from_amax
+from fp8train.numerics.quant import Fp8Tensor, compute_amax, decode_fp8, quant_error, quantize
+from fp8train.numerics.scaling import format_scale
 
 __all__ = ["OperandQuantizer", "SCALING_BUFFERS", "DELAYED_SCALING_BUFFERS"]
 
@@ -48,7 +49,14 @@ class OperandQuantizer:
     def __init__(self, layer, role: OperandRole):
         self.layer = layer
         self.role = OperandRole(role)
-        self.format = get_format(layer.recipe.format_of(self.role))
+        # The recipe's rules for this role, read once (a layer's recipe is fixed when it is built): the cast
+        # path below reads attributes, not recipe methods, on every call.
+        recipe = layer.recipe
+        self.format = get_format(recipe.format_of(self.role))
+        self.granularity = recipe.granularity_of(self.role)
+        self.block = recipe.block_of(self.role)
+        self.delayed, self.mx, self.tensorwise = recipe.is_delayed, recipe.is_mx, recipe.is_tensorwise
+        self.margin, self.pow2 = recipe.margin, recipe.pow2_scales
         self.reset()
 
     @property
@@ -82,44 +90,53 @@ class OperandQuantizer:
     # ------------------------------------------------------------------------------------------------------
     def quantize(self, tensor: torch.Tensor, keep_values: bool = True) -> Fp8Tensor:
         """FP8 copy of a 2-D operand with the recipe's format/granularity for this role; updates scaling state."""
-        r, role, fmt = self.recipe, self.role, self.format
-        nonfinite_count = self.buffer("nonfinite_amax_count")
         if isinstance(tensor, Fp8GatheredWeight):  # FSDP2 gathered it as FP8 already (fp8_all_gather.py)
             quantized = tensor.fp8_tensor()
             self.record_amax(quantized.amax)
             return quantized  # no weight telemetry: the fp32 weight is not gathered
         kernel = self.layer.kernel_for(tensor.numel())
-        # Block tiles (block, mxfp8) vary along K: where the emulated GEMMs read value * scale in fp32 (keep_values
-        # True, gemm.tile_values_dtype), the C kernel writes that in the same pass instead of the values (eager and
-        # CUDA paths unchanged); where the native GEMM reads the bytes and the tile scales, nothing more is kept.
-        blocked = kernel == "native" and r.granularity_of(role) == "block" and keep_values is True
-        keep = dict(keep_values=False if blocked else keep_values, keep_dequantized=blocked)
-        # a tensor-parallel shard: the amax of the whole operand where its scale spans the split (tensor_parallel.py)
+        # a tensor-parallel shard: the amax of the whole operand where its scale spans the split (tensor_parallel.py;
+        # None where the local amax is already that, e.g. delayed scales known on the host)
         layout = self.layer.tp_layout
         global_amax = None if layout is None else layout.global_amax(self, tensor, kernel, transposed=False)
-        if r.is_delayed:
+        if self.delayed and self.initialized_on_host:
+            # the stored scale is known before the tensor is read: cast with it and take the amax in the same
+            # pass (one read of the tensor; finite and > 0 by construction: no per-call host sync)
+            quantized = quantize(tensor, self.format, scale=self.buffer("scale"), keep_values=keep_values,
+                                 validate_scale=False, kernel=kernel, with_amax=True)
+            self.record_amax(quantized.amax)
+        elif self.delayed:  # first step: the scale may be the tensor's own, so the amax comes first
             amax = compute_amax(tensor, kernel=kernel)
             self.record_amax(amax)  # (this rank's: update_fp8_scales' MAX over all ranks makes it the whole's)
-            # the scale is finite and > 0 by construction (tensorwise_scale): no per-call host sync
             scale = self.tensorwise_scale(amax if global_amax is None else global_amax)
-            quantized = quantize(tensor, fmt, scale=scale, keep_values=keep_values, validate_scale=False,
+            quantized = quantize(tensor, self.format, scale=scale, keep_values=keep_values, validate_scale=False,
                                  kernel=kernel)
             quantized.amax = amax
         elif global_amax is not None:  # current tensorwise or rowwise scales from the whole operand's amaxes
-            quantized = quantize(tensor, fmt, granularity=r.granularity_of(role), axis=-1, kernel=kernel,
-                                 scale=scale_from_amax(global_amax, fmt, r.margin, r.pow2_scales),
-                                 validate_scale=False, **keep)
+            quantized = quantize(tensor, self.format, granularity=self.granularity, axis=-1, kernel=kernel,
+                                 scale=format_scale(global_amax, self.format, self.margin, self.pow2),
+                                 validate_scale=False, keep_values=keep_values)
             quantized.amax = global_amax
-        elif r.is_mx:
-            quantized = quantize_mx(tensor, fmt, kernel=kernel, **keep)
-            # one reduction, then 0-d ops: the amaxes are >= 0 or NaN, so the max is finite iff all of them are
-            nonfinite_count.add_(quantized.amax.amax().isfinite().logical_not().long())
+            nonfinite = global_amax.isfinite().logical_not()
+            self.buffer("nonfinite_amax_count").add_(nonfinite if self.tensorwise else nonfinite.any())
         else:
-            quantized = quantize(tensor, fmt, granularity=r.granularity_of(role), block=r.block_of(role),
-                                 axis=-1, margin=r.margin, pow2=r.pow2_scales, kernel=kernel, **keep)
-        if not r.is_delayed and not r.is_mx:  # (delayed: record_amax counted it; mxfp8: counted above)
-            nonfinite = quantized.amax.isfinite().logical_not()
-            nonfinite_count.add_(nonfinite if r.is_tensorwise else nonfinite.any())
+            # Block tiles (block, mxfp8) vary along K: where the emulated GEMMs read value * scale in fp32
+            # (keep_values True, gemm.tile_values_dtype), the C kernel writes that in the same pass instead of the
+            # values; where the native GEMM reads the bytes and the tile scales, nothing more is kept.
+            blocked = kernel == "native" and self.granularity == "block" and keep_values is True
+            keep_values = False if blocked else keep_values
+            if self.mx:
+                quantized = quantize_mx(tensor, self.format, kernel=kernel, keep_values=keep_values,
+                                        keep_dequantized=blocked)
+            else:
+                quantized = quantize(tensor, self.format, granularity=self.granularity, block=self.block,
+                                     margin=self.margin, pow2=self.pow2, kernel=kernel, keep_values=keep_values,
+                                     keep_dequantized=blocked)
+            # one reduction, then 0-d ops: the amaxes are >= 0 or NaN, so the max is finite iff all of them are
+            nonfinite = quantized.amax.isfinite().logical_not() if self.tensorwise \
+                else quantized.amax.amax().isfinite().logical_not().long() if self.mx \
+                else quantized.amax.isfinite().logical_not().any()
+            self.buffer("nonfinite_amax_count").add_(nonfinite)
         if self.layer.telemetry:
             self._record_stats(tensor, quantized)
         return quantized
@@ -129,32 +146,30 @@ class OperandQuantizer:
         dim, written straight in the layout its backward GEMM reads (no separate FP8 transpose). Counters and
         telemetry come from the primary quantization of the same tensor. `keep_values` as quantize's (the copy
         its GEMM reads); block tiles keep value * scale instead where the C kernel runs."""
-        r, role = self.recipe, self.role
         kernel = self.layer.kernel_for(tensor.numel())
-        blocked = kernel == "native" and r.granularity_of(role) == "block" and keep_values is True  # as in quantize
+        blocked = kernel == "native" and self.granularity == "block" and keep_values is True  # as in quantize
+        keep_values = False if blocked else keep_values
         with torch.no_grad():
             tensor_t = tensor.t()
-            if r.is_mx:
-                return quantize_mx(tensor_t, r.format_of(role), kernel=kernel,
-                                   keep_values=False if blocked else keep_values, keep_dequantized=blocked)
+            if self.mx:
+                return quantize_mx(tensor_t, self.format, kernel=kernel, keep_values=keep_values,
+                                   keep_dequantized=blocked)
             layout = self.layer.tp_layout  # a tensor-parallel shard: rows that span the split (tensor_parallel.py)
             global_amax = None if layout is None else layout.global_amax(self, tensor_t, kernel, transposed=True)
-            scale = None if global_amax is None else scale_from_amax(global_amax, self.format, r.margin,
-                                                                     r.pow2_scales)
-            return quantize(tensor_t, self.format, granularity=r.granularity_of(role),
-                            block=r.block_of(role), axis=-1, margin=r.margin, pow2=r.pow2_scales,
-                            keep_values=False if blocked else keep_values, keep_dequantized=blocked,
+            scale = None if global_amax is None else format_scale(global_amax, self.format, self.margin, self.pow2)
+            return quantize(tensor_t, self.format, granularity=self.granularity, block=self.block,
+                            margin=self.margin, pow2=self.pow2, keep_values=keep_values, keep_dequantized=blocked,
                             kernel=kernel, scale=scale, validate_scale=False)
 
     def tensorwise_scale(self, amax: torch.Tensor) -> torch.Tensor:
         """The dequant scale a tensor of this role with this `amax` is quantized with, under a tensorwise recipe:
         delayed, the stored scale once initialized, else (first step) the tensor's own; current, its own.
         fp8_all_gather uses it too, with the amax of the whole sharded weight."""
-        r = self.recipe
-        if r.is_delayed and self.initialized_on_host:  # known on the host: no fallback ops to compute
+        if self.delayed and self.initialized_on_host:  # known on the host: no fallback ops to compute
             return self.buffer("scale")
-        own_scale = scale_from_amax(amax, self.format, r.margin, r.pow2_scales)
-        if not r.is_delayed:
+        # (the recipe checked margin and pow2: the rule itself, without scale_from_amax's argument checks)
+        own_scale = format_scale(torch.as_tensor(amax, dtype=torch.float32), self.format, self.margin, self.pow2)
+        if not self.delayed:
             return own_scale
         return torch.where(self.buffer("initialized"), self.buffer("scale"), own_scale)
 
@@ -163,7 +178,7 @@ class OperandQuantizer:
         recorded = amax.nan_to_num(nan=-1.0, posinf=-1.0)  # NaN/inf amaxes are counted, never recorded
         nonfinite = recorded < 0
         self.buffer("nonfinite_amax_count").add_(nonfinite if amax.dim() == 0 else nonfinite.any())
-        if self.recipe.is_delayed and self.layer.training:
+        if self.delayed and self.layer.training:
             pending = self.buffer("pending_amax")
             torch.maximum(pending, recorded if recorded.dim() == 0 else recorded.amax(), out=pending)
 

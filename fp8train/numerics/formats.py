@@ -15,7 +15,7 @@ Three special-value conventions exist among the FP8 formats in use:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,17 @@ class Fp8Format:
     mantissa_bits: int
     bias: int
     special: str  # "ieee" | "fn" | "fnuz", see the module docstring
+    # Derived in __post_init__ (read on every cast: plain attributes, which torch.compile also reads as constants)
+    max: float = field(init=False, repr=False, compare=False)
+    step_at_max: float = field(init=False, repr=False, compare=False)  # spacing of the two largest finite values
+    torch_dtype: torch.dtype = field(init=False, repr=False, compare=False)  # None where torch has no such dtype
+
+    def __post_init__(self):
+        e, m = self._max_fields
+        object.__setattr__(self, "max", math.ldexp(1.0 + m / (1 << self.mantissa_bits), e - self.bias))
+        # half of it is the rounding slack above max
+        object.__setattr__(self, "step_at_max", math.ldexp(1.0, e - self.bias - self.mantissa_bits))
+        object.__setattr__(self, "torch_dtype", _TORCH_DTYPES.get(self.name))
 
     # ---- special-value rules -----------------------------------------------------------------------------------
     @property
@@ -69,11 +80,6 @@ class Fp8Format:
         return self._exp_field_max, self._man_mask  # fnuz: NaN lives at 0x80, the top binade is whole
 
     @property
-    def max(self) -> float:
-        e, m = self._max_fields
-        return math.ldexp(1.0 + m / (1 << self.mantissa_bits), e - self.bias)
-
-    @property
     def max_derivation(self) -> str:
         e, m = self._max_fields
         frac = f"{(1 << self.mantissa_bits) + m}/{1 << self.mantissa_bits}"
@@ -101,16 +107,6 @@ class Fp8Format:
     def binades(self) -> float:
         """Dynamic range in powers of two, from the smallest subnormal to the max."""
         return math.log2(self.max / self.min_subnormal)
-
-    @property
-    def step_at_max(self) -> float:
-        """Spacing between the two largest finite values; half of it is the rounding slack above max."""
-        e, _ = self._max_fields
-        return math.ldexp(1.0, e - self.bias - self.mantissa_bits)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _TORCH_DTYPES[self.name]
 
     # ---- reference encode / decode (pure Python, exact) -----------------------------------------------------
     def decode(self, code: int) -> float:

@@ -22,9 +22,9 @@ import math
 
 import torch
 
-from fp8train.numerics import native_cast
-from fp8train.numerics.formats import get_format
-from fp8train.numerics.quant import Fp8Tensor, compute_amax, native_quantize, quantize
+from fp8train.numerics.formats import Fp8Format, get_format
+from fp8train.numerics.native_layout import capped_block
+from fp8train.numerics.quant import Fp8Tensor, compute_amax, native_quantize, quantize, value_copies
 
 __all__ = ["MX_BLOCK_SIZE", "E8M0_BIAS", "mx_scale_from_amax", "e8m0_codes", "quantize_mx"]
 
@@ -64,8 +64,11 @@ def quantize_mx(x: torch.Tensor, fmt="e4m3fn", *, keep_values: bool = False, ker
     ``keep_dequantized`` as in quant.quantize."""
     block = (1, MX_BLOCK_SIZE)
     if kernel == "native" and x.dim() == 2 and x.numel():
-        native = native_quantize(x, get_format(fmt), "block", 1, MX_BLOCK_SIZE, -1, 0, False, True, None,
-                                 keep_values, rule=native_cast.RULE_MX, keep_dequantized=keep_dequantized)
+        keep_fp32, keep_bf16 = (keep_values, False) if type(keep_values) is bool else value_copies(keep_values)
+        br, bc = (1, MX_BLOCK_SIZE) if x.shape[1] >= MX_BLOCK_SIZE else capped_block(x, *block)  # (as quantize
+        # records it: a block no larger than the tensor)
+        native = native_quantize(x, fmt if isinstance(fmt, Fp8Format) else get_format(fmt), "block", br, bc, -1, 0,
+                                 False, True, None, keep_fp32, keep_bf16, keep_dequantized, mx=True)
         if native is not None:
             return native
     amax = compute_amax(x, "block", block)

@@ -11,17 +11,19 @@ and quantize runs its eager kernel instead (same bytes, slower).
 
 Ops (torch.library, so each is ONE op in a profile and torch.compile can trace it, via its fake impl):
 ``fp8train::quantize_fp8`` (amax -> scale -> x / scale -> FP8 bytes, optionally the FP8 values in fp32 and/or
-bf16, what the emulated GEMMs read, written in the same pass),
+bf16, what the emulated GEMMs read, written in the same pass; with a given scale, optionally x's amax taken in the
+same pass as the cast, for delayed scaling),
 ``fp8train::amax``, ``fp8train::decode_fp8`` (a 256-entry table) and ``fp8train::dequantize_fp8`` (bytes and
 tile scales -> value * scale), and ``fp8train::gemm_epilogue`` (an emulated bf16 GEMM's accumulator
 -> its scales, bias and output dtype in one pass). Inputs: fp32 or bf16 CPU tensors, contiguous or the transpose
-of a contiguous 2-D tensor; ``layout()`` says whether a call is supported (None: use the eager kernel).
+of a contiguous 2-D tensor; ``layout()`` (native_layout.py) says whether a call is supported (None: use the eager
+kernel).
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+import math
 from typing import Optional
 
 import torch
@@ -29,15 +31,15 @@ import torch
 from fp8train.numerics.formats import FORMATS, Fp8Format
 from fp8train.numerics import native_build
 from fp8train.numerics.native_build import Params, library, threading_kind
+from fp8train.numerics.native_layout import FP8_DTYPES as _FP8_DTYPES, INPUT_DTYPES as _INPUT_DTYPES
+from fp8train.numerics.native_layout import NativeLayout, capped_block, dense_kind, layout, scale_step
 
 __all__ = ["available", "set_enabled", "unavailable_reason", "threading_kind", "layout", "usable_layout",
-           "capped_block", "NativeLayout", "CastOptions", "quantize", "compute_amax", "decode", "decodable", "dequantize",
-           "dequantizable", "gemm_epilogue", "epilogue_usable", "scale_step", "RULE_GIVEN", "RULE_AMAX", "RULE_MX"]
+           "capped_block", "NativeLayout", "quantize_fp8", "amax", "decode", "decodable", "dequantize",
+           "dequantizable", "gemm_epilogue", "epilogue_usable", "scale_step"]
 
 RULE_GIVEN, RULE_AMAX, RULE_MX = 0, 1, 2  # as in native_cast.c
 _SPECIAL = {"ieee": 0, "fn": 1, "fnuz": 2}
-_INPUT_DTYPES = (torch.float32, torch.bfloat16)
-_FP8_DTYPES = tuple(f.torch_dtype for f in FORMATS.values())
 
 _enabled = True
 
@@ -64,79 +66,6 @@ def set_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Memory layout: which (batch, rows, cols) matrix and which tile in memory a call is
-# ------------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class NativeLayout:
-    batch: int
-    rows: int  # of the row-major matrix in memory
-    cols: int
-    tile_rows: int  # the scale's tile in memory coordinates
-    tile_cols: int
-    transposed: bool  # x is the transpose of a contiguous 2-D tensor
-    scale_shape: tuple  # the documented (logical) shape of the scale
-    grid_rows: int  # the scale grid in memory order
-    grid_cols: int
-
-
-def _dense_kind(x: torch.Tensor) -> Optional[str]:
-    if x.is_contiguous():
-        return "contiguous"
-    if x.dim() == 2 and x.stride(0) == 1 and x.stride(1) == x.shape[0]:
-        return "transposed"
-    return None
-
-
-def layout(x: torch.Tensor, granularity: str, block_rows: int = 1, block_cols: int = 1, axis: int = -1,
-           dtypes: tuple = _INPUT_DTYPES) -> Optional[NativeLayout]:
-    """The native kernel's view of quantizing ``x`` (``axis`` normalized, blocks already capped to the tensor),
-    or None when the native kernel does not take it (device, dtype, memory layout, an inner row axis).
-    ``dtypes``: what x may be (fp32/bf16 to quantize; the FP8 dtypes to dequantize)."""
-    if x.device.type != "cpu" or x.dtype not in dtypes or x.numel() == 0:
-        return None
-    kind = _dense_kind(x)
-    if kind is None:
-        return None
-    shape, ndim = tuple(x.shape), x.dim()
-    axis = axis % max(ndim, 1)
-    if kind == "transposed":  # the memory matrix is x.T, contiguous: its rows are x's columns
-        rows_l, cols_l = shape
-        if granularity == "tensor":
-            return NativeLayout(1, cols_l, rows_l, cols_l, rows_l, True, (), 1, 1)
-        if granularity == "row":
-            if axis % 2 == 1:  # one scale per row of x = per column of memory
-                return NativeLayout(1, cols_l, rows_l, cols_l, 1, True, (rows_l, 1), 1, rows_l)
-            return NativeLayout(1, cols_l, rows_l, 1, rows_l, True, (1, cols_l), cols_l, 1)
-        grid_r, grid_c = -(-rows_l // block_rows), -(-cols_l // block_cols)
-        return NativeLayout(1, cols_l, rows_l, block_cols, block_rows, True, (grid_r, grid_c), grid_c, grid_r)
-    numel = x.numel()
-    if granularity == "tensor":
-        cols = shape[-1] if ndim >= 1 else 1
-        if numel // max(cols, 1) < 64 and numel % 1024 == 0:  # few long rows: 1024-wide rows split over threads
-            cols = 1024
-        return NativeLayout(1, numel // cols, cols, numel // cols, cols, False, (), 1, 1)
-    if granularity == "row":
-        if ndim == 1 or axis == ndim - 1:
-            cols = shape[-1]
-            return NativeLayout(1, numel // cols, cols, 1, cols, False, shape[:-1] + (1,), numel // cols, 1)
-        if axis == 0:  # one scale per column of the (shape[0], rest) matrix
-            rest = numel // shape[0]
-            return NativeLayout(1, shape[0], rest, shape[0], 1, False, (1,) + shape[1:], 1, rest)
-        return None
-    rows, cols = (1, shape[0]) if ndim == 1 else shape[-2:]
-    batch = numel // (rows * cols)
-    grid_r, grid_c = -(-rows // block_rows), -(-cols // block_cols)
-    return NativeLayout(batch, rows, cols, block_rows, block_cols, False, shape[:-2] + (grid_r, grid_c),
-                        batch * grid_r, grid_c)
-
-
-def capped_block(x: torch.Tensor, block_rows: int, block_cols: int) -> tuple[int, int]:
-    """A block no larger than the tensor's last two dims (as quant.quantize records it)."""
-    rows, cols = (1, x.shape[0]) if x.dim() == 1 else x.shape[-2:] if x.dim() else (1, 1)
-    return max(min(block_rows, rows), 1), max(min(block_cols, cols), 1)
-
-
 def usable_layout(x: torch.Tensor, granularity: str, block_rows: int, block_cols: int, axis: int,
                   dtypes: tuple = _INPUT_DTYPES) -> Optional[NativeLayout]:
     """``layout()`` with the block capped to the tensor, or None when the kernel is not built or torch.compile is
@@ -156,18 +85,26 @@ def _f32_bits(value: float) -> int:
     return torch.tensor(value, dtype=torch.float32).view(torch.int32).item() & 0xFFFFFFFF
 
 
-def _params(fmt: Fp8Format, saturate: bool, rule: int, divisor: float, cap: float, pow2: bool,
-            fp32_divide: bool, mx_emax: int, dequantize: bool = False) -> Params:
-    key = (fmt.name, saturate, rule, divisor, cap, pow2, fp32_divide, mx_emax, dequantize)
+def _params(fmt: Fp8Format, saturate: bool, rule: int, margin: int, pow2: bool, dequantize: bool = False) -> Params:
+    """The C kernel's parameters for one configuration, built once. The scale rule's constants are
+    scaling.scale_rule's: the divisor fmt.max * 2**-margin, the cap, and whether the division is its fp32 one
+    (tests/test_native_cast.py checks the scales bit for bit against the eager rule and a reference)."""
+    key = (fmt.name, saturate, rule, margin, pow2, dequantize)
     found = _params_cache.get(key)
     if found is None:
+        from fp8train.numerics.scaling import SCALE_CAPS, fp32_exact  # (scaling imports this module)
+
+        divisor = fmt.max * 2.0 ** -margin
         found = Params()
         found.mantissa_bits, found.bias, found.special = fmt.mantissa_bits, fmt.bias, _SPECIAL[fmt.special]
         found.saturate, found.max_is_even = int(saturate), int((fmt.max / fmt.step_at_max) % 2 == 0)
-        found.rule, found.pow2, found.fp32_divide, found.mx_emax = rule, int(pow2), int(fp32_divide), mx_emax
+        found.rule, found.pow2 = rule, int(pow2)
+        found.fp32_divide = int(not pow2 and fp32_exact(divisor) and divisor >= 1)
+        found.mx_emax = math.frexp(fmt.max)[1] - 1
         found.dequantize = int(dequantize)
         found.max_bits, found.limit_bits = _f32_bits(fmt.max), _f32_bits(fmt.max + fmt.step_at_max / 2)
-        found.divisor, found.cap, found.tiny = divisor, cap, float(torch.finfo(torch.float32).tiny)
+        found.divisor, found.cap = divisor, SCALE_CAPS[(fmt.name, pow2)]
+        found.tiny = float(torch.finfo(torch.float32).tiny)
         # raw bits: through Python floats a signaling-NaN payload (FNUZ's 0x7F800001) would come back quieted
         ctypes.memmove(found.lut, _decode_table(fmt).data_ptr(), 256 * 4)
         _params_cache[key] = found
@@ -192,21 +129,25 @@ def _decode_table(fmt: Fp8Format) -> torch.Tensor:
 def _outputs(x: torch.Tensor, lay: NativeLayout, fmt: Fp8Format, with_amax: bool, keep_values: bool,
              keep_values_bf16: bool = False):
     """Empty outputs in the layouts the kernel writes (transposed inputs give transposed outputs, as eager)."""
-    def like_x(dtype):
-        if lay.transposed:
-            return torch.empty_strided(x.shape, (1, x.shape[0]), dtype=dtype)
-        return torch.empty(x.shape, dtype=dtype)
-
-    def grid():
-        if lay.transposed and len(lay.scale_shape) == 2 and lay.grid_rows > 1 and lay.grid_cols > 1:
-            return torch.empty_strided(lay.scale_shape, (1, lay.scale_shape[0]), dtype=torch.float32)
-        return torch.empty(lay.scale_shape, dtype=torch.float32)
-
-    data = like_x(fmt.torch_dtype)
-    scale = grid()
-    amax = grid() if with_amax else torch.empty(0)
-    values = like_x(torch.float32) if keep_values else torch.empty(0)
-    values_bf16 = like_x(torch.bfloat16) if keep_values_bf16 else torch.empty(0, dtype=torch.bfloat16)
+    if lay.transposed:
+        shape, strides = x.shape, (1, x.shape[0])
+        data = torch.empty_strided(shape, strides, dtype=fmt.torch_dtype)
+        values = torch.empty_strided(shape, strides, dtype=torch.float32) if keep_values else torch.empty(0)
+        values_bf16 = torch.empty_strided(shape, strides, dtype=torch.bfloat16) if keep_values_bf16 \
+            else torch.empty(0, dtype=torch.bfloat16)
+    else:
+        data = torch.empty(x.shape, dtype=fmt.torch_dtype)
+        values = torch.empty(x.shape, dtype=torch.float32) if keep_values else torch.empty(0)
+        values_bf16 = torch.empty(x.shape, dtype=torch.bfloat16) if keep_values_bf16 \
+            else torch.empty(0, dtype=torch.bfloat16)
+    scale_shape = lay.scale_shape
+    if lay.transposed and len(scale_shape) == 2 and lay.grid_rows > 1 and lay.grid_cols > 1:  # the grid, transposed
+        scale = torch.empty_strided(scale_shape, (1, scale_shape[0]), dtype=torch.float32)
+        amax = torch.empty_strided(scale_shape, (1, scale_shape[0]), dtype=torch.float32) if with_amax \
+            else torch.empty(0)
+    else:
+        scale = torch.empty(scale_shape, dtype=torch.float32)
+        amax = torch.empty(scale_shape, dtype=torch.float32) if with_amax else torch.empty(0)
     return data, scale, amax, values, values_bf16
 
 
@@ -224,94 +165,52 @@ def _scale_in_memory_order(scale: torch.Tensor, lay: NativeLayout) -> torch.Tens
     return scale.float().contiguous()
 
 
-def _ptr(t: torch.Tensor):
-    return t.data_ptr() if t.numel() else None
-
-
 # Registered with the low-level torch.library API: torch.library.custom_op wraps every call in autograd and
-# dynamo-disable layers that cost ~100 us, more than the whole cast of a 512x256 tensor. The static options
-# travel as ONE string argument ("e4m3fn,tensor,1,128,..."): each boxed argument costs ~1 us in the dispatcher.
+# dynamo-disable layers that cost ~100 us, more than the whole cast of a 512x256 tensor. The options are typed
+# primitive arguments; what follows from them (the scale rule's constants, the ctypes struct, the memory layout)
+# is worked out once per configuration, on the C side of the op.
 _LIB = torch.library.Library("fp8train", "DEF")
-_LIB.define("quantize_fp8(Tensor x, Tensor? scale, str options) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
-_LIB.define("amax(Tensor x, str options) -> Tensor")
+_LIB.define("quantize_fp8(Tensor x, Tensor? scale, str fmt, str granularity, int block_rows, int block_cols, "
+            "int axis, int margin, bool pow2, bool mx, bool saturate, bool keep_values, bool keep_values_bf16, "
+            "bool dequantize, bool with_amax) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+_LIB.define("amax(Tensor x, str granularity, int block_rows, int block_cols, int axis) -> Tensor")
 _LIB.define("decode_fp8(Tensor data, str fmt, ScalarType dtype) -> Tensor")
-_LIB.define("dequantize_fp8(Tensor data, Tensor scale, str options) -> Tensor")
+_LIB.define("dequantize_fp8(Tensor data, Tensor scale, str granularity, int block_rows, int block_cols, "
+            "int axis) -> Tensor")
 _LIB.define("gemm_epilogue(Tensor acc, Tensor? scale_a, Tensor? scale_b, Tensor? bias, ScalarType out_dtype) -> Tensor")
 
 
-@dataclass(frozen=True)
-class CastOptions:
-    """The static options of one quantize_fp8 call (see quant.native_quantize for the rule's constants)."""
-    fmt: str
-    granularity: str
-    block_rows: int
-    block_cols: int
-    axis: int
-    rule: int
-    divisor: float
-    cap: float
-    pow2: bool
-    fp32_divide: bool
-    mx_emax: int
-    saturate: bool
-    keep_values: bool
-    dequantize: bool = False  # the kept values are value * scale (fp32), not the FP8 values
-    keep_values_bf16: bool = False  # also the FP8 values in bf16 (exact), written in the same pass
-
-    def encode(self) -> str:
-        text = _encoded.get(self)
-        if text is None:  # repr of a float round-trips exactly
-            text = _encoded[self] = ",".join(repr(getattr(self, f)) for f in self.__dataclass_fields__)
-            _decoded[text] = self
-        return text
-
-
-_encoded: dict = {}
-_decoded: dict = {}
-_FIELD_TYPES = (str, str, int, int, int, int, float, float, bool, bool, int, bool, bool, bool, bool)
-
-
-def _options(text: str) -> CastOptions:
-    found = _decoded.get(text)
-    if found is None:  # a string made elsewhere (e.g. by a traced graph in another process)
-        parts = text.split(",")
-        found = CastOptions(*(t(p.strip("'")) if t is not bool else p == "True" for t, p in zip(_FIELD_TYPES, parts)))
-        _decoded[text] = found
-    return found
-
-
-def quantize(x: torch.Tensor, scale: Optional[torch.Tensor], options: CastOptions):
-    """(data, scale, amax, values, values_bf16) through the one op (see ``_quantize_fp8_cpu``)."""
-    return quantize_fp8(x, scale, options.encode())
-
-
-def _quantize_fp8_cpu(x, scale, options):
-    """(data, scale, amax, values, values_bf16) of quantizing x: amax per tile -> scale by ``rule`` (or the given
-    ``scale``, then amax is empty) -> x / scale -> FP8 bytes; values (the FP8 values in fp32) only with
-    ``keep_values``, values_bf16 (the same values in bf16) only with ``keep_values_bf16``: all in one pass."""
-    o = _options(options)
-    lay = _layout_or_raise(x, o.granularity, o.block_rows, o.block_cols, o.axis)
-    fmt = FORMATS[o.fmt]
-    data, scale_out, amax, values, values_bf16 = _outputs(x, lay, fmt, scale is None, o.keep_values,
-                                                          o.keep_values_bf16)
-    scale_in, rule = None, o.rule
+def _quantize_fp8_cpu(x, scale, fmt, granularity, block_rows, block_cols, axis, margin, pow2, mx, saturate,
+                      keep_values, keep_values_bf16, dequantize, with_amax):
+    """(data, scale, amax, values, values_bf16) of quantizing x, in one pass per tile row: amax per tile -> scale
+    (the amax rule, or MX's with ``mx``; or the given ``scale``, whose amax is written only ``with_amax``, in the
+    same pass as the cast) -> x / scale -> FP8 bytes; values (the FP8 values in fp32, or value * scale with
+    ``dequantize``) only with ``keep_values``, values_bf16 (the FP8 values in bf16) only with ``keep_values_bf16``."""
+    lay = layout(x, granularity, block_rows, block_cols, axis)
+    if lay is None:
+        _layout_or_raise(x, granularity, block_rows, block_cols, axis)  # (raises, naming the input)
+    fp8 = FORMATS[fmt]
+    with_amax = scale is None or with_amax
+    data, scale_out, amax, values, values_bf16 = _outputs(x, lay, fp8, with_amax, keep_values, keep_values_bf16)
+    scale_in, rule = None, RULE_MX if mx else RULE_AMAX
     if scale is not None:
         scale_in = _scale_in_memory_order(scale, lay)
         rule = RULE_GIVEN
-    params = _params(fmt, o.saturate, rule, o.divisor, o.cap, o.pow2, o.fp32_divide, o.mx_emax, o.dequantize)
+    params = _params(fp8, saturate, rule, margin, pow2, dequantize)
     rc = library().fp8_quantize(
         ctypes.byref(params), x.data_ptr(), int(x.dtype == torch.bfloat16), lay.batch, lay.rows, lay.cols,
         lay.tile_rows, lay.tile_cols, None if scale_in is None else scale_in.data_ptr(), data.data_ptr(),
-        scale_out.data_ptr(), _ptr(amax), _ptr(values), _ptr(values_bf16), torch.get_num_threads())
+        scale_out.data_ptr(), amax.data_ptr() if with_amax else None, values.data_ptr() if keep_values else None,
+        values_bf16.data_ptr() if keep_values_bf16 else None, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"internal error: fp8train native cast returned {rc}")
     return data, scale_out, amax, values, values_bf16
 
 
-def _quantize_fp8_fake(x, scale, options):
-    o = _options(options)
-    lay = _layout_or_raise(x, o.granularity, o.block_rows, o.block_cols, o.axis)
-    return _outputs(x, lay, FORMATS[o.fmt], scale is None, o.keep_values, o.keep_values_bf16)
+def _quantize_fp8_fake(x, scale, fmt, granularity, block_rows, block_cols, axis, margin, pow2, mx, saturate,
+                       keep_values, keep_values_bf16, dequantize, with_amax):
+    lay = _layout_or_raise(x, granularity, block_rows, block_cols, axis)
+    return _outputs(x, lay, FORMATS[fmt], scale is None or with_amax, keep_values, keep_values_bf16)
 
 
 def _amax_out(lay: NativeLayout) -> torch.Tensor:
@@ -320,31 +219,23 @@ def _amax_out(lay: NativeLayout) -> torch.Tensor:
     return torch.empty(lay.scale_shape, dtype=torch.float32)
 
 
-def _amax_layout(x, options: str) -> NativeLayout:
-    granularity, block_rows, block_cols, axis = options.split(",")
-    return _layout_or_raise(x, granularity, int(block_rows), int(block_cols), int(axis))
-
-
-def compute_amax(x: torch.Tensor, granularity: str, block_rows: int, block_cols: int, axis: int) -> torch.Tensor:
-    """max |x| per tensor, row or block through the one op (``_amax_cpu``)."""
-    return amax(x, f"{granularity},{block_rows},{block_cols},{axis}")
-
-
-def _amax_cpu(x, options):
+def _amax_cpu(x, granularity, block_rows, block_cols, axis):
     """max |x| per tensor, row or block (fp32, shaped like the scale), NaN propagating; one pass."""
-    lay = _amax_layout(x, options)
+    lay = layout(x, granularity, block_rows, block_cols, axis)
+    if lay is None:
+        _layout_or_raise(x, granularity, block_rows, block_cols, axis)  # (raises, naming the input)
     out = _amax_out(lay)
-    params = _params(FORMATS["e4m3fn"], True, RULE_GIVEN, 1.0, 1.0, False, False, 0)  # no scale is made
+    params = _params(FORMATS["e4m3fn"], True, RULE_GIVEN, 0, False)  # no scale is made
     rc = library().fp8_quantize(ctypes.byref(params), x.data_ptr(), int(x.dtype == torch.bfloat16), lay.batch,
-                                    lay.rows, lay.cols, lay.tile_rows, lay.tile_cols, None, None, None,
-                                    out.data_ptr(), None, None, torch.get_num_threads())
+                                lay.rows, lay.cols, lay.tile_rows, lay.tile_cols, None, None, None,
+                                out.data_ptr(), None, None, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"internal error: fp8train native amax returned {rc}")
     return out
 
 
-def _amax_fake(x, options):
-    return _amax_out(_amax_layout(x, options))
+def _amax_fake(x, granularity, block_rows, block_cols, axis):
+    return _amax_out(_layout_or_raise(x, granularity, block_rows, block_cols, axis))
 
 
 def _decode_cpu(data, fmt, dtype):
@@ -367,7 +258,7 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, granularity: str, block_
                axis: int = -1) -> torch.Tensor:
     """FP8 bytes and their scales (shaped per the granularity, as quantize made them) -> value * scale in fp32,
     through the one op (``_dequantize_cpu``); the output has the bytes' layout."""
-    return dequantize_fp8(data, scale, f"{granularity},{block_rows},{block_cols},{axis}")
+    return dequantize_fp8(data, scale, granularity, block_rows, block_cols, axis)
 
 
 def dequantizable(data: torch.Tensor, scale: torch.Tensor, granularity: str, block_rows: int, block_cols: int,
@@ -377,17 +268,16 @@ def dequantizable(data: torch.Tensor, scale: torch.Tensor, granularity: str, blo
         scale.dtype == torch.float32
 
 
-def _dequantize_layout(data, options: str) -> NativeLayout:
-    granularity, block_rows, block_cols, axis = options.split(",")
-    lay = layout(data, granularity, int(block_rows), int(block_cols), int(axis), dtypes=_FP8_DTYPES)
+def _dequantize_layout(data, granularity, block_rows, block_cols, axis) -> NativeLayout:
+    lay = layout(data, granularity, block_rows, block_cols, axis, dtypes=_FP8_DTYPES)
     if lay is None:
         raise ValueError(f"fp8train native dequantize: unsupported bytes (dtype {data.dtype}, shape "
-                         f"{tuple(data.shape)}, strides {data.stride()}, {options})")
+                         f"{tuple(data.shape)}, strides {data.stride()}, {granularity} {block_rows}x{block_cols})")
     return lay
 
 
-def _dequantize_cpu(data, scale, options):
-    lay = _dequantize_layout(data, options)
+def _dequantize_cpu(data, scale, granularity, block_rows, block_cols, axis):
+    lay = _dequantize_layout(data, granularity, block_rows, block_cols, axis)
     out = torch.empty_strided(data.shape, data.stride(), dtype=torch.float32)
     fmt = next(f for f in FORMATS.values() if f.torch_dtype == data.dtype)
     scale_grid = _scale_in_memory_order(scale, lay)
@@ -399,19 +289,9 @@ def _dequantize_cpu(data, scale, options):
     return out
 
 
-def _dequantize_fake(data, scale, options):
-    _dequantize_layout(data, options)
+def _dequantize_fake(data, scale, granularity, block_rows, block_cols, axis):
+    _dequantize_layout(data, granularity, block_rows, block_cols, axis)
     return torch.empty_strided(data.shape, data.stride(), dtype=torch.float32)
-
-
-def scale_step(scale: Optional[torch.Tensor], dim: int, size: int) -> Optional[int]:
-    """How the native epilogues read an outer scale: 0 for none or one value, 1 for one per index of ``dim`` of
-    a (rows, 1) / (1, cols) scale laid out densely, None for anything else (the caller applies it itself)."""
-    if scale is None or scale.numel() == 1:
-        return 0
-    if scale.dim() == 2 and scale.shape[dim] == size and scale.shape[1 - dim] == 1 and scale.stride(dim) == 1:
-        return 1
-    return None
 
 
 def epilogue_usable(acc: torch.Tensor, scale_a, scale_b, bias, out_dtype: torch.dtype) -> bool:
@@ -474,4 +354,4 @@ gemm_epilogue_op = torch.ops.fp8train.gemm_epilogue.default
 def decodable(data: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether ``decode_fp8`` takes these bytes: CPU, dense (contiguous or a transpose), fp32/bf16 out."""
     return (data.device.type == "cpu" and data.numel() > 0 and dtype in _INPUT_DTYPES
-            and _dense_kind(data) is not None)
+            and dense_kind(data) is not None)

@@ -29,6 +29,7 @@ import torch
 
 from fp8train.numerics import native_build, native_cast
 from fp8train.numerics.formats import FORMATS
+from fp8train.numerics.native_layout import scale_step
 
 __all__ = ["MODES", "set_mode", "mode", "fast", "in_use", "usable", "mm"]
 
@@ -67,13 +68,16 @@ def fast() -> bool:
 
 def in_use(device: torch.device | str) -> bool:
     """Whether emulated GEMMs with an fp32 result on `device` read bf16 values through this kernel."""
-    if torch.device(device).type != "cpu" or _mode == "off" or torch.compiler.is_compiling():
+    if (device.type if isinstance(device, torch.device) else torch.device(device).type) != "cpu" \
+            or _mode == "off" or torch.compiler.is_compiling() or not native_cast.available():
         return False
-    return native_cast.available() if _mode == "on" else fast()
+    if _mode == "on" or _vectorized:
+        return True
+    return fast()  # (asks the library once)
 
 
-# FP8 dtype -> its format's name: the operand dtypes `mm` reads through a table
 _FP8_DTYPES = {fmt.torch_dtype: name for name, fmt in FORMATS.items()}
+_GEMM_DTYPES = (torch.bfloat16, *_FP8_DTYPES)  # what an operand may be: bf16 values or FP8 bytes
 _tables: dict = {}
 
 
@@ -91,19 +95,25 @@ def usable(a: torch.Tensor, b: torch.Tensor, scale_a=None, scale_b=None, bias=No
     """Whether ``mm`` takes these: 2-D CPU tensors, each bf16 or FP8 (a dtype of one of fp8train's formats),
     with matching inner dims (any strides); outer scales that are one fp32 value, one per row (scale_a) or one
     per column (scale_b); an fp32 bias per column; an fp32 or bf16 output."""
-    if not (a.dim() == 2 and b.dim() == 2 and all(t.dtype == torch.bfloat16 or t.dtype in _FP8_DTYPES
-                                                  for t in (a, b))
+    return _outer_steps(a, b, scale_a, scale_b, bias, out_dtype) is not None
+
+
+def _outer_steps(a, b, scale_a, scale_b, bias, out_dtype) -> Optional[tuple[int, int]]:
+    """How the C loop reads scale_a and scale_b (native_layout.scale_step), or None where ``mm`` does not take
+    these operands (``usable``)."""
+    if not (a.dim() == 2 and b.dim() == 2 and a.dtype in _GEMM_DTYPES and b.dtype in _GEMM_DTYPES
             and a.device.type == "cpu" and b.device.type == "cpu" and a.shape[1] == b.shape[0]
             and a.numel() > 0 and b.numel() > 0):
-        return False
+        return None
     if out_dtype not in (torch.float32, torch.bfloat16):
-        return False
-    if any(t is not None and (t.dtype != torch.float32 or t.device.type != "cpu") for t in (scale_a, scale_b, bias)):
-        return False
+        return None
+    for t in (scale_a, scale_b, bias):  # (a loop, not a generator: this runs on every emulated GEMM)
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+            return None
     if bias is not None and (tuple(bias.shape) != (b.shape[1],) or not bias.is_contiguous()):
-        return False
-    return native_cast.scale_step(scale_a, 0, a.shape[0]) is not None and \
-        native_cast.scale_step(scale_b, 1, b.shape[1]) is not None
+        return None
+    step_a, step_b = scale_step(scale_a, 0, a.shape[0]), scale_step(scale_b, 1, b.shape[1])
+    return None if step_a is None or step_b is None else (step_a, step_b)
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, k_scales: Optional[tuple] = None, *, scale_a=None, scale_b=None,
@@ -118,33 +128,27 @@ def mm(a: torch.Tensor, b: torch.Tensor, k_scales: Optional[tuple] = None, *, sc
     return gemm_bf16_op(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype, plain)
 
 
-def _check(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype):
-    if not usable(a, b, scale_a, scale_b, bias, out_dtype):
+def _check(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype) -> tuple[int, int]:
+    """The outer scales' steps, after checking every argument (a misuse is an internal error)."""
+    steps = _outer_steps(a, b, scale_a, scale_b, bias, out_dtype)
+    if steps is None:
         raise RuntimeError(f"internal error: gemm_bf16 does not take a {tuple(a.shape)} {a.dtype} @ {tuple(b.shape)} "
                            f"{b.dtype} GEMM with these scales, bias and output dtype {out_dtype}")
     if k_block == 0:
         if kscale_a is not None or kscale_b is not None:
             raise RuntimeError("internal error: gemm_bf16 got K-block scales without a K block")
-        return
+        return steps
     blocks = -(-a.shape[1] // k_block)
     if k_block < 0 or k_block % 2 or kscale_a is None or kscale_b is None \
             or tuple(kscale_a.shape) != (a.shape[0], blocks) or tuple(kscale_b.shape) != (blocks, b.shape[1]) \
             or kscale_a.dtype != torch.float32 or kscale_b.dtype != torch.float32:
         raise RuntimeError(f"internal error: gemm_bf16 K-block scales do not fit a {tuple(a.shape)} @ "
                            f"{tuple(b.shape)} GEMM with K block {k_block}")
-
-
-def _ptr(t: Optional[torch.Tensor]):
-    return None if t is None else t.data_ptr()
-
-
-def _table_ptr(t: torch.Tensor):
-    """The operand's bf16 table (FP8 bytes), or None (bf16 itself)."""
-    return None if t.dtype == torch.bfloat16 else _bf16_table(t.dtype).data_ptr()
+    return steps
 
 
 def _gemm_bf16_cpu(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype, plain):
-    _check(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype)
+    step_a, step_b = _check(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype)
     if not native_build.available():
         raise RuntimeError(f"fp8train's native GEMM cannot run here: {native_build.unavailable_reason()}")
     (m, k), n = a.shape, b.shape[1]
@@ -152,11 +156,15 @@ def _gemm_bf16_cpu(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, ou
     out = acc if out_dtype == torch.float32 else torch.empty((m, n), dtype=out_dtype)
     if k_block:
         kscale_a, kscale_b = kscale_a.contiguous(), kscale_b.contiguous()
+    table_a = None if a.dtype == torch.bfloat16 else _bf16_table(a.dtype).data_ptr()  # FP8 bytes: their values
+    table_b = None if b.dtype == torch.bfloat16 else _bf16_table(b.dtype).data_ptr()
     rc = native_build.library().fp8_gemm_bf16(
-        a.data_ptr(), _table_ptr(a), b.data_ptr(), _table_ptr(b), m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), _ptr(kscale_a),
-        _ptr(kscale_b), k_block, _ptr(scale_a), native_cast.scale_step(scale_a, 0, m), _ptr(scale_b),
-        native_cast.scale_step(scale_b, 1, n),
-        _ptr(bias), acc.data_ptr(), None if out is acc else out.data_ptr(), int(plain), torch.get_num_threads())
+        a.data_ptr(), table_a, b.data_ptr(), table_b, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        None if kscale_a is None else kscale_a.data_ptr(), None if kscale_b is None else kscale_b.data_ptr(),
+        k_block, None if scale_a is None else scale_a.data_ptr(), step_a,
+        None if scale_b is None else scale_b.data_ptr(), step_b,
+        None if bias is None else bias.data_ptr(), acc.data_ptr(), None if out is acc else out.data_ptr(), int(plain),
+        torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"internal error: fp8train native bf16 GEMM returned {rc}")
     return out

@@ -13,242 +13,49 @@ Granularities, for a tensor ``x``:
 
 The amax and the scale rule are in ``fp8train.numerics.scaling`` (re-exported here); this module casts.
 
-Kernels (``kernel=``, all bit-identical, each checked against ml_dtypes by the tests):
+Kernels (``kernel=``, all bit-identical): ``eager``, ``native`` and ``compiled``, see
+``fp8train.numerics.cast_kernels``; a case the native kernel does not take runs ``eager`` (same bytes). Inside a
+region that torch.compile is already tracing (``train.compile``), the eager math is traced inline.
 
-- ``eager``: torch ops run one by one, torch's own float8 cast. No compile; the default.
-- ``compiled_cast``: the same chain (amax -> scale -> divide -> clamp -> float8 cast) through torch.compile,
-  fused into a couple of passes. Fast where inductor vectorizes the float8 cast (avx512 CPUs, GPUs).
-- ``compiled_select``: torch.compile of a cast written with compare-and-select arithmetic
-  (``arithmetic_codec.round_and_encode``), for CPUs where the compiled float8 cast stays a scalar routine.
-- ``native``: fp8train's C kernel (``fp8train.numerics.native_cast``, built with the system C compiler on first
-  use): amax, scale and cast in one op and one pass per tile row, for fp32/bf16 CPU tensors (contiguous or a
-  transposed 2-D view); anything else, or a machine where it does not build, runs ``eager`` (same bytes).
-Which one is fastest differs per machine: ``fp8train.numerics.kernel_probe`` measures them once and caches the
-answer per machine and torch version (``kernel="auto"`` in Fp8Linear and the config key ``fp8.quantize_kernel``).
-Inside a region that torch.compile is already tracing (``train.compile``), the chosen math is traced inline.
+The cast path, top to bottom: ``quantize`` checks its arguments and normalizes the layout once, then calls ONE
+kernel entry: ``native_quantize`` (the C kernel's op, typed arguments) or ``torch_cast.run(quantize_impl, ...)``
+(eager, or through torch.compile).
 """
 
 from __future__ import annotations
 
 import math
-import types
-from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
 from fp8train.numerics import native_cast
-from fp8train.numerics.arithmetic_codec import decode_arithmetic, round_and_encode
+from fp8train.numerics.cast_kernels import COMPILED, EAGER, NATIVE, QUANT_KERNELS, check_kernel
 from fp8train.numerics.formats import FORMATS, Fp8Format, get_format
-from fp8train.numerics.scaling import (GRANULARITIES, SCALE_CAPS, amax_of, as_blocks, check_amax_floor,
-                                       check_amax_range, check_input, check_layout, check_margin,
-                                       compact_block_scale, compute_amax, expand_scale, format_scale, fp32_exact,
-                                       max_scale, scale_from_amax, scale_rule, scale_shape_of)
+from fp8train.numerics.fp8_tensor import Fp8Tensor
+from fp8train.numerics.native_layout import layout as native_layout
+from fp8train.numerics.scaling import (GRANULARITIES, check_amax_floor, check_amax_range, check_input, check_layout,
+                                       check_margin, compute_amax, expand_scale, max_scale, scale_from_amax,
+                                       scale_rule, scale_shape_of)
+from fp8train.numerics.torch_cast import eager_division_options, quantize_impl, run, untile
 
 __all__ = [
     "Fp8Tensor", "quantize", "compute_amax", "scale_from_amax", "expand_scale", "cast_to_fp8", "decode_fp8",
     "quant_error", "convert_dialect", "GRANULARITIES", "QUANT_KERNELS", "max_scale", "scale_rule", "native_quantize",
-    "eager_division_options",
+    "eager_division_options", "value_copies",
 ]
 
-QUANT_KERNELS = ("eager", "compiled_cast", "compiled_select", "native")
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what check_input allows
 
 
-
-# ------------------------------------------------------------------------------------------------------------
-# The quantized tensor
-# ------------------------------------------------------------------------------------------------------------
-@dataclass
-class Fp8Tensor:
-    data: torch.Tensor  # float8, shaped like the source tensor
-    scale: torch.Tensor  # fp32 dequantization scale (shape: see the module docstring)
-    fmt: Fp8Format
-    granularity: str = "tensor"
-    block: tuple[int, int] = (1, 128)
-    axis: int = -1
-    amax: Optional[torch.Tensor] = None  # the amax the scale was made from (None when the scale was given)
-    values: Optional[torch.Tensor] = field(default=None, repr=False)  # data as fp32, when the kernel kept it
-    dequantized: Optional[torch.Tensor] = field(default=None, repr=False)  # data * scale in fp32, when kept
-    values_bf16: Optional[torch.Tensor] = field(default=None, repr=False)  # data as bf16, when the kernel kept it
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
-
-    def unscaled(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The FP8 values without the scale, exactly, in ``dtype`` (FP8 values are exact in bf16 and fp32)."""
-        if dtype == torch.bfloat16 and self.values_bf16 is not None:
-            return self.values_bf16
-        values = self.values if self.values is not None else decode_fp8(self.data, self.fmt)
-        return values if values.dtype == dtype else values.to(dtype)
-
-    def expanded_scale(self) -> torch.Tensor:
-        return expand_scale(self.scale, self.data.shape, self.granularity, self.block, self.axis)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``data * scale`` in ``dtype``. The product is taken in float64 when that is asked for (exact: an FP8
-        value has at most 4 significant bits, a scale 24), else in float32 and then rounded to ``dtype``."""
-        if dtype == torch.float32 and self.dequantized is not None:
-            return self.dequantized
-        compute = torch.float64 if dtype == torch.float64 else torch.float32
-        return (self.unscaled(compute) * self.expanded_scale().to(compute)).to(dtype)
-
-    def without_values(self) -> "Fp8Tensor":
-        """The same tensor minus the copies of its values (what to keep around, e.g. for backward)."""
-        return Fp8Tensor(self.data, self.scale, self.fmt, self.granularity, self.block, self.axis, self.amax)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Argument checks (the shared ones live in fp8train.numerics.scaling)
-# ------------------------------------------------------------------------------------------------------------
-
-def _check_kernel(kernel: str) -> None:
-    if kernel not in QUANT_KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(QUANT_KERNELS)}, got {kernel!r} "
-                         "('auto' is resolved by fp8train.numerics.kernel_probe.resolve_kernel)")
-
-
-# ------------------------------------------------------------------------------------------------------------
-# The cast: scale, clamp, round to the FP8 grid, assemble the byte
-# ------------------------------------------------------------------------------------------------------------
-def _divide(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x / scale in fp32 (a fresh tensor). A float64 x is divided in float64 first: its values may lie beyond
-    fp32's range while x / scale does not. bf16/fp16 inputs are widened first (a 0-d fp32 scale would not
-    promote them, and the division must not round to bf16)."""
-    if x.dtype == torch.float32:
-        return x / scale
-    if x.dtype == torch.float64:
-        return (x / scale).float()
-    return x.float().div_(scale)
-
-
-def _cast_kernel(x, scale_b, fmt: Fp8Format, saturate: bool, torch_cast: bool, keep_values: bool):
-    """(float8 data, fp32 grid values or None) for x / scale. NaN stays NaN. Out-of-range: clip (saturate) or
-    inf/NaN by the format's rule; an input inf saturates to max, like the OCP saturating conversion.
-
-    ``torch_cast`` uses torch's own float8 cast; otherwise the grid rounding and byte assembly are written out with
-    compare-and-select arithmetic (``arithmetic_codec.round_and_encode``). Both give the same bits.
-    """
-    y = _divide(x, scale_b)
-    # past max + half the top spacing a value rounds beyond max: clipped, or inf/NaN when not saturating.
-    # Exactly at it is a tie, and ties go to even: down to max when max's last mantissa bit is 0 (e4m3fn's
-    # 1.110b * 2^8: 464 -> 448), up past max otherwise (e5m2, the fnuz formats).
-    limit = fmt.max + fmt.step_at_max / 2
-    max_is_even = (fmt.max / fmt.step_at_max) % 2 == 0
-    overflow = None if saturate else (y.abs() > limit if max_is_even else y.abs() >= limit)
-    if torch.compiler.is_compiling():
-        # inductor's clamp can flip a NaN's sign bit; eager keeps it, and so must the bytes: put it back
-        y = torch.where(torch.isnan(y), y, y.clamp(-fmt.max, fmt.max))
-    else:
-        y = y.clamp_(-fmt.max, fmt.max)  # in place: y is fresh
-    if torch_cast:
-        if overflow is not None:  # in fp32, then one cast (inductor has no select on float8 tensors)
-            special = math.inf if fmt.has_inf else math.nan
-            y = torch.where(overflow, y.sign() * special, y)
-        data = y.to(fmt.torch_dtype)
-        return data, (data.float() if keep_values else None)
-    nan = torch.isnan(y)
-    y = torch.where(nan, 0.0, y)
-    grid, codes = round_and_encode(y, fmt)
-    if overflow is not None and fmt.has_inf:
-        inf_code = (0x7F >> fmt.mantissa_bits) << fmt.mantissa_bits  # exponent all ones, mantissa 0
-        codes = torch.where(overflow, (codes & 0x80) | inf_code, codes)
-        grid = torch.where(overflow, grid.sign() * math.inf, grid)
-    elif overflow is not None:
-        codes = torch.where(overflow, fmt.nan_codes[0], codes)
-        grid = torch.where(overflow, math.nan, grid)
-    codes = torch.where(nan, fmt.nan_codes[0], codes)
-    grid = torch.where(nan, math.nan, grid) if keep_values else None
-    # Bytes as uint8: the float8 view is taken outside the compiled region.
-    return codes.to(torch.uint8), grid
-
-
-def _quantize_impl(x, scale, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, margin: int,
-                   pow2: bool, saturate: bool, keep_values: bool, torch_cast: bool):
-    """amax -> scale -> cast in one function, so torch.compile fuses it into a couple of passes."""
-    amax = None
-    source = as_blocks(x, br, bc) if granularity == "block" else x  # blocks: padded tiles; quantize() crops
-    if scale is None:
-        amax = amax_of(source, granularity, axis)
-        scale = format_scale(amax, fmt, margin, pow2)
-    elif granularity == "block":
-        scale = scale.reshape(*scale.shape[:-1], 1, scale.shape[-1], 1)  # (.., Rb, Cb) -> tile dims
-    data, grid = _cast_kernel(source, scale, fmt, saturate, torch_cast, keep_values)
-    if granularity == "block":
-        scale = compact_block_scale(scale)
-        amax = None if amax is None else compact_block_scale(amax)
-    return data, scale, amax, grid
-
-
-def _untile(tiles: torch.Tensor, shape, br: int, bc: int) -> torch.Tensor:
-    """(*lead, Rb, br, Cb, bc) padded tiles -> ``shape``, dropping the padding.
-
-    Done outside the compiled region on purpose: with the crop fused into the kernel, inductor (torch 2.13, CPU)
-    generated the output loop over full blocks only and never wrote the ragged last block (garbage bytes for
-    e.g. a (96, 300) tensor with 1x128 blocks)."""
-    rows, cols = (1, shape[0]) if len(shape) == 1 else shape[-2:]
-    lead = tiles.shape[:-4]
-    flat = tiles.reshape(*lead, tiles.shape[-4] * br, tiles.shape[-2] * bc)
-    if flat.shape[-2] != rows or flat.shape[-1] != cols:
-        flat = flat[..., :rows, :cols].contiguous()
-    if torch.compiler.is_compiling():
-        # a view of the tiles would alias an intermediate of the traced graph when saved for backward, which
-        # dynamo cannot lift out of an autograd.Function; inductor fuses the copy into the cast
-        return flat.reshape(shape).clone()
-    return flat.reshape(shape)
-
-
-_compiled: dict = {}
-_DIVISION_FLAG = "eager_numerics.division_rounding"
-
-
-def eager_division_options() -> dict:
-    """torch.compile options that make inductor's fp32 division IEEE round-to-nearest, as eager's is.
-
-    Triton lowers an fp32 `x / y` to an approximate division (div.full) unless inductor is told to emit div_rn:
-    with a scale that is not a power of two, a quotient one ulp off can round to the neighbouring FP8 code, so
-    compiled and eager quantization would differ in a few bytes. The switch is inductor's
-    `eager_numerics.division_rounding` (torch 2.11 and 2.13); a torch without it gets no option (and no promise).
-    The C++ (CPU) backend divides exactly either way."""
-    import torch._inductor.config as inductor_config
-
-    return {_DIVISION_FLAG: True} if _DIVISION_FLAG in inductor_config.get_config_copy() else {}
-
-
-def _run(fn, key, *args, compiled: bool):
-    """``fn(*args)``, through torch.compile when ``compiled`` (and not already inside a traced region, where the
-    math is traced inline into the caller's graph)."""
-    if not compiled or torch.compiler.is_compiling():
-        return fn(*args)
-    compiled_fn = _compiled.get((fn.__name__, key))
-    if compiled_fn is None:
-        import torch._dynamo as dynamo  # here, not at the top: importing dynamo costs every process ~1.7 s at start
-
-        # One compiled function per static configuration (format, granularity, options), each on its OWN copy
-        # of the code object: dynamo keeps its cache per code object, and sharing one across formats made it
-        # treat the format's integer fields (bias, mantissa bits) as symbolic after the second format, which
-        # broke the graph into slow pieces. Shapes may still go dynamic within one configuration.
-        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
-        code = fn.__code__.replace(co_name=f"{fn.__name__}_{len(_compiled)}")
-        clone = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-        compiled_fn = _compiled[(fn.__name__, key)] = torch.compile(clone, dynamic=None,
-                                                                    options=eager_division_options())
-    return compiled_fn(*args)
-
-
-def decode_fp8(data: torch.Tensor, fmt=None, kernel: str = "eager", dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """FP8 tensor -> its values in fp32 (or `dtype`, bf16: also exact). ``kernel``: 'eager' uses torch's cast;
-    'native' a 256-entry table; the compiled kernels decode the bytes with integer ops (torch's own float8 ->
-    fp32 cast is a slow scalar routine on CPU)."""
+def decode_fp8(data: torch.Tensor, fmt=None, kernel: str = EAGER, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FP8 tensor -> its values in fp32 (or `dtype`, bf16: also exact). ``kernel``: 'native' a 256-entry table
+    where it takes the bytes; otherwise torch's own float8 cast (traced inline when compiled)."""
     fmt = get_format(fmt) if fmt is not None else _format_of(data.dtype)
-    _check_kernel(kernel)
-    if kernel == "native" and not torch.compiler.is_compiling() and native_cast.decodable(data, dtype) \
+    check_kernel(kernel)
+    if kernel == NATIVE and not torch.compiler.is_compiling() and native_cast.decodable(data, dtype) \
             and native_cast.available():  # a 256-entry table, vectorized
         return native_cast.decode(data, fmt.name, dtype)
-    if kernel in ("eager", "native") or data.numel() == 0:
-        return (data if data.dtype == fmt.torch_dtype else data.view(fmt.torch_dtype)).to(dtype)
-    values = _run(decode_arithmetic, fmt.name, data, fmt, compiled=True)
-    return values if dtype == torch.float32 else values.to(dtype)
+    return (data if data.dtype == fmt.torch_dtype else data.view(fmt.torch_dtype)).to(dtype)
 
 
 def _format_of(dtype: torch.dtype) -> Fp8Format:
@@ -263,8 +70,8 @@ def _format_of(dtype: torch.dtype) -> Fp8Format:
 # ------------------------------------------------------------------------------------------------------------
 def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", block=(1, 128), axis: int = -1,
              margin: int = 0, pow2: bool = False, saturate: bool = True, scale=None,
-             keep_values=False, validate_scale: bool = True, kernel: str = "eager",
-             keep_dequantized: bool = False) -> Fp8Tensor:
+             keep_values=False, validate_scale: bool = True, kernel: str = EAGER,
+             keep_dequantized: bool = False, with_amax: bool = False) -> Fp8Tensor:
     """Quantize ``x`` to FP8. ``scale`` (a dequant scale, shaped per the granularity) skips the amax.
 
     ``keep_values`` also keeps the fp32 copy of the FP8 values the kernel produced (saves a decode when the
@@ -275,12 +82,16 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
     ``kernel``: one of QUANT_KERNELS (see the module docstring); all give the same bits.
     ``keep_dequantized`` also keeps ``data * scale`` in fp32 (``.dequantized``: what an emulated GEMM whose scales
     vary along its contracted dim reads); the native kernel writes it in the same pass, instead of the values.
+    ``with_amax`` (with a given ``scale``: delayed scaling) also returns x's amax, taken in the same pass as the
+    cast by the native and compiled kernels (``.amax``; without a scale the amax is always returned).
     A block larger than the tensor is one block over the whole tensor (it is recorded at the tensor's size).
     """
-    check_input(x)
-    fmt = get_format(fmt)
-    _check_kernel(kernel)
-    margin = check_margin(margin)
+    if not (isinstance(x, torch.Tensor) and x.dtype in _INPUT_DTYPES):
+        check_input(x)  # (raises for anything that is not a float tensor of at least 16 bits)
+    fmt = fmt if isinstance(fmt, Fp8Format) else get_format(fmt)
+    if kernel not in QUANT_KERNELS:
+        check_kernel(kernel)  # (raises)
+    margin = margin if type(margin) is int and -256 <= margin <= 256 else check_margin(margin)
     br, bc = check_layout(granularity, block, axis, x.dim())
     if granularity == "row":
         axis = axis % max(x.dim(), 1)
@@ -293,28 +104,39 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
         scale = _check_scale_shape(scale, x.shape, granularity, br, bc, axis)
         if validate_scale and not bool((torch.isfinite(scale) & (scale > 0)).all()):
             raise ValueError("scale must be finite and > 0 everywhere (it is a dequantization scale)")
-    keep_fp32, keep_bf16 = _value_copies(keep_values)
+    keep_fp32, keep_bf16 = (keep_values, False) if type(keep_values) is bool else value_copies(keep_values)
     if x.numel() == 0:
         empty = _quantize_empty(x, fmt, granularity, br, bc, axis, scale, keep_fp32 or keep_bf16)
+        empty.amax = torch.zeros_like(empty.scale) if with_amax else empty.amax
         return _split_values(empty, keep_fp32, keep_bf16)
     if scale is None and x.dtype == torch.float64:  # what fp32 scales cannot hold, above and below: an error
         check_amax_range(x.detach().abs().amax(), fmt, margin)
         check_amax_floor(x.detach(), fmt, granularity, br, bc, axis, margin, bool(pow2))
-    if kernel == "native":
+    if kernel == NATIVE:
         quantized = native_quantize(x, fmt, granularity, br, bc, axis, margin, bool(pow2), saturate, scale,
-                                    keep_values, keep_dequantized=keep_dequantized)
+                                    keep_fp32, keep_bf16, keep_dequantized, with_amax)
         if quantized is not None:
             return quantized
-        kernel = "eager"  # not a case the C kernel takes: the same bytes eagerly
+        kernel = EAGER  # not a case the C kernel takes: the same bytes eagerly
+    return _torch_quantize(x, fmt, granularity, br, bc, axis, margin, bool(pow2), bool(saturate), scale,
+                           keep_fp32, keep_bf16, keep_dequantized, with_amax, kernel == COMPILED)
+
+
+def _torch_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, margin: int, pow2: bool,
+                    saturate: bool, scale, keep_fp32: bool, keep_bf16: bool, keep_dequantized: bool,
+                    with_amax: bool, compiled: bool) -> Fp8Tensor:
+    """quantize() through the torch chain (torch_cast.quantize_impl), op by op or through torch.compile."""
     keep_any = keep_fp32 or keep_bf16
-    key = (fmt.name, granularity, br, bc, axis, margin, bool(pow2), bool(saturate), scale is None, keep_any, kernel)
+    with_amax = with_amax and scale is not None
+    key = (fmt.name, granularity, br, bc, axis, margin, pow2, saturate, scale is None, keep_any, with_amax)
     with torch.no_grad():  # not x.detach(): one dispatched op less per call
-        data, scale, amax, grid = _run(_quantize_impl, key, x, scale, fmt, granularity, br, bc, axis, margin,
-                                       bool(pow2), bool(saturate), keep_any, kernel != "compiled_select",
-                                       compiled=kernel != "eager")
+        data, scale, amax, grid = run(quantize_impl, key, x, scale, fmt, granularity, br, bc, axis, margin,
+                                      pow2, saturate, keep_any, with_amax, compiled=compiled)
+    if with_amax and amax.dtype != torch.float32:  # (a float64 x) fp32, as compute_amax gives it
+        amax = amax.float()
     if granularity == "block":
-        data = _untile(data, x.shape, br, bc)
-        grid = _untile(grid, x.shape, br, bc) if grid is not None else None
+        data = untile(data, x.shape, br, bc)
+        grid = untile(grid, x.shape, br, bc) if grid is not None else None
     data = data if data.dtype == fmt.torch_dtype else data.view(fmt.torch_dtype)
     quantized = _split_values(Fp8Tensor(data, scale, fmt, granularity, (br, bc), axis, amax, grid), keep_fp32,
                               keep_bf16)
@@ -323,7 +145,7 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
     return quantized
 
 
-def _value_copies(keep_values) -> tuple[bool, bool]:
+def value_copies(keep_values) -> tuple[bool, bool]:
     """``keep_values`` (False, True = fp32, a dtype, or a tuple of dtypes) -> (keep fp32 values, keep bf16)."""
     if not isinstance(keep_values, (torch.dtype, tuple, list)):
         return bool(keep_values), False
@@ -363,28 +185,25 @@ def _check_scale_shape(scale: torch.Tensor, shape, granularity: str, br: int, bc
 
 
 def native_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, margin: int, pow2: bool,
-                    saturate: bool, scale, keep_values, rule: int = native_cast.RULE_AMAX,
-                    keep_dequantized: bool = False):
-    """quantize() through the C kernel (one op), or None where it does not apply. The scale rule's constants
-    are scaling.scale_rule's: the divisor fmt.max * 2**-margin, the cap, and whether the division is its fp32
-    one (tests/test_native_cast.py checks the scales bit for bit against the eager rule and a reference)."""
-    br, bc = native_cast.capped_block(x, br, bc)
-    lay = native_cast.usable_layout(x, granularity, br, bc, axis)
+                    saturate: bool, scale, keep_fp32: bool, keep_bf16: bool, keep_dequantized: bool = False,
+                    with_amax: bool = False, mx: bool = False):
+    """quantize() through the C kernel (one op, typed arguments), or None where it does not apply (or the kernel
+    is not built, or torch.compile is tracing). Arguments as quantize() normalized them (a block no larger than
+    the tensor, a non-negative row axis). ``mx``: MX's power-of-two scale rule instead of the amax rule."""
+    if torch.compiler.is_compiling() or not native_cast.available():
+        return None
+    lay = native_layout(x, granularity, br, bc, axis)
     if lay is None or (scale is not None and tuple(scale.shape) != lay.scale_shape
                        and not (granularity == "tensor" and scale.numel() == 1 and scale.dim() <= 1 <= x.dim())):
         return None
-    divisor = fmt.max * 2.0 ** -margin
-    fp32_divide = not pow2 and fp32_exact(divisor) and divisor >= 1
-    keep_values, keep_bf16 = _value_copies(keep_values)
     if keep_dequantized and keep_bf16:
         return None  # (not a combination any caller asks for: value * scale is not exact in bf16)
-    dequantized_only = keep_dequantized and not keep_values  # the kernel's values buffer holds value * scale
-    options = native_cast.CastOptions(fmt.name, granularity, br, bc, axis, rule, divisor, SCALE_CAPS[(fmt.name, pow2)],
-                                      pow2, fp32_divide, math.frexp(fmt.max)[1] - 1, bool(saturate),
-                                      bool(keep_values or keep_dequantized), dequantized_only, keep_bf16)
-    data, scale_out, amax, values, values_bf16 = native_cast.quantize(x, scale, options)
+    dequantized_only = keep_dequantized and not keep_fp32  # the kernel's values buffer holds value * scale
+    data, scale_out, amax, values, values_bf16 = native_cast.quantize_fp8(
+        x, scale, fmt.name, granularity, br, bc, axis, margin, pow2, mx, bool(saturate),
+        keep_fp32 or keep_dequantized, keep_bf16, dequantized_only, with_amax)
     quantized = Fp8Tensor(data, scale if scale is not None else scale_out, fmt, granularity, (br, bc), axis,
-                          None if scale is not None else amax, values if keep_values else None,
+                          amax if scale is None or with_amax else None, values if keep_fp32 else None,
                           values_bf16=values_bf16 if keep_bf16 else None)
     if keep_dequantized:
         quantized.dequantized = values if dequantized_only else quantized.dequantize(torch.float32)

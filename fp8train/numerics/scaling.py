@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from fp8train.numerics import native_cast
+from fp8train.numerics.cast_kernels import NATIVE
+from fp8train.numerics.native_layout import capped_block, layout as native_layout
 from fp8train.numerics.formats import FORMATS, Fp8Format, get_format
 
 __all__ = ["GRANULARITIES", "compute_amax", "scale_from_amax", "expand_scale", "max_scale", "scale_rule",
@@ -75,8 +77,10 @@ def check_layout(granularity: str, block, axis: int, ndim: int) -> tuple[int, in
     if granularity == "row" and not -max(ndim, 1) <= axis < max(ndim, 1):
         raise ValueError(f"axis={axis} is out of range for a {ndim}-d tensor")
     try:  # operator.index: an int (or numpy/torch integer), never a float silently truncated (1.5 -> 1)
-        br, bc = (operator.index(b) for b in block)
-    except (TypeError, ValueError):
+        if len(block) != 2:
+            raise ValueError
+        br, bc = operator.index(block[0]), operator.index(block[1])
+    except (TypeError, ValueError, IndexError, KeyError):
         raise ValueError(f"block must be two positive ints like (1, 128), got {block!r}") from None
     if br <= 0 or bc <= 0:
         raise ValueError(f"block sizes must be positive, got {block!r}")
@@ -189,8 +193,10 @@ def compute_amax(x, granularity: str = "tensor", block=(1, 128), axis: int = -1,
     br, bc = check_layout(granularity, block, axis, x.dim())
     if x.numel() == 0:
         return torch.zeros(scale_shape_of(x.shape, granularity, br, bc, axis), device=x.device)
-    if kernel == "native" and native_cast.usable_layout(x, granularity, br, bc, axis) is not None:
-        return native_cast.compute_amax(x, granularity, *native_cast.capped_block(x, br, bc), axis)
+    if kernel == NATIVE and not torch.compiler.is_compiling() and native_cast.available():
+        br, bc = capped_block(x, br, bc)
+        if native_layout(x, granularity, br, bc, axis) is not None:
+            return native_cast.amax(x, granularity, br, bc, axis)
     with torch.no_grad():  # not x.detach(): that is one more dispatched op per call on the hot path
         x = as_blocks(x, br, bc) if granularity == "block" else x
         amax = amax_of(x, granularity, axis)

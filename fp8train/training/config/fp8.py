@@ -25,7 +25,7 @@ from fp8train.nn.overrides import normalize_overrides
 from fp8train.nn.te import te_config_refusal
 from fp8train.nn.recipes import (BASELINE_RECIPE, DEFAULT_RECIPE, RECIPE_NAMES, TENSORWISE_SCALINGS, Fp8Recipe,
                                  RecipeFieldError, recipe)
-from fp8train.numerics.kernel_probe import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES
+from fp8train.numerics.cast_kernels import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES
 from fp8train.training.config.base import Section, check_settings_file, require
 
 FP8_RECIPE_CHOICES = (BASELINE_RECIPE,) + RECIPE_NAMES
@@ -48,8 +48,8 @@ class _Fp8RunSection(Section):
     emulated_dtype: str = AUTO_EMULATED_DTYPE
     """Emulated GEMMs' input dtype: auto (bf16 on CUDA and on CPUs with avx512_bf16/AMX, else fp32) | fp32 | bf16."""
     quantize_kernel: str = DEFAULT_QUANTIZE_KERNEL
-    """auto (native on a CPU where fp8train's C kernel builds, else the fastest bit-exact kernel, measured once
-    per machine and cached) | eager | compiled_cast | compiled_select | native."""
+    """auto (native on a CPU where fp8train's C kernel builds, compiled on a GPU, else eager) | eager | native |
+    compiled (all bit-identical; numerics/cast_kernels.py)."""
     all_gather: bool = False
     """train.parallel=fsdp2 only: all-gather Fp8Linear weights as FP8 codes + scale instead of fp32 (tensorwise
     recipes delayed and current; rowwise and block weights have per-row / per-tile weight scales)."""
