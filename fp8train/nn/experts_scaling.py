@@ -112,8 +112,7 @@ class ExpertScaling(nn.Module):
             moved = buffer if buffer is None else fn(buffer)
             self._buffers[name] = moved if moved is None or moved.dtype == buffer.dtype else buffer.to(moved.device)
         for view in self.experts:
-            view.forget_weight_fp8()
-            view._resolved_kernel = (None, None)  # 'auto' depends on the device (Fp8Linear._apply does the same)
+            view.moved()
         return self
 
     def extra_repr(self) -> str:
@@ -157,6 +156,11 @@ class ExpertView:
 
     def scales_updated(self) -> None:
         self._scale_generation += 1
+
+    def moved(self) -> None:
+        """After a device move: the FP8 weight is remade and 'auto' resolved again (as Fp8Linear._apply does)."""
+        self.forget_weight_fp8()
+        self._resolved_kernel = (None, None)
 
     def weight_fp8(self, backend: str):
         """This expert's FP8 weight and its GEMM operands (Fp8Linear's cache: once per weight version)."""

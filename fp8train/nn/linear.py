@@ -153,13 +153,6 @@ def _is_fsdp_module(module: nn.Module) -> bool:
     return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
-def _is_dtensor(tensor) -> bool:
-    """Whether `tensor` is a DTensor (tensor parallelism), without importing torch.distributed.tensor (its import
-    costs a process that never uses it about a second): no DTensor exists before that module is loaded."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
-
-
 def is_scaling_buffer(key: str) -> bool:
     """True for a state_dict key naming an Fp8Linear scaling buffer (`...q_proj.input_amax_history`)."""
     last = key.rpartition(".")[2]
@@ -285,15 +278,20 @@ class Fp8Linear(nn.Linear):
                     compute_dtype=emulated_compute_dtype(device, self.emulated_dtype))
 
     # ------------------------------------------------------------------------------------------------------
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if _is_dtensor(self.weight):  # a tensor-parallel shard (torch's Colwise/RowwiseParallel): local GEMMs
-            from fp8train.nn.tensor_parallel import tensor_parallel_forward  # loaded with DTensor already
+    def forward(self, input: torch.Tensor, weight: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        """output = input @ weight.T + bias in FP8. ``weight`` and ``bias``: this rank's shards, given by
+        tensor_parallel_forward; None (a plain call): the layer's own."""
+        if weight is None:
+            weight, bias = self.weight, self.bias
+            # A DTensor weight is a tensor-parallel shard (torch's Colwise/RowwiseParallel): local GEMMs. Looked up
+            # without importing torch.distributed.tensor (about a second for a process that never uses it): no
+            # DTensor exists before that module is loaded. Inline: this runs on every forward.
+            dtensor = sys.modules.get("torch.distributed.tensor")
+            if dtensor is not None and isinstance(weight, dtensor.DTensor):
+                from fp8train.nn.tensor_parallel import tensor_parallel_forward  # loaded with DTensor already
 
-            return tensor_parallel_forward(self, input)
-        return self.forward_local(input, self.weight, self.bias)
-
-    def forward_local(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The layer's computation with these (plain) weight and bias tensors: its own, or this rank's shards."""
+                return tensor_parallel_forward(self, input)
         if weight.is_meta or input.is_meta:  # shapes only: no amax, no scale, nothing to quantize
             raise ValueError("Fp8Linear on the meta device cannot run its FP8 GEMMs (scaling needs real values): "
                              "materialize it first, e.g. model.to_empty(device=...) and then load a state_dict")
@@ -315,8 +313,7 @@ class Fp8Linear(nn.Linear):
         return output if input.dim() == 2 else output.reshape(*input.shape[:-1], out_features)
 
     def _check_scales_updated(self) -> None:
-        # (forward_local adds a frame: the warning names the caller of the layer)
-        self._pending_since_step = check_scales_updated(self._pending_since_step, stacklevel=5)
+        self._pending_since_step = check_scales_updated(self._pending_since_step)
 
     def kernel_for(self, numel: int) -> str:
         """The quantize kernel this layer runs on a tensor of `numel` elements (`quantize_kernel`, resolved)."""
@@ -373,6 +370,12 @@ class Fp8Linear(nn.Linear):
             self._weight_cache = weights
         return weights
 
+    def configure(self, quantize_kernel: str, emulated_dtype: str) -> None:
+        """Set how this layer runs (configure_execution checked both values)."""
+        self.quantize_kernel, self.emulated_dtype = quantize_kernel, emulated_dtype
+        self._resolved_kernel = (None, None)
+        self.forget_weight_fp8()  # ('auto' may now resolve otherwise: gemm.set_cpu_bf16_gemm)
+
     def forget_weight_fp8(self) -> None:
         """Drop the cached FP8 copy of the weight: the next forward quantizes the weight again."""
         self._weight_cache = None
@@ -394,9 +397,7 @@ def configure_execution(model: nn.Module, *, quantize_kernel: str = DEFAULT_QUAN
     check_emulated_dtype(emulated_dtype)
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     for layer in layers:
-        layer.quantize_kernel, layer.emulated_dtype = quantize_kernel, emulated_dtype
-        layer._resolved_kernel = (None, None)
-        layer.forget_weight_fp8()  # ('auto' may now resolve otherwise: gemm.set_cpu_bf16_gemm)
+        layer.configure(quantize_kernel, emulated_dtype)
     experts = [m for m in model.modules() if hasattr(m, "delayed_units")]  # (nn/experts_scaling.py)
     for scaling in experts:
         scaling.configure(quantize_kernel=quantize_kernel, emulated_dtype=emulated_dtype)

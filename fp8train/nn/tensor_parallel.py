@@ -110,10 +110,10 @@ def tensor_parallel_forward(layer, input: torch.Tensor) -> DTensor:
     bias = layer.bias
     if layout.weight_axis == 0:
         bias_local = bias.to_local() if isinstance(bias, DTensor) else bias
-        output = layer.forward_local(input_local, weight_local, bias_local)
+        output = layer.forward(input_local, weight_local, bias_local)
         return DTensor.from_local(output, mesh, [Shard(output.dim() - 1)], run_check=False)
     # rowwise: each rank's output is a partial sum; a bias is added once, after the sum (DTensor's own add)
-    output = DTensor.from_local(layer.forward_local(input_local, weight_local, None), mesh, [Partial()],
+    output = DTensor.from_local(layer.forward(input_local, weight_local, None), mesh, [Partial()],
                                 run_check=False)
     return output if bias is None else output + bias
 
