@@ -37,6 +37,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # set_custo
 from torch.distributed.tensor import DTensor
 
 from fp8train.nn.convert import fp8_layers
+from fp8train.nn.experts_scaling import ExpertScaling
 from fp8train.nn.fp8_all_gather import check_fp8_all_gather_recipe, wrap_weight_for_fp8_all_gather
 
 __all__ = ["ensure_process_group", "release_process_group", "decoder_blocks", "apply_fsdp2",
@@ -83,6 +84,10 @@ def apply_fsdp2(model: nn.Module, device: torch.device, *, fp8_all_gather: bool 
         # FSDP2 all-gathers into the same storage every step without bumping the tensor version: a weight FP8
         # copy cached by (version, data_ptr) would go stale after the optimizer step.
         layer.weight_cache_allowed = False
+    for module in model.modules():
+        if isinstance(module, ExpertScaling):  # the same for each expert's FP8 weight (nn/experts_scaling.py)
+            for view in module.experts:
+                view.weight_cache_allowed = False
     if fp8_all_gather:
         layers = fp8_layers(model)
         if not layers:
