@@ -1,0 +1,180 @@
+"""A local Hugging Face mixture-of-experts model (tiny Qwen3-MoE: 4 experts, top-2, saved by transformers'
+save_pretrained) through every fp8train command, each a real `fp8train` process: train (model.hf_path) with FP8
+experts, validate (2 candidates), export --format hf and --format e4m3fn (each loaded back by transformers 5.25 +
+compressed-tensors and compared on logits), the single-file export, kv-eval, report and plan; what cannot be done
+for experts is refused in one line with the reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import Commands
+from hf_helpers import make_pretrained, make_text_folder, make_tokenizer
+
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.slow]
+
+EXPERTS = "model.layers.{layer}.mlp.experts"
+
+
+def _config(root: Path, **changes) -> dict:
+    config = {
+        "run": {"dir": str(root / "runs"), "name": "moe"},
+        "model": {"hf_path": str(root / "pretrained"), "seq_len": 32},
+        "data": {"tokenizer": str(root / "tokenizer"), "path": str(root / "text")},
+        "train": {"max_steps": 12, "batch_size": 4, "lr": 1e-3, "eval_every": 4, "eval_batches": 2,
+                  "device": "cpu", "threads": 1, "autocast": "none"},
+        "optim": {"warmup_steps": 2},
+        "fp8": {"recipe": "current"},
+        "policy": {"min_features": 32},
+        "log": {"wandb": "disabled", "telemetry_every": 4, "shadow_recipes": ["rowwise"]},
+        "validate": {"candidates": ["current", "delayed"], "seeds": 2, "final_window": 2},
+    }
+    for section, values in changes.items():
+        config[section] = {**config.get(section, {}), **values}
+    return config
+
+
+def _fp8train(*args: str, ok: bool = True):
+    proc = Commands.run(Commands.fp8train(*args), timeout=600)
+    if ok:
+        assert proc.returncode == 0, f"{args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_cli")
+    make_pretrained(root / "pretrained", "qwen3_moe", steps=10)
+    make_tokenizer(root / "tokenizer")
+    make_text_folder(root / "text")
+    (root / "moe.yaml").write_text(yaml.safe_dump(_config(root)))
+    _fp8train("train", str(root / "moe.yaml"))
+    return root
+
+
+def _source_and_val(root: Path):
+    from fp8train.serving.run_loading import load_run
+    from fp8train.training.data.corpus import build_data
+
+    run = load_run(root / "runs" / "moe")
+    return run, [x for x, _ in build_data(run.cfg).val_batches()[:2]]
+
+
+def test_the_fine_tune_trains_every_expert_in_fp8_and_checkpoints_their_state(moe):
+    run = moe / "runs" / "moe"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 12
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in metrics if "val_loss" in r]
+    assert val[-1] < val[0]  # fine-tuning moved the pretrained weights the right way
+    from fp8train.training.runs.sharded_checkpoint import latest_loadable_checkpoint, read_model_state
+    state = read_model_state(latest_loadable_checkpoint(run / "checkpoints"))
+    for layer in (0, 1):
+        for proj in ("gate_up_proj", "down_proj"):
+            amax = state[f"hf.{EXPERTS.format(layer=layer)}.{proj}_fp8.weight_nonfinite_amax_count"]
+            assert tuple(amax.shape) == (4,)  # one scaling slot per expert
+
+
+def test_validate_on_the_moe_model_gives_a_verdict_per_candidate(moe):
+    proc = _fp8train("validate", str(moe / "moe.yaml"), "run.name=moe_val", "train.max_steps=4",
+                     "train.eval_every=2", ok=False)
+    assert proc.returncode in (0, 1, 3), proc.stderr[-3000:]  # PASS / FAIL / INCONCLUSIVE, not an error
+    rows = {line.split()[0]: line.split()[-1] for line in proc.stdout.splitlines()
+            if line.strip().startswith(("current ", "delayed "))}
+    assert set(rows) == {"current", "delayed"} and set(rows.values()) <= {"PASS", "FAIL", "INCONCLUSIVE"}, proc.stdout
+    assert (moe / "runs" / "moe_val" / "report.md").is_file()
+    # 2 seeds x (baseline + 2 candidates), every one a finished run of the MoE model
+    summaries = list((moe / "runs" / "moe_val" / "runs").rglob("summary.json"))
+    assert len(summaries) == 6 and all(json.loads(p.read_text())["status"] == "completed" for p in summaries)
+
+
+def test_dense_hf_export_loads_in_transformers_with_the_same_logits(moe):
+    from transformers import AutoModelForCausalLM
+
+    _fp8train("export", str(moe / "runs" / "moe"), "--format", "hf", "--out", str(moe / "dense"))
+    run, batches = _source_and_val(moe)
+    loaded = AutoModelForCausalLM.from_pretrained(str(moe / "dense"), dtype=torch.float32).eval()
+    assert tuple(loaded.model.layers[0].mlp.experts.gate_up_proj.shape) == (4, 128, 64)  # the fused layout
+    with torch.no_grad():
+        for x in batches:
+            assert torch.equal(loaded(x).logits, run.model(x)[0] if isinstance(run.model(x), tuple)
+                               else run.model(x).logits)
+
+
+def _e4m3_per_channel(weight: np.ndarray) -> np.ndarray:
+    """Reference: one scale per row, amax / 448, values rounded to e4m3fn by ml_dtypes, dequantized (float64)."""
+    scale = np.abs(weight).max(axis=1, keepdims=True).astype(np.float32) / np.float32(448.0)
+    scale = np.where(scale == 0, np.float32(1.0), scale)
+    codes = (weight.astype(np.float32) / scale).astype(ml_dtypes.float8_e4m3fn)
+    return codes.astype(np.float64) * scale.astype(np.float64)
+
+
+def test_fp8_export_writes_experts_that_transformers_loads(moe):
+    from transformers import AutoModelForCausalLM
+
+    from fp8train.serving.export import compare_logits
+    from fp8train.serving.hf_export import load_hf_export
+
+    proc = _fp8train("export", str(moe / "runs" / "moe"), "--format", "e4m3fn", "--out", str(moe / "fp8"))
+    assert "4 FP8 expert projections" in proc.stdout
+    tensors = load_file(str(moe / "fp8" / "model.safetensors"))
+    key = f"{EXPERTS.format(layer=1)}.3.up_proj"
+    assert tensors[f"{key}.weight"].dtype == torch.float8_e4m3fn and tuple(tensors[f"{key}.weight_scale"].shape) == (64, 1)
+    assert not any(k.endswith("experts.gate_up_proj") for k in tensors)
+    run, batches = _source_and_val(moe)
+    loaded = AutoModelForCausalLM.from_pretrained(str(moe / "fp8"), dtype=torch.float32).eval()
+    # transformers fused the per-expert FP8 weights back, dequantized: equal to the reference rounding of the source
+    source = getattr(run.model.hf.model.layers[1].mlp.experts, "gate_up_proj").detach().double().numpy()
+    got = loaded.model.layers[1].mlp.experts.gate_up_proj.detach().double().numpy()
+    for e in range(4):
+        expected = np.concatenate([_e4m3_per_channel(source[e, :64]), _e4m3_per_channel(source[e, 64:])])
+        np.testing.assert_allclose(got[e], expected, rtol=1e-6, atol=0)
+    assert not np.array_equal(got, source)  # (FP8 rounding did change the weights)
+    ours = load_hf_export(moe / "fp8")
+    pairs = [(x, None) for x in batches]
+    theirs_vs_ours = compare_logits(loaded, ours, pairs, autocast=False)
+    assert theirs_vs_ours["max_abs_logit_diff"] < 1e-3 and theirs_vs_ours["top1_agreement"] >= 0.99, theirs_vs_ours
+    vs_source = compare_logits(run.model, loaded, pairs, autocast=False)
+    assert vs_source["mean_kl"] < 2e-3 and vs_source["top1_agreement"] >= 0.9, vs_source
+
+
+def test_what_the_fp8_export_cannot_do_for_experts_is_refused_in_one_line(moe, tmp_path):
+    proc = _fp8train("export", str(moe / "runs" / "moe"), "--format", "e4m3fn", "--activations", "static",
+                     "--out", str(tmp_path / "static"), ok=False)
+    assert proc.returncode == 2 and "routed tokens" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "static").exists()
+    # a model type whose per-expert layout was not checked against transformers (Mixtral: w1/w2/w3), exported
+    # straight from its pretrained folder (export reads Hugging Face folders too)
+    make_pretrained(tmp_path / "mixtral", "mixtral", steps=1)
+    proc = _fp8train("export", str(tmp_path / "mixtral"), "--format", "e4m3fn", "--tokenizer", str(moe / "tokenizer"),
+                     "--out", str(tmp_path / "mixtral_fp8"), ok=False)
+    assert proc.returncode == 2 and "'mixtral' is not" in proc.stderr and "--format hf" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "mixtral_fp8").exists()
+
+
+def test_single_file_export_says_the_experts_stay_bf16(moe):
+    proc = _fp8train("export", str(moe / "runs" / "moe"), "--format", "e4m3fn", "--out", str(moe / "one.safetensors"))
+    assert "4 FP8 expert projections written in bf16" in proc.stdout
+    tensors = load_file(str(moe / "one.safetensors"))
+    assert tensors[f"hf.{EXPERTS.format(layer=0)}.gate_up_proj"].dtype == torch.bfloat16
+
+
+def test_kv_eval_report_and_plan_run_on_the_moe_run(moe):
+    run = str(moe / "runs" / "moe")
+    _fp8train("kv-eval", run)
+    assert (moe / "runs" / "moe" / "kv_eval" / "kv_eval.json").is_file()
+    _fp8train("report", run)
+    assert (moe / "runs" / "moe" / "report.md").is_file()
+    _fp8train("plan", run, "--out", str(moe / "plan.yaml"), "--repeats", "1")
+    plan = (moe / "plan.yaml").read_text()
+    assert "# experts: 4 FP8 expert projections are not planned" in plan
+    overrides = yaml.safe_load(plan)["policy"]["overrides"]
+    assert len(overrides) == 8 and not any("experts" in k for k in overrides)  # the 8 attention Linears
