@@ -42,10 +42,9 @@ N_LINEARS, N_EXPERT_VIEWS = 8, 2 * 2 * 4  # q/k/v/o x 2 layers; layers x project
 HARNESS = r'''
 import json, sys
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from fp8train.training.config import load_config
 from fp8train.training.loop import train
-import fp8train.training.loop as loop
+import fp8train.training.setup as setup
 
 out, cfg_path = sys.argv[1], sys.argv[2]
 real_all_reduce = dist.all_reduce
@@ -66,6 +65,19 @@ def run(name, *overrides):
             json.dump({"summary": summary, "max_reduces": list(max_reduces)}, f, default=str)
 
 
+real_apply = setup.apply_fsdp2
+
+
+def recording_apply(model, *args, **kwargs):  # what this rank holds of an experts weight once sharded
+    model = real_apply(model, *args, **kwargs)
+    experts = model.get_submodule("hf.model.layers.0.mlp.experts")
+    shards["gate_up_proj"] = [type(experts.gate_up_proj).__name__, list(experts.gate_up_proj.to_local().shape)]
+    with open(f"{out}/shards_rank{dist.get_rank()}.json", "w") as f:
+        json.dump(shards, f)
+    return model
+
+
+setup.apply_fsdp2 = recording_apply
 dist.all_reduce = recording_all_reduce
 run("ddp")
 run("fsdp")
@@ -128,6 +140,12 @@ def test_moe_fsdp2_matches_ddp_bit_for_bit_for_20_steps(runs):
     _assert_close(fsdp, ddp, 0.0)
     summary = json.loads((runs / "out" / "fsdp.json").read_text())["summary"]
     assert summary["status"] == "completed" and summary["world_size"] == 2
+
+
+def test_each_rank_holds_half_of_the_experts(runs):
+    for rank in (0, 1):
+        kind, shape = json.loads((runs / "out" / f"shards_rank{rank}.json").read_text())["gate_up_proj"]
+        assert kind == "DTensor" and shape == [2, 128, 64]  # 2 of the 4 experts, each whole
 
 
 def test_moe_fp8_all_gather_matches_fsdp2(runs):
