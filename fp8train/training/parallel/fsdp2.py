@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from fp8train.nn.convert import fp8_layers
 from fp8train.nn.experts_scaling import ExpertScaling
+from fp8train.nn.fp8_all_gather_experts import wrap_experts_for_fp8_all_gather
 from fp8train.nn.fp8_all_gather import check_fp8_all_gather_recipe, wrap_weight_for_fp8_all_gather
 
 __all__ = ["ensure_process_group", "release_process_group", "decoder_blocks", "apply_fsdp2",
@@ -94,6 +95,7 @@ def apply_fsdp2(model: nn.Module, device: torch.device, *, fp8_all_gather: bool 
             check_fp8_all_gather_recipe(None)
         for _, layer in layers:
             wrap_weight_for_fp8_all_gather(layer)  # refuses a recipe that cannot (ValueError)
+        wrap_experts_for_fp8_all_gather(model)  # FP8 experts too (tensorwise, (out, in) layout)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=gather_dtype)
     for block in decoder_blocks(model):
