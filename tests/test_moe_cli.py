@@ -146,6 +146,32 @@ def test_fp8_export_writes_experts_that_transformers_loads(moe):
     assert vs_source["mean_kl"] < 2e-3 and vs_source["top1_agreement"] >= 0.9, vs_source
 
 
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "deepseek_v3"])
+def test_fp8_export_of_other_moe_types_loads_in_transformers(moe, tmp_path, arch):
+    """The same per-expert layout for the other model types transformers converts the same way, exported straight
+    from a pretrained folder (in this process): transformers' load equals fp8train's own loader's."""
+    from transformers import AutoModelForCausalLM
+
+    from fp8train.serving.export import compare_logits
+    from fp8train.serving.hf_export import export_hf_folder, load_hf_export
+    from fp8train.serving.run_loading import load_run
+
+    make_pretrained(tmp_path / "pre", arch, steps=3)
+    result = export_hf_folder(tmp_path / "pre", tmp_path / "fp8", tokenizer=str(moe / "tokenizer"))
+    assert result["fp8_experts"] == 4  # 2 layers x (gate_up_proj, down_proj)
+    source = load_run(tmp_path / "pre", tokenizer=str(moe / "tokenizer")).model
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp8"), dtype=torch.float32).eval()
+    pairs = [(torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0)), None)]
+    theirs_vs_ours = compare_logits(theirs, load_hf_export(tmp_path / "fp8"), pairs, autocast=False)
+    assert theirs_vs_ours["max_abs_logit_diff"] < 1e-3, theirs_vs_ours
+    vs_source = compare_logits(source, theirs, pairs, autocast=False)
+    assert vs_source["mean_kl"] < 2e-2 and vs_source["top1_agreement"] >= 0.9, vs_source
+    experts = theirs.model.layers[0].mlp.experts.down_proj.detach()
+    original = source.hf.model.layers[0].mlp.experts.down_proj.detach()
+    ratio = (experts / original)[original.abs() > 1e-3]
+    assert not torch.equal(experts, original) and float((ratio - 1).abs().max()) <= 2 ** -4  # E4M3's rounding
+
+
 def test_what_the_fp8_export_cannot_do_for_experts_is_refused_in_one_line(moe, tmp_path):
     proc = _fp8train("export", str(moe / "runs" / "moe"), "--format", "e4m3fn", "--activations", "static",
                      "--out", str(tmp_path / "static"), ok=False)

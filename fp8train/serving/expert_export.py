@@ -28,8 +28,9 @@ from fp8train.serving.fp8_weights import quantize_weight_blocks, quantize_weight
 __all__ = ["PER_EXPERT_MODEL_TYPES", "split_expert_names", "check_expert_export", "expert_fp8_tensors",
            "load_hf_experts"]
 
-# model_type: checked by tests/test_moe_cli.py (transformers 5.25 + compressed-tensors 0.20.1 load the folder)
-PER_EXPERT_MODEL_TYPES = ("qwen3_moe",)
+# model_type: checked by tests/test_moe_cli.py (transformers 5.25 + compressed-tensors 0.20.1 load the folder,
+# logits compared); all four share transformers' per-expert gate_proj / up_proj / down_proj conversion
+PER_EXPERT_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3")
 _PER_EXPERT_KEY = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale)$")
 
 
