@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fp8train.nn.convert import LayerPolicy, convert_to_fp8, update_fp8_scales
+from fp8train.nn.convert import LayerPolicy, convert_to_fp8, fp8_layers, update_fp8_scales
 from fp8train.nn.fp8_all_gather_experts import Fp8GatheredExperts
 from fp8train.training.parallel import fsdp2
 from hf_helpers import VOCAB, hf_config
@@ -78,3 +78,17 @@ def test_each_expert_is_gathered_with_its_own_scale(one_rank_group):
         expected = (full[e] / np.float32(scale)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
         np.testing.assert_array_equal(codes.float().numpy(), expected)
     assert "only the FP8 experts forward" in captured["refused"]
+
+
+def test_a_model_with_fp8_experts_only_gathers_them_and_rowwise_is_refused(one_rank_group):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config("qwen3_moe"), dtype=torch.float32)
+    convert_to_fp8(model, "current", LayerPolicy(min_features=32, exclude=(r"self_attn\.",)))
+    assert not fp8_layers(model)  # no Fp8Linear at all: the experts alone are FP8
+    fsdp2.apply_fsdp2(model, CPU, fp8_all_gather=True)
+    assert type(model.model.layers[0].mlp.experts.down_proj.to_local()).__name__ == "Fp8AllGatherExperts"
+    model = AutoModelForCausalLM.from_config(hf_config("qwen3_moe"), dtype=torch.float32)
+    convert_to_fp8(model, "rowwise", LayerPolicy(min_features=32, exclude=(r"self_attn\.",)))
+    assert not fp8_layers(model)
+    with pytest.raises(ValueError, match="fp8.recipe=rowwise has per-row/per-tile weight scales"):
+        fsdp2.apply_fsdp2(model, CPU, fp8_all_gather=True)

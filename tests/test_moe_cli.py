@@ -1,8 +1,8 @@
 """A local Hugging Face mixture-of-experts model (tiny Qwen3-MoE: 4 experts, top-2, saved by transformers'
-save_pretrained) through every fp8train command, each a real `fp8train` process: train (model.hf_path) with FP8
-experts, validate (2 candidates), export --format hf and --format e4m3fn (each loaded back by transformers 5.25 +
-compressed-tensors and compared on logits), the single-file export, kv-eval, report and plan; what cannot be done
-for experts is refused in one line with the reason."""
+save_pretrained) through every fp8train command: train (model.hf_path) with FP8 experts, validate (2 candidates),
+export --format hf and --format e4m3fn (each loaded back by transformers 5.25 + compressed-tensors and compared on
+logits) as real `fp8train` processes; the single-file export, kv-eval, report, plan and the refusals through the
+same CLI entry point in this process. What cannot be done for experts is refused in one line with the reason."""
 
 from __future__ import annotations
 
@@ -47,6 +47,16 @@ def _fp8train(*args: str, ok: bool = True):
     if ok:
         assert proc.returncode == 0, f"{args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
+
+
+def _in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """The same command through fp8train's CLI entry point in this process (saves a process start of imports)."""
+    from fp8train.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    said = capsys.readouterr()
+    return code, said.out, said.err
 
 
 @pytest.fixture(scope="module")
@@ -172,34 +182,35 @@ def test_fp8_export_of_other_moe_types_loads_in_transformers(moe, tmp_path, arch
     assert not torch.equal(experts, original) and float((ratio - 1).abs().max()) <= 2 ** -4  # E4M3's rounding
 
 
-def test_what_the_fp8_export_cannot_do_for_experts_is_refused_in_one_line(moe, tmp_path):
-    proc = _fp8train("export", str(moe / "runs" / "moe"), "--format", "e4m3fn", "--activations", "static",
-                     "--out", str(tmp_path / "static"), ok=False)
-    assert proc.returncode == 2 and "routed tokens" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+def test_what_the_fp8_export_cannot_do_for_experts_is_refused_in_one_line(moe, tmp_path, capsys):
+    code, _, err = _in_process(capsys, "export", str(moe / "runs" / "moe"), "--format", "e4m3fn", "--activations",
+                               "static", "--out", str(tmp_path / "static"))
+    assert code == 2 and "routed tokens" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "static").exists()
     # a model type whose per-expert layout was not checked against transformers (Mixtral: w1/w2/w3), exported
     # straight from its pretrained folder (export reads Hugging Face folders too)
     make_pretrained(tmp_path / "mixtral", "mixtral", steps=1)
-    proc = _fp8train("export", str(tmp_path / "mixtral"), "--format", "e4m3fn", "--tokenizer", str(moe / "tokenizer"),
-                     "--out", str(tmp_path / "mixtral_fp8"), ok=False)
-    assert proc.returncode == 2 and "'mixtral' is not" in proc.stderr and "--format hf" in proc.stderr, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "mixtral_fp8").exists()
+    code, _, err = _in_process(capsys, "export", str(tmp_path / "mixtral"), "--format", "e4m3fn", "--tokenizer",
+                               str(moe / "tokenizer"), "--out", str(tmp_path / "mixtral_fp8"))
+    assert code == 2 and "'mixtral' is not" in err and "--format hf" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "mixtral_fp8").exists()
 
 
-def test_single_file_export_says_the_experts_stay_bf16(moe):
-    proc = _fp8train("export", str(moe / "runs" / "moe"), "--format", "e4m3fn", "--out", str(moe / "one.safetensors"))
-    assert "4 FP8 expert projections written in bf16" in proc.stdout
+def test_single_file_export_says_the_experts_stay_bf16(moe, capsys):
+    code, out, _ = _in_process(capsys, "export", str(moe / "runs" / "moe"), "--format", "e4m3fn", "--out",
+                               str(moe / "one.safetensors"))
+    assert code == 0 and "4 FP8 expert projections written in bf16" in out
     tensors = load_file(str(moe / "one.safetensors"))
     assert tensors[f"hf.{EXPERTS.format(layer=0)}.gate_up_proj"].dtype == torch.bfloat16
 
 
-def test_kv_eval_report_and_plan_run_on_the_moe_run(moe):
+def test_kv_eval_report_and_plan_run_on_the_moe_run(moe, capsys):
     run = str(moe / "runs" / "moe")
-    _fp8train("kv-eval", run)
+    assert _in_process(capsys, "kv-eval", run)[0] == 0
     assert (moe / "runs" / "moe" / "kv_eval" / "kv_eval.json").is_file()
-    _fp8train("report", run)
+    assert _in_process(capsys, "report", run)[0] == 0
     assert (moe / "runs" / "moe" / "report.md").is_file()
-    _fp8train("plan", run, "--out", str(moe / "plan.yaml"), "--repeats", "1")
+    assert _in_process(capsys, "plan", run, "--out", str(moe / "plan.yaml"), "--repeats", "1")[0] == 0
     plan = (moe / "plan.yaml").read_text()
     assert "# experts: 4 FP8 expert projections are not planned" in plan
     overrides = yaml.safe_load(plan)["policy"]["overrides"]

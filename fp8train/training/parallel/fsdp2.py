@@ -91,8 +91,11 @@ def apply_fsdp2(model: nn.Module, device: torch.device, *, fp8_all_gather: bool 
                 view.weight_cache_allowed = False
     if fp8_all_gather:
         layers = fp8_layers(model)
-        if not layers:
+        expert_scalings = [m for m in model.modules() if isinstance(m, ExpertScaling)]
+        if not layers and not expert_scalings:
             check_fp8_all_gather_recipe(None)
+        for scaling in expert_scalings:
+            check_fp8_all_gather_recipe(scaling.recipe)  # refused as for an Fp8Linear (rowwise, block)
         for _, layer in layers:
             wrap_weight_for_fp8_all_gather(layer)  # refuses a recipe that cannot (ValueError)
         wrap_experts_for_fp8_all_gather(model)  # FP8 experts too (tensorwise, (out, in) layout)
