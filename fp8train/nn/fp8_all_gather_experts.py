@@ -14,8 +14,8 @@ The gathered `Fp8GatheredExperts` presents itself as the fp32 (E, N, K) Paramete
 `weight.unbind(0)` of it (nn/experts.py), which gives each expert an `Fp8GatheredWeight` (nn/fp8_all_gather.py)
 holding its codes, scale and amax, which the expert's weight quantizer takes as it is (as an Fp8Linear's does).
 Any other use of the gathered bytes raises. Transposed experts (gpt-oss, whose forward transposes the weight
-first) and rowwise / block recipes are not wrapped: they are gathered in fp32 (block tiles and row scales would
-have to be gathered too).
+first) are not wrapped: they are gathered in fp32. Rowwise and block recipes are refused by apply_fsdp2, as for
+Fp8Linear (row and tile scales would have to be gathered too).
 """
 
 from __future__ import annotations
