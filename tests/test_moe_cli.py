@@ -215,3 +215,34 @@ def test_kv_eval_report_and_plan_run_on_the_moe_run(moe, capsys):
     assert "# experts: 4 FP8 expert projections are not planned" in plan
     overrides = yaml.safe_load(plan)["policy"]["overrides"]
     assert len(overrides) == 8 and not any("experts" in k for k in overrides)  # the 8 attention Linears
+
+
+def test_a_converted_moe_folder_exports_the_experts_its_record_names(moe, tmp_path):
+    """A folder saved by transformers' save_pretrained after convert_to_fp8 records its FP8 experts in
+    config.fp8train; the export takes them from there (a policy that would differ is not consulted), and a record
+    naming no experts projection of the model is refused before anything is written."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from fp8train.nn.convert import LayerPolicy, convert_to_fp8
+    from fp8train.serving.hf_export import export_hf_folder
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(moe / "pretrained"), dtype=torch.float32)
+    # only layer 1's down_proj in FP8 (and no Linear): the default policy would convert every projection
+    convert_to_fp8(model, "current", LayerPolicy(min_features=32, exclude=(r"self_attn\.", r"layers\.0\.",
+                                                                           r"gate_up_proj$")))
+    model.save_pretrained(str(tmp_path / "saved"))
+    result = export_hf_folder(tmp_path / "saved", tmp_path / "fp8", tokenizer=str(moe / "tokenizer"))
+    tensors = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    fp8_keys = sorted(k for k, v in tensors.items() if v.dtype == torch.float8_e4m3fn)
+    assert result["fp8_experts"] == 1 and fp8_keys == [f"{EXPERTS.format(layer=1)}.{e}.down_proj.weight"
+                                                       for e in range(4)]
+    assert tensors[f"{EXPERTS.format(layer=1)}.gate_up_proj"].dtype == torch.bfloat16  # kept in high precision
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    config["fp8train"]["experts"] = ["model.layers.1.mlp.experts.router_proj"]
+    (tmp_path / "saved" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="records FP8 experts 'model.layers.1.mlp.experts.router_proj'"):
+        export_hf_folder(tmp_path / "saved", tmp_path / "fp8_bad", tokenizer=str(moe / "tokenizer"))
+    assert not (tmp_path / "fp8_bad").exists()

@@ -253,7 +253,7 @@ def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", w
     run = load_run(run_dir, tokenizer=tokenizer)
     _, expert_names = split_expert_names(run.model, run.fp8_names)
     check_expert_export(run, expert_names, activations)
-    names = fp8_linear_names(run)
+    names = fp8_linear_names(run, experts_exported=True)
     ragged = [n for n in names if weight_block and run.model.get_submodule(n).in_features % weight_block]
     if ragged:
         raise ValueError(f"--weight-block {weight_block} must divide in_features of every FP8 layer (compressed-tensors "
