@@ -240,6 +240,10 @@ def test_a_converted_moe_folder_exports_the_experts_its_record_names(moe, tmp_pa
     assert result["fp8_experts"] == 1 and fp8_keys == [f"{EXPERTS.format(layer=1)}.{e}.down_proj.weight"
                                                        for e in range(4)]
     assert tensors[f"{EXPERTS.format(layer=1)}.gate_up_proj"].dtype == torch.bfloat16  # kept in high precision
+    from fp8train.serving.export import export_run
+    with pytest.raises(ValueError, match="are all experts, which this single-file format does not hold"):
+        export_run(tmp_path / "saved", tmp_path / "one.safetensors", tokenizer=str(moe / "tokenizer"))
+    assert not (tmp_path / "one.safetensors").exists()
     config = json.loads((tmp_path / "saved" / "config.json").read_text())
     config["fp8train"]["experts"] = ["model.layers.1.mlp.experts.router_proj"]
     (tmp_path / "saved" / "config.json").write_text(json.dumps(config))
