@@ -105,8 +105,17 @@ def planned_layers(cfg) -> list[tuple[str, int, int]]:
     """(name, in_features, out_features) of every Linear the run's policy converts, ignoring its overrides."""
     policy = layer_policy_from_config(cfg)
     report, skeleton = _meta_conversion(cfg, LayerPolicy(**{**policy.__dict__, "overrides": ()}))
-    return [(name, skeleton.get_submodule(name).in_features, skeleton.get_submodule(name).out_features)
-            for name, _ in report.converted]
+    modules = dict(skeleton.named_modules())  # FP8 experts projections are Parameters: planned_experts
+    return [(name, modules[name].in_features, modules[name].out_features)
+            for name, _ in report.converted if name in modules]
+
+
+def planned_experts(cfg) -> list[str]:
+    """The FP8 experts projections (`...experts.gate_up_proj`) of the run: the plan leaves them at the run's
+    recipe (the shadow telemetry and the timings are per Linear)."""
+    report, skeleton = _meta_conversion(cfg, layer_policy_from_config(cfg))
+    modules = dict(skeleton.named_modules())
+    return [name for name, _ in report.converted if name not in modules]
 
 
 def _fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, autocast: bool):
@@ -221,7 +230,7 @@ def make_plan(run_dir: str | Path, device: str, repeats: int, thresholds: dict) 
         rows.append(dict(layer=name, shape=[tokens, k, n], choice=choice, comment=f"{tokens}x{k}x{n} {comment}"))
     return dict(run_dir=str(run_dir), device=device, device_name=_device_name(device), baseline=baseline,
                 repeats=repeats, thresholds=thresholds, recipes=recipes, layers=rows,
-                fp8_layers=sum(r["choice"] != OVERRIDE_BF16 for r in rows))
+                fp8_layers=sum(r["choice"] != OVERRIDE_BF16 for r in rows), experts=planned_experts(cfg))
 
 
 def _yaml_quoted(text: str) -> str:
@@ -245,6 +254,9 @@ def plan_yaml(plan: dict) -> str:
                      "candidate, add policy.allow_no_fp8=true)")
     else:
         lines.append(f"# outcome: {plan['fp8_layers']} of {len(plan['layers'])} layers in FP8")
+    if plan.get("experts"):
+        lines.append(f"# experts: {len(plan['experts'])} FP8 expert projections are not planned and keep the run's "
+                     "recipe (shadow telemetry and timings are per Linear)")
     lines += ["# use: fp8train train CONFIG policy.plan=THIS_FILE, or validate.candidates: "
               "[plan=current:policy.plan=THIS_FILE]", "policy:", "  overrides:"]
     for row in plan["layers"]:

@@ -45,6 +45,7 @@ from fp8train.numerics.quant import Fp8Tensor, convert_dialect, quantize
 from fp8train.serving.fp8_weights import (ACTIVATION_SCHEMES, Fp8WeightLinear, dequantized_weight_model,
                                           fp8_weight_model, quantize_weight_per_channel)
 from fp8train.serving.dense_export import DENSE_DTYPES, DENSE_FORMAT, export_dense_folder
+from fp8train.serving.expert_export import split_expert_names
 from fp8train.serving.export_checks import compare_logits, print_check, refuse_failed_source
 from fp8train.serving.export_options import check_options
 from fp8train.serving.hf_export import export_hf_folder, export_notes, load_hf_export
@@ -149,7 +150,7 @@ def export_run(run_dir, out, fmt="e4m3fn", force: bool = False) -> dict:
         tensors[key] = (value.to(torch.bfloat16) if value.is_floating_point() else value).contiguous()
     _write_atomically(tensors, _metadata(fmt, run, names), out)
     return {"path": str(out), "format": fmt.name, "fp8_layers": len(names), "step": run.step,
-            "bytes": out.stat().st_size}
+            "bytes": out.stat().st_size, "experts_bf16": len(split_expert_names(run.model, run.fp8_names)[1])}
 
 
 def read_export_metadata(path) -> dict:
@@ -318,7 +319,8 @@ def _cli_folder(args, run: LoadedRun) -> int:
     result = export_hf_folder(run, args.out, args.format, args.activations, args.weight_block,
                               args.calib_batches, force=args.force)
     scales = f"{args.weight_block}x{args.weight_block} weight blocks" if args.weight_block else "per-channel weights"
-    print(f"exported step {result['step']} of {args.run_dir}: {result['fp8_layers']} FP8 Linears (e4m3fn, "
+    experts = f" and {result['fp8_experts']} FP8 expert projections (per expert)" if result["fp8_experts"] else ""
+    print(f"exported step {result['step']} of {args.run_dir}: {result['fp8_layers']} FP8 Linears{experts} (e4m3fn, "
           f"{scales}, {result['activations']} input scales) -> {result['path']}/ (compressed-tensors, "
           f"{result['bytes']} bytes of weights)")
     for note in export_notes(result):
@@ -368,5 +370,7 @@ def cli_main(args) -> int:
         return _cli_folder(args, run)
     result = export_run(run, args.out, args.format, force=args.force)
     print(f"exported step {result['step']} of {args.run_dir}: {result['fp8_layers']} FP8 Linears "
-          f"({result['format']}, per-output-channel scales) -> {result['path']} ({result['bytes']} bytes)")
+          f"({result['format']}, per-output-channel scales) -> {result['path']} ({result['bytes']} bytes)"
+          + (f"; {result['experts_bf16']} FP8 expert projections written in bf16 (this file holds FP8 Linears; "
+             "--out DIR writes experts in FP8)" if result["experts_bf16"] else ""))
     return 0 if args.no_check else print_check(check_export(args.out, run), args.out)

@@ -38,6 +38,7 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from fp8train.numerics.formats import get_format
+from fp8train.serving.expert_export import check_expert_export, expert_fp8_tensors, load_hf_experts, split_expert_names
 from fp8train.serving.fp8_weights import (ACTIVATION_SCHEMES, Fp8ActivationLinear, quantize_weight_blocks,
                                           quantize_weight_per_channel)
 from fp8train.serving.run_loading import (LoadedRun, fp8_linear_names, loaded_run, package_version, source_dir,
@@ -250,7 +251,9 @@ def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", w
     _check_options(fmt, activations, weight_block)
     out = refuse_unsafe_out(source_dir(run_dir), out, force)
     run = loaded_run(run_dir)
-    names = fp8_linear_names(run)
+    _, expert_names = split_expert_names(run.model, run.fp8_names)
+    check_expert_export(run, expert_names, activations)
+    names = fp8_linear_names(run, experts_exported=True)
     ragged = [n for n in names if weight_block and run.model.get_submodule(n).in_features % weight_block]
     if ragged:
         raise ValueError(f"--weight-block {weight_block} must divide in_features of every FP8 layer (compressed-tensors "
@@ -259,7 +262,8 @@ def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", w
     to_hf = hf_export_names(run.model)
     input_amax = calibrate_input_amax(run, names, calib_batches) if activations == "static" else None
     tensors = _fp8_tensors(run, names, to_hf, weight_block, input_amax)
-    skip = {f"{n}.{t}" for n in names for t in ("weight", "bias")} | tied_aliases(run.model)
+    tensors.update(expert_fp8_tensors(run, expert_names, to_hf, weight_block))
+    skip = {f"{n}.{t}" for n in names for t in ("weight", "bias")} | set(expert_names) | tied_aliases(run.model)
     for key, value in run.model.state_dict().items():
         if key in skip:
             continue
@@ -272,7 +276,8 @@ def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", w
         [to_hf(n) for n in linears if n not in names], activations, weight_block))
     config["fp8train_export"] = source_record(run)
     write_folder(out, tensors, config, run_tokenizer_folder(run), force, generation_config_of(run, config))
-    return {"path": str(out), "format": "e4m3fn", "fp8_layers": len(names), "step": run.step,
+    return {"path": str(out), "format": "e4m3fn", "fp8_layers": len(names), "fp8_experts": len(expert_names),
+            "step": run.step,
             "activations": activations, "weight_block": weight_block,
             "vllm_mixed_fused": vllm_mixed_groups(run.model, names, to_hf),
             # transformers loads a partial last block row; vLLM checks each fused shard's outputs against B
@@ -329,6 +334,7 @@ def load_hf_export(folder, device="cpu") -> nn.Module:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = load_file(str(folder / "model.safetensors"), device=str(device))
+    filled = load_hf_experts(model, tensors)  # per-expert FP8 keys into the fused experts (expert_export.py)
     for name in [k[:-len(".weight_scale")] for k in tensors if k.endswith(".weight_scale")]:
         layer = Fp8ActivationLinear(tensors.pop(f"{name}.weight"), tensors.pop(f"{name}.weight_scale"),
                                     tensors.pop(f"{name}.bias", None), tensors.pop(f"{name}.input_scale", None),
@@ -337,7 +343,7 @@ def load_hf_export(folder, device="cpu") -> nn.Module:
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
     expected = model.state_dict()
     unexpected = [k for k in tensors if k not in expected]
-    missing = [k for k in expected if k not in tensors and k not in tied_aliases(model)
+    missing = [k for k in expected if k not in tensors and k not in tied_aliases(model) and k not in filled
                and not isinstance(model.get_submodule(k.rpartition(".")[0]), Fp8ActivationLinear)]
     if unexpected or missing:
         raise ValueError(f"export {str(folder)!r} does not fit its config.json: missing {missing[:4]}, unexpected "

@@ -38,6 +38,7 @@ import torch.nn as nn
 from fp8train import __version__
 from fp8train.nn.convert import convert_to_fp8, is_conv1d
 from fp8train.nn.fp8_record import FP8_RECORD_KEY
+from fp8train.nn.hf_experts import SCALING_SUFFIX, expert_projections, is_hf_experts
 from fp8train.nn.recipes import ROLES
 from fp8train.training.data.corpus import BYTE_VOCAB
 from fp8train.training.data.tokenized import has_tokenizer
@@ -76,11 +77,19 @@ def source_dir(run) -> Path:
     return run.run_dir if isinstance(run, LoadedRun) else Path(run)
 
 
-def fp8_linear_names(run: LoadedRun) -> list[str]:
+def fp8_linear_names(run: LoadedRun, experts_exported: bool = False) -> list[str]:
     """The run's FP8 layers that serving formats can hold: nn.Linear ones (a GPT-2 Conv1D trained in FP8 is
-    exported in high precision). Refuses a run left with none, saying why."""
-    names = [n for n in run.fp8_names if isinstance(run.model.get_submodule(n), nn.Linear)]
-    if not names and run.fp8_names:
+    exported in high precision). Refuses a run left with none, saying why, unless `experts_exported` (the
+    folder export, which writes FP8 experts too) and the run has FP8 experts."""
+    modules = dict(run.model.named_modules())  # (an FP8 experts projection is a Parameter, not a module)
+    names = [n for n in run.fp8_names if isinstance(modules.get(n), nn.Linear)]
+    if not names and any(n not in modules for n in run.fp8_names):
+        if experts_exported:
+            return names
+        raise ValueError(f"the FP8 weights of {run.run_dir} are all experts, which this single-file format does not "
+                         f"hold (FP8 Linears only); the folder export writes them: fp8train export {run.run_dir} "
+                         "--format e4m3fn --out DIR")
+    if not names and any(n in modules for n in run.fp8_names):
         raise ValueError(f"every FP8 layer of {run.run_dir} is a transformers Conv1D (GPT-2); FP8 weight exports hold "
                          "nn.Linear weights only (compressed-tensors quantizes nn.Linear), so there is nothing to "
                          f"export in FP8. Write the dense Hugging Face folder instead, which transformers and vLLM "
@@ -245,14 +254,26 @@ def _recorded_fp8_names(model: nn.Module, config: dict, folder: Path) -> list[st
     if unknown:
         raise ValueError(f"{str(folder)!r}: config.json records FP8 layer {unknown[0][len(prefix):]!r}, which is no "
                          "Linear of the model it describes")
-    return names
+    # FP8 experts projections (`...experts.gate_up_proj`: 3-D Parameters of an experts module), recorded apart
+    experts = [prefix + name for name in ((config.get(FP8_RECORD_KEY) or {}).get("experts") or [])]
+    modules = dict(model.named_modules())
+    for name in experts:
+        owner, _, param = name.rpartition(".")
+        if owner not in modules or not is_hf_experts(modules[owner]) or param not in expert_projections(modules[owner]):
+            raise ValueError(f"{str(folder)!r}: config.json records FP8 experts {name[len(prefix):]!r}, which is no "
+                             "experts projection of the model it describes")
+    return names + experts
 
 
 def _load_master_weights(model: nn.Module, state: dict, fp8_names: list, ckpt: Path) -> None:
     expected = model.state_dict()
-    converted = set(fp8_names)
+    # an FP8 experts projection `...experts.gate_up_proj` keeps its scaling state under `...gate_up_proj_fp8.`
+    converted = set(fp8_names) | {name + SCALING_SUFFIX for name in fp8_names}
+    modules = dict(model.named_modules())
     for name in fp8_names:  # an older checkpoint's Conv1D-born Fp8Linear weight, in the (out, in) layout
-        module, key = model.get_submodule(name), f"{name}.weight"
+        if name not in modules:  # an experts projection: a 3-D Parameter, not a module
+            continue
+        module, key = modules[name], f"{name}.weight"
         if is_conv1d(module) and key in state and module.nx != module.nf \
                 and tuple(state[key].shape) == (module.nf, module.nx):
             state[key] = state[key].t().contiguous()

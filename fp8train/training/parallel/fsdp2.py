@@ -37,6 +37,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # set_custo
 from torch.distributed.tensor import DTensor
 
 from fp8train.nn.convert import fp8_layers
+from fp8train.nn.experts_scaling import ExpertScaling
+from fp8train.nn.fp8_all_gather_experts import wrap_experts_for_fp8_all_gather
 from fp8train.nn.fp8_all_gather import check_fp8_all_gather_recipe, wrap_weight_for_fp8_all_gather
 
 __all__ = ["ensure_process_group", "release_process_group", "decoder_blocks", "apply_fsdp2",
@@ -84,12 +86,20 @@ def apply_fsdp2(model: nn.Module, device: torch.device, *, fp8_all_gather: bool 
         # FSDP2 all-gathers into the same storage every step without bumping the tensor version: a weight FP8
         # copy cached by (version, data_ptr) would go stale after the optimizer step.
         layer.weight_cache_allowed = False
+    for module in model.modules():
+        if isinstance(module, ExpertScaling):  # the same for each expert's FP8 weight (nn/experts_scaling.py)
+            for view in module.experts:
+                view.weight_cache_allowed = False
     if fp8_all_gather:
         layers = fp8_layers(model)
-        if not layers:
+        expert_scalings = [m for m in model.modules() if isinstance(m, ExpertScaling)]
+        if not layers and not expert_scalings:
             check_fp8_all_gather_recipe(None)
+        for scaling in expert_scalings:
+            check_fp8_all_gather_recipe(scaling.recipe)  # refused as for an Fp8Linear (rowwise, block)
         for _, layer in layers:
             wrap_weight_for_fp8_all_gather(layer)  # refuses a recipe that cannot (ValueError)
+        wrap_experts_for_fp8_all_gather(model)  # FP8 experts too (tensorwise, (out, in) layout)
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=gather_dtype)
     for block in decoder_blocks(model):
