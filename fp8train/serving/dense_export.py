@@ -29,12 +29,14 @@ DENSE_FORMAT = "hf"  # export --format value
 DENSE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def export_dense_folder(run_dir, out, dtype: str = "float32", force: bool = False) -> dict:
+def export_dense_folder(run_dir, out, dtype: str = "float32", force: bool = False,
+                        tokenizer: str | None = None) -> dict:
     """Write the dense Hugging Face folder of ``run_dir``'s newest valid checkpoint (or of a LoadedRun) to ``out``."""
     if dtype not in DENSE_DTYPES:
         raise ValueError(f"--dtype {dtype!r}; allowed: {', '.join(DENSE_DTYPES)}")
     out = refuse_unsafe_out(source_dir(run_dir), out, force)
-    run = loaded_run(run_dir)  # the plain model (Conv1D again for GPT-2), its scaling buffers dropped
+    # the plain model (Conv1D again for GPT-2), its scaling buffers dropped; tokenizer: a Hugging Face folder's
+    run = loaded_run(run_dir, tokenizer)
     to_hf = hf_export_names(run.model)
     aliases = tied_aliases(run.model)
     tensors = {}

@@ -46,7 +46,7 @@ from fp8train.serving.fp8_weights import (ACTIVATION_SCHEMES, Fp8WeightLinear, d
                                           fp8_weight_model, quantize_weight_per_channel)
 from fp8train.serving.dense_export import DENSE_DTYPES, DENSE_FORMAT, export_dense_folder
 from fp8train.serving.expert_export import split_expert_names
-from fp8train.serving.export_checks import compare_logits, print_check, refuse_failed_source
+from fp8train.serving.export_checks import compare_logits, fidelity_bounds, print_check, refuse_failed_source
 from fp8train.serving.export_options import check_options
 from fp8train.serving.hf_export import export_hf_folder, export_notes, load_hf_export
 from fp8train.serving.run_loading import (LoadedRun, fp8_linear_names, fp8_policy_names, load_run, loaded_run,
@@ -126,13 +126,13 @@ def _model_config_dict(model_cfg) -> dict:
     return {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(model_cfg)}
 
 
-def export_run(run_dir, out, fmt="e4m3fn", force: bool = False) -> dict:
+def export_run(run_dir, out, fmt="e4m3fn", force: bool = False, tokenizer: str | None = None) -> dict:
     """Write the FP8 export of ``run_dir``'s newest valid checkpoint (or of a LoadedRun) to ``out`` (see the module
     docstring)."""
     fmt = _export_format(fmt)
     out = Path(out)
     out = check_output_file(out, force=force, sources=[source_dir(run_dir)])
-    run = loaded_run(run_dir)
+    run = loaded_run(run_dir, tokenizer)  # (tokenizer: a Hugging Face folder without one)
     names = fp8_linear_names(run)
     tensors, aliases = {}, tied_aliases(run.model)
     fp8_params = {f"{n}.weight" for n in names} | {f"{n}.bias" for n in names}
@@ -329,7 +329,8 @@ def _cli_folder(args, run: LoadedRun) -> int:
         return 0
     val = build_data(run.cfg).val_batches()[:2]  # the source as exported, not the run folder read again
     return print_check({"vs_source": compare_logits(run.model, load_hf_export(args.out), val,
-                                                    run.cfg.train.autocast == "bf16")}, args.out)
+                                                    run.cfg.train.autocast == "bf16")}, args.out,
+                       fidelity_bounds(run.model))
 
 
 def _cli_dense(args, run: LoadedRun) -> int:
@@ -346,7 +347,8 @@ def _cli_dense(args, run: LoadedRun) -> int:
 
     val = build_data(run.cfg).val_batches()[:2]
     loaded = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32, local_files_only=True).eval()
-    return print_check({"transformers_vs_source": compare_logits(run.model, loaded, val, autocast=False)}, args.out)
+    return print_check({"transformers_vs_source": compare_logits(run.model, loaded, val, autocast=False)}, args.out,
+                       fidelity_bounds(run.model))
 
 
 def cli_main(args) -> int:
@@ -373,4 +375,4 @@ def cli_main(args) -> int:
           f"({result['format']}, per-output-channel scales) -> {result['path']} ({result['bytes']} bytes)"
           + (f"; {result['experts_bf16']} FP8 expert projections written in bf16 (this file holds FP8 Linears; "
              "--out DIR writes experts in FP8)" if result["experts_bf16"] else ""))
-    return 0 if args.no_check else print_check(check_export(args.out, run), args.out)
+    return 0 if args.no_check else print_check(check_export(args.out, run), args.out, fidelity_bounds(run.model))

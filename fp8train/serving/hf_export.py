@@ -246,11 +246,11 @@ def refuse_unsafe_out(run_dir, out, force: bool) -> Path:
 
 
 def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", weight_block: int = 0,
-                     calib_batches: int = 4, force: bool = False) -> dict:
+                     calib_batches: int = 4, force: bool = False, tokenizer: str | None = None) -> dict:
     """Write the Hugging Face FP8 folder of ``run_dir``'s newest valid checkpoint (or of a LoadedRun) to ``out``."""
     _check_options(fmt, activations, weight_block)
     out = refuse_unsafe_out(source_dir(run_dir), out, force)
-    run = loaded_run(run_dir)
+    run = loaded_run(run_dir, tokenizer)  # (tokenizer: a Hugging Face folder without one)
     _, expert_names = split_expert_names(run.model, run.fp8_names)
     check_expert_export(run, expert_names, activations)
     names = fp8_linear_names(run, experts_exported=True)
