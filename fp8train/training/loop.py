@@ -179,7 +179,7 @@ def finish_step(run: Run, state: LoopState, record: dict, metrics: MetricsLog) -
     if run.layers and is_logged:
         record.update(telemetry.counters(run.layers))
     if state.sampled:
-        stats = telemetry.collect(run.layers)
+        stats = telemetry.collect(run.layers) | telemetry.collect_experts(run.experts)
         record.update(telemetry.summarize(stats))
         extra = {"gemms": gemm_paths(run.layers)} | ({"shadow": run.shadow.collect()} if run.shadow else {})
         telemetry.append(run.run_dir / TELEMETRY_FILE, done, stats, run.is_main, extra)

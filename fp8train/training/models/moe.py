@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from fp8train.nn.experts import GroupedLinear
 
-__all__ = ["MoE", "Experts", "route", "moe_blocks"]
+__all__ = ["MoE", "Experts", "route", "moe_blocks", "moe_metrics", "routing_snapshot", "routing_agreement"]
 
 
 def route(logits_fp32: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -94,3 +94,56 @@ class MoE(nn.Module):
 def moe_blocks(model: nn.Module) -> list[tuple[str, MoE]]:
     """(name, MoE) of every MoE block of `model`, in module order."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def moe_metrics(model: nn.Module) -> dict:
+    """The metrics line's MoE numbers from the last forward: `moe/aux_loss` (the MoE blocks' load-balancing
+    losses, summed, before model.aux_loss_coef) and `moe/max_load` (over blocks, the largest ratio of an
+    expert's assignments to the mean per expert: 1.0 = perfectly balanced, n_experts = all on one). {} for a
+    model without MoE blocks."""
+    blocks = moe_blocks(model)
+    if not blocks or blocks[0][1].expert_tokens is None:
+        return {}
+    counts = torch.stack([b.expert_tokens.float() / b.expert_tokens.float().mean() for _, b in blocks])
+    aux = torch.stack([b.aux_loss.detach() for _, b in blocks]).sum()
+    values = torch.stack([aux.float(), counts.max()]).tolist()  # one device-to-host copy
+    return {"moe/aux_loss": values[0], "moe/max_load": values[1]}
+
+
+@torch.no_grad()
+def routing_snapshot(model: nn.Module, idx: torch.Tensor, autocast) -> dict:
+    """{block name: {"expert_tokens": [assignments per expert], "routing": [per token: its top_k expert ids,
+    ascending]}} of one eval-mode forward of `idx` under `autocast()`: what summary.json records so that two runs
+    of a pair can be compared on the same tokens (routing_agreement)."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        return {}
+    was_training = model.training
+    model.eval()
+    try:
+        with autocast():
+            model(idx)
+    finally:
+        model.train(was_training)
+    out = {}
+    for name, block in blocks:
+        out[name] = {"expert_tokens": block.expert_tokens.tolist(),
+                     "routing": block.routing.sort(dim=-1).values.tolist()}
+    return out
+
+
+def routing_agreement(baseline: dict, candidate: dict) -> dict:
+    """Per block: the share of routing decisions (token, chosen expert) of `candidate` that `baseline` did not
+    make on the same tokens (`flipped`: 0 = identical routing; each token's top_k set compared as a set), and
+    the per-expert assignment counts of both with their difference. Blocks missing from either are left out."""
+    result = {}
+    for name, base in baseline.items():
+        cand = candidate.get(name)
+        if cand is None or len(cand["routing"]) != len(base["routing"]):
+            continue
+        decisions = sum(len(chosen) for chosen in base["routing"])
+        changed = sum(len(set(c) - set(b)) for c, b in zip(cand["routing"], base["routing"]))
+        result[name] = {"flipped": changed / decisions if decisions else 0.0,
+                        "baseline_tokens": base["expert_tokens"], "candidate_tokens": cand["expert_tokens"],
+                        "token_diff": [c - b for b, c in zip(base["expert_tokens"], cand["expert_tokens"])]}
+    return result
