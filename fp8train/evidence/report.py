@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 from fp8train.evidence import advisor, plots
+from fp8train.evidence.moe_report import moe_markdown, moe_summary
 from fp8train.evidence.pairing import check_pairing
 from fp8train.evidence.pairs import BASELINE, PLAN_FILE
 from fp8train.evidence.plan import shadow_table
@@ -63,6 +64,7 @@ def write_validation_report(vdir: str | Path) -> dict:
     tables = {label: advisor.layer_table([rec for r in by_seed.values() for rec in r.telemetry])
               for label, by_seed in runs.items() if label != BASELINE}
     health_png = plots.plot_health(vdir / "health.png", tables, title=vdir.name)
+    summary["moe"] = moe_summary(runs) or None  # MoE runs: routing agreement of every pair
     write_text_atomic(vdir / "report.md", _validation_markdown(vdir, plan, summary, runs, tables, health_png))
     write_json_atomic(vdir / "summary.json", summary)
     return summary
@@ -142,6 +144,7 @@ def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:
         lines.append("")
     if health_png:
         lines += ["## FP8 health", "", "![per-layer FP8 health](health.png)", ""]
+    lines += moe_markdown(vdir, summary.get("moe"), tables)
     first = {label: next(iter(by_seed.values())) for label, by_seed in runs.items() if label != BASELINE}
     lines += _advisor_markdown({label: (tables[label], _exclude_list(first[label])) for label in tables})
     lines += _runs_table(summary)
@@ -216,11 +219,11 @@ def _advisor_markdown(per_run: dict) -> list[str]:
         if not health:
             continue
         any_data = True
-        flagged = advisor.advise(health)
+        flagged = advisor.by_policy_layer(advisor.advise(health))  # experts: their grouped layer
         if not flagged:
             lines += [f"- **{label}**: no layer crosses the thresholds; keep the current policy.", ""]
             continue
-        lines += [f"- **{label}**: {len(flagged)} of {len(health)} FP8 layers flagged. Paste into the config:", "",
+        lines += [f"- **{label}**: {len(flagged)} of {len(advisor.by_policy_layer(health))} FP8 layers flagged. Paste into the config:", "",
                   "```yaml", "policy:", "  exclude:"]
         lines += [f"    - '{pattern}'" for pattern in exclude]
         for layer, reasons in sorted(flagged.items()):

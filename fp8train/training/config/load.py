@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fp8train.training.config.base import check_settings_file
 from fp8train.training.config.full import FullConfig
+from fp8train.training.config.model_data import MOE_FIELDS
 from fp8train.training.config.run import RESUME_WORDS
 
 
