@@ -2,6 +2,7 @@
 written from the documented rule, the load-balancing loss by hand, experts that get no token, FP8 conversion of
 the grouped experts, config checks, and the routing agreement the validation report uses."""
 
+import json
 import math
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fp8train.evidence.validate import run_validation
 from fp8train.nn.convert import LayerPolicy, convert_to_fp8
 from fp8train.nn.experts import Fp8GroupedLinear, GroupedLinear
 from fp8train.nn.linear import update_fp8_scales
@@ -178,3 +180,32 @@ def test_routing_snapshot_records_each_tokens_experts_and_leaves_the_mode():
     for block in snap.values():
         assert len(block["routing"]) == 32 and all(len(set(r)) == 2 for r in block["routing"])
         assert block["expert_tokens"] == [sum(e in r for r in block["routing"]) for e in range(4)]
+
+
+# A tiny MoE decoder trained 40 steps; 3 paired seeds at a 2% margin: `current` PASSes, the same recipe with a
+# scale margin of 2**17 (every value below ~0.29 x amax of its tensor flushes to zero, as in test_validate.py's
+# dense `degraded`) FAILs; the report carries the routing agreement of every pair.
+TINY_MOE = MOE[:4] + ["model.seq_len=32", "train.batch_size=8", "train.max_steps=40", "train.eval_every=10",
+                      "train.eval_batches=4", "optim.warmup_steps=5", "policy.min_features=16", "log.wandb=disabled",
+                      "log.every=5", "log.telemetry_every=10", "data.max_bytes=300000", "validate.margin=0.02",
+                      "validate.final_window=2", "validate.seeds=3", "model.n_layers=2", "model.moe_ffn_hidden=32",
+                      "train.threads=1"]
+
+
+@pytest.mark.slow
+def test_moe_validation_passes_current_and_fails_a_harmful_margin(tmp_path):
+    cfg = load_config(None, TINY_MOE + [f"run.dir={tmp_path}", "run.name=val", "validate.workers=2"])
+    summary = run_validation(cfg, candidates=["current", "degraded=current:margin=17"], show_progress=False)
+    c = summary["candidates"]
+    assert c["current"]["verdict"] == "pass", c["current"]
+    assert c["degraded"]["verdict"] == "fail" and c["degraded"]["gap_lower"] > 0.02, c["degraded"]
+    on_disk = json.loads((tmp_path / "val" / "summary.json").read_text())
+    agreement = on_disk["moe"]["current"]
+    assert set(agreement) == {str(s) for s in summary["seeds"]}
+    for blocks in agreement.values():
+        assert set(blocks) == {"layers.0.mlp", "layers.1.mlp"}
+        for row in blocks.values():
+            assert 0.0 <= row["flipped"] <= 1.0 and sum(row["baseline_tokens"]) == sum(row["candidate_tokens"])
+    report = (tmp_path / "val" / "report.md").read_text()
+    assert "## Mixture of experts: routing agreement" in report and (tmp_path / "val" / "experts.png").stat().st_size
+    assert "layers.0.mlp.experts.gate_up" in report  # per-expert health names the grouped layers

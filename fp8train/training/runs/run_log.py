@@ -18,9 +18,7 @@ from fp8train.nn.recipes import BASELINE_RECIPE
 from fp8train.training.runs import telemetry
 from fp8train.training.parallel.distributed import fp8_state_digest
 from fp8train.training.runs.lifetime import Interrupted, interrupts_raised
-from fp8train.training.evaluation import run_autocast
 from fp8train.training.models.decoder import count_params
-from fp8train.training.models.moe import moe_blocks, routing_snapshot
 from fp8train.training.storage.files import append_jsonl, truncate_jsonl, write_json_atomic, write_text_atomic
 from fp8train.training.storage.rundir import METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE
 from fp8train.training.runs.tracking import Trackers, tracked_config
@@ -87,11 +85,6 @@ def summarize(run, state, collective: bool = True) -> dict:
     if run.conversion is not None:
         summary["conversion"] = {"converted": [n for n, _ in run.conversion.converted],
                                  "skipped": [[n, r] for n, r in run.conversion.skipped]}
-    if collective and moe_blocks(run.model) and run.val_batches:
-        # the routing of the first validation batch by the final weights: the same tokens in every run of a
-        # pair, so the validation report can count the routing decisions FP8 changed
-        summary["moe"] = routing_snapshot(run.model, run.val_batches[0][0].to(run.accelerator.device),
-                                          lambda: run_autocast(cfg, run.accelerator.device))
     if "divergence_telemetry" in state.last:
         summary["divergence_telemetry"] = state.last["divergence_telemetry"]
     return summary
