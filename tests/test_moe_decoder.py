@@ -4,12 +4,14 @@ the grouped experts, config checks, and the routing agreement the validation rep
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from fp8train.evidence import advisor
 from fp8train.evidence.validate import run_validation
 from fp8train.nn.convert import LayerPolicy, convert_to_fp8
 from fp8train.nn.experts import Fp8GroupedLinear, GroupedLinear
@@ -19,6 +21,7 @@ from fp8train.training.models.decoder import build_model
 from fp8train.training.models.moe import MoE, moe_blocks, routing_agreement, routing_snapshot
 from fp8train.training.models.decoder import SwiGLU
 
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 MOE = ["model.n_experts=4", "model.top_k=2", "model.d_model=64", "model.n_heads=2", "model.seq_len=16",
        "model.n_layers=2", "model.moe_ffn_hidden=64"]
 
@@ -209,3 +212,32 @@ def test_moe_validation_passes_current_and_fails_a_harmful_margin(tmp_path):
     report = (tmp_path / "val" / "report.md").read_text()
     assert "## Mixture of experts: routing agreement" in report and (tmp_path / "val" / "experts.png").stat().st_size
     assert "layers.0.mlp.experts.gate_up" in report  # per-expert health names the grouped layers
+
+
+@pytest.mark.parametrize("name", ["cpu_moe", "cpu_moe_validate", "gpu_moe"])
+def test_moe_recipes_put_every_expert_and_block_linear_in_fp8(name):
+    cfg = load_config(str(RECIPES / f"{name}.yaml"), ["fp8.recipe=current"])
+    assert cfg.model.n_experts > 1 and cfg.model.top_k >= 1
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    report = convert_to_fp8(model, "current", layer_policy_from_config(cfg), dry_run=True)
+    skipped = {n for n, _ in report.skipped}
+    assert skipped == {"lm_head"} | {f"{b}.router" for b, _ in moe_blocks(model)}, skipped
+    assert report.kinds["experts"][1] == 0 and report.kinds["experts"][0] > 0
+
+
+def test_advisor_folds_expert_telemetry_into_its_grouped_layer():
+    flagged = {"layers.1.mlp.experts.down.expert3": ["grad_output mean SQNR 9.0 dB < 15"],
+               "layers.1.mlp.experts.down.expert0": ["input mean underflow 12.0% > 10.0%"],
+               "layers.0.attn.q_proj": ["weight mean SQNR 1.0 dB < 15"]}
+    folded = advisor.by_policy_layer(flagged)
+    assert folded == {"layers.1.mlp.experts.down": ["expert3: grad_output mean SQNR 9.0 dB < 15",
+                                                    "expert0: input mean underflow 12.0% > 10.0%"],
+                      "layers.0.attn.q_proj": ["weight mean SQNR 1.0 dB < 15"]}
+    # the pasted pattern excludes the whole grouped layer, and convert_to_fp8 accepts it
+    cfg = load_config(None, MOE + [f"policy.exclude=['{advisor.exclude_regex('layers.1.mlp.experts.down')}']"])
+    model = build_model(cfg.model)
+    report = convert_to_fp8(model, "current", layer_policy_from_config(cfg))
+    assert isinstance(model.layers[1].mlp.experts.down, GroupedLinear)
+    assert isinstance(model.layers[0].mlp.experts.down, Fp8GroupedLinear)
+    assert any(n == "layers.1.mlp.experts.down" and "excluded" in r for n, r in report.skipped)
