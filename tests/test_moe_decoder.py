@@ -20,6 +20,7 @@ from fp8train.training.config import config_hash, layer_policy_from_config, load
 from fp8train.training.models.decoder import build_model
 from fp8train.training.models.moe import MoE, moe_blocks, routing_agreement, routing_snapshot
 from fp8train.training.models.decoder import SwiGLU
+from fp8train.training.loop import train
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 MOE = ["model.n_experts=4", "model.top_k=2", "model.d_model=64", "model.n_heads=2", "model.seq_len=16",
@@ -250,3 +251,21 @@ def test_advisor_folds_expert_telemetry_into_its_grouped_layer():
     assert isinstance(model.layers[1].mlp.experts.down, GroupedLinear)
     assert isinstance(model.layers[0].mlp.experts.down, Fp8GroupedLinear)
     assert any(n == "layers.1.mlp.experts.down" and "excluded" in r for n, r in report.skipped)
+
+
+def test_a_delayed_moe_run_resumed_from_its_checkpoint_equals_the_straight_run(tmp_path):
+    """Per-expert amax histories, scales and the routers' state travel in the checkpoint: a run stopped after
+    step 5, then resumed from its step-3 checkpoint, ends bit for bit where 6 straight steps do (losses,
+    validation loss, routing of the validation batch)."""
+    common = MOE + ["model.seq_len=32", "train.batch_size=4", "fp8.recipe=delayed", "train.eval_every=3",
+                    "checkpoint.every=3", "log.wandb=disabled", "train.eval_batches=2", "policy.min_features=16",
+                    "data.max_bytes=200000", "optim.warmup_steps=2", "train.threads=1",
+                    "train.max_steps=6", f"run.dir={tmp_path}", "log.every=1"]
+    straight = train(load_config(None, common + ["run.name=a"]), show_progress=False)
+    stopped = train(load_config(None, common + ["run.name=b"]), show_progress=False,
+                    should_stop=lambda record: "test stop" if record["step"] == 5 else None)
+    assert stopped["steps"] == 5  # its last checkpoint: step 3
+    resumed = train(load_config(None, common + ["run.name=b", "train.resume=true"]), show_progress=False)
+    assert resumed["resumed_from"] is not None and resumed["steps"] == straight["steps"] == 6
+    for key in ("loss", "val_loss", "moe"):
+        assert resumed[key] == straight[key], key
