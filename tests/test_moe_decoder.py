@@ -269,3 +269,23 @@ def test_a_delayed_moe_run_resumed_from_its_checkpoint_equals_the_straight_run(t
     assert resumed["resumed_from"] is not None and resumed["steps"] == straight["steps"] == 6
     for key in ("loss", "val_loss", "moe"):
         assert resumed[key] == straight[key], key
+
+
+def test_an_moe_run_logs_aux_loss_load_and_per_expert_telemetry(tmp_path):
+    cfg = load_config(None, MOE + ["model.seq_len=32", "train.batch_size=4", "fp8.recipe=current",
+                                   "train.max_steps=4", "log.every=2", "log.telemetry_every=2", "log.wandb=disabled",
+                                   "policy.min_features=16", "data.max_bytes=200000", "train.eval_batches=2",
+                                   f"run.dir={tmp_path}", "run.name=moe", "train.threads=1"])
+    train(cfg, show_progress=False)
+    run_dir = tmp_path / "moe"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [m for m in metrics if "loss" in m and "moe/aux_loss" in m]
+    assert logged and all(0.5 < m["moe/aux_loss"] < 2 * 4 and 1.0 <= m["moe/max_load"] <= 4.0 for m in logged)
+    records = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+    layers = records[-1]["layers"]
+    for grouped in ("layers.0.mlp.experts.gate_up", "layers.1.mlp.experts.down"):
+        for e in range(4):
+            stats = layers[f"{grouped}.expert{e}"]
+            assert "weight" in stats and 0 < stats["weight"]["amax"] < 1  # every expert's weight, routed or not
+    routed = [layers[f"layers.0.mlp.experts.gate_up.expert{e}"] for e in range(4)]
+    assert any("input" in s and s["input"]["sqnr_db"] > 20 for s in routed)
