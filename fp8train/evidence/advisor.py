@@ -22,8 +22,8 @@ import re
 
 from fp8train.training.runs.telemetry import expert_layer_of
 
-__all__ = ["MEAN_THRESHOLDS", "WORST_STEP_THRESHOLDS", "layer_table", "advise", "by_policy_layer", "exclude_regex", "worst_layers",
-           "number"]
+__all__ = ["MEAN_THRESHOLDS", "WORST_STEP_THRESHOLDS", "layer_table", "advise", "by_policy_layer", "exclude_regex",
+           "worst_layers", "number"]
 
 # Crossed by the mean over a layer's sampled steps.
 MEAN_THRESHOLDS = {"sqnr_db_min": 15.0, "overflow_frac_max": 1e-3, "underflow_frac_max": 0.10}

@@ -223,7 +223,8 @@ def _advisor_markdown(per_run: dict) -> list[str]:
         if not flagged:
             lines += [f"- **{label}**: no layer crosses the thresholds; keep the current policy.", ""]
             continue
-        lines += [f"- **{label}**: {len(flagged)} of {len(advisor.by_policy_layer(health))} FP8 layers flagged. Paste into the config:", "",
+        layers = len(advisor.by_policy_layer(health))  # a grouped layer's experts count as one layer
+        lines += [f"- **{label}**: {len(flagged)} of {layers} FP8 layers flagged. Paste into the config:", "",
                   "```yaml", "policy:", "  exclude:"]
         lines += [f"    - '{pattern}'" for pattern in exclude]
         for layer, reasons in sorted(flagged.items()):

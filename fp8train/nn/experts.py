@@ -20,6 +20,10 @@ over experts; nn/scaled_grouped_mm_plan.py says which calls torch's grouped FP8 
 The result is therefore bit for bit each expert's tokens through the dense emulated path with that expert's
 scales. Autograd sees one unbind of W (its backward stacks the per-expert gradients, zeros for experts that ran
 nothing) and one split of x.
+
+`GroupedLinear` is the high-precision twin (same weight layout and forward signature; each expert's rows through
+F.linear in the autocast dtype): the built-in decoder's MoE experts are built of it, and `convert_to_fp8` swaps
+it for an Fp8GroupedLinear holding the same Parameters (nn/convert_experts.py).
 """
 
 from __future__ import annotations

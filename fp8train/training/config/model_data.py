@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from fp8train.training.config.base import Section, require
 
-__all__ = ["ModelConfig", "DataConfig", "HF_ONLY_SOURCE_KEYS", "DECODER_ONLY_FIELDS", "MOE_FIELDS", "check_hf_model_fields",
-           "drop_decoder_fields"]
+__all__ = ["ModelConfig", "DataConfig", "HF_ONLY_SOURCE_KEYS", "DECODER_ONLY_FIELDS", "MOE_FIELDS",
+           "check_hf_model_fields", "drop_decoder_fields"]
 
 HF_ONLY_SOURCE_KEYS = ("hf_config", "hf_path")
 # ModelConfig fields that describe fp8train's Decoder and mean nothing for a Hugging Face model.
