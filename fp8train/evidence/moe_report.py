@@ -12,18 +12,20 @@ forward's rounding alone. The per-expert counts (bf16, FP8 and their difference)
 load between experts or only swap decisions.
 
 Per-expert health. Fp8GroupedLinear records telemetry per expert, named `{layer}.expert{e}` (telemetry.py):
-the table lists, per grouped layer and role, the expert with the lowest mean SQNR and the highest underflow:
-rarely routed experts have few tokens, hence noisy amaxes.
+the table lists, per grouped layer and role, the smallest and largest mean amax over its experts, the expert with
+the lowest mean SQNR and the one with the highest underflow: rarely routed experts have few tokens, hence noisy
+amaxes.
 """
 
 from __future__ import annotations
 
 from fp8train.evidence import plots
+from fp8train.evidence.advisor import number
 from fp8train.evidence.pairs import BASELINE
 from fp8train.training.models.moe import routing_agreement
 from fp8train.training.runs.telemetry import expert_layer_of
 
-__all__ = ["moe_summary", "moe_markdown"]
+__all__ = ["moe_summary", "moe_markdown", "expert_amax"]
 
 
 def moe_summary(runs: dict) -> dict:
@@ -54,9 +56,25 @@ def _agreement_table(moe: dict) -> list[str]:
     return lines
 
 
-def _expert_health(tables: dict) -> list[str]:
-    lines = ["| candidate | grouped layer | role | lowest mean SQNR dB (expert) | highest mean underflow (expert) "
-             "| highest mean overflow |", "|---|---|---|---|---|---|"]
+def expert_amax(records: list[dict]) -> dict:
+    """{(grouped layer, role): {expert: mean amax over the sampled steps}} from telemetry.jsonl records."""
+    sums: dict = {}
+    for record in records:
+        for name, roles in record.get("layers", {}).items():
+            layer = expert_layer_of(name)
+            if layer is None:
+                continue
+            for role, stats in roles.items():
+                amax = number(stats.get("amax"))
+                if amax is not None:
+                    cell = sums.setdefault((layer, role), {}).setdefault(name.rpartition(".")[2], [0.0, 0])
+                    cell[0], cell[1] = cell[0] + amax, cell[1] + 1
+    return {key: {e: total / n for e, (total, n) in per.items()} for key, per in sums.items()}
+
+
+def _expert_health(tables: dict, amaxes: dict) -> list[str]:
+    lines = ["| candidate | grouped layer | role | mean amax, smallest - largest expert | lowest mean SQNR dB (expert) "
+             "| highest mean underflow (expert) | highest mean overflow |", "|---|---|---|---|---|---|---|"]
     for label, table in tables.items():
         layers: dict = {}
         for name, roles in table.items():
@@ -69,13 +87,16 @@ def _expert_health(tables: dict) -> list[str]:
             low = min(with_sqnr, key=lambda er: er[1]["sqnr_db"]) if with_sqnr else None
             high = max(rows, key=lambda er: er[1].get("underflow_frac") or 0.0)
             over = max((r.get("overflow_frac") or 0.0) for _, r in rows)
-            lines.append(f"| {label} | {layer} | {role} | "
+            amax = amaxes.get(label, {}).get((layer, role), {})
+            spread = (f"{min(amax.values()):.3g} ({min(amax, key=amax.get)}) - {max(amax.values()):.3g} "
+                      f"({max(amax, key=amax.get)})") if amax else "n/a"
+            lines.append(f"| {label} | {layer} | {role} | {spread} | "
                          + (f"{low[1]['sqnr_db']:.1f} ({low[0]})" if low else "n/a")
                          + f" | {(high[1].get('underflow_frac') or 0.0):.2%} ({high[0]}) | {over:.2%} |")
     return lines if len(lines) > 2 else []
 
 
-def moe_markdown(vdir, moe: dict, tables: dict) -> list[str]:
+def moe_markdown(vdir, moe: dict, tables: dict, amaxes: dict) -> list[str]:
     """The report's "Mixture of experts" section (routing agreement, token-count plot, per-expert health)."""
     if not moe:
         return []
@@ -91,7 +112,7 @@ def moe_markdown(vdir, moe: dict, tables: dict) -> list[str]:
              *_agreement_table(moe), ""]
     if png:
         lines += ["![tokens per expert, bf16 vs FP8](experts.png)", ""]
-    health = _expert_health(tables)
+    health = _expert_health(tables, amaxes)
     if health:
         lines += ["Per-expert FP8 health (telemetry of each expert's own GEMMs, pooled over seeds; the advisor "
                   "below names a grouped layer when any of its experts crosses a threshold):", "", *health, ""]

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 from fp8train.evidence import advisor, plots
-from fp8train.evidence.moe_report import moe_markdown, moe_summary
+from fp8train.evidence.moe_report import expert_amax, moe_markdown, moe_summary
 from fp8train.evidence.pairing import check_pairing
 from fp8train.evidence.pairs import BASELINE, PLAN_FILE
 from fp8train.evidence.plan import shadow_table
@@ -144,7 +144,9 @@ def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:
         lines.append("")
     if health_png:
         lines += ["## FP8 health", "", "![per-layer FP8 health](health.png)", ""]
-    lines += moe_markdown(vdir, summary.get("moe"), tables)
+    amaxes = {label: expert_amax([rec for r in by_seed.values() for rec in r.telemetry])
+              for label, by_seed in runs.items() if label != BASELINE}
+    lines += moe_markdown(vdir, summary.get("moe"), tables, amaxes)
     first = {label: next(iter(by_seed.values())) for label, by_seed in runs.items() if label != BASELINE}
     lines += _advisor_markdown({label: (tables[label], _exclude_list(first[label])) for label in tables})
     lines += _runs_table(summary)
