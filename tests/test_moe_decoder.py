@@ -289,3 +289,12 @@ def test_an_moe_run_logs_aux_loss_load_and_per_expert_telemetry(tmp_path):
             assert "weight" in stats and 0 < stats["weight"]["amax"] < 1  # every expert's weight, routed or not
     routed = [layers[f"layers.0.mlp.experts.gate_up.expert{e}"] for e in range(4)]
     assert any("input" in s and s["input"]["sqnr_db"] > 20 for s in routed)
+
+
+def test_the_moe_validation_job_is_the_main_jobs_design_on_an_moe_model():
+    cfg = load_config(str(RECIPES / "cpu_moe_validate.yaml"))
+    main = load_config(str(RECIPES / "cpu_validate.yaml"))
+    assert cfg.fp8.recipe == "none" and list(cfg.validate.candidates) == ["delayed", "current", "rowwise", "block"]
+    assert (cfg.validate.margin, cfg.validate.seeds, cfg.train.lr) == (main.validate.margin, main.validate.seeds,
+                                                                       main.train.lr)
+    assert cfg.model.n_experts == 4 and cfg.model.top_k == 2 and cfg.train.device == "cpu"
