@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8train.evidence import advisor
+from fp8train.evidence.report import write_report
 from fp8train.evidence.validate import run_validation
 from fp8train.nn.convert import LayerPolicy, convert_to_fp8
 from fp8train.nn.experts import Fp8GroupedLinear, GroupedLinear
@@ -289,6 +290,12 @@ def test_an_moe_run_logs_aux_loss_load_and_per_expert_telemetry(tmp_path):
             assert "weight" in stats and 0 < stats["weight"]["amax"] < 1  # every expert's weight, routed or not
     routed = [layers[f"layers.0.mlp.experts.gate_up.expert{e}"] for e in range(4)]
     assert any("input" in s and s["input"]["sqnr_db"] > 20 for s in routed)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    write_report(run_dir)  # the single run's report shows its routing
+    report = (run_dir / "report.md").read_text()
+    for block in ("layers.0.mlp", "layers.1.mlp"):
+        counts = summary["moe"][block]["expert_tokens"]
+        assert sum(counts) == 2 * 4 * 32 and f"| {block} | {counts} |" in report
 
 
 def test_the_moe_validation_job_is_the_main_jobs_design_on_an_moe_model():

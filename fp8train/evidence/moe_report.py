@@ -25,7 +25,7 @@ from fp8train.evidence.pairs import BASELINE
 from fp8train.training.models.moe import routing_agreement
 from fp8train.training.runs.telemetry import expert_layer_of
 
-__all__ = ["moe_summary", "moe_markdown", "expert_amax"]
+__all__ = ["moe_summary", "moe_markdown", "expert_amax", "run_routing_markdown"]
 
 
 def moe_summary(runs: dict) -> dict:
@@ -118,3 +118,18 @@ def moe_markdown(vdir, moe: dict, tables: dict, amaxes: dict) -> list[str]:
                   "below names a grouped layer when any of its experts crosses a threshold):", "", *health, ""]
     return lines
 
+
+
+def run_routing_markdown(summary: dict) -> list[str]:
+    """A single MoE run's report: tokens per expert of each MoE block on the first validation batch."""
+    moe = summary.get("moe")
+    if not isinstance(moe, dict) or not moe:
+        return []
+    lines = ["## Mixture of experts: routing", "", "Tokens routed to each expert on the first validation batch by the "
+             "final weights (assignments: top_k per token).", "", "| block | tokens per expert | busiest / mean |",
+             "|---|---|---|"]
+    for block, row in moe.items():
+        counts = row.get("expert_tokens") or []
+        mean = sum(counts) / len(counts) if counts else 0
+        lines.append(f"| {block} | {counts} | {max(counts) / mean:.2f} |" if mean else f"| {block} | {counts} | n/a |")
+    return lines + [""]

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 from fp8train.evidence import advisor, plots
-from fp8train.evidence.moe_report import expert_amax, moe_markdown, moe_summary
+from fp8train.evidence.moe_report import expert_amax, moe_markdown, moe_summary, run_routing_markdown
 from fp8train.evidence.pairing import check_pairing
 from fp8train.evidence.pairs import BASELINE, PLAN_FILE
 from fp8train.evidence.plan import shadow_table
@@ -254,6 +254,7 @@ def write_run_report(path: str | Path) -> dict:
              "![loss curves](loss_curves.png)", "", *_run_fork_markdown(s)]
     if health_png:
         lines += ["![per-layer FP8 health](health.png)", ""]
+    lines += run_routing_markdown(s)
     lines += _advisor_markdown({run.label: (table, _exclude_list(run))})
     lines += _shadow_markdown(path, run.telemetry)
     lines += _damage_markdown({run.label: run})
