@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from fp8train.training.config.base import Section, require
@@ -95,18 +96,21 @@ class ModelConfig(Section):
         return self.n_experts > 0 and (layer_idx + 1) % self.moe_every == 0
 
     def _check_moe(self) -> None:
+        # ranges always (a typo is refused even in a dense config); relations only when there are experts
         self._at_least("n_experts", 0, "must be >= 0 (0 = dense)")
+        require(self.n_experts <= 256, "model.n_experts", self.n_experts, "must be <= 256")
+        self._at_least("top_k", 1)
+        self._at_least("n_shared_experts", 0, "must be >= 0 (0 = no shared expert)")
+        self._at_least("moe_every", 1, "must be >= 1 (1 = every block)")
+        self._at_least("moe_ffn_hidden", 0, "must be >= 0 (0 = auto)")
+        require(self.aux_loss_coef >= 0 and math.isfinite(self.aux_loss_coef), "model.aux_loss_coef",
+                self.aux_loss_coef, "must be a finite number >= 0 (0 = no load-balancing loss)")
         if self.n_experts == 0:
             return
-        require(self.n_experts <= 256, "model.n_experts", self.n_experts, "must be <= 256")
-        require(1 <= self.top_k <= self.n_experts, "model.top_k", self.top_k,
+        require(self.top_k <= self.n_experts, "model.top_k", self.top_k,
                 f"must be in [1, model.n_experts={self.n_experts}]")
-        self._at_least("n_shared_experts", 0, "must be >= 0 (0 = no shared expert)")
-        require(1 <= self.moe_every <= self.n_layers, "model.moe_every", self.moe_every,
+        require(self.moe_every <= self.n_layers, "model.moe_every", self.moe_every,
                 f"must be in [1, model.n_layers={self.n_layers}] (else no block would be MoE)")
-        self._at_least("moe_ffn_hidden", 0, "must be >= 0 (0 = auto)")
-        require(self.aux_loss_coef >= 0 and self.aux_loss_coef == self.aux_loss_coef, "model.aux_loss_coef",
-                self.aux_loss_coef, "must be >= 0 (0 = no load-balancing loss)")
 
     def _check(self) -> None:
         self._check_moe()
