@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fp8train.cli import main as cli_main
 from fp8train.evidence import advisor
 from fp8train.evidence.report import write_report
 from fp8train.evidence.validate import run_validation
@@ -305,3 +306,22 @@ def test_the_moe_validation_job_is_the_main_jobs_design_on_an_moe_model():
     assert (cfg.validate.margin, cfg.validate.seeds, cfg.train.lr) == (main.validate.margin, main.validate.seeds,
                                                                        main.train.lr)
     assert cfg.model.n_experts == 4 and cfg.model.top_k == 2 and cfg.train.device == "cpu"
+
+
+def test_serving_commands_on_a_built_in_moe_run(tmp_path, capsys):
+    """kv-eval and the fp8train-format .safetensors export work on an MoE run; a Hugging Face folder (a Llama,
+    which has no experts) is refused in one line before anything is written."""
+    cfg = load_config(None, MOE + ["model.seq_len=32", "train.batch_size=4", "fp8.recipe=current",
+                                   "train.max_steps=2", "log.wandb=disabled", "policy.min_features=16",
+                                   "data.max_bytes=200000", "train.eval_batches=2", f"run.dir={tmp_path}",
+                                   "run.name=moe", "train.threads=1"])
+    train(cfg, show_progress=False)
+    run_dir = str(tmp_path / "moe")
+    for fmt, out in (("hf", "dense"), ("e4m3fn", "folder")):
+        assert cli_main(["export", run_dir, "--format", fmt, "--out", str(tmp_path / out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "model.n_experts=4" in err[0] and not (tmp_path / out).exists()
+    assert cli_main(["export", run_dir, "--format", "e4m3fn", "--out", str(tmp_path / "moe.safetensors")]) == 0
+    assert "top-1 agreement" in capsys.readouterr().out
+    assert cli_main(["kv-eval", run_dir]) == 0
+    assert (tmp_path / "moe" / "kv_eval" / "kv_eval.json").is_file()
