@@ -20,8 +20,10 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["MEAN_THRESHOLDS", "WORST_STEP_THRESHOLDS", "layer_table", "advise", "exclude_regex", "worst_layers",
-           "number"]
+from fp8train.training.runs.telemetry import expert_layer_of
+
+__all__ = ["MEAN_THRESHOLDS", "WORST_STEP_THRESHOLDS", "layer_table", "advise", "by_policy_layer", "exclude_regex",
+           "worst_layers", "number"]
 
 # Crossed by the mean over a layer's sampled steps.
 MEAN_THRESHOLDS = {"sqnr_db_min": 15.0, "overflow_frac_max": 1e-3, "underflow_frac_max": 0.10}
@@ -112,6 +114,18 @@ def advise(table: dict, mean_thresholds: dict | None = None, worst_thresholds: d
             if reasons:
                 flagged.setdefault(layer, []).extend(reasons)
     return flagged
+
+
+def by_policy_layer(flagged: dict) -> dict:
+    """advise()'s {name: reasons} with per-expert telemetry names (`{grouped layer}.expert{e}`) folded into their
+    grouped layer, the unit policy.exclude works on (all of a layer's experts or none); each such reason is
+    prefixed by its expert ("expert3: grad_output mean SQNR ...")."""
+    out: dict = {}
+    for name, reasons in flagged.items():
+        layer = expert_layer_of(name)
+        prefix = f"{name.rpartition('.')[2]}: " if layer is not None else ""
+        out.setdefault(layer or name, []).extend(prefix + r for r in reasons)
+    return out
 
 
 def exclude_regex(layer: str) -> str:

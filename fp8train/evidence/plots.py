@@ -4,7 +4,9 @@ for everything but reports).
 - forest.png: per candidate, each seed's paired gap, the mean and its one-sided 95% bounds, against the margin;
 - gap.png: the mean paired gap over steps with its interval, per candidate;
 - loss_curves.png: training and validation loss of every run (the baseline black, seeds thin);
-- health.png: per layer and operand, mean overflow, underflow and SQNR over the sampled steps.
+- health.png: per layer and operand, mean overflow, underflow and SQNR over the sampled steps;
+- experts.png (MoE runs): per MoE block, tokens routed to each expert on the first validation batch, the baseline
+  and every candidate, summed over seeds.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from fp8train.evidence import advisor
 from fp8train.nn.recipes import ROLES
 from fp8train.training.storage.files import write_file_atomic
 
-__all__ = ["plot_forest", "plot_gap_over_steps", "plot_loss_curves", "plot_health"]
+__all__ = ["plot_forest", "plot_gap_over_steps", "plot_loss_curves", "plot_health", "plot_expert_tokens"]
 
 HEALTH_METRICS = (("overflow_frac", "overflow (clipped) %", 100.0),
                   ("underflow_frac", "underflow (flushed to 0) %", 100.0),
@@ -180,6 +182,37 @@ def plot_health(path: Path, tables: dict[str, dict], title: str) -> bool:
     fig.suptitle(f"{title}: per-layer FP8 health (mean over sampled steps and seeds)")
     fig.tight_layout(rect=(0, 0, 1, 0.985))
     _write_png(fig, plt, path)
+    return True
+
+
+def plot_expert_tokens(path: Path, moe: dict, title: str) -> bool:
+    """experts.png from moe_report.moe_summary's {candidate: {seed: {block: row}}}; False when there is none."""
+    totals: dict = {}  # block -> {"bf16" or candidate: per-expert counts summed over seeds}
+    for n, (label, by_seed) in enumerate(moe.items()):
+        for blocks in by_seed.values():
+            for block, row in blocks.items():
+                per = totals.setdefault(block, {})
+                # every candidate's pair holds the same bf16 run of that seed: its counts are taken once
+                pairs = ((("bf16", row["baseline_tokens"]),) if n == 0 else ()) + ((label, row["candidate_tokens"]),)
+                for key, counts in pairs:
+                    per[key] = [a + b for a, b in zip(per.get(key, [0] * len(counts)), counts)]
+    if not totals:
+        return False
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(totals), figsize=(5 * len(totals), 3.6), squeeze=False)
+    for ax, (block, per) in zip(axes[0], sorted(totals.items(), key=lambda kv: _layer_order(kv[0]))):
+        labels = list(per)
+        width = 0.8 / len(labels)
+        for i, label in enumerate(labels):
+            xs = [e + (i - (len(labels) - 1) / 2) * width for e in range(len(per[label]))]
+            ax.bar(xs, per[label], width, label=label, color="black" if label == "bf16" else None)
+        ax.set_xticks(range(len(per[labels[0]])))
+        ax.set_xlabel("expert")
+        ax.set_ylabel("tokens routed (first validation batch)")
+        ax.set_title(block, fontsize=9)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{title}: tokens per expert, bf16 vs FP8")
+    _save(fig, plt, path)
     return True
 
 

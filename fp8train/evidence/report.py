@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 from fp8train.evidence import advisor, plots
+from fp8train.evidence.moe_report import expert_amax, moe_markdown, moe_summary, run_routing_markdown
 from fp8train.evidence.pairing import check_pairing
 from fp8train.evidence.pairs import BASELINE, PLAN_FILE
 from fp8train.evidence.plan import shadow_table
@@ -62,6 +63,7 @@ def write_validation_report(vdir: str | Path) -> dict:
     tables = {label: advisor.layer_table([rec for r in by_seed.values() for rec in r.telemetry])
               for label, by_seed in runs.items() if label != BASELINE}
     # written aside and moved in together: a full disk leaves the earlier report whole, never a mix
+    summary["moe"] = moe_summary(runs) or None  # MoE runs: routing agreement of every pair
     write_output_set(vdir, {
         "forest.png": lambda tmp: plots.plot_forest(tmp, summary["candidates"], margin, title=vdir.name,
                                                     baseline=base),
@@ -158,6 +160,9 @@ def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:
         lines.append("")
     if health_png:
         lines += ["## FP8 health", "", "![per-layer FP8 health](health.png)", ""]
+    amaxes = {label: expert_amax([rec for r in by_seed.values() for rec in r.telemetry])
+              for label, by_seed in runs.items() if label != BASELINE}
+    lines += moe_markdown(vdir, summary.get("moe"), tables, amaxes)
     first = {label: next(iter(by_seed.values())) for label, by_seed in runs.items() if label != BASELINE}
     lines += _advisor_markdown({label: (tables[label], _exclude_list(first[label])) for label in tables})
     lines += _runs_table(summary)
@@ -243,11 +248,12 @@ def _advisor_markdown(per_run: dict) -> list[str]:
         if not health:
             continue
         any_data = True
-        flagged = advisor.advise(health)
+        flagged = advisor.by_policy_layer(advisor.advise(health))  # experts: their grouped layer
         if not flagged:
             lines += [f"- **{label}**: no layer crosses the thresholds; keep the current policy.", ""]
             continue
-        lines += [f"- **{label}**: {len(flagged)} of {len(health)} FP8 layers flagged. Paste into the config:", "",
+        layers = len(advisor.by_policy_layer(health))  # a grouped layer's experts count as one layer
+        lines += [f"- **{label}**: {len(flagged)} of {layers} FP8 layers flagged. Paste into the config:", "",
                   "```yaml", "policy:", "  exclude:"]
         lines += [f"    - '{pattern}'" for pattern in exclude]
         for layer, reasons in sorted(flagged.items()):
@@ -281,6 +287,7 @@ def _run_markdown(path: Path, run: RunData, table: dict, health_png: bool) -> st
              "![loss curves](loss_curves.png)", "", *_run_fork_markdown(s)]
     if health_png:
         lines += ["![per-layer FP8 health](health.png)", ""]
+    lines += run_routing_markdown(s)
     lines += _advisor_markdown({run.label: (table, _exclude_list(run))})
     lines += _shadow_markdown(path, run.telemetry)
     lines += _damage_markdown({run.label: run})

@@ -8,7 +8,8 @@ folder (recipes.py, for a config) does not load the layer, its GEMMs and torch.d
 """
 
 _LAZY = {"Fp8Linear": "fp8train.nn.linear", "OperandQuantizer": "fp8train.nn.quantizer",
-         "Fp8GroupedLinear": "fp8train.nn.experts", "fp8_grouped_mm": "fp8train.nn.experts",
+         "Fp8GroupedLinear": "fp8train.nn.experts", "GroupedLinear": "fp8train.nn.experts",
+         "fp8_grouped_mm": "fp8train.nn.experts",
          "ExpertScaling": "fp8train.nn.experts_scaling"}
 
 __all__ = list(_LAZY)

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from fp8train.nn.convert_experts import attach_experts, count_other_weights, plan_experts
+from fp8train.nn.convert_experts import (attach_experts, attach_grouped, count_other_weights, is_grouped,
+                                         plan_experts, plan_grouped)
 from fp8train.nn.linear import Fp8Linear, update_fp8_scales  # noqa: F401  (update_fp8_scales re-exported)
 from fp8train.nn.fp8_record import attach_fp8_record
 from fp8train.nn.linear_subclasses import check_plain_linear
@@ -247,9 +248,11 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
             report.skipped.append((name, reason))
         report.count("linear", reason is None, numel, 2 * linear.in_features * linear.out_features)
     experts_swaps = plan_experts(model, recipe, policy, report, n_blocks, seen_as)
+    grouped_swaps = plan_grouped(model, recipe, policy, report, n_blocks, seen_as)
     count_other_weights(model, report, policy, seen_as)
     linear_names = [n for n, m in model.named_modules() if _as_linear_shape(m) is not None]
     linear_names += [n for name, _, choices in experts_swaps for n in (name, *(f"{name}.{p}" for p in choices))]
+    linear_names += [n for n, m in model.named_modules() if is_grouped(m)]
     seen_names = [n for name in linear_names for n in seen_as(name)]
     listed = f"its Linear layers: {', '.join(linear_names[:8])}" + (", ..." if len(linear_names) > 8 else "")
     unmatched = unmatched_patterns(policy.overrides, seen_names)
@@ -277,6 +280,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
         swap = fp8_from_conv1d if is_conv1d(module) else Fp8Linear.from_linear
         setattr(parent, child, swap(module, layer_recipe))
     attach_experts(experts_swaps)
+    attach_grouped(model, grouped_swaps)
     attach_fp8_record(model)  # any save of a transformers model now says which layers are FP8 (nn/fp8_record.py)
 
     if not report.converted and not dry_run:

@@ -20,6 +20,10 @@ over experts; nn/scaled_grouped_mm_plan.py says which calls torch's grouped FP8 
 The result is therefore bit for bit each expert's tokens through the dense emulated path with that expert's
 scales. Autograd sees one unbind of W (its backward stacks the per-expert gradients, zeros for experts that ran
 nothing) and one split of x.
+
+`GroupedLinear` is the high-precision twin (same weight layout and forward signature; each expert's rows through
+F.linear in the autocast dtype): the built-in decoder's MoE experts are built of it, and `convert_to_fp8` swaps
+it for an Fp8GroupedLinear holding the same Parameters (nn/convert_experts.py).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from fp8train.nn.gemm import resolve_backend
 from fp8train.nn.linear_function import Fp8LinearFunction
 from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe
 
-__all__ = ["fp8_grouped_mm", "group_sizes", "Fp8GroupedLinear", "ExpertScaling"]
+__all__ = ["fp8_grouped_mm", "group_sizes", "Fp8GroupedLinear", "GroupedLinear", "ExpertScaling"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -143,6 +147,45 @@ class Fp8GroupedLinear(nn.Module):
 
     def forward(self, input: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return fp8_grouped_mm(input, self.weight, offs, self.scaling, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.bias is not None}")
+
+
+class GroupedLinear(nn.Module):
+    """The high-precision twin of Fp8GroupedLinear: weight (E, N, K) (and optional bias (E, N)), forward(input
+    (T, K) sorted by expert, offs (E,) int32) -> (T, N), each expert's rows times its own weight in the autocast
+    dtype. A model built of these runs its experts in high precision (a bf16 baseline); `convert_to_fp8` swaps
+    each one the layer policy allows for an Fp8GroupedLinear holding the same Parameters, as it does nn.Linear.
+    `top_k` (set by the owning MoE layer) is the number of experts a token runs, for the FLOP count."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,
+                 top_k: int | None = None, device=None, dtype=None):
+        super().__init__()
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        self.top_k = top_k
+        factory = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, **factory))
+        self.bias = nn.Parameter(torch.zeros(num_experts, out_features, **factory)) if bias else None
+        bound = in_features ** -0.5
+        with torch.no_grad():
+            self.weight.uniform_(-bound, bound)
+
+    def forward(self, input: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        sizes = group_sizes(offs, input.shape[0], self.num_experts)
+        routed = sum(sizes)
+        biases = self.bias.unbind(0) if self.bias is not None else [None] * self.num_experts
+        groups = input[:routed].split(sizes)
+        outputs = [torch.nn.functional.linear(x_e, w_e, b_e)
+                   for x_e, w_e, b_e, size in zip(groups, self.weight.unbind(0), biases, sizes) if size]
+        device_type = input.device.type
+        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else input.dtype
+        if routed < input.shape[0]:  # rows routed to no expert: zero, as Fp8GroupedLinear leaves them
+            outputs.append(input.new_zeros(input.shape[0] - routed, self.out_features, dtype=out_dtype))
+        if not outputs:
+            return input.new_zeros(input.shape[0], self.out_features, dtype=out_dtype)
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from fp8train.serving.hf_export import (generation_config_of, hf_config_dict, hf_export_names, refuse_unsafe_out,
-                                        run_tokenizer_folder, source_record, write_folder)
+from fp8train.serving.hf_export import (generation_config_of, hf_config_dict, hf_export_names, refuse_moe_decoder,
+                                        refuse_unsafe_out, run_tokenizer_folder, source_record, write_folder)
 from fp8train.serving.run_loading import loaded_run, source_dir, tied_aliases
 
 __all__ = ["DENSE_FORMAT", "DENSE_DTYPES", "export_dense_folder"]
@@ -37,6 +37,7 @@ def export_dense_folder(run_dir, out, dtype: str = "float32", force: bool = Fals
     out = refuse_unsafe_out(source_dir(run_dir), out, force)
     # the plain model (Conv1D again for GPT-2), its scaling buffers dropped; tokenizer: a Hugging Face folder's
     run = loaded_run(run_dir, tokenizer)
+    refuse_moe_decoder(run)
     to_hf = hf_export_names(run.model)
     aliases = tied_aliases(run.model)
     tensors = {}

@@ -51,7 +51,7 @@ from fp8train.training.data.tokenized import run_tokenizer
 
 __all__ = ["export_hf_folder", "load_hf_export", "hf_export_names", "quantization_config", "llama_config_of",
            "hf_config_dict", "run_tokenizer_folder", "generation_config_of", "source_record", "write_folder",
-           "refuse_unsafe_out", "vllm_mixed_groups", "VLLM_FUSED", "export_notes"]
+           "refuse_unsafe_out", "vllm_mixed_groups", "VLLM_FUSED", "export_notes", "refuse_moe_decoder"]
 
 _DECODER_TO_LLAMA = (
     (r"^embed\.", "model.embed_tokens."),
@@ -80,6 +80,17 @@ def hf_export_names(model: nn.Module):
         return name
 
     return to_llama
+
+
+def refuse_moe_decoder(run: LoadedRun) -> None:
+    """A Hugging Face folder of fp8train's own decoder is a Llama: its MoE blocks (model.n_experts > 0) have no
+    Llama counterpart, and a Llama folder without them would load with fresh MLPs (wrong logits), so it is
+    refused before anything is written."""
+    if not isinstance(run.model, HFCausalLM) and run.cfg.model.n_experts > 0:
+        raise ValueError(f"{run.run_dir} trained fp8train's decoder with model.n_experts={run.cfg.model.n_experts} "
+                         "(MoE blocks): a Hugging Face folder of that decoder is a Llama, which has no experts; "
+                         "export it as a .safetensors file (--out NAME.safetensors), or fine-tune a Hugging Face "
+                         "MoE model (model.hf_path) to export a folder")
 
 
 def llama_config_of(model_cfg) -> dict:
@@ -251,6 +262,7 @@ def export_hf_folder(run_dir, out, fmt="e4m3fn", activations: str = "dynamic", w
     _check_options(fmt, activations, weight_block)
     out = refuse_unsafe_out(source_dir(run_dir), out, force)
     run = loaded_run(run_dir, tokenizer)  # (tokenizer: a Hugging Face folder without one)
+    refuse_moe_decoder(run)
     _, expert_names = split_expert_names(run.model, run.fp8_names)
     check_expert_export(run, expert_names, activations)
     names = fp8_linear_names(run, experts_exported=True)

@@ -278,8 +278,10 @@ def _load_master_weights(model: nn.Module, state: dict, fp8_names: list, ckpt: P
                 and tuple(state[key].shape) == (module.nf, module.nx):
             state[key] = state[key].t().contiguous()
     extra = [k for k in state if k not in expected]
+    # an FP8 layer's scaling buffers: `{layer}.{role}_*`, or `{layer}.scaling.{role}_*` for an Fp8GroupedLinear
+    owner_of = lambda k: k.rpartition(".")[0].removesuffix(".scaling")  # noqa: E731
     foreign = [k for k in extra
-               if not (k.rpartition(".")[0] in converted and k.rpartition(".")[2].startswith(tuple(f"{r}_" for r in ROLES)))]
+               if not (owner_of(k) in converted and k.rpartition(".")[2].startswith(tuple(f"{r}_" for r in ROLES)))]
     # A tied tensor is stored once under one of its names (safetensors' save_model): any of them will do.
     names_of = {}
     for key, tensor in model.state_dict(keep_vars=True).items():

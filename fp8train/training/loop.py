@@ -37,7 +37,8 @@ import torch
 from tqdm.auto import tqdm
 
 from fp8train.training.config import FullConfig, add_config_arguments, load_config
-from fp8train.training.evaluation import evaluate
+from fp8train.training.evaluation import evaluate, run_autocast
+from fp8train.training.models.moe import moe_blocks, routing_snapshot
 from fp8train.training.parallel.distributed import fp8_state_digest, make_accelerator
 from fp8train.training.parallel.fsdp2 import all_finite, release_process_group
 from fp8train.training.parallel.rank0 import on_main_process
@@ -112,6 +113,11 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
         progress.close()
 
         summary = summarize(run, state)
+        if moe_blocks(run.model) and run.val_batches:
+            # the routing of the first validation batch by the final weights: the same tokens in every run of
+            # a pair, so the validation report can count the routing decisions FP8 changed (every rank runs it)
+            summary["moe"] = routing_snapshot(run.model, run.val_batches[0][0].to(run.accelerator.device),
+                                              lambda: run_autocast(run.cfg, run.accelerator.device))
         finish(run, summary)
         release_process_group(run.made_process_group)
         return summary
@@ -187,7 +193,7 @@ def finish_step(run: Run, state: LoopState, record: dict, metrics: MetricsLog) -
     if run.layers and is_logged:
         record.update(telemetry.counters(run.layers))
     if state.sampled:
-        stats = telemetry.collect(run.layers)
+        stats = telemetry.collect(run.layers) | telemetry.collect_experts(run.experts)
         record.update(telemetry.summarize(stats))
         extra = {"gemms": gemm_paths(run.layers)} | ({"shadow": run.shadow.collect()} if run.shadow else {})
         telemetry.append(run.run_dir / TELEMETRY_FILE, done, stats, run.is_main, extra)

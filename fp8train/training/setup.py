@@ -33,6 +33,7 @@ from fp8train.training.runs.resume import ResumePlan, plan_resume
 from fp8train.training.storage.files import write_text_atomic
 from fp8train.training.storage.rundir import CONFIG_FILE
 from fp8train.training.shadow import RecipeShadow, shadowed_layers
+from fp8train.training.runs.telemetry import expert_scalings
 from fp8train.training.runs.tracking import Trackers, check_trackers_available
 
 __all__ = ["Run", "set_up", "lr_at"]
@@ -58,6 +59,7 @@ class Run:
     scheduler: object = None
     lr_horizon: dict = field(default_factory=dict)  # {"steps": N}: the schedule's length (see resume.py)
     layers: list = field(default_factory=list)
+    experts: list = field(default_factory=list)  # (name, ExpertScaling) of the FP8 grouped layers (telemetry)
     fp8_sync: Fp8StateSync = None
     shadow: RecipeShadow | None = None  # log.shadow_recipes: other recipes measured on telemetry steps
     trackers: Trackers = None
@@ -216,6 +218,7 @@ def _prepare_training(run: Run) -> None:
         # the non-finite amax counters of the other ranks.
         run.ddp_model.broadcast_buffers = False
     run.layers = fp8_layers(run.model)
+    run.experts = expert_scalings(run.model)
     run.fp8_sync = Fp8StateSync(run.layers, accelerator)
     if cfg.log.shadow_recipes:
         run.shadow = RecipeShadow(shadowed_layers(run.model, layer_policy_from_config(cfg)), cfg.log.shadow_recipes)

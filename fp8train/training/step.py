@@ -20,6 +20,7 @@ import torch
 from fp8train.nn.linear import update_fp8_scales
 from fp8train.training.config import FullConfig
 from fp8train.training.evaluation import run_autocast
+from fp8train.training.models.moe import moe_metrics
 from fp8train.training.parallel.distributed import all_mean_tensor
 from fp8train.training.parallel.fsdp2 import clip_grad_norm_tensor, grad_norm_tensor
 from fp8train.training.parallel.tensor_parallel import reduce_partial_grads
@@ -58,8 +59,10 @@ def optimizer_step(run: Run, state: LoopState, step: int) -> dict | None:
     no host sync), or None when the run diverged (state says where and why)."""
     cfg, t0 = run.cfg, time.perf_counter()
     every = cfg.log.telemetry_every
-    state.sampled = (bool(run.layers) or run.shadow is not None) and every > 0 and (step + 1) % every == 0
+    state.sampled = (bool(run.layers) or bool(run.experts) or run.shadow is not None) and every > 0 and \
+        (step + 1) % every == 0
     telemetry.enable(run.layers, state.sampled)
+    telemetry.enable_experts(run.experts, state.sampled)
     if run.shadow is not None:
         run.shadow.arm(state.sampled)
     state.guard.begin_step()
@@ -116,7 +119,7 @@ def _record(run: Run, state: LoopState, step_loss: float, grad_norm: float) -> d
     state.window_seconds, state.window_steps = 0.0, 0
     return {"step": state.done, "loss": step_loss, "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
             "tokens_per_s": cfg.train.batch_size * cfg.model.seq_len / seconds, "step_s": seconds,
-            "elapsed_s": time.time() - run.started, "skipped_steps": state.skipped_steps}
+            "elapsed_s": time.time() - run.started, "skipped_steps": state.skipped_steps, **moe_metrics(run.model)}
 
 
 def _unwrapped(optimizer):

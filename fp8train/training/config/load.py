@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fp8train.training.config.base import check_settings_file
 from fp8train.training.config.full import FullConfig
+from fp8train.training.config.model_data import MOE_FIELDS
 from fp8train.training.config.run import RESUME_WORDS
 
 
@@ -205,6 +206,10 @@ def config_hash(cfg: FullConfig | DictConfig, exclude: Iterable[str] = HASH_EXCL
                  else OmegaConf.to_container(_to_dictconfig(cfg), resolve=True))
     if data_fingerprint is not None:
         container["data_fingerprint"] = data_fingerprint
+    model = container.get("model", {})
+    if isinstance(model, dict) and not model.get("n_experts"):  # dense: the hash dense runs always had
+        for key in ("n_experts", *MOE_FIELDS):
+            model.pop(key, None)
     for dotted in exclude:
         *parents, last = dotted.split(".")
         node = container

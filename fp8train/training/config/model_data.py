@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from fp8train.training.config.base import Section, require
 
-__all__ = ["ModelConfig", "DataConfig", "HF_ONLY_SOURCE_KEYS", "DECODER_ONLY_FIELDS", "check_hf_model_fields",
-           "drop_decoder_fields"]
+__all__ = ["ModelConfig", "DataConfig", "HF_ONLY_SOURCE_KEYS", "DECODER_ONLY_FIELDS", "MOE_FIELDS",
+           "check_hf_model_fields", "drop_decoder_fields"]
 
 HF_ONLY_SOURCE_KEYS = ("hf_config", "hf_path")
 # ModelConfig fields that describe fp8train's Decoder and mean nothing for a Hugging Face model.
 DECODER_ONLY_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "tie_embeddings",
-                       "norm_eps", "rope_theta")
+                       "norm_eps", "rope_theta", "n_experts", "top_k", "n_shared_experts", "moe_every",
+                       "moe_ffn_hidden", "aux_loss_coef")
+# The Decoder's mixture-of-experts fields: with model.n_experts = 0 (dense) they are left out of the config hash,
+# so a dense run's hash is the one it had before these fields existed (its checkpoints still resume).
+MOE_FIELDS = ("top_k", "n_shared_experts", "moe_every", "moe_ffn_hidden", "aux_loss_coef")
 
 
 def check_hf_model_fields(model_cfg, defaults) -> None:
@@ -64,6 +69,19 @@ class ModelConfig(Section):
     """RMSNorm epsilon."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    n_experts: int = 0
+    """Mixture of experts: routed experts per MoE block; 0 = a dense model (every block a SwiGLU MLP)."""
+    top_k: int = 2
+    """MoE: experts each token is routed to (dropless token choice), 1 <= top_k <= n_experts."""
+    n_shared_experts: int = 0
+    """MoE: experts every token runs besides its routed ones (one SwiGLU n_shared_experts times as wide)."""
+    moe_every: int = 1
+    """MoE: every moe_every-th block is an MoE block (blocks moe_every-1, 2*moe_every-1, ...); 1 = all."""
+    moe_ffn_hidden: int = 0
+    """MoE: SwiGLU hidden width of each expert; 0 = the dense width (model.ffn_hidden's rule) / top_k."""
+    aux_loss_coef: float = 0.01
+    """MoE: weight of the load-balancing loss n_experts * sum_e f_e * p_e (one per MoE block, summed) added to
+    the training loss; the validation loss is the language-model loss alone."""
     hf_config: str = ""
     """Local Hugging Face config.json (or its folder) to build a transformers causal LM instead; "" = ours."""
     hf_path: str = ""
@@ -75,7 +93,31 @@ class ModelConfig(Section):
     def ffn_dim(self) -> int:
         return self.ffn_hidden or 16 * -(-(8 * self.d_model // 3) // 16)
 
+    def expert_dim(self) -> int:
+        return self.moe_ffn_hidden or 16 * -(-(self.ffn_dim() // self.top_k) // 16)
+
+    def is_moe_block(self, layer_idx: int) -> bool:
+        return self.n_experts > 0 and (layer_idx + 1) % self.moe_every == 0
+
+    def _check_moe(self) -> None:
+        # ranges always (a typo is refused even in a dense config); relations only when there are experts
+        self._at_least("n_experts", 0, "must be >= 0 (0 = dense)")
+        require(self.n_experts <= 256, "model.n_experts", self.n_experts, "must be <= 256")
+        self._at_least("top_k", 1)
+        self._at_least("n_shared_experts", 0, "must be >= 0 (0 = no shared expert)")
+        self._at_least("moe_every", 1, "must be >= 1 (1 = every block)")
+        self._at_least("moe_ffn_hidden", 0, "must be >= 0 (0 = auto)")
+        require(self.aux_loss_coef >= 0 and math.isfinite(self.aux_loss_coef), "model.aux_loss_coef",
+                self.aux_loss_coef, "must be a finite number >= 0 (0 = no load-balancing loss)")
+        if self.n_experts == 0:
+            return
+        require(self.top_k <= self.n_experts, "model.top_k", self.top_k,
+                f"must be in [1, model.n_experts={self.n_experts}]")
+        require(self.moe_every <= self.n_layers, "model.moe_every", self.moe_every,
+                f"must be in [1, model.n_layers={self.n_layers}] (else no block would be MoE)")
+
     def _check(self) -> None:
+        self._check_moe()
         for name in ("n_layers", "d_model", "n_heads"):
             self._at_least(name, 1)
         # the deepest published decoders have ~100 layers; 100000 built for minutes before any check could run

@@ -6,7 +6,10 @@ attention product itself goes through `F.scaled_dot_product_attention` and stays
 
 Module names are a contract (the layer policy, telemetry and the KV-cache evaluation rely on them):
 `embed`, `layers.{i}.attn_norm`, `layers.{i}.attn.{q,k,v,o}_proj`, `layers.{i}.mlp_norm`,
-`layers.{i}.mlp.{gate,up,down}_proj`, `norm`, `lm_head`.
+`layers.{i}.mlp.{gate,up,down}_proj`, `norm`, `lm_head`; an MoE block (model.n_experts > 0, every
+model.moe_every-th block) has `layers.{i}.mlp.{router, experts.gate_up, experts.down, shared.*}` instead
+(fp8train.training.models.moe). In training, the MoE blocks' load-balancing losses (summed, times
+model.aux_loss_coef) are added to the loss; `last_aux_loss` keeps their sum (detached) for the metrics.
 
 `build_model(model_cfg)` also builds a Hugging Face causal LM from a local folder when `model.hf_path`
 (pretrained weights) or `model.hf_config` (architecture only) is set (fp8train.training.models.hf), wrapped so
@@ -23,8 +26,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fp8train.training.models.hf import build_hf_model
+from fp8train.training.models.moe import MoE, moe_blocks
 
-__all__ = ["Decoder", "HFCausalLM", "build_model", "count_params", "vocab_rows", "check_model_for_run"]
+__all__ = ["Decoder", "HFCausalLM", "moe_blocks", "build_model", "count_params", "vocab_rows", "check_model_for_run"]
 
 # callable(k, v, layer_idx) -> (k, v); k and v are (B, n_kv_heads, T, head_dim)
 KVTransform = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
@@ -108,7 +112,10 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads(), layer_idx)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim())
+        if cfg.is_moe_block(layer_idx):
+            self.mlp = MoE(cfg.d_model, cfg.n_experts, cfg.top_k, cfg.expert_dim(), cfg.n_shared_experts, SwiGLU)
+        else:
+            self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim())
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -131,6 +138,7 @@ class Decoder(nn.Module):
         # Not persistent: derived from the config, so checkpoints do not carry (or disagree about) them.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.last_aux_loss: Optional[torch.Tensor] = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -138,8 +146,8 @@ class Decoder(nn.Module):
         # variance does not grow with depth (2 residual adds per block).
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = residual_std if name.endswith(("o_proj", "down_proj")) else 0.02
+            if isinstance(module, (nn.Linear, nn.Embedding)) or hasattr(module, "num_experts"):
+                std = residual_std if name.endswith(("o_proj", "down_proj", "experts.down")) else 0.02
                 nn.init.normal_(module.weight, mean=0.0, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
@@ -160,7 +168,14 @@ class Decoder(nn.Module):
         for block in self.layers:
             x = block(x, cos, sin)
         logits = self.lm_head(self.norm(x))  # (B, T, V)
-        return logits, lm_loss(logits, targets)
+        loss = lm_loss(logits, targets)
+        moe = [m for m in self.layers if isinstance(m.mlp, MoE)]
+        if moe:
+            aux = torch.stack([b.mlp.aux_loss for b in moe]).sum()
+            self.last_aux_loss = aux.detach()
+            if loss is not None and self.training and self.cfg.aux_loss_coef > 0:
+                loss = loss + self.cfg.aux_loss_coef * aux
+        return logits, loss
 
 
 def lm_loss(logits: torch.Tensor, targets: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -34,6 +34,46 @@ def enable(layers, on: bool) -> None:
             layer.last_stats = {}
 
 
+def expert_scalings(model) -> list:
+    """(name, ExpertScaling) of every FP8 grouped layer of `model` (fp8train's Fp8GroupedLinear: the layer's
+    name; a transformers experts projection: `{module}.{param}`), in module order."""
+    from fp8train.nn.experts_scaling import ExpertScaling
+
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, ExpertScaling):
+            owner, _, leaf = name.rpartition(".")
+            found.append((owner if leaf == "scaling" else name.removesuffix("_fp8"), module))
+    return found
+
+
+def enable_experts(scalings, on: bool) -> None:
+    """Per-expert telemetry of grouped layers: each expert records as its own dense layer would."""
+    for _, scaling in scalings:
+        scaling.telemetry = on
+        if on:
+            for view in scaling.experts:
+                view.last_stats = {}
+
+
+def collect_experts(scalings) -> dict:
+    """{`{layer}.expert{e}`: {role: stats}} for every expert that ran in the sampled step (an expert that got no
+    token records its weight only); turns sampling off."""
+    stats = {}
+    for name, scaling in scalings:
+        for index, view in enumerate(scaling.experts):
+            stats[f"{name}.expert{index}"] = {role: _plain(s) for role, s in view.last_stats.items()}
+        scaling.telemetry = False
+    return stats
+
+
+def expert_layer_of(name: str) -> str | None:
+    """The grouped layer of a per-expert telemetry name (`layers.1.mlp.experts.down.expert3` ->
+    `layers.1.mlp.experts.down`), None for any other name."""
+    head, _, tail = name.rpartition(".expert")
+    return head if head and tail.isdigit() else None
+
+
 def collect(layers) -> dict:
     """{layer name: {role: stats}} from the last sampled forward/backward; turns sampling off."""
     stats = {}
