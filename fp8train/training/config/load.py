@@ -195,6 +195,12 @@ def config_to_yaml(cfg: FullConfig | DictConfig) -> str:
 HASH_EXCLUDE = ("run", "train.resume", "log", "checkpoint", "validate")
 
 
+# Keys added to the schema after runs were made with it, and the value that means "as before": at that value they
+# are left out of the hash, so a run made before the key existed still resumes, forks and exports (as the MoE
+# fields are for a dense model, model.n_experts = 0).
+HASHED_WHEN_SET = {"train.tp_size": 1, "train.sequence_parallel": True, "policy.linear_subclasses": []}
+
+
 def config_hash(cfg: FullConfig | DictConfig, exclude: Iterable[str] = HASH_EXCLUDE,
                 data_fingerprint: dict | None = None) -> str:
     """sha256 of the resolved config without the `exclude` dotted keys (whole sections or single fields), and of
@@ -210,6 +216,11 @@ def config_hash(cfg: FullConfig | DictConfig, exclude: Iterable[str] = HASH_EXCL
     if isinstance(model, dict) and not model.get("n_experts"):  # dense: the hash dense runs always had
         for key in ("n_experts", *MOE_FIELDS):
             model.pop(key, None)
+    for dotted, default in HASHED_WHEN_SET.items():  # at its default, a key added later leaves the hash as it was
+        section, _, key = dotted.partition(".")
+        node = container.get(section)
+        if isinstance(node, dict) and key in node and node[key] == default:
+            node.pop(key)
     for dotted in exclude:
         *parents, last = dotted.split(".")
         node = container
