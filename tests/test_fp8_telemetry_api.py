@@ -104,6 +104,9 @@ def test_trainer_callback_sends_per_layer_health_to_wandb(tmp_path, monkeypatch)
                        "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(tmp_path / "home"),
                        "WANDB_CACHE_DIR": str(tmp_path / "home"), "WANDB_DATA_DIR": str(tmp_path / "home")}.items():
         monkeypatch.setenv(var, value)
+    import wandb
+
+    wandb.teardown()  # wandb reads its environment once per process: another test in this worker may have set it up
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf_config("llama"), dtype=torch.float32)
     report = convert_to_fp8(model, recipe("delayed"), LayerPolicy(min_features=16))
@@ -113,8 +116,6 @@ def test_trainer_callback_sends_per_layer_health_to_wandb(tmp_path, monkeypatch)
     trainer = Trainer(model=model, args=args, train_dataset=_Windows(), callbacks=[fp8train.Fp8ScalingCallback()])
     trainer.add_callback(fp8train.Fp8TelemetryCallback(trainer, every=2))
     trainer.train()
-    import wandb
-
     wandb.finish()  # what the end of a script does; the Trainer leaves the run open
     sampled = {row["step"] for row in trainer.state.log_history if "fp8/weight/sqnr_min_db" in row}
     assert sampled == {2, 4}, trainer.state.log_history
