@@ -120,6 +120,11 @@ def test_a_diverged_run_is_refused_unless_allowed_and_its_fidelity_fails_with_fi
     for name, max_diff, kl, _ in over:
         assert (f"{name}: max|diff| {max_diff:.4g} > 0.5" in allowed.stderr
                 or f"{name}: mean KL {kl:.4g} > 0.001" in allowed.stderr), allowed.stderr
+    # kv-eval refuses it the same way (its losses would measure the divergence), before writing anything
+    kv = commands.run(commands.fp8train("kv-eval", str(run), "--out", str(tmp_path / "kv")))
+    assert kv.returncode == 2 and not (tmp_path / "kv").exists(), kv.stderr
+    assert f"ended diverged at step {summary['diverged_at_step']}" in kv.stderr
+    assert "--allow-diverged to evaluate it" in kv.stderr
 
 
 def test_a_dense_export_of_the_built_in_decoder_exports_again(tiny_fp8_run, tmp_path, commands):

@@ -264,3 +264,16 @@ def test_a_source_that_trains_on_during_a_validation_does_not_move_its_runs(sour
     for seed in (1337, 1338):
         assert _metrics(vdir / f"runs/bf16/seed{seed}")[0]["val_loss"] == src16
     assert os.path.samefile(plan["fork"]["checkpoint"], src / "checkpoints" / "step_000016")
+
+
+def test_a_checkpoint_folder_under_another_name_is_refused_saying_why(source, tmp_path):
+    """A copy (or a link) of a checkpoint under a name of one's own: one line naming the rule, not a parse error."""
+    from fp8train.training.runs.fork import resolve_fork_checkpoint
+
+    copy = tmp_path / "mybest"
+    shutil.copytree(source / "src" / "checkpoints" / "step_000016", copy)
+    link = tmp_path / "lnk"
+    link.symlink_to(source / "src" / "checkpoints" / "step_000016")
+    with pytest.raises(ValueError, match=r"train.fork_from=.*mybest: .* is not named step_NNNNNN"):
+        resolve_fork_checkpoint(str(copy))
+    assert resolve_fork_checkpoint(str(link)).name == "step_000016"  # a link names the checkpoint it points to

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import time
@@ -118,3 +119,19 @@ def test_a_plan_over_the_bound_is_refused_with_its_size_before_anything_is_writt
     assert ("the plan is 3000 runs x train.max_steps=200 = 600000 training steps, over "
             "validate.max_plan_steps=500000; if you mean it, set validate.max_plan_steps=600000") in done.stderr
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+@pytest.mark.parametrize("overrides, said", [
+    # a huge max_steps is refused by its size at once (it used to exhaust memory listing evaluation points)
+    (["validate.seeds=2", "train.max_steps=1000000000000"],
+     "the plan is 10 runs x train.max_steps=1000000000000 = 10000000000000 training steps"),
+    # many runs of one step each are within max_plan_steps, but planning them alone would take minutes and GBs
+    (["validate.seeds=100000", "train.max_steps=1", "train.eval_every=1", "validate.final_window=1"],
+     "the plan is 500000 runs (seeds x (1 + candidates)), over 20000"),
+])
+def test_plans_too_big_to_plan_are_refused_before_any_run_is_derived(overrides, said, tmp_path):
+    cfg = load_config(str(RECIPES / "cpu_validate.yaml"), [f"run.dir={tmp_path}", *overrides])
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=re.escape(said)):
+        plan_runs(cfg)
+    assert time.monotonic() - started < 5 and list(tmp_path.iterdir()) == []

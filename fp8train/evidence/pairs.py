@@ -129,8 +129,8 @@ def plan_runs(cfg: FullConfig, candidates=None) -> list[PlannedRun]:
     if max(seeds) >= 2**63:
         raise ValueError(f"validate.seeds={cfg.validate.seeds} with train.seed={cfg.train.seed} reaches seed "
                          f"{max(seeds)}; seeds must be < 2**63")
-    _check_eval_points(cfg)
     _check_plan_size(cfg, len(seeds) * (1 + len(parsed)))
+    _check_eval_points(cfg)
 
     vdir = validation_dir(cfg)
     # Resumable by construction: every run resumes from its newest checkpoint, and there is one to resume from.
@@ -153,12 +153,21 @@ def plan_runs(cfg: FullConfig, candidates=None) -> list[PlannedRun]:
             for seed in seeds for label, cand, recipe_name, template in templates]
 
 
+# Planning costs time and memory per run (a config, a folder name, a plan.json entry: ~1 ms and ~5 kB each), however
+# short the runs: past this many runs a plan is refused unless validate.max_plan_steps=0 lifts the bounds.
+MAX_PLANNED_RUNS = 20000
+
+
 def _check_plan_size(cfg: FullConfig, runs: int) -> None:
     bound, steps = cfg.validate.max_plan_steps, runs * cfg.train.max_steps
     if bound and steps > bound:
         raise ValueError(f"validate: the plan is {runs} runs x train.max_steps={cfg.train.max_steps} = {steps} "
                          f"training steps, over validate.max_plan_steps={bound}; if you mean it, set "
                          f"validate.max_plan_steps={steps} (or 0 for no bound) (nothing was written)")
+    if bound and runs > MAX_PLANNED_RUNS:
+        raise ValueError(f"validate: the plan is {runs} runs (seeds x (1 + candidates)), over {MAX_PLANNED_RUNS}, "
+                         "which take minutes and gigabytes only to plan; if you mean it, set "
+                         "validate.max_plan_steps=0 (no bound) (nothing was written)")
 
 
 def wandb_labels(validation: str, label: str, recipe_name: str, seed: int) -> dict:
@@ -173,7 +182,8 @@ def wandb_labels(validation: str, label: str, recipe_name: str, seed: int) -> di
 
 def _check_eval_points(cfg: FullConfig) -> None:
     every, steps = cfg.train.eval_every, cfg.train.max_steps
-    points = len(set(range(every, steps + 1, every)) | {steps}) if every else 1
+    # the evaluation steps every, 2 every, ... and the last step (counted, not listed: max_steps may be huge)
+    points = steps // every + (steps % every != 0) if every else 1
     if points < cfg.validate.final_window:
         raise ValueError(f"validate.final_window={cfg.validate.final_window} needs that many evaluation points, "
                          f"but train.eval_every={every} with train.max_steps={steps} gives {points}")

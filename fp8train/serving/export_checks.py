@@ -35,8 +35,9 @@ MOE_FIDELITY_BOUNDS = {"mean_kl": FIDELITY_BOUNDS["mean_kl"]}
 _BOUND_NAMES = {"max_abs_logit_diff": "max|diff|", "mean_kl": "mean KL"}
 
 
-def refuse_failed_source(run_dir, allow_diverged: bool) -> None:
-    """ValueError when ``run_dir``'s summary.json says the run ended diverged or stopped, unless allowed."""
+def refuse_failed_source(run_dir, allow_diverged: bool, action: str = "export") -> None:
+    """ValueError when ``run_dir``'s summary.json says the run ended diverged or stopped, unless allowed
+    (``action``: what the command would do with it, for the message)."""
     path = Path(run_dir) / SUMMARY_FILE
     if allow_diverged or not path.is_file():  # a run still training, or a Hugging Face folder
         return
@@ -46,7 +47,7 @@ def refuse_failed_source(run_dir, allow_diverged: bool) -> None:
         at = summary.get("diverged_at_step")
         raise ValueError(f"run {run_dir} ended {status}" + (f" at step {at}" if at is not None else "")
                          + f" ({summary.get('reason') or 'no reason recorded'}); its last checkpoint is not a model "
-                         "to serve. Pass --allow-diverged to export it anyway (nothing was written)")
+                         f"to serve. Pass --allow-diverged to {action} it anyway (nothing was written)")
 
 
 @torch.no_grad()

@@ -55,6 +55,7 @@ from fp8train.serving.kv_scoring import (agreement, bucket_stats, greedy_generat
                                          score_caches)
 from fp8train.serving.kv_transform import (CACHE_FORMATS, GRANULARITIES, SCALE_SOURCES, Fp8KvCache, KvCacheConfig,
                                            bf16_cache, calibrate_kv_amax, kv_transforms, scales_from_amax)
+from fp8train.serving.export_checks import refuse_failed_source
 from fp8train.serving.run_loading import fp8_linear_names, kv_shape, load_run, package_version
 from fp8train.training.data.corpus import build_data
 
@@ -253,6 +254,8 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--buckets", help="position bucket edges, e.g. 0,8,16,32,64 (default doubling from 8)")
     parser.add_argument("--matrix", action="store_true", help="also FP8 weights (per output channel) x cache")
     parser.add_argument("--weight-format", default="e4m3fn", help="FP8 weight format for --matrix")
+    parser.add_argument("--allow-diverged", action="store_true",
+                        help="evaluate a run whose summary.json says it diverged or was stopped as diverging")
 
 
 MAX_COUNT = 1024  # as train.eval_batches and export's --calib-batches
@@ -274,6 +277,7 @@ def cli_main(args) -> int:
     for key, value in (("--calib-batches", opts.calib_batches), ("--gen-prompts", opts.gen_prompts)):
         if value > MAX_COUNT:  # each is a forward pass (or a generation): a bound on hours before the report
             raise ValueError(f"{key} {value} must be <= {MAX_COUNT}")
+    refuse_failed_source(args.run_dir, args.allow_diverged, "evaluate")  # its losses would measure the divergence
     out = check_report_folder(Path(args.run_dir) / "kv_eval" if args.out is None else args.out, args.force,
                               args.run_dir)
     result = kv_eval(args.run_dir, opts, log=lambda m: print(m, file=sys.stderr))

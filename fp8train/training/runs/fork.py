@@ -26,6 +26,7 @@ source again. A checkpoint deleted under a fork (pruned by its still-training ru
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,7 +82,11 @@ def _resolve(path: str, key: str) -> Path:
     if not where.exists():
         raise ValueError(deleted_message(key, path))
     if (where / MANIFEST).is_file() or is_sharded_checkpoint(where):
-        checkpoint = where
+        checkpoint = where.resolve()  # a link to a checkpoint: the folder it names
+        if re.fullmatch(r"step_\d+", checkpoint.name) is None:
+            raise ValueError(f"{key}={path}: {checkpoint} is not named step_NNNNNN as fp8train writes checkpoints "
+                             "(its manifest's step is checked against the name); give the checkpoint's own folder "
+                             "or its run directory")
     elif (where / CHECKPOINTS_DIR).is_dir():
         checkpoint = latest_loadable_checkpoint(where / CHECKPOINTS_DIR, log=lambda _: None)
         if checkpoint is None:
@@ -152,7 +157,12 @@ def open_fork(cfg: FullConfig, path: str | None = None, key: str = "train.fork_f
 def _check_source_config(checkpoint: Path, source_cfg: FullConfig, config_file: Path, key: str) -> None:
     """The source's config.yaml is the one that wrote the checkpoint (its manifest's resume_hash): one edited
     after training (another train.lr, say) would pass the checks above with values the checkpoint ignores."""
-    extra = read_json(checkpoint / MANIFEST).get("extra") or {}
+    try:
+        extra = read_json(checkpoint / MANIFEST).get("extra") or {}
+    except FileNotFoundError:  # resolved a moment ago: its run pruned it since, or someone deleted it
+        raise ValueError(f"{key}: the fork checkpoint {checkpoint} was deleted (pruned by its still-training run, or "
+                         "removed) while it was opened; fork from a checkpoint that stays (nothing was written)") \
+            from None
     saved = extra.get("resume_hash")
     if saved is not None and saved != resume_hash(source_cfg, extra.get("data_fingerprint")):
         raise ValueError(f"{key}: checkpoint {checkpoint} was not written by a run of {config_file} (its manifest's "
