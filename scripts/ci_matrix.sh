@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CI's second half (.ci/run runs README's test command first): every CPU code path and every torch release of
-# the supported range, on whatever CPU CI has.
+# the supported range, on whatever CPU CI has; first, the extended tests README's command leaves out (pyproject).
 #   1. the numerics, nn and GEMM tests with `emulated_dtype: auto` forced to bf16 (with the native bf16 -> fp32
 #      GEMM on, then off), then to fp32 (the two CPU kinds: avx512_bf16/AMX, and AVX2-only), with the native cast
 #      switched off (the eager kernels), and on a
@@ -19,6 +19,9 @@ TRAINING=(tests/test_config.py tests/test_train.py tests/test_checkpoint.py test
 PYTEST=(python -m pytest -q -rs -n 2 --dist loadfile -p no:cacheprovider)
 
 step() { echo; echo "=== ci_matrix: $*"; }
+
+step "the extended tests README's command leaves out (tensor parallelism, MoE under FSDP2 and through the CLI: minutes of multi-process launches)"
+"${PYTEST[@]}" -m extended tests/
 
 step "emulated_dtype auto forced to bf16 (the avx512_bf16 / AMX path), the native bf16 GEMM on (its plain C loop where AVX512-BF16 is missing)"
 "${PYTEST[@]}" --emulated-auto=bf16 --native-gemm=on "${CORE[@]}"

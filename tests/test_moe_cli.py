@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from conftest import Commands
 from hf_helpers import make_pretrained, make_text_folder, make_tokenizer
 
-pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.slow]
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.slow, pytest.mark.extended]
 
 EXPERTS = "model.layers.{layer}.mlp.experts"
 

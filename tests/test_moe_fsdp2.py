@@ -34,7 +34,7 @@ from conftest import Commands
 from hf_helpers import hf_config
 from refs import write_stdlib_corpus
 
-pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.slow]
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.slow, pytest.mark.extended]
 
 STEPS, RESUME_AT, RTOL = 20, 10, 1e-5
 N_LINEARS, N_EXPERT_VIEWS = 8, 2 * 2 * 4  # q/k/v/o x 2 layers; layers x projections x experts

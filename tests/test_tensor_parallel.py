@@ -52,6 +52,8 @@ from conftest import Commands
 from hf_helpers import TINY_ARCHS, VOCAB
 from refs import write_stdlib_corpus
 
+pytestmark = pytest.mark.extended  # minutes of multi-process launches: CI runs them (pyproject)
+
 RECIPES = ("delayed", "current", "rowwise", "block")
 STEPS, EARLY = 20, 5
 # Losses within EARLY_RTOL over the first EARLY steps (only summation order differs yet) and LATE_RTOL over the run:
