@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from fp8train.numerics.formats import FORMATS, Fp8Format
+from fp8train.numerics.scale_limits import SCALE_CAPS, fp32_exact
 from fp8train.numerics import native_build
 from fp8train.numerics.native_build import Params, library, threading_kind
 from fp8train.numerics.native_layout import FP8_DTYPES as _FP8_DTYPES, INPUT_DTYPES as _INPUT_DTYPES
@@ -92,8 +93,6 @@ def _params(fmt: Fp8Format, saturate: bool, rule: int, margin: int, pow2: bool, 
     key = (fmt.name, saturate, rule, margin, pow2, dequantize)
     found = _params_cache.get(key)
     if found is None:
-        from fp8train.numerics.scaling import SCALE_CAPS, fp32_exact  # (scaling imports this module)
-
         divisor = fmt.max * 2.0 ** -margin
         found = Params()
         found.mantissa_bits, found.bias, found.special = fmt.mantissa_bits, fmt.bias, _SPECIAL[fmt.special]

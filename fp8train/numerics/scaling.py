@@ -9,11 +9,9 @@ argument checks shared by both live here too, so every entry point rejects bad i
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 import operator
-import struct
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +19,8 @@ import torch.nn.functional as F
 from fp8train.numerics import native_cast
 from fp8train.numerics.cast_kernels import NATIVE
 from fp8train.numerics.native_layout import capped_block, layout as native_layout
-from fp8train.numerics.formats import FORMATS, Fp8Format, get_format
+from fp8train.numerics.formats import Fp8Format, get_format
+from fp8train.numerics.scale_limits import FP32_TINY, SCALE_CAPS, fp32_exact, max_scale
 
 __all__ = ["GRANULARITIES", "compute_amax", "scale_from_amax", "expand_scale", "max_scale", "scale_rule",
            # shared with fp8train.numerics.quant: the argument checks and the steps of the scale rule
@@ -29,24 +28,7 @@ __all__ = ["GRANULARITIES", "compute_amax", "scale_from_amax", "expand_scale", "
            "check_layout", "check_margin", "compact_block_scale", "format_scale", "fp32_exact", "scale_shape_of"]
 
 GRANULARITIES = ("tensor", "row", "block")
-_FP32_TINY = torch.finfo(torch.float32).tiny  # 2^-126: scales never go below it, so x / scale stays finite
-_FP32_MAX = torch.finfo(torch.float32).max
 _AMINMAX_MIN_NUMEL = 1 << 20
-
-@functools.lru_cache(maxsize=None)
-def max_scale(fmt_max: float, pow2: bool) -> float:
-    """The largest fp32 scale with ``fmt_max * scale <= FLT_MAX`` (a power of two when ``pow2``).
-
-    A larger scale would let a saturated value dequantize to inf: FLT_MAX with pow2 scales used to become
-    256 * 2**120 = 2**128 = inf. Capped, the largest values clip to fmt.max instead and stay finite."""
-    cap = struct.unpack("f", struct.pack("f", _FP32_MAX / fmt_max))[0]  # nearest fp32 ...
-    while cap * fmt_max > _FP32_MAX:  # ... then downward until the product fits (one step at most)
-        cap = struct.unpack("f", struct.pack("I", struct.unpack("I", struct.pack("f", cap))[0] - 1))[0]
-    return 2.0 ** math.floor(math.log2(cap)) if pow2 else cap
-
-
-# Per format, computed once at import: traced (compiled) code reads a constant instead of calling max_scale.
-SCALE_CAPS = {(f.name, p): max_scale(f.max, p) for f in FORMATS.values() for p in (False, True)}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -144,17 +126,10 @@ def scale_rule(amax: torch.Tensor, fmt_max, cap, margin: int, pow2: bool) -> tor
     scale = torch.where(amax > 0, scale, 1.0)
     scale = scale.nan_to_num(posinf=1.0)
     if isinstance(cap, torch.Tensor):
-        scale = torch.minimum(scale.clamp_min(_FP32_TINY), cap)
+        scale = torch.minimum(scale.clamp_min(FP32_TINY), cap)
     else:
-        scale = scale.clamp(_FP32_TINY, cap)
+        scale = scale.clamp(FP32_TINY, cap)
     return scale if scale.dtype == torch.float32 else scale.float()
-
-
-def fp32_exact(value) -> bool:
-    """A float that fp32 holds exactly, in its normal range (a tensor of them: answered no)."""
-    if isinstance(value, torch.Tensor):
-        return False
-    return _FP32_TINY <= abs(value) <= _FP32_MAX and struct.unpack("f", struct.pack("f", value))[0] == value
 
 
 def check_amax_range(amax: torch.Tensor, fmt: Fp8Format, margin: int) -> None:
