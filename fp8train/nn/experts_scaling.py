@@ -29,7 +29,7 @@ import torch.nn as nn
 from fp8train.nn.delayed_scaling import refuse_bad_fp8_state
 from fp8train.nn.gemm import AUTO_EMULATED_DTYPE, check_emulated_dtype
 from fp8train.nn.linear import Fp8Linear, check_scales_updated
-from fp8train.nn.quantizer import OperandQuantizer
+from fp8train.nn.quantizer import OperandQuantizer, apply_keeping_scaling_dtypes
 from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe, recipe as make_recipe
 from fp8train.numerics.cast_kernels import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES, check_kernel
 
@@ -104,13 +104,7 @@ class ExpertScaling(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _apply(self, fn, recurse=True):
-        # As Fp8Linear: casts never touch the scaling state (bf16 would round every scale); device moves do.
-        scaling_state = dict(self._buffers)
-        self._buffers.clear()
-        super()._apply(fn, recurse)
-        for name, buffer in scaling_state.items():
-            moved = buffer if buffer is None else fn(buffer)
-            self._buffers[name] = moved if moved is None or moved.dtype == buffer.dtype else buffer.to(moved.device)
+        apply_keeping_scaling_dtypes(self, fn, lambda f: super(ExpertScaling, self)._apply(f, recurse))
         for view in self.experts:
             view.moved()
         return self

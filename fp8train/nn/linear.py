@@ -92,7 +92,7 @@ from fp8train.nn.delayed_scaling import refuse_bad_fp8_state, update_group
 from fp8train.nn.gemm import (AUTO_EMULATED_DTYPE, Fp8Operand, check_emulated_dtype, emulated_compute_dtype,
                               resolve_backend, tile_values_dtype)
 from fp8train.nn.linear_function import Fp8LinearFunction, WeightFp8, to_dtype
-from fp8train.nn.quantizer import SCALING_BUFFERS, OperandQuantizer
+from fp8train.nn.quantizer import SCALING_BUFFERS, OperandQuantizer, apply_keeping_scaling_dtypes
 from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe, OperandRole, recipe as make_recipe
 from fp8train.numerics import native_cast
 from fp8train.numerics.cast_kernels import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES, check_kernel, resolve_kernel
@@ -257,15 +257,7 @@ class Fp8Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe.code()}"
 
     def _apply(self, fn, recurse=True):
-        # .to(dtype), .half() and .bfloat16() cast the weights but never the scaling state: a 1.5e-9
-        # grad_output scale flushes to 0 in fp16, and bf16 would round every scale and amax history. Buffers
-        # still follow device moves.
-        scaling_state = dict(self._buffers)
-        self._buffers.clear()
-        super()._apply(fn, recurse)
-        for name, buffer in scaling_state.items():
-            moved = buffer if buffer is None else fn(buffer)
-            self._buffers[name] = moved if moved is None or moved.dtype == buffer.dtype else buffer.to(moved.device)
+        apply_keeping_scaling_dtypes(self, fn, lambda f: super(Fp8Linear, self)._apply(f, recurse))
         self._resolved_kernel = (None, None)  # 'auto' depends on the device
         return self
 

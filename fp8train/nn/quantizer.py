@@ -34,7 +34,7 @@ from fp8train.numerics.mx import quantize_mx
 from fp8train.numerics.quant import Fp8Tensor, compute_amax, decode_fp8, quant_error, quantize
 from fp8train.numerics.scaling import format_scale
 
-__all__ = ["OperandQuantizer", "SCALING_BUFFERS", "DELAYED_SCALING_BUFFERS"]
+__all__ = ["OperandQuantizer", "SCALING_BUFFERS", "DELAYED_SCALING_BUFFERS", "apply_keeping_scaling_dtypes"]
 
 # The per-role scaling buffers an Fp8Linear may hold (`{role}_{name}`): a counter every recipe keeps, then
 # delayed scaling's state, in the order they are registered (that of the layer's state_dict).
@@ -222,3 +222,16 @@ class OperandQuantizer:
 
     def __repr__(self) -> str:
         return f"OperandQuantizer({self.role}, {self.format.name}, {self.recipe.granularity_of(self.role)})"
+
+
+def apply_keeping_scaling_dtypes(module, fn, apply) -> None:
+    """``apply(fn)`` (nn.Module._apply of ``module``'s class) with ``module``'s own buffers, its FP8 scaling state,
+    following device moves but never dtype casts: .to(dtype), .half() and .bfloat16() cast the weights, while a
+    1.5e-9 grad_output scale flushes to 0 in fp16 and bf16 would round every scale and amax history."""
+    scaling_state = dict(module._buffers)  # (torch's own buffer table: these are the module's registered buffers)
+    module._buffers.clear()  # (torch's buffer table, as above)
+    apply(fn)
+    for name, buffer in scaling_state.items():
+        moved = buffer if buffer is None else fn(buffer)
+        # (torch's buffer table, as above)
+        module._buffers[name] = moved if moved is None or moved.dtype == buffer.dtype else buffer.to(moved.device)
