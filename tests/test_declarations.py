@@ -172,6 +172,9 @@ def test_the_config_reports_the_recipes_own_check(key, bad):
 # ---- names, defaults and sentinels: spelled once -------------------------------------------------------------
 def test_each_recipe_name_is_declared_once():
     found = declarations_of(RECIPE_NAMES)
+    # Granularity.BLOCK (numerics/names.py) is the cast's tile granularity, which the block and mxfp8 recipes both
+    # use: the same word for another idea, declared once as that idea.
+    found["block"] = [place for place in found["block"] if not place.startswith("numerics/names.py")]
     assert all(len(places) == 1 and places[0].startswith("nn/recipes.py") for places in found.values()), found
 
 

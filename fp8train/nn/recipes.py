@@ -29,25 +29,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from enum import Enum
 
 from fp8train.numerics.formats import ALIASES, FORMAT_NAMES
+from fp8train.numerics.names import StrName
 
 __all__ = ["Fp8Recipe", "recipe", "RECIPE_NAMES", "SCALINGS", "BACKENDS", "ROLES", "GEMMS", "AMAX_COMPUTE_ALGOS",
-           "FORMAT_NAMES", "ScalingKind", "OperandRole", "GemmRole", "RecipeFieldError", "DEFAULT_RECIPE",
+           "FORMAT_NAMES", "ScalingKind", "GemmBackend", "OperandRole", "GemmRole", "RecipeFieldError", "DEFAULT_RECIPE",
            "BASELINE_RECIPE", "OVERRIDE_BF16", "TENSORWISE_SCALINGS", "MAX_MARGIN",
            "MAX_AMAX_HISTORY"]
 
 
-class _StrName(str, Enum):
-    """A name that is its own string: equal to, hashed, formatted and printed as its value, so YAML values, dict
-    keys, f-strings and comparisons with plain strings keep working (enum.StrEnum needs Python 3.11)."""
-
-    __str__ = str.__str__
-    __format__ = str.__format__
-
-
-class ScalingKind(_StrName):
+class ScalingKind(StrName):
     """How an operand's scale is taken; each kind is also the name of its preset (`recipe(kind)`)."""
 
     DELAYED = "delayed"    # per tensor, from the amax history of earlier steps
@@ -67,7 +59,7 @@ class ScalingKind(_StrName):
         return self in (ScalingKind.DELAYED, ScalingKind.CURRENT)
 
 
-class OperandRole(_StrName):
+class OperandRole(StrName):
     """The three operands of a linear layer (also the prefixes of its recipe fields and scaling buffers)."""
 
     INPUT = "input"
@@ -75,7 +67,7 @@ class OperandRole(_StrName):
     GRAD_OUTPUT = "grad_output"
 
 
-class GemmRole(_StrName):
+class GemmRole(StrName):
     """The three GEMMs of a linear layer: output = input @ weight.T, grad_input = grad_output @ weight,
     grad_weight = grad_output.T @ input (the keys of `Fp8Linear.gemm_paths`)."""
 
@@ -84,9 +76,18 @@ class GemmRole(_StrName):
     GRAD_WEIGHT = "grad_weight"
 
 
+class GemmBackend(StrName):
+    """Where a layer's GEMMs run: 'auto' picks per GEMM (nn/gemm.py), 'te' hands the layer to TransformerEngine."""
+
+    AUTO = "auto"
+    EMULATED = "emulated"    # FP8 values decoded to bf16/fp32 and multiplied there (any device)
+    SCALED_MM = "scaled_mm"  # torch._scaled_mm where torch allows the call on the device
+    TE = "te"                # TransformerEngine's modules (nn/te.py)
+
+
 SCALINGS = tuple(ScalingKind)
 TENSORWISE_SCALINGS = tuple(kind for kind in ScalingKind if kind.is_tensorwise)
-BACKENDS = ("auto", "emulated", "scaled_mm", "te")
+BACKENDS = tuple(GemmBackend)
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 MX_BLOCK = (1, 32)  # OCP MX: 32 elements along the contracted dim share one E8M0 scale
 ROLES = tuple(OperandRole)

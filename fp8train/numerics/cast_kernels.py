@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import torch
 
+from fp8train.numerics.names import QuantizeKernel
+
 __all__ = ["EAGER", "NATIVE", "COMPILED", "QUANT_KERNELS", "KERNEL_CHOICES", "DEFAULT_QUANTIZE_KERNEL",
            "check_kernel", "resolve_kernel"]
 
-EAGER, NATIVE, COMPILED = "eager", "native", "compiled"
-QUANT_KERNELS = (EAGER, NATIVE, COMPILED)
+EAGER, NATIVE, COMPILED = QuantizeKernel.EAGER, QuantizeKernel.NATIVE, QuantizeKernel.COMPILED
+QUANT_KERNELS = tuple(QuantizeKernel)
 KERNEL_CHOICES = ("auto",) + QUANT_KERNELS
 DEFAULT_QUANTIZE_KERNEL = KERNEL_CHOICES[0]
 

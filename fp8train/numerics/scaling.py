@@ -20,6 +20,7 @@ from fp8train.numerics import native_cast
 from fp8train.numerics.cast_kernels import NATIVE
 from fp8train.numerics.native_layout import capped_block, layout as native_layout
 from fp8train.numerics.formats import Fp8Format, get_format
+from fp8train.numerics.names import Granularity
 from fp8train.numerics.scale_limits import FP32_TINY, SCALE_CAPS, fp32_exact, max_scale
 
 __all__ = ["GRANULARITIES", "compute_amax", "scale_from_amax", "expand_scale", "max_scale", "scale_rule",
@@ -27,7 +28,7 @@ __all__ = ["GRANULARITIES", "compute_amax", "scale_from_amax", "expand_scale", "
            "SCALE_CAPS", "amax_of", "as_blocks", "check_amax_floor", "check_amax_range", "check_input",
            "check_layout", "check_margin", "compact_block_scale", "format_scale", "fp32_exact", "scale_shape_of"]
 
-GRANULARITIES = ("tensor", "row", "block")
+GRANULARITIES = tuple(Granularity)
 _AMINMAX_MIN_NUMEL = 1 << 20
 
 
