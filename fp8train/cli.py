@@ -27,8 +27,8 @@ COMMANDS = {
     "formats": ("fp8train.numerics.formats_cli", "print the FP8 format table derived from the bit layouts"),
     "train": ("fp8train.training.loop", "train one run from a recipe YAML (also under accelerate launch)"),
     "validate": ("fp8train.evidence.validate", "paired bf16-vs-FP8 runs over seeds: bounds, PASS/FAIL/INCONCLUSIVE, report"),
-    "plan": ("fp8train.evidence.plan", "per-layer recipe plan (policy.overrides) from a run's shadow telemetry and "
-             "timings on this device"),
+    "layer-recipes": ("fp8train.evidence.layer_recipes", "a recipe per layer (policy.overrides) from a run's shadow "
+                      "telemetry and timings on this device"),
     "report": ("fp8train.evidence.report", "(re)write the report of a validation or run directory"),
     "bench": ("fp8train.bench.suite", "benchmarks: quantize, Fp8Linear and train step vs bf16 (and torchao)"),
     "kv-eval": ("fp8train.serving.kvcache", "FP8 KV-cache quality by context length for a trained run"),

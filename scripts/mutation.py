@@ -66,7 +66,7 @@ LAYERS = {
         modules=["fp8train/training/runs/checkpoint.py", "fp8train/training/runs/resume.py",
                  "fp8train/training/storage/files.py", "fp8train/training/storage/rundir.py"],
         exclude=[],
-        tests=["tests/test_checkpoint.py", "tests/test_run_files.py", "tests/test_resume_plan.py",
+        tests=["tests/test_checkpoint.py", "tests/test_run_files.py", "tests/test_resume_point.py",
                "tests/test_resume_rules.py", "tests/test_reliability.py"],
         # the slow-marked tests (in-process training runs) reach these modules too, but each costs minutes per
         # mutant on 2 shared cores: the run keeps to the direct tests of checkpoints, resume and run files

@@ -128,7 +128,7 @@ OUT_OF_RANGE = {
     "train.parallel": ["fsdp", "zero3"],
     "fp8.all_gather": ["maybe"],
     "policy.overrides": ["{'(unclosed': bf16}", "{mlp: fp16}"],
-    "policy.plan": ["/no/such/plan.yaml"],
+    "policy.overrides_file": ["/no/such/plan.yaml"],
     "policy.linear_subclasses": ["['not a name']", "['']"],
     "checkpoint.every": ["-1"],
     "checkpoint.keep_last": ["-1"],

@@ -277,7 +277,7 @@ def _alarm(signum, frame):
 
 
 @pytest.mark.parametrize("kind", ["fifo", "oversized", "device"])
-@pytest.mark.parametrize("where", ["config file", "policy.plan"])
+@pytest.mark.parametrize("where", ["config file", "policy.overrides_file"])
 def test_a_settings_file_that_blocks_or_never_ends_is_refused_unopened(tmp_path, kind, where):
     """A FIFO nobody writes (open blocks forever), a device such as /dev/zero (read never ends: memory fills) or
     a file far larger than any config (a data file given by mistake) is one ValueError naming the path, before
@@ -298,7 +298,7 @@ def test_a_settings_file_that_blocks_or_never_ends_is_refused_unopened(tmp_path,
             if where == "config file":
                 load_config(str(path))
             else:
-                load_config(None, [f"policy.plan={path}"])
+                load_config(None, [f"policy.overrides_file={path}"])
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)

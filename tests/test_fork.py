@@ -158,7 +158,7 @@ def _validate_cfg(root, tiny, fork_from, extra=()):
 def test_a_plan_made_from_a_fork_is_finished_from_the_same_checkpoint_only(tmp_path):
     """check_fork_unchanged by hand: no planned fork (a first run, or a plan without one) accepts any record;
     a planned one refuses another checkpoint path, then other bytes under the same path."""
-    from fp8train.evidence.fork import check_fork_unchanged
+    from fp8train.evidence.fork_pinning import check_fork_unchanged
 
     record = {"checkpoint": "runs/src/checkpoints/step_16", "sha256": "1" * 64}
     check_fork_unchanged(tmp_path, record, None)

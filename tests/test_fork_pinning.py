@@ -134,7 +134,7 @@ def test_a_source_replaced_under_a_worker_pool_is_refused_in_the_worker(source, 
 # 2: train.fork_from inside a validation
 # ------------------------------------------------------------------------------------------------------------
 def test_train_fork_from_in_a_validation_is_the_pinned_fork_or_refused(source, tiny, tmp_path):
-    from fp8train.evidence.fork import fork_config
+    from fp8train.evidence.fork_pinning import fork_config
 
     src = source / "src"
     ckpt16, ckpt8 = src / "checkpoints" / "step_000016", src / "checkpoints" / "step_000008"
@@ -155,7 +155,7 @@ def test_train_fork_from_in_a_validation_is_the_pinned_fork_or_refused(source, t
 # 3: a source whose config.yaml was edited after training
 # ------------------------------------------------------------------------------------------------------------
 def test_a_source_whose_config_yaml_was_edited_is_refused(source, tiny, tmp_path):
-    from fp8train.evidence.fork import fork_config
+    from fp8train.evidence.fork_pinning import fork_config
 
     src = tmp_path / "src"
     shutil.copytree(source / "src", src)
@@ -229,8 +229,8 @@ def test_a_relative_fork_from_re_run_elsewhere_is_refused_for_resolving_elsewher
 # 18: forked runs use plan.json's checkpoint, never validate.fork_from resolved again
 # ------------------------------------------------------------------------------------------------------------
 def test_every_planned_run_forks_from_the_recorded_checkpoint_not_the_run_directory(source, tiny, tmp_path):
-    from fp8train.evidence.fork import fork_config
-    from fp8train.evidence.pairs import plan_runs
+    from fp8train.evidence.fork_pinning import fork_config
+    from fp8train.evidence.run_plan import plan_runs
 
     forked, record = fork_config(_validate_cfg(tmp_path, tiny, source / "src"))
     assert record["checkpoint"] == str((source / "src/checkpoints/step_000016").resolve())

@@ -16,7 +16,7 @@ import torch
 from fp8train.bench.gpu_parity import float64_reference, gemm_parity_cases, kind_operands, linear_parity_cases
 from fp8train.nn.gemm import Fp8Operand, fp8_mm
 from fp8train.nn.recipes import RECIPE_NAMES
-from fp8train.nn.scaled_mm_plan import SCALED_MM_KINDS
+from fp8train.nn.scaled_mm_rules import SCALED_MM_KINDS
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

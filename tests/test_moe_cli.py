@@ -1,7 +1,7 @@
 """A local Hugging Face mixture-of-experts model (tiny Qwen3-MoE: 4 experts, top-2, saved by transformers'
 save_pretrained) through every fp8train command: train (model.hf_path) with FP8 experts, validate (2 candidates),
 export --format hf and --format e4m3fn (each loaded back by transformers 5.25 + compressed-tensors and compared on
-logits) as real `fp8train` processes; the single-file export, kv-eval, report, plan and the refusals through the
+logits) as real `fp8train` processes; the single-file export, kv-eval, report, layer-recipes and the refusals through the
 same CLI entry point in this process. What cannot be done for experts is refused in one line with the reason."""
 
 from __future__ import annotations
@@ -204,15 +204,15 @@ def test_single_file_export_says_the_experts_stay_bf16(moe, capsys):
     assert tensors[f"hf.{EXPERTS.format(layer=0)}.gate_up_proj"].dtype == torch.bfloat16
 
 
-def test_kv_eval_report_and_plan_run_on_the_moe_run(moe, capsys):
+def test_kv_eval_report_and_layer_recipes_run_on_the_moe_run(moe, capsys):
     run = str(moe / "runs" / "moe")
     assert _in_process(capsys, "kv-eval", run)[0] == 0
     assert (moe / "runs" / "moe" / "kv_eval" / "kv_eval.json").is_file()
     assert _in_process(capsys, "report", run)[0] == 0
     assert (moe / "runs" / "moe" / "report.md").is_file()
-    assert _in_process(capsys, "plan", run, "--out", str(moe / "plan.yaml"), "--repeats", "1")[0] == 0
-    plan = (moe / "plan.yaml").read_text()
-    assert "# experts: 4 FP8 expert projections are not planned" in plan
+    assert _in_process(capsys, "layer-recipes", run, "--out", str(moe / "layers.yaml"), "--repeats", "1")[0] == 0
+    plan = (moe / "layers.yaml").read_text()
+    assert "# experts: 4 FP8 expert projections are not chosen per layer" in plan
     overrides = yaml.safe_load(plan)["policy"]["overrides"]
     assert len(overrides) == 8 and not any("experts" in k for k in overrides)  # the 8 attention Linears
 

@@ -134,7 +134,7 @@ def test_an_output_file_never_replaces_another_runs_records(tiny_fp8_run, tmp_pa
     out = (sorted((other / "checkpoints").iterdir())[-1] / "model.safetensors" if target == "checkpoint"
            else other / target)
     before = tree_digest(other)
-    for argv in (["export", str(tiny_fp8_run), "--format", "e4m3fn", "--no-check"], ["plan", str(tiny_fp8_run)]):
+    for argv in (["export", str(tiny_fp8_run), "--format", "e4m3fn", "--no-check"], ["layer-recipes", str(tiny_fp8_run)]):
         code, _, err = commands.main([*argv, "--out", str(out), "--force"], capsys)
         assert str(out) in one_line_error(code, err)
     assert tree_digest(other) == before
@@ -172,16 +172,16 @@ def test_kv_eval_refuses_a_linked_output(tiny_fp8_run, tmp_path, outside, name, 
     assert outside.read_text() == "precious\n" and sorted(p.name for p in out.iterdir()) == [name]
 
 
-@pytest.mark.parametrize("command", ["export-file", "export-folder", "plan", "kv-eval"])
+@pytest.mark.parametrize("command", ["export-file", "export-folder", "layer-recipes", "kv-eval"])
 def test_linked_out_is_refused_even_with_force(tiny_fp8_run, tmp_path, outside, command, commands, capsys):
     target_dir = tmp_path / "target_dir"
     target_dir.mkdir()
     (target_dir / "theirs.txt").write_text("theirs\n")
     link = tmp_path / ("link.safetensors" if command == "export-file" else "link")
-    link.symlink_to(outside if command in ("export-file", "plan") else target_dir)
+    link.symlink_to(outside if command in ("export-file", "layer-recipes") else target_dir)
     argv = {"export-file": ["export", str(tiny_fp8_run), "--format", "e4m3fn", "--no-check"],
             "export-folder": ["export", str(tiny_fp8_run), "--format", "e4m3fn", "--no-check"],
-            "plan": ["plan", str(tiny_fp8_run)],
+            "layer-recipes": ["layer-recipes", str(tiny_fp8_run)],
             "kv-eval": ["kv-eval", str(tiny_fp8_run), *KV_FAST]}[command]
     code, _, err = commands.main([*argv, "--out", str(link), "--force"], capsys)
     line = one_line_error(code, err)
@@ -222,7 +222,7 @@ def test_kv_eval_keeps_an_earlier_report_without_force(tiny_fp8_run, tmp_path, c
 # ------------------------------------------------------------------------------------------------------------
 # Paths that cannot be written: one line, exit 2, before the work
 # ------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("command", ["export-file", "export-folder", "plan", "kv-eval"])
+@pytest.mark.parametrize("command", ["export-file", "export-folder", "layer-recipes", "kv-eval"])
 @pytest.mark.parametrize("where", ["/proc/x", "/dev/null/x", "", "existing-folder", "existing-file"])
 def test_unwritable_out_is_one_line_before_the_work(tiny_fp8_run, tmp_path, command, where, commands, capsys):
     if command == "kv-eval" and where == "existing-folder":
@@ -239,7 +239,7 @@ def test_unwritable_out_is_one_line_before_the_work(tiny_fp8_run, tmp_path, comm
         out = where + suffix if where else ""
     argv = {"export-file": ["export", str(tiny_fp8_run), "--format", "e4m3fn", "--no-check"],
             "export-folder": ["export", str(tiny_fp8_run), "--format", "e4m3fn", "--no-check"],
-            "plan": ["plan", str(tiny_fp8_run)],
+            "layer-recipes": ["layer-recipes", str(tiny_fp8_run)],
             "kv-eval": ["kv-eval", str(tiny_fp8_run), *KV_FAST]}[command]
     before = tree_digest(tmp_path)
     code, stdout, err = commands.main([*argv, "--out", str(out)], capsys)
@@ -359,19 +359,19 @@ def test_an_empty_config_file_is_refused_not_trained_on_defaults(tmp_path, text,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.yaml"]
 
 
-def test_plan_refuses_a_nan_threshold(tiny_fp8_run, tmp_path, commands, capsys):
-    code, _, err = commands.main(["plan", str(tiny_fp8_run), "--out", str(tmp_path / "plan.yaml"),
+def test_layer_recipes_refuses_a_nan_threshold(tiny_fp8_run, tmp_path, commands, capsys):
+    code, _, err = commands.main(["layer-recipes", str(tiny_fp8_run), "--out", str(tmp_path / "layers.yaml"),
                                   "--sqnr-db-min", "nan"], capsys)
     assert "--sqnr-db-min=nan" in one_line_error(code, err)
 
 
 @pytest.mark.parametrize("option, value", [("--underflow-frac-max", "-1"), ("--overflow-frac-max", "1.5"),
                                            ("--min-speedup", "-1"), ("--repeats", "1000000000")])
-def test_plan_refuses_thresholds_outside_their_range(tiny_fp8_run, tmp_path, option, value, commands, capsys):
+def test_layer_recipes_refuses_thresholds_outside_their_range(tiny_fp8_run, tmp_path, option, value, commands, capsys):
     """A fraction below 0 or above 1, or a speedup below 0 (0 is documented: numerics alone), makes every layer
     fail (or pass) its check: a plan that looks like a measurement. A billion timing rounds would run for days. One line, exit 2, nothing written."""
-    out = tmp_path / "plan.yaml"
-    code, _, err = commands.main(["plan", str(tiny_fp8_run), "--out", str(out), option, value], capsys)
+    out = tmp_path / "layers.yaml"
+    code, _, err = commands.main(["layer-recipes", str(tiny_fp8_run), "--out", str(out), option, value], capsys)
     assert option in one_line_error(code, err)
     assert not out.exists()
 

@@ -1,4 +1,4 @@
-"""Per-layer recipes (policy.overrides, policy.plan) and the plan's choice rule and file format."""
+"""Per-layer recipes (policy.overrides, policy.overrides_file) and the layer-recipes choice rule and file format."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import re
 import pytest
 import torch.nn as nn
 
-from fp8train.evidence.plan import DEFAULT_THRESHOLDS, choose, plan_yaml
+from fp8train.evidence.layer_recipes import DEFAULT_THRESHOLDS, choose, layer_recipes_yaml
 from fp8train.nn.convert import LayerPolicy, convert_to_fp8
 from fp8train.nn.linear import Fp8Linear
 from fp8train.training.config import layer_policy_from_config, load_config
-from fp8train.training.config.fp8 import read_plan_overrides
+from fp8train.training.config.fp8 import read_overrides_file
 
 
 class Block(nn.Module):
@@ -75,24 +75,24 @@ def test_normalize_overrides_errors_name_the_default_key():
     assert normalize_overrides({"q_proj$": "bf16", "up": "current"}) == (("q_proj$", "bf16"), ("up", "current"))
 
 
-def _plan(choices):
+def _choices(choices):
     rows = [dict(layer=name, shape=[1, 2, 3], choice=c, comment=f"because {name}") for name, c in choices]
     return dict(run_dir="runs/x", device="cpu", device_name="test cpu", baseline="bf16", repeats=3,
                 thresholds=DEFAULT_THRESHOLDS, recipes=["current"], layers=rows,
                 fp8_layers=sum(c != "bf16" for _, c in choices))
 
 
-def test_plan_file_round_trips_through_policy_plan(tmp_path):
+def test_layer_recipes_file_round_trips_through_policy_overrides_file(tmp_path):
     names = [("layers.0.q_proj", "bf16"), ("layers.1.up_proj", "rowwise"), ("it's.odd", "current")]
-    path = tmp_path / "plan.yaml"
-    path.write_text(plan_yaml(_plan(names)))
-    pairs = read_plan_overrides(str(path))
+    path = tmp_path / "layers.yaml"
+    path.write_text(layer_recipes_yaml(_choices(names)))
+    pairs = read_overrides_file(str(path))
     assert [c for _, c in pairs] == [c for _, c in names]
     for (pattern, _), (name, _) in zip(pairs, names):  # anchored: matches exactly its layer
         assert re.search(pattern, name) and not re.search(pattern, name + "x") and not re.search(pattern, "a" + name)
-    cfg = load_config(None, [f"policy.plan={path}", "policy.overrides={down_proj: block}"])
-    assert layer_policy_from_config(cfg).overrides == pairs + (("down_proj", "block"),)  # plan first
-    assert "no layer is faster in FP8 here" in plan_yaml(_plan([("a", "bf16")]))
+    cfg = load_config(None, [f"policy.overrides_file={path}", "policy.overrides={down_proj: block}"])
+    assert layer_policy_from_config(cfg).overrides == pairs + (("down_proj", "block"),)  # the file first
+    assert "no layer is faster in FP8 here" in layer_recipes_yaml(_choices([("a", "bf16")]))
 
 
 def _shadow(sqnr=30.0, overflow=0.0, underflow=0.0):
@@ -132,7 +132,7 @@ def test_choice_comment_lists_speedups_fastest_first_and_the_other_baseline():
 
 
 def test_shadow_table_means_maxima_and_a_resumed_step_counted_once():
-    from fp8train.evidence.plan import shadow_table
+    from fp8train.evidence.layer_recipes import shadow_table
 
     def record(step, sqnr, overflow, underflow):
         stats = dict(sqnr_db=sqnr, overflow_frac=overflow, underflow_frac=underflow)
@@ -147,13 +147,13 @@ def test_shadow_table_means_maxima_and_a_resumed_step_counted_once():
     }}}}
 
 
-def test_plan_command_on_a_hand_written_run(tmp_path, capsys):
-    """`fp8train plan` from a run directory written by hand: its config and shadow telemetry saying that one
+def test_layer_recipes_command_on_a_hand_written_run(tmp_path, capsys):
+    """`fp8train layer-recipes` from a run directory written by hand: its config and shadow telemetry saying that one
     layer's gradients lose too much in FP8 (SQNR 5 dB). With --min-speedup 0 the numerics alone decide (this
     CPU's timings do not), so every other layer gets the one shadowed recipe."""
     import argparse
 
-    from fp8train.evidence.plan import add_cli_arguments, cli_main
+    from fp8train.evidence.layer_recipes import add_cli_arguments, cli_main
     from fp8train.training.config import config_to_yaml
 
     cfg = load_config(None, ["model.d_model=64", "model.n_layers=1", "model.n_heads=2", "model.seq_len=32",
@@ -172,14 +172,14 @@ def test_plan_command_on_a_hand_written_run(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     add_cli_arguments(parser)
     assert "where to time the layer shapes (default: cuda if available)" in " ".join(parser.format_help().split())
-    out = tmp_path / "plan.yaml"
+    out = tmp_path / "layers.yaml"
     args = parser.parse_args([str(run), "--out", str(out), "--repeats", "1", "--min-speedup", "0"])
     assert cli_main(args) == 0
     printed = capsys.readouterr().out.strip()
-    assert printed.startswith("6 of 7 layers in FP8 on ") and printed.endswith(f"; plan written to {out}")
+    assert printed.startswith("6 of 7 layers in FP8 on ") and printed.endswith(f"; written to {out}")
     text = out.read_text()
     assert text.splitlines()[0].endswith(" (cpu)")  # device auto on a machine without CUDA
-    assert read_plan_overrides(str(out)) == tuple(
+    assert read_overrides_file(str(out)) == tuple(
         ("^" + re.escape(n) + "$", "bf16" if n.endswith("down_proj") else "current") for n in names)
     down = next(line for line in text.splitlines() if "down_proj" in line)
     assert "# 128x176x64 speedup over bf16: current " in down  # 4 sequences x 32 tokens, in 176, out 64

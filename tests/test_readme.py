@@ -3,7 +3,7 @@
 character); every `fp8train ...` command runs for real, in README's order, in an empty folder with recipes/
 beside it, with only size overrides appended (fewer steps, one seed, smaller evaluations) so the whole file takes
 seconds, not the minutes the full-size commands take. Commands named in README's prose that are slow or need a GPU
-(accelerate with 2 processes, the GPU check, bench, plan) must be run by the test named in RUN_ELSEWHERE."""
+(accelerate with 2 processes, the GPU check, bench, layer-recipes) must be run by the test named in RUN_ELSEWHERE."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ RUN_ELSEWHERE = {
     "accelerate launch --multi_gpu --num_processes 2 scripts/train.py --config recipes/cpu_delayed.yaml":
         ("test_launch.py", ['"accelerate.commands.launch"', '"--multi_gpu", "--num_processes", "2"']),
     "scripts/gpu_check.sh OUT_DIR": ("test_gpu_check.py", ['["bash", str(SCRIPT), str(out), "--dry-run"]']),
-    "fp8train plan": ("test_plan_e2e.py", ['cli.main(["plan", str(shadowed_run), "--out"']),
+    "fp8train layer-recipes": ("test_layer_recipes_e2e.py", ['cli.main(["layer-recipes", str(shadowed_run), "--out"']),
     "fp8train bench": ("test_bench.py", ['main(["bench", "--json", "--out", str(out), "--quick"']),
 }
 COMMAND_START = re.compile(r"(fp8train|accelerate|torchrun|python3?|pip|bash|scripts/)\b")

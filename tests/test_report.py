@@ -231,7 +231,7 @@ def test_a_sequential_validation_waits_for_the_seed_its_first_look_needs(tmp_pat
 
 
 def test_the_next_round_is_the_first_looks_seeds_of_the_baseline_and_the_undecided_candidate(tmp_path):
-    from fp8train.evidence.pairs import PlannedRun
+    from fp8train.evidence.run_plan import PlannedRun
     from fp8train.evidence.rounds import next_round
     from fp8train.training.config.validation import parse_candidate
 
@@ -489,8 +489,8 @@ def test_shadow_section_of_a_run_report_by_hand(tmp_path):
     assert _shadow_markdown(tmp_path, [{"step": 10, "shadow": shadow}]) == [
         "## Recipe shadowing", "",
         "What each shadowed recipe would have done to this run's real operands (worst layer per role: lowest mean "
-        f"SQNR, highest overflow and underflow). `fp8train plan {tmp_path} --out plan.yaml` turns it into a "
-        "per-layer plan.", "",
+        f"SQNR, highest overflow and underflow). `fp8train layer-recipes {tmp_path} --out layers.yaml` turns it into a "
+        "recipe per layer.", "",
         "| recipe | role | min SQNR dB (layer) | max overflow | max underflow |", "|---|---|---|---|---|",
         "| current | input | 20.0 (b) | 0.10% | 5.00% |",
         "| current | weight | 40.0 (a) | 0.00% | 0.00% |",

@@ -61,7 +61,7 @@ class _Round2(Exception):
 
 @pytest.mark.slow
 def test_report_after_a_kill_between_rounds_says_unfinished_not_running(tmp_path, tiny, commands):
-    from fp8train.evidence.pairs import plan_runs
+    from fp8train.evidence.run_plan import plan_runs
     from fp8train.evidence.report import write_report
     from fp8train.evidence.validate import run_validation
     from fp8train.training.config import config_to_yaml, load_config

@@ -365,7 +365,7 @@ def test_padded_block_scales_are_made_on_the_operands_device(kind):
 def test_swizzled_mx_scales_pad_with_code_127():
     """swizzle_scales pads a ragged (R, C) E8M0 grid to 128x4 tiles with code 127 (2^0); the real scale (r, c)
     sits in tile (r // 128, c // 4) at 16 * (r % 32) + 4 * ((r % 128) // 32) + c % 4 (cuBLAS's layout)."""
-    from fp8train.nn.scaled_mm_plan import swizzle_scales
+    from fp8train.nn.scaled_mm_rules import swizzle_scales
     rows, cols = 40, 5  # one row tile, two column tiles: 1024 codes, 200 real
     codes = (torch.arange(rows * cols) % 100 + 1).to(torch.uint8).reshape(rows, cols)  # 1..100: never 127
     out = swizzle_scales(codes.view(torch.float8_e8m0fnu)).view(torch.uint8)
@@ -397,9 +397,9 @@ def test_tiles_no_kernel_takes_are_named_in_the_refusal():
 
 def test_a_plan_the_kernel_takes_carries_an_empty_reason():
     """A planned call's reason is '' (the string the layer's record and the fallback message are built from)."""
-    from fp8train.nn.scaled_mm_plan import plan_scaled_mm
+    from fp8train.nn.scaled_mm_rules import scaled_mm_call
 
     a = Fp8Operand(torch.ones(32, 64).to(torch.float8_e4m3fn), torch.tensor(1.0))
     w = Fp8Operand(torch.ones(48, 64).to(torch.float8_e4m3fn), torch.tensor(1.0))
-    plan = plan_scaled_mm(a, w.t(), out_dtype=torch.bfloat16, bias=None, use_fast_accum=False)
+    plan = scaled_mm_call(a, w.t(), out_dtype=torch.bfloat16, bias=None, use_fast_accum=False)
     assert plan.kind == "tensorwise" and plan.reason == "" and plan.shape == (32, 64, 48)

@@ -1,5 +1,5 @@
 """The grouped FP8 calls fp8train would make for its experts on an H100/H200 (sm90) and a B200 (sm100), planned on
-this CPU (nn/scaled_grouped_mm_plan.py) and replayed on meta tensors, so torch's own meta checks
+this CPU (nn/scaled_grouped_mm_rules.py) and replayed on meta tensors, so torch's own meta checks
 (`torch._meta_registrations._meta_grouped_mm_common`) judge every planned call; the fallbacks whose rule those
 checks state are shown to be refused by them when forced. The expected kinds come from the rules G1-G6 of the
 planner's docstring, written out here, not from the planner."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fp8train.nn.recipes import RECIPE_NAMES, recipe
-from fp8train.nn.scaled_grouped_mm_plan import plan_grouped_gemm, plan_grouped_gemms
+from fp8train.nn.scaled_grouped_mm_rules import grouped_gemm_call, grouped_gemm_calls
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -38,7 +38,7 @@ def _replay(plan):
 @pytest.mark.parametrize("name", RECIPE_NAMES)
 def test_every_planned_call_passes_torchs_meta_checks(name, gpu):
     capability, mslk = GPUS[gpu]
-    plans = plan_grouped_gemms(recipe(name), SIZES, N, K, torch.bfloat16, torch.bfloat16, False, capability, mslk)
+    plans = grouped_gemm_calls(recipe(name), SIZES, N, K, torch.bfloat16, torch.bfloat16, False, capability, mslk)
     assert [plans[g].kind for g in GEMMS] == EXPECTED_BF16_WEIGHTS[name][gpu]
     for plan in plans.values():
         if plan.kind is None:
@@ -50,24 +50,24 @@ def test_every_planned_call_passes_torchs_meta_checks(name, gpu):
 @pytest.mark.parametrize("name", ["rowwise", "mxfp8"])
 def test_fp32_master_weights_and_fp32_activations_fall_back(name):
     capability, mslk = GPUS["sm90" if name == "rowwise" else "sm100"]
-    plans = plan_grouped_gemms(recipe(name), SIZES, N, K, torch.bfloat16, torch.float32, False, capability, mslk)
+    plans = grouped_gemm_calls(recipe(name), SIZES, N, K, torch.bfloat16, torch.float32, False, capability, mslk)
     assert plans["grad_weight"].kind is None and "bf16 only" in plans["grad_weight"].reason
     _replay(plans["output"])
-    plans = plan_grouped_gemms(recipe(name), SIZES, N, K, torch.float32, torch.float32, False, capability, mslk)
+    plans = grouped_gemm_calls(recipe(name), SIZES, N, K, torch.float32, torch.float32, False, capability, mslk)
     assert all(p.kind is None for p in plans.values())
 
 
 def test_shapes_the_kernel_cannot_take_fall_back_with_their_rule():
     rowwise, sm90 = recipe("rowwise"), (9, 0)
-    assert "G3" in plan_grouped_gemm(rowwise, "output", SIZES, N + 8, K, torch.bfloat16, False, sm90).reason
+    assert "G3" in grouped_gemm_call(rowwise, "output", SIZES, N + 8, K, torch.bfloat16, False, sm90).reason
     odd = [5, 0, 131, 33]  # T = 169: grad_weight's token stride is no multiple of 16
-    assert "G3" in plan_grouped_gemm(rowwise, "grad_weight", odd, N, K, torch.bfloat16, False, sm90).reason
-    _replay_odd = plan_grouped_gemm(rowwise, "output", odd, N, K, torch.bfloat16, False, sm90)
+    assert "G3" in grouped_gemm_call(rowwise, "grad_weight", odd, N, K, torch.bfloat16, False, sm90).reason
+    _replay_odd = grouped_gemm_call(rowwise, "output", odd, N, K, torch.bfloat16, False, sm90)
     assert _replay_odd.kind == "rowwise"  # 2d x 3d: any group sizes
     out = torch._scaled_grouped_mm(**_replay_odd.arguments("meta"))
     assert tuple(out.shape) == (169, N)
-    assert "G4" in plan_grouped_gemm(rowwise, "output", SIZES, N, K, torch.bfloat16, True, sm90).reason
-    mx = plan_grouped_gemm(recipe("mxfp8"), "grad_weight", [48, 464], N, K, torch.bfloat16, False, (10, 0), True)
+    assert "G4" in grouped_gemm_call(rowwise, "output", SIZES, N, K, torch.bfloat16, True, sm90).reason
+    mx = grouped_gemm_call(recipe("mxfp8"), "grad_weight", [48, 464], N, K, torch.bfloat16, False, (10, 0), True)
     assert "G6" in mx.reason
 
 
@@ -79,7 +79,7 @@ def _forced(plan_ok, **change):
 
 def test_the_rules_behind_the_fallbacks_are_torchs():
     """Each fallback whose rule torch's meta function states is refused by it when the call is forced."""
-    ok = plan_grouped_gemm(recipe("rowwise"), "grad_weight", SIZES, N, K, torch.bfloat16, False, (9, 0))
+    ok = grouped_gemm_call(recipe("rowwise"), "grad_weight", SIZES, N, K, torch.bfloat16, False, (9, 0))
     torch._scaled_grouped_mm(**ok.arguments("meta"))
     e5m2 = ok.arguments("meta")["input"].to(torch.float8_e5m2)
     refusals = {
@@ -106,7 +106,7 @@ def test_a_real_experts_step_is_planned_for_its_own_groups():
     x = torch.randn(96, 64, requires_grad=True)
     layer(x, offs).sum().backward()
     sizes = group_sizes(offs, 96, 4)
-    plans = plan_grouped_gemms(layer.recipe, sizes, 32, 64, torch.bfloat16, torch.bfloat16, False, (9, 0))
+    plans = grouped_gemm_calls(layer.recipe, sizes, 32, 64, torch.bfloat16, torch.bfloat16, False, (9, 0))
     for plan in plans.values():
         assert plan.kind == "rowwise"
         out = torch._scaled_grouped_mm(**plan.arguments("meta"))

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.recipes import RECIPE_NAMES, recipe
 from fp8train.nn.scaled_gemm import HAS_SCALED_MM_V2, call_scaled_mm, target_gpu
-from fp8train.nn.scaled_mm_plan import swizzle_scales
+from fp8train.nn.scaled_mm_rules import swizzle_scales
 
 pytestmark = [pytest.mark.usefixtures("single_thread"),
               pytest.mark.skipif(not HAS_SCALED_MM_V2, reason="plans blockwise / MX calls for F.scaled_mm")]

@@ -91,7 +91,7 @@ def test_auto_plans_max_seeds_seeds_from_train_seed_so_repetitions_can_be_disjoi
     """An independent repetition of a seeds=auto validation is the same command with train.seed moved on by
     max_seeds (docs/validation-fork.md): its planned seeds are train.seed, +1, ..., and the rounds take them in
     that order, so two such repetitions share no seed."""
-    from fp8train.evidence.pairs import plan_runs
+    from fp8train.evidence.run_plan import plan_runs
     from fp8train.training.config import load_config
 
     def planned(first_seed: int) -> list[int]:

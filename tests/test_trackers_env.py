@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fp8train.evidence.pairs import plan_runs
+from fp8train.evidence.run_plan import plan_runs
 from fp8train.evidence.validate import run_validation
 from fp8train.training.config import load_config
 from fp8train.training.loop import train

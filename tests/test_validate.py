@@ -20,7 +20,7 @@ import pytest
 from fp8train.cli import main
 from fp8train.evidence import stats
 from fp8train.evidence.curves import Curve, load_curve
-from fp8train.evidence.pairs import BASELINE, plan_runs
+from fp8train.evidence.run_plan import BASELINE, plan_runs
 from fp8train.evidence.runner import DivergenceGuard, _Schedule, default_workers
 from fp8train.evidence.validate import resolve_workers, run_validation, verdict_lines
 from fp8train.training.config import load_config
@@ -333,7 +333,7 @@ PLANNED = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.seq
 
 def test_run_validation_declares_the_plan_then_hands_every_run_to_the_runner(tmp_path, monkeypatch):
     from fp8train.evidence import validate
-    from fp8train.evidence.pairs import check_plan
+    from fp8train.evidence.run_plan import check_plan
     from fp8train.training.config import config_hash
 
     calls = []

@@ -31,9 +31,9 @@ from fp8train.nn.accumulation import HopperAccumulation, accumulation_error_boun
 from fp8train.nn.gemm import Fp8Operand, fp8_mm
 from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.recipes import RECIPE_NAMES, recipe
-from fp8train.nn.scaled_gemm import (call_scaled_mm, device_capability, plan_scaled_mm, scaled_mm_arguments,
+from fp8train.nn.scaled_gemm import (call_scaled_mm, device_capability, scaled_mm_call, scaled_mm_arguments,
                                      scaled_mm_gemm, target_gpu)
-from fp8train.nn.scaled_mm_plan import SCALED_MM_KINDS
+from fp8train.nn.scaled_mm_rules import SCALED_MM_KINDS
 
 __all__ = ["kind_operands", "gemm_parity_cases", "linear_parity_cases", "section_parity", "section_capability"]
 
@@ -102,7 +102,7 @@ def _meta(t):
 
 def _planned_case(kind, a, b, out_dtype, expected_fp64, capability) -> dict:
     """What the plan for `capability` says, replayed on meta tensors; the emulation modelling that GPU, exactly."""
-    plan = plan_scaled_mm(a, b, out_dtype=out_dtype, bias=None, use_fast_accum=False, capability=capability)
+    plan = scaled_mm_call(a, b, out_dtype=out_dtype, bias=None, use_fast_accum=False, capability=capability)
     case = dict(kind=plan.kind, reason=plan.reason)
     if plan.kind is None:
         return case
@@ -132,7 +132,7 @@ def gemm_parity_cases(device: str, m: int = 256, k: int = 512, n: int = 256) -> 
             if device == "cuda":
                 record, (a_dev, b_dev) = {}, kind_operands(kind, m, k, n, device)
                 out = fp8_mm(a_dev, b_dev, "scaled_mm", out_dtype=out_dtype, record=record, gemm=kind)
-                plan = plan_scaled_mm(a_dev, b_dev, out_dtype=out_dtype, bias=None, use_fast_accum=False,
+                plan = scaled_mm_call(a_dev, b_dev, out_dtype=out_dtype, bias=None, use_fast_accum=False,
                                       capability=capability)
                 rounds_to = plan.rounds_to if plan.kind else out_dtype
                 case.update(path=record[kind], device_exact=bool(torch.equal(
@@ -151,7 +151,7 @@ def gemm_parity_cases(device: str, m: int = 256, k: int = 512, n: int = 256) -> 
 
 def _cpu_scaled_mm(kind, a, b, out_dtype, exact) -> str:
     """'exact', 'refused' (this CPU torch has no such kernel) or 'WRONG' for the CPU's own scaled matmul."""
-    plan = plan_scaled_mm(a, b, out_dtype=out_dtype, bias=None, use_fast_accum=False, capability=None)
+    plan = scaled_mm_call(a, b, out_dtype=out_dtype, bias=None, use_fast_accum=False, capability=None)
     if plan.kind is None:
         return "refused"
     try:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from fp8train.evidence import plots
 from fp8train.evidence.advisor import number
-from fp8train.evidence.pairs import BASELINE
+from fp8train.evidence.run_plan import BASELINE
 from fp8train.training.models.moe import routing_agreement
 from fp8train.training.runs.telemetry import expert_layer_of
 

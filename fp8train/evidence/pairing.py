@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fp8train.evidence.fork import source_problem
-from fp8train.evidence.pairs import PLAN_FILE
+from fp8train.evidence.fork_pinning import source_problem
+from fp8train.evidence.run_plan import PLAN_FILE
 from fp8train.training.config import config_hash, load_config
 from fp8train.training.config.validation import check_candidate_key
 from fp8train.training.data.corpus import describe_fingerprint_change

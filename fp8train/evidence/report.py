@@ -15,8 +15,8 @@ from pathlib import Path
 from fp8train.evidence import advisor, plots
 from fp8train.evidence.moe_report import expert_amax, moe_markdown, moe_summary, run_routing_markdown
 from fp8train.evidence.pairing import check_pairing
-from fp8train.evidence.pairs import BASELINE, PLAN_FILE
-from fp8train.evidence.plan import shadow_table
+from fp8train.evidence.run_plan import BASELINE, PLAN_FILE
+from fp8train.evidence.layer_recipes import shadow_table
 from fp8train.evidence.verdict import RunData, load_validation, summarize_validation
 from fp8train.nn.recipes import ROLES
 from fp8train.training.config import load_config
@@ -310,7 +310,7 @@ def _shadow_markdown(run_dir: Path, records: list[dict]) -> list[str]:
         return []
     lines = ["## Recipe shadowing", "", "What each shadowed recipe would have done to this run's real operands "
              "(worst layer per role: lowest mean SQNR, highest overflow and underflow). "
-             f"`fp8train plan {run_dir} --out plan.yaml` turns it into a per-layer plan.", "",
+             f"`fp8train layer-recipes {run_dir} --out layers.yaml` turns it into a recipe per layer.", "",
              "| recipe | role | min SQNR dB (layer) | max overflow | max underflow |", "|---|---|---|---|---|"]
     for rname in sorted({r for per_layer in table.values() for r in per_layer}):
         for role in ROLES:

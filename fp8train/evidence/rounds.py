@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from fp8train.evidence.pairs import PlannedRun
+from fp8train.evidence.run_plan import PlannedRun
 from fp8train.evidence.runner import finished_summary
 from fp8train.evidence.verdict import load_validation, summarize_validation
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from fp8train.evidence.curves import Curve, load_curve
-from fp8train.evidence.fork import check_pinned_fork, check_run_fork
+from fp8train.evidence.fork_pinning import check_pinned_fork, check_run_fork
 from fp8train.evidence.pairing import data_problem
-from fp8train.evidence.pairs import PlannedRun
+from fp8train.evidence.run_plan import PlannedRun
 from fp8train.training.config import FullConfig, config_hash
 from fp8train.training.runs.lifetime import Interrupted, die_with_parent
 from fp8train.training.loop import make_accelerator, train

@@ -4,7 +4,7 @@
     accelerate launch --num_processes 2 -m fp8train.cli validate recipes/cpu_validate.yaml
 
 For every seed of validate.seeds, the bf16 baseline and every candidate train from the same initial weights on the
-same batches (fp8train.evidence.pairs); validate.workers runs go at once (fp8train.evidence.runner); the verdict
+same batches (fp8train.evidence.run_plan); validate.workers runs go at once (fp8train.evidence.runner); the verdict
 bounds the mean paired gap over seeds (fp8train.evidence.stats) and the report shows it
 (fp8train.evidence.report). Re-running the command skips finished runs and resumes unfinished ones; a directory
 planned with another config, margin, candidate list or seed list is refused and nothing in it is touched.
@@ -18,8 +18,8 @@ import math
 import sys
 from pathlib import Path
 
-from fp8train.evidence.fork import fork_config, fork_record
-from fp8train.evidence.pairs import PLAN_FILE, check_plan, fingerprint_runs, plan_runs, validation_dir, validation_plan
+from fp8train.evidence.fork_pinning import fork_config, fork_record
+from fp8train.evidence.run_plan import PLAN_FILE, check_plan, fingerprint_runs, plan_runs, validation_dir, validation_plan
 from fp8train.evidence.report import write_validation_report
 from fp8train.evidence.rounds import run_rounds
 from fp8train.evidence.runner import default_workers, run_plan
@@ -59,7 +59,7 @@ def run_validation(cfg: FullConfig, candidates=None, accelerator=None, show_prog
     """Run (or finish) the validation of ``cfg``; returns the validation summary (also summary.json).
     ``candidates`` (specs) replaces validate.candidates. Every check happens before anything is written."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    cfg, fork = fork_config(cfg)  # validate.fork_from: every run starts from that checkpoint (evidence/fork.py)
+    cfg, fork = fork_config(cfg)  # validate.fork_from: every run starts from that checkpoint (evidence/fork_pinning.py)
     runs = plan_runs(cfg, candidates)
     fingerprint_runs(runs)
     plan = validation_plan(cfg, runs)

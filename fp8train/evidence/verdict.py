@@ -17,7 +17,7 @@ import yaml
 
 from fp8train.evidence import advisor, sequential, stats
 from fp8train.evidence.curves import Curve, load_curve
-from fp8train.evidence.pairs import BASELINE, PLAN_FILE, run_dir
+from fp8train.evidence.run_plan import BASELINE, PLAN_FILE, run_dir
 from fp8train.training.runs import telemetry
 from fp8train.training.storage.files import read_json
 from fp8train.training.config import AUTOCAST_PRECISION

@@ -1,7 +1,7 @@
 """The `scaled_mm` GEMM backend: FP8 tensor-core GEMMs through torch's scaled matmul.
 
 Which kernel takes a (M, K) @ b (K, N) and with which arguments is planned by a pure function
-(fp8train.nn.scaled_mm_plan: the kinds, their scale layouts and the CUDA rules that decide them); this module
+(fp8train.nn.scaled_mm_rules: the kinds, their scale layouts and the CUDA rules that decide them); this module
 runs the plan on the device, remembers what the device refused, and falls back where nothing takes the operands.
 
 A fallback dequantizes both operands and runs a bf16 GEMM with fp32 accumulation (fp32 on CPU): what the tensor
@@ -29,12 +29,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from fp8train.nn.scaled_mm_plan import (HAS_SCALED_MM_V2, SCALED_MM_KINDS, ScaledMmPlan, plan_scaled_mm,
+from fp8train.nn.scaled_mm_rules import (HAS_SCALED_MM_V2, SCALED_MM_KINDS, ScaledMmCall, scaled_mm_call,
                                         scaled_mm_arguments, scaled_mm_kind)
 
 __all__ = ["scaled_mm_kind", "scaled_mm_arguments", "scaled_mm_gemm", "scaled_mm_available", "fp8_dialect_of",
-           "HAS_SCALED_MM_V2", "SCALED_MM_KINDS", "check_dialect", "call_scaled_mm", "plan_scaled_mm",
-           "ScaledMmPlan", "target_gpu", "device_capability"]
+           "HAS_SCALED_MM_V2", "SCALED_MM_KINDS", "check_dialect", "call_scaled_mm", "scaled_mm_call",
+           "ScaledMmCall", "target_gpu", "device_capability"]
 
 _KERNEL_ERRORS = (RuntimeError, ValueError, NotImplementedError)
 # (device type, capability, kind, dtypes, (M, K, N), out dtype, bias fused, fast accum) -> None (works) or why not:
@@ -77,7 +77,7 @@ def device_capability(device: torch.device | str) -> tuple[int, int] | None:
 def target_gpu(capability: tuple[int, int], plans: list | None = None):
     """Plan every scaled_mm GEMM inside for a GPU of `capability` (e.g. (9, 0)), run no FP8 kernel: `record`
     says which kernel each GEMM would reach there or why it would fall back, `plans` (when given) collects
-    (gemm name, ScaledMmPlan), and results come from the dequantized fallback."""
+    (gemm name, ScaledMmCall), and results come from the dequantized fallback."""
     capability = tuple(int(c) for c in capability)
     if len(capability) != 2 or capability < (8, 9):
         raise ValueError(f"target_gpu needs an FP8 GPU's compute capability (major, minor) >= (8, 9), e.g. "
@@ -135,7 +135,7 @@ def scaled_mm_gemm(a, b, *, out_dtype: torch.dtype = torch.float32, bias: torch.
 
     `record[gemm]` (when given) is set to 'scaled_mm:<kind>' or 'fallback:<reason>'."""
     capability = device_capability(a.data.device)
-    plan = plan_scaled_mm(a, b, out_dtype=out_dtype, bias=bias, use_fast_accum=use_fast_accum,
+    plan = scaled_mm_call(a, b, out_dtype=out_dtype, bias=bias, use_fast_accum=use_fast_accum,
                           capability=capability)
     if _targets:  # planning for a GPU that is not here: say what would run, compute with the fallback
         if _targets[-1][1] is not None:
@@ -151,7 +151,7 @@ def scaled_mm_gemm(a, b, *, out_dtype: torch.dtype = torch.float32, bias: torch.
     return out if out is not None else _dequantized_gemm(a, b, out_dtype, bias)
 
 
-def _run_plan(plan: ScaledMmPlan, a, b, out_dtype, bias, capability):
+def _run_plan(plan: ScaledMmCall, a, b, out_dtype, bias, capability):
     """(result, '') from the first request the device takes, else (None, the last refusal)."""
     reason = ""
     for request_dtype, fuse_bias in plan.requests:

@@ -74,7 +74,7 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
     before conversion (default: training.models.decoder.build_model).
     """
     run = set_up(cfg, accelerator or make_accelerator(cfg), show_progress, model_factory)
-    if run.plan.kind == "complete":
+    if run.resume_point.kind == "complete":
         return already_complete(run)
     with holding(run):  # the run directory's lock, released however the run ends
         state = resume(run)
@@ -126,10 +126,10 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
 def already_complete(run: Run) -> dict:
     """Resuming a finished run: nothing is trained, written or tracked."""
     if run.is_main:
-        print(f"[{run.cfg.run.name}] already complete: {run.plan.summary.get('steps')} steps in {run.run_dir} "
+        print(f"[{run.cfg.run.name}] already complete: {run.resume_point.summary.get('steps')} steps in {run.run_dir} "
               "(nothing changed; raise train.max_steps to train on)", file=sys.stderr)
     run.accelerator.wait_for_everyone()
-    return run.plan.summary
+    return run.resume_point.summary
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -138,22 +138,22 @@ def already_complete(run: Run) -> dict:
 def resume(run: Run) -> LoopState:
     """The loop's state: step 0, or everything the checkpoint to resume from holds."""
     state = LoopState()
-    if run.plan.kind != "resume":
+    if run.resume_point.kind != "resume":
         if run.fork is not None:
             start_from_fork(run)
         return state
     # a sharded (DCP) checkpoint loads into any mesh: also into a plain model (train.tp_size 2 -> 1 under ddp)
-    sharded = run.sharded or is_sharded_checkpoint(run.plan.checkpoint)
+    sharded = run.sharded or is_sharded_checkpoint(run.resume_point.checkpoint)
     load = load_sharded_checkpoint if sharded else load_checkpoint
-    manifest = load(run.plan.checkpoint, run.model, run.optimizer, run.scheduler)
+    manifest = load(run.resume_point.checkpoint, run.model, run.optimizer, run.scheduler)
     counts = manifest.get("extra", {})
     run.fork_record = counts.get("fork")  # a resumed fork: what its first segment started from
     run.lr_horizon["steps"] = counts.get("lr_schedule_steps", run.cfg.train.max_steps)
     state.start_step = state.done = manifest["step"]
-    state.resumed_from, state.last_checkpoint = str(run.plan.checkpoint), run.plan.checkpoint
+    state.resumed_from, state.last_checkpoint = str(run.resume_point.checkpoint), run.resume_point.checkpoint
     state.skipped_steps = counts.get("skipped_steps", 0)
     state.consecutive_skips = counts.get("consecutive_skips", 0)
-    run.say(f"[{run.cfg.run.name}] resuming from {run.plan.checkpoint}")
+    run.say(f"[{run.cfg.run.name}] resuming from {run.resume_point.checkpoint}")
     return state
 
 
@@ -230,7 +230,7 @@ def _write_checkpoint(run: Run, state: LoopState, final: bool) -> bool:
     path = ckpt_dir / f"step_{done:06d}"
     extra = {**run.hashes, "lr_schedule_steps": run.lr_horizon["steps"], **state.counts(),
              **({"fork": run.fork_record} if run.fork_record else {})}
-    protect = [run.plan.checkpoint] if run.plan.checkpoint is not None else []  # pruning keeps the resumed one
+    protect = [run.resume_point.checkpoint] if run.resume_point.checkpoint is not None else []  # pruning keeps the resumed one
     if run.sharded:  # every rank writes its shard; collective
         path = save_sharded_checkpoint(ckpt_dir, done, run.model, run.optimizer, run.scheduler, extra=extra,
                                        keep_last=run.cfg.checkpoint.keep_last, protect=protect)

@@ -29,7 +29,7 @@ from fp8train.training.parallel.tensor_parallel import (apply_tensor_parallel, c
                                                         data_parallel, make_mesh)
 from fp8train.training.models.decoder import build_model, check_model_for_run
 from fp8train.training.optim import AdamW
-from fp8train.training.runs.resume import ResumePlan, plan_resume
+from fp8train.training.runs.resume import ResumePoint, find_resume_point
 from fp8train.training.storage.files import write_text_atomic
 from fp8train.training.storage.rundir import CONFIG_FILE
 from fp8train.training.shadow import RecipeShadow, shadowed_layers
@@ -51,7 +51,7 @@ class Run:
     model: torch.nn.Module
     fp8_recipe: object
     conversion: object
-    plan: ResumePlan
+    resume_point: ResumePoint
     show_progress: bool
     started: float
     ddp_model: torch.nn.Module = None
@@ -156,13 +156,13 @@ def set_up(cfg: FullConfig, accelerator, show_progress: bool, model_factory=None
     run_dir = cfg.run_dir
     log = (lambda m: print(m, file=sys.stderr)) if accelerator.is_main_process else (lambda m: None)
     dir_state = check_run_dir(run_dir)  # absent, empty or a run; no symlinks (every rank)
-    plan = plan_resume(cfg, run_dir, log)  # every rank decides, so every rank fails the same way
-    if plan.checkpoint is not None:  # same data, same experiment as the checkpoint's manifest says
-        check_resume_origin(plan.checkpoint, cfg, data)
-    fork = open_fork(cfg) if cfg.train.fork_from and plan.kind == "start" else None  # checked, not yet loaded
-    run = Run(cfg, accelerator, run_dir, data, val_batches, model, fp8_recipe, conversion, plan, show_progress,
+    point = find_resume_point(cfg, run_dir, log)  # every rank decides, so every rank fails the same way
+    if point.checkpoint is not None:  # same data, same experiment as the checkpoint's manifest says
+        check_resume_origin(point.checkpoint, cfg, data)
+    fork = open_fork(cfg) if cfg.train.fork_from and point.kind == "start" else None  # checked, not yet loaded
+    run = Run(cfg, accelerator, run_dir, data, val_batches, model, fp8_recipe, conversion, point, show_progress,
                started, dir_state=dir_state, hashes=run_hashes(cfg, data), fork=fork)
-    if plan.kind != "complete":
+    if point.kind != "complete":
         _prepare_training(run)
     return run
 

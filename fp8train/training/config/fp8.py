@@ -134,8 +134,9 @@ class PolicyConfig(Section):
     linear_subclasses: List[str] = field(default_factory=list)
     """Class names of nn.Linear subclasses whose forward is plain x @ W.T + b, converted like nn.Linear (e.g.
     [FalconLinear]); each is checked on a random input before the swap. Others stay in high precision."""
-    plan: str = ""
-    """A `fp8train plan` output (YAML with policy.overrides): its overrides come before policy.overrides."""
+    overrides_file: str = ""
+    """A YAML file with policy.overrides (e.g. written by `fp8train layer-recipes`): its overrides come before
+    policy.overrides."""
     allow_no_fp8: bool = False
     """Let a run whose policy converts no layer proceed in high precision (otherwise it fails, listing why)."""
 
@@ -154,27 +155,27 @@ class PolicyConfig(Section):
             if not name.isidentifier():
                 raise ValueError(f"config policy.linear_subclasses[{i}]={name!r} is not a class name "
                                  "(e.g. FalconLinear)")
-        if self.plan:
-            read_plan_overrides(self.plan)  # a missing or malformed plan fails here, before anything runs
+        if self.overrides_file:
+            read_overrides_file(self.overrides_file)  # a missing or malformed file fails here, before anything runs
 
 
-def read_plan_overrides(path: str) -> tuple[tuple[str, str], ...]:
-    """The validated policy.overrides of a plan file (`fp8train plan` output), in file order."""
-    check_settings_file(path, "config policy.plan")
+def read_overrides_file(path: str) -> tuple[tuple[str, str], ...]:
+    """The validated policy.overrides of a policy.overrides_file (e.g. `fp8train layer-recipes` output), in file order."""
+    check_settings_file(path, "config policy.overrides_file")
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"config policy.plan={path!r}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        raise ValueError(f"config policy.overrides_file={path!r}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ValueError(f"config policy.plan={path!r} is not YAML: {str(e).splitlines()[0]}") from None
+        raise ValueError(f"config policy.overrides_file={path!r} is not YAML: {str(e).splitlines()[0]}") from None
     overrides = data.get("policy", {}).get("overrides") if isinstance(data, dict) and isinstance(
         data.get("policy"), dict) else None
     if not isinstance(overrides, dict) or not overrides:
-        raise ValueError(f"config policy.plan={path!r} has no policy.overrides mapping (write one with "
-                         f"`fp8train plan RUN_DIR --out PLAN.yaml`)")
-    return normalize_overrides(overrides, f"config policy.plan={path!r}: policy.overrides")
+        raise ValueError(f"config policy.overrides_file={path!r} has no policy.overrides mapping (write one with "
+                         f"`fp8train layer-recipes RUN_DIR --out LAYERS.yaml`)")
+    return normalize_overrides(overrides, f"config policy.overrides_file={path!r}: policy.overrides")
 
 
 
@@ -193,6 +194,6 @@ def layer_policy_from_config(cfg) -> LayerPolicy:
         exclude_defaults=p.exclude_defaults,
         skip_first_blocks=p.skip_first_blocks,
         skip_last_blocks=p.skip_last_blocks,
-        overrides=(read_plan_overrides(p.plan) if p.plan else ()) + normalize_overrides(dict(p.overrides)),
+        overrides=(read_overrides_file(p.overrides_file) if p.overrides_file else ()) + normalize_overrides(dict(p.overrides)),
         linear_subclasses=tuple(p.linear_subclasses),
     )

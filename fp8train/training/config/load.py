@@ -199,6 +199,8 @@ HASH_EXCLUDE = ("run", "train.resume", "log", "checkpoint", "validate")
 # are left out of the hash, so a run made before the key existed still resumes, forks and exports (as the MoE
 # fields are for a dense model, model.n_experts = 0).
 HASHED_WHEN_SET = {"train.tp_size": 1, "train.sequence_parallel": True, "policy.linear_subclasses": []}
+# Keys renamed after runs were made, hashed under the name they had then: a renamed key changes no run's hash.
+HASHED_AS = {"policy.overrides_file": "plan"}
 
 
 def config_hash(cfg: FullConfig | DictConfig, exclude: Iterable[str] = HASH_EXCLUDE,
@@ -216,6 +218,11 @@ def config_hash(cfg: FullConfig | DictConfig, exclude: Iterable[str] = HASH_EXCL
     if isinstance(model, dict) and not model.get("n_experts"):  # dense: the hash dense runs always had
         for key in ("n_experts", *MOE_FIELDS):
             model.pop(key, None)
+    for dotted, old_name in HASHED_AS.items():
+        section, _, key = dotted.partition(".")
+        node = container.get(section)
+        if isinstance(node, dict) and key in node:
+            node[old_name] = node.pop(key)
     for dotted, default in HASHED_WHEN_SET.items():  # at its default, a key added later leaves the hash as it was
         section, _, key = dotted.partition(".")
         node = container.get(section)

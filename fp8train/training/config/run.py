@@ -174,7 +174,7 @@ class LogConfig(Section):
     shadow_recipes: List[str] = field(default_factory=list)
     """Recipes to shadow on every telemetry step: each Fp8Linear (each nn.Linear in a bf16 run) also measures
     what these recipes would do to its real operands (SQNR, overflow, underflow per role); training unchanged.
-    Empty = off. Needs telemetry_every > 0. Feeds `fp8train plan`."""
+    Empty = off. Needs telemetry_every > 0. Feeds `fp8train layer-recipes`."""
 
     def _check(self) -> None:
         self._at_least("every", 1)

@@ -32,7 +32,7 @@ from fp8train.training.config import HASH_EXCLUDE, config_hash, load_config
 from fp8train.training.storage.files import read_json
 from fp8train.training.storage.rundir import CHECKPOINTS_DIR, CONFIG_FILE, SUMMARY_FILE
 
-__all__ = ["RESUMABLE_KEYS", "ResumePlan", "plan_resume", "config_differences", "resume_hash"]
+__all__ = ["RESUMABLE_KEYS", "ResumePoint", "find_resume_point", "config_differences", "resume_hash"]
 
 # Keys that only say how long to train and how often to evaluate: they may change when a run is resumed. And
 # train.grad_accum: the global batch (train.batch_size) is fixed, so resuming on another number of processes
@@ -49,7 +49,7 @@ def resume_hash(cfg, data_fingerprint: dict | None = None) -> str:
 
 
 @dataclass(frozen=True)
-class ResumePlan:
+class ResumePoint:
     kind: str  # "start" | "resume" | "complete"
     checkpoint: Optional[Path] = None  # the checkpoint to resume from
     summary: Optional[dict] = None  # the stored summary of a complete run
@@ -99,7 +99,7 @@ def _complete_summary(cfg, run_dir: Path, checkpoint: Optional[Path]) -> Optiona
     return summary if final_saved or not cfg.checkpoint.save_final else None
 
 
-def plan_resume(cfg, run_dir: Path, log: Callable[[str], None]) -> ResumePlan:
+def find_resume_point(cfg, run_dir: Path, log: Callable[[str], None]) -> ResumePoint:
     """Start, resume or complete (see the module docstring); ValueError / FileExistsError for what is refused."""
     config_file, resume = run_dir / CONFIG_FILE, cfg.train.resume
     if config_file.exists() and resume is False:
@@ -107,21 +107,21 @@ def plan_resume(cfg, run_dir: Path, log: Callable[[str], None]) -> ResumePlan:
             f"run directory {run_dir} already holds a run; pass train.resume=true to continue it (or auto), or "
             "choose another run.name / run.dir (nothing was changed)")
     if resume is False:
-        return ResumePlan("start")
+        return ResumePoint("start")
     checkpoint = None
     if config_file.exists():
         _check_same_experiment(cfg, config_file)
         checkpoint = latest_loadable_checkpoint(run_dir / CHECKPOINTS_DIR, log=log)  # DDP or sharded (fsdp2)
         summary = _complete_summary(cfg, run_dir, checkpoint)
         if summary is not None:
-            return ResumePlan("complete", checkpoint, summary)
+            return ResumePoint("complete", checkpoint, summary)
     if checkpoint is None and resume is True:
         raise ValueError(f"train.resume=true but {run_dir} holds no valid checkpoint to resume from; use "
                          "train.resume=auto to start the run when there is none (nothing was changed)")
     if checkpoint is None:
-        return ResumePlan("start")
+        return ResumePoint("start")
     step = int(checkpoint.name.rsplit("_", 1)[-1])
     if step > cfg.train.max_steps:
         raise ValueError(f"train.max_steps={cfg.train.max_steps} is below the step of the checkpoint to resume "
                          f"from ({checkpoint}, step {step}); give train.max_steps >= {step}")
-    return ResumePlan("resume", checkpoint)
+    return ResumePoint("resume", checkpoint)

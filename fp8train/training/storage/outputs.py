@@ -38,7 +38,7 @@ __all__ = ["OUTPUT_MARKER", "KEPT_FILES", "check_output_file", "check_output_fol
 OUTPUT_MARKER = ".fp8train-output"
 # The files a run keeps: no command's --out may replace them, with or without --force.
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, TELEMETRY_FILE, SUMMARY_FILE, TRACKERS_FILE, LOCK_FILE)
-VALIDATION_PLAN_FILE = "plan.json"  # evidence.pairs.PLAN_FILE (a later layer): the file a validation is declared by
+VALIDATION_PLAN_FILE = "plan.json"  # evidence.run_plan.PLAN_FILE (a later layer): the file a validation is declared by
 KEPT_FILES = (*RUN_FILES, VALIDATION_PLAN_FILE)
 
 

@@ -1,4 +1,4 @@
-"""plan_resume decides start / resume / complete before anything is written (fp8train/training/resume.py): each
+"""find_resume_point decides start / resume / complete before anything is written (fp8train/training/resume.py): each
 rule with a real config, a stored config.yaml, real checkpoints and summary.json, and no training (fast; the
 training-run tests of the same rules are in test_resume_rules.py)."""
 
@@ -13,7 +13,7 @@ import yaml
 
 from fp8train.training.runs.checkpoint import load_model_weights, save_checkpoint
 from fp8train.training.config import config_to_yaml, load_config
-from fp8train.training.runs.resume import ResumePlan, config_differences, plan_resume
+from fp8train.training.runs.resume import ResumePoint, config_differences, find_resume_point
 
 TINY = {
     "model": {"n_layers": 1, "d_model": 64, "n_heads": 2, "seq_len": 16},
@@ -47,13 +47,13 @@ def stored_run(tmp_path: Path, cfg, steps=(), summary=None) -> Path:
 def test_a_new_run_starts(tmp_path):
     for resume in ("false", "auto"):
         cfg = cfg_of(tmp_path, f"train.resume={resume}")
-        assert plan_resume(cfg, tmp_path / "runs" / "r", print) == ResumePlan("start")
+        assert find_resume_point(cfg, tmp_path / "runs" / "r", print) == ResumePoint("start")
 
 
 def test_resume_false_refuses_a_directory_that_holds_a_run(tmp_path):
     run_dir = stored_run(tmp_path, cfg_of(tmp_path))
     with pytest.raises(FileExistsError) as raised:
-        plan_resume(cfg_of(tmp_path, "train.resume=false"), run_dir, print)
+        find_resume_point(cfg_of(tmp_path, "train.resume=false"), run_dir, print)
     assert str(raised.value) == (f"run directory {run_dir} already holds a run; pass train.resume=true to continue "
                                  "it (or auto), or choose another run.name / run.dir (nothing was changed)")
 
@@ -62,8 +62,8 @@ def test_resume_continues_from_the_newest_checkpoint_that_verifies(tmp_path):
     run_dir = stored_run(tmp_path, cfg_of(tmp_path), steps=(2, 4, 6))
     (run_dir / "checkpoints" / "step_000006" / "manifest.json").unlink()  # a save killed mid-way
     said = []
-    plan = plan_resume(cfg_of(tmp_path, "train.resume=true", "train.max_steps=8"), run_dir, said.append)
-    assert plan == ResumePlan("resume", run_dir / "checkpoints" / "step_000004")
+    point = find_resume_point(cfg_of(tmp_path, "train.resume=true", "train.max_steps=8"), run_dir, said.append)
+    assert point == ResumePoint("resume", run_dir / "checkpoints" / "step_000004")
     assert len(said) == 1 and str(run_dir / "checkpoints" / "step_000006") in said[0]
 
 
@@ -71,16 +71,16 @@ def test_a_completed_run_is_complete_and_a_failed_one_resumes(tmp_path):
     summary = {"status": "completed", "steps": 4, "val_loss": 5.0}
     run_dir = stored_run(tmp_path, cfg_of(tmp_path), steps=(2, 4), summary=summary)
     cfg = cfg_of(tmp_path, "train.resume=true")
-    assert plan_resume(cfg, run_dir, print) == ResumePlan("complete", run_dir / "checkpoints" / "step_000004",
+    assert find_resume_point(cfg, run_dir, print) == ResumePoint("complete", run_dir / "checkpoints" / "step_000004",
                                                           summary)
     (run_dir / "summary.json").write_text(json.dumps({**summary, "status": "failed"}))
-    assert plan_resume(cfg, run_dir, print) == ResumePlan("resume", run_dir / "checkpoints" / "step_000004")
+    assert find_resume_point(cfg, run_dir, print) == ResumePoint("resume", run_dir / "checkpoints" / "step_000004")
 
 
 def test_another_experiment_is_refused_with_key_and_both_values(tmp_path):
     run_dir = stored_run(tmp_path, cfg_of(tmp_path), steps=(2,))
     with pytest.raises(ValueError) as raised:
-        plan_resume(cfg_of(tmp_path, "train.resume=auto", "train.lr=0.001", "train.max_steps=9"), run_dir, print)
+        find_resume_point(cfg_of(tmp_path, "train.resume=auto", "train.lr=0.001", "train.max_steps=9"), run_dir, print)
     assert str(raised.value) == (
         f"train.resume=auto but {run_dir / 'config.yaml'} was made from a different experiment: train.lr: 0.003 "
         "(run) -> 0.001 (now). Only train.max_steps, train.eval_every, train.grad_accum, train.tp_size, train.sequence_parallel and run/log/checkpoint keys "

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from fp8train.numerics.mx import e8m0_codes
 
-__all__ = ["ScaledMmPlan", "plan_scaled_mm", "scaled_mm_kind", "scaled_mm_arguments", "swizzle_scales",
+__all__ = ["ScaledMmCall", "scaled_mm_call", "scaled_mm_kind", "scaled_mm_arguments", "swizzle_scales",
            "HAS_SCALED_MM_V2", "SCALED_MM_KINDS", "BLOCKWISE_KINDS", "FAST_ACCUM_KINDS"]
 
 HAS_SCALED_MM_V2 = hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
@@ -64,7 +64,7 @@ _FUSABLE_BIAS_OUT = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
-class ScaledMmPlan:
+class ScaledMmCall:
     """One planned call. `kind` None: no kernel takes it, `reason` says why (the GEMM falls back).
 
     `requests`: (output dtype, fuse the bias) to try in order on the device (some builds give rowwise / blockwise
@@ -128,16 +128,16 @@ def _tile_of(op) -> tuple[int, int] | None:
     return tuple(op.block) if op.block is not None else None
 
 
-def plan_scaled_mm(a, b, *, out_dtype: torch.dtype, bias: torch.Tensor | None, use_fast_accum: bool,
-                   capability: tuple[int, int] | None = None) -> ScaledMmPlan:
+def scaled_mm_call(a, b, *, out_dtype: torch.dtype, bias: torch.Tensor | None, use_fast_accum: bool,
+                   capability: tuple[int, int] | None = None) -> ScaledMmCall:
     """The call for `dequant(a) @ dequant(b) (+ bias)` in `out_dtype` on a GPU of `capability`."""
     (m, k), n = a.shape, b.shape[1]
     kind, reason = scaled_mm_kind(a, b, capability)
     if kind is None:
-        return ScaledMmPlan(None, reason, (m, k, n))
+        return ScaledMmCall(None, reason, (m, k, n))
     if kind == "rowwise" and out_dtype == torch.float32 and capability is not None and capability[0] != 9:
         out_dtype = torch.bfloat16  # CUTLASS rowwise (sm89, sm100+): bf16 output only, widened by the caller
-    return ScaledMmPlan(kind, "", (m, k, n), scaled_mm_arguments(a, b, kind), _requests(out_dtype, bias),
+    return ScaledMmCall(kind, "", (m, k, n), scaled_mm_arguments(a, b, kind), _requests(out_dtype, bias),
                         bool(use_fast_accum) and kind in FAST_ACCUM_KINDS)
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fp8train.evidence import stats
-from fp8train.evidence.plan import check_fp8_conversion
+from fp8train.evidence.layer_recipes import check_fp8_conversion
 from fp8train.evidence.sequential import sequential_plan
 from fp8train.training.config import (AUTOCAST_PRECISION, BASELINE_RECIPE, HASH_EXCLUDE, FullConfig,
                                       apply_overrides, config_hash, fp8_recipe_from_config)
@@ -56,7 +56,7 @@ class PlannedRun:
     candidate: Candidate | None = None
     data_fingerprint: dict | None = None  # what train() will train on (set by fingerprint_runs)
     data_source: str = "the data"
-    pinned_fork: dict | None = None  # validate.fork_from: plan.json's checkpoint and sha256 (evidence/fork.py)
+    pinned_fork: dict | None = None  # validate.fork_from: plan.json's checkpoint and sha256 (evidence/fork_pinning.py)
 
     def config_hash(self) -> str:
         """The hash train() records in this run's summary.json: its config and its data's fingerprint."""
@@ -146,7 +146,7 @@ def plan_runs(cfg: FullConfig, candidates=None) -> list[PlannedRun]:
     for cand in parsed:
         overrides = common + where(cand.label) + [f"fp8.recipe={cand.recipe}", *cand.overrides]
         templates.append((cand.label, cand, cand.recipe, derive_config(cfg, overrides, repr(cand.label))))
-        check_fp8_conversion(templates[-1][3])  # e.g. a policy.plan made for another model: refused now
+        check_fp8_conversion(templates[-1][3])  # e.g. a policy.overrides_file made for another model: refused now
     baseline_shown = AUTOCAST_PRECISION[cfg.train.autocast]  # what the baseline computes in: its wandb label
     return [PlannedRun(label, seed, _for_seed(template, vdir / RUNS_DIR / label, seed, wandb_labels(
                 cfg.run.name, baseline_shown if label == BASELINE else label, recipe_name, seed)), cand)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fp8train.evidence.pairs import PLAN_FILE, PlannedRun, derive_config, validation_dir
+from fp8train.evidence.run_plan import PLAN_FILE, PlannedRun, derive_config, validation_dir
 from fp8train.training.config import FullConfig
 from fp8train.training.runs.fork import (checkpoint_sha256, fp8_state_origin, open_fork, resolve_fork_checkpoint)
 from fp8train.training.storage.files import read_json

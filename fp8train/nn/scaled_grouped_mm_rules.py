@@ -4,7 +4,7 @@ A pure function of the recipe, the token groups, the shapes and the target GPU: 
 nothing, so every call fp8train would make on an sm90 or sm100 GPU can be planned on any machine and replayed on
 meta tensors (tests/test_scaled_grouped_mm_replay.py). Where the kernel cannot take a GEMM exactly as the
 emulation computes it, the plan is a fallback with its reason: the per-expert loop of nn/experts.py, each expert
-through the dense scaled_mm path (nn/scaled_mm_plan.py) or the emulation. Nothing here has run on a GPU.
+through the dense scaled_mm path (nn/scaled_mm_rules.py) or the emulation. Nothing here has run on a GPU.
 
 The three GEMMs, tokens T sorted by expert with offs (E,) int32, weight W (E, N, K):
 
@@ -43,7 +43,7 @@ import torch
 
 from fp8train.nn.recipes import GemmRole, OperandRole, ScalingKind
 
-__all__ = ["GroupedGemmPlan", "plan_grouped_gemm", "plan_grouped_gemms", "GROUPED_KINDS"]
+__all__ = ["GroupedGemmCall", "grouped_gemm_call", "grouped_gemm_calls", "GROUPED_KINDS"]
 
 GROUPED_KINDS = ("rowwise", "mx_1x32")
 _OPERANDS = {GemmRole.OUTPUT: (OperandRole.INPUT, OperandRole.WEIGHT),
@@ -52,7 +52,7 @@ _OPERANDS = {GemmRole.OUTPUT: (OperandRole.INPUT, OperandRole.WEIGHT),
 
 
 @dataclass(frozen=True)
-class GroupedGemmPlan:
+class GroupedGemmCall:
     """One grouped GEMM: `kind` (one of GROUPED_KINDS) and its call's shapes, or kind None and the `reason`."""
 
     gemm: str
@@ -96,14 +96,14 @@ def _layouts(gemm: str, tokens: int, n: int, k: int, experts: int, mx: bool):
     return row_major(n, tokens), ((tokens, k), (1, tokens)), *scales
 
 
-def plan_grouped_gemm(recipe, gemm: str, group_sizes: list[int], n: int, k: int, out_dtype: torch.dtype,
-                      bias: bool, capability: tuple[int, int], mslk: bool = False) -> GroupedGemmPlan:
+def grouped_gemm_call(recipe, gemm: str, group_sizes: list[int], n: int, k: int, out_dtype: torch.dtype,
+                      bias: bool, capability: tuple[int, int], mslk: bool = False) -> GroupedGemmCall:
     """The plan of one grouped GEMM of an experts layer with weight (E, N, K) (module docstring's rules)."""
     gemm = GemmRole(gemm)
     tokens, experts = sum(group_sizes), len(group_sizes)
 
     def fallback(reason):
-        return GroupedGemmPlan(gemm, None, reason, experts=experts)
+        return GroupedGemmCall(gemm, None, reason, experts=experts)
     if recipe.scaling is ScalingKind.BLOCK:
         return fallback("block scales (1x128 / 128x128): the grouped kernel takes rowwise or MX scales only (G2)")
     mx = recipe.is_mx
@@ -123,16 +123,16 @@ def plan_grouped_gemm(recipe, gemm: str, group_sizes: list[int], n: int, k: int,
     if mx and gemm == GemmRole.GRAD_WEIGHT and any(size % 32 for size in group_sizes):
         return fallback("MXFP8 grad_weight with a group size not a multiple of 32 (G6)")
     mat_a, mat_b, scale_a, scale_b = _layouts(gemm, tokens, n, k, experts, mx)
-    return GroupedGemmPlan(gemm, "mx_1x32" if mx else "rowwise", "", mat_a, mat_b, scale_a, scale_b,
+    return GroupedGemmCall(gemm, "mx_1x32" if mx else "rowwise", "", mat_a, mat_b, scale_a, scale_b,
                            torch.float8_e8m0fnu if mx else torch.float32, experts)
 
 
-def plan_grouped_gemms(recipe, group_sizes: list[int], n: int, k: int, activation_dtype: torch.dtype,
+def grouped_gemm_calls(recipe, group_sizes: list[int], n: int, k: int, activation_dtype: torch.dtype,
                        weight_dtype: torch.dtype, bias: bool, capability: tuple[int, int],
-                       mslk: bool = False) -> dict[str, GroupedGemmPlan]:
+                       mslk: bool = False) -> dict[str, GroupedGemmCall]:
     """The plans of the three GEMMs: output and grad_input in the activations' dtype, grad_weight in the
     weight's (fp32 master weights: the fallback's, G4)."""
     dtypes = {GemmRole.OUTPUT: activation_dtype, GemmRole.GRAD_INPUT: activation_dtype,
               GemmRole.GRAD_WEIGHT: weight_dtype}
-    return {gemm: plan_grouped_gemm(recipe, gemm, group_sizes, n, k, dtype, bias, capability, mslk)
+    return {gemm: grouped_gemm_call(recipe, gemm, group_sizes, n, k, dtype, bias, capability, mslk)
             for gemm, dtype in dtypes.items()}

@@ -1,4 +1,4 @@
-"""`fp8train plan RUN_DIR --out PLAN.yaml`: a per-layer recipe plan from measurements, not shape rules.
+"""`fp8train layer-recipes RUN_DIR --out LAYERS.yaml`: a recipe per layer from measurements, not shape rules.
 
 Two measurements decide each layer the run's layer policy converts (or would convert, for a bf16 run):
 
@@ -13,10 +13,10 @@ A layer gets the FASTEST recipe whose numerics pass every threshold and whose sp
 is at least `min_speedup`; otherwise it stays high precision ('bf16'). Thresholds (defaults: the report
 advisor's, advisor.MEAN_THRESHOLDS, plus min_speedup 1.05 because FP8 costs accuracy and 5% is within the
 timing noise of a loaded machine): mean SQNR >= sqnr_db_min in every role, worst overflow <= overflow_frac_max,
-mean underflow <= underflow_frac_max. The plan is written as `policy.overrides` (one anchored regex per layer,
-with a comment giving the speedups and SQNRs behind the choice) for `policy.plan=PLAN.yaml` or a validation
-candidate `plan=current:policy.plan=PLAN.yaml`. On a CPU the honest outcome may be "no layer is faster in FP8
-here", and the plan says so.
+mean underflow <= underflow_frac_max. The choices are written as `policy.overrides` (one anchored regex per
+layer, with a comment giving the speedups and SQNRs behind the choice) for `policy.overrides_file=LAYERS.yaml` or
+a validation candidate `layers=current:policy.overrides_file=LAYERS.yaml`. On a CPU the honest outcome may be
+"no layer is faster in FP8 here", and the file says so.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from fp8train.training.storage.outputs import check_output_file
 from fp8train.training.storage.files import write_text_atomic
 from fp8train.training.shadow import SHADOW_STAT_KEYS
 
-__all__ = ["DEFAULT_THRESHOLDS", "shadow_table", "planned_layers", "time_shapes", "choose", "make_plan",
-           "plan_yaml", "check_fp8_conversion", "add_cli_arguments", "cli_main"]
+__all__ = ["DEFAULT_THRESHOLDS", "shadow_table", "converted_linears", "time_shapes", "choose", "measure_layer_recipes",
+           "layer_recipes_yaml", "check_fp8_conversion", "add_cli_arguments", "cli_main"]
 
 DEFAULT_THRESHOLDS = {**advisor.MEAN_THRESHOLDS, "min_speedup": 1.05}
 
@@ -94,24 +94,24 @@ def _meta_conversion(cfg, policy: LayerPolicy):
 
 
 def check_fp8_conversion(cfg) -> None:
-    """Raise the ValueError `fp8train train` would raise at conversion (e.g. a policy.plan made for another
+    """Raise the ValueError `fp8train train` would raise at conversion (e.g. a policy.overrides_file made for another
     model), without building anything: validation calls it for every candidate before the first run."""
     if cfg.fp8.recipe != BASELINE_RECIPE:
         report, skeleton = _meta_conversion(cfg, layer_policy_from_config(cfg))
-        check_model_for_run(skeleton, 0, report, cfg.policy.allow_no_fp8)  # e.g. an all-bf16 plan
+        check_model_for_run(skeleton, 0, report, cfg.policy.allow_no_fp8)  # e.g. all layers overridden to bf16
 
 
-def planned_layers(cfg) -> list[tuple[str, int, int]]:
+def converted_linears(cfg) -> list[tuple[str, int, int]]:
     """(name, in_features, out_features) of every Linear the run's policy converts, ignoring its overrides."""
     policy = layer_policy_from_config(cfg)
     report, skeleton = _meta_conversion(cfg, LayerPolicy(**{**policy.__dict__, "overrides": ()}))
-    modules = dict(skeleton.named_modules())  # FP8 experts projections are Parameters: planned_experts
+    modules = dict(skeleton.named_modules())  # FP8 experts projections are Parameters: converted_experts
     return [(name, modules[name].in_features, modules[name].out_features)
             for name, _ in report.converted if name in modules]
 
 
-def planned_experts(cfg) -> list[str]:
-    """The FP8 experts projections (`...experts.gate_up_proj`) of the run: the plan leaves them at the run's
+def converted_experts(cfg) -> list[str]:
+    """The FP8 experts projections (`...experts.gate_up_proj`) of the run: the choices leave them at the run's
     recipe (the shadow telemetry and the timings are per Linear)."""
     report, skeleton = _meta_conversion(cfg, layer_policy_from_config(cfg))
     modules = dict(skeleton.named_modules())
@@ -200,8 +200,8 @@ def _device_name(device: str) -> str:
     return f"cpu ({torch.get_num_threads()} threads)"
 
 
-def make_plan(run_dir: str | Path, device: str, repeats: int, thresholds: dict) -> dict:
-    """Everything the plan file says: per-layer choices with their reasons, and how they were measured."""
+def measure_layer_recipes(run_dir: str | Path, device: str, repeats: int, thresholds: dict) -> dict:
+    """Everything the layer-recipes file says: per-layer choices with their reasons, and how they were measured."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
@@ -210,7 +210,7 @@ def make_plan(run_dir: str | Path, device: str, repeats: int, thresholds: dict) 
     if not table:
         raise ValueError(f"{run_dir / 'telemetry.jsonl'} has no shadow telemetry: train with "
                          f"log.shadow_recipes=[current,rowwise,block,mxfp8] and log.telemetry_every > 0")
-    layers = planned_layers(cfg)
+    layers = converted_linears(cfg)
     missing = [name for name, _, _ in layers if name not in table]
     if len(missing) == len(layers):
         raise ValueError(f"the shadow telemetry of {run_dir} names none of this model's layers "
@@ -230,36 +230,36 @@ def make_plan(run_dir: str | Path, device: str, repeats: int, thresholds: dict) 
         rows.append(dict(layer=name, shape=[tokens, k, n], choice=choice, comment=f"{tokens}x{k}x{n} {comment}"))
     return dict(run_dir=str(run_dir), device=device, device_name=_device_name(device), baseline=baseline,
                 repeats=repeats, thresholds=thresholds, recipes=recipes, layers=rows,
-                fp8_layers=sum(r["choice"] != OVERRIDE_BF16 for r in rows), experts=planned_experts(cfg))
+                fp8_layers=sum(r["choice"] != OVERRIDE_BF16 for r in rows), experts=converted_experts(cfg))
 
 
 def _yaml_quoted(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"  # YAML single quotes: backslashes stay literal
 
 
-def plan_yaml(plan: dict) -> str:
-    """The plan as a config fragment: a commented `policy.overrides`, one anchored regex per layer."""
-    t = plan["thresholds"]
+def layer_recipes_yaml(choices: dict) -> str:
+    """The choices as a config fragment: a commented `policy.overrides`, one anchored regex per layer."""
+    t = choices["thresholds"]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        f"# fp8train plan for {plan['run_dir']}, measured {when} on {plan['device_name']} ({plan['device']})",
-        f"# speed: fwd+bwd per layer shape (MxKxN), median of {plan['repeats']} interleaved rounds, speedup over "
-        f"the run's precision ({plan['baseline']}); fp32 shown too",
+        f"# fp8train layer-recipes for {choices['run_dir']}, measured {when} on {choices['device_name']} ({choices['device']})",
+        f"# speed: fwd+bwd per layer shape (MxKxN), median of {choices['repeats']} interleaved rounds, speedup over "
+        f"the run's precision ({choices['baseline']}); fp32 shown too",
         f"# numerics: the run's shadow telemetry; thresholds: SQNR >= {t['sqnr_db_min']:g} dB in every role, "
         f"overflow <= {t['overflow_frac_max']:.2%}, underflow <= {t['underflow_frac_max']:.0%}, speedup >= "
         f"{t['min_speedup']:g}x",
     ]
-    if plan["fp8_layers"] == 0:
+    if choices["fp8_layers"] == 0:
         lines.append("# outcome: no layer is faster in FP8 here, so every layer stays high precision (as a validation "
                      "candidate, add policy.allow_no_fp8=true)")
     else:
-        lines.append(f"# outcome: {plan['fp8_layers']} of {len(plan['layers'])} layers in FP8")
-    if plan.get("experts"):
-        lines.append(f"# experts: {len(plan['experts'])} FP8 expert projections are not planned and keep the run's "
+        lines.append(f"# outcome: {choices['fp8_layers']} of {len(choices['layers'])} layers in FP8")
+    if choices.get("experts"):
+        lines.append(f"# experts: {len(choices['experts'])} FP8 expert projections are not chosen per layer and keep the run's "
                      "recipe (shadow telemetry and timings are per Linear)")
-    lines += ["# use: fp8train train CONFIG policy.plan=THIS_FILE, or validate.candidates: "
-              "[plan=current:policy.plan=THIS_FILE]", "policy:", "  overrides:"]
-    for row in plan["layers"]:
+    lines += ["# use: fp8train train CONFIG policy.overrides_file=THIS_FILE, or validate.candidates: "
+              "[layers=current:policy.overrides_file=THIS_FILE]", "policy:", "  overrides:"]
+    for row in choices["layers"]:
         pattern = "^" + re.escape(row["layer"]) + "$"
         lines.append(f"    {_yaml_quoted(pattern)}: {row['choice']}  # {row['comment']}")
     return "\n".join(lines) + "\n"
@@ -267,7 +267,7 @@ def plan_yaml(plan: dict) -> str:
 
 def add_cli_arguments(parser) -> None:
     parser.add_argument("run_dir", help="a run directory trained with log.shadow_recipes")
-    parser.add_argument("--out", required=True, help="plan YAML to write (refused if it exists, unless --force)")
+    parser.add_argument("--out", required=True, help="YAML to write (refused if it exists, unless --force)")
     parser.add_argument("--force", action="store_true", help="overwrite --out")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="where to time the layer shapes (default: cuda if available)")
@@ -288,15 +288,15 @@ def cli_main(args) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is visible to torch")
     thresholds = {key: getattr(args, key) for key in DEFAULT_THRESHOLDS}
-    for key, value in thresholds.items():  # a NaN threshold compares false with everything: a silent plan
+    for key, value in thresholds.items():  # a NaN threshold compares false with everything: a silent choice
         if not math.isfinite(value):
             raise ValueError(f"--{key.replace('_', '-')}={value}: a threshold must be a finite number")
         if key.endswith("_frac_max") and not 0 <= value <= 1:  # a fraction: -1 would keep every layer in bf16
             raise ValueError(f"--{key.replace('_', '-')}={value}: a fraction of values, in [0, 1]")
-        if key == "min_speedup" and value < 0:  # (0 is meaningful: decide on numerics alone, docs/plan.md)
+        if key == "min_speedup" and value < 0:  # (0 is meaningful: decide on numerics alone, docs/layer-recipes.md)
             raise ValueError(f"--min-speedup={value}: a ratio of times, >= 0")
-    plan = make_plan(args.run_dir, device, args.repeats, thresholds)
-    write_text_atomic(out, plan_yaml(plan))
-    print(f"{plan['fp8_layers']} of {len(plan['layers'])} layers in FP8 on {plan['device_name']}"
-          + (": no layer is faster in FP8 here" if plan["fp8_layers"] == 0 else "") + f"; plan written to {out}")
+    choices = measure_layer_recipes(args.run_dir, device, args.repeats, thresholds)
+    write_text_atomic(out, layer_recipes_yaml(choices))
+    print(f"{choices['fp8_layers']} of {len(choices['layers'])} layers in FP8 on {choices['device_name']}"
+          + (": no layer is faster in FP8 here" if choices["fp8_layers"] == 0 else "") + f"; written to {out}")
     return 0
