@@ -40,7 +40,7 @@ import pytest
 import torch
 import yaml
 
-from fp8train.bench.distributed import MODEL_SHAPES, bench_distributed, format_distributed
+from fp8train.bench.distributed_section import MODEL_SHAPES, bench_distributed, format_distributed
 from fp8train.training.config import load_config
 from fp8train.training.loop import train
 from fp8train.training.runs.sharded_checkpoint import latest_loadable_checkpoint, read_model_state

@@ -1,4 +1,4 @@
-"""train.tp_size: tensor parallelism in FP8 (fp8train.nn.tensor_parallel, training.parallel.tensor_parallel).
+"""train.tp_size: tensor parallelism in FP8 (fp8train.nn.tensor_parallel, training.parallel.tp_mesh).
 
 Refusals run in this process. The rest is one REAL `accelerate launch --multi_gpu --num_processes 2` (two gloo
 CPU processes, tests/tp_harness.py), then one-process references here:
@@ -45,7 +45,7 @@ from fp8train.nn.linear import Fp8Linear
 from fp8train.training.config import load_config
 from fp8train.training.loop import train
 from fp8train.training.models.decoder import build_model
-from fp8train.training.parallel.tensor_parallel import check_tensor_parallel, check_tp_model
+from fp8train.training.parallel.tp_mesh import check_tensor_parallel, check_tp_model
 from fp8train.nn.convert import convert_to_fp8
 from fp8train.nn.recipes import recipe
 from conftest import Commands

@@ -42,14 +42,14 @@ import time
 
 import torch
 
-from fp8train.bench.distributed import bench_distributed
+from fp8train.bench.distributed_section import bench_distributed
 from fp8train.bench.experts_section import bench_experts
 from fp8train.bench.harness import Timing, enable_malloc_reuse, machine_info, paired_ratio
 from fp8train.bench.linear_section import bench_linear, bench_ops, torchao_linear
 from fp8train.bench.options import (OPTIONAL_SECTIONS, RECIPES, SECTIONS, BenchOptions, log, parse_list,
                                     parse_shapes, resolve_fp8_kernel)
 from fp8train.bench.quant_section import bench_quant
-from fp8train.bench.report import check_targets, format_report
+from fp8train.bench.report_tables import check_targets, format_report
 from fp8train.bench.train_section import bench_memory, bench_train, saved_tensor_bytes
 from fp8train.training.config import load_config
 from fp8train.training.storage.outputs import check_output_file

@@ -20,7 +20,7 @@ from fp8train.evidence.layer_recipes import shadow_table
 from fp8train.evidence.verdict import RunData, load_validation, summarize_validation
 from fp8train.nn.recipes import ROLES
 from fp8train.training.config import load_config
-from fp8train.training.models.decoder import HFCausalLM
+from fp8train.training.models.hf import HFCausalLM
 from fp8train.training.storage.files import write_json_atomic, write_text_atomic
 from fp8train.training.storage.outputs import write_output_set
 from fp8train.training.storage.rundir import CONFIG_FILE, METRICS_FILE

@@ -44,7 +44,7 @@ from fp8train.serving.fp8_weights import (ACTIVATION_SCHEMES, Fp8ActivationLinea
 from fp8train.serving.run_loading import (LoadedRun, fp8_linear_names, loaded_run, package_version, source_dir,
                                           tied_aliases)
 from fp8train.training.data.corpus import build_data, is_pretokenized
-from fp8train.training.models.decoder import HFCausalLM
+from fp8train.training.models.hf import HFCausalLM
 from fp8train.training.storage.outputs import check_output_folder, replace_output_folder
 from fp8train.training.storage.files import as_os_error, give_default_mode, write_text_atomic
 from fp8train.training.data.tokenized import run_tokenizer

@@ -1,6 +1,6 @@
 """The FP8 KV-cache transform: what a cache holds for K and V, how its scales are calibrated, and how it is
 installed into a model's attention layers (their `kv_transform` hook: fp8train's Decoder, and Hugging Face models
-through fp8train.training.models.hf.enable_kv_hook). See fp8train.serving.kvcache for the evaluation."""
+through fp8train.serving.kv_hooks.enable_kv_hook, installed by `kv_transforms`). See fp8train.serving.kvcache for the evaluation."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from fp8train.numerics.formats import FORMATS, get_format
 from fp8train.numerics.quant import quantize, scale_from_amax
+from fp8train.serving.kv_hooks import enable_kv_hook
 
 __all__ = ["CACHE_FORMATS", "KV_CHOICES", "GRANULARITIES", "SCALE_SOURCES", "KvCacheConfig", "bf16_cache",
            "Fp8KvCache", "head_amax", "kv_transforms", "calibrate_kv_amax", "scales_from_amax", "autocast_bf16"]
@@ -146,7 +147,11 @@ def head_amax(x: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def kv_transforms(model: nn.Module, transform: Optional[Callable]):
-    """Install ``transform`` as every attention layer's kv_transform for the duration of the block."""
+    """Install ``transform`` as every attention layer's kv_transform for the duration of the block (a Hugging Face
+    model, bare or in fp8train's HFCausalLM as `.hf`, first gets the hook: kv_hooks.enable_kv_hook)."""
+    for candidate in (model, getattr(model, "hf", None)):
+        if hasattr(candidate, "_can_set_attn_implementation"):  # a transformers PreTrainedModel
+            enable_kv_hook(candidate)
     attns = [m for m in model.modules() if hasattr(m, "kv_transform") and hasattr(m, "layer_idx")]
     if not attns:
         raise ValueError("this model has no attention layers with a kv_transform hook (fp8train's Decoder has "

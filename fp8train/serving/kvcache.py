@@ -7,7 +7,7 @@ What is compared. The newest valid checkpoint of RUN_DIR is rebuilt from RUN_DIR
 master weights in the plain model (an FP8-trained run is loaded by parameter name, its FP8 scaling buffers are
 dropped: see fp8train.serving.run_loading), weights fixed, run under the run's autocast (bf16, as in training). Every
 attention layer's `kv_transform` hook (fp8train's Decoder, or a Hugging Face model's attention through
-fp8train.training.models.hf.enable_kv_hook) then sees K (after RoPE) and V, (B, n_kv_heads, T, head_dim), and returns
+fp8train.serving.kv_hooks.enable_kv_hook) then sees K (after RoPE) and V, (B, n_kv_heads, T, head_dim), and returns
 what the cache would hold:
 
 - reference cache ("bf16"): K and V rounded to bf16 (a no-op under bf16 autocast);

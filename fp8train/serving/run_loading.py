@@ -45,8 +45,9 @@ from fp8train.training.data.tokenized import has_tokenizer
 from fp8train.training.runs.checkpoint import MANIFEST, checkpoint_step, list_checkpoints
 from fp8train.training.runs.sharded_checkpoint import latest_loadable_checkpoint, read_model_state
 from fp8train.training.config import layer_policy_from_config, load_config
-from fp8train.training.models.hf import hf_kv_shape
-from fp8train.training.models.decoder import HFCausalLM, build_model, tied_weight_groups
+from fp8train.serving.kv_hooks import hf_kv_shape
+from fp8train.training.models.decoder import build_model, tied_weight_groups
+from fp8train.training.models.hf import HFCausalLM
 from fp8train.training.runs.resume import resume_hash
 from fp8train.training.storage.files import read_json
 

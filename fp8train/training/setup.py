@@ -25,7 +25,7 @@ from fp8train.training.data.corpus import build_data
 from fp8train.training.parallel.distributed import Fp8StateSync, check_distributed_type, set_cpu_threads
 from fp8train.training.runs.fork import Fork, open_fork
 from fp8train.training.parallel.fsdp2 import apply_fsdp2, ensure_process_group
-from fp8train.training.parallel.tensor_parallel import (apply_tensor_parallel, check_tensor_parallel, check_tp_model,
+from fp8train.training.parallel.tp_mesh import (apply_tensor_parallel, check_tensor_parallel, check_tp_model,
                                                         data_parallel, make_mesh)
 from fp8train.training.models.decoder import build_model, check_model_for_run
 from fp8train.training.optim import AdamW

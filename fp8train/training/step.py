@@ -23,7 +23,7 @@ from fp8train.training.evaluation import run_autocast
 from fp8train.training.models.moe import moe_metrics
 from fp8train.training.parallel.distributed import all_mean_tensor
 from fp8train.training.parallel.fsdp2 import clip_grad_norm_tensor, grad_norm_tensor
-from fp8train.training.parallel.tensor_parallel import reduce_partial_grads
+from fp8train.training.parallel.tp_mesh import reduce_partial_grads
 from fp8train.training.runs import telemetry
 from fp8train.training.setup import Run
 from fp8train.training.step_guard import StepGuard

@@ -85,7 +85,7 @@ class TrainConfig(Section):
     AdamW state sharded by torch's fully_shard, per decoder block then the root; sharded checkpoints)."""
     tp_size: int = 1
     """Tensor-parallel degree: the processes form a (dp, tp) mesh, dp = processes / tp_size, each decoder block's
-    projections split over tp (fp8train.training.parallel.tensor_parallel); train.parallel applies along dp. 1 = off."""
+    projections split over tp (fp8train.training.parallel.tp_mesh); train.parallel applies along dp. 1 = off."""
     sequence_parallel: bool = True
     """With train.tp_size > 1 and fp8train's decoder: norms and residual stream split along the sequence over tp
     (all-gather before each block's colwise projections, reduce-scatter after the rowwise ones). false: replicated."""

@@ -25,10 +25,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fp8train.training.models.hf import build_hf_model
+from fp8train.training.models.hf import HFCausalLM, build_hf_model
+from fp8train.training.models.loss import lm_loss
 from fp8train.training.models.moe import MoE, moe_blocks
 
-__all__ = ["Decoder", "HFCausalLM", "moe_blocks", "build_model", "count_params", "vocab_rows", "check_model_for_run"]
+__all__ = ["Decoder", "moe_blocks", "build_model", "count_params", "vocab_rows", "check_model_for_run"]
 
 # callable(k, v, layer_idx) -> (k, v); k and v are (B, n_kv_heads, T, head_dim)
 KVTransform = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
@@ -176,29 +177,6 @@ class Decoder(nn.Module):
             if loss is not None and self.training and self.cfg.aux_loss_coef > 0:
                 loss = loss + self.cfg.aux_loss_coef * aux
         return logits, loss
-
-
-def lm_loss(logits: torch.Tensor, targets: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    if targets is None:
-        return None
-    # fp32 softmax: a bf16 log-sum-exp over the vocabulary visibly biases the loss we compare runs by.
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-
-class HFCausalLM(nn.Module):
-    """A Hugging Face causal LM with fp8train's `forward(idx, targets) -> (logits, loss)`. Its state_dict names
-    carry the prefix `hf.`; Hugging Face files (save_pretrained, export) use the names without it, and layer-policy
-    patterns match either (`wrapped_name_prefix`, read by fp8train.nn.convert)."""
-
-    wrapped_name_prefix = "hf."
-
-    def __init__(self, hf_model: nn.Module):
-        super().__init__()
-        self.hf = hf_model
-
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
-        logits = self.hf(input_ids=idx, use_cache=False).logits  # (B, T, V)
-        return logits, lm_loss(logits, targets)
 
 
 def build_model(model_cfg, load_weights: bool = True) -> nn.Module:

@@ -15,16 +15,16 @@ run directory is not such a folder: `fp8train export RUN_DIR --format hf --out D
 The recipe's own architecture fields (`model.d_model`, `model.n_layers`, ...) describe fp8train's Decoder, not an
 HF model: a config that sets them together with an HF model is refused (see `config.model_data.check_hf_model_fields`).
 
-K/V hook for the FP8 KV-cache evaluation: every HF attention module gets a `kv_transform` attribute (None by
-default) and the model's attention implementation is wrapped so that, when set, it sees K (after RoPE) and V,
-(B, n_kv_heads, T, head_dim), and returns what a cache would hold, as fp8train's own Decoder does. With the hook
-unset the wrapped implementation is the original one, so logits are unchanged.
+`HFCausalLM` wraps such a model with fp8train's `forward(idx, targets) -> (logits, loss)`; `build_model` in
+fp8train.training.models.decoder builds it (the FP8 KV-cache evaluation's attention hook for these models is
+serving's: fp8train.serving.kv_hooks).
 """
 
 from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from typing import Optional
 from pathlib import Path
 
 import torch
@@ -35,11 +35,11 @@ from fp8train.nn.hf_experts import SCALING_SUFFIX, expert_projections, is_hf_exp
 from fp8train.nn.linear import is_scaling_buffer
 from fp8train.training.storage.rundir import refuse_run_directory_as_hf_folder
 from fp8train.training.config.model_data import ModelConfig
+from fp8train.training.models.loss import lm_loss
 
-__all__ = ["hf_config_of", "build_hf_model", "enable_kv_hook", "hf_kv_shape", "quiet_transformers"]
+__all__ = ["HFCausalLM", "hf_config_of", "build_hf_model", "quiet_transformers"]
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-_KV_ATTENTION = "fp8train_kv"
 
 
 def _transformers():
@@ -89,7 +89,7 @@ def hf_config_of(model_cfg):
 
 
 def build_hf_model(model_cfg, load_weights: bool = True) -> nn.Module:
-    """The transformers causal LM of ``model_cfg`` in fp32, with the K/V hook installed. ``load_weights=False``
+    """The transformers causal LM of ``model_cfg`` in fp32. ``load_weights=False``
     builds a pretrained folder's architecture only (a caller that loads a checkpoint over it)."""
     transformers = _transformers()
     config = hf_config_of(model_cfg)
@@ -97,7 +97,6 @@ def build_hf_model(model_cfg, load_weights: bool = True) -> nn.Module:
         model = _load_pretrained(Path(os.path.expanduser(model_cfg.hf_path)), config)
     else:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    enable_kv_hook(model)
     return model
 
 
@@ -164,57 +163,17 @@ def _tied_names(model: nn.Module) -> set:
     return tied
 
 
-# ------------------------------------------------------------------------------------------------------------
-# K/V hook (kv-eval)
-# ------------------------------------------------------------------------------------------------------------
-def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal LM with fp8train's `forward(idx, targets) -> (logits, loss)`. Its state_dict names
+    carry the prefix `hf.`; Hugging Face files (save_pretrained, export) use the names without it, and layer-policy
+    patterns match either (`wrapped_name_prefix`, read by fp8train.nn.convert)."""
 
+    wrapped_name_prefix = "hf."
 
-def enable_kv_hook(model: nn.Module) -> None:
-    """Give every attention module a `kv_transform` (None) and route attention through a wrapper that applies
-    it to K and V before calling the model's own attention implementation."""
-    transformers = _transformers()
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
 
-    modules = _attention_modules(model)
-    # transformers keeps the attention kernel it chose only here (no public accessor)
-    base = model.config._attn_implementation or "eager"
-    if not modules or base.startswith(_KV_ATTENTION) or not getattr(model, "_can_set_attn_implementation",
-                                                                     lambda: False)():
-        return
-    name = f"{_KV_ATTENTION}_{base}"
-    base_attention = ALL_ATTENTION_FUNCTIONS[base] if base != "eager" else _eager_attention(model)
-
-    def kv_hooked_attention(module, query, key, value, attention_mask, **kwargs):
-        transform = getattr(module, "kv_transform", None)
-        if transform is not None:
-            key, value = transform(key, value, module.layer_idx)
-            key, value = key.to(query.dtype), value.to(query.dtype)
-        return base_attention(module, query, key, value, attention_mask, **kwargs)
-
-    transformers.AttentionInterface.register(name, kv_hooked_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
-    model.set_attn_implementation(name)
-    for module in modules:
-        module.kv_transform = None
-
-
-def _eager_attention(model: nn.Module):
-    import importlib
-
-    modeling = importlib.import_module(type(model).__module__)
-    return modeling.eager_attention_forward
-
-
-def hf_kv_shape(model: nn.Module) -> dict:
-    """n_layers, n_kv_heads and head_dim of an HF causal LM (what its KV cache holds per token)."""
-    config = model.config
-    n_heads = getattr(config, "num_attention_heads", None) or config.n_head
-    n_layers = getattr(config, "num_hidden_layers", None) or config.n_layer
-    hidden = getattr(config, "hidden_size", None) or config.n_embd
-    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // n_heads
-    return {"n_layers": int(n_layers), "n_kv_heads": int(n_kv), "head_dim": int(head_dim)}
-
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
+        logits = self.hf(input_ids=idx, use_cache=False).logits  # (B, T, V)
+        return logits, lm_loss(logits, targets)

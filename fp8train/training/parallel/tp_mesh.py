@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.tensor_parallel import check_tile_shards, keep_scaling_state_local
 
-__all__ = ["check_tensor_parallel", "data_parallel", "make_mesh", "tp_plan", "check_tp_model", "sequence_parallel_plan", "apply_tensor_parallel",
+__all__ = ["check_tensor_parallel", "data_parallel", "make_mesh", "tp_styles", "check_tp_model", "sequence_parallel_styles", "apply_tensor_parallel",
            "COLWISE", "ROWWISE", "reduce_partial_grads"]
 
 # The projections of one block, by the name under the block: split along output (colwise) or input (rowwise)
@@ -58,45 +58,45 @@ def make_mesh(device: torch.device, processes: int, tp_size: int) -> DeviceMesh:
     return init_device_mesh(device.type, (processes // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
 
 
-def tp_plan(model: nn.Module) -> dict:
+def tp_styles(model: nn.Module) -> dict:
     """{module name: parallel style} for every block projection of `model` (named as in COLWISE / ROWWISE)."""
-    plan = {}
+    styles = {}
     for name, module in model.named_modules():
         leaf = name.rpartition(".")[2]
         if isinstance(module, nn.Linear) and leaf in COLWISE + ROWWISE:
-            plan[name] = ColwiseParallel() if leaf in COLWISE else RowwiseParallel()
-    if not plan:
+            styles[name] = ColwiseParallel() if leaf in COLWISE else RowwiseParallel()
+    if not styles:
         raise ValueError(f"train.tp_size>1 needs a model whose blocks name their projections {COLWISE + ROWWISE} "
                          f"(fp8train's Decoder, Llama-like Hugging Face models); {type(model).__name__} has none")
-    return plan
+    return styles
 
 
-def sequence_parallel_plan(model: nn.Module) -> dict:
-    """tp_plan with sequence parallelism for fp8train's Decoder (Megatron-SP, torch's styles): the residual stream
+def sequence_parallel_styles(model: nn.Module) -> dict:
+    """tp_styles with sequence parallelism for fp8train's Decoder (Megatron-SP, torch's styles): the residual stream
     and the norms hold T / tp positions each (the embedding's output sliced, no communication); each attention
     and MLP all-gathers its normed input once before the colwise projections, and the rowwise projections
     reduce-scatter their partial sums back to sequence shards (the bytes of the all-reduce they replace); lm_head
     all-gathers the final norm's output. RMSNorm is per position: the same numbers."""
     sequence, whole = Shard(1), Replicate()
-    plan = {"embed": PrepareModuleOutput(output_layouts=whole, desired_output_layouts=sequence),
+    styles = {"embed": PrepareModuleOutput(output_layouts=whole, desired_output_layouts=sequence),
             "norm": SequenceParallel(),
             "lm_head": PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(whole,),
                                           use_local_output=True)}
     for i in range(len(model.layers)):
         block = f"layers.{i}"
-        plan |= {f"{block}.attn_norm": SequenceParallel(), f"{block}.mlp_norm": SequenceParallel(),
+        styles |= {f"{block}.attn_norm": SequenceParallel(), f"{block}.mlp_norm": SequenceParallel(),
                  # the gathered input stays a DTensor: the colwise layers' partial input gradients add up as
                  # such and go back as ONE reduce-scatter per module, not an all-reduce per projection
                  f"{block}.attn": PrepareModuleInput(input_layouts=(sequence, None, None),
                                                      desired_input_layouts=(whole, None, None)),
                  f"{block}.mlp": PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(whole,))}
         for name in ("q_proj", "k_proj", "v_proj"):
-            plan[f"{block}.attn.{name}"] = ColwiseParallel()
+            styles[f"{block}.attn.{name}"] = ColwiseParallel()
         for name in ("gate_proj", "up_proj"):
-            plan[f"{block}.mlp.{name}"] = ColwiseParallel()
-        plan[f"{block}.attn.o_proj"] = RowwiseParallel(output_layouts=sequence)
-        plan[f"{block}.mlp.down_proj"] = RowwiseParallel(output_layouts=sequence)
-    return plan
+            styles[f"{block}.mlp.{name}"] = ColwiseParallel()
+        styles[f"{block}.attn.o_proj"] = RowwiseParallel(output_layouts=sequence)
+        styles[f"{block}.mlp.down_proj"] = RowwiseParallel(output_layouts=sequence)
+    return styles
 
 
 def _is_decoder(model: nn.Module) -> bool:
@@ -122,26 +122,26 @@ def _check_heads(model: nn.Module, tp: int) -> None:
 
 def check_tp_model(model: nn.Module, tp: int) -> dict:
     """Refuse (ValueError, one line) a model that `tp` ranks cannot split: heads or MLP not divisible, or a
-    shard that would cut an FP8 scaling tile (naming the layer and sizes). Returns the plan (tp_plan)."""
+    shard that would cut an FP8 scaling tile (naming the layer and sizes). Returns the styles (tp_styles)."""
     _check_heads(model, tp)
-    plan = tp_plan(model)
+    styles = tp_styles(model)
     modules = dict(model.named_modules())
-    for name, style in plan.items():
+    for name, style in styles.items():
         if isinstance(modules[name], Fp8Linear):
             check_tile_shards(name, modules[name], tp, 0 if isinstance(style, ColwiseParallel) else 1)
-    return plan
+    return styles
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
     """Split `model`'s block projections over `tp_mesh` (in place; after the FP8 swap, before FSDP2 and the
     optimizer), after check_tp_model; with `sequence_parallel` (fp8train's Decoder without tied embeddings;
-    others run without) its norms and residual stream too (sequence_parallel_plan)."""
-    plan = check_tp_model(model, tp_mesh.size())
+    others run without) its norms and residual stream too (sequence_parallel_styles)."""
+    styles = check_tp_model(model, tp_mesh.size())
     if sequence_parallel and _is_decoder(model):
-        plan = sequence_parallel_plan(model)
+        styles = sequence_parallel_styles(model)
     modules = dict(model.named_modules())
-    parallelize_module(model, tp_mesh, plan)
-    for name in plan:
+    parallelize_module(model, tp_mesh, styles)
+    for name in styles:
         if isinstance(modules[name], Fp8Linear):
             keep_scaling_state_local(modules[name])
     return model

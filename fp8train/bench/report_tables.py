@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from fp8train.bench.distributed import format_distributed
+from fp8train.bench.distributed_section import format_distributed
 from fp8train.bench.options import RECIPES, TARGET_SHAPE
 from fp8train.nn.recipes import TENSORWISE_SCALINGS, ScalingKind
 
