@@ -273,7 +273,7 @@ def test_in_process_runs_train_with_the_shared_accelerator_and_say_how_each_ende
 
     monkeypatch.setattr(runner, "train", train)
     logged = []
-    runner.run_plan(_two_runs(tmp_path), workers=1, accelerator=accelerator, log=logged.append)
+    runner.run_planned(_two_runs(tmp_path), workers=1, accelerator=accelerator, log=logged.append)
     assert handed == [("seed1337", "none", accelerator, False, True), ("seed1337", "current", accelerator, False,
                                                                        False)]  # the candidate has its guard
     assert logged == ["[validate] bf16/seed1337: running (seed 1337)",
@@ -303,7 +303,7 @@ def test_a_pool_of_workers_gives_each_its_share_of_the_cores(tmp_path, monkeypat
     assert runs[0].cfg.train.threads == 0
     logged = []
     with pytest.raises(PoolMade):
-        runner.run_plan(runs, workers=2, log=logged.append)
+        runner.run_planned(runs, workers=2, log=logged.append)
     (workers, (threads, gpus)), = made
     assert (workers, threads) == (2, 1)  # 1 thread each (a CUDA machine also pins each worker to a GPU)
     said = f"one GPU each of {gpus}" if gpus else "1 thread(s) each"
@@ -337,7 +337,7 @@ def test_run_validation_declares_the_plan_then_hands_every_run_to_the_runner(tmp
     from fp8train.training.config import config_hash
 
     calls = []
-    monkeypatch.setattr(validate, "run_plan", lambda todo, workers, **kwargs: calls.append(("runs", todo, workers)))
+    monkeypatch.setattr(validate, "run_planned", lambda todo, workers, **kwargs: calls.append(("runs", todo, workers)))
     monkeypatch.setattr(validate, "write_validation_report",
                         lambda vdir: calls.append(("report", vdir)) or {"verdict": "inconclusive"})
     cfg = load_config(str(RECIPES / "cpu_validate.yaml"), PLANNED + [f"run.dir={tmp_path}", "validate.workers=1"])

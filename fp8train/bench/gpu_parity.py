@@ -37,7 +37,7 @@ from fp8train.nn.scaled_mm_rules import SCALED_MM_KINDS
 
 __all__ = ["kind_operands", "gemm_parity_cases", "linear_parity_cases", "section_parity", "section_capability"]
 
-PLANNED_GPUS = {"sm90": (9, 0), "sm100": (10, 0)}  # planned on any machine with target_gpu
+TARGET_GPUS = {"sm90": (9, 0), "sm100": (10, 0)}  # planned on any machine with target_gpu
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 OUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # (a tile, b tile) of each kind in the operands' stored orientation: a (M, K), b stored (N, K) and passed as b.t()
@@ -139,7 +139,7 @@ def gemm_parity_cases(device: str, m: int = 256, k: int = 512, n: int = 256) -> 
                     out.double().cpu(), exact.to(rounds_to).to(out_dtype).double())))
                 ok = ok and case["device_exact"]
             else:
-                for gpu, cap in PLANNED_GPUS.items():
+                for gpu, cap in TARGET_GPUS.items():
                     case[gpu] = planned = _planned_case(kind, a, b, out_dtype, exact, cap)
                     ok = ok and planned.get("modelled_exact", True)
                 case["cpu_scaled_mm"] = _cpu_scaled_mm(kind, a, b, out_dtype, exact)
@@ -183,7 +183,7 @@ def linear_parity_cases(device: str, tokens: int = 256, in_features: int = 512, 
         results = []
         for module, dev in ((reference, "cpu"), (layer.to(device), device)):
             x_leaf = x.clone().to(dev).requires_grad_(True)  # its own leaf: .to() of a CPU tensor is itself
-            with target_gpu(PLANNED_GPUS["sm90"]) if dev == "cpu" and module is layer else contextlib.nullcontext():
+            with target_gpu(TARGET_GPUS["sm90"]) if dev == "cpu" and module is layer else contextlib.nullcontext():
                 y = module(x_leaf)
                 y.backward(dy.to(dev))
             results.append((y.detach().cpu(), x_leaf.grad.cpu(), module.weight.grad.cpu(), dict(module.gemm_paths)))

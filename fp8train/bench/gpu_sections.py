@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from fp8train.bench.gpu_parity import PLANNED_GPUS, section_capability, section_parity
+from fp8train.bench.gpu_parity import TARGET_GPUS, section_capability, section_parity
 from fp8train.nn.gemm import Fp8Operand
 from fp8train.nn.linear import Fp8Linear, update_fp8_scales
 from fp8train.nn.recipes import RECIPE_NAMES, recipe
@@ -229,14 +229,14 @@ def section_sync(device: str, dry: bool, out_dir: Path, limit_s: float) -> dict:
                 torch.cuda.set_sync_debug_mode(0)
         results[name] = entry
     return dict(ok=not any(e["host_sync"] for e in results.values()), recipes=results,
-                checked_sync_mode=device == "cuda", planned=planned_gemm_paths())
+                checked_sync_mode=device == "cuda", planned=target_gemm_paths())
 
 
-def planned_gemm_paths(features: int = 256, tokens: int = 256) -> dict:
+def target_gemm_paths(features: int = 256, tokens: int = 256) -> dict:
     """{gpu: {recipe: {gemm: path}}}: the kernel each GEMM of each recipe would reach on sm90 and sm100, or why it
     would fall back, planned on the CPU (scaled_gemm.target_gpu: no kernel runs)."""
     planned = {}
-    for gpu, capability in PLANNED_GPUS.items():
+    for gpu, capability in TARGET_GPUS.items():
         planned[gpu] = {}
         for name in RECIPE_NAMES:
             layer = Fp8Linear(features, features, recipe=recipe(name, backend="scaled_mm"))

@@ -1,6 +1,6 @@
 """Running the plan: every run once, `validate.workers` at a time, skipping finished runs, resuming the others.
 
-Two ways to run, chosen by `run_plan`:
+Two ways to run, chosen by `run_planned`:
 - in this process, one run after another, sharing one Accelerator: with one worker, and always under
   ``accelerate launch`` with several processes (every run then uses all of them);
 - in a pool of worker processes (spawned, so each starts with its own torch state), when workers > 1. On CPU each
@@ -35,7 +35,7 @@ from fp8train.training.loop import make_accelerator, train
 from fp8train.training.storage.files import read_json
 from fp8train.training.storage.rundir import SUMMARY_FILE
 
-__all__ = ["FINAL_STATUSES", "DivergenceGuard", "finished_summary", "default_workers", "run_plan"]
+__all__ = ["FINAL_STATUSES", "DivergenceGuard", "finished_summary", "default_workers", "run_planned"]
 
 FINAL_STATUSES = ("completed", "stopped", "diverged")  # re-running a run that ended so gives the same result
 
@@ -117,7 +117,7 @@ def _guard(run: PlannedRun, baseline_dirs: dict[int, Path]) -> DivergenceGuard |
     return DivergenceGuard(baseline, v.divergence_factor, v.stop_on_divergence)
 
 
-def run_plan(runs: list[PlannedRun], workers: int, accelerator=None, log=print, show_progress: bool = False):
+def run_planned(runs: list[PlannedRun], workers: int, accelerator=None, log=print, show_progress: bool = False):
     """Run every run of the plan that has not ended yet; ``log`` gets one line per run."""
     baseline_dirs = {r.seed: _run_path(r.cfg) for r in runs if r.is_baseline}
     schedule = _Schedule(runs, runs[0].cfg.validate.stop_on_divergence)

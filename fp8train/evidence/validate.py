@@ -22,7 +22,7 @@ from fp8train.evidence.fork_pinning import fork_config, fork_record
 from fp8train.evidence.run_plan import PLAN_FILE, check_plan, fingerprint_runs, plan_runs, validation_dir, validation_plan
 from fp8train.evidence.report import write_validation_report
 from fp8train.evidence.rounds import run_rounds
-from fp8train.evidence.runner import default_workers, run_plan
+from fp8train.evidence.runner import default_workers, run_planned
 from fp8train.training.config import FullConfig, add_config_arguments, load_config
 from fp8train.training.runs.lifetime import interrupts_raised
 from fp8train.training.loop import make_accelerator
@@ -87,12 +87,12 @@ def run_validation(cfg: FullConfig, candidates=None, accelerator=None, show_prog
     on_main_process(accelerator, lock_and_plan)
     try:
         with interrupts_raised():  # SIGTERM as well as Ctrl-C ends the runs with "interrupted" summaries
-            return _run_planned(runs, plan, vdir, workers, accelerator, show_progress, log, write_report)
+            return _run_and_report(runs, plan, vdir, workers, accelerator, show_progress, log, write_report)
     finally:
         lock.release()
 
 
-def _run_planned(runs, plan, vdir, workers, accelerator, show_progress, log, write_report) -> dict:
+def _run_and_report(runs, plan, vdir, workers, accelerator, show_progress, log, write_report) -> dict:
     is_main = accelerator.is_main_process
     if is_main:
         upto = "up to " if plan.get("sequential") else ""  # validate.seeds=auto runs only what the looks need
@@ -103,7 +103,7 @@ def _run_planned(runs, plan, vdir, workers, accelerator, show_progress, log, wri
     say = log if is_main else (lambda _: None)
 
     def run_some(todo) -> None:
-        run_plan(todo, workers, accelerator=accelerator, log=say, show_progress=show_progress and workers == 1)
+        run_planned(todo, workers, accelerator=accelerator, log=say, show_progress=show_progress and workers == 1)
 
     if plan.get("sequential"):  # validate.seeds=auto: rounds of seeds until decided (fp8train.evidence.rounds)
         run_rounds(runs, vdir, run_some, say)

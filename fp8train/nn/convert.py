@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from fp8train.nn.convert_experts import (attach_experts, attach_grouped, count_other_weights, is_grouped,
-                                         plan_experts, plan_grouped)
+                                         choose_expert_swaps, choose_grouped_swaps)
 from fp8train.nn.linear import Fp8Linear, update_fp8_scales  # noqa: F401  (update_fp8_scales re-exported)
 from fp8train.nn.fp8_record import attach_fp8_record
 from fp8train.nn.linear_subclasses import check_plain_linear
@@ -247,8 +247,8 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
         else:
             report.skipped.append((name, reason))
         report.count("linear", reason is None, numel, 2 * linear.in_features * linear.out_features)
-    experts_swaps = plan_experts(model, recipe, policy, report, n_blocks, seen_as)
-    grouped_swaps = plan_grouped(model, recipe, policy, report, n_blocks, seen_as)
+    experts_swaps = choose_expert_swaps(model, recipe, policy, report, n_blocks, seen_as)
+    grouped_swaps = choose_grouped_swaps(model, recipe, policy, report, n_blocks, seen_as)
     count_other_weights(model, report, policy, seen_as)
     linear_names = [n for n, m in model.named_modules() if _as_linear_shape(m) is not None]
     linear_names += [n for name, _, choices in experts_swaps for n in (name, *(f"{name}.{p}" for p in choices))]

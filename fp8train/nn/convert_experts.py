@@ -26,7 +26,7 @@ from fp8train.nn.hf_experts import (attach, expert_projections, experts_top_k, i
 from fp8train.nn.overrides import OVERRIDE_BF16, first_override
 from fp8train.nn.recipes import Fp8Recipe, recipe as make_recipe
 
-__all__ = ["plan_experts", "attach_experts", "count_other_weights", "plan_grouped", "attach_grouped", "is_grouped"]
+__all__ = ["choose_expert_swaps", "attach_experts", "count_other_weights", "choose_grouped_swaps", "attach_grouped", "is_grouped"]
 
 
 class _ExpertShape:  # what LayerPolicy.skip_reason reads of a layer
@@ -34,7 +34,7 @@ class _ExpertShape:  # what LayerPolicy.skip_reason reads of a layer
         self.in_features, self.out_features = in_features, out_features
 
 
-def plan_experts(model: nn.Module, recipe: Fp8Recipe, policy, report, n_blocks: int, seen_as) -> list:
+def choose_expert_swaps(model: nn.Module, recipe: Fp8Recipe, policy, report, n_blocks: int, seen_as) -> list:
     """[(module name, module, {param: recipe or None})] for every experts module of `model`; fills `report`."""
     plans = []
     for name, module in model.named_modules():
@@ -71,7 +71,7 @@ def plan_experts(model: nn.Module, recipe: Fp8Recipe, policy, report, n_blocks: 
 
 
 def attach_experts(plans: list) -> None:
-    """Apply plan_experts' choices: every module's current implementation is kept first (modules share one
+    """Apply choose_expert_swaps' choices: every module's current implementation is kept first (modules share one
     config, which the first converted module switches), then each module gets its FP8 projections."""
     for _, module, _ in plans:
         remember_implementation(module)
@@ -79,7 +79,7 @@ def attach_experts(plans: list) -> None:
         attach(module, {param: r for param, r in choices.items() if r is not None})
 
 
-def plan_grouped(model: nn.Module, recipe: Fp8Recipe, policy, report, n_blocks: int, seen_as) -> list:
+def choose_grouped_swaps(model: nn.Module, recipe: Fp8Recipe, policy, report, n_blocks: int, seen_as) -> list:
     """[(module name, GroupedLinear, recipe)] for every GroupedLinear the policy lets into FP8; fills `report`
     (Fp8GroupedLinear modules already there are counted as FP8, as an Fp8Linear is)."""
     swaps = []

@@ -135,34 +135,34 @@ def scaled_mm_gemm(a, b, *, out_dtype: torch.dtype = torch.float32, bias: torch.
 
     `record[gemm]` (when given) is set to 'scaled_mm:<kind>' or 'fallback:<reason>'."""
     capability = device_capability(a.data.device)
-    plan = scaled_mm_call(a, b, out_dtype=out_dtype, bias=bias, use_fast_accum=use_fast_accum,
+    call = scaled_mm_call(a, b, out_dtype=out_dtype, bias=bias, use_fast_accum=use_fast_accum,
                           capability=capability)
     if _targets:  # planning for a GPU that is not here: say what would run, compute with the fallback
         if _targets[-1][1] is not None:
-            _targets[-1][1].append((gemm, plan))
+            _targets[-1][1].append((gemm, call))
         if record is not None:
-            record[gemm] = f"scaled_mm:{plan.kind}" if plan.kind else f"fallback:{plan.reason}"
+            record[gemm] = f"scaled_mm:{call.kind}" if call.kind else f"fallback:{call.reason}"
         out = _dequantized_gemm(a, b, out_dtype, bias)
         # the device's own rounding: a kernel that returns bf16 for an fp32 request (CUTLASS rowwise) is modelled
-        return out.to(plan.rounds_to).to(out_dtype) if plan.kind and plan.rounds_to != out_dtype else out
-    out, reason = _run_plan(plan, a, b, out_dtype, bias, capability) if plan.kind else (None, plan.reason)
+        return out.to(call.rounds_to).to(out_dtype) if call.kind and call.rounds_to != out_dtype else out
+    out, reason = _run_call(call, a, b, out_dtype, bias, capability) if call.kind else (None, call.reason)
     if record is not None:
-        record[gemm] = f"scaled_mm:{plan.kind}" if out is not None else f"fallback:{reason}"
+        record[gemm] = f"scaled_mm:{call.kind}" if out is not None else f"fallback:{reason}"
     return out if out is not None else _dequantized_gemm(a, b, out_dtype, bias)
 
 
-def _run_plan(plan: ScaledMmCall, a, b, out_dtype, bias, capability):
+def _run_call(call: ScaledMmCall, a, b, out_dtype, bias, capability):
     """(result, '') from the first request the device takes, else (None, the last refusal)."""
     reason = ""
-    for request_dtype, fuse_bias in plan.requests:
-        key = (a.data.device.type, capability, plan.kind, a.data.dtype, b.data.dtype, plan.shape, request_dtype,
-               fuse_bias, plan.fast_accum)
+    for request_dtype, fuse_bias in call.requests:
+        key = (a.data.device.type, capability, call.kind, a.data.dtype, b.data.dtype, call.shape, request_dtype,
+               fuse_bias, call.fast_accum)
         if _kernel_answers.get(key) is not None:
             reason = _kernel_answers[key]
             continue
         fused_bias = bias.to(request_dtype) if fuse_bias else None
         try:
-            out = call_scaled_mm(plan.args, request_dtype, fused_bias, plan.fast_accum)
+            out = call_scaled_mm(call.args, request_dtype, fused_bias, call.fast_accum)
         except torch.OutOfMemoryError:
             raise
         except _KERNEL_ERRORS as err:  # remember, so later steps do not pay for the exception
