@@ -477,6 +477,25 @@ def test_a_run_made_from_another_config_than_planned_is_refused_by_its_plan_entr
         "written): runs/good/seed1: its config.yaml is not the config plan.json planned for it. Restore")
 
 
+def test_a_run_of_a_forked_validation_must_record_its_fork(validation_dir):
+    """A forked validation's finished run records the sha256 of the checkpoint it loaded; one recording none (no
+    run of this tree writes such a summary) is refused, whatever the pinned checkpoint is now."""
+    from fp8train.evidence.pairing import check_pairing
+    from fp8train.evidence.verdict import load_validation
+
+    plan, runs = load_validation(validation_dir)
+    pinned = {"checkpoint": str(validation_dir / "no-such-checkpoint"), "step": 4, "sha256": "a" * 64}
+    finished = [run for by_seed in runs.values() for run in by_seed.values() if run.summary is not None]
+    for run in finished:
+        run.summary = {**run.summary, "fork": {"checkpoint": pinned["checkpoint"], "step": 4, "sha256": "a" * 64}}
+    check_pairing(validation_dir, {**plan, "fork": pinned}, runs)  # every run records the pinned sha256
+    label, seed = finished[0].label, finished[0].seed
+    finished[0].summary = {k: v for k, v in finished[0].summary.items() if k != "fork"}
+    with pytest.raises(ValueError, match=f"runs/{label}/seed{seed}: its summary.json records no fork checkpoint, so "
+                                         "what it started from cannot be checked"):
+        check_pairing(validation_dir, {**plan, "fork": pinned}, runs)
+
+
 def test_shadow_section_of_a_run_report_by_hand(tmp_path):
     """The worst layer per recipe and role: lowest mean SQNR (with its layer), highest overflow and underflow."""
     from fp8train.evidence.report import _shadow_markdown

@@ -4,15 +4,14 @@ verdict is computed from them, by `fp8train validate` and by `fp8train report` a
 A verdict means something only when, within every seed, the bf16 baseline and each candidate differ in the FP8
 settings alone. plan.json declares that pairing before any run; afterwards three things can break it, and each is
 refused here (a ValueError naming the run and what differs; nothing is written):
-- a candidate override outside fp8.* / policy.* (a plan.json written by an older fp8train, or edited): the
+- a candidate override outside fp8.* / policy.* (a plan.json edited by hand): the
   candidate would be another model, other data or another schedule;
 - a run trained on other data than planned (the data file was rewritten while the validation ran): its
   summary.json records the fingerprint of what it trained on, and it must be the plan's;
 - a run made from another config than planned (its config.yaml does not hash to plan.json's entry), or a
   summary.json that does not belong to its config and the planned data (validate refuses such a run too);
 - a run of a forked validation (validate.fork_from) whose summary.json records another checkpoint sha256 than
-  the one plan.json pinned (the source was replaced while the validation ran); a run recording none (an older
-  fp8train) passes only while the pinned checkpoint is still there, unchanged;
+  the one plan.json pinned (the source was replaced while the validation ran), or records none;
 - a plan.json whose margin or final window is not what its runs were planned with (edited afterwards), or a
   finished run whose metrics.jsonl does not end with the val_loss of its summary.json (another run's log).
 """
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fp8train.evidence.fork_pinning import source_problem
 from fp8train.evidence.run_plan import PLAN_FILE
 from fp8train.training.config import config_hash, load_config
 from fp8train.training.config.validation import check_candidate_key
@@ -81,22 +79,17 @@ def _log_problem(run) -> str | None:
     return None
 
 
-def _fork_problem(pinned: dict | None, summary: dict | None, source: list) -> str | None:
+def _fork_problem(pinned: dict | None, summary: dict | None) -> str | None:
     """A finished run of a forked validation started from the pinned checkpoint (the sha256 it recorded)."""
     if not pinned or summary is None:
         return None
     started = summary.get("fork")
-    if isinstance(started, dict):
-        if started.get("sha256") == pinned.get("sha256"):
-            return None
-        return (f"it started from the fork checkpoint {started.get('checkpoint')} with sha256 "
-                f"{str(started.get('sha256'))[:12]}, not the one {PLAN_FILE} pinned ({str(pinned.get('sha256'))[:12]})")
-    if not source:
-        source.append(source_problem(pinned))  # read once per report, for every run that needs it
-    if source[0] is not None:
-        return (f"its summary.json records no fork checkpoint (an older fp8train), and {source[0]}, so what it "
-                "started from cannot be checked")
-    return None
+    if not isinstance(started, dict):  # every forked run records it (training/runs/fork.py fork_record)
+        return "its summary.json records no fork checkpoint, so what it started from cannot be checked"
+    if started.get("sha256") == pinned.get("sha256"):
+        return None
+    return (f"it started from the fork checkpoint {started.get('checkpoint')} with sha256 "
+            f"{str(started.get('sha256'))[:12]}, not the one {PLAN_FILE} pinned ({str(pinned.get('sha256'))[:12]})")
 
 
 def check_pairing(vdir: Path, plan: dict, runs: dict) -> None:
@@ -106,11 +99,11 @@ def check_pairing(vdir: Path, plan: dict, runs: dict) -> None:
         for override in spec.get("overrides", []):
             check_candidate_key(str(override).partition("=")[0].strip(), str(spec.get("label")))
     planned_fp, planned_runs = plan.get("data_fingerprint"), plan.get("runs", {})
-    problems, source = [], []
+    problems = []
     for label, by_seed in runs.items():
         for seed, run in by_seed.items():
             key = f"{label}/seed{seed}"
-            problem = _fork_problem(plan.get("fork"), run.summary, source)
+            problem = _fork_problem(plan.get("fork"), run.summary)
             problem = problem or (data_problem(planned_fp, run.summary) if run.summary is not None else None)
             problem = problem or _config_problem(run.dir, (planned_runs.get(key) or {}).get("config_hash"),
                                                  planned_fp, run.summary, plan) or _log_problem(run)

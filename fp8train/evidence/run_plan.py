@@ -257,7 +257,7 @@ def _describe_diff(key: str, old, new) -> str:
     if key == "config_hash":
         return "model/data/optimizer/train settings differ (config hash)"
     if key == "data_fingerprint":
-        return "the data fingerprint differs (plan.json from an older fp8train?)"
+        return "the data fingerprint differs"
     if key == "runs":
         return "the runs' configs differ"
     return f"validate.{key}: plan.json has {old!r}, now {new!r}"

@@ -26,8 +26,8 @@ holder (its pid and host, written in the lock file) and uses the eager kernel.
 
 A build is written to a temporary file named by pid and a random suffix, fsync'd with its record, then renamed into
 place and the folder fsync'd: a crash leaves either no library or a whole one. Under the lock, builds of this
-machine's family for another source (older fp8train versions, also those named before the records) unused for a
-week are deleted, as are temporary files of builders that died. The week keeps two installed versions used in
+machine's family for another source (other fp8train versions) unused for a week are deleted, as are temporary
+files of builders that died. The week keeps two installed versions used in
 turn from deleting each other's library on every start.
 
 Without a compiler, or when the build or load fails, ``available()`` is False, the reason is warned once
@@ -41,7 +41,6 @@ import hashlib
 import json
 import os
 import platform
-import re
 import secrets
 import shutil
 import subprocess
@@ -72,7 +71,6 @@ _ABI_VERSION = 6  # 5: fp8_gemm_bf16; 6: its FP8-byte operands
 _CACHE_LAYOUT = 2  # 2: family-source names, a size+sha256 record per library, the build lock
 _PRUNE_UNUSED_S = 7 * 24 * 3600  # another version's build, unused this long, is deleted at the next build
 _ORPHAN_TMP_S = 600  # a temporary file this old belongs to a builder that died
-_LAYOUT_1 = re.compile(r"native_cast-[0-9a-f]{20}-(openmp|pthreads)\.so")  # fp8train's names before layout 2
 
 
 class Params(ctypes.Structure):
@@ -318,13 +316,12 @@ def _build(compiler: str, flags: tuple, path: Path, deadline: float) -> Path:
 
 
 def _prune(folder: Path, family: str, keep: set) -> None:
-    """Delete this family's builds for other sources and builds named as before the records (unused for a week),
+    """Delete this family's builds for other sources (unused for a week),
     and dead builders' temporary files (called under the build lock, so no builder of this fp8train is writing
     them)."""
     now = time.time()
     ours = set(folder.glob(f"native_cast-{family}-*.so"))
     ours |= {p.with_suffix("") for p in folder.glob(f"native_cast-{family}-*.so.json")}  # records left alone
-    ours |= {p for p in folder.glob("native_cast-*.so") if _LAYOUT_1.fullmatch(p.name)}  # before the record
     for old in ours - keep:
         record = _record_path(old)
         try:

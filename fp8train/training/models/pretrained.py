@@ -152,9 +152,8 @@ def _load_scaling_buffers(model: nn.Module, folder: Path, recorded: bool) -> Non
     unexpected = sorted(set(tensors) - expected)
     if unexpected and not recorded:
         raise ValueError(f"{str(folder)!r} holds FP8 scaling buffers ({unexpected[0]}, ...) but its config.json "
-                         f"records no FP8 layers (no '{FP8TRAIN_SECTION}' section: saved before fp8train recorded "
-                         "them); model.hf_path fine-tunes from it (the buffers are dropped), or save it again from "
-                         "the converted model")
+                         f"records no FP8 layers (no '{FP8TRAIN_SECTION}' section); model.hf_path fine-tunes from it "
+                         "(the buffers are dropped), or save it again from the converted model")
     missing = sorted(expected - set(tensors))
     wrong = [k for k in sorted(expected & set(tensors))
              if tuple(tensors[k].shape) != tuple(model.get_buffer(k).shape)]

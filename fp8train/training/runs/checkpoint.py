@@ -151,7 +151,7 @@ def manifest_problem(path: Path, manifest: dict) -> str | None:
     verifies (it would resume at the wrong step)."""
     checksum = manifest.get(MANIFEST_CHECKSUM)
     if checksum is None:
-        return f"{MANIFEST} has no {MANIFEST_CHECKSUM} (written by an older fp8train, or edited)"
+        return f"{MANIFEST} has no {MANIFEST_CHECKSUM} (edited, or not written by this fp8train)"
     if checksum != _manifest_digest(manifest):
         return f"{MANIFEST} does not match its own checksum (edited or corrupt)"
     step = manifest.get("step")
