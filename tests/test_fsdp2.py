@@ -48,7 +48,7 @@ def _train(model, steps: int = 3) -> list[float]:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = model(x, x)
         loss.backward()
-        fsdp2.clip_grad_norm(model, 1.0)
+        fsdp2.clip_grad_norm_tensor(model, 1.0)
         optimizer.step()
         optimizer.zero_grad()
         update_fp8_scales(model)

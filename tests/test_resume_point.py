@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from fp8train.training.runs.checkpoint import load_model_weights, save_checkpoint
+from fp8train.training.runs.checkpoint import load_checkpoint, save_checkpoint
 from fp8train.training.config import config_to_yaml, load_config
 from fp8train.training.runs.resume import ResumePoint, config_differences, find_resume_point
 
@@ -99,5 +99,5 @@ def test_load_model_weights_loads_the_weights(tmp_path):
     model = torch.nn.Linear(3, 2)
     path = save_checkpoint(tmp_path, 1, model, torch.optim.AdamW(model.parameters()))
     fresh = torch.nn.Linear(3, 2)
-    load_model_weights(path, fresh)
+    load_checkpoint(path, fresh)
     assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)

@@ -23,8 +23,8 @@ from fp8train.training.parallel import fsdp2
 from fp8train.training.runs.checkpoint import save_checkpoint
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
 from fp8train.training.models.decoder import build_model
+from fp8train.training.runs.checkpoint import latest_valid_checkpoint, load_checkpoint
 from fp8train.training.runs.sharded_checkpoint import (COMPLETE_MARKER, MissingShardError, latest_loadable_checkpoint,
-                                                  latest_valid_sharded_checkpoint, load_model_weights_any,
                                                   load_sharded_checkpoint, save_sharded_checkpoint,
                                                   verify_sharded_checkpoint)
 
@@ -89,7 +89,7 @@ def test_files_are_safetensors_and_json_with_the_marker_last(one_rank_group, tmp
 def test_sharded_checkpoint_loads_into_a_plain_model_and_back(one_rank_group, tmp_path):
     model, optimizer, states = _saved(tmp_path)
     plain, _ = _model(sharded=False, seed=1)
-    load_model_weights_any(tmp_path / "step_000002", plain)
+    load_sharded_checkpoint(tmp_path / "step_000002", plain)
     for name, value in plain.state_dict().items():
         assert torch.equal(value, states[2][name]), name
 
@@ -112,7 +112,8 @@ def test_unfinished_or_corrupt_checkpoints_are_skipped(one_rank_group, tmp_path)
     data[len(data) // 2] ^= 0xFF  # one flipped byte in the tensor data, same size
     shard.write_bytes(bytes(data))
     messages = []
-    assert latest_valid_sharded_checkpoint(tmp_path, log=messages.append) == tmp_path / "step_000001"
+    assert latest_valid_checkpoint(tmp_path, log=messages.append, verify=verify_sharded_checkpoint) == \
+        tmp_path / "step_000001"
     assert "checksum mismatch" in messages[0]
     (newest / COMPLETE_MARKER).unlink()
     messages.clear()
@@ -129,7 +130,7 @@ def test_missing_shard_is_refused_not_skipped(one_rank_group, tmp_path):
     plain, _ = _model(sharded=False)
     before = _full_state(plain)
     with pytest.raises(ValueError, match="missing shard"):
-        load_model_weights_any(tmp_path / "step_000002", plain)
+        load_sharded_checkpoint(tmp_path / "step_000002", plain)
     assert all(torch.equal(v, before[k]) for k, v in _full_state(plain).items())  # nothing loaded
 
 
@@ -142,12 +143,12 @@ def test_checkpoint_of_another_model_is_refused(one_rank_group, tmp_path, overri
         load_sharded_checkpoint(tmp_path / "step_000001", other, other_opt)
 
 
-def test_ddp_format_still_loads_through_the_same_function(tmp_path):
+def test_ddp_format_is_found_by_the_same_function(tmp_path):
     model, optimizer = _model(sharded=False)
     _step(model, optimizer)
     path = save_checkpoint(tmp_path, 1, model, optimizer)
     plain, _ = _model(sharded=False, seed=3)
-    load_model_weights_any(path, plain)
+    load_checkpoint(path, plain)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in plain.state_dict().items())
     assert latest_loadable_checkpoint(tmp_path) == path
 

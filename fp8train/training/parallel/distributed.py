@@ -35,7 +35,7 @@ from accelerate import Accelerator
 
 from fp8train.nn.recipes import ROLES
 
-__all__ = ["make_accelerator", "check_launch_settings", "process_count_note", "set_cpu_threads", "all_mean",
+__all__ = ["make_accelerator", "check_launch_settings", "process_count_note", "set_cpu_threads",
            "all_mean_tensor",
            "fp8_state_digest",
            "Fp8StateSync"]
@@ -122,15 +122,8 @@ def set_cpu_threads(cfg, accelerator) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // accelerator.num_processes))
 
 
-def all_mean(accelerator, value: float) -> float:
-    if accelerator.num_processes == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=accelerator.device)
-    return float(accelerator.reduce(t, reduction="mean"))
-
-
 def all_mean_tensor(accelerator, value: torch.Tensor) -> torch.Tensor:
-    """all_mean of a () tensor on the device, without a host sync: the same all-reduce and division."""
+    """The mean over ranks of a () tensor on the device, without a host sync (one all-reduce)."""
     if accelerator.num_processes == 1:
         return value
     return accelerator.reduce(value.reshape(1), reduction="mean").reshape(())

@@ -42,7 +42,7 @@ from fp8train.nn.fp8_all_gather_experts import wrap_experts_for_fp8_all_gather
 from fp8train.nn.fp8_all_gather import check_fp8_all_gather_recipe, wrap_weight_for_fp8_all_gather
 
 __all__ = ["ensure_process_group", "release_process_group", "decoder_blocks", "apply_fsdp2",
-           "clip_grad_norm", "grad_norm", "clip_grad_norm_tensor", "grad_norm_tensor",
+           "grad_norm", "clip_grad_norm_tensor", "grad_norm_tensor",
            "all_finite", "per_rank_state_bytes", "local_tensor",
            "AllGatherByteCounter", "count_all_gather_bytes"]
 
@@ -175,16 +175,11 @@ def _copies(grad: torch.Tensor) -> int:
     return world // shards
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Scale all gradients so their global norm is at most `max_norm` (the rule of
-    torch.nn.utils.clip_grad_norm_, with grad_norm's float64 norm); returns the norm before clipping. A
-    non-finite norm leaves the gradients as they are (the loop skips or stops that step)."""
-    return float(clip_grad_norm_tensor(model, max_norm))
-
-
 @torch.no_grad()
 def clip_grad_norm_tensor(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """clip_grad_norm decided on the device (no host sync); returns the () fp32 norm before clipping.
+    """Scale all gradients so their global norm is at most `max_norm` (the rule of torch.nn.utils.clip_grad_norm_,
+    with grad_norm's float64 norm), decided on the device (no host sync); returns the () fp32 norm before clipping.
+    A non-finite norm leaves the gradients as they are (the loop skips or stops that step).
 
     The factor is computed as the host rule did, bit for bit: min(1, max_norm / (norm + 1e-6)) in float64 from
     the fp32 norm, then rounded once to fp32 as a Python scalar is in `mul_`. A factor of exactly 1 (no

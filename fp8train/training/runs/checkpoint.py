@@ -294,10 +294,3 @@ def check_checkpoint_origin(path: str | Path, manifest: dict, expected_hash: str
                          f"{str(saved)[:12]}, now {expected_hash[:12]}: model, data, optimizer, train or FP8 "
                          "settings differ); resume with the run's own config, or use a new run.name (nothing was "
                          "changed)")
-
-
-def load_model_weights(path: str | Path, model: torch.nn.Module) -> dict:
-    """Weights only (for evaluation/export): the model part of a verified checkpoint."""
-    return load_checkpoint(path, model)
-
-

@@ -30,7 +30,7 @@ run resumed from, so a corrupt newer folder never pushes out good ones.
 
 For export and kv-eval, in one process: `latest_loadable_checkpoint(ckpt_dir)` finds the newest checkpoint of
 either format, `read_model_state(path)` returns its full model state dict (what the DDP format's
-model.safetensors holds), and `load_model_weights_any(path, model)` loads either into a model.
+model.safetensors holds); `load_sharded_checkpoint(path, model)` loads a sharded one into a plain model too.
 """
 
 from __future__ import annotations
@@ -50,14 +50,13 @@ from safetensors.torch import load_file
 
 from fp8train.nn.fp8_all_gather import unwrap_fp8_all_gather
 from fp8train.training.runs.checkpoint import (MANIFEST, file_record, files_problem, latest_valid_checkpoint,
-                                          load_model_weights, manifest_problem, prune_checkpoints,
+                                          manifest_problem, prune_checkpoints,
                                           remove_leftovers, seal_manifest, swap_into_place, verify_checkpoint)
 from fp8train.training.storage.files import dumps, write_json_atomic, write_text_atomic
 
 __all__ = ["SHARDED_FORMAT", "COMPLETE_MARKER", "is_sharded_checkpoint", "save_sharded_checkpoint",
-           "verify_sharded_checkpoint", "verify_any_checkpoint", "latest_valid_sharded_checkpoint",
-           "load_sharded_checkpoint",
-           "load_model_weights_any", "read_model_state", "latest_loadable_checkpoint", "MissingShardError"]
+           "verify_sharded_checkpoint", "verify_any_checkpoint", "load_sharded_checkpoint", "read_model_state",
+           "latest_loadable_checkpoint", "MissingShardError"]
 
 SHARDED_FORMAT = "fp8train-dcp-safetensors-1"
 COMPLETE_MARKER = "COMPLETE"
@@ -204,11 +203,6 @@ def verify_sharded_checkpoint(path: str | Path) -> str | None:
     return files_problem(path, files)
 
 
-def latest_valid_sharded_checkpoint(ckpt_dir: str | Path, log=print) -> Path | None:
-    """The newest sharded checkpoint that verifies; incomplete or corrupt ones are named and skipped."""
-    return latest_valid_checkpoint(ckpt_dir, log=log, verify=verify_sharded_checkpoint)
-
-
 def verify_any_checkpoint(path: str | Path) -> str | None:
     """verify_sharded_checkpoint or verify_checkpoint, whichever format the folder is in."""
     return verify_sharded_checkpoint(path) if is_sharded_checkpoint(path) else verify_checkpoint(path)
@@ -276,14 +270,6 @@ def _param_groups(saved: list, current: list) -> list:
                 group[key] = tuple(value) if isinstance(new.get(key), tuple) and isinstance(value, list) else value
         groups.append(group)
     return groups
-
-
-def load_model_weights_any(path: str | Path, model) -> dict:
-    """Weights only: a checkpoint of either format into `model` (plain, or sharded when distributed); the
-    model must be the one the run trained (same FP8 recipe: its scaling buffers are part of the state)."""
-    if is_sharded_checkpoint(path):
-        return load_sharded_checkpoint(path, model)
-    return load_model_weights(path, model)
 
 
 def read_model_state(path: str | Path) -> dict:
