@@ -6,9 +6,8 @@ checkpoint is). A run trained in FP8 is loaded into the plain model by name: its
 fp32 master weights under the same names as nn.Linear (`layers.0.attn.q_proj.weight`), and the FP8 scaling
 buffers they add (`*_amax_history`, `*_scale`, `*_nonfinite_amax_count`, ...) are training state, dropped after
 checking that they belong to layers the run's policy converted. A GPT-2 Conv1D layer trained as Fp8Linear is
-checkpointed in Conv1D's (in, out) layout (Fp8Linear's state_dict) and loads as it is; a rectangular (out, in)
-weight comes from a checkpoint written before that rule and is transposed back. Anything else missing or
-unexpected is an error.
+checkpointed in Conv1D's (in, out) layout (Fp8Linear's state_dict) and loads as it is. Anything else missing or
+unexpected (a shape included) is an error.
 
 A Hugging Face folder (config.json and safetensors weights, e.g. a dense export) is loaded too, as the run a
 default config with `model.hf_path` set to it would start from (step 0; model.seq_len = min(128, its maximum
@@ -270,14 +269,6 @@ def _load_master_weights(model: nn.Module, state: dict, fp8_names: list, ckpt: P
     expected = model.state_dict()
     # an FP8 experts projection `...experts.gate_up_proj` keeps its scaling state under `...gate_up_proj_fp8.`
     converted = set(fp8_names) | {name + SCALING_SUFFIX for name in fp8_names}
-    modules = dict(model.named_modules())
-    for name in fp8_names:  # an older checkpoint's Conv1D-born Fp8Linear weight, in the (out, in) layout
-        if name not in modules:  # an experts projection: a 3-D Parameter, not a module
-            continue
-        module, key = modules[name], f"{name}.weight"
-        if is_conv1d(module) and key in state and module.nx != module.nf \
-                and tuple(state[key].shape) == (module.nf, module.nx):
-            state[key] = state[key].t().contiguous()
     extra = [k for k in state if k not in expected]
     # an FP8 layer's scaling buffers: `{layer}.{role}_*`, or `{layer}.scaling.{role}_*` for an Fp8GroupedLinear
     owner_of = lambda k: k.rpartition(".")[0].removesuffix(".scaling")  # noqa: E731
