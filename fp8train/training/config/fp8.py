@@ -58,7 +58,7 @@ class _Fp8RunSection(Section):
         self._in("emulated_dtype", EMULATED_DTYPE_CHOICES)
         self._in("quantize_kernel", KERNEL_CHOICES)
         self._in("recipe", FP8_RECIPE_CHOICES)
-        run_recipe = self.to_recipe()  # every recipe field checked by Fp8Recipe, and only there
+        run_recipe = self.to_recipe()  # every recipe field checked by Fp8Recipe, and only there (built once here)
         if run_recipe.backend == "te":  # at config time, with the reason (nn/te.py), before anything is written
             raise ValueError(te_config_refusal(run_recipe))
         if self.all_gather:
@@ -72,7 +72,17 @@ class _Fp8RunSection(Section):
 
     def to_recipe(self) -> Fp8Recipe:
         """The Fp8Recipe of fp8.recipe with the set fields applied (for the baseline 'none', the default preset:
-        its fields are checked all the same). A field's bad value is a ValueError naming fp8.<field>."""
+        its fields are checked all the same). A field's bad value is a ValueError naming fp8.<field>.
+
+        Built once, when the section is checked (where the config is read), and that same object is returned while
+        the fields are unchanged: a run has one recipe, whichever part of it asks (set-up, fork, plan.json)."""
+        key = (self.recipe, self.recipe_overrides())
+        built = self.__dict__.get("_built_recipe")
+        if built is None or built[0] != key:
+            built = self._built_recipe = (key, self._build_recipe())
+        return built[1]
+
+    def _build_recipe(self) -> Fp8Recipe:
         name = DEFAULT_RECIPE if self.recipe == BASELINE_RECIPE else self.recipe
         overrides = self.recipe_overrides()
         try:

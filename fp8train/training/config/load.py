@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import os
@@ -155,6 +156,13 @@ def _omegaconf_error(e: OmegaConfBaseException) -> ValueError:
     return ValueError(f"config {key}: {msg.splitlines()[0]}")
 
 
+@functools.cache
+def _schema() -> DictConfig:
+    """FullConfig's defaults as OmegaConf's structured config, built once per process (building it constructs
+    every section, and with it the default preset's recipe, which no run uses)."""
+    return OmegaConf.structured(FullConfig)
+
+
 def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> FullConfig:
     """Schema defaults <- YAML file at `path` (None = no file) <- `key=value` overrides; validated FullConfig."""
     layers = [_read_yaml(path) if path is not None else {}, _parse_overrides(list(overrides))]
@@ -164,7 +172,7 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Fu
         raise ValueError(f"config file {path!r}: {err}") from None
     _check_keys(layers[1], FullConfig)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(FullConfig), *layers)
+        merged = OmegaConf.merge(_schema(), *layers)  # merge copies its first argument: the schema stays as it is
         return OmegaConf.to_object(merged)  # builds the dataclasses, so every _check() runs here
     except OmegaConfBaseException as e:
         raise _omegaconf_error(e) from None
