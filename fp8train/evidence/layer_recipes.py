@@ -242,7 +242,8 @@ def layer_recipes_yaml(choices: dict) -> str:
     t = choices["thresholds"]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        f"# fp8train layer-recipes for {choices['run_dir']}, measured {when} on {choices['device_name']} ({choices['device']})",
+        f"# fp8train layer-recipes for {choices['run_dir']}, measured {when} on {choices['device_name']} "
+        f"({choices['device']})",
         f"# speed: fwd+bwd per layer shape (MxKxN), median of {choices['repeats']} interleaved rounds, speedup over "
         f"the run's precision ({choices['baseline']}); fp32 shown too",
         f"# numerics: the run's shadow telemetry; thresholds: SQNR >= {t['sqnr_db_min']:g} dB in every role, "
@@ -255,8 +256,8 @@ def layer_recipes_yaml(choices: dict) -> str:
     else:
         lines.append(f"# outcome: {choices['fp8_layers']} of {len(choices['layers'])} layers in FP8")
     if choices.get("experts"):
-        lines.append(f"# experts: {len(choices['experts'])} FP8 expert projections are not chosen per layer and keep the run's "
-                     "recipe (shadow telemetry and timings are per Linear)")
+        lines.append(f"# experts: {len(choices['experts'])} FP8 expert projections are not chosen per layer and "
+                     "keep the run's recipe (shadow telemetry and timings are per Linear)")
     lines += ["# use: fp8train train CONFIG policy.overrides_file=THIS_FILE, or validate.candidates: "
               "[layers=current:policy.overrides_file=THIS_FILE]", "policy:", "  overrides:"]
     for row in choices["layers"]:

@@ -26,7 +26,8 @@ from fp8train.nn.hf_experts import (attach, expert_projections, experts_top_k, i
 from fp8train.nn.overrides import OVERRIDE_BF16, first_override
 from fp8train.nn.recipes import Fp8Recipe, recipe as make_recipe
 
-__all__ = ["choose_expert_swaps", "attach_experts", "count_other_weights", "choose_grouped_swaps", "attach_grouped", "is_grouped"]
+__all__ = ["choose_expert_swaps", "attach_experts", "count_other_weights", "choose_grouped_swaps", "attach_grouped",
+           "is_grouped"]
 
 
 class _ExpertShape:  # what LayerPolicy.skip_reason reads of a layer

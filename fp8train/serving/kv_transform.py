@@ -1,6 +1,7 @@
 """The FP8 KV-cache transform: what a cache holds for K and V, how its scales are calibrated, and how it is
 installed into a model's attention layers (their `kv_transform` hook: fp8train's Decoder, and Hugging Face models
-through fp8train.serving.kv_hooks.enable_kv_hook, installed by `kv_transforms`). See fp8train.serving.kvcache for the evaluation."""
+through fp8train.serving.kv_hooks.enable_kv_hook, installed by `kv_transforms`). See fp8train.serving.kvcache for
+the evaluation."""
 
 from __future__ import annotations
 

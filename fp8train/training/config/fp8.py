@@ -170,12 +170,14 @@ class PolicyConfig(Section):
 
 
 def read_overrides_file(path: str) -> tuple[tuple[str, str], ...]:
-    """The validated policy.overrides of a policy.overrides_file (e.g. `fp8train layer-recipes` output), in file order."""
+    """The validated policy.overrides of a policy.overrides_file (e.g. `fp8train layer-recipes` output), in file
+    order."""
     check_settings_file(path, "config policy.overrides_file")
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"config policy.overrides_file={path!r}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        raise ValueError(f"config policy.overrides_file={path!r}: cannot read it "
+                         f"({getattr(e, 'strerror', None) or e})") from None
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
