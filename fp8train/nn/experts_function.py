@@ -1,0 +1,126 @@
+"""The autograd Function behind fp8_grouped_mm (nn/experts.py): every expert's three FP8 GEMMs in one node.
+
+For expert e with token rows x_e (T_e, K) of the input, weight W_e (N, K) and grad_output rows dy_e (T_e, N):
+
+    output[rows e]        = x_e    @ W_e.T  (+ b_e)   forward
+    grad_input[rows e]    = dy_e   @ W_e               backward
+    grad_weight[e]        = dy_e.T @ x_e               backward
+
+Each expert's GEMMs are Fp8LinearFunction's (nn/linear_function.py) step for step: the same quantizer calls
+(that expert's `ExpertView.quantizers`, so its own scales), the same `values_to_keep` and the same `fp8_mm`
+arguments, so the bits are the dense layer's. What one node changes is where the results go: each GEMM writes
+straight into its rows of one preallocated output, grad_input or grad_weight (fp8_mm's `into`), so no
+concatenation, split, unbind or stack runs, and an expert without tokens costs nothing but the zeros of its
+grad_weight (and grad_bias) slice. Rows past the last group (routed to no expert) are zero in every result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8train.nn.gemm import Fp8Operand, emulated_compute_dtype, fp8_mm, gemm_compute_dtype
+from fp8train.nn.linear_function import to_dtype, values_to_keep
+from fp8train.nn.recipes import GemmRole, OperandRole
+
+__all__ = ["GroupedFp8Function"]
+
+
+def _rows(sizes: list[int]):
+    """(expert, start, end) of each expert that has tokens."""
+    start = 0
+    for expert, size in enumerate(sizes):
+        if size:
+            yield expert, start, start + size
+        start += size
+
+
+class GroupedFp8Function(torch.autograd.Function):
+    """output (T, N) = every expert's rows through its own FP8 GEMM; backward: both gradients, the same way."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, weights_fp8: list, views: list, sizes: list[int], backend: str,
+                out_dtype: torch.dtype):
+        routed, n = sum(sizes), weight.shape[1]
+        output = torch.empty(input.shape[0], n, dtype=out_dtype, device=input.device)
+        output[routed:].zero_()
+        saved, blocks, transposed = [], [], []
+        for expert, start, end in _rows(sizes):
+            view, weights, x_e = views[expert], weights_fp8[expert], input[start:end]
+            r, input_quantizer = view.recipe, view.quantizers[OperandRole.INPUT]
+            input_fp8 = input_quantizer.quantize(x_e, keep_values=values_to_keep(
+                view, OperandRole.INPUT, backend, out_dtype, input.device, fp32_too=False))
+            fp8_mm(Fp8Operand.from_fp8_tensor(input_fp8), weights.op_t, backend, out_dtype=out_dtype,
+                   bias=None if bias is None else bias[expert], gemm=GemmRole.OUTPUT,
+                   use_fast_accum=r.fast_accum_forward, into=output[start:end], **view.gemm_options(input.device))
+            # saved as the dense layer saves it: FP8 bytes + scales, in grad_weight's layout where that differs
+            input_saved = input_fp8
+            requantized = r.requantize_transposed(OperandRole.INPUT) and weight.requires_grad
+            if requantized:
+                input_saved = input_quantizer.quantize_transposed(x_e, keep_values=False)
+            input_scale = input_saved.scale
+            if torch.compiler.is_compiling():  # (as in Fp8LinearFunction: dynamo must own what is saved)
+                input_scale = input_scale.clone()
+            saved += [input_saved.data, input_scale, weights.fp8.data, weights.fp8.scale]
+            blocks.append(input_saved.block if input_saved.granularity == "block" else None)
+            transposed.append(requantized)
+        ctx.save_for_backward(*saved)
+        ctx.blocks, ctx.transposed, ctx.sizes = blocks, transposed, sizes
+        ctx.weights_fp8, ctx.views, ctx.backend = weights_fp8, views, backend
+        ctx.input_dtype, ctx.weight_dtype = input.dtype, weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.weight_shape = weight.shape
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        sizes, backend, device = ctx.sizes, ctx.backend, grad_output.device
+        tokens, routed = grad_output.shape[0], sum(sizes)
+        experts, _, k = ctx.weight_shape
+        grad_input = grad_weight = grad_bias = None
+        if need_input:
+            grad_input = torch.empty(tokens, k, dtype=ctx.input_dtype, device=device)
+            grad_input[routed:].zero_()
+        if need_weight:
+            grad_weight = torch.empty(ctx.weight_shape, dtype=ctx.weight_dtype, device=device)
+        if need_bias:
+            grad_bias = torch.zeros(experts, ctx.weight_shape[1], dtype=torch.float32, device=device)
+        saved = ctx.saved_tensors
+        with torch.autocast(device.type, enabled=False):
+            for index, (expert, start, end) in enumerate(_rows(sizes)):
+                input_data, input_scale = saved[4 * index], saved[4 * index + 1]
+                view, weights = ctx.views[expert], ctx.weights_fp8[expert]
+                r, options, dy_e = view.recipe, view.gemm_options(device), grad_output[start:end]
+                grad_output_quantizer = view.quantizers[OperandRole.GRAD_OUTPUT]
+                grad_weight_reads = gemm_compute_dtype(emulated_compute_dtype(device, view.emulated_dtype),
+                                                       ctx.weight_dtype, device)
+                grad_output_fp32_too = need_weight and not r.requantize_transposed(OperandRole.GRAD_OUTPUT) \
+                    and grad_weight_reads == torch.float32
+                grad_output_fp8 = grad_output_quantizer.quantize(dy_e, keep_values=values_to_keep(
+                    view, OperandRole.GRAD_OUTPUT, backend, ctx.input_dtype, device, fp32_too=grad_output_fp32_too))
+                grad_output_op = Fp8Operand.from_fp8_tensor(grad_output_fp8)                # (T_e, N)
+                if need_input:    # grad_input rows of e = dy_e @ W_e           (T_e, N) @ (N, K)
+                    fp8_mm(grad_output_op, weights.op_for_grad_input, backend, out_dtype=ctx.input_dtype,
+                           gemm=GemmRole.GRAD_INPUT, into=grad_input[start:end], **options)
+                if need_weight:   # grad_weight[e] = dy_e.T @ x_e               (N, T_e) @ (T_e, K)
+                    grad_output_t_op = grad_output_op.t()
+                    if r.requantize_transposed(OperandRole.GRAD_OUTPUT):
+                        grad_output_t_op = Fp8Operand.from_fp8_tensor(grad_output_quantizer.quantize_transposed(
+                            dy_e, keep_values=values_to_keep(view, OperandRole.GRAD_OUTPUT, backend,
+                                                             ctx.weight_dtype, device, fp32_too=False)))
+                    input_op = view.quantizers[OperandRole.INPUT].saved_operand(
+                        input_data, input_scale, ctx.blocks[index], values_to_keep(
+                            view, OperandRole.INPUT, backend, ctx.weight_dtype, device, fp32_too=False))
+                    if ctx.transposed[index]:
+                        input_op = input_op.t()
+                    fp8_mm(grad_output_t_op, input_op, backend, out_dtype=ctx.weight_dtype,
+                           gemm=GemmRole.GRAD_WEIGHT, into=grad_weight[expert], **options)
+                if need_bias:     # fp32 sum over the expert's rows of the unquantized gradient
+                    grad_bias[expert] = dy_e.sum(0, dtype=torch.float32)
+        if need_weight:
+            for expert, size in enumerate(sizes):
+                if size == 0:  # no tokens: no GEMM ran, the gradient is zero
+                    grad_weight[expert].zero_()
+        if need_bias:
+            grad_bias = to_dtype(grad_bias, ctx.bias_dtype)
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
