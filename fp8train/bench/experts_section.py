@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from fp8train.bench.harness import paired_ratio, side_by_side
 from fp8train.bench.options import BenchOptions
 from fp8train.nn.experts import Fp8GroupedLinear
+from fp8train.nn.linear import update_fp8_scales
 
 __all__ = ["bench_experts", "EXPERTS_SHAPE", "EXPERTS_TARGETS", "skewed_group_sizes"]
 
@@ -62,14 +63,22 @@ def _high_precision(weight, x, grad, offs, sizes, dtype, grouped: bool):
 
 
 def _fp8(layer, x, grad, offs, device):
+    # bf16 activations and gradients made once, as the high-precision rows' (no contender times a cast of them);
+    # delayed scaling runs its per-step scale update too (a training step's share of its cost: steady state,
+    # every expert on its stored scales after the first step)
+    x, grad = x.bfloat16(), grad.bfloat16()
+    delayed = layer.recipe.is_delayed
+
     def step():
         with torch.no_grad():
             layer.weight.mul_(1.0)
-        x_ = x.detach().bfloat16().requires_grad_(True)
+        x_ = x.detach().requires_grad_(True)
         with torch.autocast(device, dtype=torch.bfloat16):
             y = layer(x_, offs)
-        y.backward(grad.to(y.dtype))
+        y.backward(grad)
         layer.weight.grad = None
+        if delayed:
+            update_fp8_scales(layer)
     return step
 
 
