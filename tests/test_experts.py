@@ -335,3 +335,42 @@ def test_configure_execution_reaches_the_experts():
     assert model["experts"].scaling.emulated_dtype == "fp32"
     with pytest.raises(ValueError, match="quantize_kernel"):
         model["experts"].scaling.configure(quantize_kernel="fast")
+
+
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_one_quantize_call_for_every_experts_weight_keeps_each_experts_bits(name, monkeypatch):
+    """Tensorwise weights are quantized in one call over (E, N * K) (nn/experts_weights.py): outputs, gradients
+    and the scaling buffers equal those of each expert's own quantization (taken for a weight that is no single
+    contiguous block: the same values through a transposed copy), over three steps of delayed scaling (first step
+    on own scales, then stored ones) including a NaN in one expert's weight (counted, never recorded)."""
+    import fp8train.nn.experts_weights as experts_weights
+
+    sizes = [5, 0, 131, 33]
+    layers = [_layer(name, sizes, "bf16", seed=1)[0] for _ in range(2)]
+    with torch.no_grad():
+        layers[1].weight.data = layers[0].weight.detach().transpose(1, 2).contiguous().transpose(1, 2)
+    assert not layers[1].weight.is_contiguous()
+    calls = []
+    real = experts_weights._quantize_experts
+    monkeypatch.setattr(experts_weights, "_quantize_experts", lambda *args: calls.append(1) or real(*args))
+    for step in range(3):
+        x = torch.randn(sum(sizes), K) * (step + 1)
+        results = []
+        for layer in layers:
+            if step == 2:
+                with torch.no_grad():
+                    layer.weight[3, 1, 2] = float("nan")
+            x_ = x.clone().requires_grad_(True)
+            y = layer(x_, _offs(sizes))
+            y.backward(torch.ones_like(y))
+            results.append((y, x_.grad, layer.weight.grad.clone()))
+            layer.weight.grad = None
+            update_fp8_scales(layer)
+        for a, b in zip(*results):  # the same bits, NaN where the other has NaN
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), step
+        for key, value in layers[0].scaling.state_dict().items():
+            assert torch.equal(value, layers[1].scaling.state_dict()[key]), (step, key)
+    # the contiguous layer only, once per weight version: every step for delayed (new scales), for current only
+    # again after the weight changed (step 2)
+    assert len(calls) == (3 if name == "delayed" else 2)
+    assert layers[0].scaling.weight_nonfinite_amax_count.tolist() == [0, 0, 0, 1]

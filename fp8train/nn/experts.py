@@ -34,6 +34,7 @@ import torch.nn as nn
 from fp8train.nn.experts_scaling import ExpertScaling
 from fp8train.nn.gemm import resolve_backend
 from fp8train.nn.experts_function import GroupedFp8Function
+from fp8train.nn.experts_weights import batched_weights_fp8
 from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe
 
 __all__ = ["fp8_grouped_mm", "group_sizes", "Fp8GroupedLinear", "GroupedLinear", "ExpertScaling"]
@@ -96,16 +97,20 @@ def fp8_grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor
         backend = resolve_backend(scaling.recipe.backend, input.device, tuple(map(scaling.recipe.format_of, ROLES)))
     except RuntimeError as exc:  # (the recipe's backend cannot run on this device: the user's choice)
         raise ValueError(f"FP8 experts with recipe {scaling.recipe.code()!r}: {exc}") from None
-    views, weights_fp8 = scaling.experts, []
+    views = scaling.experts
     with torch.autocast(device_type, enabled=False):
         with torch.no_grad():  # (the gradient reaches `weight` through the Function, not through these views)
-            for view, w_e, size in zip(views, weight.unbind(0), sizes):
+            for view, w_e in zip(views, weight.unbind(0)):
                 view.weight = w_e
+            # one quantize call for every expert where it applies, else each expert's own (both cached per
+            # weight version, as the dense layer's copy)
+            weights_fp8 = batched_weights_fp8(scaling, weight, backend)
+            if weights_fp8 is None:
                 # An expert without tokens runs no GEMM, so its input and grad_output record nothing
                 # (experts_scaling.py); a delayed weight is still quantized in training, so its amax history
-                # keeps step with the others. The FP8 weight is cached per weight version (Fp8Linear's cache).
-                needed = size or (scaling.training and scaling.recipe.is_delayed)
-                weights_fp8.append(view.weight_fp8(backend) if needed else None)
+                # keeps step with the others.
+                weights_fp8 = [view.weight_fp8(backend) if size or (scaling.training and scaling.recipe.is_delayed)
+                               else None for view, size in zip(views, sizes)]
         return GroupedFp8Function.apply(input, weight, bias, weights_fp8, views, sizes, backend, out_dtype)
 
 
