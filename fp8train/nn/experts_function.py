@@ -20,6 +20,7 @@ import torch
 
 from fp8train.nn.gemm import Fp8Operand, emulated_compute_dtype, fp8_mm, gemm_compute_dtype
 from fp8train.nn.linear_function import to_dtype, values_to_keep
+from fp8train.nn.experts_scaled_gemm import grouped_arguments, grouped_plan, run_grouped
 from fp8train.nn.recipes import GemmRole, OperandRole
 
 __all__ = ["GroupedFp8Function"]
@@ -43,15 +44,20 @@ class GroupedFp8Function(torch.autograd.Function):
         routed, n = sum(sizes), weight.shape[1]
         output = torch.empty(input.shape[0], n, dtype=out_dtype, device=input.device)
         output[routed:].zero_()
-        saved, blocks, transposed = [], [], []
+        recipe = views[0].recipe
+        plan = _plan(views, GemmRole.OUTPUT, sizes, weight.shape, out_dtype, bias is not None, backend, input.device)
+        saved, blocks, transposed, input_ops = [], [], [], [None] * len(sizes)
         for expert, start, end in _rows(sizes):
             view, weights, x_e = views[expert], weights_fp8[expert], input[start:end]
             r, input_quantizer = view.recipe, view.quantizers[OperandRole.INPUT]
             input_fp8 = input_quantizer.quantize(x_e, keep_values=values_to_keep(
                 view, OperandRole.INPUT, backend, out_dtype, input.device, fp32_too=False))
-            fp8_mm(Fp8Operand.from_fp8_tensor(input_fp8), weights.op_t, backend, out_dtype=out_dtype,
-                   bias=None if bias is None else bias[expert], gemm=GemmRole.OUTPUT,
-                   use_fast_accum=r.fast_accum_forward, into=output[start:end], **view.gemm_options(input.device))
+            input_ops[expert] = Fp8Operand.from_fp8_tensor(input_fp8)
+            if plan is None:  # the per-expert GEMM, into its rows (else one grouped call below)
+                fp8_mm(input_ops[expert], weights.op_t, backend, out_dtype=out_dtype,
+                       bias=None if bias is None else bias[expert], gemm=GemmRole.OUTPUT,
+                       use_fast_accum=r.fast_accum_forward, into=output[start:end],
+                       **view.gemm_options(input.device))
             # saved as the dense layer saves it: FP8 bytes + scales, in grad_weight's layout where that differs
             input_saved = input_fp8
             requantized = r.requantize_transposed(OperandRole.INPUT) and weight.requires_grad
@@ -63,6 +69,13 @@ class GroupedFp8Function(torch.autograd.Function):
             saved += [input_saved.data, input_scale, weights.fp8.data, weights.fp8.scale]
             blocks.append(input_saved.block if input_saved.granularity == "block" else None)
             transposed.append(requantized)
+        if plan is not None:
+            weight_ops = [None if w is None else w.op_t for w in weights_fp8]
+            _grouped_into(plan, views, input_ops, weight_ops, sizes, weight.shape, recipe.fast_accum_forward,
+                          output[:routed], lambda e, start, end, options: fp8_mm(
+                              input_ops[e], weights_fp8[e].op_t, backend, out_dtype=out_dtype,
+                              gemm=GemmRole.OUTPUT, use_fast_accum=recipe.fast_accum_forward,
+                              into=output[start:end], **options))
         ctx.save_for_backward(*saved)
         ctx.blocks, ctx.transposed, ctx.sizes = blocks, transposed, sizes
         ctx.weights_fp8, ctx.views, ctx.backend = weights_fp8, views, backend
@@ -74,22 +87,25 @@ class GroupedFp8Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        sizes, backend, device = ctx.sizes, ctx.backend, grad_output.device
+        sizes, backend, device, views = ctx.sizes, ctx.backend, grad_output.device, ctx.views
         tokens, routed = grad_output.shape[0], sum(sizes)
-        experts, _, k = ctx.weight_shape
+        experts, n, k = ctx.weight_shape
         grad_input = grad_weight = grad_bias = None
+        plans = {gemm: _plan(views, gemm, sizes, ctx.weight_shape, dtype, False, backend, device) if needed else None
+                 for gemm, dtype, needed in ((GemmRole.GRAD_INPUT, ctx.input_dtype, need_input),
+                                             (GemmRole.GRAD_WEIGHT, ctx.weight_dtype, need_weight))}
         if need_input:
             grad_input = torch.empty(tokens, k, dtype=ctx.input_dtype, device=device)
             grad_input[routed:].zero_()
         if need_weight:
             grad_weight = torch.empty(ctx.weight_shape, dtype=ctx.weight_dtype, device=device)
         if need_bias:
-            grad_bias = torch.zeros(experts, ctx.weight_shape[1], dtype=torch.float32, device=device)
-        saved = ctx.saved_tensors
+            grad_bias = torch.zeros(experts, n, dtype=torch.float32, device=device)
+        saved, ops = ctx.saved_tensors, {"grad_output": {}, "grad_output_t": {}, "input": {}}
         with torch.autocast(device.type, enabled=False):
             for index, (expert, start, end) in enumerate(_rows(sizes)):
                 input_data, input_scale = saved[4 * index], saved[4 * index + 1]
-                view, weights = ctx.views[expert], ctx.weights_fp8[expert]
+                view, weights = views[expert], ctx.weights_fp8[expert]
                 r, options, dy_e = view.recipe, view.gemm_options(device), grad_output[start:end]
                 grad_output_quantizer = view.quantizers[OperandRole.GRAD_OUTPUT]
                 grad_weight_reads = gemm_compute_dtype(emulated_compute_dtype(device, view.emulated_dtype),
@@ -98,8 +114,9 @@ class GroupedFp8Function(torch.autograd.Function):
                     and grad_weight_reads == torch.float32
                 grad_output_fp8 = grad_output_quantizer.quantize(dy_e, keep_values=values_to_keep(
                     view, OperandRole.GRAD_OUTPUT, backend, ctx.input_dtype, device, fp32_too=grad_output_fp32_too))
-                grad_output_op = Fp8Operand.from_fp8_tensor(grad_output_fp8)                # (T_e, N)
-                if need_input:    # grad_input rows of e = dy_e @ W_e           (T_e, N) @ (N, K)
+                grad_output_op = ops["grad_output"][expert] = Fp8Operand.from_fp8_tensor(grad_output_fp8)  # (T_e, N)
+                if need_input and plans[GemmRole.GRAD_INPUT] is None:
+                    # grad_input rows of e = dy_e @ W_e           (T_e, N) @ (N, K)
                     fp8_mm(grad_output_op, weights.op_for_grad_input, backend, out_dtype=ctx.input_dtype,
                            gemm=GemmRole.GRAD_INPUT, into=grad_input[start:end], **options)
                 if need_weight:   # grad_weight[e] = dy_e.T @ x_e               (N, T_e) @ (T_e, K)
@@ -113,10 +130,26 @@ class GroupedFp8Function(torch.autograd.Function):
                             view, OperandRole.INPUT, backend, ctx.weight_dtype, device, fp32_too=False))
                     if ctx.transposed[index]:
                         input_op = input_op.t()
-                    fp8_mm(grad_output_t_op, input_op, backend, out_dtype=ctx.weight_dtype,
-                           gemm=GemmRole.GRAD_WEIGHT, into=grad_weight[expert], **options)
+                    ops["grad_output_t"][expert], ops["input"][expert] = grad_output_t_op, input_op
+                    if plans[GemmRole.GRAD_WEIGHT] is None:
+                        fp8_mm(grad_output_t_op, input_op, backend, out_dtype=ctx.weight_dtype,
+                               gemm=GemmRole.GRAD_WEIGHT, into=grad_weight[expert], **options)
                 if need_bias:     # fp32 sum over the expert's rows of the unquantized gradient
                     grad_bias[expert] = dy_e.sum(0, dtype=torch.float32)
+            if plans[GemmRole.GRAD_INPUT] is not None:
+                a_ops = [ops["grad_output"].get(e) for e in range(experts)]
+                b_ops = [None if w is None else w.op_for_grad_input for w in ctx.weights_fp8]
+                _grouped_into(plans[GemmRole.GRAD_INPUT], views, a_ops, b_ops, sizes, ctx.weight_shape, False,
+                              grad_input[:routed], lambda e, start, end, options: fp8_mm(
+                                  a_ops[e], b_ops[e], backend, out_dtype=ctx.input_dtype, gemm=GemmRole.GRAD_INPUT,
+                                  into=grad_input[start:end], **options))
+            if plans[GemmRole.GRAD_WEIGHT] is not None:
+                a_ops = [ops["grad_output_t"].get(e) for e in range(experts)]
+                b_ops = [ops["input"].get(e) for e in range(experts)]
+                _grouped_into(plans[GemmRole.GRAD_WEIGHT], views, a_ops, b_ops, sizes, ctx.weight_shape, False,
+                              grad_weight, lambda e, start, end, options: fp8_mm(
+                                  a_ops[e], b_ops[e], backend, out_dtype=ctx.weight_dtype,
+                                  gemm=GemmRole.GRAD_WEIGHT, into=grad_weight[e], **options))
         if need_weight:
             for expert, size in enumerate(sizes):
                 if size == 0:  # no tokens: no GEMM ran, the gradient is zero
@@ -124,3 +157,29 @@ class GroupedFp8Function(torch.autograd.Function):
         if need_bias:
             grad_bias = to_dtype(grad_bias, ctx.bias_dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _plan(views, gemm: str, sizes: list[int], weight_shape, out_dtype, bias: bool, backend: str, device):
+    """The grouped kernel's plan for this GEMM where it takes it (backend scaled_mm, tokens routed, the plan's
+    rules: nn/experts_scaled_gemm.py), else None: the per-expert loop, and `grouped_paths[gemm]` says why."""
+    if backend != "scaled_mm" or not sum(sizes):
+        return None
+    plan = grouped_plan(views[0].recipe, gemm, sizes, weight_shape[1], weight_shape[2], out_dtype, bias, device)
+    if plan.kind is None:
+        views[0].grouped_paths[gemm] = f"per_expert:{plan.reason}"
+        return None
+    return plan
+
+
+def _grouped_into(plan, views, a_ops, b_ops, sizes, weight_shape, use_fast_accum, out, per_expert) -> None:
+    """One grouped call written into `out` (routed rows, or (E, N, K)); while target_gpu plans for a GPU that is
+    not here, the call is recorded and `per_expert(e, start, end, gemm options)` computes each expert instead."""
+    _, n, k = weight_shape
+    args = grouped_arguments(plan, a_ops, b_ops, sizes, n, k, use_fast_accum)
+    result = run_grouped(plan, args)
+    if result is None:
+        for expert, start, end in _rows(sizes):
+            per_expert(expert, start, end, views[expert].gemm_options(out.device))
+    else:
+        out.copy_(result)
+    views[0].gemm_paths[plan.gemm] = views[0].grouped_paths[plan.gemm] = f"scaled_grouped_mm:{plan.kind}"

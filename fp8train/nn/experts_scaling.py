@@ -53,6 +53,9 @@ class ExpertScaling(nn.Module):
         self.emulated_dtype = AUTO_EMULATED_DTYPE
         # {"output" | "grad_input" | "grad_weight": kernel or fallback} of the last expert that ran each GEMM
         self.gemm_paths: dict[str, str] = {}
+        # {gemm: "scaled_grouped_mm:<kind>" | "per_expert:<why the grouped kernel does not take it>"} (scaled_mm
+        # backend only: nn/experts_scaled_gemm.py)
+        self.grouped_paths: dict[str, str] = {}
         self.experts = [ExpertView(self, index) for index in range(num_experts)]
         # every expert's FP8 weight made in one call (nn/experts_weights.py): (key, list of WeightFp8) or None
         self.weights_fp8_cache = None
@@ -181,6 +184,7 @@ class ExpertView:
     training = property(lambda self: self._owner.training)
     telemetry = property(lambda self: self._owner.telemetry)
     gemm_paths = property(lambda self: self._owner.gemm_paths)
+    grouped_paths = property(lambda self: self._owner.grouped_paths)
     emulated_dtype = property(lambda self: self._owner.emulated_dtype)
 
     @property
