@@ -111,7 +111,7 @@ def fp8_grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor
                 # keeps step with the others.
                 weights_fp8 = [view.weight_fp8(backend) if size or (scaling.training and scaling.recipe.is_delayed)
                                else None for view, size in zip(views, sizes)]
-        return GroupedFp8Function.apply(input, weight, bias, weights_fp8, views, sizes, backend, out_dtype)
+        return GroupedFp8Function.apply(input, weight, bias, weights_fp8, scaling, sizes, backend, out_dtype)
 
 
 class Fp8GroupedLinear(nn.Module):

@@ -21,6 +21,7 @@ import torch
 from fp8train.nn.gemm import Fp8Operand, emulated_compute_dtype, fp8_mm, gemm_compute_dtype
 from fp8train.nn.linear_function import to_dtype, values_to_keep
 from fp8train.nn.experts_scaled_gemm import grouped_arguments, grouped_plan, run_grouped
+from fp8train.nn.experts_tokens import batched_token_fp8
 from fp8train.nn.recipes import GemmRole, OperandRole
 
 __all__ = ["GroupedFp8Function"]
@@ -39,19 +40,21 @@ class GroupedFp8Function(torch.autograd.Function):
     """output (T, N) = every expert's rows through its own FP8 GEMM; backward: both gradients, the same way."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, weights_fp8: list, views: list, sizes: list[int], backend: str,
+    def forward(ctx, input, weight, bias, weights_fp8: list, scaling, sizes: list[int], backend: str,
                 out_dtype: torch.dtype):
-        routed, n = sum(sizes), weight.shape[1]
+        routed, n, views = sum(sizes), weight.shape[1], scaling.experts
         output = torch.empty(input.shape[0], n, dtype=out_dtype, device=input.device)
         output[routed:].zero_()
         recipe = views[0].recipe
         plan = _plan(views, GemmRole.OUTPUT, sizes, weight.shape, out_dtype, bias is not None, backend, input.device)
         saved, blocks, transposed, input_ops = [], [], [], [None] * len(sizes)
+        keep = values_to_keep(views[0], OperandRole.INPUT, backend, out_dtype, input.device, fp32_too=False)
+        # every group's tensorwise scale from one pass where that applies (nn/experts_tokens.py)
+        inputs_fp8 = batched_token_fp8(scaling, OperandRole.INPUT, input, sizes, keep)
         for expert, start, end in _rows(sizes):
             view, weights, x_e = views[expert], weights_fp8[expert], input[start:end]
             r, input_quantizer = view.recipe, view.quantizers[OperandRole.INPUT]
-            input_fp8 = input_quantizer.quantize(x_e, keep_values=values_to_keep(
-                view, OperandRole.INPUT, backend, out_dtype, input.device, fp32_too=False))
+            input_fp8 = input_quantizer.quantize(x_e, keep_values=keep) if inputs_fp8 is None else inputs_fp8[expert]
             input_ops[expert] = Fp8Operand.from_fp8_tensor(input_fp8)
             if plan is None:  # the per-expert GEMM, into its rows (else one grouped call below)
                 fp8_mm(input_ops[expert], weights.op_t, backend, out_dtype=out_dtype,
@@ -78,7 +81,7 @@ class GroupedFp8Function(torch.autograd.Function):
                               into=output[start:end], **options))
         ctx.save_for_backward(*saved)
         ctx.blocks, ctx.transposed, ctx.sizes = blocks, transposed, sizes
-        ctx.weights_fp8, ctx.views, ctx.backend = weights_fp8, views, backend
+        ctx.weights_fp8, ctx.scaling, ctx.backend = weights_fp8, scaling, backend
         ctx.input_dtype, ctx.weight_dtype = input.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.weight_shape = weight.shape
@@ -87,7 +90,7 @@ class GroupedFp8Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        sizes, backend, device, views = ctx.sizes, ctx.backend, grad_output.device, ctx.views
+        sizes, backend, device, views = ctx.sizes, ctx.backend, grad_output.device, ctx.scaling.experts
         tokens, routed = grad_output.shape[0], sum(sizes)
         experts, n, k = ctx.weight_shape
         grad_input = grad_weight = grad_bias = None
@@ -102,18 +105,23 @@ class GroupedFp8Function(torch.autograd.Function):
         if need_bias:
             grad_bias = torch.zeros(experts, n, dtype=torch.float32, device=device)
         saved, ops = ctx.saved_tensors, {"grad_output": {}, "grad_output_t": {}, "input": {}}
+        # (the execution settings are the owner's: one answer for every expert)
+        r = views[0].recipe
+        grad_weight_reads = gemm_compute_dtype(emulated_compute_dtype(device, views[0].emulated_dtype),
+                                               ctx.weight_dtype, device)
+        grad_output_fp32_too = need_weight and not r.requantize_transposed(OperandRole.GRAD_OUTPUT) \
+            and grad_weight_reads == torch.float32
+        keep = values_to_keep(views[0], OperandRole.GRAD_OUTPUT, backend, ctx.input_dtype, device,
+                              fp32_too=grad_output_fp32_too)
         with torch.autocast(device.type, enabled=False):
+            grads_fp8 = batched_token_fp8(ctx.scaling, OperandRole.GRAD_OUTPUT, grad_output, sizes, keep)
             for index, (expert, start, end) in enumerate(_rows(sizes)):
                 input_data, input_scale = saved[4 * index], saved[4 * index + 1]
                 view, weights = views[expert], ctx.weights_fp8[expert]
-                r, options, dy_e = view.recipe, view.gemm_options(device), grad_output[start:end]
+                options, dy_e = view.gemm_options(device), grad_output[start:end]
                 grad_output_quantizer = view.quantizers[OperandRole.GRAD_OUTPUT]
-                grad_weight_reads = gemm_compute_dtype(emulated_compute_dtype(device, view.emulated_dtype),
-                                                       ctx.weight_dtype, device)
-                grad_output_fp32_too = need_weight and not r.requantize_transposed(OperandRole.GRAD_OUTPUT) \
-                    and grad_weight_reads == torch.float32
-                grad_output_fp8 = grad_output_quantizer.quantize(dy_e, keep_values=values_to_keep(
-                    view, OperandRole.GRAD_OUTPUT, backend, ctx.input_dtype, device, fp32_too=grad_output_fp32_too))
+                grad_output_fp8 = grad_output_quantizer.quantize(dy_e, keep_values=keep) if grads_fp8 is None \
+                    else grads_fp8[expert]
                 grad_output_op = ops["grad_output"][expert] = Fp8Operand.from_fp8_tensor(grad_output_fp8)  # (T_e, N)
                 if need_input and plans[GemmRole.GRAD_INPUT] is None:
                     # grad_input rows of e = dy_e @ W_e           (T_e, N) @ (N, K)
