@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-import fp8train.nn.linear as dense
 from fp8train.nn.fp8_all_gather import Fp8GatheredWeight
 from fp8train.nn.gemm import Fp8Operand, emulated_compute_dtype
+from fp8train.nn.linear import optimizer_steps_seen
 from fp8train.nn.linear_function import WeightFp8
 from fp8train.nn.recipes import OperandRole
 from fp8train.numerics import native_cast
@@ -49,8 +49,9 @@ def batched_weights_fp8(scaling, weight: torch.Tensor, backend: str) -> list[Wei
     `weight` (E, N, K), or None where that does not apply (module docstring)."""
     if not _applies(scaling, weight, backend):
         return None
-    dense._watch_optimizer_steps()  # (the count Fp8Linear's weight cache keys on, registered on first use)
-    key = (weight._version, dense._optimizer_steps, weight.data_ptr(), scaling.training,
+    # the dense layer's cache key (nn/linear.py): in-place version, optimizer steps (fused AdamW bumps no
+    # version), storage, train/eval, delayed-scale updates, execution settings
+    key = (weight._version, optimizer_steps_seen(), weight.data_ptr(), scaling.training,
            scaling.scale_generation, scaling.emulated_dtype, scaling.quantize_kernel)
     cached = scaling.weights_fp8_cache
     if cached is not None and cached[0] == key:
