@@ -97,8 +97,9 @@ def bench_experts(opts: BenchOptions, warmup: int, repeats: int, kernel: str) ->
             contenders[f"{label} grouped_mm"] = _high_precision(weight, x, grad, offs, sizes, dtype, True)
         contenders[f"{label} per-expert loop"] = _high_precision(weight, x, grad, offs, sizes, dtype, False)
     high_precision = list(contenders)
+    layers = {}
     for name in opts.recipes:
-        layer = Fp8GroupedLinear(experts, k, n, recipe=name, device=device)
+        layer = layers[name] = Fp8GroupedLinear(experts, k, n, recipe=name, device=device)
         with torch.no_grad():
             layer.weight.copy_(weight)
         layer.scaling.configure(quantize_kernel=kernel)
@@ -112,6 +113,9 @@ def bench_experts(opts: BenchOptions, warmup: int, repeats: int, kernel: str) ->
                **paired_ratio(timing, timings[fastest])}
         if name not in high_precision:
             row["target"] = EXPERTS_TARGETS["block" if name in ("block", "mxfp8", "rowwise") else "tensorwise"]
+            # which kernel each GEMM reached (on CUDA: one grouped call or the per-expert loop, and why)
+            row["gemm_paths"] = dict(layers[name].scaling.gemm_paths)
+            row["grouped_paths"] = dict(layers[name].scaling.grouped_paths)
         rows.append(row)
     return {"shape": {"experts": experts, "k": k, "n": n, "tokens": tokens, "group_sizes": sizes},
             "fastest_high_precision": fastest, "grouped_mm_runs": grouped, "rows": rows}
