@@ -193,3 +193,13 @@ def test_the_assembled_arguments_compute_what_the_per_expert_loop_computes(name)
             got[SIZES_LAYER.index(0)] = 0  # (a group without tokens: the layer writes zeros)
         scale = np.abs(expected).max()
         assert np.abs(got - expected).max() <= 2 ** -7 * scale, gemm  # bf16 rounding of the results
+
+
+def test_mxfp8_on_sm100_says_its_scales_are_not_assembled_and_runs_per_expert():
+    calls, layer, _, _ = _planned_calls("mxfp8", SIZES_LAYER, capability=(10, 0))
+    assert calls == {}
+    paths = layer.scaling.grouped_paths
+    assert all(paths[g] == "per_expert:mx_1x32: its per-group scale layout is not assembled"
+               for g in ("output", "grad_input"))
+    assert "G6" in paths["grad_weight"]  # (a group of 13 tokens: 1x32 blocks along tokens would straddle experts)
+    assert all(path.startswith(("scaled_mm:", "fallback:")) for path in layer.scaling.gemm_paths.values())

@@ -39,8 +39,9 @@ def grouped_plan(recipe, gemm: str, sizes: list[int], n: int, k: int, out_dtype:
                  device: torch.device) -> GroupedGemmPlan:
     """The plan of one grouped GEMM on `device` (a CUDA GPU), with the MX kind turned into its fallback here."""
     capability = device_capability(device) or (0, 0)
-    # mslk=False: whether this torch has the MSLK MX kernels is not probed, and MX is not assembled anyway
-    plan = plan_grouped_gemm(recipe, gemm, sizes, n, k, out_dtype, bias, capability, mslk=False)
+    # (mslk=True: an MX plan on sm100 is then named as such below, whether or not this torch has the MSLK kernels,
+    # which is not probed: MX is not assembled either way)
+    plan = plan_grouped_gemm(recipe, gemm, sizes, n, k, out_dtype, bias, capability, mslk=True)
     if plan.kind is not None and plan.kind not in ASSEMBLED_KINDS:
         return GroupedGemmPlan(plan.gemm, None, f"{plan.kind}: its per-group scale layout is not assembled",
                                experts=plan.experts)
