@@ -15,7 +15,8 @@ tensorwise (delayed, current) = one scale per expert weight and one per expert t
 rowwise = per token and per expert output channel; block = 1x128 token tiles and 128x128 weight tiles per
 expert; mxfp8 = 1x32 blocks along each GEMM's contracted dim. Groups of any size work (0, odd, not a multiple of
 16 or 128), as does E = 1. On CPU (and any device without a grouped FP8 kernel) the grouped GEMM is this loop
-over experts; nn/scaled_grouped_mm_plan.py says which calls torch's grouped FP8 kernel could take on a GPU.
+over experts; on a GPU a GEMM that torch's grouped FP8 kernel takes (nn/scaled_grouped_mm_plan.py) is one
+torch._scaled_grouped_mm call (nn/experts_scaled_gemm.py; not yet run on a GPU).
 
 The result is therefore bit for bit each expert's tokens through the dense emulated path with that expert's
 scales. Autograd sees one node (nn/experts_function.py): every expert's GEMMs write straight into their rows of

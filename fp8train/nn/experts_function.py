@@ -12,6 +12,9 @@ arguments, so the bits are the dense layer's. What one node changes is where the
 straight into its rows of one preallocated output, grad_input or grad_weight (fp8_mm's `into`), so no
 concatenation, split, unbind or stack runs, and an expert without tokens costs nothing but the zeros of its
 grad_weight (and grad_bias) slice. Rows past the last group (routed to no expert) are zero in every result.
+Under the tensorwise recipes every expert's token group of a GEMM input is quantized in one pass
+(nn/experts_tokens.py: the same bytes and scales). With backend scaled_mm, a GEMM that torch's grouped FP8 kernel
+takes (nn/experts_scaled_gemm.py) runs as one call over all experts instead of the per-expert GEMMs.
 """
 
 from __future__ import annotations
