@@ -4,8 +4,8 @@ A pure function of the recipe, the token groups, the shapes and the target GPU: 
 nothing, so every call fp8train would make on an sm90 or sm100 GPU can be planned on any machine and replayed on
 meta tensors (tests/test_scaled_grouped_mm_replay.py). Where the kernel cannot take a GEMM exactly as the
 emulation computes it, the plan is a fallback with its reason: the per-expert loop of nn/experts.py, each expert
-through the dense scaled_mm path (nn/scaled_mm_plan.py) or the emulation. nn/experts_scaled_gemm.py makes the planned calls (rowwise kind). Nothing here has run on a
-GPU.
+through the dense scaled_mm path (nn/scaled_mm_plan.py) or the emulation. nn/experts_scaled_gemm.py makes the
+planned calls (rowwise kind). Nothing here has run on a GPU.
 
 The three GEMMs, tokens T sorted by expert with offs (E,) int32, weight W (E, N, K):
 
