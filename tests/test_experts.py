@@ -335,3 +335,53 @@ def test_configure_execution_reaches_the_experts():
     assert model["experts"].scaling.emulated_dtype == "fp32"
     with pytest.raises(ValueError, match="quantize_kernel"):
         model["experts"].scaling.configure(quantize_kernel="fast")
+
+
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_one_pass_over_all_experts_keeps_each_experts_bits(name, monkeypatch):
+    """Tensorwise weights are quantized in one call over (E, N * K) (nn/experts_weights.py) and every token group
+    in one pass (nn/experts_tokens.py): outputs, gradients and the scaling buffers equal those of each expert's
+    own quantizer (taken for operands that are no single contiguous block: the same values through transposed
+    copies), over three steps (delayed: first step on own scales, then stored ones), the last with a NaN in one
+    expert's weight and an inf in another expert's tokens (counted, never recorded)."""
+    import fp8train.nn.experts_function as experts_function
+    import fp8train.nn.experts_weights as experts_weights
+
+    sizes = [5, 0, 131, 33]
+    layers = [_layer(name, sizes, "bf16", seed=1)[0] for _ in range(2)]
+    with torch.no_grad():
+        layers[1].weight.data = layers[0].weight.detach().transpose(1, 2).contiguous().transpose(1, 2)
+    assert not layers[1].weight.is_contiguous()
+    weight_calls, token_calls = [], []
+    real_weights, real_tokens = experts_weights._quantize_experts, experts_function.batched_token_fp8
+    monkeypatch.setattr(experts_weights, "_quantize_experts", lambda *a: weight_calls.append(1) or real_weights(*a))
+    monkeypatch.setattr(experts_function, "batched_token_fp8",
+                        lambda *a: token_calls.append(real_tokens(*a)) or token_calls[-1])
+    for step in range(3):
+        x = torch.randn(sum(sizes), K) * (step + 1)
+        grad = torch.randn(sum(sizes), N) * 1e-3
+        if step == 2:
+            x[140, 7] = float("inf")  # expert 3's tokens
+        results = []
+        for index, layer in enumerate(layers):
+            if step == 2:
+                with torch.no_grad():
+                    layer.weight[2, 1, 2] = float("nan")
+            # layer 1: the same values, not contiguous: each expert's own quantizer runs
+            x_ = (x if index == 0 else x.t().contiguous().t()).clone().requires_grad_(True)
+            y = layer(x_, _offs(sizes))
+            y.backward(grad if index == 0 else grad.t().contiguous().t())
+            results.append((y, x_.grad, layer.weight.grad.clone()))
+            layer.weight.grad = None
+            update_fp8_scales(layer)
+        for a, b in zip(*results):  # the same bits, NaN where the other has NaN
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), step
+        for key, value in layers[0].scaling.state_dict().items():
+            assert torch.equal(value, layers[1].scaling.state_dict()[key]), (step, key)
+    # the contiguous layer only, once per weight version: every step for delayed (new scales), for current only
+    # again after the weight changed (step 2); its tokens every step, forward and backward
+    assert len(weight_calls) == (3 if name == "delayed" else 2)
+    # (forward, backward) of layer 0 in one pass each, of layer 1 per expert
+    assert [t is not None for t in token_calls] == [True, True, False, False] * 3
+    assert layers[0].scaling.weight_nonfinite_amax_count.tolist() == [0, 0, 1, 0]
+    assert layers[0].scaling.input_nonfinite_amax_count.tolist() == [0, 0, 0, 1]

@@ -26,7 +26,6 @@ DOCUMENTED_API = {
     "set_enabled": "docs/testing.md",
     "set_mode": "docs/testing.md",
     "make_te_linear": "docs/recipes.md",  # recipes mapped for your own Transformer Engine loop
-    "grouped_gemm_calls": "docs/design.md",  # the grouped-GEMM rules, modelled on CPU, not yet wired (no GPU run)
 }
 # Only tests call it, and its module is being rewritten by the cast-path work of the same issue, which deletes it
 # (quantize(x, fmt, scale=...) is the one way to cast with a given scale); listed so the check holds meanwhile.

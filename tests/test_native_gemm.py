@@ -176,6 +176,29 @@ def test_the_epilogue_scales_adds_the_bias_and_rounds_once(plain, scales, with_b
         assert np.array_equal(got.view(torch.int16).numpy(), expected.view(np.int16))
 
 
+@pytest.mark.parametrize("plain", LOOPS)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_out_writes_the_same_bits_into_rows_of_a_larger_tensor(plain, out_dtype):
+    """``mm(out=)`` and ``gemm_epilogue(out=)`` (one expert's rows of a grouped GEMM's output) write the
+    documented sums and epilogue into exactly those rows: the rows around them keep their values."""
+    gen = torch.Generator().manual_seed(5)
+    a, b = fp8_values((29, 300), "e4m3fn", gen), fp8_values((300, 70), "e4m3fn", gen)
+    scale_a, scale_b, bias = torch.rand(29, 1, generator=gen) + 0.1, torch.tensor(0.7), torch.randn(70, generator=gen)
+    expected = epilogue_reference(reference(a, b), scale_a, scale_b, bias, out_dtype)
+    big = torch.full((40, 70), 3.0, dtype=out_dtype)
+    got = native_gemm.mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype, plain=plain,
+                         out=big[5:34])
+    assert got.data_ptr() == big[5:34].data_ptr()
+    int_dtype = (torch.int16, np.int16) if out_dtype == torch.bfloat16 else (torch.int32, np.int32)
+    assert np.array_equal(big[5:34].view(int_dtype[0]).numpy(), expected.view(int_dtype[1]))
+    assert (big[:5] == 3).all() and (big[34:] == 3).all()
+    acc = torch.mm(a.bfloat16(), b.bfloat16())  # the epilogue after a bf16 GEMM, into rows likewise
+    big = torch.full((40, 70), 3.0, dtype=out_dtype)
+    native_cast.gemm_epilogue(acc, scale_a, scale_b, bias, out_dtype, out=big[5:34])
+    assert torch.equal(big[5:34], native_cast.gemm_epilogue(acc, scale_a, scale_b, bias, out_dtype))
+    assert (big[:5] == 3).all() and (big[34:] == 3).all()
+
+
 def test_the_two_loops_are_the_same_bits_where_both_run():
     if not native_gemm.fast():
         pytest.skip("no AVX512-BF16 loop built here: only the plain loop runs (test_sums_in_the_documented_order)")

@@ -6,11 +6,12 @@ planner's docstring, written out here, not from the planner."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from fp8train.nn.recipes import RECIPE_NAMES, recipe
-from fp8train.nn.scaled_grouped_mm_rules import grouped_gemm_call, grouped_gemm_calls
+from fp8train.nn.recipes import RECIPE_NAMES, GemmRole, recipe
+from fp8train.nn.scaled_grouped_mm_rules import grouped_gemm_call
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -27,6 +28,14 @@ EXPECTED_BF16_WEIGHTS = {
     "mxfp8": {"sm90": [None] * 3, "sm100": ["mx_1x32"] * 3},              # sm100 with MSLK (G5)
 }
 OUT_SHAPES = {"output": (sum(SIZES), N), "grad_input": (sum(SIZES), K), "grad_weight": (len(SIZES), N, K)}
+
+
+def grouped_gemm_calls(recipe, group_sizes, n, k, activation_dtype, weight_dtype, bias, capability, mslk=False):
+    """The calls of the three GEMMs: output and grad_input in the activations' dtype, grad_weight in the weight's."""
+    dtypes = {GemmRole.OUTPUT: activation_dtype, GemmRole.GRAD_INPUT: activation_dtype,
+              GemmRole.GRAD_WEIGHT: weight_dtype}
+    return {gemm: grouped_gemm_call(recipe, gemm, group_sizes, n, k, dtype, bias, capability, mslk)
+            for gemm, dtype in dtypes.items()}
 
 
 def _replay(plan):
@@ -111,3 +120,94 @@ def test_a_real_experts_step_is_planned_for_its_own_groups():
         assert plan.kind == "rowwise"
         out = torch._scaled_grouped_mm(**plan.arguments("meta"))
         assert out.shape[-1] == (32 if plan.gemm == "output" else 64)
+
+
+# ---- the calls the experts layer makes: planned on this CPU (target_gpu), replayed on meta tensors -------------
+def _planned_calls(name, sizes, weight_dtype=torch.bfloat16, bias=False, capability=(9, 0)):
+    """A real Fp8GroupedLinear step (backend scaled_mm, bf16 autocast) planned for `capability`: the grouped
+    calls it would make there, with the arguments it assembled from its own quantized operands, and the layer."""
+    from fp8train.nn.experts import Fp8GroupedLinear
+    from fp8train.nn.experts_scaled_gemm import GroupedCall
+    from fp8train.nn.scaled_gemm import target_gpu
+
+    torch.manual_seed(0)
+    layer = Fp8GroupedLinear(len(sizes), 128, 64, bias=bias, recipe=recipe(name, backend="scaled_mm"))
+    layer.to(weight_dtype)
+    x = (torch.randn(sum(sizes), 128) * torch.linspace(0.5, 4, sum(sizes)).view(-1, 1)).bfloat16().requires_grad_(True)
+    offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+    plans = []
+    with target_gpu(capability, plans):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x, offs)
+        y.backward(torch.randn_like(y) * 1e-2)
+    calls = {gemm: call for gemm, call in plans if isinstance(call, GroupedCall)}
+    return calls, layer, x, y
+
+
+def _meta(args):
+    return {key: value.to("meta") if isinstance(value, torch.Tensor) else value for key, value in args.items()}
+
+
+# which GEMMs reach the grouped kernel on sm90 (bf16 activations and master weights; rules G1-G5)
+GROUPED_ON_SM90 = {"delayed": ["output"], "current": ["output"], "rowwise": list(GEMMS), "block": [], "mxfp8": []}
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_the_layers_own_grouped_calls_pass_torchs_meta_checks(name):
+    from fp8train.nn.experts_scaled_gemm import call_scaled_grouped_mm
+
+    calls, layer, _, _ = _planned_calls(name, SIZES_LAYER)
+    assert sorted(calls) == sorted(GROUPED_ON_SM90[name])
+    for gemm, call in calls.items():
+        out = call_scaled_grouped_mm(call.plan, _meta(call.args))  # torch's own meta function judges the call
+        expected = {"output": (sum(SIZES_LAYER), 64), "grad_input": (sum(SIZES_LAYER), 128),
+                    "grad_weight": (len(SIZES_LAYER), 64, 128)}[gemm]
+        assert out.dtype == torch.bfloat16 and tuple(out.shape) == expected
+        assert layer.scaling.grouped_paths[gemm] == "scaled_grouped_mm:rowwise"
+    for gemm in set(GEMMS) - set(calls):  # the others say why they run per expert
+        assert layer.scaling.grouped_paths[gemm].startswith("per_expert:")
+
+
+SIZES_LAYER = [48, 0, 80, 13, 115]   # T = 256: a zero-token expert, a group of 13 (2d x 3d takes any size)
+
+
+def _grouped_reference(call) -> np.ndarray:
+    """What torch's grouped kernel computes from these arguments, written from its documented semantics in
+    float64: per group g, (rows of mat_a of g * their scales) @ (mat_b of g * its scales)."""
+    a = call.args["mat_a"].float().double().numpy()
+    b = call.args["mat_b"].float().double().numpy()
+    sa, sb = call.args["scale_a"].double().numpy(), call.args["scale_b"].double().numpy()
+    ends = call.args["offs"].tolist()
+    starts = [0] + ends[:-1]
+    if call.plan.gemm == "grad_weight":  # (N, T) @ (T, K) per group of T -> (E, N, K)
+        n, k = a.shape[0], b.shape[1]
+        return np.stack([(a[:, s:t] * sa[g * n:(g + 1) * n, None]) @ (b[s:t] * sb[None, g * k:(g + 1) * k])
+                         for g, (s, t) in enumerate(zip(starts, ends))])
+    return np.concatenate([(a[s:t] * sa[s:t, None]) @ (b[g] * sb[g][None, :])
+                           for g, (s, t) in enumerate(zip(starts, ends))])
+
+
+@pytest.mark.parametrize("name", ["current", "rowwise"])
+def test_the_assembled_arguments_compute_what_the_per_expert_loop_computes(name):
+    """The grouped call's arguments, evaluated by the kernel's documented semantics, give the layer's results
+    (computed per expert by the fallback): right rows, right experts, right scales, zero-token expert included."""
+    calls, layer, x, y = _planned_calls(name, SIZES_LAYER)
+    results = {"output": y, "grad_input": x.grad, "grad_weight": layer.weight.grad}
+    for gemm, call in calls.items():
+        expected = _grouped_reference(call)
+        got = results[gemm].detach().double().numpy()
+        if gemm == "grad_weight":
+            got = got.copy()
+            got[SIZES_LAYER.index(0)] = 0  # (a group without tokens: the layer writes zeros)
+        scale = np.abs(expected).max()
+        assert np.abs(got - expected).max() <= 2 ** -7 * scale, gemm  # bf16 rounding of the results
+
+
+def test_mxfp8_on_sm100_says_its_scales_are_not_assembled_and_runs_per_expert():
+    calls, layer, _, _ = _planned_calls("mxfp8", SIZES_LAYER, capability=(10, 0))
+    assert calls == {}
+    paths = layer.scaling.grouped_paths
+    assert all(paths[g] == "per_expert:mx_1x32: its per-group scale layout is not assembled"
+               for g in ("output", "grad_input"))
+    assert "G6" in paths["grad_weight"]  # (a group of 13 tokens: 1x32 blocks along tokens would straddle experts)
+    assert all(path.startswith(("scaled_mm:", "fallback:")) for path in layer.scaling.gemm_paths.values())

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from fp8train.bench.harness import paired_ratio, side_by_side
 from fp8train.bench.options import BenchOptions
 from fp8train.nn.experts import Fp8GroupedLinear
+from fp8train.nn.linear import update_fp8_scales
 
 __all__ = ["bench_experts", "EXPERTS_SHAPE", "EXPERTS_TARGETS", "skewed_group_sizes"]
 
@@ -62,14 +63,22 @@ def _high_precision(weight, x, grad, offs, sizes, dtype, grouped: bool):
 
 
 def _fp8(layer, x, grad, offs, device):
+    # bf16 activations and gradients made once, as the high-precision rows' (no contender times a cast of them);
+    # delayed scaling runs its per-step scale update too (a training step's share of its cost: steady state,
+    # every expert on its stored scales after the first step)
+    x, grad = x.bfloat16(), grad.bfloat16()
+    delayed = layer.recipe.is_delayed
+
     def step():
         with torch.no_grad():
             layer.weight.mul_(1.0)
-        x_ = x.detach().bfloat16().requires_grad_(True)
+        x_ = x.detach().requires_grad_(True)
         with torch.autocast(device, dtype=torch.bfloat16):
             y = layer(x_, offs)
-        y.backward(grad.to(y.dtype))
+        y.backward(grad)
         layer.weight.grad = None
+        if delayed:
+            update_fp8_scales(layer)
     return step
 
 
@@ -88,8 +97,9 @@ def bench_experts(opts: BenchOptions, warmup: int, repeats: int, kernel: str) ->
             contenders[f"{label} grouped_mm"] = _high_precision(weight, x, grad, offs, sizes, dtype, True)
         contenders[f"{label} per-expert loop"] = _high_precision(weight, x, grad, offs, sizes, dtype, False)
     high_precision = list(contenders)
+    layers = {}
     for name in opts.recipes:
-        layer = Fp8GroupedLinear(experts, k, n, recipe=name, device=device)
+        layer = layers[name] = Fp8GroupedLinear(experts, k, n, recipe=name, device=device)
         with torch.no_grad():
             layer.weight.copy_(weight)
         layer.scaling.configure(quantize_kernel=kernel)
@@ -103,6 +113,9 @@ def bench_experts(opts: BenchOptions, warmup: int, repeats: int, kernel: str) ->
                **paired_ratio(timing, timings[fastest])}
         if name not in high_precision:
             row["target"] = EXPERTS_TARGETS["block" if name in ("block", "mxfp8", "rowwise") else "tensorwise"]
+            # which kernel each GEMM reached (on CUDA: one grouped call or the per-expert loop, and why)
+            row["gemm_paths"] = dict(layers[name].scaling.gemm_paths)
+            row["grouped_paths"] = dict(layers[name].scaling.grouped_paths)
         rows.append(row)
     return {"shape": {"experts": experts, "k": k, "n": n, "tokens": tokens, "group_sizes": sizes},
             "fastest_high_precision": fastest, "grouped_mm_runs": grouped, "rows": rows}

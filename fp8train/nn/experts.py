@@ -15,11 +15,12 @@ tensorwise (delayed, current) = one scale per expert weight and one per expert t
 rowwise = per token and per expert output channel; block = 1x128 token tiles and 128x128 weight tiles per
 expert; mxfp8 = 1x32 blocks along each GEMM's contracted dim. Groups of any size work (0, odd, not a multiple of
 16 or 128), as does E = 1. On CPU (and any device without a grouped FP8 kernel) the grouped GEMM is this loop
-over experts; nn/scaled_grouped_mm_rules.py says which calls torch's grouped FP8 kernel could take on a GPU.
+over experts; on a GPU a GEMM that torch's grouped FP8 kernel takes (nn/scaled_grouped_mm_rules.py) is one
+torch._scaled_grouped_mm call (nn/experts_scaled_gemm.py; not yet run on a GPU).
 
 The result is therefore bit for bit each expert's tokens through the dense emulated path with that expert's
-scales. Autograd sees one unbind of W (its backward stacks the per-expert gradients, zeros for experts that ran
-nothing) and one split of x.
+scales. Autograd sees one node (nn/experts_function.py): every expert's GEMMs write straight into their rows of
+one output, grad_input and grad_weight (zeros for experts that ran nothing), with no concatenation or stack.
 
 `GroupedLinear` is the high-precision twin (same weight layout and forward signature; each expert's rows through
 F.linear in the autocast dtype): the built-in decoder's MoE experts are built of it, and `convert_to_fp8` swaps
@@ -33,7 +34,8 @@ import torch.nn as nn
 
 from fp8train.nn.experts_scaling import ExpertScaling
 from fp8train.nn.gemm import resolve_backend
-from fp8train.nn.linear_function import Fp8LinearFunction
+from fp8train.nn.experts_function import GroupedFp8Function
+from fp8train.nn.experts_weights import batched_weights_fp8
 from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe
 
 __all__ = ["fp8_grouped_mm", "group_sizes", "Fp8GroupedLinear", "GroupedLinear", "ExpertScaling"]
@@ -90,35 +92,27 @@ def fp8_grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor
     sizes = group_sizes(offs, input.shape[0], weight.shape[0])
     device_type = input.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else input.dtype
-    n = weight.shape[1]
-    routed = sum(sizes)
     if scaling.training and scaling.recipe.is_delayed and not torch.compiler.is_compiling():
         scaling.check_scales_updated()
     try:
         backend = resolve_backend(scaling.recipe.backend, input.device, tuple(map(scaling.recipe.format_of, ROLES)))
     except RuntimeError as exc:  # (the recipe's backend cannot run on this device: the user's choice)
         raise ValueError(f"FP8 experts with recipe {scaling.recipe.code()!r}: {exc}") from None
-    weights = weight.unbind(0)
-    biases = bias.unbind(0) if bias is not None else [None] * len(sizes)
-    groups = input[:routed].split(sizes) if routed else [input[:0]] * len(sizes)
-    outputs = []
+    views = scaling.experts
     with torch.autocast(device_type, enabled=False):
-        for view, x_e, w_e, b_e, size in zip(scaling.experts, groups, weights, biases, sizes):
-            view.weight = w_e
-            if size == 0:
-                # No tokens: no GEMM runs, so input and grad_output record nothing (experts_scaling.py); a delayed
-                # weight is still quantized in training, so its amax history keeps step with the others.
-                if scaling.training and scaling.recipe.is_delayed:
-                    with torch.no_grad():
-                        view.weight_fp8(backend)
-                continue
-            weights_fp8 = view.weight_fp8(backend)
-            outputs.append(Fp8LinearFunction.apply(x_e, w_e, b_e, weights_fp8, view, backend, out_dtype))
-    if routed < input.shape[0]:  # rows routed to no expert (torch's convention leaves them; here they are 0)
-        outputs.append(input.new_zeros(input.shape[0] - routed, n, dtype=out_dtype))
-    if not outputs:
-        return input.new_zeros(input.shape[0], n, dtype=out_dtype)
-    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        with torch.no_grad():  # (the gradient reaches `weight` through the Function, not through these views)
+            for view, w_e in zip(views, weight.unbind(0)):
+                view.weight = w_e
+            # one quantize call for every expert where it applies, else each expert's own (both cached per
+            # weight version, as the dense layer's copy)
+            weights_fp8 = batched_weights_fp8(scaling, weight, backend)
+            if weights_fp8 is None:
+                # An expert without tokens runs no GEMM, so its input and grad_output record nothing
+                # (experts_scaling.py); a delayed weight is still quantized in training, so its amax history
+                # keeps step with the others.
+                weights_fp8 = [view.weight_fp8(backend) if size or (scaling.training and scaling.recipe.is_delayed)
+                               else None for view, size in zip(views, sizes)]
+        return GroupedFp8Function.apply(input, weight, bias, weights_fp8, scaling, sizes, backend, out_dtype)
 
 
 class Fp8GroupedLinear(nn.Module):

@@ -53,7 +53,13 @@ class ExpertScaling(nn.Module):
         self.emulated_dtype = AUTO_EMULATED_DTYPE
         # {"output" | "grad_input" | "grad_weight": kernel or fallback} of the last expert that ran each GEMM
         self.gemm_paths: dict[str, str] = {}
+        # {gemm: "scaled_grouped_mm:<kind>" | "per_expert:<why the grouped kernel does not take it>"} (scaled_mm
+        # backend only: nn/experts_scaled_gemm.py)
+        self.grouped_paths: dict[str, str] = {}
         self.experts = [ExpertView(self, index) for index in range(num_experts)]
+        # every expert's FP8 weight made in one call (nn/experts_weights.py): (key, list of WeightFp8) or None
+        self.weights_fp8_cache = None
+        self.scale_generation = 0  # bumped by every delayed-scale update: part of that cache's key
         self._register_buffers(torch.device("cpu") if device is None else device)
         self._pending_since_step = None  # (linear.check_scales_updated)
         self.register_load_state_dict_pre_hook(refuse_bad_fp8_state)
@@ -80,6 +86,7 @@ class ExpertScaling(nn.Module):
         """Called by update_fp8_scales after it wrote new delayed scales: every expert's FP8 weight is remade."""
         for view in self.experts:
             view.scales_updated()
+        self.scale_generation += 1
         self._pending_since_step = None
 
     def check_scales_updated(self) -> None:
@@ -95,16 +102,23 @@ class ExpertScaling(nn.Module):
         if quantize_kernel is not None:
             check_kernel(quantize_kernel, KERNEL_CHOICES, "quantize_kernel")
             self.quantize_kernel = quantize_kernel
+        self.forget_weights_fp8()
+
+    def forget_weights_fp8(self) -> None:
+        """Drop every cached FP8 expert weight (the batched copies and each view's own)."""
+        self.weights_fp8_cache = None
         for view in self.experts:
             view.forget_weight_fp8()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self.weights_fp8_cache = None
         for view in self.experts:
             view.reset()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _apply(self, fn, recurse=True):
         apply_keeping_scaling_dtypes(self, fn, lambda f: super(ExpertScaling, self)._apply(f, recurse))
+        self.weights_fp8_cache = None
         for view in self.experts:
             view.moved()
         return self
@@ -170,6 +184,7 @@ class ExpertView:
     training = property(lambda self: self._owner.training)
     telemetry = property(lambda self: self._owner.telemetry)
     gemm_paths = property(lambda self: self._owner.gemm_paths)
+    grouped_paths = property(lambda self: self._owner.grouped_paths)
     emulated_dtype = property(lambda self: self._owner.emulated_dtype)
 
     @property

@@ -38,7 +38,7 @@ Backends
 - `scaled_mm` (CUDA sm89+): torch's FP8 scaled matmul (fp8train.nn.scaled_gemm): tensorwise, rowwise,
   blockwise (1x128 / 128x128, sm90) and MX (1x32 E8M0, sm100) scales, output straight in the caller's dtype, bias
   fused where the kernel takes it; a configuration no kernel takes falls back to dequantize + bf16 GEMM with fp32
-  accumulation, and says why (the call is planned by a pure function: fp8train.nn.scaled_mm_plan).
+  accumulation, and says why (the call is planned by a pure function: fp8train.nn.scaled_mm_rules).
 - `te` is not a GEMM here: Transformer Engine replaces the whole layer (fp8train.nn.te).
 - `auto`: scaled_mm on a capable CUDA GPU, else emulated.
 """
@@ -317,18 +317,20 @@ def tile_values_dtype(device: torch.device | str, choice: str = AUTO_EMULATED_DT
 def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
            compute_dtype: torch.dtype | None = None, out_dtype: torch.dtype = torch.float32,
            bias: torch.Tensor | None = None, use_fast_accum: bool = False, accumulation=None,
-           record: dict | None = None, gemm: str = "") -> torch.Tensor:
+           record: dict | None = None, gemm: str = "", into: torch.Tensor | None = None) -> torch.Tensor:
     """`dequant(a) @ dequant(b) (+ bias)` for a (M, K), b (K, N), accumulated in fp32, returned in `out_dtype`.
 
     backend 'scaled_mm': the FP8 kernel (`use_fast_accum` is its fast-accumulation switch; `record[gemm]` says
     which kernel or fallback ran). backend 'emulated': exact FP8 products read in `compute_dtype` where the
     output is bf16 (gemm_compute_dtype; else fp32), scales and bias applied in fp32;
-    `accumulation` (an `accumulation.HopperAccumulation`) models a tensor core's narrow accumulator instead."""
+    `accumulation` (an `accumulation.HopperAccumulation`) models a tensor core's narrow accumulator instead.
+    `into`: a contiguous (M, N) tensor of `out_dtype` the result is written into and returned, the same bits (the
+    native kernels write it directly; other paths copy into it)."""
     if backend == "scaled_mm":
         if not scaled_mm_available(a.device):
             resolve_backend("scaled_mm", a.device)  # raises with the explanation
-        return scaled_mm_gemm(a, b, out_dtype=out_dtype, bias=bias, use_fast_accum=use_fast_accum,
-                              record=record, gemm=gemm)
+        return _into(scaled_mm_gemm(a, b, out_dtype=out_dtype, bias=bias, use_fast_accum=use_fast_accum,
+                                    record=record, gemm=gemm), into)
     if record is not None:
         record[gemm] = "emulated"
     if accumulation is not None:
@@ -348,18 +350,22 @@ def fp8_mm(a: Fp8Operand, b: Fp8Operand, backend: str = "emulated", *,
             bias = bias if bias is None or bias.dtype == torch.float32 else bias.float()  # (exact)
             if native_gemm.usable(a_in, b_in, scale_a, scale_b, bias, out_dtype):
                 return native_gemm.mm(a_in, b_in, k_scales, scale_a=scale_a, scale_b=scale_b, bias=bias,
-                                      out_dtype=out_dtype)
+                                      out_dtype=out_dtype, out=into)
             out = _apply_outer_scales(native_gemm.mm(a_in, b_in, k_scales), scale_a, scale_b)
         elif compute_dtype == torch.bfloat16 and a.device.type == "cpu" and outer_scales:
             acc = torch.mm(a.values(compute_dtype), b.values(compute_dtype))  # rounded to bf16 by the GEMM (above)
             if native_cast.epilogue_usable(acc, a.scale, b.scale, bias, out_dtype):  # the ops below, one pass
-                return native_cast.gemm_epilogue(acc, a.scale, b.scale, bias, out_dtype)
+                return native_cast.gemm_epilogue(acc, a.scale, b.scale, bias, out_dtype, out=into)
             out = _apply_outer_scales(acc.float(), a.scale, b.scale)
         else:
             out = _emulated_gemm(a, b, compute_dtype)
     if bias is not None:  # bias in fp32, one rounding to the output dtype below (no no-op casts: each is an op)
         out.add_(bias if bias.dtype == torch.float32 else bias.float())
-    return out if out_dtype == torch.float32 else out.to(out_dtype)
+    return _into(out if out_dtype == torch.float32 else out.to(out_dtype), into)
+
+
+def _into(result: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+    return result if into is None else into.copy_(result)
 
 
 def _emulated_gemm(a: Fp8Operand, b: Fp8Operand, compute_dtype: torch.dtype) -> torch.Tensor:

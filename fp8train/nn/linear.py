@@ -123,6 +123,12 @@ def _watch_optimizer_steps() -> None:
     if _step_hook is None:
         _step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
 
+def optimizer_steps_seen() -> int:
+    """The optimizer-step count an FP8 weight cache keys on (`_watch_optimizer_steps`, registered on first use):
+    for caches outside Fp8Linear (all experts' weights at once, nn/experts_weights.py)."""
+    _watch_optimizer_steps()
+    return _optimizer_steps
+
 _missing_update_warned = False  # the delayed-scaling warning (module docstring, 3.) is given once per process
 MISSING_UPDATE_WARNING = (
     "Fp8Linear with delayed scaling: a forward runs with amaxes pending from an earlier optimizer step, so "

@@ -34,7 +34,7 @@ from fp8train.nn.scaled_mm_rules import (HAS_SCALED_MM_V2, SCALED_MM_KINDS, Scal
 
 __all__ = ["scaled_mm_kind", "scaled_mm_arguments", "scaled_mm_gemm", "scaled_mm_available", "fp8_dialect_of",
            "HAS_SCALED_MM_V2", "SCALED_MM_KINDS", "check_dialect", "call_scaled_mm", "scaled_mm_call",
-           "ScaledMmCall", "target_gpu", "device_capability"]
+           "ScaledMmCall", "target_gpu", "device_capability", "planning_for_gpu"]
 
 _KERNEL_ERRORS = (RuntimeError, ValueError, NotImplementedError)
 # (device type, capability, kind, dtypes, (M, K, N), out dtype, bias fused, fast accum) -> None (works) or why not:
@@ -60,6 +60,13 @@ def scaled_mm_available(device: torch.device | str) -> bool:
     if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
         return False
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+def planning_for_gpu() -> tuple[tuple[int, int], list | None] | None:
+    """(capability, plans list or None) of the innermost `target_gpu`, or None outside one: a grouped GEMM
+    (nn/experts_scaled_gemm.py) then appends its planned call and computes with the fallback, as scaled_mm_gemm
+    does."""
+    return _targets[-1] if _targets else None
 
 
 def device_capability(device: torch.device | str) -> tuple[int, int] | None:

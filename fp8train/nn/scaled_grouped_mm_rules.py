@@ -4,7 +4,8 @@ A pure function of the recipe, the token groups, the shapes and the target GPU: 
 nothing, so every call fp8train would make on an sm90 or sm100 GPU can be planned on any machine and replayed on
 meta tensors (tests/test_scaled_grouped_mm_replay.py). Where the kernel cannot take a GEMM exactly as the
 emulation computes it, the plan is a fallback with its reason: the per-expert loop of nn/experts.py, each expert
-through the dense scaled_mm path (nn/scaled_mm_rules.py) or the emulation. Nothing here has run on a GPU.
+through the dense scaled_mm path (nn/scaled_mm_rules.py) or the emulation. nn/experts_scaled_gemm.py makes the
+planned calls (rowwise kind). Nothing here has run on a GPU.
 
 The three GEMMs, tokens T sorted by expert with offs (E,) int32, weight W (E, N, K):
 
@@ -43,7 +44,7 @@ import torch
 
 from fp8train.nn.recipes import GemmRole, OperandRole, ScalingKind
 
-__all__ = ["GroupedGemmCall", "grouped_gemm_call", "grouped_gemm_calls", "GROUPED_KINDS"]
+__all__ = ["GroupedGemmCall", "grouped_gemm_call", "GROUPED_KINDS"]
 
 GROUPED_KINDS = ("rowwise", "mx_1x32")
 _OPERANDS = {GemmRole.OUTPUT: (OperandRole.INPUT, OperandRole.WEIGHT),
@@ -125,14 +126,3 @@ def grouped_gemm_call(recipe, gemm: str, group_sizes: list[int], n: int, k: int,
     mat_a, mat_b, scale_a, scale_b = _layouts(gemm, tokens, n, k, experts, mx)
     return GroupedGemmCall(gemm, "mx_1x32" if mx else "rowwise", "", mat_a, mat_b, scale_a, scale_b,
                            torch.float8_e8m0fnu if mx else torch.float32, experts)
-
-
-def grouped_gemm_calls(recipe, group_sizes: list[int], n: int, k: int, activation_dtype: torch.dtype,
-                       weight_dtype: torch.dtype, bias: bool, capability: tuple[int, int],
-                       mslk: bool = False) -> dict[str, GroupedGemmCall]:
-    """The plans of the three GEMMs: output and grad_input in the activations' dtype, grad_weight in the
-    weight's (fp32 master weights: the fallback's, G4)."""
-    dtypes = {GemmRole.OUTPUT: activation_dtype, GemmRole.GRAD_INPUT: activation_dtype,
-              GemmRole.GRAD_WEIGHT: weight_dtype}
-    return {gemm: grouped_gemm_call(recipe, gemm, group_sizes, n, k, dtype, bias, capability, mslk)
-            for gemm, dtype in dtypes.items()}

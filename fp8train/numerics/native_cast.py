@@ -177,6 +177,7 @@ _LIB.define("decode_fp8(Tensor data, str fmt, ScalarType dtype) -> Tensor")
 _LIB.define("dequantize_fp8(Tensor data, Tensor scale, str granularity, int block_rows, int block_cols, "
             "int axis) -> Tensor")
 _LIB.define("gemm_epilogue(Tensor acc, Tensor? scale_a, Tensor? scale_b, Tensor? bias, ScalarType out_dtype) -> Tensor")
+_LIB.define("gemm_epilogue_out(Tensor acc, Tensor? scale_a, Tensor? scale_b, Tensor? bias, Tensor(a!) out) -> ()")
 
 
 def _quantize_fp8_cpu(x, scale, fmt, granularity, block_rows, block_cols, axis, margin, pow2, mx, saturate,
@@ -307,31 +308,53 @@ def epilogue_usable(acc: torch.Tensor, scale_a, scale_b, bias, out_dtype: torch.
     return scale_step(scale_a, 0, rows) is not None and scale_step(scale_b, 1, cols) is not None
 
 
-def gemm_epilogue(acc: torch.Tensor, scale_a, scale_b, bias, out_dtype: torch.dtype) -> torch.Tensor:
+def gemm_epilogue(acc: torch.Tensor, scale_a, scale_b, bias, out_dtype: torch.dtype,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """``((acc.float() * scale_a) * scale_b + bias).to(out_dtype)`` in one pass, the same bits as those torch ops
-    (any of scale_a, scale_b, bias may be None); check ``epilogue_usable`` first."""
+    (any of scale_a, scale_b, bias may be None); check ``epilogue_usable`` first. ``out``: a contiguous CPU tensor
+    of acc's shape and `out_dtype` the result is written into and returned (no copy afterwards)."""
+    if out is not None:
+        gemm_epilogue_out_op(acc, scale_a, scale_b, bias, out)
+        return out
     return gemm_epilogue_op(acc, scale_a, scale_b, bias, out_dtype)
 
 
 def _gemm_epilogue_cpu(acc, scale_a, scale_b, bias, out_dtype):
+    out = torch.empty(acc.shape, dtype=out_dtype)
+    _gemm_epilogue_into(acc, scale_a, scale_b, bias, out)
+    return out
+
+
+def _gemm_epilogue_out_cpu(acc, scale_a, scale_b, bias, out):
+    if out.shape != acc.shape or not out.is_contiguous() or out.device.type != "cpu" \
+            or out.dtype not in _INPUT_DTYPES:
+        raise RuntimeError(f"internal error: gemm_epilogue_out writes a contiguous {tuple(acc.shape)} CPU tensor, "
+                           f"got {tuple(out.shape)} {out.dtype} strides {out.stride()} on {out.device}")
+    _gemm_epilogue_into(acc, scale_a, scale_b, bias, out)
+
+
+def _gemm_epilogue_into(acc, scale_a, scale_b, bias, out):
     rows, cols = acc.shape
-    out = torch.empty((rows, cols), dtype=out_dtype)
+    out_dtype = out.dtype
     rc = library().fp8_gemm_epilogue(acc.data_ptr(), rows, cols, None if scale_a is None else scale_a.data_ptr(),
                                      scale_step(scale_a, 0, rows), None if scale_b is None else scale_b.data_ptr(),
                                      scale_step(scale_b, 1, cols), None if bias is None else bias.data_ptr(),
                                      out.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"internal error: fp8train native GEMM epilogue returned {rc}")
-    return out
 
 
 def _gemm_epilogue_fake(acc, scale_a, scale_b, bias, out_dtype):
     return torch.empty(acc.shape, dtype=out_dtype)
 
 
+def _gemm_epilogue_out_fake(acc, scale_a, scale_b, bias, out):
+    return None
+
+
 # Not differentiable (FP8 bytes, scales, amaxes, values of a rounding): autograd falls through, so the outputs
 # never require grad, as eager quantize's (made under no_grad) do not.
-for _name in ("quantize_fp8", "dequantize_fp8", "amax", "decode_fp8", "gemm_epilogue"):
+for _name in ("quantize_fp8", "dequantize_fp8", "amax", "decode_fp8", "gemm_epilogue", "gemm_epilogue_out"):
     _LIB.impl(_name, torch.library.fallthrough_kernel, "Autograd")
 _LIB.impl("quantize_fp8", _quantize_fp8_cpu, "CPU")
 _LIB.impl("dequantize_fp8", _dequantize_cpu, "CPU")
@@ -340,6 +363,8 @@ _LIB.impl("amax", _amax_cpu, "CPU")
 _LIB.impl("decode_fp8", _decode_cpu, "CPU")
 _LIB.impl("gemm_epilogue", _gemm_epilogue_cpu, "CPU")
 torch.library.register_fake("fp8train::gemm_epilogue", _gemm_epilogue_fake, lib=_LIB)
+_LIB.impl("gemm_epilogue_out", _gemm_epilogue_out_cpu, "CPU")
+torch.library.register_fake("fp8train::gemm_epilogue_out", _gemm_epilogue_out_fake, lib=_LIB)
 torch.library.register_fake("fp8train::quantize_fp8", _quantize_fp8_fake, lib=_LIB)
 torch.library.register_fake("fp8train::amax", _amax_fake, lib=_LIB)
 torch.library.register_fake("fp8train::decode_fp8", _decode_fake, lib=_LIB)
@@ -348,6 +373,7 @@ amax = torch.ops.fp8train.amax.default
 decode = torch.ops.fp8train.decode_fp8.default
 dequantize_fp8 = torch.ops.fp8train.dequantize_fp8.default
 gemm_epilogue_op = torch.ops.fp8train.gemm_epilogue.default
+gemm_epilogue_out_op = torch.ops.fp8train.gemm_epilogue_out.default
 
 
 def decodable(data: torch.Tensor, dtype: torch.dtype) -> bool:

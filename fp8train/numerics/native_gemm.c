@@ -242,8 +242,17 @@ static void pack_a(const void *a, const uint16_t *lut, int64_t m, int64_t k, int
  * sb[b * NR + j] per column of block b) each block's fresh fp32 sum is multiplied by its row's scale, then by its
  * column's, and added to the tile; without (sa NULL) one fp32 sum over all pairs. */
 #if GEMM_VECTOR
+/* With `epi` (an fp32 result, the last cache block of a whole tile), the epilogue runs on the registers before the
+ * store: times the row's scale, times the column's, plus the column's bias, each an fp32 operation in the order of
+ * the scalar epilogue in gemm_worker (the same bits), so a GEMM with a short K does not pay a scalar pass per
+ * element. */
+typedef struct {
+    const float *scale_a, *scale_b, *bias; /* at this tile's first row / column (NULL: none) */
+    int64_t a_step, b_step;                /* 0: one value; 1: one per row / column */
+} tile_epilogue;
+
 static void tile_sum_vector(const uint16_t *pa, const uint16_t *pb, int64_t pairs, int64_t block_pairs, const float *sa,
-                            const float *sb, float *tile, int64_t ld, int add) {
+                            const float *sb, float *tile, int64_t ld, int add, const tile_epilogue *epi) {
     __m512 out[MR][2];
     for (int i = 0; i < MR; i++) out[i][0] = out[i][1] = _mm512_setzero_ps();
     for (int64_t p0 = 0, b = 0; p0 < pairs; p0 += block_pairs, b++) {
@@ -271,11 +280,26 @@ static void tile_sum_vector(const uint16_t *pa, const uint16_t *pb, int64_t pair
             for (int i = 0; i < MR; i++) out[i][0] = acc[i][0], out[i][1] = acc[i][1];
         }
     }
+    __m512 sb_lo = _mm512_setzero_ps(), sb_hi = sb_lo, bias_lo = sb_lo, bias_hi = sb_lo;
+    if (epi && epi->scale_b) {
+        sb_lo = epi->b_step ? _mm512_loadu_ps(epi->scale_b) : _mm512_set1_ps(epi->scale_b[0]);
+        sb_hi = epi->b_step ? _mm512_loadu_ps(epi->scale_b + 16) : sb_lo;
+    }
+    if (epi && epi->bias) bias_lo = _mm512_loadu_ps(epi->bias), bias_hi = _mm512_loadu_ps(epi->bias + 16);
     for (int i = 0; i < MR; i++) { /* tile: ld floats per row; add: tile = tile + out (c + t), else tile = out */
         float *row = tile + i * ld;
         if (add) {
             out[i][0] = _mm512_add_ps(_mm512_loadu_ps(row), out[i][0]);
             out[i][1] = _mm512_add_ps(_mm512_loadu_ps(row + 16), out[i][1]);
+        }
+        if (epi) {
+            if (epi->scale_a) {
+                const __m512 s = _mm512_set1_ps(epi->scale_a[i * epi->a_step]);
+                out[i][0] = _mm512_mul_ps(out[i][0], s);
+                out[i][1] = _mm512_mul_ps(out[i][1], s);
+            }
+            if (epi->scale_b) out[i][0] = _mm512_mul_ps(out[i][0], sb_lo), out[i][1] = _mm512_mul_ps(out[i][1], sb_hi);
+            if (epi->bias) out[i][0] = _mm512_add_ps(out[i][0], bias_lo), out[i][1] = _mm512_add_ps(out[i][1], bias_hi);
         }
         _mm512_storeu_ps(row, out[i][0]);
         _mm512_storeu_ps(row + 16, out[i][1]);
@@ -381,13 +405,17 @@ static void *gemm_worker(void *arg) {
                     const float *panel_sa = sa ? sa + mp * kc_blocks * MR : NULL;
                     const uint16_t *panel_a = pa + mp * a_panel, *panel_b = pb + np * b_panel;
 #if GEMM_VECTOR
-                    if (!j->plain && rows == MR && cols == NR && !(last && epilogue)) { /* straight into c */
+                    /* straight into c, with the epilogue on the registers for an fp32 result */
+                    if (!j->plain && rows == MR && cols == NR && !(last && epilogue && j->out_bf16)) {
+                        const tile_epilogue epi = {j->scale_a ? j->scale_a + m0 * j->a_step : NULL,
+                                                   j->scale_b ? j->scale_b + n0 * j->b_step : NULL,
+                                                   j->bias ? j->bias + n0 : NULL, j->a_step, j->b_step};
                         tile_sum_vector(panel_a, panel_b, pairs, block_pairs, panel_sa, panel_sb,
-                                        j->c + m0 * j->n + n0, j->n, p0 != 0);
+                                        j->c + m0 * j->n + n0, j->n, p0 != 0, last && epilogue ? &epi : NULL);
                         continue;
                     }
                     if (!j->plain)
-                        tile_sum_vector(panel_a, panel_b, pairs, block_pairs, panel_sa, panel_sb, tile, NR, 0);
+                        tile_sum_vector(panel_a, panel_b, pairs, block_pairs, panel_sa, panel_sb, tile, NR, 0, NULL);
                     else
 #endif
                     tile_sum_plain(panel_a, panel_b, pairs, block_pairs, panel_sa, panel_sb, tile);

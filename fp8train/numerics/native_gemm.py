@@ -117,14 +117,20 @@ def _outer_steps(a, b, scale_a, scale_b, bias, out_dtype) -> Optional[tuple[int,
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, k_scales: Optional[tuple] = None, *, scale_a=None, scale_b=None,
-       bias=None, out_dtype: torch.dtype = torch.float32, plain: bool = False) -> torch.Tensor:
+       bias=None, out_dtype: torch.dtype = torch.float32, plain: bool = False,
+       out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``((a @ b) * scale_a) * scale_b + bias`` in `out_dtype` (fp32 or bf16) from a (M, K), b (K, N), each bf16 or
     FP8 bytes (their values, exact in bf16):
     the sum in fp32 (check ``usable`` first), each later step an fp32 operation, one rounding to bf16 at the end.
     ``k_scales`` = (kscale_a (M, ceil(K / k_block)), kscale_b (ceil(K / k_block), N), k_block even > 0) scales
     each K block's partial sum (row's scale first, then column's). ``plain``: the plain C loop even where the
-    AVX512-BF16 one is built (the same sums; so every CPU runs both paths' packing and edges)."""
+    AVX512-BF16 one is built (the same sums; so every CPU runs both paths' packing and edges). ``out``: a
+    contiguous (M, N) CPU tensor of `out_dtype` the result is written into and returned (e.g. one expert's rows of
+    a grouped GEMM's output: no copy afterwards)."""
     kscale_a, kscale_b, k_block = k_scales if k_scales is not None else (None, None, 0)
+    if out is not None:
+        gemm_bf16_out_op(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, plain, out)
+        return out
     return gemm_bf16_op(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype, plain)
 
 
@@ -148,12 +154,26 @@ def _check(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype)
 
 
 def _gemm_bf16_cpu(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype, plain):
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+    return _gemm_bf16_into(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, plain, out)
+
+
+def _gemm_bf16_out_cpu(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, plain, out):
+    (m, n) = a.shape[0], b.shape[1]
+    if tuple(out.shape) != (m, n) or not out.is_contiguous() or out.device.type != "cpu":
+        raise RuntimeError(f"internal error: gemm_bf16_out writes a contiguous ({m}, {n}) CPU tensor, got "
+                           f"{tuple(out.shape)} strides {out.stride()} on {out.device}")
+    _gemm_bf16_into(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, plain, out)
+
+
+def _gemm_bf16_into(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, plain, out):
+    out_dtype = out.dtype
     step_a, step_b = _check(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype)
     if not native_build.available():
         raise RuntimeError(f"fp8train's native GEMM cannot run here: {native_build.unavailable_reason()}")
     (m, k), n = a.shape, b.shape[1]
-    acc = torch.empty((m, n), dtype=torch.float32)  # the result, or (bf16 out) the sum across cache blocks
-    out = acc if out_dtype == torch.float32 else torch.empty((m, n), dtype=out_dtype)
+    # the result itself (fp32 out), or (bf16 out) the fp32 sum across cache blocks, rounded into out at the end
+    acc = out if out_dtype == torch.float32 else torch.empty((m, n), dtype=torch.float32)
     if k_block:
         kscale_a, kscale_b = kscale_a.contiguous(), kscale_b.contiguous()
     table_a = None if a.dtype == torch.bfloat16 else _bf16_table(a.dtype).data_ptr()  # FP8 bytes: their values
@@ -174,10 +194,20 @@ def _gemm_bf16_fake(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, o
     return torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
 
 
+def _gemm_bf16_out_fake(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, plain, out):
+    return None
+
+
 _LIB = torch.library.Library("fp8train", "FRAGMENT")
 _LIB.define("gemm_bf16(Tensor a, Tensor b, int k_block, Tensor? kscale_a, Tensor? kscale_b, Tensor? scale_a, "
             "Tensor? scale_b, Tensor? bias, ScalarType out_dtype, bool plain) -> Tensor")
-_LIB.impl("gemm_bf16", torch.library.fallthrough_kernel, "Autograd")  # reads values of a rounding: no grad
-_LIB.impl("gemm_bf16", _gemm_bf16_cpu, "CPU")
-torch.library.register_fake("fp8train::gemm_bf16", _gemm_bf16_fake, lib=_LIB)
+# the same GEMM written into a given tensor (`mm(..., out=)`)
+_LIB.define("gemm_bf16_out(Tensor a, Tensor b, int k_block, Tensor? kscale_a, Tensor? kscale_b, Tensor? scale_a, "
+            "Tensor? scale_b, Tensor? bias, bool plain, Tensor(a!) out) -> ()")
+for _name, _cpu, _fake in (("gemm_bf16", _gemm_bf16_cpu, _gemm_bf16_fake),
+                           ("gemm_bf16_out", _gemm_bf16_out_cpu, _gemm_bf16_out_fake)):
+    _LIB.impl(_name, torch.library.fallthrough_kernel, "Autograd")  # reads values of a rounding: no grad
+    _LIB.impl(_name, _cpu, "CPU")
+    torch.library.register_fake(f"fp8train::{_name}", _fake, lib=_LIB)
 gemm_bf16_op = torch.ops.fp8train.gemm_bf16.default
+gemm_bf16_out_op = torch.ops.fp8train.gemm_bf16_out.default
