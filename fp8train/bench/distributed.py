@@ -137,8 +137,11 @@ def bench_distributed(device: str = "cpu", steps: int = 4) -> dict:
 
 
 def format_distributed(section: dict) -> str:
+    from fp8train.bench.tp_section import format_tensor_parallel
+
     if "skipped" in section:
         return f"\ndistributed: skipped ({section['skipped']})"
+    tensor_parallel = "" if "tensor_parallel" not in section else format_tensor_parallel(section["tensor_parallel"])
     lines = [f"\ndistributed, {section['world_size']} ranks ({section['backend']}), recipe {section['recipe']}, "
              f"{section['steps']} steps; bytes per rank",
              "model              contender              params+grads+AdamW MB  x ddp   all-gather MB/step  "
@@ -149,4 +152,4 @@ def format_distributed(section: dict) -> str:
         lines.append(f"{r['model']:<18} {r['contender']:<22} {r['state_bytes']['total'] / 2**20:>21.2f}  "
                      f"{r['state_vs_ddp']:>5.1%}  {gather:>18}  {vs:>13}  {r['step_s'] * 1e3:>7.1f}  "
                      f"{r['max_loss_rel_diff_vs_ddp']:.1e}")
-    return "\n".join(lines)
+    return "\n".join(lines) + tensor_parallel

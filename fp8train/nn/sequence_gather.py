@@ -229,9 +229,12 @@ class Fp8SequenceGather(ParallelStyle):
     high precision (torch's PrepareModuleInput(Shard(1) -> Replicate), the gathered input kept a DTensor so the
     projections' partial input gradients go back as one reduce-scatter)."""
 
-    def __init__(self, consumers: tuple[str, ...], fp8: bool = True):
+    def __init__(self, consumers: tuple[str, ...], fp8: bool = True, high_precision_dtype=None):
         super().__init__()
         self.consumers, self.fp8 = consumers, fp8
+        # the dtype of a high-precision gather (None: the input's own); bf16 under an fp32 residual stream is a
+        # comparison (the bench's), not a training mode: the projections then quantize bf16-rounded inputs
+        self.high_precision_dtype = high_precision_dtype
         self._checked = None  # (the delayed input scales' versions, whether they agreed)
 
     def _apply(self, module, device_mesh):
@@ -247,7 +250,7 @@ class Fp8SequenceGather(ParallelStyle):
         local_positions = x.shape[SEQUENCE_DIM] // tp
         if not self.fp8 or x.dim() != 3 or x.shape[SEQUENCE_DIM] % tp or \
                 fp8_gather_refusal(consumers, local_positions) or not self._delayed_scales_agree(consumers):
-            return (x.redistribute(mesh, [Replicate()]), *rest)
+            return (x.redistribute(mesh, [Replicate()], forward_dtype=self.high_precision_dtype), *rest)
         x_local = x.to_local()  # its gradient comes back as this rank's Shard(1) part (reduce-scattered)
         # the copy grad_weight reads along the other axis, where the recipe has one and a backward will run
         transposed = torch.is_grad_enabled() and consumers[0].recipe.requantize_transposed(OperandRole.INPUT)

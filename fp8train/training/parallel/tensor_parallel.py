@@ -72,11 +72,12 @@ def tp_plan(model: nn.Module) -> dict:
     return plan
 
 
-def sequence_parallel_plan(model: nn.Module, fp8_gather: bool = True) -> dict:
+def sequence_parallel_plan(model: nn.Module, fp8_gather: bool = True, gather_dtype=None) -> dict:
     """tp_plan with sequence parallelism for fp8train's Decoder (Megatron-SP, torch's styles): the residual stream
     and the norms hold T / tp positions each (the embedding's output sliced, no communication); each attention
     and MLP all-gathers its normed input once before the colwise projections (as FP8 codes and scales where its
-    projections allow and `fp8_gather`: nn/sequence_gather.py; else in its own dtype), and the rowwise
+    projections allow and `fp8_gather`: nn/sequence_gather.py; else in its own dtype, or `gather_dtype` for a
+    comparison), and the rowwise
     projections reduce-scatter their partial sums back to sequence shards (the bytes of the all-reduce they
     replace); lm_head all-gathers the final norm's output. RMSNorm is per position: the same numbers."""
     sequence, whole = Shard(1), Replicate()
@@ -89,8 +90,8 @@ def sequence_parallel_plan(model: nn.Module, fp8_gather: bool = True) -> dict:
         plan |= {f"{block}.attn_norm": SequenceParallel(), f"{block}.mlp_norm": SequenceParallel(),
                  # the colwise layers' partial input gradients add up and go back as ONE reduce-scatter per
                  # module, not an all-reduce per projection
-                 f"{block}.attn": Fp8SequenceGather(("q_proj", "k_proj", "v_proj"), fp8_gather),
-                 f"{block}.mlp": Fp8SequenceGather(("gate_proj", "up_proj"), fp8_gather)}
+                 f"{block}.attn": Fp8SequenceGather(("q_proj", "k_proj", "v_proj"), fp8_gather, gather_dtype),
+                 f"{block}.mlp": Fp8SequenceGather(("gate_proj", "up_proj"), fp8_gather, gather_dtype)}
         for name in ("q_proj", "k_proj", "v_proj"):
             plan[f"{block}.attn.{name}"] = ColwiseParallel()
         for name in ("gate_proj", "up_proj"):
@@ -134,14 +135,14 @@ def check_tp_model(model: nn.Module, tp: int) -> dict:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
-                          fp8_gather: bool = True) -> nn.Module:
+                          fp8_gather: bool = True, gather_dtype=None) -> nn.Module:
     """Split `model`'s block projections over `tp_mesh` (in place; after the FP8 swap, before FSDP2 and the
     optimizer), after check_tp_model; with `sequence_parallel` (fp8train's Decoder without tied embeddings;
     others run without) its norms and residual stream too (sequence_parallel_plan; `fp8_gather` False gathers
-    the blocks' inputs in their own dtype, for comparisons)."""
+    the blocks' inputs in their own dtype or `gather_dtype`, for comparisons)."""
     plan = check_tp_model(model, tp_mesh.size())
     if sequence_parallel and _is_decoder(model):
-        plan = sequence_parallel_plan(model, fp8_gather)
+        plan = sequence_parallel_plan(model, fp8_gather, gather_dtype)
     modules = dict(model.named_modules())
     parallelize_module(model, tp_mesh, plan)
     for name in plan:
