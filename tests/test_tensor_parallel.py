@@ -19,9 +19,10 @@ CPU processes, tests/tp_harness.py), then one-process references here:
   bit-identical, delayed within 2e-4, current within 2.3e-3 (at its sensitive step 15).
   Gradient norms are compared over the first steps only: later single steps move by percents under ANY
   reordering (one process, grad_accum 2 against 1: delayed's step-15 norm by 54%, its losses by 1e-2).
-- dp 2 x tp 2 (4 processes, train.parallel=fsdp2) against one process accumulating 2 micro-batches (the same
-  micro-batches as 2 dp ranks, as in the FSDP2 tests): the same tolerances; its step-10 checkpoint resumed as
-  dp 4 (tp 1) continues its curve to the same tolerances;
+- dp 2 x tp 2 (4 processes, train.parallel=fsdp2) against plain fsdp2 on the same 4 processes, and against one
+  process accumulating 2 micro-batches (the same micro-batches as 2 dp ranks, as in the FSDP2 tests): the same
+  tolerances; its step-10 checkpoint resumed as dp 4 (tp 1) continues its curve to the same tolerances;
+- kill -9 of one rank inside a dp 2 x tp 2 DCP save: the previous checkpoint stays whole and resumes;
 - docs/distributed.md's TP command, as written (size overrides appended, wandb offline): exit 0;
 - delayed scaling: once scales exist, its one MAX all-reduce per step is the only amax collective (TP included);
   block scaling needs none (tiles inside shards); a checkpoint written with tp 2 resumes in one process.
@@ -30,11 +31,14 @@ CPU processes, tests/tp_harness.py), then one-process references here:
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,8 +52,9 @@ from fp8train.training.models.decoder import build_model
 from fp8train.training.parallel.tensor_parallel import check_tensor_parallel, check_tp_model
 from fp8train.nn.convert import convert_to_fp8
 from fp8train.nn.recipes import recipe
+from fp8train.training.runs.sharded_checkpoint import latest_loadable_checkpoint
 from conftest import Commands
-from hf_helpers import TINY_ARCHS, VOCAB
+from hf_helpers import TINY_ARCHS, VOCAB, hf_config
 from refs import write_stdlib_corpus
 
 pytestmark = pytest.mark.extended  # minutes of multi-process launches: CI runs them (pyproject)
@@ -128,6 +133,23 @@ def test_heads_that_do_not_split_are_refused():
     with pytest.raises(ValueError, match=r"train.tp_size=4 must divide model.n_heads=2"):
         check_tp_model(model, 4)
     assert isinstance(model.layers[0].attn.q_proj, Fp8Linear)
+
+
+@pytest.mark.parametrize("source", ["decoder", "qwen3_moe"])
+def test_mixture_of_experts_is_refused_naming_the_experts(tmp_path, source):
+    if source == "decoder":  # fp8train's decoder with its MoE blocks
+        model = _converted(["model.n_experts=4", "model.top_k=2", "model.ffn_hidden=128"], recipe("delayed"))
+        first = "layers.0.mlp.experts.gate_up"
+    else:  # a Hugging Face MoE (transformers' experts module), converted as fp8train converts it
+        hf_config("qwen3_moe").save_pretrained(tmp_path / "moe")
+        cfg = load_config(None, [f"model.hf_config={tmp_path / 'moe'}", "model.seq_len=32"])
+        model = build_model(cfg.model)
+        convert_to_fp8(model, recipe("delayed"))
+        first = next(n for n, _ in model.named_modules() if n.endswith("mlp.experts"))
+    with pytest.raises(ValueError) as error:
+        check_tp_model(model, 2)
+    message = str(error.value)
+    assert first in message and "nor expert parallelism is supported" in message and "\n" not in message
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -253,6 +275,58 @@ def dp2_tp2(tmp_path_factory, single_thread):
     assert done.returncode == 0, f"launch failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     train(load_config(str(root / "tiny.yaml"), ["run.name=one_delayed", "train.grad_accum=2"]), show_progress=False)
     return root
+
+
+@pytest.mark.slow
+def test_dp2_tp2_trains_like_fsdp2_on_4_processes(dp2_tp2):
+    """The reference the issue names: plain fsdp2 over the same 4 processes (dp 4: 2 sequences a rank where dp 2 x
+    tp 2 runs 4), the same config. Only summation orders differ (the gradient sum over 4 ranks against 2, the
+    row-parallel sums): the same tolerances as against one process."""
+    mesh, fsdp = _metrics(dp2_tp2, "tp_delayed"), _metrics(dp2_tp2, "fsdp_delayed")
+    assert [r["step"] for r in mesh] == [r["step"] for r in fsdp] and len(mesh) == STEPS + 1
+    assert mesh[0]["val_loss"] == pytest.approx(fsdp[0]["val_loss"], rel=1e-6)
+    for a, b in zip(mesh[1:], fsdp[1:]):
+        rtol = EARLY_RTOL if a["step"] <= EARLY else LATE_RTOL
+        assert a["loss"] == pytest.approx(b["loss"], rel=rtol), a["step"]
+        if a["step"] <= EARLY:  # (as in test_tp2_trains_like_one_process)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6 if a["step"] == 1 else 1e-3), a["step"]
+    summary = json.loads((dp2_tp2 / "runs" / "fsdp_delayed" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 4
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_rank_during_a_tp_save_leaves_the_last_checkpoint_resumable(dp2_tp2):
+    """dp 2 x tp 2 (4 processes), checkpoints every 5 steps: rank 1 is SIGKILLed inside its step-10 save (its shard
+    not written). The step-5 checkpoint stays whole (manifest and shards verify), step 10 never appears, and the
+    run resumes from step 5 in one process (tp 1, the dp ranks' micro-batches as grad_accum 2) and continues the
+    uninterrupted dp 2 x tp 2 run's curve."""
+    pid_file = dp2_tp2 / "kill.pid"
+    harness = Path(__file__).parent / "tp_harness.py"
+    argv = Commands.accelerate_launch(4, str(harness), "kill", str(pid_file), str(dp2_tp2 / "tiny.yaml"))
+    proc = subprocess.Popen(argv, env=Commands.launch_env(dp2_tp2 / "hf"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 400
+    while not pid_file.exists() or not pid_file.read_text():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-4000:]
+        time.sleep(0.2)
+    time.sleep(0.2)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    ckpt_dir = dp2_tp2 / "runs" / "tp_kill" / "checkpoints"
+    assert sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith(".")) == ["step_000005"]
+    assert latest_loadable_checkpoint(ckpt_dir) == ckpt_dir / "step_000005"
+    train(load_config(str(dp2_tp2 / "tiny.yaml"), ["run.name=tp_kill", "fp8.recipe=delayed", "train.resume=true",
+                                                   "train.tp_size=1", "train.grad_accum=2", "checkpoint.every=5"]),
+          show_progress=False)
+    summary = json.loads((dp2_tp2 / "runs" / "tp_kill" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["resumed_from"].endswith("step_000005")
+    by_step = {r["step"]: r for r in _metrics(dp2_tp2, "tp_delayed")}
+    after = [r for r in _metrics(dp2_tp2, "tp_kill") if r["step"] > 5 and "loss" in r]
+    assert [r["step"] for r in after] == list(range(6, STEPS + 1))  # (the log is cut back to step 5 on resume)
+    for r in after:
+        rtol = EARLY_RTOL if r["step"] <= 5 + EARLY else LATE_RTOL
+        assert r["loss"] == pytest.approx(by_step[r["step"]]["loss"], rel=rtol), r["step"]
 
 
 @pytest.mark.slow

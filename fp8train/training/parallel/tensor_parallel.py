@@ -24,6 +24,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
+from fp8train.nn.convert_experts import is_grouped
+from fp8train.nn.hf_experts import is_hf_experts
 from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.sequence_gather import Fp8SequenceGather
 from fp8train.nn.tensor_parallel import check_tile_shards, keep_scaling_state_local
@@ -122,9 +124,22 @@ def _check_heads(model: nn.Module, tp: int) -> None:
                              "equal share of the MLP)")
 
 
+def _check_no_experts(model: nn.Module, tp: int) -> None:
+    """Mixture-of-experts layers are refused: their experts are neither split over the tp group (TP of experts)
+    nor spread over ranks (expert parallelism), and sequence parallelism has no plan for a routed MLP."""
+    experts = [name for name, module in model.named_modules() if is_grouped(module) or is_hf_experts(module)]
+    if experts:
+        more = f" (and {len(experts) - 1} more)" if len(experts) > 1 else ""
+        raise ValueError(f"train.tp_size={tp}: {experts[0]}{more} are mixture-of-experts experts, and neither tensor "
+                         "parallelism of experts nor expert parallelism is supported; train MoE models with "
+                         "train.tp_size=1 (ddp, or fsdp2, which shards the experts)")
+
+
 def check_tp_model(model: nn.Module, tp: int) -> dict:
-    """Refuse (ValueError, one line) a model that `tp` ranks cannot split: heads or MLP not divisible, or a
-    shard that would cut an FP8 scaling tile (naming the layer and sizes). Returns the plan (tp_plan)."""
+    """Refuse (ValueError, one line) a model that `tp` ranks cannot split: mixture-of-experts layers, heads or
+    MLP not divisible, or a shard that would cut an FP8 scaling tile (naming the layer and sizes). Returns the
+    plan (tp_plan)."""
+    _check_no_experts(model, tp)
     _check_heads(model, tp)
     plan = tp_plan(model)
     modules = dict(model.named_modules())
