@@ -133,11 +133,14 @@ elif job == "train":
 elif job == "mesh":  # delayed on dp x tp = processes/2 x 2, then its step-10 checkpoint resumed with tp 1 (dp 4)
     train_runs(sys.argv[3], ["delayed"])
     resume_on_another_mesh(sys.argv[3], "tp_delayed", "tp_to_dp", 10, "fp8.recipe=delayed", "train.tp_size=1")
-    # the reference the issue names: plain fsdp2 over all the processes (dp 4, no tp), the same config
+    # the reference the issue names: plain fsdp2 over all the processes (dp 4, no tp), the same config, against
+    # dp 2 x tp 2 accumulating 2 micro-batches a rank: the same 4 micro-batches of 2 sequences each
     from fp8train.training.config import load_config
     from fp8train.training.loop import train
 
     train(load_config(sys.argv[3], ["run.name=fsdp_delayed", "fp8.recipe=delayed"]), show_progress=False)
+    train(load_config(sys.argv[3], ["run.name=tp_delayed_a2", "fp8.recipe=delayed", "train.tp_size=2",
+                                    "train.grad_accum=2"]), show_progress=False)
 elif job == "kill":  # dp x tp, checkpoints every 5 steps; rank 1 pauses inside its second save: the test kills it
     import os
     import time
