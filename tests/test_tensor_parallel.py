@@ -54,6 +54,7 @@ from fp8train.nn.convert import convert_to_fp8
 from fp8train.nn.recipes import recipe
 from fp8train.training.runs.sharded_checkpoint import latest_loadable_checkpoint
 from conftest import Commands
+from split_order import tp_reduction_order
 from hf_helpers import TINY_ARCHS, VOCAB, hf_config
 from refs import write_stdlib_corpus
 
@@ -168,13 +169,16 @@ def tp_runs(tmp_path_factory, single_thread):
                                                                       "seq_len": TINY["model"]["seq_len"]}}))
     harness = Path(__file__).parent / "tp_harness.py"
     argv = Commands.accelerate_launch(2, str(harness), "both", str(root), str(root / "tiny.yaml"), *RECIPES,
-                                      "delayed-nosp", "current-hf")
+                                      *(f"{name}-nosp" for name in RECIPES), "current-hf")
     done = subprocess.run(argv, env=Commands.launch_env(root / "hf"), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"launch failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     cfg = lambda *o: load_config(str(root / "tiny.yaml"), list(o))  # noqa: E731
     for name in RECIPES:
         train(cfg(f"run.name=one_{name}", f"fp8.recipe={name}"), show_progress=False)
     train(load_config(str(root / "hf.yaml"), ["run.name=one_current-hf", "fp8.recipe=current"]), show_progress=False)
+    with tp_reduction_order(2):  # one process adding the split GEMMs' parts as the 2 ranks do (tests/split_order.py)
+        for name in RECIPES:
+            train(cfg(f"run.name=split_{name}", f"fp8.recipe={name}"), show_progress=False)
     # tp 2 -> 1: the delayed tp=2 run as it was after its step-10 checkpoint, resumed in this one process
     source, resumed = root / "runs" / "tp_delayed", root / "runs" / "tp_2to1"
     shutil.copytree(source, resumed)
@@ -211,7 +215,7 @@ def test_split_layer_computes_what_the_whole_layer_does(tp_runs, name, style):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [*RECIPES, "delayed-nosp", "current-hf"])
+@pytest.mark.parametrize("name", [*RECIPES, *(f"{r}-nosp" for r in RECIPES), "current-hf"])
 def test_tp2_trains_like_one_process(tp_runs, name):
     reference = name if name.endswith("-hf") else name.partition("-")[0]
     tp, one = _metrics(tp_runs, f"tp_{name}"), _metrics(tp_runs, f"one_{reference}")
@@ -229,6 +233,24 @@ def test_tp2_trains_like_one_process(tp_runs, name):
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=rel), f"{name} step {a['step']}"
     summary = json.loads((tp_runs / "runs" / f"tp_{name}" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RECIPES)
+def test_tp2_equals_one_process_summing_in_its_order_bit_for_bit(tp_runs, name):
+    """tp 2 without sequence parallelism against one process whose two split-dim GEMMs (rowwise output, colwise
+    grad_input) add their 2 parts as the ranks do (tests/split_order.py): every loss, validation loss and gradient
+    norm of the 20 steps is bit for bit the same. So the TP machinery (DTensor shards, amax reductions,
+    collectives, the optimizer on shards, checkpoint-free training) adds no error of its own; what separates tp 2
+    from one process is only the fp32 order of those two GEMMs' sums, bounded per GEMM by the derived
+    (2K + 4) u 1.25 S of test_split_layer_computes_what_the_whole_layer_does (and, with sequence parallelism, two
+    more reorderings of fp32 sums: each norm weight gradient summed per rank's positions, each block input's
+    gradient summed per rank over q/k/v (gate/up) before the ranks are added). What FP8 rounding makes of such
+    last-bit differences over 20 steps has no a-priori bound: hence the run-level tolerances above."""
+    keys = ("step", "loss", "val_loss", "grad_norm")
+    tp, one = _metrics(tp_runs, f"tp_{name}-nosp"), _metrics(tp_runs, f"split_{name}")
+    assert len(tp) == STEPS + 1
+    assert [[r.get(k) for k in keys] for r in tp] == [[r.get(k) for k in keys] for r in one]
 
 
 @pytest.mark.slow
@@ -324,11 +346,16 @@ def test_kill_9_of_one_rank_during_a_tp_save_leaves_the_last_checkpoint_resumabl
     summary = json.loads((dp2_tp2 / "runs" / "tp_kill" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["resumed_from"].endswith("step_000005")
     by_step = {r["step"]: r for r in _metrics(dp2_tp2, "tp_delayed")}
-    after = [r for r in _metrics(dp2_tp2, "tp_kill") if r["step"] > 5 and "loss" in r]
+    killed = _metrics(dp2_tp2, "tp_kill")
+    # up to the checkpoint, the killed launch was the uninterrupted run (same config and mesh: the same numbers)
+    assert [(r["step"], r.get("loss")) for r in killed if r["step"] <= 5] == \
+        [(s, by_step[s].get("loss")) for s in range(6)]
+    after = [r for r in killed if r["step"] > 5 and "loss" in r]
     assert [r["step"] for r in after] == list(range(6, STEPS + 1))  # (the log is cut back to step 5 on resume)
+    # one process sums in another order than the dp 2 x tp 2 mesh: the run-level tolerance (the module docstring;
+    # resumed at the peak learning rate, step 8 moves by 2.8e-3)
     for r in after:
-        rtol = EARLY_RTOL if r["step"] <= 5 + EARLY else LATE_RTOL
-        assert r["loss"] == pytest.approx(by_step[r["step"]]["loss"], rel=rtol), r["step"]
+        assert r["loss"] == pytest.approx(by_step[r["step"]]["loss"], rel=LATE_RTOL), r["step"]
 
 
 @pytest.mark.slow
