@@ -153,3 +153,40 @@ def test_bench_tp_section_halves_the_block_inputs_gather_against_bf16():
         if name != BLOCK_INPUTS:
             assert fp8["bytes_per_step"][name] == nbytes, name
     assert "x bf16 gather" in format_tensor_parallel(section)
+
+
+WEIGHT_UPDATE = r'''
+import os, sys, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from fp8train.nn.linear import Fp8Linear
+torch.manual_seed(0)
+tp, whole = Fp8Linear(64, 32, bias=False, recipe="current"), Fp8Linear(64, 32, bias=False, recipe="current")
+whole.load_state_dict(tp.state_dict())
+parallelize_module(tp, init_device_mesh("cpu", (1,)), ColwiseParallel(output_layouts=Replicate()))
+x = torch.randn(8, 64)
+tp(x)  # caches the FP8 copy of the shard
+with torch.no_grad():  # an in-place write through the DTensor parameter (not an optimizer step)
+    tp.weight.mul_(-2.0)
+    whole.weight.mul_(-2.0)
+print(torch.equal(tp(x).full_tensor() if hasattr(tp(x), "full_tensor") else tp(x), whole(x)))
+dist.destroy_process_group()
+'''
+
+
+def test_a_tensor_parallel_weight_written_in_place_is_quantized_again(tmp_path):
+    """The FP8 copy of a TP shard is cached per weight version: an in-place write through the DTensor parameter
+    (which bumps the DTensor's counter, not its shard's) must make it again."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "update.py").write_text(WEIGHT_UPDATE)
+    done = subprocess.run([sys.executable, str(tmp_path / "update.py"), str(port)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "True"

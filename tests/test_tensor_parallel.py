@@ -11,10 +11,15 @@ CPU processes, tests/tp_harness.py), then one-process references here:
   orders differ by at most 2 (K - 1) u S, plus at most 2 u |out| from each side's two scale multiplications and
   the all-reduce's addition: bound (2 K + 4) u S. S is taken from the unquantized operands widened by the FP8
   rounding (E4M3 / E5M2 values are within 2^-4 / 2^-3 of theirs, relative, above the subnormals): 1.25 S.
-- training: fp8train's train() with train.tp_size=2 for 20 steps against one process, every recipe with
-  sequence parallelism (the default), delayed without it, and current on a Hugging Face Llama (random init,
-  its own TP plan by projection names, no sequence parallelism). Over training no a-priori bound holds: FP8
-  rounding turns those last-bit differences into different roundings a few steps on. Tolerances: 1e-4 over the first 5 steps, 1e-2 over the run, the spread a mere re-split gives
+- training, exactly: train.tp_size=2 without sequence parallelism, every recipe, 20 steps, against one process
+  whose two split-dim GEMMs add their parts in the ranks' order (tests/split_order.py): bit for bit. So the only
+  difference from one process is the fp32 order of the two GEMMs above (bounded per GEMM as derived there), and
+  with sequence parallelism two more fp32 reorderings (norm weight gradients and block input gradients summed per
+  rank first).
+- training, with tolerances: fp8train's train() with train.tp_size=2 for 20 steps against one process, every
+  recipe with and without sequence parallelism, and current on a Hugging Face Llama (random init, its own TP plan
+  by projection names, no sequence parallelism). Over training no a-priori bound holds: FP8 rounding turns those
+  last-bit differences into different roundings a few steps on. Tolerances: 1e-4 over the first 5 steps, 1e-2 over the run, the spread a mere re-split gives
   one process (EARLY_RTOL, LATE_RTOL below); observed on the 2-core EPYC here: rowwise and block losses mostly
   bit-identical, delayed within 2e-4, current within 2.3e-3 (at its sensitive step 15).
   Gradient norms are compared over the first steps only: later single steps move by percents under ANY
