@@ -177,6 +177,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.slow
 def test_a_tensor_parallel_weight_written_in_place_is_quantized_again(tmp_path):
     """The FP8 copy of a TP shard is cached per weight version: an in-place write through the DTensor parameter
     (which bumps the DTensor's counter, not its shard's) must make it again."""
