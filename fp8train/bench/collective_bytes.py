@@ -21,6 +21,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 __all__ = ["CollectiveCall", "CollectiveBytes"]
 
+# (torch's functional collectives, which DTensor issues, are registered only under this private op namespace)
 _c10d, _funcol = torch.ops.c10d, torch.ops._c10d_functional
 
 

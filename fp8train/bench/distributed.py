@@ -42,7 +42,7 @@ from fp8train.training.parallel import fsdp2
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
 from fp8train.training.models.decoder import build_model
 
-__all__ = ["bench_distributed", "format_distributed", "CONTENDERS", "MODEL_SHAPES"]
+__all__ = ["bench_distributed", "format_distributed", "free_port", "CONTENDERS", "MODEL_SHAPES"]
 
 CONTENDERS = ("ddp", "fsdp2", "fsdp2+bf16_gather", "fsdp2+fp8_all_gather")
 # (label, config overrides): the CPU validation model, and a wider one where the FP8 Linears dominate
@@ -53,7 +53,8 @@ MODEL_SHAPES = (
 WORLD = 2
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now, for the spawned ranks' rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -123,7 +124,7 @@ def bench_distributed(device: str = "cpu", steps: int = 4) -> dict:
     if device == "cuda" and torch.cuda.device_count() < WORLD:
         return {"skipped": f"needs {WORLD} GPUs for {WORLD} NCCL ranks, {torch.cuda.device_count()} visible"}
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(_free_port(), device, steps, out_dir), nprocs=WORLD, start_method="spawn")
+        mp.start_processes(_worker, args=(free_port(), device, steps, out_dir), nprocs=WORLD, start_method="spawn")
         rows = json.loads(Path(out_dir, "rows.json").read_text())
     by_key = {(r["model"], r["contender"]): r for r in rows}
     for r in rows:

@@ -117,12 +117,12 @@ def _worker(rank: int, port: int, device_type: str, steps: int, recipes: tuple, 
 
 def bench_tensor_parallel(device: str = "cpu", steps: int = 3, recipes: tuple = ("current", "rowwise")) -> dict:
     """Launch WORLD processes (one tp group), measure every contender; the last step's bytes per collective."""
-    from fp8train.bench.distributed import _free_port
+    from fp8train.bench.distributed import free_port
 
     if device == "cuda" and torch.cuda.device_count() < WORLD:
         return {"skipped": f"needs {WORLD} GPUs for {WORLD} NCCL ranks, {torch.cuda.device_count()} visible"}
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(_free_port(), device, steps, recipes, out_dir), nprocs=WORLD,
+        mp.start_processes(_worker, args=(free_port(), device, steps, recipes, out_dir), nprocs=WORLD,
                            start_method="spawn")
         rows = json.loads(Path(out_dir, "rows.json").read_text())
     by_key = {(r["recipe"], r["contender"]): r for r in rows}

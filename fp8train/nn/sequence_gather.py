@@ -267,6 +267,7 @@ class Fp8SequenceGather(ParallelStyle):
             return True
         buffers = [(c.input_scale, c.input_initialized) for c in consumers]
         on_host = tuple(c.quantizers[OperandRole.INPUT].initialized_on_host for c in consumers)
+        # tensor._version: torch's in-place write counter, the one signal that a scale buffer was written
         key = (tuple((s._version, i._version, s.data_ptr()) for s, i in buffers), on_host)
         known = self._checked
         if known is not None and known[0] == key:
