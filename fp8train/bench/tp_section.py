@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 from fp8train.bench.collective_bytes import CollectiveBytes, CollectiveCall
 from fp8train.nn.convert import convert_to_fp8
 from fp8train.nn.linear import update_fp8_scales
+from fp8train.nn.recipes import ScalingKind
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
 from fp8train.training.models.decoder import build_model
 
@@ -115,7 +116,8 @@ def _worker(rank: int, port: int, device_type: str, steps: int, recipes: tuple, 
         Path(out_dir, "rows.json").write_text(json.dumps(rows))
 
 
-def bench_tensor_parallel(device: str = "cpu", steps: int = 3, recipes: tuple = ("current", "rowwise")) -> dict:
+def bench_tensor_parallel(device: str = "cpu", steps: int = 3,
+                          recipes: tuple = (ScalingKind.CURRENT, ScalingKind.ROWWISE)) -> dict:
     """Launch WORLD processes (one tp group), measure every contender; the last step's bytes per collective."""
     from fp8train.bench.distributed import free_port
 
