@@ -1,7 +1,9 @@
 """Run under `accelerate launch --multi_gpu --num_processes 2` by tests/test_tensor_parallel.py (not a test).
 
 Job `both OUT_DIR CONFIG RECIPE...` runs the two below in one launch; job `mesh OUT CONFIG` trains delayed
-with tp 2 and resumes its step-10 checkpoint with tp 1 (all processes data parallel). Job `layers OUT`: for every recipe, an Fp8Linear split colwise and rowwise over the 2 ranks (torch's styles)
+with tp 2 and resumes its step-10 checkpoint with tp 1 (all processes data parallel), then trains the same with
+plain fsdp2 over all processes; job `kill PIDFILE CONFIG` trains delayed with tp 2, checkpoints every 5 steps, and
+rank 1 writes its pid to PIDFILE and waits inside its step-10 save (the test kills it there). Job `layers OUT`: for every recipe, an Fp8Linear split colwise and rowwise over the 2 ranks (torch's styles)
 against the same layer unsharded in this process, over 3 steps (forward, backward, optimizer step, delayed
 update); writes, per GEMM, whether it is bit-identical and its largest difference over the bound that the test
 derives (inputs: |x| @ |W|^T in float64). Job `train OUT CONFIG RECIPE...`: fp8train's train() with
@@ -131,6 +133,34 @@ elif job == "train":
 elif job == "mesh":  # delayed on dp x tp = processes/2 x 2, then its step-10 checkpoint resumed with tp 1 (dp 4)
     train_runs(sys.argv[3], ["delayed"])
     resume_on_another_mesh(sys.argv[3], "tp_delayed", "tp_to_dp", 10, "fp8.recipe=delayed", "train.tp_size=1")
+    # the reference the issue names: plain fsdp2 over all the processes (dp 4, no tp), the same config, against
+    # dp 2 x tp 2 accumulating 2 micro-batches a rank: the same 4 micro-batches of 2 sequences each
+    from fp8train.training.config import load_config
+    from fp8train.training.loop import train
+
+    train(load_config(sys.argv[3], ["run.name=fsdp_delayed", "fp8.recipe=delayed"]), show_progress=False)
+    train(load_config(sys.argv[3], ["run.name=tp_delayed_a2", "fp8.recipe=delayed", "train.tp_size=2",
+                                    "train.grad_accum=2"]), show_progress=False)
+elif job == "kill":  # dp x tp, checkpoints every 5 steps; rank 1 pauses inside its second save: the test kills it
+    import os
+    import time
+
+    import fp8train.training.runs.sharded_checkpoint as sharded
+    from fp8train.training.config import load_config
+    from fp8train.training.loop import train
+
+    real_save, saves = sharded.dcp.save, []
+
+    def pausing_save(*args, **kwargs):
+        saves.append(1)
+        if len(saves) == 2 and dist.get_rank() == 1:  # its own shard of step 10 not written yet
+            Path(out).write_text(str(os.getpid()))
+            time.sleep(120)
+        return real_save(*args, **kwargs)
+
+    sharded.dcp.save = pausing_save
+    train(load_config(sys.argv[3], ["run.name=tp_kill", "fp8.recipe=delayed", "train.tp_size=2",
+                                    "checkpoint.every=5", "train.max_steps=10"]), show_progress=False)
 else:  # "both": layers to OUT/layers.json, then the trainings to OUT/train.json (one launch, one import)
     out_dir = out
     out = f"{out_dir}/layers.json"

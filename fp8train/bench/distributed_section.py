@@ -42,7 +42,7 @@ from fp8train.training.parallel import fsdp2
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
 from fp8train.training.models.decoder import build_model
 
-__all__ = ["bench_distributed", "format_distributed", "CONTENDERS", "MODEL_SHAPES"]
+__all__ = ["bench_distributed", "format_distributed", "free_port", "CONTENDERS", "MODEL_SHAPES"]
 
 CONTENDERS = ("ddp", "fsdp2", "fsdp2+bf16_gather", "fsdp2+fp8_all_gather")
 # (label, config overrides): the CPU validation model, and a wider one where the FP8 Linears dominate
@@ -53,7 +53,8 @@ MODEL_SHAPES = (
 WORLD = 2
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now, for the spawned ranks' rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -123,7 +124,7 @@ def bench_distributed(device: str = "cpu", steps: int = 4) -> dict:
     if device == "cuda" and torch.cuda.device_count() < WORLD:
         return {"skipped": f"needs {WORLD} GPUs for {WORLD} NCCL ranks, {torch.cuda.device_count()} visible"}
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(_free_port(), device, steps, out_dir), nprocs=WORLD, start_method="spawn")
+        mp.start_processes(_worker, args=(free_port(), device, steps, out_dir), nprocs=WORLD, start_method="spawn")
         rows = json.loads(Path(out_dir, "rows.json").read_text())
     by_key = {(r["model"], r["contender"]): r for r in rows}
     for r in rows:
@@ -137,8 +138,11 @@ def bench_distributed(device: str = "cpu", steps: int = 4) -> dict:
 
 
 def format_distributed(section: dict) -> str:
+    from fp8train.bench.tp_section import format_tensor_parallel
+
     if "skipped" in section:
         return f"\ndistributed: skipped ({section['skipped']})"
+    tensor_parallel = "" if "tensor_parallel" not in section else format_tensor_parallel(section["tensor_parallel"])
     lines = [f"\ndistributed, {section['world_size']} ranks ({section['backend']}), recipe {section['recipe']}, "
              f"{section['steps']} steps; bytes per rank",
              "model              contender              params+grads+AdamW MB  x ddp   all-gather MB/step  "
@@ -149,4 +153,4 @@ def format_distributed(section: dict) -> str:
         lines.append(f"{r['model']:<18} {r['contender']:<22} {r['state_bytes']['total'] / 2**20:>21.2f}  "
                      f"{r['state_vs_ddp']:>5.1%}  {gather:>18}  {vs:>13}  {r['step_s'] * 1e3:>7.1f}  "
                      f"{r['max_loss_rel_diff_vs_ddp']:.1e}")
-    return "\n".join(lines)
+    return "\n".join(lines) + tensor_parallel

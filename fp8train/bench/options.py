@@ -15,7 +15,7 @@ __all__ = ["BenchOptions", "parse_shapes", "parse_list", "resolve_fp8_kernel", "
            "SHAPES", "QUANT_LAYOUTS", "QUANT_FORMATS", "GPU_PEAKS", "REPO_RECIPES", "TARGET_SHAPE"]
 
 SECTIONS = ("quant", "ops", "linear", "train", "memory")
-# Not in the default run: launches 2 processes (fp8train.bench.distributed_section; ~1 minute on 2 CPU cores).
+# Not in the default run: launches 2 processes (fp8train.bench.distributed_section and tp_section; ~3 minutes on 2 CPU cores).
 OPTIONAL_SECTIONS = ("distributed", "experts")  # experts: FP8 grouped GEMMs, ~2 minutes on 2 CPU cores
 RECIPES = RECIPE_NAMES
 # (M, K, N): input (M, K), weight (N, K). The full CPU list stops at 4096x1024x1024 (the target shape): a bf16

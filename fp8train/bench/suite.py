@@ -43,6 +43,7 @@ import time
 import torch
 
 from fp8train.bench.distributed_section import bench_distributed
+from fp8train.bench.tp_section import bench_tensor_parallel
 from fp8train.bench.experts_section import bench_experts
 from fp8train.bench.harness import Timing, enable_malloc_reuse, machine_info, paired_ratio
 from fp8train.bench.linear_section import bench_linear, bench_ops, torchao_linear
@@ -103,6 +104,8 @@ def run_bench(opts: BenchOptions) -> dict:
                 results["sections"]["memory"] = bench_memory(opts)
             elif name == "distributed":
                 results["sections"]["distributed"] = bench_distributed(opts.device)
+                if "skipped" not in results["sections"]["distributed"]:  # tensor parallelism, tp 2 (tp_section)
+                    results["sections"]["distributed"]["tensor_parallel"] = bench_tensor_parallel(opts.device)
             elif name == "experts":
                 results["sections"]["experts"] = bench_experts(opts, warmup, repeats, kernel)
         except Exception as err:  # keep going: the other sections are still worth having

@@ -335,9 +335,11 @@ class Fp8Linear(nn.Linear):
         cacheable = cacheable and not torch.compiler.is_compiling()  # (a traced graph re-derives it anyway)
         if cacheable:
             _watch_optimizer_steps()
-        # tensor._version: torch's in-place write counter, the one signal an in-place update of the weight gives
-        key = (weight._version, _optimizer_steps, weight.data_ptr(), self.training, self._scale_generation, backend,
-               self.emulated_dtype, self.quantize_kernel) if cacheable else None
+        # tensor._version: torch's in-place write counter, the one signal an in-place update of the weight gives;
+        # a tensor-parallel shard's own counter does not see an in-place write through its DTensor parameter,
+        # whose counter does (self.weight; the same tensor as `weight` otherwise)
+        key = (weight._version, self.weight._version, _optimizer_steps, weight.data_ptr(), self.training,
+               self._scale_generation, backend, self.emulated_dtype, self.quantize_kernel) if cacheable else None
         cached = self._weight_cache
         if cached is not None and key is not None and cached.key == key and not self.telemetry:
             return cached

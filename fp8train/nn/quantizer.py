@@ -22,6 +22,7 @@ quantized (the kernel) and whether telemetry is recorded are the layer's executi
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -94,6 +95,9 @@ class OperandQuantizer:
             quantized = tensor.fp8_tensor()
             self.record_amax(quantized.amax)
             return quantized  # no weight telemetry: the fp32 weight is not gathered
+        gathered = _fp8_gathered_input()
+        if gathered is not None and isinstance(tensor, gathered):  # sequence parallelism gathered it as FP8
+            return tensor.take(self)  # (no input telemetry: the high-precision input was not gathered)
         kernel = self.layer.kernel_for(tensor.numel())
         # a tensor-parallel shard: the amax of the whole operand where its scale spans the split (tensor_parallel.py;
         # None where the local amax is already that, e.g. delayed scales known on the host)
@@ -146,6 +150,9 @@ class OperandQuantizer:
         dim, written straight in the layout its backward GEMM reads (no separate FP8 transpose). Counters and
         telemetry come from the primary quantization of the same tensor. `keep_values` as quantize's (the copy
         its GEMM reads); block tiles keep value * scale instead where the C kernel runs."""
+        gathered = _fp8_gathered_input()
+        if gathered is not None and isinstance(tensor, gathered):  # gathered with its transposed copy
+            return tensor.take(self, transposed=True)
         kernel = self.layer.kernel_for(tensor.numel())
         blocked = kernel == "native" and self.granularity == "block" and keep_values is True  # as in quantize
         keep_values = False if blocked else keep_values
@@ -222,6 +229,13 @@ class OperandQuantizer:
 
     def __repr__(self) -> str:
         return f"OperandQuantizer({self.role}, {self.format.name}, {self.recipe.granularity_of(self.role)})"
+
+
+def _fp8_gathered_input():
+    """sequence_gather.Fp8GatheredInput where that module is loaded (it imports torch.distributed.tensor, about a
+    second for a process that never uses it: not imported here; no such input exists before it is loaded)."""
+    module = sys.modules.get("fp8train.nn.sequence_gather")
+    return None if module is None else module.Fp8GatheredInput
 
 
 def apply_keeping_scaling_dtypes(module, fn, apply) -> None:

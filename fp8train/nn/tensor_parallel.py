@@ -102,8 +102,13 @@ def tensor_parallel_forward(layer, input: torch.Tensor) -> DTensor:
                            "it with torch's ColwiseParallel / RowwiseParallel, which prepare the input)")
     if layout.weight_axis == 0:
         # every rank's grad_input is a partial sum over its output features: declared Partial, it is summed over
-        # TP when the input's own redistribution runs backward
-        input_local = input.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        # TP when the input's own redistribution runs backward. An input already whole is not redistributed: a
+        # Replicate -> Replicate redistribute would all-reduce this layer's Partial gradient on its way back (one
+        # all-reduce per projection), where the projections sharing a gathered input (sequence parallelism) add
+        # theirs locally and reduce-scatter the sum once
+        if tuple(input.placements) != (Replicate(),):
+            input = input.redistribute(mesh, [Replicate()])
+        input_local = input.to_local(grad_placements=[Partial()])
     else:
         input_local = input.redistribute(mesh, [Shard(input.dim() - 1)]).to_local()
     weight_local = weight.to_local()

@@ -24,7 +24,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
+from fp8train.nn.convert_experts import is_grouped
+from fp8train.nn.hf_experts import is_hf_experts
 from fp8train.nn.linear import Fp8Linear
+from fp8train.nn.sequence_gather import Fp8SequenceGather
 from fp8train.nn.tensor_parallel import check_tile_shards, keep_scaling_state_local
 
 __all__ = ["check_tensor_parallel", "data_parallel", "make_mesh", "tp_styles", "check_tp_model", "sequence_parallel_styles", "apply_tensor_parallel",
@@ -71,25 +74,26 @@ def tp_styles(model: nn.Module) -> dict:
     return styles
 
 
-def sequence_parallel_styles(model: nn.Module) -> dict:
+def sequence_parallel_styles(model: nn.Module, fp8_gather: bool = True, gather_dtype=None) -> dict:
     """tp_styles with sequence parallelism for fp8train's Decoder (Megatron-SP, torch's styles): the residual stream
     and the norms hold T / tp positions each (the embedding's output sliced, no communication); each attention
-    and MLP all-gathers its normed input once before the colwise projections, and the rowwise projections
-    reduce-scatter their partial sums back to sequence shards (the bytes of the all-reduce they replace); lm_head
-    all-gathers the final norm's output. RMSNorm is per position: the same numbers."""
+    and MLP all-gathers its normed input once before the colwise projections (as FP8 codes and scales where its
+    projections allow and `fp8_gather`: nn/sequence_gather.py; else in its own dtype, or `gather_dtype` for a
+    comparison), and the rowwise
+    projections reduce-scatter their partial sums back to sequence shards (the bytes of the all-reduce they
+    replace); lm_head all-gathers the final norm's output. RMSNorm is per position: the same numbers."""
     sequence, whole = Shard(1), Replicate()
     styles = {"embed": PrepareModuleOutput(output_layouts=whole, desired_output_layouts=sequence),
-            "norm": SequenceParallel(),
-            "lm_head": PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(whole,),
-                                          use_local_output=True)}
+              "norm": SequenceParallel(),
+              "lm_head": PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(whole,),
+                                            use_local_output=True)}
     for i in range(len(model.layers)):
         block = f"layers.{i}"
         styles |= {f"{block}.attn_norm": SequenceParallel(), f"{block}.mlp_norm": SequenceParallel(),
-                 # the gathered input stays a DTensor: the colwise layers' partial input gradients add up as
-                 # such and go back as ONE reduce-scatter per module, not an all-reduce per projection
-                 f"{block}.attn": PrepareModuleInput(input_layouts=(sequence, None, None),
-                                                     desired_input_layouts=(whole, None, None)),
-                 f"{block}.mlp": PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(whole,))}
+                   # the colwise layers' partial input gradients add up and go back as ONE reduce-scatter per
+                   # module, not an all-reduce per projection
+                   f"{block}.attn": Fp8SequenceGather(("q_proj", "k_proj", "v_proj"), fp8_gather, gather_dtype),
+                   f"{block}.mlp": Fp8SequenceGather(("gate_proj", "up_proj"), fp8_gather, gather_dtype)}
         for name in ("q_proj", "k_proj", "v_proj"):
             styles[f"{block}.attn.{name}"] = ColwiseParallel()
         for name in ("gate_proj", "up_proj"):
@@ -120,9 +124,22 @@ def _check_heads(model: nn.Module, tp: int) -> None:
                              "equal share of the MLP)")
 
 
+def _check_no_experts(model: nn.Module, tp: int) -> None:
+    """Mixture-of-experts layers are refused: their experts are neither split over the tp group (TP of experts)
+    nor spread over ranks (expert parallelism), and sequence parallelism has no plan for a routed MLP."""
+    experts = [name for name, module in model.named_modules() if is_grouped(module) or is_hf_experts(module)]
+    if experts:
+        more = f" (and {len(experts) - 1} more)" if len(experts) > 1 else ""
+        raise ValueError(f"train.tp_size={tp}: {experts[0]}{more} are mixture-of-experts experts, and neither tensor "
+                         "parallelism of experts nor expert parallelism is supported; train MoE models with "
+                         "train.tp_size=1 (ddp, or fsdp2, which shards the experts)")
+
+
 def check_tp_model(model: nn.Module, tp: int) -> dict:
-    """Refuse (ValueError, one line) a model that `tp` ranks cannot split: heads or MLP not divisible, or a
-    shard that would cut an FP8 scaling tile (naming the layer and sizes). Returns the styles (tp_styles)."""
+    """Refuse (ValueError, one line) a model that `tp` ranks cannot split: mixture-of-experts layers, heads or
+    MLP not divisible, or a shard that would cut an FP8 scaling tile (naming the layer and sizes). Returns the
+    styles (tp_styles)."""
+    _check_no_experts(model, tp)
     _check_heads(model, tp)
     styles = tp_styles(model)
     modules = dict(model.named_modules())
@@ -132,13 +149,15 @@ def check_tp_model(model: nn.Module, tp: int) -> dict:
     return styles
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
+                          fp8_gather: bool = True, gather_dtype=None) -> nn.Module:
     """Split `model`'s block projections over `tp_mesh` (in place; after the FP8 swap, before FSDP2 and the
     optimizer), after check_tp_model; with `sequence_parallel` (fp8train's Decoder without tied embeddings;
-    others run without) its norms and residual stream too (sequence_parallel_styles)."""
+    others run without) its norms and residual stream too (sequence_parallel_styles; `fp8_gather` False gathers
+    the blocks' inputs in their own dtype or `gather_dtype`, for comparisons)."""
     styles = check_tp_model(model, tp_mesh.size())
     if sequence_parallel and _is_decoder(model):
-        styles = sequence_parallel_styles(model)
+        styles = sequence_parallel_styles(model, fp8_gather, gather_dtype)
     modules = dict(model.named_modules())
     parallelize_module(model, tp_mesh, styles)
     for name in styles:
