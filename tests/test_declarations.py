@@ -206,9 +206,10 @@ def test_one_quantize_kernel_default():
 
 
 def test_emulated_dtype_auto_is_spelled_once():
-    """`emulated_dtype: auto` is gemm.AUTO_EMULATED_DTYPE everywhere: the layer's default, configure_execution's,
-    fp8.emulated_dtype's and its allowed values, and emulated_compute_dtype's."""
-    assert emulated_auto_spellings() == [f"nn/gemm.py:{_line_of('AUTO_EMULATED_DTYPE', PACKAGE / 'nn' / 'gemm.py')}"]
+    """`emulated_dtype: auto` is gemm_choice.AUTO_EMULATED_DTYPE everywhere: the layer's default,
+    configure_execution's, fp8.emulated_dtype's and its allowed values, and emulated_compute_dtype's."""
+    where = PACKAGE / "nn" / "gemm_choice.py"
+    assert emulated_auto_spellings() == [f"nn/gemm_choice.py:{_line_of('AUTO_EMULATED_DTYPE', where)}"]
     defaults = {"Fp8Linear": Fp8Linear(16, 16).emulated_dtype, "fp8.emulated_dtype": Fp8Config().emulated_dtype,
                 "configure_execution": inspect.signature(configure_execution).parameters["emulated_dtype"].default,
                 "emulated_compute_dtype": inspect.signature(emulated_compute_dtype).parameters["choice"].default}

@@ -115,15 +115,15 @@ def test_emulated_gemms_read_what_the_quantizer_wrote(name, kernel, monkeypatch)
     """Every operand an emulated GEMM reads comes with its values (or, for block tiles from the C kernel, value x
     scale) from the quantizer's own pass: no GEMM decodes FP8 bytes again, in the forward or the backward, with
     the default kernel (the C one where it is built) or the eager one, fp32 or bf16 operands."""
-    from fp8train.nn import gemm
+    from fp8train.nn import fp8_operand
     from fp8train.numerics import native_cast
 
     if name == "mxfp8" and not native_cast.available():  # the default kernel is the eager one here (see above)
         pytest.skip(f"mxfp8's default kernel is the eager one here ({native_cast.unavailable_reason()}), whose "
                     "quantize_transposed keeps no values")
     decoded = []
-    real_decode = gemm.decode_fp8
-    monkeypatch.setattr(gemm, "decode_fp8", lambda data, *args, **kwargs: decoded.append(tuple(data.shape))
+    real_decode = fp8_operand.decode_fp8  # (the one decode a GEMM operand makes)
+    monkeypatch.setattr(fp8_operand, "decode_fp8", lambda data, *args, **kwargs: decoded.append(tuple(data.shape))
                         or real_decode(data, *args, **kwargs))
     for emulated in ("fp32", "bf16"):
         torch.manual_seed(0)

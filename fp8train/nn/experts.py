@@ -32,9 +32,9 @@ import torch
 import torch.nn as nn
 
 from fp8train.nn.experts_scaling import ExpertScaling
-from fp8train.nn.gemm import resolve_backend
+from fp8train.nn.linear_dispatch import dispatch_for
 from fp8train.nn.linear_function import Fp8LinearFunction
-from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe
+from fp8train.nn.recipes import DEFAULT_RECIPE, Fp8Recipe
 
 __all__ = ["fp8_grouped_mm", "group_sizes", "Fp8GroupedLinear", "GroupedLinear", "ExpertScaling"]
 
@@ -95,7 +95,7 @@ def fp8_grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor
     if scaling.training and scaling.recipe.is_delayed and not torch.compiler.is_compiling():
         scaling.check_scales_updated()
     try:
-        backend = resolve_backend(scaling.recipe.backend, input.device, tuple(map(scaling.recipe.format_of, ROLES)))
+        dispatch = dispatch_for(scaling.experts[0], input.device, out_dtype, input.dtype, weight.dtype)
     except RuntimeError as exc:  # (the recipe's backend cannot run on this device: the user's choice)
         raise ValueError(f"FP8 experts with recipe {scaling.recipe.code()!r}: {exc}") from None
     weights = weight.unbind(0)
@@ -110,10 +110,10 @@ def fp8_grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor
                 # weight is still quantized in training, so its amax history keeps step with the others.
                 if scaling.training and scaling.recipe.is_delayed:
                     with torch.no_grad():
-                        view.weight_fp8(backend)
+                        view.weight_fp8(dispatch)
                 continue
-            weights_fp8 = view.weight_fp8(backend)
-            outputs.append(Fp8LinearFunction.apply(x_e, w_e, b_e, weights_fp8, view, backend, out_dtype))
+            weights_fp8 = view.weight_fp8(dispatch)
+            outputs.append(Fp8LinearFunction.apply(x_e, w_e, b_e, weights_fp8, view, dispatch, out_dtype))
     if routed < input.shape[0]:  # rows routed to no expert (torch's convention leaves them; here they are 0)
         outputs.append(input.new_zeros(input.shape[0] - routed, n, dtype=out_dtype))
     if not outputs:

@@ -29,6 +29,7 @@ import torch.nn as nn
 from fp8train.nn.delayed_scaling import refuse_bad_fp8_state
 from fp8train.nn.gemm import AUTO_EMULATED_DTYPE, check_emulated_dtype
 from fp8train.nn.linear import Fp8Linear, check_scales_updated
+from fp8train.nn.linear_dispatch import NO_DISPATCH
 from fp8train.nn.quantizer import OperandQuantizer, apply_keeping_scaling_dtypes
 from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe, recipe as make_recipe
 from fp8train.numerics.cast_kernels import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES, check_kernel
@@ -124,7 +125,6 @@ class ExpertView:
     # GEMM options: an expert is quantized and multiplied exactly as a dense layer is.
     _weight_fp8 = Fp8Linear._weight_fp8
     kernel_for = Fp8Linear.kernel_for
-    gemm_options = Fp8Linear.gemm_options
     forget_weight_fp8 = Fp8Linear.forget_weight_fp8
     weight_cache_allowed = True
     _accumulation = None
@@ -147,6 +147,7 @@ class ExpertView:
         self._weight_cache = None
         self._scale_generation = 0
         self._resolved_kernel = (None, None)  # (quantize_kernel, what it is on this device): Fp8Linear.kernel_for
+        self._dispatch = NO_DISPATCH  # (nn/linear_dispatch.py)
 
     def scales_updated(self) -> None:
         self._scale_generation += 1
@@ -155,10 +156,11 @@ class ExpertView:
         """After a device move: the FP8 weight is remade and 'auto' resolved again (as Fp8Linear._apply does)."""
         self.forget_weight_fp8()
         self._resolved_kernel = (None, None)
+        self._dispatch = NO_DISPATCH
 
-    def weight_fp8(self, backend: str):
+    def weight_fp8(self, dispatch):
         """This expert's FP8 weight and its GEMM operands (Fp8Linear's cache: once per weight version)."""
-        return self._weight_fp8(backend, self.weight)
+        return self._weight_fp8(dispatch, self.weight)
 
     def __getattr__(self, name: str):
         # `{role}_{buffer}`: row `index` of the owner's buffer (a view, so in-place updates reach the owner)

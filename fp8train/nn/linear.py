@@ -89,12 +89,14 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from fp8train.nn.accumulation import HopperAccumulation
 from fp8train.nn.fp8_all_gather import Fp8GatheredWeight
 from fp8train.nn.delayed_scaling import refuse_bad_fp8_state, update_group
-from fp8train.nn.gemm import (AUTO_EMULATED_DTYPE, Fp8Operand, check_emulated_dtype, emulated_compute_dtype,
-                              resolve_backend, tile_values_dtype)
+from fp8train.nn.fp8_operand import Fp8Operand
+from fp8train.nn.gemm_choice import AUTO_EMULATED_DTYPE, Keep, check_emulated_dtype, resolve_backend
+from fp8train.nn.linear_dispatch import NO_DISPATCH, dispatch_for
 from fp8train.nn.linear_function import Fp8LinearFunction, WeightFp8, to_dtype
 from fp8train.nn.quantizer import SCALING_BUFFERS, OperandQuantizer, apply_keeping_scaling_dtypes
-from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe, OperandRole, recipe as make_recipe
+from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe, GemmBackend, OperandRole, recipe as make_recipe
 from fp8train.numerics import native_cast
+from fp8train.numerics.names import Granularity
 from fp8train.numerics.cast_kernels import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES, check_kernel, resolve_kernel
 
 __all__ = ["Fp8Linear", "update_fp8_scales", "configure_execution", "SCALING_BUFFERS", "is_scaling_buffer",
@@ -146,13 +148,6 @@ def check_scales_updated(pending_since_step: int | None, stacklevel: int = 4) ->
     return pending_since_step
 
 
-def _is_fsdp_module(module: nn.Module) -> bool:
-    """Whether FSDP2's fully_shard has wrapped `module`. Its class exists only once torch.distributed.fsdp is
-    imported, an import that costs a process ~1.4 s: a run without FSDP2 does not pay it for this check."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
-
-
 def is_scaling_buffer(key: str) -> bool:
     """True for a state_dict key naming an Fp8Linear scaling buffer (`...q_proj.input_amax_history`)."""
     last = key.rpartition(".")[2]
@@ -173,8 +168,8 @@ class Fp8Linear(nn.Linear):
                  recipe: Fp8Recipe | str = DEFAULT_RECIPE, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = make_recipe(recipe) if isinstance(recipe, str) else recipe
-        if self.recipe.backend == "te":
-            resolve_backend("te", "cpu")  # raises: TE replaces the layer instead (backends.te.make_te_linear)
+        if self.recipe.backend == GemmBackend.TE:
+            resolve_backend(GemmBackend.TE, "cpu")  # raises: TE replaces the layer instead (backends.te.make_te_linear)
         self.telemetry = False
         self.last_stats: dict[str, dict] = {}
         # Which kernel each GEMM ran last: {"output" | "grad_input" | "grad_weight": "scaled_mm:<kind>" |
@@ -187,6 +182,7 @@ class Fp8Linear(nn.Linear):
         self.emulated_dtype = AUTO_EMULATED_DTYPE
         # One per operand role, each owning that role's scaling buffers (registered on this layer: nn/quantizer.py)
         self.quantizers = {role: OperandQuantizer(self, role) for role in ROLES}
+        self._delayed = self.recipe.is_delayed  # (read on every forward)
         self._init_scaling_state(self.weight.device)
         self.register_load_state_dict_pre_hook(refuse_bad_fp8_state)
 
@@ -217,6 +213,7 @@ class Fp8Linear(nn.Linear):
             quantizer.reset()
         self._scale_generation = 0  # bumped by every delayed-scale update: part of the weight cache's key
         self._weight_cache = None
+        self._dispatch = NO_DISPATCH  # what the GEMMs run, per device and dtypes (nn/linear_dispatch.py)
         # The optimizer-step count when this step's first amax was recorded (delayed scaling): a later forward
         # that sees another count with amaxes still pending ran past an optimizer step without update_fp8_scales.
         self._pending_since_step = None
@@ -259,15 +256,8 @@ class Fp8Linear(nn.Linear):
     def _apply(self, fn, recurse=True):
         apply_keeping_scaling_dtypes(self, fn, lambda f: super(Fp8Linear, self)._apply(f, recurse))
         self._resolved_kernel = (None, None)  # 'auto' depends on the device
+        self._dispatch = NO_DISPATCH
         return self
-
-    def gemm_options(self, device) -> dict:
-        """fp8_mm's keyword options for this layer's GEMMs on `device` (its execution settings)."""
-        # gemm_paths is eager-only bookkeeping: a traced graph may not mutate Python state from inside the
-        # autograd.Function (dynamo would break the graph there).
-        record = None if torch.compiler.is_compiling() else self.gemm_paths
-        return dict(record=record, accumulation=self._accumulation,
-                    compute_dtype=emulated_compute_dtype(device, self.emulated_dtype))
 
     # ------------------------------------------------------------------------------------------------------
     def forward(self, input: torch.Tensor, weight: torch.Tensor | None = None,
@@ -295,13 +285,13 @@ class Fp8Linear(nn.Linear):
         input_2d = input if input.dim() == 2 else input.reshape(-1, in_features)  # (M, K)
         if input_2d.shape[0] == 0:
             return F.linear(input, weight.to(out_dtype), None if bias is None else bias.to(out_dtype))
-        if self.training and self.recipe.is_delayed and not torch.compiler.is_compiling():
+        if self._delayed and self.training and not torch.compiler.is_compiling():
             self._check_scales_updated()
-        backend = resolve_backend(self.recipe.backend, input.device, tuple(map(self.recipe.format_of, ROLES)))
+        dispatch = dispatch_for(self, input.device, out_dtype, input.dtype, weight.dtype)
         # Our GEMMs pick their own precision; autocast must not recast them to bf16.
         with torch.autocast(device_type, enabled=False):
-            weights = self._weight_fp8(backend, weight)
-            output = Fp8LinearFunction.apply(input_2d, weight, bias, weights, self, backend, out_dtype)
+            weights = self._weight_fp8(dispatch, weight)
+            output = Fp8LinearFunction.apply(input_2d, weight, bias, weights, self, dispatch, out_dtype)
         return output if input.dim() == 2 else output.reshape(*input.shape[:-1], out_features)
 
     def _check_scales_updated(self) -> None:
@@ -319,46 +309,44 @@ class Fp8Linear(nn.Linear):
             return kernel  # at every size (quant.quantize runs eager where the C kernel cannot)
         return "eager" if numel < QUANT_KERNEL_MIN_NUMEL else kernel
 
-    def _weight_fp8(self, backend: str, weight: torch.Tensor) -> WeightFp8:
+    def _weight_fp8(self, dispatch, weight: torch.Tensor) -> WeightFp8:
         """The FP8 copy of `weight` (the layer's, or this rank's shard of it) and its GEMM operands, made once per
-        weight version (see the module docstring)."""
+        weight version (see the module docstring); `dispatch` says what it keeps (linear_dispatch.LayerDispatch)."""
         # FSDP2 refills the unsharded weight by all-gather (no version bump) or hands over an FP8-gathered one:
-        # then there is nothing to cache across forwards.
-        cacheable = (self.weight_cache_allowed and not isinstance(weight, Fp8GatheredWeight)
-                     and not _is_fsdp_module(self))
-        cacheable = cacheable and not torch.compiler.is_compiling()  # (a traced graph re-derives it anyway)
-        if cacheable:
+        # then there is nothing to cache across forwards. (FSDP2's class exists only once torch.distributed.fsdp
+        # is imported, ~1.4 s that a run without it does not pay for this check.)
+        fsdp = sys.modules.get("torch.distributed.fsdp")
+        cacheable = self.weight_cache_allowed and not isinstance(weight, Fp8GatheredWeight) \
+            and not (fsdp is not None and isinstance(self, fsdp.FSDPModule)) \
+            and not torch.compiler.is_compiling()  # (a traced graph re-derives it anyway)
+        if cacheable and _step_hook is None:
             _watch_optimizer_steps()
         # tensor._version: torch's in-place write counter, the one signal an in-place update of the weight gives
-        key = (weight._version, _optimizer_steps, weight.data_ptr(), self.training, self._scale_generation, backend,
-               self.emulated_dtype, self.quantize_kernel) if cacheable else None
+        key = (weight._version, _optimizer_steps, weight.data_ptr(), self.training, self._scale_generation,
+               dispatch.backend, self.emulated_dtype, self.quantize_kernel) if cacheable else None
         cached = self._weight_cache
         if cached is not None and key is not None and cached.key == key and not self.telemetry:
             return cached
-        emulated = backend == "emulated"
-        blocked = self.recipe.granularity_of(OperandRole.WEIGHT) == "block"
-        # block tiles: the native GEMM reads the FP8 bytes and tile scales, or the GEMMs read value * scale in fp32
-        # (tile_values_dtype)
-        tiles_dequantized = emulated and blocked and tile_values_dtype(weight.device, self.emulated_dtype) == \
-            torch.float32
-        keep = emulated if not blocked or not emulated or tiles_dequantized else False
+        keep = dispatch.weight_keeps
+        weight_quantizer = self.quantizers[OperandRole.WEIGHT]
         with torch.no_grad():
-            weight_fp8 = self.quantizers[OperandRole.WEIGHT].quantize(weight, keep_values=keep)
-            if weight_fp8.values is not None and weight_fp8.granularity != "block":
+            weight_fp8 = weight_quantizer.quantize(weight, keep_values=keep.value)
+            if weight_fp8.values is not None and weight_fp8.granularity != Granularity.BLOCK:
                 # Only the dtype the GEMM reads is kept (block-scaled weights are dequantized in fp32).
-                compute_dtype = emulated_compute_dtype(weight.device, self.emulated_dtype)
-                weight_fp8.values = to_dtype(weight_fp8.values, compute_dtype)
+                weight_fp8.values = to_dtype(weight_fp8.values, dispatch.compute_dtype)
             weight_op = Fp8Operand.from_fp8_tensor(weight_fp8)
-            if self.recipe.requantize_transposed(OperandRole.WEIGHT):  # scales along K, constant along the contracted N
+            if dispatch.weight_transposed:  # scales along K, constant along the contracted N
                 weight_op_grad = Fp8Operand.from_fp8_tensor(
-                    self.quantizers[OperandRole.WEIGHT].quantize_transposed(weight, keep_values=keep)).t()
+                    weight_quantizer.quantize_transposed(weight, keep_values=keep.value)).t()
             else:
                 weight_op_grad = weight_op
+            # block tiles that the GEMMs read as value * scale in fp32 (Keep.FP32: no native GEMM on them)
+            tiles_dequantized = keep is Keep.FP32 and weight_quantizer.granularity == Granularity.BLOCK
             for op in {id(weight_op): weight_op, id(weight_op_grad): weight_op_grad}.values():
                 if tiles_dequantized and op.block is not None:
                     op.dequantize(torch.float32)  # tiles vary along K: the GEMMs read the dequantized weight
             weights = WeightFp8(key, weight_fp8, weight_op.t(), weight_op_grad)
-        if key is not None and not torch.compiler.is_compiling():  # compiled graphs re-derive (and fuse) it
+        if key is not None:  # (never while compiling: compiled graphs re-derive and fuse it)
             self._weight_cache = weights
         return weights
 
@@ -366,6 +354,7 @@ class Fp8Linear(nn.Linear):
         """Set how this layer runs (configure_execution checked both values)."""
         self.quantize_kernel, self.emulated_dtype = quantize_kernel, emulated_dtype
         self._resolved_kernel = (None, None)
+        self._dispatch = NO_DISPATCH
         self.forget_weight_fp8()  # ('auto' may now resolve otherwise: gemm.set_cpu_bf16_gemm)
 
     def forget_weight_fp8(self) -> None:

@@ -49,6 +49,7 @@ def set_mode(choice: str) -> None:
     if choice not in MODES:
         raise ValueError(f"native GEMM mode must be one of {', '.join(MODES)}; got {choice!r}")
     _mode = choice
+    native_cast.note_switch()
 
 
 def mode() -> str:
