@@ -744,9 +744,9 @@ def test_a_conv1d_layout_layer_reads_in_out_weights_and_keeps_old_out_in_checkpo
 def test_a_forward_after_an_optimizer_step_without_update_warns_once(monkeypatch):
     """Delayed scaling: amaxes pending across an optimizer step mean update_fp8_scales was not called; the
     warning is a RuntimeWarning naming the call to add, given once per process."""
-    import fp8train.nn.linear as linear_module
+    import fp8train.nn.delayed_scaling as delayed_scaling
 
-    monkeypatch.setattr(linear_module, "_missing_update_warned", False)
+    monkeypatch.setattr(delayed_scaling, "_missing_update_warned", False)
     layer = Fp8Linear(16, 16, recipe="delayed")
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.0)
     layer(torch.randn(2, 16)).sum().backward()
@@ -770,9 +770,9 @@ def test_a_forward_after_an_optimizer_step_without_update_warns_once(monkeypatch
 def test_no_missing_update_warning_without_delayed_training(monkeypatch, name, training):
     """Only a delayed layer in training checks for a missing update_fp8_scales: a current/rowwise layer in
     training, or a delayed one in eval, runs forward, optimizer.step(), forward without the warning."""
-    import fp8train.nn.linear as linear_module
+    import fp8train.nn.delayed_scaling as delayed_scaling
 
-    monkeypatch.setattr(linear_module, "_missing_update_warned", False)
+    monkeypatch.setattr(delayed_scaling, "_missing_update_warned", False)
     layer = Fp8Linear(16, 16, recipe=name).train(training)
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.0)
     with warnings.catch_warnings():
@@ -782,7 +782,7 @@ def test_no_missing_update_warning_without_delayed_training(monkeypatch, name, t
         layer(torch.randn(2, 16))
         optimizer.step()
         layer(torch.randn(2, 16))
-    assert linear_module._missing_update_warned is False
+    assert delayed_scaling._missing_update_warned is False
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -968,3 +968,29 @@ def test_the_stale_scale_counters_are_int64():
     counters = {k: v for k, v in layer.state_dict().items() if k.endswith("_stale_scale_steps")}
     assert sorted(counters) == [f"{role}_stale_scale_steps" for role in ("grad_output", "input", "weight")]
     assert all(v.dtype == torch.int64 and v.shape == () for v in counters.values())
+
+
+def test_importing_and_building_layers_registers_no_optimizer_hook():
+    """fp8train adds no process-wide optimizer step hook by being imported or by building layers of any recipe;
+    the first forward that caches an FP8 weight registers one (shared by every layer: fused AdamW writes weights
+    without a version bump, so the optimizer steps are part of the weight cache's key), and only one. A fresh
+    process, as the hook stays for the life of the one running the suite."""
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from torch.optim import optimizer as torch_optimizer
+hooks = torch_optimizer._global_optimizer_post_hooks  # (torch's table behind register_optimizer_step_post_hook)
+before = len(hooks)
+import fp8train
+from fp8train import Fp8Linear
+from fp8train.nn.recipes import RECIPE_NAMES
+layers = [Fp8Linear(32, 32, recipe=name) for name in RECIPE_NAMES]
+print(len(hooks) - before)
+for layer in layers:
+    layer(torch.randn(4, 32)).sum().backward()
+print(len(hooks) - before)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["0", "1"], out.stdout + out.stderr

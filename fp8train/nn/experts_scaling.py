@@ -28,7 +28,8 @@ import torch.nn as nn
 
 from fp8train.nn.delayed_scaling import refuse_bad_fp8_state
 from fp8train.nn.gemm import AUTO_EMULATED_DTYPE, check_emulated_dtype
-from fp8train.nn.linear import Fp8Linear, check_scales_updated
+from fp8train.nn.delayed_scaling import check_scales_updated
+from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.linear_dispatch import NO_DISPATCH
 from fp8train.nn.quantizer import OperandQuantizer, apply_keeping_scaling_dtypes
 from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe, recipe as make_recipe

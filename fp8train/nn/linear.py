@@ -78,17 +78,16 @@ host syncs and an extra pass over each tensor.
 from __future__ import annotations
 
 import sys
-import warnings
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fp8train.nn.accumulation import HopperAccumulation
 from fp8train.nn.fp8_all_gather import Fp8GatheredWeight
-from fp8train.nn.delayed_scaling import refuse_bad_fp8_state, update_group
+from fp8train.nn import delayed_scaling
+from fp8train.nn.delayed_scaling import (MISSING_UPDATE_WARNING, check_scales_updated, refuse_bad_fp8_state,
+                                         update_fp8_scales)
 from fp8train.nn.fp8_operand import Fp8Operand
 from fp8train.nn.gemm_choice import AUTO_EMULATED_DTYPE, Keep, check_emulated_dtype, resolve_backend
 from fp8train.nn.linear_dispatch import NO_DISPATCH, dispatch_for
@@ -101,51 +100,6 @@ from fp8train.numerics.cast_kernels import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOIC
 
 __all__ = ["Fp8Linear", "update_fp8_scales", "configure_execution", "SCALING_BUFFERS", "is_scaling_buffer",
            "MISSING_UPDATE_WARNING", "check_scales_updated"]
-
-
-_optimizer_steps = 0  # steps of any torch.optim optimizer since the hook below was registered
-_step_hook = None  # its handle, once a layer needs the count
-
-
-def _count_optimizer_step(optimizer, args, kwargs) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-def _watch_optimizer_steps() -> None:
-    """Count optimizer steps from now on (process-wide, registered once).
-
-    Fused AdamW (transformers' Trainer default, fp8train's on CUDA) writes the weights in place without bumping
-    tensor._version, so the weight cache could not see its updates: every optimizer step counts instead, and the
-    delayed-scaling check (_check_scales_updated) reads the same count. Registered by the first forward that
-    caches a weight or checks delayed scales, never by importing fp8train or building a layer: a process that only
-    imports the package keeps its optimizers free of our hook. A count that starts late is enough, as both readers
-    compare it with the value they saw at an earlier forward."""
-    global _step_hook
-    if _step_hook is None:
-        _step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
-
-_missing_update_warned = False  # the delayed-scaling warning (module docstring, 3.) is given once per process
-MISSING_UPDATE_WARNING = (
-    "Fp8Linear with delayed scaling: a forward runs with amaxes pending from an earlier optimizer step, so "
-    "update_fp8_scales(model) was not called after that optimizer.step(): the delayed scales never update and "
-    "every step is scaled from its own amax (current scaling). Call fp8train.update_fp8_scales(model) after each "
-    "optimizer.step(); with transformers.Trainer pass callbacks=[fp8train.Fp8ScalingCallback()]")
-
-
-def check_scales_updated(pending_since_step: int | None, stacklevel: int = 4) -> int:
-    """The delayed-scaling check of the module docstring (3.) for a training forward, given the optimizer-step
-    count its owner (an Fp8Linear, or a grouped layer's per-expert state, nn/experts_scaling.py) saw at its first
-    pending record (None: none yet): warns once per process when amaxes recorded before an optimizer step are
-    still pending, i.e. update_fp8_scales was not called after that step. Returns the count to keep."""
-    global _missing_update_warned
-    _watch_optimizer_steps()
-    if pending_since_step is None:
-        return _optimizer_steps
-    if pending_since_step != _optimizer_steps and not _missing_update_warned:
-        _missing_update_warned = True
-        warnings.warn(MISSING_UPDATE_WARNING, RuntimeWarning, stacklevel=stacklevel)
-    return pending_since_step
 
 
 def is_scaling_buffer(key: str) -> bool:
@@ -319,10 +273,10 @@ class Fp8Linear(nn.Linear):
         cacheable = self.weight_cache_allowed and not isinstance(weight, Fp8GatheredWeight) \
             and not (fsdp is not None and isinstance(self, fsdp.FSDPModule)) \
             and not torch.compiler.is_compiling()  # (a traced graph re-derives it anyway)
-        if cacheable and _step_hook is None:
-            _watch_optimizer_steps()
+        if cacheable and delayed_scaling.step_hook is None:  # (fused AdamW writes weights without a version bump:
+            delayed_scaling.watch_optimizer_steps()             # the optimizer steps are part of the key too)
         # tensor._version: torch's in-place write counter, the one signal an in-place update of the weight gives
-        key = (weight._version, _optimizer_steps, weight.data_ptr(), self.training, self._scale_generation,
+        key = (weight._version, delayed_scaling.optimizer_steps, weight.data_ptr(), self.training, self._scale_generation,
                dispatch.backend, self.emulated_dtype, self.quantize_kernel) if cacheable else None
         cached = self._weight_cache
         if cached is not None and key is not None and cached.key == key and not self.telemetry:
@@ -383,50 +337,3 @@ def configure_execution(model: nn.Module, *, quantize_kernel: str = DEFAULT_QUAN
     for scaling in experts:
         scaling.configure(quantize_kernel=quantize_kernel, emulated_dtype=emulated_dtype)
     return len(layers) + len(experts)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Delayed scaling: one update for all layers, on stacked buffers (the arithmetic: nn/delayed_scaling.py)
-# ------------------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def update_fp8_scales(model: nn.Module, process_group=None) -> None:
-    """Roll delayed-scaling histories once per optimizer step (after optimizer.step()). No-op for other recipes.
-
-    All pending amaxes of all layers go through ONE all_reduce(MAX) when torch.distributed is initialized, so
-    every data-parallel rank ends the step with identical scales. The update itself runs on stacked buffers:
-    a fixed number of tensor ops per group of layers sharing history length and scale options (usually one
-    group), however many layers there are.
-    """
-    # Units: a delayed Fp8Linear, or one expert of a grouped layer's per-expert state (nn/experts_scaling.py,
-    # which lists them as `delayed_units`); each holds one quantizer per role. Every unit's amaxes go through the
-    # same single all-reduce.
-    owners = []
-    units = []
-    for module in model.modules():
-        if isinstance(module, Fp8Linear) and module.recipe.is_delayed:
-            owners.append(module)
-            units.append(module)
-        elif getattr(module, "delayed_units", None):
-            owners.append(module)
-            units.extend(module.delayed_units)
-    if not units:
-        return
-    quantizers = [u.quantizers[role] for u in units for role in ROLES]  # rows: (unit, role)
-    pendings = [q.buffer("pending_amax") for q in quantizers]
-    step_amax = torch.stack(pendings)  # (3 * units,)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
-        dist.all_reduce(step_amax, op=dist.ReduceOp.MAX, group=process_group)
-    groups: dict[tuple, list[int]] = {}
-    for index, unit in enumerate(units):
-        r = unit.recipe
-        key = (r.amax_history_len, r.amax_compute_algo, r.margin, r.pow2_scales, r.amax_outlier_factor,
-               tuple(r.format_of(role) for role in ROLES), pendings[index * len(ROLES)].device)
-        groups.setdefault(key, []).append(index)
-    for indices in groups.values():
-        rows = step_amax if len(indices) == len(units) else \
-            step_amax.view(-1, len(ROLES))[indices].reshape(-1)
-        update_group([units[i].quantizers[role] for i in indices for role in ROLES], rows)
-    # one multi-tensor op for the whole list: torch's foreach kernels have no public name
-    torch._foreach_copy_(pendings, [torch.full_like(step_amax[0], -1.0)] * len(pendings))
-    for owner in owners:
-        owner.scales_updated()
