@@ -994,3 +994,51 @@ print(len(hooks) - before)
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.split() == ["0", "1"], out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("name", ["current", "block"])
+def test_settings_changed_after_a_forward_take_effect_as_on_a_fresh_layer(name):
+    """A layer resolves its GEMMs and what each operand keeps once per device and dtypes (nn/linear_dispatch.py):
+    changing its emulated dtype, or a process-wide switch (the native GEMM's mode, the native cast), after a
+    forward must give, bit for bit, what a fresh layer built under the new settings computes (forward and both
+    gradients), and a fresh layer under the old settings must still agree with the first forward."""
+    from fp8train.numerics import native_cast, native_gemm
+
+    def run(layer, x, dy):
+        x = x.clone().requires_grad_(True)
+        layer.zero_grad()
+        out = layer(x)
+        out.backward(dy)
+        return out.detach(), x.grad, layer.weight.grad.clone()
+
+    torch.manual_seed(3)
+    base = Fp8Linear(256, 64, recipe=recipe(name, backend="emulated"))
+    x, dy = torch.randn(32, 256, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
+
+    def fresh(emulated):
+        layer = Fp8Linear(256, 64, recipe=base.recipe)
+        layer.load_state_dict(base.state_dict())
+        layer.emulated_dtype = emulated
+        return layer
+
+    layer = fresh("fp32")
+    first = run(layer, x, dy)
+    layer.emulated_dtype = "bf16"
+    changed = run(layer, x, dy)
+    for got, want in zip(changed, run(fresh("bf16"), x, dy)):
+        assert torch.equal(got, want)
+    assert not all(torch.equal(a, b) for a, b in zip(first, changed))  # (bf16 rounds where fp32 does not)
+    previous_mode = native_gemm.mode()
+    try:
+        for mode in ("off", "on"):
+            native_gemm.set_mode(mode)
+            for got, want in zip(run(layer, x, dy), run(fresh("bf16"), x, dy)):
+                assert torch.equal(got, want), mode
+        native_cast.set_enabled(False)
+        for got, want in zip(run(layer, x, dy), run(fresh("bf16"), x, dy)):
+            assert torch.equal(got, want)
+    finally:
+        native_cast.set_enabled(True)
+        native_gemm.set_mode(previous_mode)
+    for got, want in zip(first, run(fresh("fp32"), x, dy)):
+        assert torch.equal(got, want)

@@ -239,17 +239,14 @@ class Fp8Linear(nn.Linear):
         input_2d = input if input.dim() == 2 else input.reshape(-1, in_features)  # (M, K)
         if input_2d.shape[0] == 0:
             return F.linear(input, weight.to(out_dtype), None if bias is None else bias.to(out_dtype))
-        if self._delayed and self.training and not torch.compiler.is_compiling():
-            self._check_scales_updated()
+        if self._delayed and self.training and not torch.compiler.is_compiling():  # (a missing update warns)
+            self._pending_since_step = check_scales_updated(self._pending_since_step)
         dispatch = dispatch_for(self, input.device, out_dtype, input.dtype, weight.dtype)
         # Our GEMMs pick their own precision; autocast must not recast them to bf16.
         with torch.autocast(device_type, enabled=False):
             weights = self._weight_fp8(dispatch, weight)
             output = Fp8LinearFunction.apply(input_2d, weight, bias, weights, self, dispatch, out_dtype)
         return output if input.dim() == 2 else output.reshape(*input.shape[:-1], out_features)
-
-    def _check_scales_updated(self) -> None:
-        self._pending_since_step = check_scales_updated(self._pending_since_step)
 
     def kernel_for(self, numel: int) -> str:
         """The quantize kernel this layer runs on a tensor of `numel` elements (`quantize_kernel`, resolved)."""
