@@ -32,7 +32,7 @@ from fp8train.nn.delayed_scaling import check_scales_updated
 from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.linear_dispatch import NO_DISPATCH
 from fp8train.nn.quantizer import OperandQuantizer, apply_keeping_scaling_dtypes
-from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe, recipe as make_recipe
+from fp8train.nn.recipes import DEFAULT_RECIPE, Fp8Recipe, GemmBackend, ROLES, recipe as make_recipe
 from fp8train.numerics.cast_kernels import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES, check_kernel
 
 __all__ = ["ExpertScaling", "ExpertView"]
@@ -46,7 +46,7 @@ class ExpertScaling(nn.Module):
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
         self.recipe = make_recipe(recipe) if isinstance(recipe, str) else recipe
-        if self.recipe.backend == "te":
+        if self.recipe.backend == GemmBackend.TE:
             raise ValueError("recipe backend='te' is not supported by FP8 experts (Transformer Engine replaces "
                              "nn.Linear layers only); use backend 'auto', 'emulated' or 'scaled_mm'")
         self.num_experts = num_experts

@@ -95,7 +95,7 @@ from fp8train.nn.linear_function import Fp8LinearFunction, WeightFp8, to_dtype
 from fp8train.nn.quantizer import SCALING_BUFFERS, OperandQuantizer, apply_keeping_scaling_dtypes
 from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe, GemmBackend, OperandRole, recipe as make_recipe
 from fp8train.numerics import native_cast
-from fp8train.numerics.names import Granularity
+from fp8train.numerics.names import Granularity, QuantizeKernel
 from fp8train.numerics.cast_kernels import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES, check_kernel, resolve_kernel
 
 __all__ = ["Fp8Linear", "update_fp8_scales", "configure_execution", "SCALING_BUFFERS", "is_scaling_buffer",
@@ -251,14 +251,14 @@ class Fp8Linear(nn.Linear):
     def kernel_for(self, numel: int) -> str:
         """The quantize kernel this layer runs on a tensor of `numel` elements (`quantize_kernel`, resolved)."""
         if torch.compiler.is_compiling():
-            return "eager"  # (a traced model inlines the math into its own graph anyway)
+            return QuantizeKernel.EAGER  # (a traced model inlines the math into its own graph anyway)
         asked, kernel = self._resolved_kernel
         if asked is not self.quantize_kernel:  # 'auto': native on a CPU where it builds, compiled on a GPU, else eager
             kernel = resolve_kernel(self.quantize_kernel, self.weight.device, native_cast.available())
             self._resolved_kernel = (self.quantize_kernel, kernel)
-        if kernel == "native":
+        if kernel == QuantizeKernel.NATIVE:
             return kernel  # at every size (quant.quantize runs eager where the C kernel cannot)
-        return "eager" if numel < QUANT_KERNEL_MIN_NUMEL else kernel
+        return QuantizeKernel.EAGER if numel < QUANT_KERNEL_MIN_NUMEL else kernel
 
     def _weight_fp8(self, dispatch, weight: torch.Tensor) -> WeightFp8:
         """The FP8 copy of `weight` (the layer's, or this rank's shard of it) and its GEMM operands, made once per
@@ -273,8 +273,9 @@ class Fp8Linear(nn.Linear):
         if cacheable and delayed_scaling.step_hook is None:  # (fused AdamW writes weights without a version bump:
             delayed_scaling.watch_optimizer_steps()             # the optimizer steps are part of the key too)
         # tensor._version: torch's in-place write counter, the one signal an in-place update of the weight gives
-        key = (weight._version, delayed_scaling.optimizer_steps, weight.data_ptr(), self.training, self._scale_generation,
-               dispatch.backend, self.emulated_dtype, self.quantize_kernel) if cacheable else None
+        key = (weight._version, delayed_scaling.optimizer_steps, weight.data_ptr(), self.training,
+               self._scale_generation, dispatch.backend, self.emulated_dtype,
+               self.quantize_kernel) if cacheable else None
         cached = self._weight_cache
         if cached is not None and key is not None and cached.key == key and not self.telemetry:
             return cached

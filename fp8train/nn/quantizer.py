@@ -33,6 +33,7 @@ from fp8train.numerics.formats import get_format
 from fp8train.numerics.mx import quantize_mx
 from fp8train.numerics.quant import Fp8Tensor, compute_amax, decode_fp8, quant_error, quantize
 from fp8train.numerics.scaling import format_scale
+from fp8train.numerics.names import Granularity, QuantizeKernel
 
 __all__ = ["OperandQuantizer", "SCALING_BUFFERS", "DELAYED_SCALING_BUFFERS", "apply_keeping_scaling_dtypes"]
 
@@ -123,7 +124,7 @@ class OperandQuantizer:
             # Block tiles (block, mxfp8) vary along K: where the emulated GEMMs read value * scale in fp32
             # (keep_values True, gemm.tile_values_dtype), the C kernel writes that in the same pass instead of the
             # values; where the native GEMM reads the bytes and the tile scales, nothing more is kept.
-            blocked = kernel == "native" and self.granularity == "block" and keep_values is True
+            blocked = kernel == QuantizeKernel.NATIVE and self.granularity == Granularity.BLOCK and keep_values is True
             keep_values = False if blocked else keep_values
             if self.mx:
                 quantized = quantize_mx(tensor, self.format, kernel=kernel, keep_values=keep_values,
@@ -147,7 +148,8 @@ class OperandQuantizer:
         telemetry come from the primary quantization of the same tensor. `keep_values` as quantize's (the copy
         its GEMM reads); block tiles keep value * scale instead where the C kernel runs."""
         kernel = self.layer.kernel_for(tensor.numel())
-        blocked = kernel == "native" and self.granularity == "block" and keep_values is True  # as in quantize
+        # as in quantize
+        blocked = kernel == QuantizeKernel.NATIVE and self.granularity == Granularity.BLOCK and keep_values is True
         keep_values = False if blocked else keep_values
         with torch.no_grad():
             tensor_t = tensor.t()
@@ -195,9 +197,11 @@ class OperandQuantizer:
         scale grid -> fp32) where the C kernel runs."""
         if not keep_values:
             return Fp8Operand(data, scale, block)
-        if block is not None and keep_values is True and self.layer.kernel_for(data.numel()) == "native" and \
-                native_cast.dequantizable(data, scale, "block", *block):
-            return Fp8Operand(data, scale, block, dequantized=native_cast.dequantize(data, scale, "block", *block))
+        if block is not None and keep_values is True and \
+                self.layer.kernel_for(data.numel()) == QuantizeKernel.NATIVE and \
+                native_cast.dequantizable(data, scale, Granularity.BLOCK, *block):
+            return Fp8Operand(data, scale, block, dequantized=native_cast.dequantize(data, scale, Granularity.BLOCK,
+                                                                                     *block))
         return Fp8Operand(data, scale, block, self.decode(data, torch.float32 if keep_values is True else keep_values))
 
     def _record_stats(self, tensor: torch.Tensor, quantized: Fp8Tensor) -> None:
