@@ -18,9 +18,9 @@ then saved in that form only, so every GEMM's scales factor out or tile K as the
 The weight's FP8 copy (bytes, scale, and its values in the GEMM's compute dtype) is made once per weight version
 and reused by every micro-batch and by backward: it is remade when the weight changes in place (optimizer step,
 checkpoint load: tensor._version; and any torch.optim optimizer's step, counted by a global step hook that the
-first forward caching a weight registers (never an import), because fused AdamW updates weights in place without
-bumping their version), when it is replaced, when delayed scales
-are updated, and when the layer switches between train and eval. An fp32 (or bf16) copy of FP8 values exists
+first forward caching a weight registers (never an import or a layer's construction: nn/delayed_scaling.py),
+because fused AdamW updates weights in place without bumping their version), when it is replaced, when delayed
+scales are updated, and when the layer switches between train and eval. An fp32 (or bf16) copy of FP8 values exists
 only where a GEMM reads it.
 
 Scaling state (module buffers, hence in state_dict and checkpoints), one role's owned by `layer.quantizers[role]`
@@ -65,8 +65,9 @@ Execution options (same results, different speed): `layer.quantize_kernel` ('aut
 cast_kernels.QUANT_KERNELS; default 'auto': native (the C kernel) on a CPU where it builds, at every size, compiled
 on a GPU, else eager; 'native' where it does not build runs eager; tensors under QUANT_KERNEL_MIN_NUMEL elements
 never run the compiled kernel, which does not pay) and
-`layer.emulated_dtype` ('auto' | 'fp32' | 'bf16', gemm.emulated_compute_dtype). `configure_execution(model, ...)`
-sets both on every Fp8Linear.
+`layer.emulated_dtype` ('auto' | 'fp32' | 'bf16', gemm_choice.emulated_compute_dtype). `configure_execution(model,
+...)` sets both on every Fp8Linear. What follows from them and the recipe (the backend, what each operand keeps, the
+GEMM each of the three runs) is resolved once per device and dtypes and kept on the layer (nn/linear_dispatch.py).
 
 Telemetry: set `layer.telemetry = True` and every following forward (input, weight) and backward (grad_output)
 overwrites `layer.last_stats[role]` with amax, scale (mean over rows/blocks when not tensorwise), overflow_frac,

@@ -122,8 +122,8 @@ class OperandQuantizer:
             self.buffer("nonfinite_amax_count").add_(nonfinite if self.tensorwise else nonfinite.any())
         else:
             # Block tiles (block, mxfp8) vary along K: where the emulated GEMMs read value * scale in fp32
-            # (keep_values True, gemm.tile_values_dtype), the C kernel writes that in the same pass instead of the
-            # values; where the native GEMM reads the bytes and the tile scales, nothing more is kept.
+            # (keep_values True: gemm_choice.operand_keeps), the C kernel writes that in the same pass instead of
+            # the values; where the native GEMM reads the bytes and the tile scales, nothing more is kept.
             blocked = kernel == QuantizeKernel.NATIVE and self.granularity == Granularity.BLOCK and keep_values is True
             keep_values = False if blocked else keep_values
             if self.mx:
