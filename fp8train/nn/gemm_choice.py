@@ -112,7 +112,7 @@ def operand_keeps(backend: GemmBackend, recipe: Fp8Recipe, role: OperandRole, co
         return Keep.BYTES
     if role is not OperandRole.WEIGHT and recipe.accumulator_bits:
         return Keep.FP32
-    if recipe.granularity_of(role) == Granularity.BLOCK:
+    if recipe.granularity_of(role) is Granularity.BLOCK:
         tiles_native = compute_dtype == torch.bfloat16 and native_gemm.in_use(device)
         return Keep.BYTES if tiles_native else Keep.FP32
     if role is OperandRole.WEIGHT:

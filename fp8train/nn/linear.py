@@ -249,7 +249,7 @@ class Fp8Linear(nn.Linear):
             output = Fp8LinearFunction.apply(input_2d, weight, bias, weights, self, dispatch, out_dtype)
         return output if input.dim() == 2 else output.reshape(*input.shape[:-1], out_features)
 
-    def kernel_for(self, numel: int) -> str:
+    def kernel_for(self, numel: int) -> QuantizeKernel:
         """The quantize kernel this layer runs on a tensor of `numel` elements (`quantize_kernel`, resolved)."""
         if torch.compiler.is_compiling():
             return QuantizeKernel.EAGER  # (a traced model inlines the math into its own graph anyway)
@@ -257,7 +257,7 @@ class Fp8Linear(nn.Linear):
         if asked is not self.quantize_kernel:  # 'auto': native on a CPU where it builds, compiled on a GPU, else eager
             kernel = resolve_kernel(self.quantize_kernel, self.weight.device, native_cast.available())
             self._resolved_kernel = (self.quantize_kernel, kernel)
-        if kernel == QuantizeKernel.NATIVE:
+        if kernel is QuantizeKernel.NATIVE:
             return kernel  # at every size (quant.quantize runs eager where the C kernel cannot)
         return QuantizeKernel.EAGER if numel < QUANT_KERNEL_MIN_NUMEL else kernel
 
@@ -294,7 +294,7 @@ class Fp8Linear(nn.Linear):
             else:
                 weight_op_grad = weight_op
             # block tiles that the GEMMs read as value * scale in fp32 (Keep.FP32: no native GEMM on them)
-            tiles_dequantized = keep is Keep.FP32 and weight_quantizer.granularity == Granularity.BLOCK
+            tiles_dequantized = keep is Keep.FP32 and weight_quantizer.granularity is Granularity.BLOCK
             for op in {id(weight_op): weight_op, id(weight_op_grad): weight_op_grad}.values():
                 if tiles_dequantized and op.block is not None:
                     op.dequantize(torch.float32)  # tiles vary along K: the GEMMs read the dequantized weight

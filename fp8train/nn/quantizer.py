@@ -124,7 +124,7 @@ class OperandQuantizer:
             # Block tiles (block, mxfp8) vary along K: where the emulated GEMMs read value * scale in fp32
             # (keep_values True: gemm_choice.operand_keeps), the C kernel writes that in the same pass instead of
             # the values; where the native GEMM reads the bytes and the tile scales, nothing more is kept.
-            blocked = kernel == QuantizeKernel.NATIVE and self.granularity == Granularity.BLOCK and keep_values is True
+            blocked = kernel is QuantizeKernel.NATIVE and self.granularity is Granularity.BLOCK and keep_values is True
             keep_values = False if blocked else keep_values
             if self.mx:
                 quantized = quantize_mx(tensor, self.format, kernel=kernel, keep_values=keep_values,
@@ -149,7 +149,7 @@ class OperandQuantizer:
         its GEMM reads); block tiles keep value * scale instead where the C kernel runs."""
         kernel = self.layer.kernel_for(tensor.numel())
         # as in quantize
-        blocked = kernel == QuantizeKernel.NATIVE and self.granularity == Granularity.BLOCK and keep_values is True
+        blocked = kernel is QuantizeKernel.NATIVE and self.granularity is Granularity.BLOCK and keep_values is True
         keep_values = False if blocked else keep_values
         with torch.no_grad():
             tensor_t = tensor.t()
@@ -198,7 +198,7 @@ class OperandQuantizer:
         if not keep_values:
             return Fp8Operand(data, scale, block)
         if block is not None and keep_values is True and \
-                self.layer.kernel_for(data.numel()) == QuantizeKernel.NATIVE and \
+                self.layer.kernel_for(data.numel()) is QuantizeKernel.NATIVE and \
                 native_cast.dequantizable(data, scale, Granularity.BLOCK, *block):
             return Fp8Operand(data, scale, block, dequantized=native_cast.dequantize(data, scale, Granularity.BLOCK,
                                                                                      *block))

@@ -49,9 +49,10 @@ class ScalingKind(StrName):
     MXFP8 = "mxfp8"        # OCP MX: 1x32 blocks along the contracted dim, E8M0 scales
 
     @property
-    def granularity(self) -> str:
-        """quant.quantize granularity: 'tensor', 'row' or 'block'."""
-        return "tensor" if self.is_tensorwise else "row" if self is ScalingKind.ROWWISE else "block"
+    def granularity(self) -> Granularity:
+        """quant.quantize granularity: 'tensor', 'row' or 'block' (the Granularity member)."""
+        return Granularity.TENSOR if self.is_tensorwise else Granularity.ROW if self is ScalingKind.ROWWISE \
+            else Granularity.BLOCK
 
     @property
     def is_tensorwise(self) -> bool:
@@ -250,7 +251,7 @@ class Fp8Recipe:
         """Format name of operand `role` ('input', 'weight' or 'grad_output')."""
         return getattr(self, f"{role}_format")
 
-    def granularity_of(self, role: str) -> str:
+    def granularity_of(self, role: str) -> Granularity:
         """quant.quantize granularity of `role`: 'tensor', 'row' or 'block'."""
         return self.scaling.granularity
 
