@@ -23,7 +23,7 @@ Backends
       runs on fp8train's native bf16 -> fp32 GEMM (numerics.native_gemm: the FP8 bytes decoded to bf16 while it
       packs them, exact products, fp32 sums, fp32 result; the fp32 GEMM's arithmetic in another summation order,
       about 3x faster there), so the quantizer keeps no copy of the values such a GEMM reads (only the bf16 copy
-      a torch bf16 GEMM reads: native_gemm_reads_bytes); elsewhere it runs in fp32.
+      a torch bf16 GEMM reads: gemm_choice.operand_keeps); elsewhere it runs in fp32.
     * `auto`: bf16 on CUDA and on CPUs with bf16 GEMM instructions (avx512_bf16 or AMX-BF16, from
       /proc/cpuinfo), where bf16 GEMMs are several times faster than fp32; fp32 on other CPUs, where fp32 GEMMs
       are the fast ones (AMD EPYC, 2 cores, avx2 only: 77 vs ~10 GFLOP/s at 4096x1024x1024). `auto` therefore
