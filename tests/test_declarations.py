@@ -2,7 +2,8 @@
 
 The package's source is read with `ast` (not imported names checked against themselves): the fp8 config section
 declares none of Fp8Recipe's fields, no module re-spells a recipe name or the `none` / `bf16` sentinels, no code
-compares `scaling` with a string, and every default that names a recipe or a quantize kernel is the one constant.
+compares `scaling`, a granularity, a quantize kernel or a GEMM backend with a string, and every default that names
+a recipe or a quantize kernel is the one constant.
 """
 
 from __future__ import annotations
@@ -84,6 +85,36 @@ def scaling_string_comparisons(root: Path = PACKAGE) -> list[str]:
                 sides = [node.left, *node.comparators]
                 names = [s.attr if isinstance(s, ast.Attribute) else getattr(s, "id", None) for s in sides]
                 if "scaling" in names and any(_str_literals(s) for s in sides):
+                    hits.append(f"{module}:{node.lineno}")
+    return hits
+
+
+ENUM_NAMED = ("granularity", "kernel", "backend")  # numerics.names.Granularity, QuantizeKernel; recipes.GemmBackend
+
+
+def _compared_name(node: ast.AST) -> str:
+    """The name a side of a comparison reads: `x`, `obj.x`, `f(...)`'s `f`, `x[...]`'s `x` ("" for a literal)."""
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, (ast.Call, ast.Subscript)):
+        return _compared_name(node.func if isinstance(node, ast.Call) else node.value)
+    return ""
+
+
+def enum_string_comparisons(root: Path = PACKAGE) -> list[str]:
+    """Comparisons of a granularity, quantize kernel or GEMM backend (a name containing one of ENUM_NAMED:
+    `granularity`, `r.granularity_of(role)`, `kernel`, `layer.kernel_for(n)`, `recipe.backend`) with a string
+    literal or a tuple/list/set of them: `granularity == "row"`, `kernel in ("native", "eager")`, `backend != "te"`.
+    The enum member says it instead (`== Granularity.ROW`), so each name is spelled once."""
+    hits = []
+    for module, tree in _modules(root).items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                names = [_compared_name(s).lower() for s in sides]
+                if any(word in name for name in names for word in ENUM_NAMED) and any(_str_literals(s) for s in sides):
                     hits.append(f"{module}:{node.lineno}")
     return hits
 
@@ -206,9 +237,10 @@ def test_one_quantize_kernel_default():
 
 
 def test_emulated_dtype_auto_is_spelled_once():
-    """`emulated_dtype: auto` is gemm.AUTO_EMULATED_DTYPE everywhere: the layer's default, configure_execution's,
-    fp8.emulated_dtype's and its allowed values, and emulated_compute_dtype's."""
-    assert emulated_auto_spellings() == [f"nn/gemm.py:{_line_of('AUTO_EMULATED_DTYPE', PACKAGE / 'nn' / 'gemm.py')}"]
+    """`emulated_dtype: auto` is gemm_choice.AUTO_EMULATED_DTYPE everywhere: the layer's default,
+    configure_execution's, fp8.emulated_dtype's and its allowed values, and emulated_compute_dtype's."""
+    where = PACKAGE / "nn" / "gemm_choice.py"
+    assert emulated_auto_spellings() == [f"nn/gemm_choice.py:{_line_of('AUTO_EMULATED_DTYPE', where)}"]
     defaults = {"Fp8Linear": Fp8Linear(16, 16).emulated_dtype, "fp8.emulated_dtype": Fp8Config().emulated_dtype,
                 "configure_execution": inspect.signature(configure_execution).parameters["emulated_dtype"].default,
                 "emulated_compute_dtype": inspect.signature(emulated_compute_dtype).parameters["choice"].default}
@@ -222,3 +254,25 @@ def _line_of(name: str, path: Path) -> int:
 
 def test_no_scaling_compared_with_a_string():
     assert scaling_string_comparisons() == []
+
+
+def test_no_granularity_kernel_or_backend_compared_with_a_string():
+    assert enum_string_comparisons() == []
+
+
+def test_the_enum_comparison_check_finds_each_form(tmp_path):
+    """The check above sees each way such a comparison is written (so its empty answer means something), and
+    leaves alone comparisons with enum members and unrelated names."""
+    (tmp_path / "bad.py").write_text(
+        'if granularity == "row": pass\n'
+        'if r.granularity_of(role) != "block": pass\n'
+        'if kernel in ("native", "eager"): pass\n'
+        'if layer.kernel_for(n) == "native": pass\n'
+        'if "te" == self.recipe.backend: pass\n'
+        'if backend not in ["auto"]: pass\n')
+    (tmp_path / "good.py").write_text(
+        'if granularity == Granularity.ROW: pass\n'
+        'if kernel is QuantizeKernel.NATIVE: pass\n'
+        'if backend in GEMM_BACKENDS: pass\n'
+        'if mode == "row": pass\n')
+    assert enum_string_comparisons(tmp_path) == [f"bad.py:{line}" for line in range(1, 7)]

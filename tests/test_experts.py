@@ -231,8 +231,8 @@ def test_delayed_experts_and_dense_layers_update_together_and_warn_when_not_upda
     assert model["experts"].scaling.input_initialized.tolist() == [True, True]
     model["experts"](x, _offs([3, 5])).sum().backward()
     opt.step()  # no update_fp8_scales: the next forward of the experts warns (once per process)
-    import fp8train.nn.linear as linear_module
-    linear_module._missing_update_warned = False
+    import fp8train.nn.delayed_scaling as delayed_scaling
+    delayed_scaling._missing_update_warned = False
     with pytest.warns(RuntimeWarning, match="update_fp8_scales"):
         model["experts"](x, _offs([3, 5]))
 

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from fp8train.nn import gemm
+from fp8train.nn import cpu_features, gemm, gemm_choice
 from fp8train.nn.gemm import Fp8Operand, emulated_compute_dtype, fp8_mm, resolve_backend
+from fp8train.nn.gemm_choice import Keep, operand_keeps
+from fp8train.nn.recipes import ROLES, GemmBackend, OperandRole, recipe
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -113,7 +115,8 @@ def _int_fp8(shape, dtype, seed):
 @pytest.fixture
 def cpu_scaled_mm(monkeypatch):
     """torch._scaled_mm runs on CPU in this torch; pretend the device is capable so fp8_mm takes that path."""
-    monkeypatch.setattr(gemm, "scaled_mm_available", lambda device: True)
+    for module in (gemm, gemm_choice):  # (fp8_mm's check, the backend choice)
+        monkeypatch.setattr(module, "scaled_mm_available", lambda device: True)
 
 
 @pytest.mark.parametrize("name", ["output", "grad_input", "grad_weight"])
@@ -156,9 +159,9 @@ def test_unknown_backend_lists_the_allowed_ones():
 @pytest.fixture
 def cpu_flags_override():
     """Restores whatever --emulated-auto set for the session after a test that changes it."""
-    previous = gemm._cpu_bf16_gemm_override
-    yield gemm.set_cpu_bf16_gemm
-    gemm.set_cpu_bf16_gemm(previous)
+    previous = cpu_features._cpu_bf16_gemm_override
+    yield cpu_features.set_cpu_bf16_gemm
+    cpu_features.set_cpu_bf16_gemm(previous)
 
 
 def test_backend_resolution_on_cpu(cpu_flags_override):
@@ -259,28 +262,28 @@ def test_bf16_gemm_detection_follows_the_cpu_flags():
     """bf16 GEMMs are detected from /proc/cpuinfo's flags: avx512_bf16 or amx_bf16 (docs/testing.md's rule)."""
     flags = next(line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
                  if line.startswith("flags"))
-    assert gemm._read_cpu_bf16_flags() is bool({"avx512_bf16", "amx_bf16"} & set(flags))
+    assert cpu_features._read_cpu_bf16_flags() is bool({"avx512_bf16", "amx_bf16"} & set(flags))
 
 
 def test_bf16_gemm_detection_parses_the_flags_line():
     """avx512_bf16 or amx_bf16 (lower case, as the kernel writes them) in the first `flags` line, nothing else."""
     head = ["processor\t: 0\n", "model name\t: x\n"]
-    assert gemm._bf16_gemm_in_cpuinfo(head + ["flags\t\t: fpu sse2 avx512f avx512_bf16 avx512_vnni\n"]) is True
-    assert gemm._bf16_gemm_in_cpuinfo(head + ["flags\t\t: fpu sse2 amx_tile amx_bf16 amx_int8\n"]) is True
-    assert gemm._bf16_gemm_in_cpuinfo(head + ["flags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n"]) is False
-    assert gemm._bf16_gemm_in_cpuinfo(head + ["flags\t\t: fpu AMX_BF16 AVX512_BF16\n"]) is False
-    assert gemm._bf16_gemm_in_cpuinfo(head) is False  # no flags line (e.g. an ARM cpuinfo)
+    assert cpu_features._bf16_gemm_in_cpuinfo(head + ["flags\t\t: fpu sse2 avx512f avx512_bf16 avx512_vnni\n"]) is True
+    assert cpu_features._bf16_gemm_in_cpuinfo(head + ["flags\t\t: fpu sse2 amx_tile amx_bf16 amx_int8\n"]) is True
+    assert cpu_features._bf16_gemm_in_cpuinfo(head + ["flags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n"]) is False
+    assert cpu_features._bf16_gemm_in_cpuinfo(head + ["flags\t\t: fpu AMX_BF16 AVX512_BF16\n"]) is False
+    assert cpu_features._bf16_gemm_in_cpuinfo(head) is False  # no flags line (e.g. an ARM cpuinfo)
     # only the first flags line counts (one per core, all the same on a real machine)
-    assert gemm._bf16_gemm_in_cpuinfo(head + ["flags\t: avx2\n", "flags\t: amx_bf16\n"]) is False
+    assert cpu_features._bf16_gemm_in_cpuinfo(head + ["flags\t: avx2\n", "flags\t: amx_bf16\n"]) is False
 
 
 def test_bf16_gemm_detection_reads_the_file_and_says_no_without_one(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n\nprocessor\t: 1\n")
-    assert gemm._read_cpu_bf16_flags(str(cpuinfo)) is True
+    assert cpu_features._read_cpu_bf16_flags(str(cpuinfo)) is True
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2\n")
-    assert gemm._read_cpu_bf16_flags(str(cpuinfo)) is False
-    assert gemm._read_cpu_bf16_flags(str(tmp_path / "absent")) is False  # no /proc (macOS, Windows): no bf16
+    assert cpu_features._read_cpu_bf16_flags(str(cpuinfo)) is False
+    assert cpu_features._read_cpu_bf16_flags(str(tmp_path / "absent")) is False  # no /proc (macOS, Windows): no bf16
 
 
 def test_te_backend_error_names_make_te_linear():
@@ -355,21 +358,54 @@ def test_native_gemm_takes_a_bf16_bias_into_its_epilogue_as_fp32(native_gemm_mod
     assert bf16_out.dtype == torch.float32 and torch.equal(bf16_out, fp32_out)
 
 
-def test_tile_values_dtype_follows_the_explicit_choice(native_gemm_mode, cpu_flags_override):
-    """'bf16'/'fp32' pick the tile values' dtype whatever 'auto' would resolve to on this CPU; bf16 needs the
-    native GEMM in use (mode 'on'), with it off the tiles are always fp32 values."""
-    from fp8train.nn.gemm import tile_values_dtype
+def test_block_tiles_keep_bytes_only_where_the_native_gemm_reads_them(native_gemm_mode, cpu_flags_override):
+    """Block tiles (scales along K): the native GEMM reads their bytes where the emulated dtype is bf16 ('bf16', or
+    'auto' on a CPU with bf16 GEMMs) and the kernel is in use; otherwise the GEMM reads value * scale in fp32.
+    The emulated dtype is resolved as the layer does (emulated_compute_dtype), whatever 'auto' is on this CPU."""
+    block = recipe("block")
     native_gemm_mode("on")
     for cpu_bf16 in (False, True):
         cpu_flags_override(cpu_bf16)
-        assert tile_values_dtype("cpu", "bf16") == torch.bfloat16
-        assert tile_values_dtype("cpu", "fp32") == torch.float32
-        assert tile_values_dtype("cpu", "auto") == (torch.bfloat16 if cpu_bf16 else torch.float32)
-        assert tile_values_dtype("cpu") == tile_values_dtype("cpu", "auto")
+        for choice, expected in (("bf16", Keep.BYTES), ("fp32", Keep.FP32),
+                                 ("auto", Keep.BYTES if cpu_bf16 else Keep.FP32)):
+            for role in ROLES:
+                assert operand_keeps(GemmBackend.EMULATED, block, role, emulated_compute_dtype("cpu", choice),
+                                     torch.bfloat16, "cpu") is expected, (choice, role)
     native_gemm_mode("off")
     for cpu_bf16 in (False, True):
         cpu_flags_override(cpu_bf16)
-        assert [tile_values_dtype("cpu", c) for c in ("bf16", "fp32", "auto")] == [torch.float32] * 3
+        assert {operand_keeps(GemmBackend.EMULATED, block, role, emulated_compute_dtype("cpu", c), torch.float32,
+                              "cpu") for c in ("bf16", "fp32", "auto") for role in ROLES} == {Keep.FP32}
+
+
+@pytest.mark.parametrize("compute_dtype, out_dtype, native_mode, fp32_too, expected", [
+    # torch's bf16 GEMM, bf16 result: the bf16 values (and the fp32 ones beside them when asked)
+    (torch.bfloat16, torch.bfloat16, "on", False, Keep.BF16),
+    (torch.bfloat16, torch.bfloat16, "on", True, Keep.FP32_AND_BF16),
+    (torch.bfloat16, torch.bfloat16, "off", False, Keep.BF16),
+    # fp32 result from bf16 values: the native GEMM reads the bytes; without it the GEMM runs in fp32
+    (torch.bfloat16, torch.float32, "on", False, Keep.BYTES),
+    (torch.bfloat16, torch.float32, "off", False, Keep.FP32),
+    # fp32 emulation reads fp32 values whatever the output
+    (torch.float32, torch.bfloat16, "on", True, Keep.FP32),
+    (torch.float32, torch.float32, "on", False, Keep.FP32),
+])
+def test_what_an_activation_keeps_for_its_emulated_gemm(compute_dtype, out_dtype, native_mode, fp32_too, expected,
+                                                        native_gemm_mode):
+    """The input and grad_output of a tensorwise recipe keep exactly the copy the docstring of gemm.py says their
+    GEMM reads; the weight always keeps fp32 (the layer narrows it), scaled_mm and its bytes keep nothing."""
+    native_gemm_mode(native_mode)
+    current = recipe("current")
+    for role in (OperandRole.INPUT, OperandRole.GRAD_OUTPUT):
+        assert operand_keeps(GemmBackend.EMULATED, current, role, compute_dtype, out_dtype, "cpu",
+                             fp32_too=fp32_too) is expected
+    assert operand_keeps(GemmBackend.EMULATED, current, OperandRole.WEIGHT, compute_dtype, out_dtype, "cpu") \
+        is Keep.FP32
+    assert operand_keeps(GemmBackend.SCALED_MM, current, OperandRole.INPUT, compute_dtype, out_dtype, "cpu") \
+        is Keep.BYTES
+    hopper = current.replace(accumulator_bits=14)  # the accumulation model reads fp32 values
+    assert operand_keeps(GemmBackend.EMULATED, hopper, OperandRole.INPUT, compute_dtype, out_dtype, "cpu") \
+        is Keep.FP32
 
 
 def test_native_gemm_with_a_strided_row_scale_and_fp32_bias(native_gemm_mode):

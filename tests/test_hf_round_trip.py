@@ -307,7 +307,7 @@ def _delayed_llama():
 
 
 def test_trainer_without_the_callback_warns_once_that_scales_never_update(tmp_path, monkeypatch):
-    monkeypatch.setattr("fp8train.nn.linear._missing_update_warned", False)
+    monkeypatch.setattr("fp8train.nn.delayed_scaling._missing_update_warned", False)
     model = _delayed_llama()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -321,7 +321,7 @@ def test_trainer_without_the_callback_warns_once_that_scales_never_update(tmp_pa
 def test_trainer_with_the_callback_updates_scales_from_the_max_over_micro_batches(tmp_path, monkeypatch):
     import fp8train
 
-    monkeypatch.setattr("fp8train.nn.linear._missing_update_warned", False)
+    monkeypatch.setattr("fp8train.nn.delayed_scaling._missing_update_warned", False)
     model = _delayed_llama()
     layer = model.get_submodule("model.layers.0.self_attn.q_proj")
     seen = []

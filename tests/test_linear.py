@@ -115,15 +115,15 @@ def test_emulated_gemms_read_what_the_quantizer_wrote(name, kernel, monkeypatch)
     """Every operand an emulated GEMM reads comes with its values (or, for block tiles from the C kernel, value x
     scale) from the quantizer's own pass: no GEMM decodes FP8 bytes again, in the forward or the backward, with
     the default kernel (the C one where it is built) or the eager one, fp32 or bf16 operands."""
-    from fp8train.nn import gemm
+    from fp8train.nn import fp8_operand
     from fp8train.numerics import native_cast
 
     if name == "mxfp8" and not native_cast.available():  # the default kernel is the eager one here (see above)
         pytest.skip(f"mxfp8's default kernel is the eager one here ({native_cast.unavailable_reason()}), whose "
                     "quantize_transposed keeps no values")
     decoded = []
-    real_decode = gemm.decode_fp8
-    monkeypatch.setattr(gemm, "decode_fp8", lambda data, *args, **kwargs: decoded.append(tuple(data.shape))
+    real_decode = fp8_operand.decode_fp8  # (the one decode a GEMM operand makes)
+    monkeypatch.setattr(fp8_operand, "decode_fp8", lambda data, *args, **kwargs: decoded.append(tuple(data.shape))
                         or real_decode(data, *args, **kwargs))
     for emulated in ("fp32", "bf16"):
         torch.manual_seed(0)
@@ -744,9 +744,9 @@ def test_a_conv1d_layout_layer_reads_in_out_weights_and_keeps_old_out_in_checkpo
 def test_a_forward_after_an_optimizer_step_without_update_warns_once(monkeypatch):
     """Delayed scaling: amaxes pending across an optimizer step mean update_fp8_scales was not called; the
     warning is a RuntimeWarning naming the call to add, given once per process."""
-    import fp8train.nn.linear as linear_module
+    import fp8train.nn.delayed_scaling as delayed_scaling
 
-    monkeypatch.setattr(linear_module, "_missing_update_warned", False)
+    monkeypatch.setattr(delayed_scaling, "_missing_update_warned", False)
     layer = Fp8Linear(16, 16, recipe="delayed")
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.0)
     layer(torch.randn(2, 16)).sum().backward()
@@ -770,9 +770,9 @@ def test_a_forward_after_an_optimizer_step_without_update_warns_once(monkeypatch
 def test_no_missing_update_warning_without_delayed_training(monkeypatch, name, training):
     """Only a delayed layer in training checks for a missing update_fp8_scales: a current/rowwise layer in
     training, or a delayed one in eval, runs forward, optimizer.step(), forward without the warning."""
-    import fp8train.nn.linear as linear_module
+    import fp8train.nn.delayed_scaling as delayed_scaling
 
-    monkeypatch.setattr(linear_module, "_missing_update_warned", False)
+    monkeypatch.setattr(delayed_scaling, "_missing_update_warned", False)
     layer = Fp8Linear(16, 16, recipe=name).train(training)
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.0)
     with warnings.catch_warnings():
@@ -782,7 +782,7 @@ def test_no_missing_update_warning_without_delayed_training(monkeypatch, name, t
         layer(torch.randn(2, 16))
         optimizer.step()
         layer(torch.randn(2, 16))
-    assert linear_module._missing_update_warned is False
+    assert delayed_scaling._missing_update_warned is False
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -968,3 +968,77 @@ def test_the_stale_scale_counters_are_int64():
     counters = {k: v for k, v in layer.state_dict().items() if k.endswith("_stale_scale_steps")}
     assert sorted(counters) == [f"{role}_stale_scale_steps" for role in ("grad_output", "input", "weight")]
     assert all(v.dtype == torch.int64 and v.shape == () for v in counters.values())
+
+
+def test_importing_and_building_layers_registers_no_optimizer_hook():
+    """fp8train adds no process-wide optimizer step hook by being imported or by building layers of any recipe;
+    the first forward that caches an FP8 weight registers one (shared by every layer: fused AdamW writes weights
+    without a version bump, so the optimizer steps are part of the weight cache's key), and only one. A fresh
+    process, as the hook stays for the life of the one running the suite."""
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from torch.optim import optimizer as torch_optimizer
+hooks = torch_optimizer._global_optimizer_post_hooks  # (torch's table behind register_optimizer_step_post_hook)
+before = len(hooks)
+import fp8train
+from fp8train import Fp8Linear
+from fp8train.nn.recipes import RECIPE_NAMES
+layers = [Fp8Linear(32, 32, recipe=name) for name in RECIPE_NAMES]
+print(len(hooks) - before)
+for layer in layers:
+    layer(torch.randn(4, 32)).sum().backward()
+print(len(hooks) - before)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["0", "1"], out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("name", ["current", "block"])
+def test_settings_changed_after_a_forward_take_effect_as_on_a_fresh_layer(name):
+    """A layer resolves its GEMMs and what each operand keeps once per device and dtypes (nn/linear_dispatch.py):
+    changing its emulated dtype, or a process-wide switch (the native GEMM's mode, the native cast), after a
+    forward must give, bit for bit, what a fresh layer built under the new settings computes (forward and both
+    gradients), and a fresh layer under the old settings must still agree with the first forward."""
+    from fp8train.numerics import native_cast, native_gemm
+
+    def run(layer, x, dy):
+        x = x.clone().requires_grad_(True)
+        layer.zero_grad()
+        out = layer(x)
+        out.backward(dy)
+        return out.detach(), x.grad, layer.weight.grad.clone()
+
+    torch.manual_seed(3)
+    base = Fp8Linear(256, 64, recipe=recipe(name, backend="emulated"))
+    x, dy = torch.randn(32, 256, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
+
+    def fresh(emulated):
+        layer = Fp8Linear(256, 64, recipe=base.recipe)
+        layer.load_state_dict(base.state_dict())
+        layer.emulated_dtype = emulated
+        return layer
+
+    layer = fresh("fp32")
+    first = run(layer, x, dy)
+    layer.emulated_dtype = "bf16"
+    changed = run(layer, x, dy)
+    for got, want in zip(changed, run(fresh("bf16"), x, dy)):
+        assert torch.equal(got, want)
+    assert not all(torch.equal(a, b) for a, b in zip(first, changed))  # (bf16 rounds where fp32 does not)
+    previous_mode = native_gemm.mode()
+    try:
+        for mode in ("off", "on"):
+            native_gemm.set_mode(mode)
+            for got, want in zip(run(layer, x, dy), run(fresh("bf16"), x, dy)):
+                assert torch.equal(got, want), mode
+        native_cast.set_enabled(False)
+        for got, want in zip(run(layer, x, dy), run(fresh("bf16"), x, dy)):
+            assert torch.equal(got, want)
+    finally:
+        native_cast.set_enabled(True)
+        native_gemm.set_mode(previous_mode)
+    for got, want in zip(first, run(fresh("fp32"), x, dy)):
+        assert torch.equal(got, want)

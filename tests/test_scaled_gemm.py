@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8train.nn import scaled_gemm
 from fp8train.nn.gemm import Fp8Operand, fp8_mm, resolve_backend
-from fp8train.nn import gemm
+from fp8train.nn import gemm, gemm_choice
 from fp8train.nn.linear import Fp8Linear
 from fp8train.nn.recipes import recipe
 from fp8train.nn.scaled_gemm import check_dialect, scaled_mm_arguments, scaled_mm_kind
@@ -66,7 +66,8 @@ class KernelTrace(TorchDispatchMode):
 @pytest.fixture(autouse=True)
 def scaled_mm_on_cpu(monkeypatch):
     """torch._scaled_mm runs on CPU in this torch: let backend='scaled_mm' resolve here (users get a refusal)."""
-    monkeypatch.setattr(gemm, "scaled_mm_available", lambda device: True)
+    for module in (gemm, gemm_choice):  # (fp8_mm's check, the backend choice)
+        monkeypatch.setattr(module, "scaled_mm_available", lambda device: True)
     # each test starts with no remembered kernel refusals: one remembered from an earlier test (the block
     # kernel refused for the same shape) would skip the kernel call a later test traces, so results would
     # depend on which tests ran before (a subset, as mutation testing runs, failed this way)
@@ -273,7 +274,8 @@ def test_fnuz_refused_on_ocp_gpus_and_allowed_emulated(monkeypatch):
                                  "OCP formats; use e4m3fn/e5m2, or backend='emulated' to study FNUZ numerics")
     with pytest.raises(ValueError, match="FNUZ"):  # auto on a (pretended) capable OCP device: refused clearly
         resolve_backend("auto", "cpu", fnuz)
-    monkeypatch.setattr(gemm, "scaled_mm_available", lambda device: False)
+    for module in (gemm, gemm_choice):  # (fp8_mm's check, the backend choice)
+        monkeypatch.setattr(module, "scaled_mm_available", lambda device: False)
     assert resolve_backend("auto", "cpu", fnuz) == "emulated"
     layer = Fp8Linear(64, 64, recipe=recipe("current", input_format="e4m3fnuz", weight_format="e4m3fnuz",
                                             grad_output_format="e5m2fnuz"))

@@ -14,6 +14,7 @@ from fp8train.bench.harness import paired_ratio, side_by_side
 from fp8train.bench.options import QUANT_FORMATS, QUANT_LAYOUTS, BenchOptions, log
 from fp8train.numerics import native_cast
 from fp8train.numerics.formats import get_format
+from fp8train.numerics.names import Granularity
 from fp8train.numerics.quant import quantize
 
 __all__ = ["bench_quant"]
@@ -21,9 +22,9 @@ __all__ = ["bench_quant"]
 
 def _naive_quantize(x: torch.Tensor, fmt, granularity: str, block: tuple[int, int]) -> torch.Tensor:
     """The textbook eager chain: amax, scale, divide, clamp, torch's float8 cast (the reference)."""
-    if granularity == "tensor":
+    if granularity == Granularity.TENSOR:
         amax = x.abs().max()
-    elif granularity == "row":
+    elif granularity == Granularity.ROW:
         amax = x.abs().amax(dim=-1, keepdim=True)
     else:
         rows, cols = x.shape
@@ -49,7 +50,7 @@ def bench_quant(opts: BenchOptions, warmup: int, repeats: int) -> dict:
     rows_out = []
     for granularity, block, fmt_name in configs:
         fmt = get_format(fmt_name)
-        label = granularity if granularity != "block" else f"block {block[0]}x{block[1]}"
+        label = granularity if granularity != Granularity.BLOCK else f"block {block[0]}x{block[1]}"
 
         def run(kernel, g=granularity, b=block, f=fmt_name):
             return lambda: quantize(x, f, granularity=g, block=b, kernel=kernel)
@@ -60,7 +61,7 @@ def bench_quant(opts: BenchOptions, warmup: int, repeats: int) -> dict:
         contenders = {"naive eager": naive, "fp8train eager": run("eager")}
         if native_cast.available() and opts.device == "cpu":  # the C kernel: no compile, timed like the others
             contenders["fp8train native"] = run("native")
-        if granularity == "tensor" and fmt_name == "e4m3fn":  # what the memory system allows right now
+        if granularity == Granularity.TENSOR and fmt_name == "e4m3fn":  # what the memory system allows right now
             contenders["reference: amax only (1 read)"] = lambda: torch.amax(x)
             if "fp8train native" in contenders:  # delayed scaling's cast: a known scale, the amax in the same pass
                 known = torch.tensor(float(x.abs().max()) / fmt.max, device=opts.device)
@@ -92,7 +93,7 @@ def _format_pairs(x: torch.Tensor, opts: BenchOptions, warmup: int, repeats: int
     layouts = QUANT_LAYOUTS[:1] if opts.quick else QUANT_LAYOUTS
     out = []
     for granularity, block in layouts:
-        label = granularity if granularity != "block" else f"block {block[0]}x{block[1]}"
+        label = granularity if granularity != Granularity.BLOCK else f"block {block[0]}x{block[1]}"
         timings = side_by_side({f: (lambda f=f: quantize(x, f, granularity=granularity, block=block, kernel=kernel))
                                 for f in QUANT_FORMATS}, opts.device, warmup, repeats)
         paired = paired_ratio(timings["e5m2"], timings["e4m3fn"])  # e5m2 time / e4m3fn time = e4m3fn's speed ratio

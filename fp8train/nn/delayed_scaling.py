@@ -1,21 +1,81 @@
-"""Delayed scaling's per-step arithmetic on stacked buffers, and the rules loaded scaling state must satisfy.
+"""Delayed scaling's machinery in one place: the per-step update, the optimizer-step count, the missing-update
+check, the host mirror of the `initialized` flags, the stale-scale counters and the rules loaded state must satisfy.
 
-``fp8train.nn.linear.update_fp8_scales`` gathers the delayed layers and their pending amaxes (one all-reduce);
-``update_group`` then applies the documented step (fp8train.nn.linear's docstring, "Delayed scaling, exactly")
-to the per-role quantizers (fp8train.nn.quantizer.OperandQuantizer) of a group of layers sharing recipe options,
-on their stacked buffers, with a fixed number of tensor ops however many layers there are.
+``update_fp8_scales`` gathers the delayed layers and their pending amaxes (one all-reduce); ``update_group``
+then applies the documented step (fp8train.nn.linear's docstring, "Delayed scaling, exactly") to the per-role
+quantizers (fp8train.nn.quantizer.OperandQuantizer) of a group of layers sharing recipe options, on their stacked
+buffers, with a fixed number of tensor ops however many layers there are, and refreshes the host mirror.
+
+The optimizer-step count is process-wide (one torch.optim step post-hook), registered by the first forward that
+needs it (a delayed layer's missing-update check, or any layer caching its FP8 weight: fused AdamW writes the
+weights without bumping tensor._version), never by importing fp8train or building a layer.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fp8train.nn.recipes import ROLES, Fp8Recipe
 from fp8train.numerics.quant import max_scale, scale_rule
 
-__all__ = ["update_group", "refuse_bad_fp8_state"]
+__all__ = ["update_fp8_scales", "update_group", "refuse_bad_fp8_state", "check_scales_updated",
+           "watch_optimizer_steps", "optimizer_steps_seen", "MISSING_UPDATE_WARNING"]
+
+optimizer_steps = 0  # steps of any torch.optim optimizer since step_hook was registered
+step_hook = None  # its handle, once a layer needs the count
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global optimizer_steps
+    optimizer_steps += 1
+
+
+def watch_optimizer_steps() -> None:
+    """Count optimizer steps from now on (process-wide, registered once; module docstring).
+
+    Fused AdamW (transformers' Trainer default, fp8train's on CUDA) writes the weights in place without bumping
+    tensor._version, so a layer's FP8 weight cache could not see its updates: every optimizer step counts
+    instead, and the delayed-scaling check (check_scales_updated) reads the same count. A count that starts late
+    is enough, as both readers compare it with the value they saw at an earlier forward."""
+    global step_hook
+    if step_hook is None:
+        step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+def optimizer_steps_seen() -> int:
+    """The optimizer-step count an FP8 weight cache keys on, counting from the first call: for caches outside
+    Fp8Linear (all experts' weights at once, nn/experts_weights.py)."""
+    watch_optimizer_steps()
+    return optimizer_steps
+
+
+_missing_update_warned = False  # the delayed-scaling warning (linear's module docstring, 3.): once per process
+MISSING_UPDATE_WARNING = (
+    "Fp8Linear with delayed scaling: a forward runs with amaxes pending from an earlier optimizer step, so "
+    "update_fp8_scales(model) was not called after that optimizer.step(): the delayed scales never update and "
+    "every step is scaled from its own amax (current scaling). Call fp8train.update_fp8_scales(model) after each "
+    "optimizer.step(); with transformers.Trainer pass callbacks=[fp8train.Fp8ScalingCallback()]")
+
+
+def check_scales_updated(pending_since_step: int | None, stacklevel: int = 4) -> int:
+    """The delayed-scaling check (linear's module docstring, 3.) for a training forward, given the optimizer-step
+    count its owner (an Fp8Linear, or a grouped layer's per-expert state, nn/experts_scaling.py) saw at its first
+    pending record (None: none yet): warns once per process when amaxes recorded before an optimizer step are
+    still pending, i.e. update_fp8_scales was not called after that step. Returns the count to keep."""
+    global _missing_update_warned
+    if step_hook is None:
+        watch_optimizer_steps()
+    if pending_since_step is None:
+        return optimizer_steps
+    if pending_since_step != optimizer_steps and not _missing_update_warned:
+        _missing_update_warned = True
+        warnings.warn(MISSING_UPDATE_WARNING, RuntimeWarning, stacklevel=stacklevel)
+    return pending_since_step
 
 _STATE = ("amax_history", "scale", "scale_amax", "initialized", "stale_scale_steps")
 
@@ -45,6 +105,53 @@ def refuse_bad_fp8_state(module, state_dict, prefix, *args) -> None:
                 shown = value.float()[~ok(value.float())].reshape(-1)[:3].tolist()
                 raise ValueError(f"FP8 scaling state {key} holds {shown}; it must be {allowed} (a damaged or "
                                  "hand-edited state; nothing was loaded into this layer)")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The update: all layers at once, on stacked buffers
+# ------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def update_fp8_scales(model: torch.nn.Module, process_group=None) -> None:
+    """Roll delayed-scaling histories once per optimizer step (after optimizer.step()). No-op for other recipes.
+
+    All pending amaxes of all layers go through ONE all_reduce(MAX) when torch.distributed is initialized, so
+    every data-parallel rank ends the step with identical scales. The update itself runs on stacked buffers:
+    a fixed number of tensor ops per group of layers sharing history length and scale options (usually one
+    group), however many layers there are.
+    """
+    # Units: a delayed Fp8Linear, or one expert of a grouped layer's per-expert state (nn/experts_scaling.py,
+    # which lists them as `delayed_units`); each holds one quantizer per role. Every unit's amaxes go through the
+    # same single all-reduce.
+    owners = []
+    units = []
+    for module in model.modules():
+        if getattr(module, "delayed_units", None):
+            owners.append(module)
+            units.extend(module.delayed_units)
+        elif isinstance(getattr(module, "quantizers", None), dict) and module.recipe.is_delayed:  # an Fp8Linear
+            owners.append(module)
+            units.append(module)
+    if not units:
+        return
+    quantizers = [u.quantizers[role] for u in units for role in ROLES]  # rows: (unit, role)
+    pendings = [q.buffer("pending_amax") for q in quantizers]
+    step_amax = torch.stack(pendings)  # (3 * units,)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        dist.all_reduce(step_amax, op=dist.ReduceOp.MAX, group=process_group)
+    groups: dict[tuple, list[int]] = {}
+    for index, unit in enumerate(units):
+        r = unit.recipe
+        key = (r.amax_history_len, r.amax_compute_algo, r.margin, r.pow2_scales, r.amax_outlier_factor,
+               tuple(r.format_of(role) for role in ROLES), pendings[index * len(ROLES)].device)
+        groups.setdefault(key, []).append(index)
+    for indices in groups.values():
+        rows = step_amax if len(indices) == len(units) else \
+            step_amax.view(-1, len(ROLES))[indices].reshape(-1)
+        update_group([units[i].quantizers[role] for i in indices for role in ROLES], rows)
+    # one multi-tensor op for the whole list: torch's foreach kernels have no public name
+    torch._foreach_copy_(pendings, [torch.full_like(step_amax[0], -1.0)] * len(pendings))
+    for owner in owners:
+        owner.scales_updated()
 
 
 def update_group(quantizers: list, step_amax: torch.Tensor) -> None:

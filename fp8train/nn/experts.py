@@ -33,10 +33,10 @@ import torch
 import torch.nn as nn
 
 from fp8train.nn.experts_scaling import ExpertScaling
-from fp8train.nn.gemm import resolve_backend
 from fp8train.nn.experts_function import GroupedFp8Function
 from fp8train.nn.experts_weights import batched_weights_fp8
-from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe
+from fp8train.nn.linear_dispatch import dispatch_for
+from fp8train.nn.recipes import DEFAULT_RECIPE, Fp8Recipe
 
 __all__ = ["fp8_grouped_mm", "group_sizes", "Fp8GroupedLinear", "GroupedLinear", "ExpertScaling"]
 
@@ -95,7 +95,10 @@ def fp8_grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor
     if scaling.training and scaling.recipe.is_delayed and not torch.compiler.is_compiling():
         scaling.check_scales_updated()
     try:
-        backend = resolve_backend(scaling.recipe.backend, input.device, tuple(map(scaling.recipe.format_of, ROLES)))
+        # each expert's own (the same choices; its GEMM paths recorded on its view), made once per device and dtypes
+        dispatches = [dispatch_for(view, input.device, out_dtype, input.dtype, weight.dtype)
+                      for view in scaling.experts]
+        dispatch = dispatches[0]
     except RuntimeError as exc:  # (the recipe's backend cannot run on this device: the user's choice)
         raise ValueError(f"FP8 experts with recipe {scaling.recipe.code()!r}: {exc}") from None
     views = scaling.experts
@@ -105,14 +108,14 @@ def fp8_grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor
                 view.weight = w_e
             # one quantize call for every expert where it applies, else each expert's own (both cached per
             # weight version, as the dense layer's copy)
-            weights_fp8 = batched_weights_fp8(scaling, weight, backend)
+            weights_fp8 = batched_weights_fp8(scaling, weight, dispatch.backend)
             if weights_fp8 is None:
                 # An expert without tokens runs no GEMM, so its input and grad_output record nothing
                 # (experts_scaling.py); a delayed weight is still quantized in training, so its amax history
                 # keeps step with the others.
-                weights_fp8 = [view.weight_fp8(backend) if size or (scaling.training and scaling.recipe.is_delayed)
-                               else None for view, size in zip(views, sizes)]
-        return GroupedFp8Function.apply(input, weight, bias, weights_fp8, scaling, sizes, backend, out_dtype)
+                weights_fp8 = [view.weight_fp8(d) if size or (scaling.training and scaling.recipe.is_delayed)
+                               else None for view, d, size in zip(views, dispatches, sizes)]
+        return GroupedFp8Function.apply(input, weight, bias, weights_fp8, scaling, sizes, dispatches, out_dtype)
 
 
 class Fp8GroupedLinear(nn.Module):

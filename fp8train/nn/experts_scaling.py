@@ -28,9 +28,11 @@ import torch.nn as nn
 
 from fp8train.nn.delayed_scaling import refuse_bad_fp8_state
 from fp8train.nn.gemm import AUTO_EMULATED_DTYPE, check_emulated_dtype
-from fp8train.nn.linear import Fp8Linear, check_scales_updated
+from fp8train.nn.delayed_scaling import check_scales_updated
+from fp8train.nn.linear import Fp8Linear
+from fp8train.nn.linear_dispatch import NO_DISPATCH
 from fp8train.nn.quantizer import OperandQuantizer, apply_keeping_scaling_dtypes
-from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe, recipe as make_recipe
+from fp8train.nn.recipes import DEFAULT_RECIPE, Fp8Recipe, GemmBackend, ROLES, recipe as make_recipe
 from fp8train.numerics.cast_kernels import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES, check_kernel
 
 __all__ = ["ExpertScaling", "ExpertView"]
@@ -44,7 +46,7 @@ class ExpertScaling(nn.Module):
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
         self.recipe = make_recipe(recipe) if isinstance(recipe, str) else recipe
-        if self.recipe.backend == "te":
+        if self.recipe.backend == GemmBackend.TE:
             raise ValueError("recipe backend='te' is not supported by FP8 experts (Transformer Engine replaces "
                              "nn.Linear layers only); use backend 'auto', 'emulated' or 'scaled_mm'")
         self.num_experts = num_experts
@@ -138,10 +140,9 @@ class ExpertView:
     # GEMM options: an expert is quantized and multiplied exactly as a dense layer is.
     _weight_fp8 = Fp8Linear._weight_fp8
     kernel_for = Fp8Linear.kernel_for
-    gemm_options = Fp8Linear.gemm_options
     forget_weight_fp8 = Fp8Linear.forget_weight_fp8
     weight_cache_allowed = True
-    _accumulation = None
+    accumulation_model = None
     tp_layout = None  # experts are never split by tensor parallelism (docs/distributed.md)
 
     def __init__(self, owner: ExpertScaling, index: int):
@@ -151,7 +152,8 @@ class ExpertView:
         self.last_stats: dict[str, dict] = {}
         if self.recipe.accumulator_bits:
             from fp8train.nn.accumulation import HopperAccumulation
-            self._accumulation = HopperAccumulation(self.recipe.accumulator_bits, self.recipe.accumulator_promotion)
+            self.accumulation_model = HopperAccumulation(self.recipe.accumulator_bits,
+                                                         self.recipe.accumulator_promotion)
         self.quantizers = {role: OperandQuantizer(self, role) for role in ROLES}
         self.reset()
 
@@ -161,6 +163,7 @@ class ExpertView:
         self._weight_cache = None
         self._scale_generation = 0
         self._resolved_kernel = (None, None)  # (quantize_kernel, what it is on this device): Fp8Linear.kernel_for
+        self.dispatch_table = NO_DISPATCH  # (nn/linear_dispatch.py)
 
     def scales_updated(self) -> None:
         self._scale_generation += 1
@@ -169,10 +172,11 @@ class ExpertView:
         """After a device move: the FP8 weight is remade and 'auto' resolved again (as Fp8Linear._apply does)."""
         self.forget_weight_fp8()
         self._resolved_kernel = (None, None)
+        self.dispatch_table = NO_DISPATCH
 
-    def weight_fp8(self, backend: str):
+    def weight_fp8(self, dispatch):
         """This expert's FP8 weight and its GEMM operands (Fp8Linear's cache: once per weight version)."""
-        return self._weight_fp8(backend, self.weight)
+        return self._weight_fp8(dispatch, self.weight)
 
     def __getattr__(self, name: str):
         # `{role}_{buffer}`: row `index` of the owner's buffer (a view, so in-place updates reach the owner)

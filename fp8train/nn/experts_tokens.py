@@ -23,6 +23,7 @@ import torch
 
 from fp8train.numerics import native_cast
 from fp8train.numerics.fp8_tensor import Fp8Tensor
+from fp8train.numerics.names import QuantizeKernel
 from fp8train.numerics.quant import compute_amax, quantize
 from fp8train.numerics.scaling import format_scale
 
@@ -36,7 +37,7 @@ def batched_token_fp8(scaling, role: str, tensor: torch.Tensor, sizes: list[int]
     routed = sum(sizes)
     if not (recipe.is_tensorwise and not scaling.telemetry and routed and tensor.device.type == "cpu"
             and tensor.dtype in (torch.float32, torch.bfloat16) and tensor.dim() == 2 and tensor.is_contiguous()
-            and view.kernel_for(tensor[0].numel()) == "native" and native_cast.available()
+            and view.kernel_for(tensor[0].numel()) is QuantizeKernel.NATIVE and native_cast.available()
             and not torch.compiler.is_compiling()):
         return None
     rows, q = tensor[:routed], view.quantizers[role]

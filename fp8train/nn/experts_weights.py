@@ -24,27 +24,28 @@ import torch
 
 from fp8train.nn.fp8_all_gather import Fp8GatheredWeight
 from fp8train.nn.gemm import Fp8Operand, emulated_compute_dtype
-from fp8train.nn.linear import optimizer_steps_seen
+from fp8train.nn.delayed_scaling import optimizer_steps_seen
 from fp8train.nn.linear_function import WeightFp8
-from fp8train.nn.recipes import OperandRole
+from fp8train.nn.recipes import GemmBackend, OperandRole
 from fp8train.numerics import native_cast
+from fp8train.numerics.names import QuantizeKernel
 from fp8train.numerics.quant import Fp8Tensor, compute_amax, quantize
 from fp8train.numerics.scaling import format_scale
 
 __all__ = ["batched_weights_fp8"]
 
 
-def _applies(scaling, weight: torch.Tensor, backend: str) -> bool:
+def _applies(scaling, weight: torch.Tensor, backend: GemmBackend) -> bool:
     recipe = scaling.recipe
-    return (recipe.is_tensorwise and not recipe.accumulator_bits and backend == "emulated"
+    return (recipe.is_tensorwise and not recipe.accumulator_bits and backend is GemmBackend.EMULATED
             and not scaling.telemetry and type(weight) in (torch.Tensor, torch.nn.Parameter)
             and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and weight.is_contiguous() and weight.numel() > 0 and not torch.compiler.is_compiling()
             and all(view.weight_cache_allowed for view in scaling.experts)
-            and scaling.experts[0].kernel_for(weight[0].numel()) == "native" and native_cast.available())
+            and scaling.experts[0].kernel_for(weight[0].numel()) is QuantizeKernel.NATIVE and native_cast.available())
 
 
-def batched_weights_fp8(scaling, weight: torch.Tensor, backend: str) -> list[WeightFp8] | None:
+def batched_weights_fp8(scaling, weight: torch.Tensor, backend: GemmBackend) -> list[WeightFp8] | None:
     """Each expert's WeightFp8 (its dense layer's FP8 weight and GEMM operands) from one quantize call over
     `weight` (E, N, K), or None where that does not apply (module docstring)."""
     if not _applies(scaling, weight, backend):

@@ -18,9 +18,9 @@ then saved in that form only, so every GEMM's scales factor out or tile K as the
 The weight's FP8 copy (bytes, scale, and its values in the GEMM's compute dtype) is made once per weight version
 and reused by every micro-batch and by backward: it is remade when the weight changes in place (optimizer step,
 checkpoint load: tensor._version; and any torch.optim optimizer's step, counted by a global step hook that the
-first forward caching a weight registers (never an import), because fused AdamW updates weights in place without
-bumping their version), when it is replaced, when delayed scales
-are updated, and when the layer switches between train and eval. An fp32 (or bf16) copy of FP8 values exists
+first forward caching a weight registers (never an import or a layer's construction: nn/delayed_scaling.py),
+because fused AdamW updates weights in place without bumping their version), when it is replaced, when delayed
+scales are updated, and when the layer switches between train and eval. An fp32 (or bf16) copy of FP8 values exists
 only where a GEMM reads it.
 
 Scaling state (module buffers, hence in state_dict and checkpoints), one role's owned by `layer.quantizers[role]`
@@ -65,8 +65,9 @@ Execution options (same results, different speed): `layer.quantize_kernel` ('aut
 cast_kernels.QUANT_KERNELS; default 'auto': native (the C kernel) on a CPU where it builds, at every size, compiled
 on a GPU, else eager; 'native' where it does not build runs eager; tensors under QUANT_KERNEL_MIN_NUMEL elements
 never run the compiled kernel, which does not pay) and
-`layer.emulated_dtype` ('auto' | 'fp32' | 'bf16', gemm.emulated_compute_dtype). `configure_execution(model, ...)`
-sets both on every Fp8Linear.
+`layer.emulated_dtype` ('auto' | 'fp32' | 'bf16', gemm_choice.emulated_compute_dtype). `configure_execution(model,
+...)` sets both on every Fp8Linear. What follows from them and the recipe (the backend, what each operand keeps, the
+GEMM each of the three runs) is resolved once per device and dtypes and kept on the layer (nn/linear_dispatch.py).
 
 Telemetry: set `layer.telemetry = True` and every following forward (input, weight) and backward (grad_output)
 overwrites `layer.last_stats[role]` with amax, scale (mean over rows/blocks when not tensorwise), overflow_frac,
@@ -78,85 +79,28 @@ host syncs and an extra pass over each tensor.
 from __future__ import annotations
 
 import sys
-import warnings
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fp8train.nn.accumulation import HopperAccumulation
 from fp8train.nn.fp8_all_gather import Fp8GatheredWeight
-from fp8train.nn.delayed_scaling import refuse_bad_fp8_state, update_group
-from fp8train.nn.gemm import (AUTO_EMULATED_DTYPE, Fp8Operand, check_emulated_dtype, emulated_compute_dtype,
-                              resolve_backend, tile_values_dtype)
+from fp8train.nn import delayed_scaling
+from fp8train.nn.delayed_scaling import (MISSING_UPDATE_WARNING, check_scales_updated, refuse_bad_fp8_state,
+                                         update_fp8_scales)
+from fp8train.nn.fp8_operand import Fp8Operand
+from fp8train.nn.gemm_choice import AUTO_EMULATED_DTYPE, Keep, check_emulated_dtype, resolve_backend
+from fp8train.nn.linear_dispatch import NO_DISPATCH, dispatch_for
 from fp8train.nn.linear_function import Fp8LinearFunction, WeightFp8, to_dtype
 from fp8train.nn.quantizer import SCALING_BUFFERS, OperandQuantizer, apply_keeping_scaling_dtypes
-from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe, OperandRole, recipe as make_recipe
+from fp8train.nn.recipes import DEFAULT_RECIPE, ROLES, Fp8Recipe, GemmBackend, OperandRole, recipe as make_recipe
 from fp8train.numerics import native_cast
+from fp8train.numerics.names import Granularity, QuantizeKernel
 from fp8train.numerics.cast_kernels import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES, check_kernel, resolve_kernel
 
 __all__ = ["Fp8Linear", "update_fp8_scales", "configure_execution", "SCALING_BUFFERS", "is_scaling_buffer",
            "MISSING_UPDATE_WARNING", "check_scales_updated"]
-
-
-_optimizer_steps = 0  # steps of any torch.optim optimizer since the hook below was registered
-_step_hook = None  # its handle, once a layer needs the count
-
-
-def _count_optimizer_step(optimizer, args, kwargs) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-def _watch_optimizer_steps() -> None:
-    """Count optimizer steps from now on (process-wide, registered once).
-
-    Fused AdamW (transformers' Trainer default, fp8train's on CUDA) writes the weights in place without bumping
-    tensor._version, so the weight cache could not see its updates: every optimizer step counts instead, and the
-    delayed-scaling check (_check_scales_updated) reads the same count. Registered by the first forward that
-    caches a weight or checks delayed scales, never by importing fp8train or building a layer: a process that only
-    imports the package keeps its optimizers free of our hook. A count that starts late is enough, as both readers
-    compare it with the value they saw at an earlier forward."""
-    global _step_hook
-    if _step_hook is None:
-        _step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
-
-def optimizer_steps_seen() -> int:
-    """The optimizer-step count an FP8 weight cache keys on (`_watch_optimizer_steps`, registered on first use):
-    for caches outside Fp8Linear (all experts' weights at once, nn/experts_weights.py)."""
-    _watch_optimizer_steps()
-    return _optimizer_steps
-
-_missing_update_warned = False  # the delayed-scaling warning (module docstring, 3.) is given once per process
-MISSING_UPDATE_WARNING = (
-    "Fp8Linear with delayed scaling: a forward runs with amaxes pending from an earlier optimizer step, so "
-    "update_fp8_scales(model) was not called after that optimizer.step(): the delayed scales never update and "
-    "every step is scaled from its own amax (current scaling). Call fp8train.update_fp8_scales(model) after each "
-    "optimizer.step(); with transformers.Trainer pass callbacks=[fp8train.Fp8ScalingCallback()]")
-
-
-def check_scales_updated(pending_since_step: int | None, stacklevel: int = 4) -> int:
-    """The delayed-scaling check of the module docstring (3.) for a training forward, given the optimizer-step
-    count its owner (an Fp8Linear, or a grouped layer's per-expert state, nn/experts_scaling.py) saw at its first
-    pending record (None: none yet): warns once per process when amaxes recorded before an optimizer step are
-    still pending, i.e. update_fp8_scales was not called after that step. Returns the count to keep."""
-    global _missing_update_warned
-    _watch_optimizer_steps()
-    if pending_since_step is None:
-        return _optimizer_steps
-    if pending_since_step != _optimizer_steps and not _missing_update_warned:
-        _missing_update_warned = True
-        warnings.warn(MISSING_UPDATE_WARNING, RuntimeWarning, stacklevel=stacklevel)
-    return pending_since_step
-
-
-def _is_fsdp_module(module: nn.Module) -> bool:
-    """Whether FSDP2's fully_shard has wrapped `module`. Its class exists only once torch.distributed.fsdp is
-    imported, an import that costs a process ~1.4 s: a run without FSDP2 does not pay it for this check."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 def is_scaling_buffer(key: str) -> bool:
@@ -179,20 +123,21 @@ class Fp8Linear(nn.Linear):
                  recipe: Fp8Recipe | str = DEFAULT_RECIPE, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = make_recipe(recipe) if isinstance(recipe, str) else recipe
-        if self.recipe.backend == "te":
-            resolve_backend("te", "cpu")  # raises: TE replaces the layer instead (backends.te.make_te_linear)
+        if self.recipe.backend == GemmBackend.TE:
+            resolve_backend(GemmBackend.TE, "cpu")  # raises: TE replaces the layer instead (backends.te.make_te_linear)
         self.telemetry = False
         self.last_stats: dict[str, dict] = {}
         # Which kernel each GEMM ran last: {"output" | "grad_input" | "grad_weight": "scaled_mm:<kind>" |
         # "fallback:<reason>" | "emulated"} (plain Python, written every call: no device sync).
         self.gemm_paths: dict[str, str] = {}
-        self._accumulation = None if not self.recipe.accumulator_bits else HopperAccumulation(
+        self.accumulation_model = None if not self.recipe.accumulator_bits else HopperAccumulation(
             self.recipe.accumulator_bits, self.recipe.accumulator_promotion)
         self.quantize_kernel = DEFAULT_QUANTIZE_KERNEL  # same bytes whichever kernel runs
         self._resolved_kernel = (None, None)  # (quantize_kernel, what it is on this layer's device): kernel_for
         self.emulated_dtype = AUTO_EMULATED_DTYPE
         # One per operand role, each owning that role's scaling buffers (registered on this layer: nn/quantizer.py)
         self.quantizers = {role: OperandQuantizer(self, role) for role in ROLES}
+        self._delayed = self.recipe.is_delayed  # (read on every forward)
         self._init_scaling_state(self.weight.device)
         self.register_load_state_dict_pre_hook(refuse_bad_fp8_state)
 
@@ -223,6 +168,7 @@ class Fp8Linear(nn.Linear):
             quantizer.reset()
         self._scale_generation = 0  # bumped by every delayed-scale update: part of the weight cache's key
         self._weight_cache = None
+        self.dispatch_table = NO_DISPATCH  # what the GEMMs run, per device and dtypes (nn/linear_dispatch.py)
         # The optimizer-step count when this step's first amax was recorded (delayed scaling): a later forward
         # that sees another count with amaxes still pending ran past an optimizer step without update_fp8_scales.
         self._pending_since_step = None
@@ -265,15 +211,8 @@ class Fp8Linear(nn.Linear):
     def _apply(self, fn, recurse=True):
         apply_keeping_scaling_dtypes(self, fn, lambda f: super(Fp8Linear, self)._apply(f, recurse))
         self._resolved_kernel = (None, None)  # 'auto' depends on the device
+        self.dispatch_table = NO_DISPATCH
         return self
-
-    def gemm_options(self, device) -> dict:
-        """fp8_mm's keyword options for this layer's GEMMs on `device` (its execution settings)."""
-        # gemm_paths is eager-only bookkeeping: a traced graph may not mutate Python state from inside the
-        # autograd.Function (dynamo would break the graph there).
-        record = None if torch.compiler.is_compiling() else self.gemm_paths
-        return dict(record=record, accumulation=self._accumulation,
-                    compute_dtype=emulated_compute_dtype(device, self.emulated_dtype))
 
     # ------------------------------------------------------------------------------------------------------
     def forward(self, input: torch.Tensor, weight: torch.Tensor | None = None,
@@ -301,72 +240,68 @@ class Fp8Linear(nn.Linear):
         input_2d = input if input.dim() == 2 else input.reshape(-1, in_features)  # (M, K)
         if input_2d.shape[0] == 0:
             return F.linear(input, weight.to(out_dtype), None if bias is None else bias.to(out_dtype))
-        if self.training and self.recipe.is_delayed and not torch.compiler.is_compiling():
-            self._check_scales_updated()
-        backend = resolve_backend(self.recipe.backend, input.device, tuple(map(self.recipe.format_of, ROLES)))
+        if self._delayed and self.training and not torch.compiler.is_compiling():  # (a missing update warns)
+            self._pending_since_step = check_scales_updated(self._pending_since_step)
+        dispatch = dispatch_for(self, input.device, out_dtype, input.dtype, weight.dtype)
         # Our GEMMs pick their own precision; autocast must not recast them to bf16.
         with torch.autocast(device_type, enabled=False):
-            weights = self._weight_fp8(backend, weight)
-            output = Fp8LinearFunction.apply(input_2d, weight, bias, weights, self, backend, out_dtype)
+            weights = self._weight_fp8(dispatch, weight)
+            output = Fp8LinearFunction.apply(input_2d, weight, bias, weights, self, dispatch, out_dtype)
         return output if input.dim() == 2 else output.reshape(*input.shape[:-1], out_features)
 
-    def _check_scales_updated(self) -> None:
-        self._pending_since_step = check_scales_updated(self._pending_since_step)
-
-    def kernel_for(self, numel: int) -> str:
+    def kernel_for(self, numel: int) -> QuantizeKernel:
         """The quantize kernel this layer runs on a tensor of `numel` elements (`quantize_kernel`, resolved)."""
         if torch.compiler.is_compiling():
-            return "eager"  # (a traced model inlines the math into its own graph anyway)
+            return QuantizeKernel.EAGER  # (a traced model inlines the math into its own graph anyway)
         asked, kernel = self._resolved_kernel
         if asked is not self.quantize_kernel:  # 'auto': native on a CPU where it builds, compiled on a GPU, else eager
             kernel = resolve_kernel(self.quantize_kernel, self.weight.device, native_cast.available())
             self._resolved_kernel = (self.quantize_kernel, kernel)
-        if kernel == "native":
+        if kernel is QuantizeKernel.NATIVE:
             return kernel  # at every size (quant.quantize runs eager where the C kernel cannot)
-        return "eager" if numel < QUANT_KERNEL_MIN_NUMEL else kernel
+        return QuantizeKernel.EAGER if numel < QUANT_KERNEL_MIN_NUMEL else kernel
 
-    def _weight_fp8(self, backend: str, weight: torch.Tensor) -> WeightFp8:
+    def _weight_fp8(self, dispatch, weight: torch.Tensor) -> WeightFp8:
         """The FP8 copy of `weight` (the layer's, or this rank's shard of it) and its GEMM operands, made once per
-        weight version (see the module docstring)."""
+        weight version (see the module docstring); `dispatch` says what it keeps (linear_dispatch.LayerDispatch)."""
         # FSDP2 refills the unsharded weight by all-gather (no version bump) or hands over an FP8-gathered one:
-        # then there is nothing to cache across forwards.
-        cacheable = (self.weight_cache_allowed and not isinstance(weight, Fp8GatheredWeight)
-                     and not _is_fsdp_module(self))
-        cacheable = cacheable and not torch.compiler.is_compiling()  # (a traced graph re-derives it anyway)
-        if cacheable:
-            _watch_optimizer_steps()
+        # then there is nothing to cache across forwards. (FSDP2's class exists only once torch.distributed.fsdp
+        # is imported, ~1.4 s that a run without it does not pay for this check.)
+        fsdp = sys.modules.get("torch.distributed.fsdp")
+        cacheable = self.weight_cache_allowed and not isinstance(weight, Fp8GatheredWeight) \
+            and not (fsdp is not None and isinstance(self, fsdp.FSDPModule)) \
+            and not torch.compiler.is_compiling()  # (a traced graph re-derives it anyway)
+        if cacheable and delayed_scaling.step_hook is None:  # (fused AdamW writes weights without a version bump:
+            delayed_scaling.watch_optimizer_steps()             # the optimizer steps are part of the key too)
         # tensor._version: torch's in-place write counter, the one signal an in-place update of the weight gives;
         # a tensor-parallel shard's own counter does not see an in-place write through its DTensor parameter,
         # whose counter does (self.weight; the same tensor as `weight` otherwise)
-        key = (weight._version, self.weight._version, _optimizer_steps, weight.data_ptr(), self.training,
-               self._scale_generation, backend, self.emulated_dtype, self.quantize_kernel) if cacheable else None
+        key = (weight._version, self.weight._version, delayed_scaling.optimizer_steps, weight.data_ptr(),
+               self.training, self._scale_generation, dispatch.backend, self.emulated_dtype,
+               self.quantize_kernel) if cacheable else None
         cached = self._weight_cache
         if cached is not None and key is not None and cached.key == key and not self.telemetry:
             return cached
-        emulated = backend == "emulated"
-        blocked = self.recipe.granularity_of(OperandRole.WEIGHT) == "block"
-        # block tiles: the native GEMM reads the FP8 bytes and tile scales, or the GEMMs read value * scale in fp32
-        # (tile_values_dtype)
-        tiles_dequantized = emulated and blocked and tile_values_dtype(weight.device, self.emulated_dtype) == \
-            torch.float32
-        keep = emulated if not blocked or not emulated or tiles_dequantized else False
+        keep = dispatch.weight_keeps
+        weight_quantizer = self.quantizers[OperandRole.WEIGHT]
         with torch.no_grad():
-            weight_fp8 = self.quantizers[OperandRole.WEIGHT].quantize(weight, keep_values=keep)
-            if weight_fp8.values is not None and weight_fp8.granularity != "block":
+            weight_fp8 = weight_quantizer.quantize(weight, keep_values=keep.value)
+            if weight_fp8.values is not None and weight_fp8.granularity != Granularity.BLOCK:
                 # Only the dtype the GEMM reads is kept (block-scaled weights are dequantized in fp32).
-                compute_dtype = emulated_compute_dtype(weight.device, self.emulated_dtype)
-                weight_fp8.values = to_dtype(weight_fp8.values, compute_dtype)
+                weight_fp8.values = to_dtype(weight_fp8.values, dispatch.compute_dtype)
             weight_op = Fp8Operand.from_fp8_tensor(weight_fp8)
-            if self.recipe.requantize_transposed(OperandRole.WEIGHT):  # scales along K, constant along the contracted N
+            if dispatch.weight_transposed:  # scales along K, constant along the contracted N
                 weight_op_grad = Fp8Operand.from_fp8_tensor(
-                    self.quantizers[OperandRole.WEIGHT].quantize_transposed(weight, keep_values=keep)).t()
+                    weight_quantizer.quantize_transposed(weight, keep_values=keep.value)).t()
             else:
                 weight_op_grad = weight_op
+            # block tiles that the GEMMs read as value * scale in fp32 (Keep.FP32: no native GEMM on them)
+            tiles_dequantized = keep is Keep.FP32 and weight_quantizer.granularity is Granularity.BLOCK
             for op in {id(weight_op): weight_op, id(weight_op_grad): weight_op_grad}.values():
                 if tiles_dequantized and op.block is not None:
                     op.dequantize(torch.float32)  # tiles vary along K: the GEMMs read the dequantized weight
             weights = WeightFp8(key, weight_fp8, weight_op.t(), weight_op_grad)
-        if key is not None and not torch.compiler.is_compiling():  # compiled graphs re-derive (and fuse) it
+        if key is not None:  # (never while compiling: compiled graphs re-derive and fuse it)
             self._weight_cache = weights
         return weights
 
@@ -374,6 +309,7 @@ class Fp8Linear(nn.Linear):
         """Set how this layer runs (configure_execution checked both values)."""
         self.quantize_kernel, self.emulated_dtype = quantize_kernel, emulated_dtype
         self._resolved_kernel = (None, None)
+        self.dispatch_table = NO_DISPATCH
         self.forget_weight_fp8()  # ('auto' may now resolve otherwise: gemm.set_cpu_bf16_gemm)
 
     def forget_weight_fp8(self) -> None:
@@ -402,50 +338,3 @@ def configure_execution(model: nn.Module, *, quantize_kernel: str = DEFAULT_QUAN
     for scaling in experts:
         scaling.configure(quantize_kernel=quantize_kernel, emulated_dtype=emulated_dtype)
     return len(layers) + len(experts)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Delayed scaling: one update for all layers, on stacked buffers (the arithmetic: nn/delayed_scaling.py)
-# ------------------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def update_fp8_scales(model: nn.Module, process_group=None) -> None:
-    """Roll delayed-scaling histories once per optimizer step (after optimizer.step()). No-op for other recipes.
-
-    All pending amaxes of all layers go through ONE all_reduce(MAX) when torch.distributed is initialized, so
-    every data-parallel rank ends the step with identical scales. The update itself runs on stacked buffers:
-    a fixed number of tensor ops per group of layers sharing history length and scale options (usually one
-    group), however many layers there are.
-    """
-    # Units: a delayed Fp8Linear, or one expert of a grouped layer's per-expert state (nn/experts_scaling.py,
-    # which lists them as `delayed_units`); each holds one quantizer per role. Every unit's amaxes go through the
-    # same single all-reduce.
-    owners = []
-    units = []
-    for module in model.modules():
-        if isinstance(module, Fp8Linear) and module.recipe.is_delayed:
-            owners.append(module)
-            units.append(module)
-        elif getattr(module, "delayed_units", None):
-            owners.append(module)
-            units.extend(module.delayed_units)
-    if not units:
-        return
-    quantizers = [u.quantizers[role] for u in units for role in ROLES]  # rows: (unit, role)
-    pendings = [q.buffer("pending_amax") for q in quantizers]
-    step_amax = torch.stack(pendings)  # (3 * units,)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
-        dist.all_reduce(step_amax, op=dist.ReduceOp.MAX, group=process_group)
-    groups: dict[tuple, list[int]] = {}
-    for index, unit in enumerate(units):
-        r = unit.recipe
-        key = (r.amax_history_len, r.amax_compute_algo, r.margin, r.pow2_scales, r.amax_outlier_factor,
-               tuple(r.format_of(role) for role in ROLES), pendings[index * len(ROLES)].device)
-        groups.setdefault(key, []).append(index)
-    for indices in groups.values():
-        rows = step_amax if len(indices) == len(units) else \
-            step_amax.view(-1, len(ROLES))[indices].reshape(-1)
-        update_group([units[i].quantizers[role] for i in indices for role in ROLES], rows)
-    # one multi-tensor op for the whole list: torch's foreach kernels have no public name
-    torch._foreach_copy_(pendings, [torch.full_like(step_amax[0], -1.0)] * len(pendings))
-    for owner in owners:
-        owner.scales_updated()

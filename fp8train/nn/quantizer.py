@@ -34,6 +34,7 @@ from fp8train.numerics.formats import get_format
 from fp8train.numerics.mx import quantize_mx
 from fp8train.numerics.quant import Fp8Tensor, compute_amax, decode_fp8, quant_error, quantize
 from fp8train.numerics.scaling import format_scale
+from fp8train.numerics.names import Granularity, QuantizeKernel
 
 __all__ = ["OperandQuantizer", "SCALING_BUFFERS", "DELAYED_SCALING_BUFFERS", "apply_keeping_scaling_dtypes"]
 
@@ -121,13 +122,13 @@ class OperandQuantizer:
                                  scale=format_scale(global_amax, self.format, self.margin, self.pow2),
                                  validate_scale=False, keep_values=keep_values)
             quantized.amax = global_amax
-            nonfinite = global_amax.isfinite().logical_not()
+            nonfinite = (global_amax < math.inf).logical_not()  # (amaxes are >= 0 or NaN: as below)
             self.buffer("nonfinite_amax_count").add_(nonfinite if self.tensorwise else nonfinite.any())
         else:
             # Block tiles (block, mxfp8) vary along K: where the emulated GEMMs read value * scale in fp32
-            # (keep_values True, gemm.tile_values_dtype), the C kernel writes that in the same pass instead of the
-            # values; where the native GEMM reads the bytes and the tile scales, nothing more is kept.
-            blocked = kernel == "native" and self.granularity == "block" and keep_values is True
+            # (keep_values True: gemm_choice.operand_keeps), the C kernel writes that in the same pass instead of
+            # the values; where the native GEMM reads the bytes and the tile scales, nothing more is kept.
+            blocked = kernel is QuantizeKernel.NATIVE and self.granularity is Granularity.BLOCK and keep_values is True
             keep_values = False if blocked else keep_values
             if self.mx:
                 quantized = quantize_mx(tensor, self.format, kernel=kernel, keep_values=keep_values,
@@ -136,10 +137,11 @@ class OperandQuantizer:
                 quantized = quantize(tensor, self.format, granularity=self.granularity, block=self.block,
                                      margin=self.margin, pow2=self.pow2, kernel=kernel, keep_values=keep_values,
                                      keep_dequantized=blocked)
-            # one reduction, then 0-d ops: the amaxes are >= 0 or NaN, so the max is finite iff all of them are
-            nonfinite = quantized.amax.isfinite().logical_not() if self.tensorwise \
-                else quantized.amax.amax().isfinite().logical_not().long() if self.mx \
-                else quantized.amax.isfinite().logical_not().any()
+            # one reduction, then 0-d ops: the amaxes are >= 0 or NaN, so the max is finite iff all of them are,
+            # and an amax is non-finite iff it is not below inf (one comparison: isfinite is four ops in torch)
+            nonfinite = (quantized.amax < math.inf).logical_not() if self.tensorwise \
+                else (quantized.amax.amax() < math.inf).logical_not().long() if self.mx \
+                else (quantized.amax < math.inf).logical_not().any()
             self.buffer("nonfinite_amax_count").add_(nonfinite)
         if self.layer.telemetry:
             self._record_stats(tensor, quantized)
@@ -154,7 +156,8 @@ class OperandQuantizer:
         if gathered is not None and isinstance(tensor, gathered):  # gathered with its transposed copy
             return tensor.take(self, transposed=True)
         kernel = self.layer.kernel_for(tensor.numel())
-        blocked = kernel == "native" and self.granularity == "block" and keep_values is True  # as in quantize
+        # as in quantize
+        blocked = kernel is QuantizeKernel.NATIVE and self.granularity is Granularity.BLOCK and keep_values is True
         keep_values = False if blocked else keep_values
         with torch.no_grad():
             tensor_t = tensor.t()
@@ -202,9 +205,11 @@ class OperandQuantizer:
         scale grid -> fp32) where the C kernel runs."""
         if not keep_values:
             return Fp8Operand(data, scale, block)
-        if block is not None and keep_values is True and self.layer.kernel_for(data.numel()) == "native" and \
-                native_cast.dequantizable(data, scale, "block", *block):
-            return Fp8Operand(data, scale, block, dequantized=native_cast.dequantize(data, scale, "block", *block))
+        if block is not None and keep_values is True and \
+                self.layer.kernel_for(data.numel()) is QuantizeKernel.NATIVE and \
+                native_cast.dequantizable(data, scale, Granularity.BLOCK, *block):
+            return Fp8Operand(data, scale, block, dequantized=native_cast.dequantize(data, scale, Granularity.BLOCK,
+                                                                                     *block))
         return Fp8Operand(data, scale, block, self.decode(data, torch.float32 if keep_values is True else keep_values))
 
     def _record_stats(self, tensor: torch.Tensor, quantized: Fp8Tensor) -> None:

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 
 from fp8train.numerics.formats import ALIASES, FORMAT_NAMES
-from fp8train.numerics.names import StrName
+from fp8train.numerics.names import Granularity, StrName
 
 __all__ = ["Fp8Recipe", "recipe", "RECIPE_NAMES", "SCALINGS", "BACKENDS", "ROLES", "GEMMS", "AMAX_COMPUTE_ALGOS",
            "FORMAT_NAMES", "ScalingKind", "GemmBackend", "OperandRole", "GemmRole", "RecipeFieldError", "DEFAULT_RECIPE",
@@ -49,9 +49,10 @@ class ScalingKind(StrName):
     MXFP8 = "mxfp8"        # OCP MX: 1x32 blocks along the contracted dim, E8M0 scales
 
     @property
-    def granularity(self) -> str:
-        """quant.quantize granularity: 'tensor', 'row' or 'block'."""
-        return "tensor" if self.is_tensorwise else "row" if self is ScalingKind.ROWWISE else "block"
+    def granularity(self) -> Granularity:
+        """quant.quantize granularity: 'tensor', 'row' or 'block' (the Granularity member)."""
+        return Granularity.TENSOR if self.is_tensorwise else Granularity.ROW if self is ScalingKind.ROWWISE \
+            else Granularity.BLOCK
 
     @property
     def is_tensorwise(self) -> bool:
@@ -225,7 +226,7 @@ class Fp8Recipe:
         """torch's block (1x128 / 128x128) and MX scaled-matmul kernels take e4m3fn for both operands of every GEMM
         (check_deepseek_recipe / check_mxfp8_recipe): asking the scaled_mm backend for another format there would
         only ever run the dequantized fallback, so the recipe is refused where it is built."""
-        if self.backend != "scaled_mm" or self.scaling not in (ScalingKind.BLOCK, ScalingKind.MXFP8):
+        if self.backend != GemmBackend.SCALED_MM or self.scaling not in (ScalingKind.BLOCK, ScalingKind.MXFP8):
             return
         for role in ROLES:
             if self.format_of(role) != "e4m3fn":
@@ -250,7 +251,7 @@ class Fp8Recipe:
         """Format name of operand `role` ('input', 'weight' or 'grad_output')."""
         return getattr(self, f"{role}_format")
 
-    def granularity_of(self, role: str) -> str:
+    def granularity_of(self, role: str) -> Granularity:
         """quant.quantize granularity of `role`: 'tensor', 'row' or 'block'."""
         return self.scaling.granularity
 
@@ -287,7 +288,7 @@ class Fp8Recipe:
     @property
     def is_tiled(self) -> bool:
         """Scales per tile (block, mxfp8): the *_block fields apply."""
-        return self.scaling.granularity == "block"
+        return self.scaling.granularity == Granularity.BLOCK
 
     def code(self) -> str:
         """Compact code for extra_repr and logs, e.g. 'delayed:e4m3/e4m3/e5m2:h1024max:m0'."""
@@ -302,7 +303,7 @@ class Fp8Recipe:
         parts.append(f"m{self.margin}")
         if self.pow2_scales:
             parts.append("pow2")
-        if self.backend != "auto":
+        if self.backend != GemmBackend.AUTO:
             parts.append(self.backend)
         if not self.fast_accum_forward:
             parts.append("precisefwd")

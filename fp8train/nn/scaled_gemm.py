@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from fp8train.nn.scaled_mm_rules import (HAS_SCALED_MM_V2, SCALED_MM_KINDS, ScaledMmCall, scaled_mm_call,
                                         scaled_mm_arguments, scaled_mm_kind)
+from fp8train.numerics import native_cast
 
 __all__ = ["scaled_mm_kind", "scaled_mm_arguments", "scaled_mm_gemm", "scaled_mm_available", "fp8_dialect_of",
            "HAS_SCALED_MM_V2", "SCALED_MM_KINDS", "check_dialect", "call_scaled_mm", "scaled_mm_call",
@@ -90,10 +91,12 @@ def target_gpu(capability: tuple[int, int], plans: list | None = None):
         raise ValueError(f"target_gpu needs an FP8 GPU's compute capability (major, minor) >= (8, 9), e.g. "
                          f"(9, 0); got {capability!r}")
     _targets.append((capability, plans))
+    native_cast.note_switch()  # 'auto' backends resolve to scaled_mm now (layers resolved theirs once)
     try:
         yield
     finally:
         _targets.pop()
+        native_cast.note_switch()
 
 
 @functools.lru_cache(maxsize=None)

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from fp8train.nn.recipes import OperandRole
+from fp8train.numerics.names import Granularity
 from fp8train.numerics.quant import Fp8Tensor, compute_amax, quantize
 from fp8train.numerics.scaling import format_scale
 
@@ -60,7 +61,7 @@ def fp8_gather_refusal(consumers: list, local_positions: int) -> str | None:
         return "its projections differ in recipe"
     if r.is_mx:
         return "mxfp8 tiles"
-    if r.granularity_of(OperandRole.INPUT) == "block":
+    if r.granularity_of(OperandRole.INPUT) == Granularity.BLOCK:
         rows, cols = r.block_of(OperandRole.INPUT)
         extents = {rows} | ({cols} if r.requantize_transposed(OperandRole.INPUT) else set())
         if any(local_positions % e for e in extents):
@@ -185,7 +186,7 @@ def gather_fp8(x_local: torch.Tensor, layer, group, tp: int, transposed: bool) -
     pieces = [_Piece(local.data, 0), _Piece(local.scale, 0), _Piece(local.amax.amax().reshape(1), None)]
     if transposed:
         x2_t = x2.t()
-        if granularity == "row":  # one scale per feature, over all positions: the whole input's column amaxes
+        if granularity == Granularity.ROW:  # one scale per feature, over all positions: the whole input's column amaxes
             col_amax = _gather_amax(compute_amax(x2_t, "row", axis=-1, kernel=kernel), group, tp)
             local_t = quantize(x2_t, fmt, granularity="row", axis=-1, kernel=kernel, validate_scale=False,
                                scale=format_scale(col_amax, fmt, margin, pow2))
@@ -197,7 +198,7 @@ def gather_fp8(x_local: torch.Tensor, layer, group, tp: int, transposed: bool) -
     fp8 = Fp8Tensor(gathered[0], gathered[1], fmt, granularity, block, -1)
     fp8_t = None
     if transposed:
-        scale_t = local_t.scale if granularity == "row" else gathered[4]
+        scale_t = local_t.scale if granularity == Granularity.ROW else gathered[4]
         fp8_t = Fp8Tensor(gathered[3], scale_t, fmt, granularity, block, -1)
     return fp8, fp8_t, None, gathered[2].amax().isfinite().logical_not()
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fp8train.nn.recipes import OperandRole
+from fp8train.numerics.names import Granularity
 from fp8train.numerics.scaling import compute_amax
 
 __all__ = ["TpLayout", "tensor_parallel_forward", "check_tile_shards", "split_axes", "keep_scaling_state_local"]
@@ -72,7 +73,7 @@ class TpLayout:
         else:
             granularity = r.granularity_of(quantizer.role)
             # a row scale reduces along axis -1: only then is it split; tiles lie inside a shard (checked)
-            if r.is_mx or granularity == "block" or (granularity == "row" and split != 1):
+            if r.is_mx or granularity == Granularity.BLOCK or (granularity == Granularity.ROW and split != 1):
                 return None
         amax = compute_amax(tensor, granularity, axis=-1, kernel=kernel)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
@@ -130,7 +131,7 @@ def check_tile_shards(name: str, layer, tp_size: int, weight_axis: int) -> None:
     shapes = {OperandRole.INPUT: (None, layer.in_features), OperandRole.WEIGHT: (layer.out_features,
               layer.in_features), OperandRole.GRAD_OUTPUT: (None, layer.out_features)}
     for role, split in split_axes(weight_axis).items():
-        if split is None or r.granularity_of(role) != "block":
+        if split is None or r.granularity_of(role) != Granularity.BLOCK:
             continue
         size = shapes[role][split]
         if size % tp_size:

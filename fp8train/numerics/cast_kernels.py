@@ -21,12 +21,14 @@ import torch
 
 from fp8train.numerics.names import QuantizeKernel
 
-__all__ = ["EAGER", "NATIVE", "COMPILED", "QUANT_KERNELS", "KERNEL_CHOICES", "DEFAULT_QUANTIZE_KERNEL",
+__all__ = ["EAGER", "NATIVE", "COMPILED", "AUTO_KERNEL", "QUANT_KERNELS", "KERNEL_CHOICES", "DEFAULT_QUANTIZE_KERNEL",
            "check_kernel", "resolve_kernel"]
 
 EAGER, NATIVE, COMPILED = QuantizeKernel.EAGER, QuantizeKernel.NATIVE, QuantizeKernel.COMPILED
 QUANT_KERNELS = tuple(QuantizeKernel)
-KERNEL_CHOICES = ("auto",) + QUANT_KERNELS
+AUTO_KERNEL = "auto"  # resolved per device by resolve_kernel (not a kernel itself)
+KERNEL_CHOICES = (AUTO_KERNEL,) + QUANT_KERNELS
+_MERGED_KERNELS = ("compiled_cast", "compiled_select")  # earlier names of 'compiled', named in the error
 DEFAULT_QUANTIZE_KERNEL = KERNEL_CHOICES[0]
 
 
@@ -36,7 +38,7 @@ def check_kernel(kernel, allowed: tuple = QUANT_KERNELS, key: str = "kernel") ->
     if kernel in allowed:
         return kernel
     hint = " ('compiled_cast' and 'compiled_select' were merged into 'compiled')" \
-        if kernel in ("compiled_cast", "compiled_select") else ""
+        if kernel in _MERGED_KERNELS else ""
     raise ValueError(f"{key} must be one of {', '.join(allowed)}; got {kernel!r}{hint}")
 
 
@@ -45,8 +47,8 @@ def resolve_kernel(kernel: str, device: torch.device | str = "cpu", native_avail
     is; 'auto' is native on a CPU where the C kernel is available (``native_available``), compiled on CUDA,
     else eager."""
     check_kernel(kernel, KERNEL_CHOICES, "quantize kernel")
-    if kernel != "auto":
-        return kernel
+    if kernel != AUTO_KERNEL:
+        return QuantizeKernel(kernel)
     device_type = torch.device(device).type
     if device_type == "cpu":
         return NATIVE if native_available else EAGER

@@ -23,6 +23,7 @@ import math
 import torch
 
 from fp8train.numerics.formats import Fp8Format, get_format
+from fp8train.numerics.names import QuantizeKernel
 from fp8train.numerics.native_layout import capped_block
 from fp8train.numerics.quant import Fp8Tensor, compute_amax, native_quantize, quantize, value_copies
 
@@ -63,7 +64,7 @@ def quantize_mx(x: torch.Tensor, fmt="e4m3fn", *, keep_values: bool = False, ker
     ``kernel='native'``: amax, the MX scale rule and the cast in the C kernel (same bytes), where it takes x;
     ``keep_dequantized`` as in quant.quantize."""
     block = (1, MX_BLOCK_SIZE)
-    if kernel == "native" and x.dim() == 2 and x.numel():
+    if kernel == QuantizeKernel.NATIVE and x.dim() == 2 and x.numel():
         keep_fp32, keep_bf16 = (keep_values, False) if type(keep_values) is bool else value_copies(keep_values)
         br, bc = (1, MX_BLOCK_SIZE) if x.shape[1] >= MX_BLOCK_SIZE else capped_block(x, *block)  # (as quantize
         # records it: a block no larger than the tensor)

@@ -43,6 +43,15 @@ RULE_GIVEN, RULE_AMAX, RULE_MX = 0, 1, 2  # as in native_cast.c
 _SPECIAL = {"ieee": 0, "fn": 1, "fnuz": 2}
 
 _enabled = True
+# Bumped by every process-wide execution switch (set_enabled here, native_gemm.set_mode, the CPU-feature override,
+# scaled_gemm.target_gpu): a layer that resolved its GEMM and keep choices once resolves them again when it moves.
+switch_count = 0
+
+
+def note_switch() -> None:
+    """Say that a process-wide execution switch changed (see `switch_count`)."""
+    global switch_count
+    switch_count += 1
 
 
 def available() -> bool:
@@ -65,6 +74,7 @@ def set_enabled(enabled: bool) -> None:
     if not isinstance(enabled, bool):
         raise TypeError(f"set_enabled takes True or False; got {enabled!r}")
     _enabled = enabled
+    note_switch()
 
 
 def usable_layout(x: torch.Tensor, granularity: str, block_rows: int, block_cols: int, axis: int,

@@ -49,6 +49,7 @@ def set_mode(choice: str) -> None:
     if choice not in MODES:
         raise ValueError(f"native GEMM mode must be one of {', '.join(MODES)}; got {choice!r}")
     _mode = choice
+    native_cast.note_switch()
 
 
 def mode() -> str:
@@ -134,23 +135,18 @@ def mm(a: torch.Tensor, b: torch.Tensor, k_scales: Optional[tuple] = None, *, sc
     return gemm_bf16_op(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype, plain)
 
 
-def _check(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype) -> tuple[int, int]:
-    """The outer scales' steps, after checking every argument (a misuse is an internal error)."""
-    steps = _outer_steps(a, b, scale_a, scale_b, bias, out_dtype)
-    if steps is None:
-        raise RuntimeError(f"internal error: gemm_bf16 does not take a {tuple(a.shape)} {a.dtype} @ {tuple(b.shape)} "
-                           f"{b.dtype} GEMM with these scales, bias and output dtype {out_dtype}")
+def _check_k_scales(a, b, k_block, kscale_a, kscale_b) -> None:
+    """The K-block scales fit the GEMM (a misuse is an internal error)."""
     if k_block == 0:
         if kscale_a is not None or kscale_b is not None:
             raise RuntimeError("internal error: gemm_bf16 got K-block scales without a K block")
-        return steps
+        return
     blocks = -(-a.shape[1] // k_block)
     if k_block < 0 or k_block % 2 or kscale_a is None or kscale_b is None \
             or tuple(kscale_a.shape) != (a.shape[0], blocks) or tuple(kscale_b.shape) != (blocks, b.shape[1]) \
             or kscale_a.dtype != torch.float32 or kscale_b.dtype != torch.float32:
         raise RuntimeError(f"internal error: gemm_bf16 K-block scales do not fit a {tuple(a.shape)} @ "
                            f"{tuple(b.shape)} GEMM with K block {k_block}")
-    return steps
 
 
 def _gemm_bf16_cpu(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype, plain):
@@ -168,7 +164,13 @@ def _gemm_bf16_out_cpu(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias
 
 def _gemm_bf16_into(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, plain, out):
     out_dtype = out.dtype
-    step_a, step_b = _check(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype)
+    # every argument checked (a misuse is an internal error); the outer scales' steps are how the C loop reads them
+    steps = _outer_steps(a, b, scale_a, scale_b, bias, out_dtype)
+    if steps is None:
+        raise RuntimeError(f"internal error: gemm_bf16 does not take a {tuple(a.shape)} {a.dtype} @ {tuple(b.shape)} "
+                           f"{b.dtype} GEMM with these scales, bias and output dtype {out_dtype}")
+    _check_k_scales(a, b, k_block, kscale_a, kscale_b)
+    step_a, step_b = steps
     if not native_build.available():
         raise RuntimeError(f"fp8train's native GEMM cannot run here: {native_build.unavailable_reason()}")
     (m, k), n = a.shape, b.shape[1]

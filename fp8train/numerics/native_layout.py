@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from fp8train.numerics.formats import FORMATS
+from fp8train.numerics.names import Granularity
 
 __all__ = ["NativeLayout", "layout", "capped_block", "dense_kind", "scale_step", "INPUT_DTYPES", "FP8_DTYPES"]
 
@@ -69,21 +70,21 @@ def _work_out_layout(x, granularity, block_rows, block_cols, axis, dtypes) -> Op
     axis = axis % max(ndim, 1)
     if kind == "transposed":  # the memory matrix is x.T, contiguous: its rows are x's columns
         rows_l, cols_l = shape
-        if granularity == "tensor":
+        if granularity == Granularity.TENSOR:
             return NativeLayout(1, cols_l, rows_l, cols_l, rows_l, True, (), 1, 1)
-        if granularity == "row":
+        if granularity == Granularity.ROW:
             if axis % 2 == 1:  # one scale per row of x = per column of memory
                 return NativeLayout(1, cols_l, rows_l, cols_l, 1, True, (rows_l, 1), 1, rows_l)
             return NativeLayout(1, cols_l, rows_l, 1, rows_l, True, (1, cols_l), cols_l, 1)
         grid_r, grid_c = -(-rows_l // block_rows), -(-cols_l // block_cols)
         return NativeLayout(1, cols_l, rows_l, block_cols, block_rows, True, (grid_r, grid_c), grid_c, grid_r)
     numel = x.numel()
-    if granularity == "tensor":
+    if granularity == Granularity.TENSOR:
         cols = shape[-1] if ndim >= 1 else 1
         if numel // max(cols, 1) < 64 and numel % 1024 == 0:  # few long rows: 1024-wide rows split over threads
             cols = 1024
         return NativeLayout(1, numel // cols, cols, numel // cols, cols, False, (), 1, 1)
-    if granularity == "row":
+    if granularity == Granularity.ROW:
         if ndim == 1 or axis == ndim - 1:
             cols = shape[-1]
             return NativeLayout(1, numel // cols, cols, 1, cols, False, shape[:-1] + (1,), numel // cols, 1)

@@ -32,6 +32,7 @@ from fp8train.numerics import native_cast
 from fp8train.numerics.cast_kernels import COMPILED, EAGER, NATIVE, QUANT_KERNELS, check_kernel
 from fp8train.numerics.formats import FORMATS, Fp8Format, get_format
 from fp8train.numerics.fp8_tensor import Fp8Tensor
+from fp8train.numerics.names import Granularity
 from fp8train.numerics.native_layout import layout as native_layout
 from fp8train.numerics.scaling import (GRANULARITIES, check_amax_floor, check_amax_range, check_input, check_layout,
                                        check_margin, compute_amax, expand_scale, max_scale, scale_from_amax,
@@ -77,8 +78,8 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
     ``keep_values`` also keeps the fp32 copy of the FP8 values the kernel produced (saves a decode when the
     caller feeds them straight into a GEMM); ``torch.bfloat16`` keeps a bf16 copy instead (``.values_bf16``:
     the same values, exact, as ``values.to(torch.bfloat16)`` gives them), a tuple of dtypes keeps each; the native
-    kernel writes them in the same pass as the bytes. ``validate_scale=False`` skips checking that a given scale is finite
-    and positive, a host sync per call on a GPU: for scales from ``scale_from_amax``, which guarantees both.
+    kernel writes them in the same pass as the bytes. ``validate_scale=False`` skips checking that a given scale is
+    finite and positive, a host sync per call on a GPU: for scales from ``scale_from_amax``, which guarantees both.
     ``kernel``: one of QUANT_KERNELS (see the module docstring); all give the same bits.
     ``keep_dequantized`` also keeps ``data * scale`` in fp32 (``.dequantized``: what an emulated GEMM whose scales
     vary along its contracted dim reads); the native kernel writes it in the same pass, instead of the values.
@@ -93,9 +94,9 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
         check_kernel(kernel)  # (raises)
     margin = margin if type(margin) is int and -256 <= margin <= 256 else check_margin(margin)
     br, bc = check_layout(granularity, block, axis, x.dim())
-    if granularity == "row":
+    if granularity == Granularity.ROW:
         axis = axis % max(x.dim(), 1)
-    if granularity == "block":  # never pad past the tensor: a huge block once tried to allocate terabytes
+    if granularity == Granularity.BLOCK:  # never pad past the tensor: a huge block once tried to allocate terabytes
         rows, cols = (1, x.shape[0]) if x.dim() == 1 else x.shape[-2:]
         br, bc = max(min(br, rows), 1), max(min(bc, cols), 1)
     if scale is not None:
@@ -134,7 +135,7 @@ def _torch_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis:
                                       pow2, saturate, keep_any, with_amax, compiled=compiled)
     if with_amax and amax.dtype != torch.float32:  # (a float64 x) fp32, as compute_amax gives it
         amax = amax.float()
-    if granularity == "block":
+    if granularity == Granularity.BLOCK:
         data = untile(data, x.shape, br, bc)
         grid = untile(grid, x.shape, br, bc) if grid is not None else None
     data = data if data.dtype == fmt.torch_dtype else data.view(fmt.torch_dtype)
@@ -171,7 +172,7 @@ def _check_scale_shape(scale: torch.Tensor, shape, granularity: str, br: int, bc
     or a shape that broadcasts to it (blocks get it expanded, since their tiling reshapes the scale). Anything
     else is a ValueError naming both shapes, not a broadcasting error deep in the cast."""
     expected = scale_shape_of(shape, granularity, br, bc, axis)
-    if granularity == "tensor":
+    if granularity == Granularity.TENSOR:
         fits = scale.numel() == 1
     else:
         try:
@@ -180,8 +181,8 @@ def _check_scale_shape(scale: torch.Tensor, shape, granularity: str, br: int, bc
             fits = False
     if not fits:
         raise ValueError(f"scale has shape {tuple(scale.shape)}; granularity={granularity!r} on x of shape "
-                         f"{tuple(shape)} needs {'one value' if granularity == 'tensor' else expected}")
-    return scale.expand(expected) if granularity == "block" and scale.shape != torch.Size(expected) else scale
+                         f"{tuple(shape)} needs {'one value' if granularity == Granularity.TENSOR else expected}")
+    return scale.expand(expected) if granularity == Granularity.BLOCK and scale.shape != torch.Size(expected) else scale
 
 
 def native_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, margin: int, pow2: bool,
@@ -193,8 +194,8 @@ def native_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis:
     if torch.compiler.is_compiling() or not native_cast.available():
         return None
     lay = native_layout(x, granularity, br, bc, axis)
-    if lay is None or (scale is not None and tuple(scale.shape) != lay.scale_shape
-                       and not (granularity == "tensor" and scale.numel() == 1 and scale.dim() <= 1 <= x.dim())):
+    if lay is None or (scale is not None and tuple(scale.shape) != lay.scale_shape and not (
+            granularity == Granularity.TENSOR and scale.numel() == 1 and scale.dim() <= 1 <= x.dim())):
         return None
     if keep_dequantized and keep_bf16:
         return None  # (not a combination any caller asks for: value * scale is not exact in bf16)

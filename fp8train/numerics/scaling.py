@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8train.numerics import native_cast
-from fp8train.numerics.cast_kernels import NATIVE
+from fp8train.numerics.cast_kernels import EAGER, NATIVE
 from fp8train.numerics.native_layout import capped_block, layout as native_layout
 from fp8train.numerics.formats import Fp8Format, get_format
 from fp8train.numerics.names import Granularity
@@ -55,9 +55,9 @@ def check_margin(margin) -> int:
 def check_layout(granularity: str, block, axis: int, ndim: int) -> tuple[int, int]:
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    if granularity != "tensor" and ndim == 0:
+    if granularity != Granularity.TENSOR and ndim == 0:
         raise ValueError(f"a 0-d tensor has no rows or blocks: use granularity='tensor', not {granularity!r}")
-    if granularity == "row" and not -max(ndim, 1) <= axis < max(ndim, 1):
+    if granularity == Granularity.ROW and not -max(ndim, 1) <= axis < max(ndim, 1):
         raise ValueError(f"axis={axis} is out of range for a {ndim}-d tensor")
     try:  # operator.index: an int (or numpy/torch integer), never a float silently truncated (1.5 -> 1)
         if len(block) != 2:
@@ -88,15 +88,15 @@ def amax_of(x: torch.Tensor, granularity: str, axis: int) -> torch.Tensor:
     """max |x| (fp32; float64 for a float64 x, whose amax may lie beyond fp32's range). For blocks ``x`` is the
     tiles (``as_blocks``) and the amax keeps the tile dims ((*lead, Rb, 1, Cb, 1)), so it broadcasts onto them."""
     if torch.compiler.is_compiling():  # abs + amax fuse into one pass when compiled
-        dims = () if granularity == "tensor" else (axis,) if granularity == "row" else (-3, -1)
-        amax = x.abs().amax(dim=dims, keepdim=granularity != "tensor")
-    elif granularity == "tensor" and x.numel() >= _AMINMAX_MIN_NUMEL:
+        dims = () if granularity == Granularity.TENSOR else (axis,) if granularity == Granularity.ROW else (-3, -1)
+        amax = x.abs().amax(dim=dims, keepdim=granularity != Granularity.TENSOR)
+    elif granularity == Granularity.TENSOR and x.numel() >= _AMINMAX_MIN_NUMEL:
         low, high = torch.aminmax(x)  # eagerly the fastest pass over a big tensor: no |x| temporary
         amax = torch.maximum(high, low.neg())  # NaN propagates through both
     else:  # the inf-norm is max |x| in one op, without an |x| temporary (fewer ops on small tensors)
-        dims = None if granularity == "tensor" else axis if granularity == "row" else (-3, -1)
+        dims = None if granularity == Granularity.TENSOR else axis if granularity == Granularity.ROW else (-3, -1)
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32  # exact: a max, no arithmetic
-        amax = torch.linalg.vector_norm(x, math.inf, dim=dims, keepdim=granularity != "tensor", dtype=dtype)
+        amax = torch.linalg.vector_norm(x, math.inf, dim=dims, keepdim=granularity != Granularity.TENSOR, dtype=dtype)
     return amax if amax.dtype in (torch.float32, torch.float64) else amax.float()
 
 
@@ -151,18 +151,18 @@ def check_amax_floor(x: torch.Tensor, fmt: Fp8Format, granularity: str, br: int,
     fp32 inputs are not checked (as on the overflow side): what they lose this way are fp32 subnormals, within
     the documented error bound (half a min subnormal times the scale)."""
     with torch.no_grad():
-        amax = amax_of(as_blocks(x, br, bc) if granularity == "block" else x, granularity, axis)
+        amax = amax_of(as_blocks(x, br, bc) if granularity == Granularity.BLOCK else x, granularity, axis)
         scale = format_scale(amax, fmt, margin, pow2).double()
         # an FP8 value below half the min subnormal rounds to 0 (a tie rounds to even: 0 too)
         lost = (amax > 0) & torch.isfinite(amax) & (amax / scale <= fmt.min_subnormal / 2)
     if bool(lost.any()):
-        where = "x" if granularity == "tensor" else f"{int(lost.sum())} {granularity}(s) of x"
+        where = "x" if granularity == Granularity.TENSOR else f"{int(lost.sum())} {granularity}(s) of x"
         raise ValueError(f"{where} (float64) has |values| only up to {float(amax[lost].max()):.3g}: below what an "
                          f"fp32 {fmt.name} scale can represent (even the smallest, 2^-126, would quantize all of "
                          f"them to 0); rescale x first")
 
 
-def compute_amax(x, granularity: str = "tensor", block=(1, 128), axis: int = -1, kernel: str = "eager"):
+def compute_amax(x, granularity: str = Granularity.TENSOR, block=(1, 128), axis: int = -1, kernel: str = EAGER):
     """max |x| per tensor, row or block (fp32, shaped like the scale). NaN propagates into the amax.
     ``kernel='native'`` reduces in one pass of the C kernel (native_cast) where it takes x: the same values."""
     check_input(x)
@@ -174,10 +174,10 @@ def compute_amax(x, granularity: str = "tensor", block=(1, 128), axis: int = -1,
         if native_layout(x, granularity, br, bc, axis) is not None:
             return native_cast.amax(x, granularity, br, bc, axis)
     with torch.no_grad():  # not x.detach(): that is one more dispatched op per call on the hot path
-        x = as_blocks(x, br, bc) if granularity == "block" else x
+        x = as_blocks(x, br, bc) if granularity == Granularity.BLOCK else x
         amax = amax_of(x, granularity, axis)
         amax = amax if amax.dtype == torch.float32 else amax.float()
-    return compact_block_scale(amax) if granularity == "block" else amax
+    return compact_block_scale(amax) if granularity == Granularity.BLOCK else amax
 
 
 def scale_from_amax(amax: torch.Tensor, fmt, margin: int = 0, pow2: bool = False) -> torch.Tensor:
@@ -190,7 +190,7 @@ def scale_from_amax(amax: torch.Tensor, fmt, margin: int = 0, pow2: bool = False
 
 def expand_scale(scale: torch.Tensor, shape, granularity: str = "tensor", block=(1, 128), axis: int = -1):
     """Broadcast a compact scale back to ``shape`` (tensor and row scales broadcast as they are)."""
-    if granularity != "block":
+    if granularity != Granularity.BLOCK:
         return scale
     br, bc = int(block[0]), int(block[1])
     rows, cols = (1, shape[0]) if len(shape) == 1 else tuple(shape[-2:])
@@ -204,9 +204,9 @@ def compact_block_scale(tile_scale: torch.Tensor) -> torch.Tensor:
 
 
 def scale_shape_of(shape, granularity: str, br: int, bc: int, axis: int) -> tuple:
-    if granularity == "tensor":
+    if granularity == Granularity.TENSOR:
         return ()
-    if granularity == "row":
+    if granularity == Granularity.ROW:
         return tuple(1 if d == axis % len(shape) else n for d, n in enumerate(shape))
     rows, cols = (1, shape[0]) if len(shape) == 1 else tuple(shape[-2:])
     return (*shape[:-2], -(-rows // br), -(-cols // bc))

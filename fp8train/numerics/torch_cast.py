@@ -11,6 +11,7 @@ import types
 import torch
 
 from fp8train.numerics.formats import Fp8Format
+from fp8train.numerics.names import Granularity
 from fp8train.numerics.scaling import amax_of, as_blocks, compact_block_scale, format_scale
 
 __all__ = ["quantize_impl", "untile", "run", "eager_division_options"]
@@ -56,15 +57,15 @@ def quantize_impl(x, scale, fmt: Fp8Format, granularity: str, br: int, bc: int, 
     ``scale`` the amax is still taken when ``with_amax`` (delayed scaling records it): in the same compiled graph,
     from the same read of x."""
     amax = None
-    source = as_blocks(x, br, bc) if granularity == "block" else x  # blocks: padded tiles; quantize() crops
+    source = as_blocks(x, br, bc) if granularity == Granularity.BLOCK else x  # blocks: padded tiles; quantize() crops
     if scale is None or with_amax:
         amax = amax_of(source, granularity, axis)
     if scale is None:
         scale = format_scale(amax, fmt, margin, pow2)
-    elif granularity == "block":
+    elif granularity == Granularity.BLOCK:
         scale = scale.reshape(*scale.shape[:-1], 1, scale.shape[-1], 1)  # (.., Rb, Cb) -> tile dims
     data, grid = _cast_kernel(source, scale, fmt, saturate, keep_values)
-    if granularity == "block":
+    if granularity == Granularity.BLOCK:
         scale = compact_block_scale(scale)
         amax = None if amax is None else compact_block_scale(amax)
     return data, scale, amax, grid

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fp8train.numerics.names import Granularity
 from fp8train.serving.kv_transform import CACHE_FORMATS
 
 __all__ = ["kv_bytes_per_token", "kv_scale_bytes", "memory_report"]
@@ -39,7 +40,7 @@ def kv_scale_bytes(n_layers: int, n_kv_heads: int, granularity: str = "tensor", 
     """fp32 scale bytes of a static (calibrated) FP8 cache: one per layer (tensor) or per layer and KV head
     (head), for each FP8 tensor (K, V or both). A fixed cost per model, not per token. (A serving cache with
     dynamic per-token-per-head scales would instead add n_layers * n_kv_heads * 4 bytes per token per FP8 tensor.)"""
-    per_layer = 1 if granularity == "tensor" else n_kv_heads
+    per_layer = 1 if granularity == Granularity.TENSOR else n_kv_heads
     return 4 * n_layers * per_layer * len(kv)
 
 

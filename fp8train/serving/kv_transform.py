@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from fp8train.numerics.formats import FORMATS, get_format
+from fp8train.numerics.names import Granularity
 from fp8train.numerics.quant import quantize, scale_from_amax
 from fp8train.serving.kv_hooks import enable_kv_hook
 
@@ -93,7 +94,7 @@ class Fp8KvCache:
         if self.scales is not None:
             return torch.as_tensor(self.scales[(layer_idx, kind)], dtype=torch.float32)
         amax = head_amax(x)  # (H,)
-        if self.config.granularity == "tensor":
+        if self.config.granularity == Granularity.TENSOR:
             amax = amax.max()
         return scale_from_amax(amax, self.fmt, self.config.margin, self.config.pow2)
 
@@ -201,7 +202,7 @@ def scales_from_amax(amax: dict, config: KvCacheConfig) -> dict:
     """Frozen dequant scales for ``config`` from calibrated per-head amaxes."""
     scales = {}
     for key, a in amax.items():
-        a = a.max() if config.granularity == "tensor" else a
+        a = a.max() if config.granularity == Granularity.TENSOR else a
         scales[key] = scale_from_amax(a, config.fmt, config.margin, config.pow2)
     return scales
 

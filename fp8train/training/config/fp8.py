@@ -24,7 +24,7 @@ from fp8train.nn.gemm import AUTO_EMULATED_DTYPE, EMULATED_DTYPE_CHOICES
 from fp8train.nn.overrides import normalize_overrides
 from fp8train.nn.te import te_config_refusal
 from fp8train.nn.recipes import (BASELINE_RECIPE, DEFAULT_RECIPE, RECIPE_NAMES, TENSORWISE_SCALINGS, Fp8Recipe,
-                                 RecipeFieldError, recipe)
+                                 GemmBackend, RecipeFieldError, recipe)
 from fp8train.numerics.cast_kernels import DEFAULT_QUANTIZE_KERNEL, KERNEL_CHOICES
 from fp8train.training.config.base import Section, check_settings_file, require
 
@@ -59,7 +59,8 @@ class _Fp8RunSection(Section):
         self._in("quantize_kernel", KERNEL_CHOICES)
         self._in("recipe", FP8_RECIPE_CHOICES)
         run_recipe = self.to_recipe()  # every recipe field checked by Fp8Recipe, and only there (built once here)
-        if run_recipe.backend == "te":  # at config time, with the reason (nn/te.py), before anything is written
+        # at config time, with the reason (nn/te.py), before anything is written
+        if run_recipe.backend == GemmBackend.TE:
             raise ValueError(te_config_refusal(run_recipe))
         if self.all_gather:
             require(self.recipe != BASELINE_RECIPE and run_recipe.is_tensorwise, "fp8.all_gather", self.all_gather,

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from fp8train.nn.gemm import resolve_backend
-from fp8train.nn.recipes import ROLES
+from fp8train.nn.recipes import GemmBackend, ROLES
 from fp8train.training.runs.checkpoint import MANIFEST, check_checkpoint_origin
 from fp8train.training.config import config_hash
 from fp8train.training.storage.outputs import probe_writable
@@ -76,7 +76,7 @@ def check_resume_origin(checkpoint: Path, cfg, data) -> None:
 
 def check_backend_device(fp8_recipe, device) -> None:
     """The GEMM backend resolves on `device` (nn.gemm's rule), as a config error naming fp8.backend."""
-    if fp8_recipe is None or fp8_recipe.backend == "te":  # te: the layer swap itself checks (and refuses)
+    if fp8_recipe is None or fp8_recipe.backend == GemmBackend.TE:  # te: the layer swap itself checks (and refuses)
         return
     formats = tuple(fp8_recipe.format_of(role) for role in ROLES)
     try:
