@@ -30,7 +30,7 @@ unwind through the work's destructor (noexcept) calls std::terminate. The window
 work right after marking it complete), so it is hit when that thread is descheduled on a loaded CPU (core dump of
 such a rank: the worker in ~AsyncBarrierWork -> ~AsyncAllgatherWork -> take_gil -> pthread_exit, the main thread in
 Py_FinalizeEx). Destroying the group joins the worker threads while the interpreter is alive; fp8train does it at
-exit for every gloo group it makes or joins, whatever path the process leaves by (return, exception, sys.exit).
+exit for every gloo group it makes or joins, whether the process returns or raises.
 """
 
 from __future__ import annotations
