@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -171,6 +172,12 @@ def tiny(tmp_path_factory) -> TinySetup:
 # Commands: the real executable, the crash wrapper, accelerate launch, and the CLI in-process
 # ------------------------------------------------------------------------------------------------------------
 TESTS_DIR = Path(__file__).resolve().parent
+# torchrun's report of failed ranks: a traceback of the launcher itself ending in ChildFailedError, then a table
+# between two lines of "=" naming each failed rank's exit code or signal (torch.distributed.elastic).
+_LAUNCHER_TRACEBACK = re.compile(r"Traceback \(most recent call last\):\n(?:[ \t].*\n)*"
+                                 r"torch\.distributed\.elastic\.multiprocessing\.errors\.ChildFailedError:.*\n"
+                                 r"=+\n(?:.*\n)*?=+\n?")
+_LAUNCHER_SUMMARY = re.compile(r"^=+\n.* FAILED\n(?:.*\n)*?=+$", re.MULTILINE)
 
 
 class Commands:
@@ -179,7 +186,10 @@ class Commands:
 
     @staticmethod
     def env(**extra: str) -> dict:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+        # PYTHONFAULTHANDLER: a process killed by SIGABRT or SIGSEGV prints every thread's Python stack first, so a
+        # failed launch says whether a rank died inside a step or after its last line ("<no Python frame>").
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
+               "PYTHONFAULTHANDLER": "1"}
         env.update(extra)
         return env
 
@@ -206,6 +216,18 @@ class Commands:
         # PET_STANDALONE is torchrun's --standalone (accelerate hands its arguments to torch.distributed.run):
         # a local c10d store on a port the OS assigns. HF_HOME: no user-level accelerate config leaks in.
         return cls.env(PET_STANDALONE="1", HF_HOME=str(hf_home), **extra)
+
+    @staticmethod
+    def launch_failure(returncode: int, stdout: str, stderr: str) -> str:
+        """What a failed `accelerate launch` printed, for an assertion message: the launcher's summary (which rank
+        failed, with which exit code or signal), then the tail of the ranks' own stderr with the launcher's
+        ChildFailedError traceback taken out (it is ~40 lines and would push a rank's last words out of a tail)."""
+        summary = _LAUNCHER_SUMMARY.search(stderr)
+        ranks = _LAUNCHER_TRACEBACK.sub("", stderr)
+        return (f"accelerate launch exited {returncode}\n"
+                f"--- launcher's summary:\n{summary.group(0) if summary else '(none)'}\n"
+                f"--- ranks' stderr, last 5000 characters:\n{ranks[-5000:]}\n"
+                f"--- stdout, last 2000 characters:\n{stdout[-2000:]}")
 
     @classmethod
     def run(cls, argv: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:

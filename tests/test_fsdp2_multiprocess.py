@@ -151,7 +151,7 @@ def _launch(root: Path, job: str, *extra: str, machines: tuple[int, int] = (1, 0
 
 def _finish(proc: subprocess.Popen, timeout: float = 600) -> None:
     stdout, stderr = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, f"launch failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    assert proc.returncode == 0, Commands.launch_failure(proc.returncode, stdout, stderr)
 
 
 @pytest.fixture(scope="module")

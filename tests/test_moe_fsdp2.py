@@ -124,7 +124,7 @@ def runs(tmp_path_factory, single_thread):
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            str(root / "harness.py"), str(root / "out"), str(root / "moe.yaml")]
     proc = subprocess.run(cmd, env=Commands.launch_env(root / "hf"), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, Commands.launch_failure(proc.returncode, proc.stdout, proc.stderr)
     # 2 -> 1: the 2-process FSDP2 run as it was at its step-10 checkpoint, resumed here by one process
     shutil.copytree(root / "runs" / "fsdp", root / "runs" / "fsdp_2to1")
     shutil.rmtree(root / "runs" / "fsdp_2to1" / "checkpoints" / f"step_{STEPS:06d}")

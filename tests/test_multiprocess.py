@@ -66,7 +66,7 @@ SECTIONS = dict(train={"max_steps": STEPS, "eval_every": STEPS},
 HOSTILE_STEP, HOSTILE_MODULE, HOSTILE_LAYER = 3, "layers.1.mlp", "layers.1.mlp.down_proj"
 
 HARNESS = r'''
-import json, sys
+import atexit, json, os, sys
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
@@ -82,6 +82,16 @@ from fp8train.training.models.decoder import build_model
 out, cfg_path, hostile_step, hostile_module = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 real_update, real_build = step_module.update_fp8_scales, setup_module.build_model
 record = {}
+
+
+def record_exit():
+    """Registered before train() makes the Accelerator (and fp8train its exit hook), so it runs after that hook:
+    atexit calls the last registered first."""
+    with open(f"{out}/exit_rank{os.environ['RANK']}.json", "w") as f:
+        json.dump({"process_group_alive": dist.is_initialized()}, f)
+
+
+atexit.register(record_exit)
 
 
 def fp8_state(model):
@@ -199,7 +209,7 @@ def launched(tmp_path_factory, single_thread, tiny, commands):
                                      HOSTILE_MODULE)
     env = commands.launch_env(root / "hf")
     proc = commands.run(cmd, env=env, timeout=300)
-    assert proc.returncode == 0, f"accelerate launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, commands.launch_failure(proc.returncode, proc.stdout, proc.stderr)
 
     # Single-process references with the same micro-batches, recorded the same way.
     references = {}
@@ -319,6 +329,15 @@ def test_nan_loss_on_one_rank_stops_every_rank_without_hanging(launched):
     for rank in range(WORLD):  # both ranks ran the steps before it, with identical scales
         state = load_file(str(out / f"diverge_rank{rank}.safetensors"))
         assert {k.split("/")[0] for k in state} == {f"{s:03d}" for s in range(1, HOSTILE_STEP)}
+
+
+def test_every_rank_destroys_its_gloo_group_before_the_interpreter_finalizes(launched):
+    """The harness never ends its process group itself (a user script calling train() need not either): fp8train
+    destroys it at exit, so no gloo worker thread is left to free Python tensors during finalization (the abort
+    "terminate called without an active exception" that distributed.py describes)."""
+    _, out, _ = launched
+    for rank in range(WORLD):
+        assert json.loads((out / f"exit_rank{rank}.json").read_text()) == {"process_group_alive": False}, rank
 
 
 def test_fsdp2_matches_ddp_with_fp8_linear(launched):

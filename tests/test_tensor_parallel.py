@@ -177,7 +177,7 @@ def tp_runs(tmp_path_factory, single_thread):
     argv = Commands.accelerate_launch(2, str(harness), "both", str(root), str(root / "tiny.yaml"), *RECIPES,
                                       *(f"{name}-nosp" for name in RECIPES), "current-hf")
     done = subprocess.run(argv, env=Commands.launch_env(root / "hf"), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"launch failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert done.returncode == 0, Commands.launch_failure(done.returncode, done.stdout, done.stderr)
     cfg = lambda *o: load_config(str(root / "tiny.yaml"), list(o))  # noqa: E731
     for name in RECIPES:
         train(cfg(f"run.name=one_{name}", f"fp8.recipe={name}"), show_progress=False)
@@ -300,7 +300,7 @@ def dp2_tp2(tmp_path_factory, single_thread):
     harness = Path(__file__).parent / "tp_harness.py"
     argv = Commands.accelerate_launch(4, str(harness), "mesh", str(root / "train.json"), str(root / "tiny.yaml"))
     done = subprocess.run(argv, env=Commands.launch_env(root / "hf"), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"launch failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert done.returncode == 0, Commands.launch_failure(done.returncode, done.stdout, done.stderr)
     train(load_config(str(root / "tiny.yaml"), ["run.name=one_delayed", "train.grad_accum=2"]), show_progress=False)
     return root
 

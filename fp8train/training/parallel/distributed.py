@@ -20,10 +20,22 @@ without mpirun, starts ONE process; it exports MASTER_ADDR / MASTER_PORT only wh
 machine was asked for, and a launcher that really started several sets WORLD_SIZE (torchrun) or an MPI size.
 fp8train makes its own Accelerator with `cpu=True` on CPU, so `accelerate launch --multi_gpu --num_processes N`
 starts N gloo CPU processes.
+
+How a process leaves its gloo group (`end_process_group_at_exit`): a gloo group still up when the interpreter
+finalizes can abort the process (SIGABRT, "terminate called without an active exception", no traceback). gloo runs
+every collective on a worker thread, which drops its reference to the finished work (and so to the tensors of the
+collectives that work waited for) a moment AFTER the caller was told it completed. A tensor made in Python is freed
+under the GIL; a thread asking for the GIL once finalization has begun is ended with pthread_exit, and the forced
+unwind through the work's destructor (noexcept) calls std::terminate. The window is short (the thread drops the
+work right after marking it complete), so it is hit when that thread is descheduled on a loaded CPU (core dump of
+such a rank: the worker in ~AsyncBarrierWork -> ~AsyncAllgatherWork -> take_gil -> pthread_exit, the main thread in
+Py_FinalizeEx). Destroying the group joins the worker threads while the interpreter is alive; fp8train does it at
+exit for every gloo group it makes or joins, whether the process returns or raises.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import sys
@@ -35,7 +47,8 @@ from accelerate import Accelerator
 
 from fp8train.nn.recipes import ROLES
 
-__all__ = ["make_accelerator", "check_launch_settings", "process_count_note", "set_cpu_threads",
+__all__ = ["make_accelerator", "check_launch_settings", "process_count_note", "end_process_group_at_exit",
+           "set_cpu_threads",
            "all_mean_tensor",
            "fp8_state_digest",
            "Fp8StateSync"]
@@ -99,7 +112,27 @@ def make_accelerator(cfg) -> Accelerator:
     note = process_count_note(accelerator.num_processes)
     if note:
         print(note, file=sys.stderr)
+    if accelerator.num_processes > 1:
+        end_process_group_at_exit()
     return accelerator
+
+
+_exit_hook = {"registered": False}
+
+
+def end_process_group_at_exit() -> None:
+    """Destroy the default process group, if it is a gloo one, when the interpreter exits (module docstring).
+    Registered once per process; a group already destroyed (`accelerator.end_training()`) is left alone. No
+    barrier: this runs on error exits too, where a barrier could wait for a rank that never comes, and gloo's
+    destroy is local (no collective). NCCL groups are left to the caller (`end_training`), as accelerate does."""
+    if not _exit_hook["registered"]:
+        atexit.register(_destroy_gloo_group)
+        _exit_hook["registered"] = True
+
+
+def _destroy_gloo_group() -> None:
+    if dist.is_available() and dist.is_initialized() and "gloo" in str(dist.get_backend()):
+        dist.destroy_process_group()
 
 
 def check_distributed_type(accelerator, cfg=None) -> None:

@@ -40,6 +40,7 @@ from fp8train.nn.convert import fp8_layers
 from fp8train.nn.experts_scaling import ExpertScaling
 from fp8train.nn.fp8_all_gather_experts import wrap_experts_for_fp8_all_gather
 from fp8train.nn.fp8_all_gather import check_fp8_all_gather_recipe, wrap_weight_for_fp8_all_gather
+from fp8train.training.parallel.distributed import end_process_group_at_exit
 
 __all__ = ["ensure_process_group", "release_process_group", "decoder_blocks", "apply_fsdp2",
            "grad_norm", "clip_grad_norm_tensor", "grad_norm_tensor",
@@ -55,6 +56,7 @@ def ensure_process_group(device: torch.device) -> bool:
         return False
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    end_process_group_at_exit()  # a run that raised never reaches release_process_group (distributed.py says why)
     return True
 
 
