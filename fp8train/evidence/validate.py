@@ -28,6 +28,7 @@ from fp8train.training.runs.lifetime import interrupts_raised
 from fp8train.training.loop import make_accelerator
 from fp8train.training.parallel.rank0 import on_main_process
 from fp8train.training.storage.files import read_json, write_json_atomic
+from fp8train.training.storage.outputs import claim_output_path
 from fp8train.training.storage.rundir import DirLock, SUMMARY_FILE
 
 __all__ = ["run_validation", "resolve_workers", "verdict_lines", "EXIT_CODES", "add_cli_arguments", "cli_main"]
@@ -111,7 +112,8 @@ def _run_planned(runs, plan, vdir, workers, accelerator, show_progress, log, wri
         run_some(runs)
     summary = {}
     if is_main and write_report:
-        summary = write_validation_report(vdir)
+        with claim_output_path(vdir, "report of", log=say):  # with a `fp8train report` of it at once, one is refused
+            summary = write_validation_report(vdir)
         log(f"[validate] verdict: {summary['verdict'].upper()} -> {vdir / 'report.md'}")
     accelerator.wait_for_everyone()
     return summary

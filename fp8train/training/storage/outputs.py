@@ -13,7 +13,11 @@ symbolic links, errors that name the file). What this module adds is what may be
   empty): a folder fp8train did not write, or a file someone added to one, is never removed, whatever --force;
 - no output file is one of the files a run or validation folder keeps (a folder holding `.fp8train.lock`), nor
   inside its checkpoints, whichever run it is: --force replaces outputs, never another run's records;
-- a replaced folder is built beside the old one and renamed into place, so a failure leaves the old one whole.
+- a replaced folder is built beside the old one and renamed into place, so a failure leaves the old one whole;
+- one command at a time writes an output (`claim_output_path`, held from the check of --out to the last file): the
+  claim is the run directory's lock (rundir.DirLock) in a file beside the output, `.<name>.fp8train-claim`, so a
+  second export, kv-eval or report to the same path is refused naming the path and the holder's PID, instead of
+  the two writing one over the other; a killed holder's claim is taken over with a message.
 """
 
 from __future__ import annotations
@@ -21,21 +25,24 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable
 
 from fp8train.training.storage.files import (read_json, refuse_symlink, temp_path, write_failure,
                                              write_text_atomic)
 from fp8train.training.storage.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, SUMMARY_FILE,
-                                              TELEMETRY_FILE, TRACKERS_FILE)
+                                              TELEMETRY_FILE, TRACKERS_FILE, DirLock)
 
 __all__ = ["OUTPUT_MARKER", "KEPT_FILES", "check_output_file", "check_output_folder", "check_output_files",
            "write_output_set",
            "foreign_entries",
            "make_output_folder", "is_output_folder",
-           "replace_output_folder", "probe_writable"]
+           "replace_output_folder", "probe_writable", "claim_output_path", "CLAIM_SUFFIX"]
 
 OUTPUT_MARKER = ".fp8train-output"
+CLAIM_SUFFIX = ".fp8train-claim"  # `.<name>.fp8train-claim` beside an output while a command writes it
 # The files a run keeps: no command's --out may replace them, with or without --force.
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, TELEMETRY_FILE, SUMMARY_FILE, TRACKERS_FILE, LOCK_FILE)
 VALIDATION_PLAN_FILE = "plan.json"  # evidence.pairs.PLAN_FILE (a later layer): the file a validation is declared by
@@ -291,3 +298,38 @@ def write_output_set(folder: Path, writers: dict[str, Callable[[Path], object]],
             raise write_failure(err, folder / (list(temps)[-1] if temps else "")) from err
         raise
 
+
+
+@contextmanager
+def claim_output_path(path, option: str = "--out", log=None):
+    """Hold the output `path` (a file or folder, present or not) for the body: a second fp8train process
+    claiming the same path meanwhile is refused (ValueError naming the path and the holder's PID). Check the
+    output inside the body, so what was checked is still so when it is written. Missing parent folders are
+    made for the claim file and removed again if the body leaves them empty. Yields the path."""
+    path = _named(path, option)
+    target = Path(os.path.abspath(path))  # the name as given, links not followed: the link is refused later
+    if not target.name:  # the filesystem root: refused by the output checks, nothing to claim beside it
+        yield path
+        return
+    made = [folder for folder in reversed(target.parents) if not folder.exists()]
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise write_failure(err, path) from None
+    say = log or (lambda message: print(f"fp8train: {message}", file=sys.stderr))
+    lock = DirLock(path, option, log=say, claim_file=target.parent / f".{target.name}{CLAIM_SUFFIX}")
+    try:
+        try:
+            lock.acquire()
+        except OSError as err:
+            raise write_failure(err, path) from None
+        try:
+            yield path
+        finally:
+            lock.release()
+    finally:
+        for folder in reversed(made):  # deepest first; a folder the body wrote into stays
+            try:
+                folder.rmdir()
+            except OSError:
+                break
