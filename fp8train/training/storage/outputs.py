@@ -184,9 +184,27 @@ def _not_ours(path: Path, option: str) -> str:
         return (f"{option} {path} is a folder that fp8train did not write (no valid {OUTPUT_MARKER} in it); --force "
                 "replaces only fp8train's own outputs: remove it yourself or choose another path (nothing was written)")
     extra = foreign_entries(path)
+    nested = {name: _output_command(path / name) for name in extra}
+    ours = [f"{name}/ (written by fp8train {command})" for name, command in nested.items() if command]
+    if ours:  # fp8train's, but another command's output (kv-eval of this folder, say): it would be lost with it
+        return (f"{option} {path} holds {', '.join(ours[:3])}{' ...' if len(ours) > 3 else ''}, which the folder's "
+                f"own command did not write; --force replaces only the {option} folder's own files, never another "
+                "command's results about them: move it out (or delete it) first, or choose another path (nothing "
+                "was written)")
     return (f"{option} {path} holds {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}, which fp8train did not "
             "write there; --force replaces only a folder of fp8train's own files: move them out or choose another "
             "path (nothing was written)")
+
+
+def _output_command(entry: Path) -> str | None:
+    """The command whose output folder `entry` is (its marker's), when it is wholly one; None otherwise."""
+    if entry.is_symlink() or not entry.is_dir() or not is_output_folder(entry):
+        return None
+    try:
+        command = read_json(entry / OUTPUT_MARKER).get("command")
+    except (OSError, ValueError):
+        return None
+    return command if isinstance(command, str) and command else "output"
 
 
 def check_output_files(folder, names: Iterable[str], *, force: bool, option: str = "--out",
