@@ -329,6 +329,7 @@ def claim_output_path(path, option: str = "--out", log=None):
     if not target.name:  # the filesystem root: refused by the output checks, nothing to claim beside it
         yield path
         return
+    probe_writable(path, option)  # a file where a folder of the path should be, /proc: said as before any claim
     made = [folder for folder in reversed(target.parents) if not folder.exists()]
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -339,8 +340,8 @@ def claim_output_path(path, option: str = "--out", log=None):
     try:
         try:
             lock.acquire()
-        except OSError as err:
-            raise write_failure(err, path) from None
+        except OSError as err:  # the claim file cannot be made (a folder in its place, a read-only folder)
+            raise write_failure(err, lock.path) from None
         try:
             yield path
         finally:
