@@ -125,3 +125,35 @@ def test_a_report_of_a_folder_another_process_reports_is_refused_and_leaves_its_
     code, _, _ = commands.main(["report", str(run)], capsys)  # once it is free, the same command writes it
     assert code == 0 and (run / "report.md").is_file() and _claim_files(tmp_path) == []
 
+
+
+def test_validate_waits_for_a_report_of_its_folder_then_writes_its_own(tiny, tmp_path, commands):
+    """A `fp8train report` of a validation's folder still writing when the validation ends: the validation waits
+    for it (bounded) and then writes its final report, instead of failing after all its runs."""
+    import threading
+
+    from fp8train.evidence.validate import run_validation
+    from fp8train.training.config import load_config
+    from test_fork import TINY
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", "run.name=val", f"data.path={tiny.corpus}", *TINY,
+                             "train.max_steps=2", "train.eval_every=2", "validate.final_window=1",
+                             "validate.margin=0.05", "validate.workers=1", "validate.seeds=1",
+                             "validate.candidates=[current]"])
+    holder = _holder(commands, tmp_path / "val")  # holds it while the runs train, released 2 s after the last
+    said = []
+
+    def log(line: str) -> None:
+        said.append(line)
+        if "current/seed1337: completed" in line:
+            threading.Timer(2.0, holder.stdin.close).start()
+
+    try:
+        summary = run_validation(cfg, log=log, show_progress=False)
+    finally:
+        if not holder.stdin.closed:
+            holder.stdin.close()
+        assert holder.wait(timeout=30) == 0
+    assert summary["verdict"] in ("pass", "fail", "inconclusive")
+    assert json.loads((tmp_path / "val" / "summary.json").read_text())["verdict"] == summary["verdict"]
+    assert (tmp_path / "val" / "report.md").is_file() and _claim_files(tmp_path) == []

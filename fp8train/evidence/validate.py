@@ -93,6 +93,9 @@ def run_validation(cfg: FullConfig, candidates=None, accelerator=None, show_prog
         lock.release()
 
 
+REPORT_CLAIM_WAIT_S = 300.0  # a report of a large validation (plots of every run) takes minutes at most
+
+
 def _run_planned(runs, plan, vdir, workers, accelerator, show_progress, log, write_report) -> dict:
     is_main = accelerator.is_main_process
     if is_main:
@@ -112,7 +115,8 @@ def _run_planned(runs, plan, vdir, workers, accelerator, show_progress, log, wri
         run_some(runs)
     summary = {}
     if is_main and write_report:
-        with claim_output_path(vdir, "report of", log=say):  # with a `fp8train report` of it at once, one is refused
+        # a `fp8train report` of it writing now: wait for it (bounded), then write the final report over it
+        with claim_output_path(vdir, "report of", log=say, wait_s=REPORT_CLAIM_WAIT_S):
             summary = write_validation_report(vdir)
         log(f"[validate] verdict: {summary['verdict'].upper()} -> {vdir / 'report.md'}")
     accelerator.wait_for_everyone()

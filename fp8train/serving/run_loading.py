@@ -125,6 +125,10 @@ def load_run(run_dir, log=None, tokenizer: str | None = None) -> LoadedRun:
     if tokenizer:
         raise ValueError(f"--tokenizer applies to a Hugging Face folder (e.g. a Trainer checkpoint); the run "
                          f"directory {str(run_dir)!r} tokenizes with its own (data.tokenizer in its config.yaml)")
+    if not config_file.is_file() and (run_dir / "plan.json").is_file():  # evidence.pairs.PLAN_FILE
+        runs = sorted(p.parent for p in run_dir.glob("runs/*/*/config.yaml"))
+        raise ValueError(f"{str(run_dir)!r} is a validation directory (plan.json), not a run: give one of its runs"
+                         + (f", e.g. {runs[0]}" if runs else ""))
     if not config_file.is_file():
         raise ValueError(f"run directory {str(run_dir)!r} has no config.yaml (is it a run made by fp8train train?) "
                          "and no config.json (a Hugging Face folder)")

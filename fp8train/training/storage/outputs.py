@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable
@@ -33,7 +34,7 @@ from typing import Callable, Iterable
 from fp8train.training.storage.files import (read_json, refuse_symlink, temp_path, write_failure,
                                              write_text_atomic)
 from fp8train.training.storage.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, SUMMARY_FILE,
-                                              TELEMETRY_FILE, TRACKERS_FILE, DirLock)
+                                              TELEMETRY_FILE, TRACKERS_FILE, DirLock, LockBusy)
 
 __all__ = ["OUTPUT_MARKER", "KEPT_FILES", "check_output_file", "check_output_folder", "check_output_files",
            "write_output_set",
@@ -319,11 +320,13 @@ def write_output_set(folder: Path, writers: dict[str, Callable[[Path], object]],
 
 
 @contextmanager
-def claim_output_path(path, option: str = "--out", log=None):
+def claim_output_path(path, option: str = "--out", log=None, wait_s: float = 0.0):
     """Hold the output `path` (a file or folder, present or not) for the body: a second fp8train process
-    claiming the same path meanwhile is refused (ValueError naming the path and the holder's PID). Check the
-    output inside the body, so what was checked is still so when it is written. Missing parent folders are
-    made for the claim file and removed again if the body leaves them empty. Yields the path."""
+    claiming the same path meanwhile is refused (ValueError naming the path and the holder's PID), after waiting
+    up to `wait_s` for it (validate's own report, after hours of runs, waits for a `fp8train report` of the same
+    folder rather than fail). Check the output inside the body, so what was checked is still so when it is
+    written. Missing parent folders are made for the claim file and removed again if the body leaves them empty.
+    Yields the path."""
     path = _named(path, option)
     target = Path(os.path.abspath(path))  # the name as given, links not followed: the link is refused later
     if not target.name:  # the filesystem root: refused by the output checks, nothing to claim beside it
@@ -338,10 +341,17 @@ def claim_output_path(path, option: str = "--out", log=None):
     say = log or (lambda message: print(f"fp8train: {message}", file=sys.stderr))
     lock = DirLock(path, option, log=say, claim_file=target.parent / f".{target.name}{CLAIM_SUFFIX}")
     try:
-        try:
-            lock.acquire()
-        except OSError as err:  # the claim file cannot be made (a folder in its place, a read-only folder)
-            raise write_failure(err, lock.path) from None
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                lock.acquire()
+                break
+            except LockBusy:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+            except OSError as err:  # the claim file cannot be made (a folder in its place, a read-only folder)
+                raise write_failure(err, lock.path) from None
         try:
             yield path
         finally:

@@ -27,7 +27,7 @@ from fp8train.training.storage.files import refuse_symlink, write_error, write_j
 
 __all__ = [
     "CONFIG_FILE", "METRICS_FILE", "TELEMETRY_FILE", "SUMMARY_FILE", "CHECKPOINTS_DIR", "TRACKERS_FILE", "LOCK_FILE",
-    "refuse_symlinks_in", "dir_state", "DirLock", "is_locked", "record_write_failure",
+    "refuse_symlinks_in", "dir_state", "DirLock", "LockBusy", "is_locked", "record_write_failure",
     "refuse_run_directory_as_hf_folder",
 ]
 
@@ -83,6 +83,10 @@ def dir_state(directory: str | os.PathLike, marker: str) -> str:
 LOCK_RESERVE_BYTES = 64 << 10
 
 
+class LockBusy(ValueError):
+    """Another live process holds the lock (the message names it)."""
+
+
 class DirLock:
     """An exclusive lock on a run or validation directory for as long as it is held (`with DirLock(d):` or
     acquire/release). The lock is an flock on `<dir>/.fp8train.lock`, which also records the holder's PID, host
@@ -113,7 +117,7 @@ class DirLock:
             except BlockingIOError:
                 holder = _lock_holder(fd)
                 os.close(fd)
-                raise ValueError(f"{self.what} {self.directory} is in use by another fp8train process "
+                raise LockBusy(f"{self.what} {self.directory} is in use by another fp8train process "
                                  f"(PID {holder.get('pid', '?')} on {holder.get('host', '?')}, since "
                                  f"{holder.get('since', '?')}); wait for it to finish or stop it (nothing was "
                                  "changed)") from None
