@@ -20,6 +20,7 @@ import math
 import multiprocessing
 import os
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -269,7 +270,13 @@ def _run_in_pool(schedule: _Schedule, baseline_dirs, workers: int, log) -> None:
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in finished:
                     run = running.pop(future)
-                    summary = future.result()  # a run's exception ends the validation here, as in-process
+                    try:
+                        summary = future.result()  # a run's exception ends the validation here, as in-process
+                    except BrokenProcessPool:  # a worker killed from outside (kill -9, the OOM killer): said as
+                        raise ValueError(  # the other "validation stopped" lines, not as an internal error
+                            f"validation stopped: the worker process running {run.key} ended abruptly (killed: "
+                            "by a signal, or by the system for memory?); the runs made so far are kept, and "
+                            "re-running `fp8train validate` resumes the rest") from None
                     if _REFUSED in summary:
                         raise ValueError(summary[_REFUSED])
                     _check_paired(run, summary)
