@@ -114,6 +114,18 @@ def test_a_finished_run_whose_manifests_were_removed_is_said_deleted_never_prune
     assert f"{checkpoints[-1]}: no manifest.json (deleted" in message, message
 
 
+def test_a_validation_directory_given_as_the_run_is_named_with_one_of_its_runs(tmp_path):
+    from fp8train.serving.run_loading import load_run
+
+    (tmp_path / "plan.json").write_text("{}\n")
+    run = tmp_path / "runs" / "bf16" / "seed1337"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")
+    with pytest.raises(ValueError, match=f"is a validation directory \\(plan.json\\), not a run: give one of its "
+                                         f"runs, e.g. {run}"):
+        load_run(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def diverged_run(tmp_path_factory, commands):
     root = tmp_path_factory.mktemp("diverged")

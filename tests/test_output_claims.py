@@ -157,3 +157,23 @@ def test_validate_waits_for_a_report_of_its_folder_then_writes_its_own(tiny, tmp
     assert summary["verdict"] in ("pass", "fail", "inconclusive")
     assert json.loads((tmp_path / "val" / "summary.json").read_text())["verdict"] == summary["verdict"]
     assert (tmp_path / "val" / "report.md").is_file() and _claim_files(tmp_path) == []
+
+
+def test_plan_to_a_file_another_process_holds_is_refused(tiny_fp8_run, tmp_path, commands, capsys):
+    out = tmp_path / "plan.yaml"
+    holder = _holder(commands, out)
+    try:
+        code, _, err = commands.main(["plan", str(tiny_fp8_run), "--out", str(out), "--repeats", "1"], capsys)
+    finally:
+        _release(holder)
+    assert code == 2 and f"plan --out {out} is in use by another fp8train process (PID {holder.pid} " in err
+    assert not out.exists()
+
+
+def test_a_claim_file_that_cannot_be_made_is_named(tiny_fp8_run, tmp_path, commands, capsys):
+    blocker = tmp_path / f".model{CLAIM_SUFFIX}"
+    blocker.mkdir()  # a folder where the claim file goes
+    code, _, err = commands.main(["export", str(tiny_fp8_run), "--format", "e4m3fn", "--out",
+                                  str(tmp_path / "model"), "--no-check"], capsys)
+    assert code == 2 and err.count("\n") == 1 and f"cannot write {blocker}: Is a directory" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [blocker.name]
