@@ -332,6 +332,7 @@ def claim_output_path(path, option: str = "--out", log=None, wait_s: float = 0.0
     if not target.name:  # the filesystem root: refused by the output checks, nothing to claim beside it
         yield path
         return
+    _refuse_kept(path, option)  # no claim (nor folder made for it) inside any run's checkpoints
     probe_writable(path, option)  # a file where a folder of the path should be, /proc: said as before any claim
     made = [folder for folder in reversed(target.parents) if not folder.exists()]
     try:
