@@ -177,3 +177,29 @@ def test_a_claim_file_that_cannot_be_made_is_named(tiny_fp8_run, tmp_path, comma
                                   str(tmp_path / "model"), "--no-check"], capsys)
     assert code == 2 and err.count("\n") == 1 and f"cannot write {blocker}: Is a directory" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == [blocker.name]
+
+
+def test_a_pool_worker_killed_from_outside_stops_the_validation_in_one_line(tiny, tmp_path):
+    """kill -9 of a validate worker (what the OOM killer does): one line naming the run, not an internal error."""
+    import multiprocessing
+    import signal
+
+    from fp8train.evidence.validate import run_validation
+    from fp8train.training.config import load_config
+    from test_fork import TINY
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", "run.name=val", f"data.path={tiny.corpus}", *TINY,
+                             "train.max_steps=100000", "train.eval_every=1000", "validate.final_window=1",
+                             "validate.workers=2", "validate.seeds=1", "validate.candidates=[current]"])
+    killed = []
+
+    def log(line: str) -> None:  # the first run submitted: kill a worker of the pool (children of this process)
+        if ": running" in line and not killed:
+            workers = [p for p in multiprocessing.active_children() if "resource_tracker" not in p.name]
+            os.kill(workers[0].pid, signal.SIGKILL)
+            killed.append(workers[0].pid)
+
+    with pytest.raises(ValueError, match=r"^validation stopped: the worker process running (bf16|current)/seed1337 "
+                                         r"ended abruptly \(killed"):
+        run_validation(cfg, log=log, show_progress=False)
+    assert killed
