@@ -80,7 +80,11 @@ def _write_whole(path: Path, text: str) -> None:
 @contextmanager
 def build_lock(folder: Path):
     path = folder / "build.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:  # a folder in its place, a read-only cache: nothing can be built there
+        raise CacheUnusable(f"the cache directory {folder} is unusable: its build lock {path} cannot be opened "
+                            f"({err.strerror})") from None
     try:
         if fcntl is not None:
             deadline = time.monotonic() + LOCK_WAIT_S
