@@ -203,3 +203,10 @@ def test_a_pool_worker_killed_from_outside_stops_the_validation_in_one_line(tiny
                                          r"ended abruptly \(killed"):
         run_validation(cfg, log=log, show_progress=False)
     assert killed
+
+
+def test_kv_eval_of_a_missing_run_says_so_and_makes_no_folder_for_its_claim(tmp_path, commands, capsys):
+    missing = tmp_path / "no_such_run"
+    code, _, err = commands.main(["kv-eval", str(missing), "--format", "e4m3fn"], capsys)
+    assert code == 2 and f"run directory {str(missing)!r} does not exist" in err, err
+    assert list(tmp_path.iterdir()) == []

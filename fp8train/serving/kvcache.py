@@ -279,6 +279,8 @@ def cli_main(args) -> int:
         if value > MAX_COUNT:  # each is a forward pass (or a generation): a bound on hours before the report
             raise ValueError(f"{key} {value} must be <= {MAX_COUNT}")
     refuse_failed_source(args.run_dir, args.allow_diverged, "evaluate")  # its losses would measure the divergence
+    if not Path(args.run_dir).is_dir():  # said before the claim below makes RUN_DIR for RUN_DIR/kv_eval's claim
+        raise ValueError(f"run directory {str(args.run_dir)!r} does not exist")
     out = Path(args.run_dir) / "kv_eval" if args.out is None else args.out
     with claim_output_path(out, "kv-eval --out"):  # a second kv-eval into the same folder is refused meanwhile
         out = check_report_folder(out, args.force, args.run_dir)
