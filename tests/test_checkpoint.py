@@ -188,7 +188,8 @@ def test_what_verify_and_prune_say_exactly(tmp_path):
     for step in (1, 2, 3):
         save_checkpoint(tmp_path, step, model, optimizer, keep_last=0)
     (tmp_path / "step_000003" / MANIFEST).unlink()
-    assert verify_checkpoint(tmp_path / "step_000003") == "no manifest.json (incomplete write)"
+    assert verify_checkpoint(tmp_path / "step_000003") == ("no manifest.json (deleted: fp8train renames a "
+                                                           "checkpoint into place only once it is whole)")
     said = []
     assert prune_checkpoints(tmp_path, 1, log=said.append) == [tmp_path / "step_000001"]
     assert said == [f"pruned checkpoint {tmp_path / 'step_000001'} (checkpoint.keep_last=1)"]

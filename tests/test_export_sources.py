@@ -69,13 +69,13 @@ def test_a_live_run_is_exported_and_checked_at_one_checkpoint(live_run, tmp_path
 
 def test_a_live_run_pruning_every_checkpoint_is_evaluated_never_called_damaged(live_run, tmp_path, commands):
     """kv-eval reads a checkpoint that the run prunes about a step later: the read is whole, or the pruned
-    checkpoint is named as pruned and a newer one read; never 'incomplete write' or an internal error."""
+    checkpoint is named as pruned and a newer one read; never a missing manifest or an internal error."""
     out = tmp_path / "kv"
     done = commands.run(commands.fp8train("kv-eval", str(live_run), "--out", str(out), "--batches", "1",
                                           "--format", "e4m3fn", "--calib-batches", "1", "--gen-prompts", "0"),
                         timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "incomplete write" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "no manifest.json" not in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert json.loads((out / "kv_eval.json").read_text())["manifest"]["checkpoint_step"] >= 1
 
 
@@ -85,8 +85,45 @@ def test_load_run_of_a_live_run_never_reports_a_pruned_checkpoint_as_damaged(liv
     said, steps = [], []
     for _ in range(20):  # each load races the run's next save and prune
         steps.append(load_run(live_run, log=said.append).step)
-    assert not [m for m in said if "incomplete write" in m or "unreadable" in m], said
+    assert not [m for m in said if "no manifest.json" in m or "unreadable" in m], said
     assert steps == sorted(steps) and steps[-1] > steps[0]  # the run moved on, each load a whole checkpoint
+
+
+@pytest.mark.parametrize("keep_last", [0, 2])
+def test_a_finished_run_whose_manifests_were_removed_is_said_deleted_never_pruned(tmp_path, keep_last):
+    """Pruned means removed by the run's keep_last rotation; manifests removed otherwise (by hand, in a finished
+    run, whether it rotates or keeps all) are said missing, and the run is not called still training."""
+    from fp8train.serving.run_loading import load_run
+    from fp8train.training.config import load_config
+    from fp8train.training.loop import train
+
+    options = [o for o in TINY_FP8_RUN if not o.startswith(("train.max_steps=", "train.eval_every="))]
+    cfg = load_config(None, [f"run.dir={tmp_path}", "run.name=r", *options, "train.max_steps=6",
+                             "train.eval_every=6", "checkpoint.every=2", f"checkpoint.keep_last={keep_last}"])
+    assert train(cfg, show_progress=False)["status"] == "completed"
+    checkpoints = sorted((tmp_path / "r" / "checkpoints").glob("step_*"))
+    assert len(checkpoints) >= 2
+    for checkpoint in checkpoints:
+        (checkpoint / "manifest.json").unlink()
+    said = []
+    with pytest.raises(ValueError) as caught:
+        load_run(tmp_path / "r", log=said.append)
+    message = str(caught.value)
+    assert "pruned" not in message and "still training" not in message, message
+    assert not [m for m in said if "pruned" in m], said
+    assert f"{checkpoints[-1]}: no manifest.json (deleted" in message, message
+
+
+def test_a_validation_directory_given_as_the_run_is_named_with_one_of_its_runs(tmp_path):
+    from fp8train.serving.run_loading import load_run
+
+    (tmp_path / "plan.json").write_text("{}\n")
+    run = tmp_path / "runs" / "bf16" / "seed1337"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")
+    with pytest.raises(ValueError, match=f"is a validation directory \\(plan.json\\), not a run: give one of its "
+                                         f"runs, e.g. {run}"):
+        load_run(tmp_path)
 
 
 @pytest.fixture(scope="module")

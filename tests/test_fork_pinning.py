@@ -54,7 +54,7 @@ def _summaries(vdir: Path) -> dict:
 # 1, 9: the source replaced or deleted while the validation runs
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("change", ["replaced", "deleted"])
+@pytest.mark.parametrize("change", ["replaced", "deleted", "config edited"])
 def test_a_source_changed_during_a_validation_ends_it_before_the_next_run(source, tiny, tmp_path, change):
     from fp8train.evidence.report import write_report
     from fp8train.evidence.validate import run_validation
@@ -65,7 +65,10 @@ def test_a_source_changed_during_a_validation_ends_it_before_the_next_run(source
     other = _other_source(tmp_path, tiny) if change == "replaced" else None
 
     def log(line: str) -> None:  # the first run ended: the source changes under the validation
-        if "bf16/seed1337: completed" in line:
+        if "bf16/seed1337: completed" in line and change == "config edited":  # the checkpoint stays as it was
+            config = src / "config.yaml"
+            config.write_text(config.read_text().replace("lr: 0.003\n", "lr: 0.006\n"))
+        elif "bf16/seed1337: completed" in line:
             shutil.rmtree(pinned)
             if other is not None:
                 shutil.copytree(other / "checkpoints" / "step_000016", pinned)
@@ -76,6 +79,9 @@ def test_a_source_changed_during_a_validation_ends_it_before_the_next_run(source
     assert "\n" not in message and message.startswith("validation stopped before bf16/seed1338: ")  # baselines first
     if change == "deleted":
         assert f"the fork checkpoint {pinned} pinned in plan.json was deleted" in message
+    elif change == "config edited":  # named as the source's config.yaml, not as a train.fork_from problem
+        assert (f"the fork source's config.yaml {src / 'config.yaml'} was edited after the checkpoint step_000016 "
+                "was pinned") in message and "train.fork_from" not in message
     else:
         assert f"the fork checkpoint {pinned} was replaced or edited since plan.json pinned it" in message
     vdir = tmp_path / "val"

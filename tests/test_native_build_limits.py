@@ -131,3 +131,27 @@ def test_a_compiler_that_writes_garbage_and_exits_0_is_recorded_failed_not_loade
         assert "available False" in out and "an earlier build with this compiler failed" in reason, reason
         assert "built does not load" in reason and "tries again" not in err, err
     assert calls.read_text().splitlines() == ["run"]
+
+
+@pytest.mark.slow
+def test_a_cache_home_that_is_a_file_is_named_unusable_and_the_kernel_is_eager_with_one_warning(tmp_path):
+    cache = tmp_path / "cache"
+    cache.write_text("not a folder\n")
+    out, reason, err, _ = _finish(_start(cache, os.environ.get("PATH", ""), 30, 30))
+    assert "available False" in out
+    assert reason.startswith(f"the cache directory {cache}/fp8train/native is unusable ({cache} is a file, not a "
+                             "folder"), reason
+    assert ".failed.json" not in reason and "earlier build" not in reason
+    assert err.count("RuntimeWarning") == 1 and "eager kernel" in err, err
+    assert cache.read_text() == "not a folder\n"
+
+
+@pytest.mark.slow
+def test_a_build_lock_that_cannot_be_opened_is_named_and_the_kernel_is_eager(tmp_path):
+    lock = tmp_path / "cache" / "fp8train" / "native" / "build.lock"
+    lock.mkdir(parents=True)  # a folder where the lock file goes
+    out, reason, err, _ = _finish(_start(tmp_path / "cache", os.environ.get("PATH", ""), 30, 30))
+    assert "available False" in out
+    assert reason == (f"the cache directory {lock.parent} is unusable: its build lock {lock} cannot be opened (Is a "
+                      "directory)"), reason
+    assert err.count("RuntimeWarning") == 1 and "the next process tries again" not in err, err

@@ -121,6 +121,22 @@ def test_force_keeps_what_someone_added_to_an_export_folder(tiny_fp8_run, tmp_pa
     assert tree_digest(export) == before
 
 
+def test_force_over_an_export_holding_a_kv_eval_of_it_names_that_output(tiny_fp8_run, tmp_path, commands, capsys):
+    """kv-eval of an export folder writes its report into it (FOLDER/kv_eval/, fp8train's own output): export
+    --force over the folder keeps it and says whose it is, not that fp8train did not write it."""
+    export = tmp_path / "export"
+    argv = ["export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(export), "--no-check"]
+    assert commands.main(argv, capsys)[0] == 0
+    assert commands.main(["kv-eval", str(export), *KV_FAST], capsys)[0] == 0
+    before = tree_digest(export)
+    assert "kv_eval/kv_eval.json" in before
+    code, _, err = commands.main([*argv, "--force"], capsys)
+    line = one_line_error(code, err)
+    assert f"--out {export} holds kv_eval/ (written by fp8train kv-eval)" in line
+    assert "fp8train did not write" not in line
+    assert tree_digest(export) == before
+
+
 @pytest.mark.parametrize("target", ["summary.json", "config.yaml", "plan.json", "checkpoint"])
 def test_an_output_file_never_replaces_another_runs_records(tiny_fp8_run, tmp_path, target, commands, capsys):
     """Not only the source run's: no --out, --force or not, replaces a file that some other run or validation

@@ -442,6 +442,21 @@ def test_final_window_means_of_every_run(validation_dir):
     assert RunData(run, "nan").final(2) is None and RunData(run, "nan").final(1) == 3.0
 
 
+def test_a_run_that_ends_while_it_is_read_is_running_not_unfinished(tmp_path):
+    """A report reads a run without summary.json (running), and the run writes its summary before the report asks
+    whether a process holds it: it was running when read, not "unfinished: killed?"."""
+    from fp8train.evidence.verdict import RunData
+
+    run = _write_run(tmp_path, "bf16", 1, (5.5, 4.0, 3.5))
+    summary = (run / "summary.json").read_text()
+    (run / "summary.json").unlink()
+    read = RunData(run, "bf16")  # no lock file, no summary: as after a kill
+    assert read.status == "unfinished"
+    read = RunData(run, "bf16")
+    (run / "summary.json").write_text(summary)  # the run ended after the read
+    assert read.status == "running"
+
+
 def test_plain_run_report_and_cli(validation_dir, capsys):
     from fp8train.cli import main
 

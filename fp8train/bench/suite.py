@@ -53,7 +53,7 @@ from fp8train.bench.quant_section import bench_quant
 from fp8train.bench.report_tables import check_targets, format_report
 from fp8train.bench.train_section import bench_memory, bench_train, saved_tensor_bytes
 from fp8train.training.config import load_config
-from fp8train.training.storage.outputs import check_output_file
+from fp8train.training.storage.outputs import check_output_file, claim_output_path
 from fp8train.training.storage.files import write_text_atomic
 
 __all__ = ["parse_shapes", "run_bench", "machine_info", "format_report", "SECTIONS", "add_cli_arguments",
@@ -183,8 +183,15 @@ def options_from_args(args) -> BenchOptions:
 
 def cli_main(args) -> int:
     opts = options_from_args(args)
-    if opts.out:  # before minutes of timing: an existing file, a link, a run's records or /proc/x is one line
+    if not opts.out:
+        return _bench(args, opts)
+    with claim_output_path(opts.out, "bench --out"):  # a second bench writing the same file meanwhile is refused
+        # before minutes of timing: an existing file, a link, a run's records or /proc/x is one line
         opts.out = str(check_output_file(opts.out, force=args.force))
+        return _bench(args, opts)
+
+
+def _bench(args, opts) -> int:
     results = run_bench(opts)
     report = format_report(results)
     text = json.dumps(results, indent=2, default=str)

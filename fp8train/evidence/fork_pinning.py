@@ -23,7 +23,8 @@ from pathlib import Path
 
 from fp8train.evidence.run_plan import PLAN_FILE, PlannedRun, derive_config, validation_dir
 from fp8train.training.config import FullConfig
-from fp8train.training.runs.fork import (checkpoint_sha256, fp8_state_origin, open_fork, resolve_fork_checkpoint)
+from fp8train.training.runs.fork import (checkpoint_sha256, fp8_state_origin, open_fork, resolve_fork_checkpoint,
+                                         source_config_problem)
 from fp8train.training.storage.files import read_json
 
 __all__ = ["fork_config", "fork_record", "check_fork_unchanged", "check_pinned_fork", "check_run_fork",
@@ -149,11 +150,12 @@ def check_pinned_fork(run: PlannedRun) -> None:
     pinned one. ValueError ends the validation; the runs made so far are kept."""
     if run.pinned_fork is None:
         return
-    problem = source_problem(run.pinned_fork)
+    # the source's config.yaml too: an edit would otherwise surface inside the run as a train.fork_from error
+    problem = source_problem(run.pinned_fork) or source_config_problem(Path(run.pinned_fork["checkpoint"]))
     if problem is not None:
         raise ValueError(f"validation stopped before {run.key}: {problem}. The runs made so far started from the "
-                         "pinned checkpoint and are kept; restore it and re-run `fp8train validate`, or start a "
-                         "new validation under another run.name")
+                         "pinned checkpoint and are kept; restore the source and re-run `fp8train validate`, or "
+                         "start a new validation under another run.name")
 
 
 def check_run_fork(run: PlannedRun, summary: dict) -> None:

@@ -41,7 +41,7 @@ from fp8train.evidence import advisor
 from fp8train.training.config import layer_policy_from_config, load_config
 from fp8train.training.models.decoder import build_model, check_model_for_run
 from fp8train.training.runs import telemetry
-from fp8train.training.storage.outputs import check_output_file
+from fp8train.training.storage.outputs import check_output_file, claim_output_path
 from fp8train.training.storage.files import write_text_atomic
 from fp8train.training.shadow import SHADOW_STAT_KEYS
 
@@ -282,6 +282,11 @@ MAX_REPEATS = 1000
 
 
 def cli_main(args) -> int:
+    with claim_output_path(args.out, "layer-recipes --out"):  # a second one to the same file meanwhile is refused
+        return _plan(args)
+
+
+def _plan(args) -> int:
     out = check_output_file(args.out, force=args.force, sources=[args.run_dir])
     if not 1 <= args.repeats <= MAX_REPEATS:  # each round times every layer shape: a bound on hours of timing
         raise ValueError(f"--repeats={args.repeats}: must be in [1, {MAX_REPEATS}]")

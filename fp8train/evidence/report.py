@@ -22,7 +22,7 @@ from fp8train.nn.recipes import ROLES
 from fp8train.training.config import load_config
 from fp8train.training.models.hf import HFCausalLM
 from fp8train.training.storage.files import write_json_atomic, write_text_atomic
-from fp8train.training.storage.outputs import write_output_set
+from fp8train.training.storage.outputs import claim_output_path, write_output_set
 from fp8train.training.storage.rundir import CONFIG_FILE, METRICS_FILE
 
 __all__ = ["write_report", "write_validation_report", "write_run_report", "add_cli_arguments", "cli_main"]
@@ -334,6 +334,7 @@ def cli_main(args) -> int:
     path = Path(args.run_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory")
-    summary = write_report(path)
+    with claim_output_path(path, "report of"):  # two reports of one folder at once: one is refused, never a mix
+        summary = write_report(path)
     print(f"wrote {path / 'report.md'}" + (f" (verdict: {summary['verdict']})" if "verdict" in summary else ""))
     return 0

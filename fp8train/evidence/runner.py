@@ -20,6 +20,7 @@ import math
 import multiprocessing
 import os
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,8 +169,12 @@ def _run_in_process(schedule: _Schedule, baseline_dirs, accelerator, log, show_p
             if accelerator.is_main_process:
                 log(f"[validate] {run.key}: running (seed {run.seed})")
             check_pinned_fork(run)  # validate.fork_from: the pinned checkpoint, still there and unchanged
-            summary = train(run.cfg, accelerator=accelerator, show_progress=show_progress,
-                            should_stop=_guard(run, baseline_dirs))
+            try:
+                summary = train(run.cfg, accelerator=accelerator, show_progress=show_progress,
+                                should_stop=_guard(run, baseline_dirs))
+            except ValueError:  # its set-up refused the fork source: say what changed, if the source did
+                check_pinned_fork(run)
+                raise
             accelerator.wait_for_everyone()  # rank 0 wrote metrics.jsonl; every rank then reads the same curve
             _check_paired(run, summary)
             schedule.done.add(run.key)
@@ -222,6 +227,10 @@ def _worker_run(run: PlannedRun, baseline_dir: str | None) -> dict:
     except ValueError as err:  # fp8train's own refusal (a deleted fork source, say): the validation raises it
         if not _raised_by_fp8train(err):  # again, so the command line says it in one line, as in-process
             raise
+        try:  # a source changed after the check above: the validation's line naming it, not train.fork_from's
+            check_pinned_fork(run)
+        except ValueError as stopped:
+            return {_REFUSED: str(stopped)}
         return {_REFUSED: str(err)}
 
 
@@ -261,7 +270,13 @@ def _run_in_pool(schedule: _Schedule, baseline_dirs, workers: int, log) -> None:
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in finished:
                     run = running.pop(future)
-                    summary = future.result()  # a run's exception ends the validation here, as in-process
+                    try:
+                        summary = future.result()  # a run's exception ends the validation here, as in-process
+                    except BrokenProcessPool:  # a worker killed from outside (kill -9, the OOM killer): said as
+                        raise ValueError(  # the other "validation stopped" lines, not as an internal error
+                            f"validation stopped: the worker process running {run.key} ended abruptly (killed: "
+                            "by a signal, or by the system for memory?); the runs made so far are kept, and "
+                            "re-running `fp8train validate` resumes the rest") from None
                     if _REFUSED in summary:
                         raise ValueError(summary[_REFUSED])
                     _check_paired(run, summary)

@@ -28,6 +28,7 @@ from fp8train.training.runs.lifetime import interrupts_raised
 from fp8train.training.loop import make_accelerator
 from fp8train.training.parallel.rank0 import on_main_process
 from fp8train.training.storage.files import read_json, write_json_atomic
+from fp8train.training.storage.outputs import claim_output_path
 from fp8train.training.storage.rundir import DirLock, SUMMARY_FILE
 
 __all__ = ["run_validation", "resolve_workers", "verdict_lines", "EXIT_CODES", "add_cli_arguments", "cli_main"]
@@ -92,6 +93,9 @@ def run_validation(cfg: FullConfig, candidates=None, accelerator=None, show_prog
         lock.release()
 
 
+REPORT_CLAIM_WAIT_S = 300.0  # a report of a large validation (plots of every run) takes minutes at most
+
+
 def _run_and_report(runs, plan, vdir, workers, accelerator, show_progress, log, write_report) -> dict:
     is_main = accelerator.is_main_process
     if is_main:
@@ -111,7 +115,9 @@ def _run_and_report(runs, plan, vdir, workers, accelerator, show_progress, log, 
         run_some(runs)
     summary = {}
     if is_main and write_report:
-        summary = write_validation_report(vdir)
+        # a `fp8train report` of it writing now: wait for it (bounded), then write the final report over it
+        with claim_output_path(vdir, "report of", log=say, wait_s=REPORT_CLAIM_WAIT_S):
+            summary = write_validation_report(vdir)
         log(f"[validate] verdict: {summary['verdict'].upper()} -> {vdir / 'report.md'}")
     accelerator.wait_for_everyone()
     return summary

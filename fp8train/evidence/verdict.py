@@ -64,7 +64,8 @@ class RunData:
         if self.summary is None:  # no summary.json: running only while a process holds the run directory
             if not (self.curve.val or self.curve.train):
                 return "missing"
-            return "running" if is_locked(self.dir) else "unfinished"
+            # a summary.json there now: the run ended after this report read it, as a run that was running
+            return "running" if is_locked(self.dir) or (self.dir / SUMMARY_FILE).exists() else "unfinished"
         return self.summary.get("status", "unknown")
 
     @property

@@ -31,7 +31,9 @@ files of builders that died. The week keeps two installed versions used in
 turn from deleting each other's library on every start.
 
 Without a compiler, or when the build or load fails, ``available()`` is False, the reason is warned once
-(``unavailable_reason()``), and fp8train quantizes with its eager kernel (same bytes, slower).
+(``unavailable_reason()``), and fp8train quantizes with its eager kernel (same bytes, slower). A cache directory
+that cannot be made (a file named like a folder of its path, say XDG_CACHE_HOME) is said so, naming it, before any
+record in it is looked for: nothing is built, nothing recorded.
 """
 
 from __future__ import annotations
@@ -143,6 +145,8 @@ def _load_or_reason() -> dict:
     except guard.Recorded as err:  # a hung build or one that does not load: later processes do not try it again
         return {"reason": str(err), "hint": "Later processes with this compiler use the eager kernel without "
                 "building; delete the .failed.json file named above to try again."}
+    except guard.CacheUnusable as err:
+        return {"reason": str(err), "hint": "Point XDG_CACHE_HOME at a writable folder to build and cache it."}
     except guard.LockWait as err:
         return {"reason": str(err), "hint": "The next process tries again."}
     except Exception as err:  # a failed build: say what failed, no install advice
@@ -234,9 +238,8 @@ def _load(compiler: str) -> ctypes.CDLL:
     family, paths = _library_paths(compiler)
     path, _ = _good_library(paths)  # the common case: built by an earlier process, no lock needed
     if path is None:
+        folder = _usable_cache_dir()  # before any record is read there: a file in its place is no failed build
         _raise_if_failed_before(paths)
-        folder = cache_dir()
-        folder.mkdir(parents=True, exist_ok=True)
         with guard.build_lock(folder):
             path, damaged = _good_library(paths)  # built by another process while this one waited?
             if path is None:
@@ -259,6 +262,20 @@ def _load(compiler: str) -> ctypes.CDLL:
         _record_path(path).unlink(missing_ok=True)
         raise guard.record_failure(paths, f"the library {compiler} built does not load ({type(err).__name__}: "
                                      f"{' '.join(str(err).split())[:300]})") from None
+
+
+def _usable_cache_dir() -> Path:
+    """cache_dir(), made if missing; guard.CacheUnusable naming it when it cannot be (a file where a folder of
+    its path should be, a read-only or forbidden folder)."""
+    folder = cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a folder" if blocker is not None else (err.strerror or str(err))
+        raise guard.CacheUnusable(f"the cache directory {folder} is unusable ({why}; it is "
+                                  "$XDG_CACHE_HOME/fp8train/native, default ~/.cache)") from None
+    return folder
 
 
 def _raise_if_failed_before(paths: dict) -> None:

@@ -25,7 +25,7 @@ try:
 except ImportError:  # not POSIX: builds are not serialized across processes (each still renames a whole file)
     fcntl = None
 
-__all__ = ["BUILD_TIMEOUT_S", "LOCK_WAIT_S", "Recorded", "LockWait", "failure_path", "recorded_failure",
+__all__ = ["BUILD_TIMEOUT_S", "LOCK_WAIT_S", "Recorded", "CacheUnusable", "LockWait", "failure_path", "recorded_failure",
            "record_failure", "build_lock", "compile_in_group"]
 
 BUILD_TIMEOUT_S = 120.0  # all variants together; a real build takes about a second
@@ -33,6 +33,10 @@ LOCK_WAIT_S = BUILD_TIMEOUT_S + 30.0  # a holder past this is stuck, not buildin
 
 class Recorded(RuntimeError):
     """A failure written to the library's .failed.json (the message says what failed and names the file)."""
+
+
+class CacheUnusable(RuntimeError):
+    """The cache directory cannot be made or written (a file in its place, read-only): nothing is built."""
 
 
 class LockWait(RuntimeError):
@@ -76,7 +80,11 @@ def _write_whole(path: Path, text: str) -> None:
 @contextmanager
 def build_lock(folder: Path):
     path = folder / "build.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:  # a folder in its place, a read-only cache: nothing can be built there
+        raise CacheUnusable(f"the cache directory {folder} is unusable: its build lock {path} cannot be opened "
+                            f"({err.strerror})") from None
     try:
         if fcntl is not None:
             deadline = time.monotonic() + LOCK_WAIT_S

@@ -54,7 +54,7 @@ from fp8train.serving.run_loading import (LoadedRun, fp8_linear_names, fp8_polic
 from fp8train.training.config import ModelConfig
 from fp8train.training.data.corpus import build_data
 from fp8train.training.models.decoder import build_model
-from fp8train.training.storage.outputs import check_output_file
+from fp8train.training.storage.outputs import check_output_file, claim_output_path
 from fp8train.training.storage.files import as_os_error, give_default_mode, write_failure, write_file_atomic
 
 __all__ = [
@@ -355,6 +355,13 @@ def cli_main(args) -> int:
     if (args.run_dir is None) == (args.convert is None):
         raise ValueError("give either RUN_DIR (export a run) or --convert SRC (convert an export), not both/neither")
     check_options(args)
+    # --out is held from its check to the logit check of what was written there: a second export to the same path
+    # meanwhile is refused, never written over this one (or under its check)
+    with claim_output_path(args.out, "export --out"):
+        return _cli_export(args)
+
+
+def _cli_export(args) -> int:
     if args.convert is not None:
         result = convert_export(args.convert, args.out, args.format, force=args.force,
                                 allow_inexact=args.allow_inexact)

@@ -58,6 +58,7 @@ from fp8train.serving.kv_transform import (CACHE_FORMATS, GRANULARITIES, SCALE_S
 from fp8train.serving.export_checks import refuse_failed_source
 from fp8train.serving.run_loading import fp8_linear_names, kv_shape, load_run, package_version
 from fp8train.training.data.corpus import build_data
+from fp8train.training.storage.outputs import claim_output_path
 
 __all__ = [
     "kv_bytes_per_token", "kv_scale_bytes", "memory_report", "KvCacheConfig", "Fp8KvCache", "bf16_cache",
@@ -278,10 +279,13 @@ def cli_main(args) -> int:
         if value > MAX_COUNT:  # each is a forward pass (or a generation): a bound on hours before the report
             raise ValueError(f"{key} {value} must be <= {MAX_COUNT}")
     refuse_failed_source(args.run_dir, args.allow_diverged, "evaluate")  # its losses would measure the divergence
-    out = check_report_folder(Path(args.run_dir) / "kv_eval" if args.out is None else args.out, args.force,
-                              args.run_dir)
-    result = kv_eval(args.run_dir, opts, log=lambda m: print(m, file=sys.stderr))
-    paths = write_report(result, out)
+    if not Path(args.run_dir).is_dir():  # said before the claim below makes RUN_DIR for RUN_DIR/kv_eval's claim
+        raise ValueError(f"run directory {str(args.run_dir)!r} does not exist")
+    out = Path(args.run_dir) / "kv_eval" if args.out is None else args.out
+    with claim_output_path(out, "kv-eval --out"):  # a second kv-eval into the same folder is refused meanwhile
+        out = check_report_folder(out, args.force, args.run_dir)
+        result = kv_eval(args.run_dir, opts, log=lambda m: print(m, file=sys.stderr))
+        paths = write_report(result, out)
     _print_summary(result)
     print(f"report: {paths['md']}  ({paths['json']}, {paths['png']})")
     return 0

@@ -125,6 +125,10 @@ def load_run(run_dir, log=None, tokenizer: str | None = None) -> LoadedRun:
     if tokenizer:
         raise ValueError(f"--tokenizer applies to a Hugging Face folder (e.g. a Trainer checkpoint); the run "
                          f"directory {str(run_dir)!r} tokenizes with its own (data.tokenizer in its config.yaml)")
+    if not config_file.is_file() and (run_dir / "plan.json").is_file():  # evidence.pairs.PLAN_FILE
+        runs = sorted(p.parent for p in run_dir.glob("runs/*/*/config.yaml"))
+        raise ValueError(f"{str(run_dir)!r} is a validation directory (plan.json), not a run: give one of its runs"
+                         + (f", e.g. {runs[0]}" if runs else ""))
     if not config_file.is_file():
         raise ValueError(f"run directory {str(run_dir)!r} has no config.yaml (is it a run made by fp8train train?) "
                          "and no config.json (a Hugging Face folder)")
@@ -153,10 +157,14 @@ def _read_newest(run_dir: Path, cfg, config_file: Path, pruned: list, log):
     chosen was pruned while being read (added to ``pruned``: try again with the newest)."""
     skipped = []  # why each newer checkpoint was passed over (damaged, incomplete): said if none is left
     listed = list_checkpoints(run_dir / "checkpoints")
+    keep_last = cfg.checkpoint.keep_last
+
+    def was_pruned(path: Path) -> bool:
+        return _was_pruned(path, keep_last)
 
     def passed_over(message: str) -> None:
         path = next((p for p in listed if message.startswith(f"skipping checkpoint {p}:")), None)
-        if path is not None and _was_pruned(path):  # complete when listed, deleted by the run since: not damaged
+        if path is not None and was_pruned(path):  # complete when listed, deleted by the run since: not damaged
             message = f"checkpoint {path} was pruned by the run while it was checked; reading a newer one"
         else:
             skipped.append(message)
@@ -167,12 +175,12 @@ def _read_newest(run_dir: Path, cfg, config_file: Path, pruned: list, log):
     try:
         ckpt = latest_loadable_checkpoint(run_dir / "checkpoints", log=passed_over)
     except OSError:  # a file that verification had listed was deleted under it
-        if not any(_was_pruned(path) for path in listed):
+        if not any(was_pruned(path) for path in listed):
             raise
         ckpt = None
     if ckpt is None:
-        if any(_was_pruned(path) for path in listed):
-            pruned += [path for path in listed if _was_pruned(path)]
+        if any(was_pruned(path) for path in listed):
+            pruned += [path for path in listed if was_pruned(path)]
             return None  # those passed over were deleted while checked: the run wrote newer ones
         why = f": {' '.join(skipped[0].split())}" if skipped else ""
         raise ValueError(f"run directory {str(run_dir)!r} has no valid checkpoint under checkpoints/{why} (train "
@@ -182,7 +190,7 @@ def _read_newest(run_dir: Path, cfg, config_file: Path, pruned: list, log):
         _check_origin(ckpt, manifest, cfg, config_file)
         return ckpt, manifest, read_model_state(ckpt)  # verified again, then read into memory
     except (OSError, ValueError) as err:
-        if not _was_pruned(ckpt):
+        if not was_pruned(ckpt):
             raise
         if log is not None:
             log(f"checkpoint {ckpt} was pruned by the run while it was read ({type(err).__name__}); reading the "
@@ -191,11 +199,16 @@ def _read_newest(run_dir: Path, cfg, config_file: Path, pruned: list, log):
         return None
 
 
-def _was_pruned(ckpt: Path) -> bool:
-    """``ckpt`` failed because the run deleted it: it is gone or going (shutil.rmtree), and a newer checkpoint
-    exists, as keep_last pruning leaves it."""
-    return _partly_deleted(ckpt) and any(checkpoint_step(other) > checkpoint_step(ckpt)
-                                         for other in list_checkpoints(ckpt.parent))
+def _was_pruned(ckpt: Path, keep_last: int) -> bool:
+    """``ckpt`` failed because the run's rotation (checkpoint.keep_last) deleted it: it is gone or going
+    (shutil.rmtree), the run prunes at all, and ``keep_last`` newer checkpoints with their manifests exist, as
+    rotation leaves them (it removes an old one only after saving a new one). Anything else missing (every
+    manifest removed by hand, a run that keeps all) was deleted, and is said so, never "pruned"."""
+    if keep_last <= 0 or not _partly_deleted(ckpt):
+        return False
+    newer = [other for other in list_checkpoints(ckpt.parent)
+             if checkpoint_step(other) > checkpoint_step(ckpt) and (other / MANIFEST).is_file()]
+    return len(newer) >= keep_last
 
 
 def _partly_deleted(ckpt: Path) -> bool:

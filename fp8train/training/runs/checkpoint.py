@@ -220,7 +220,7 @@ def verify_checkpoint(path: str | Path) -> str | None:
     path = Path(path)
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
-        return "no manifest.json (incomplete write)"
+        return "no manifest.json (deleted: fp8train renames a checkpoint into place only once it is whole)"
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]

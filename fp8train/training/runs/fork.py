@@ -43,7 +43,7 @@ from fp8train.training.storage.rundir import CHECKPOINTS_DIR, CONFIG_FILE
 from fp8train.training.runs.sharded_checkpoint import is_sharded_checkpoint, latest_loadable_checkpoint
 
 __all__ = ["Fork", "resolve_fork_checkpoint", "checkpoint_sha256", "open_fork", "fp8_state_origin", "load_fork",
-           "fork_record", "deleted_message"]
+           "fork_record", "deleted_message", "source_config_problem"]
 
 _MUST_MATCH = ("model.", "optim.", "train.lr")  # the checkpoint holds them: a different value would be ignored
 _MAY_DIFFER = ("model.seq_len",)  # RoPE / learned positions up to the source's length: the weights fit any
@@ -163,12 +163,33 @@ def _check_source_config(checkpoint: Path, source_cfg: FullConfig, config_file: 
         raise ValueError(f"{key}: the fork checkpoint {checkpoint} was deleted (pruned by its still-training run, or "
                          "removed) while it was opened; fork from a checkpoint that stays (nothing was written)") \
             from None
-    saved = extra.get("resume_hash")
-    if saved is not None and saved != resume_hash(source_cfg, extra.get("data_fingerprint")):
+    if not _config_wrote(extra, source_cfg):
         raise ValueError(f"{key}: checkpoint {checkpoint} was not written by a run of {config_file} (its manifest's "
-                         f"resume_hash {str(saved)[:12]} is another config's: config.yaml was edited after "
-                         "training, or the checkpoint was copied from another run); restore the source run's own "
-                         "config.yaml (nothing was written)")
+                         f"resume_hash {str(extra.get('resume_hash'))[:12]} is another config's: config.yaml was "
+                         "edited after training, or the checkpoint was copied from another run); restore the source "
+                         "run's own config.yaml (nothing was written)")
+
+
+def _config_wrote(manifest_extra: dict, source_cfg: FullConfig) -> bool:
+    saved = manifest_extra.get("resume_hash")
+    return saved is None or saved == resume_hash(source_cfg, manifest_extra.get("data_fingerprint"))
+
+
+def source_config_problem(checkpoint: Path) -> str | None:
+    """None while the config.yaml of the run holding ``checkpoint`` is still the one that wrote it; else what
+    changed, naming the file (a validation checks this before each run: the source may be edited meanwhile)."""
+    config_file = checkpoint.parent.parent / CONFIG_FILE
+    try:
+        extra = read_json(checkpoint / MANIFEST).get("extra") or {}
+        source_cfg = load_config(str(config_file))
+    except FileNotFoundError as err:
+        return f"the fork source's {Path(err.filename or config_file).name} in {config_file.parent} was deleted"
+    except (OSError, ValueError) as err:
+        return f"the fork source's config.yaml {config_file} cannot be read now ({' '.join(str(err).split())})"
+    if _config_wrote(extra, source_cfg):
+        return None
+    return (f"the fork source's config.yaml {config_file} was edited after the checkpoint {checkpoint.name} was "
+            f"pinned: it is no longer the config that wrote it (resume_hash {str(extra.get('resume_hash'))[:12]})")
 
 
 def _fp8_buffer_names(model: torch.nn.Module) -> set[str]:

@@ -1,5 +1,5 @@
-"""Where a command's outputs may go (`export --out`, `kv-eval --out`, `plan --out`, the files of `report`), checked
-before the work starts, and how a whole output folder is replaced.
+"""Where a command's outputs may go (`export --out`, `kv-eval --out`, `layer-recipes --out`, the files of `report`),
+checked before the work starts, and how a whole output folder is replaced.
 
 The file writes themselves are storage.files' (`write_file_atomic`: temp name unique to the process, fsync, rename, no
 symbolic links, errors that name the file). What this module adds is what may be written, and what may be removed:
@@ -13,7 +13,11 @@ symbolic links, errors that name the file). What this module adds is what may be
   empty): a folder fp8train did not write, or a file someone added to one, is never removed, whatever --force;
 - no output file is one of the files a run or validation folder keeps (a folder holding `.fp8train.lock`), nor
   inside its checkpoints, whichever run it is: --force replaces outputs, never another run's records;
-- a replaced folder is built beside the old one and renamed into place, so a failure leaves the old one whole.
+- a replaced folder is built beside the old one and renamed into place, so a failure leaves the old one whole;
+- one command at a time writes an output (`claim_output_path`, held from the check of --out to the last file): the
+  claim is the run directory's lock (rundir.DirLock) in a file beside the output, `.<name>.fp8train-claim`, so a
+  second export, kv-eval or report to the same path is refused naming the path and the holder's PID, instead of
+  the two writing one over the other; a killed holder's claim is taken over with a message.
 """
 
 from __future__ import annotations
@@ -21,21 +25,25 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable
 
 from fp8train.training.storage.files import (read_json, refuse_symlink, temp_path, write_failure,
                                              write_text_atomic)
 from fp8train.training.storage.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, SUMMARY_FILE,
-                                              TELEMETRY_FILE, TRACKERS_FILE)
+                                              TELEMETRY_FILE, TRACKERS_FILE, DirLock, LockBusy)
 
 __all__ = ["OUTPUT_MARKER", "KEPT_FILES", "check_output_file", "check_output_folder", "check_output_files",
            "write_output_set",
            "foreign_entries",
            "make_output_folder", "is_output_folder",
-           "replace_output_folder", "probe_writable"]
+           "replace_output_folder", "probe_writable", "claim_output_path", "CLAIM_SUFFIX"]
 
 OUTPUT_MARKER = ".fp8train-output"
+CLAIM_SUFFIX = ".fp8train-claim"  # `.<name>.fp8train-claim` beside an output while a command writes it
 # The files a run keeps: no command's --out may replace them, with or without --force.
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, TELEMETRY_FILE, SUMMARY_FILE, TRACKERS_FILE, LOCK_FILE)
 VALIDATION_PLAN_FILE = "plan.json"  # evidence.run_plan.PLAN_FILE (a later layer): the file a validation is declared by
@@ -177,9 +185,27 @@ def _not_ours(path: Path, option: str) -> str:
         return (f"{option} {path} is a folder that fp8train did not write (no valid {OUTPUT_MARKER} in it); --force "
                 "replaces only fp8train's own outputs: remove it yourself or choose another path (nothing was written)")
     extra = foreign_entries(path)
+    nested = {name: _output_command(path / name) for name in extra}
+    ours = [f"{name}/ (written by fp8train {command})" for name, command in nested.items() if command]
+    if ours:  # fp8train's, but another command's output (kv-eval of this folder, say): it would be lost with it
+        return (f"{option} {path} holds {', '.join(ours[:3])}{' ...' if len(ours) > 3 else ''}, which the folder's "
+                f"own command did not write; --force replaces only the {option} folder's own files, never another "
+                "command's results about them: move it out (or delete it) first, or choose another path (nothing "
+                "was written)")
     return (f"{option} {path} holds {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}, which fp8train did not "
             "write there; --force replaces only a folder of fp8train's own files: move them out or choose another "
             "path (nothing was written)")
+
+
+def _output_command(entry: Path) -> str | None:
+    """The command whose output folder `entry` is (its marker's), when it is wholly one; None otherwise."""
+    if entry.is_symlink() or not entry.is_dir() or not is_output_folder(entry):
+        return None
+    try:
+        command = read_json(entry / OUTPUT_MARKER).get("command")
+    except (OSError, ValueError):
+        return None
+    return command if isinstance(command, str) and command else "output"
 
 
 def check_output_files(folder, names: Iterable[str], *, force: bool, option: str = "--out",
@@ -291,3 +317,49 @@ def write_output_set(folder: Path, writers: dict[str, Callable[[Path], object]],
             raise write_failure(err, folder / (list(temps)[-1] if temps else "")) from err
         raise
 
+
+
+@contextmanager
+def claim_output_path(path, option: str = "--out", log=None, wait_s: float = 0.0):
+    """Hold the output `path` (a file or folder, present or not) for the body: a second fp8train process
+    claiming the same path meanwhile is refused (ValueError naming the path and the holder's PID), after waiting
+    up to `wait_s` for it (validate's own report, after hours of runs, waits for a `fp8train report` of the same
+    folder rather than fail). Check the output inside the body, so what was checked is still so when it is
+    written. Missing parent folders are made for the claim file and removed again if the body leaves them empty.
+    Yields the path."""
+    path = _named(path, option)
+    target = Path(os.path.abspath(path))  # the name as given, links not followed: the link is refused later
+    if not target.name:  # the filesystem root: refused by the output checks, nothing to claim beside it
+        yield path
+        return
+    _refuse_kept(path, option)  # no claim (nor folder made for it) inside any run's checkpoints
+    probe_writable(path, option)  # a file where a folder of the path should be, /proc: said as before any claim
+    made = [folder for folder in reversed(target.parents) if not folder.exists()]
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise write_failure(err, path) from None
+    say = log or (lambda message: print(f"fp8train: {message}", file=sys.stderr))
+    lock = DirLock(path, option, log=say, claim_file=target.parent / f".{target.name}{CLAIM_SUFFIX}")
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                lock.acquire()
+                break
+            except LockBusy:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+            except OSError as err:  # the claim file cannot be made (a folder in its place, a read-only folder)
+                raise write_failure(err, lock.path) from None
+        try:
+            yield path
+        finally:
+            lock.release()
+    finally:
+        for folder in reversed(made):  # deepest first; a folder the body wrote into stays
+            try:
+                folder.rmdir()
+            except OSError:
+                break

@@ -27,7 +27,7 @@ from fp8train.training.storage.files import refuse_symlink, write_error, write_j
 
 __all__ = [
     "CONFIG_FILE", "METRICS_FILE", "TELEMETRY_FILE", "SUMMARY_FILE", "CHECKPOINTS_DIR", "TRACKERS_FILE", "LOCK_FILE",
-    "refuse_symlinks_in", "dir_state", "DirLock", "is_locked", "record_write_failure",
+    "refuse_symlinks_in", "dir_state", "DirLock", "LockBusy", "is_locked", "record_write_failure",
     "refuse_run_directory_as_hf_folder",
 ]
 
@@ -83,31 +83,47 @@ def dir_state(directory: str | os.PathLike, marker: str) -> str:
 LOCK_RESERVE_BYTES = 64 << 10
 
 
+class LockBusy(ValueError):
+    """Another live process holds the lock (the message names it)."""
+
+
 class DirLock:
     """An exclusive lock on a run or validation directory for as long as it is held (`with DirLock(d):` or
     acquire/release). The lock is an flock on `<dir>/.fp8train.lock`, which also records the holder's PID, host
     and start time: a second process is refused with that PID; the kernel drops the flock of a process that
     dies (even by kill -9), so its leftover file is a stale lock, taken over with a message. The file is never
-    deleted (deleting a locked file lets two processes lock two different files of the same name)."""
+    deleted (deleting a locked file lets two processes lock two different files of the same name).
 
-    def __init__(self, directory: str | os.PathLike, what: str = "run directory", log=None):
+    With `claim_file`, the same lock claims a folder that may not exist yet (a command's --out): the lock file is
+    `claim_file` beside it, deleted on release while still locked, and a process that locked a deleted one (it
+    opened it before the deletion) sees so and locks the file now at that path instead."""
+
+    def __init__(self, directory: str | os.PathLike, what: str = "run directory", log=None,
+                 claim_file: str | os.PathLike | None = None):
         self.directory, self.what, self.log = Path(directory), what, log
-        self.path = self.directory / LOCK_FILE
+        # claim_file: the lock sits beside the folder instead of in it (an output claimed before it exists,
+        # `claim_output_path`); such a file is removed on release, which the inode check in acquire makes safe
+        self.path = self.directory / LOCK_FILE if claim_file is None else Path(claim_file)
+        self._removed_on_release = claim_file is not None
         self._fd: int | None = None
         self._record = b""
 
     def acquire(self) -> "DirLock":
-        refuse_symlink(self.path)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _lock_holder(fd)
-            os.close(fd)
-            raise ValueError(f"{self.what} {self.directory} is in use by another fp8train process "
-                             f"(PID {holder.get('pid', '?')} on {holder.get('host', '?')}, since "
-                             f"{holder.get('since', '?')}); wait for it to finish or stop it (nothing was changed)"
-                             ) from None
+        while True:
+            refuse_symlink(self.path)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _lock_holder(fd)
+                os.close(fd)
+                raise LockBusy(f"{self.what} {self.directory} is in use by another fp8train process "
+                                 f"(PID {holder.get('pid', '?')} on {holder.get('host', '?')}, since "
+                                 f"{holder.get('since', '?')}); wait for it to finish or stop it (nothing was "
+                                 "changed)") from None
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # locked a claim file its holder removed on release: lock the one now there (or a new one)
         stale = _lock_holder(fd)
         if stale.get("pid") is not None and self.log is not None:
             self.log(f"{self.what} {self.directory}: took over the lock of PID {stale['pid']}, which is no "
@@ -116,6 +132,9 @@ class DirLock:
         self._record = (json.dumps(record) + "\n").encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, self._record, 0)
+        self._fd = fd
+        if self._removed_on_release:  # a short-lived claim: no reserve (its folder has no summary to write)
+            return self
         try:  # blanks after the record (JSON ignores them): disk space held back for free_reserve
             disk = os.fstatvfs(fd)
             # at most half of what is free (a nearly full disk keeps room for the run), whole 4 KiB blocks
@@ -124,7 +143,6 @@ class DirLock:
                 os.pwrite(fd, b" " * reserve, len(self._record))
         except OSError:
             pass  # no reserve: the run goes on as it would have
-        self._fd = fd
         return self
 
     def free_reserve(self) -> None:
@@ -139,6 +157,11 @@ class DirLock:
     def release(self) -> None:
         if self._fd is None:
             return
+        if self._removed_on_release:  # removed while still locked: a waiting process sees it gone (_same_file)
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
         try:
             os.ftruncate(self._fd, 0)  # released cleanly: no holder recorded
         except OSError:
@@ -168,6 +191,16 @@ def is_locked(directory: str | os.PathLike) -> bool:
     finally:
         os.close(fd)  # closing drops the shared lock when it was taken
     return False
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether the open file `fd` is still the file at `path` (not unlinked or replaced since it was opened)."""
+    try:
+        now = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
 
 
 def _lock_holder(fd: int) -> dict:

@@ -1,0 +1,212 @@
+"""One command at a time writes an output (storage/outputs.claim_output_path): two exports, kv-evals or reports to
+the same path at once never both succeed (the second would write over the first, or under its check); the second
+is refused in one line naming the path and the PID that holds it, and the claim of a killed process is taken over
+with a message. The holders here are real processes (a second fp8train, or a process that claims and waits)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from fp8train.training.storage.outputs import CLAIM_SUFFIX
+
+pytestmark = pytest.mark.slow
+
+HOLD = ("import sys\nfrom fp8train.training.storage.outputs import claim_output_path\n"
+        "with claim_output_path(sys.argv[1]):\n    print('held', flush=True)\n    sys.stdin.readline()\n")
+
+
+def _holder(commands, path: Path) -> subprocess.Popen:
+    """A process that claims `path` and holds it until its stdin closes (or it is killed)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=commands.env())
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _release(proc: subprocess.Popen) -> None:
+    proc.stdin.close()
+    assert proc.wait(timeout=30) == 0
+
+
+def _claim_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(CLAIM_SUFFIX))
+
+
+def _weight_dtypes(folder: Path) -> set[str]:
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        return {str(f.get_slice(k).get_dtype()) for k in f.keys()}
+
+
+def test_two_exports_to_one_new_folder_at_once_one_is_refused_and_the_folder_is_the_others(
+        tiny_fp8_run, tmp_path, commands):
+    out = tmp_path / "model"
+    argv = {"fp8": commands.fp8train("export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(out)),
+            "dense": commands.fp8train("export", str(tiny_fp8_run), "--format", "hf", "--dtype", "float32",
+                                       "--out", str(out))}
+    procs = {k: subprocess.Popen(a, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=commands.env())
+             for k, a in argv.items()}
+    done = {k: (p.wait(timeout=120), *p.communicate()) for k, p in procs.items()}
+    winners = [k for k, (rc, _, _) in done.items() if rc == 0]
+    assert len(winners) == 1, done  # before the claim: both exited 0, one folder written over the other
+    loser = next(k for k in done if k != winners[0])
+    rc, _, err = done[loser]
+    assert rc == 2 and err.count("\n") == 1, done[loser]
+    # refused while the other held the path, or (if it had finished first) because the folder is there now
+    assert f"export --out {out} is in use by another fp8train process (PID " in err or "already exists" in err, err
+    # the folder is wholly the winner's: FP8 weights with their compressed-tensors config, or fp32 dense weights
+    config = json.loads((out / "config.json").read_text())
+    if winners[0] == "fp8":
+        assert "quantization_config" in config and "F8_E4M3" in _weight_dtypes(out)
+    else:
+        assert "quantization_config" not in config and _weight_dtypes(out) == {"F32"}
+    assert _claim_files(tmp_path) == []
+
+
+def test_an_export_to_a_path_another_process_holds_is_refused_naming_it_and_writes_nothing(
+        tiny_fp8_run, tmp_path, commands):
+    out = tmp_path / "new" / "model"
+    holder = _holder(commands, out)
+    try:
+        done = commands.run(commands.fp8train("export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(out)),
+                            timeout=120)
+    finally:
+        _release(holder)
+    assert done.returncode == 2, done.stderr
+    assert f"export --out {out} is in use by another fp8train process (PID {holder.pid} " in done.stderr
+    assert not out.exists()
+    assert not (tmp_path / "new").exists()  # the holder made the parent for its claim; removed with it
+
+
+def test_the_claim_of_a_killed_export_is_taken_over_with_a_message(tiny_fp8_run, tmp_path, commands):
+    out = tmp_path / "model.safetensors"
+    holder = _holder(commands, out)
+    holder.kill()  # kill -9: its claim file stays, with its PID, but the kernel dropped the lock
+    holder.wait(timeout=30)
+    assert _claim_files(tmp_path) == [f".model.safetensors{CLAIM_SUFFIX}"]
+    done = commands.run(commands.fp8train("export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(out),
+                                          "--no-check"), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"took over the lock of PID {holder.pid}, which is no longer running" in done.stderr
+    assert out.is_file() and _claim_files(tmp_path) == []
+
+
+def test_kv_eval_into_a_folder_another_process_holds_is_refused(tiny_fp8_run, tmp_path, commands, capsys):
+    out = tmp_path / "kv"
+    holder = _holder(commands, out)
+    try:
+        code, _, err = commands.main(["kv-eval", str(tiny_fp8_run), "--out", str(out), "--format", "e4m3fn",
+                                      "--batches", "1", "--calib-batches", "1", "--gen-prompts", "0"], capsys)
+    finally:
+        _release(holder)
+    assert code == 2 and f"kv-eval --out {out} is in use by another fp8train process (PID {holder.pid} " in err
+    assert not out.exists()
+
+
+def test_a_report_of_a_folder_another_process_reports_is_refused_and_leaves_its_files(tiny_fp8_run, tmp_path,
+                                                                                       commands, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("config.yaml", "metrics.jsonl", "summary.json"):
+        (run / name).write_bytes((tiny_fp8_run / name).read_bytes())
+    holder = _holder(commands, run)
+    try:
+        code, _, err = commands.main(["report", str(run)], capsys)
+    finally:
+        _release(holder)
+    assert code == 2 and f"report of {run} is in use by another fp8train process (PID {holder.pid} " in err
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.jsonl", "summary.json"]
+    code, _, _ = commands.main(["report", str(run)], capsys)  # once it is free, the same command writes it
+    assert code == 0 and (run / "report.md").is_file() and _claim_files(tmp_path) == []
+
+
+
+def test_validate_waits_for_a_report_of_its_folder_then_writes_its_own(tiny, tmp_path, commands):
+    """A `fp8train report` of a validation's folder still writing when the validation ends: the validation waits
+    for it (bounded) and then writes its final report, instead of failing after all its runs."""
+    import threading
+
+    from fp8train.evidence.validate import run_validation
+    from fp8train.training.config import load_config
+    from test_fork import TINY
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", "run.name=val", f"data.path={tiny.corpus}", *TINY,
+                             "train.max_steps=2", "train.eval_every=2", "validate.final_window=1",
+                             "validate.margin=0.05", "validate.workers=1", "validate.seeds=1",
+                             "validate.candidates=[current]"])
+    holder = _holder(commands, tmp_path / "val")  # holds it while the runs train, released 2 s after the last
+    said = []
+
+    def log(line: str) -> None:
+        said.append(line)
+        if "current/seed1337: completed" in line:
+            threading.Timer(2.0, holder.stdin.close).start()
+
+    try:
+        summary = run_validation(cfg, log=log, show_progress=False)
+    finally:
+        if not holder.stdin.closed:
+            holder.stdin.close()
+        assert holder.wait(timeout=30) == 0
+    assert summary["verdict"] in ("pass", "fail", "inconclusive")
+    assert json.loads((tmp_path / "val" / "summary.json").read_text())["verdict"] == summary["verdict"]
+    assert (tmp_path / "val" / "report.md").is_file() and _claim_files(tmp_path) == []
+
+
+def test_layer_recipes_to_a_file_another_process_holds_is_refused(tiny_fp8_run, tmp_path, commands, capsys):
+    out = tmp_path / "plan.yaml"
+    holder = _holder(commands, out)
+    try:
+        code, _, err = commands.main(["layer-recipes", str(tiny_fp8_run), "--out", str(out), "--repeats", "1"], capsys)
+    finally:
+        _release(holder)
+    assert code == 2 and f"layer-recipes --out {out} is in use by another fp8train process (PID {holder.pid} " in err
+    assert not out.exists()
+
+
+def test_a_claim_file_that_cannot_be_made_is_named(tiny_fp8_run, tmp_path, commands, capsys):
+    blocker = tmp_path / f".model{CLAIM_SUFFIX}"
+    blocker.mkdir()  # a folder where the claim file goes
+    code, _, err = commands.main(["export", str(tiny_fp8_run), "--format", "e4m3fn", "--out",
+                                  str(tmp_path / "model"), "--no-check"], capsys)
+    assert code == 2 and err.count("\n") == 1 and f"cannot write {blocker}: Is a directory" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [blocker.name]
+
+
+def test_a_pool_worker_killed_from_outside_stops_the_validation_in_one_line(tiny, tmp_path):
+    """kill -9 of a validate worker (what the OOM killer does): one line naming the run, not an internal error."""
+    import multiprocessing
+    import signal
+
+    from fp8train.evidence.validate import run_validation
+    from fp8train.training.config import load_config
+    from test_fork import TINY
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", "run.name=val", f"data.path={tiny.corpus}", *TINY,
+                             "train.max_steps=100000", "train.eval_every=1000", "validate.final_window=1",
+                             "validate.workers=2", "validate.seeds=1", "validate.candidates=[current]"])
+    killed = []
+
+    def log(line: str) -> None:  # the first run submitted: kill a worker of the pool (children of this process)
+        if ": running" in line and not killed:
+            workers = [p for p in multiprocessing.active_children() if "resource_tracker" not in p.name]
+            os.kill(workers[0].pid, signal.SIGKILL)
+            killed.append(workers[0].pid)
+
+    with pytest.raises(ValueError, match=r"^validation stopped: the worker process running (bf16|current)/seed1337 "
+                                         r"ended abruptly \(killed"):
+        run_validation(cfg, log=log, show_progress=False)
+    assert killed
+
+
+def test_kv_eval_of_a_missing_run_says_so_and_makes_no_folder_for_its_claim(tmp_path, commands, capsys):
+    missing = tmp_path / "no_such_run"
+    code, _, err = commands.main(["kv-eval", str(missing), "--format", "e4m3fn"], capsys)
+    assert code == 2 and f"run directory {str(missing)!r} does not exist" in err, err
+    assert list(tmp_path.iterdir()) == []
