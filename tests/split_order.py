@@ -17,10 +17,10 @@ from contextlib import contextmanager
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-import fp8train.nn.linear_function as linear_function
+import fp8train.nn.linear_dispatch as linear_dispatch
 from fp8train.nn.gemm import Fp8Operand
 from fp8train.nn.linear import Fp8Linear
-from fp8train.nn.recipes import GemmRole
+from fp8train.nn.linear_dispatch import NO_DISPATCH
 
 ROWWISE, COLWISE = ("o_proj", "down_proj"), ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
@@ -43,42 +43,42 @@ def _slice(op: Fp8Operand, axis: int, lo: int, hi: int) -> Fp8Operand:
 
 @contextmanager
 def tp_reduction_order(tp: int):
-    original_mm, original_options = linear_function.fp8_mm, Fp8Linear.gemm_options
+    original_resolve = linear_dispatch._resolve
 
-    def split_mm(a, b, backend="emulated", *, split=None, **kwargs):
-        if split is None:
-            return original_mm(a, b, backend, **kwargs)
-        out_dtype, bias = kwargs.pop("out_dtype", torch.float32), kwargs.pop("bias", None)
-        width = a.data.shape[1] // tp
-        total = None
-        for r in range(tp):
-            part = original_mm(_slice(a, 1, r * width, (r + 1) * width), _slice(b, 0, r * width, (r + 1) * width),
-                               backend, out_dtype=out_dtype, **kwargs)
-            total = part if total is None else total + part  # the collective's addition, in rank order
-        return total if bias is None else total + bias  # (a rowwise bias is added once, after the sum)
+    def split(mm):
+        """A layer's GEMM callable (nn/linear_dispatch.py) run as tp parts along its contracted dim, added in
+        rank order as the collective adds them."""
+        def split_mm(a, b, bias=None, **kwargs):
+            width = a.data.shape[1] // tp
+            total = None
+            for r in range(tp):
+                part = mm(_slice(a, 1, r * width, (r + 1) * width), _slice(b, 0, r * width, (r + 1) * width),
+                          **kwargs)
+                total = part if total is None else total + part  # the collective's addition, in rank order
+            return total if bias is None else total + bias  # (a rowwise bias is added once, after the sum)
+        return split_mm
 
-    def options(self, device):
-        found = original_options(self, device)
-        kind = getattr(self, "_tp_kind", None)
-        if kind is not None:
-            found["split"] = kind
-        return found
-
-    def gemm_split(mm):
-        def fp8_mm(a, b, backend="emulated", *, split=None, gemm="", **kwargs):
-            wanted = {"rowwise": GemmRole.OUTPUT, "colwise": GemmRole.GRAD_INPUT}.get(split)
-            return mm(a, b, backend, split=split if gemm == wanted else None, gemm=gemm, **kwargs)
-        return fp8_mm
+    def resolve(layer, *args, **kwargs):
+        dispatch = original_resolve(layer, *args, **kwargs)
+        kind = getattr(layer, "_tp_kind", None)
+        if kind == "rowwise":    # output = input @ weight.T contracts the split K
+            dispatch.output_mm = split(dispatch.output_mm)
+        elif kind == "colwise":  # grad_input = grad_output @ weight contracts the split N
+            dispatch.grad_input_mm = split(dispatch.grad_input_mm)
+        return dispatch
 
     def mark(module, args):  # names under a block: which split each projection has under tp
         for name, child in module.named_children():
             if isinstance(child, Fp8Linear) and (name in ROWWISE or name in COLWISE):
-                child._tp_kind = "rowwise" if name in ROWWISE else "colwise"
+                kind = "rowwise" if name in ROWWISE else "colwise"
+                if getattr(child, "_tp_kind", None) != kind:
+                    child._tp_kind = kind
+                    child.dispatch_table = NO_DISPATCH  # (resolved again, with the split)
 
     handle = register_module_forward_pre_hook(mark)
-    linear_function.fp8_mm, Fp8Linear.gemm_options = gemm_split(split_mm), options
+    linear_dispatch._resolve = resolve
     try:
         yield
     finally:
         handle.remove()
-        linear_function.fp8_mm, Fp8Linear.gemm_options = original_mm, original_options
+        linear_dispatch._resolve = original_resolve

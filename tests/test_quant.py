@@ -29,7 +29,6 @@ from fp8train.numerics.formats import FORMATS
 from fp8train.numerics.scaling import amax_of
 from fp8train.numerics.quant import (
     Fp8Tensor,
-    cast_to_fp8,
     compute_amax,
     decode_fp8,
     expand_scale,
@@ -353,8 +352,9 @@ def test_explicit_scale_is_honored(name, saturate, rng, kernel):
     block_scale = rng.uniform(0.1, 10.0, (2, 4)).astype(np.float32)
     check_against_reference(x, name, granularity="block", block=(3, 64), scale=torch.from_numpy(block_scale),
                             saturate=saturate)
-    # cast_to_fp8 is quantize with a given scale, data only.
-    data = cast_to_fp8(torch.from_numpy(x), torch.from_numpy(row_scale), name, saturate=saturate, granularity="row")
+    # quantize with a given scale: the bytes of x / scale
+    data = quantize(torch.from_numpy(x), name, granularity="row", scale=torch.from_numpy(row_scale),
+                    saturate=saturate).data
     codes, _ = ref_quantize(x, name, granularity="row", scale=row_scale, saturate=saturate)
     assert data.dtype == TORCH_DTYPES[name]
     assert_codes_equal(data.view(torch.uint8).numpy(), codes, name)
@@ -921,13 +921,13 @@ def test_float64_zeros_pass_the_floor_check():
     assert q.scale.flatten().tolist() == [1.0, float(np.float32(2.0 / 448.0))]
 
 
-def test_cast_to_fp8_uses_the_given_block():
+def test_a_given_block_scale_grid_divides_each_block():
     """A (2, 2) grid of scales for (2, 3) blocks of a (4, 6) tensor: each block divided by its own scale."""
     x = torch.linspace(-20.0, 20.0, 24).reshape(4, 6)
     scale = torch.tensor([[1.0, 2.0], [4.0, 8.0]])
     full = np.repeat(np.repeat(scale.numpy(), 2, axis=0), 3, axis=1)
     expected = (x.numpy() / full).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    data = cast_to_fp8(x, scale, "e4m3fn", granularity="block", block=(2, 3))
+    data = quantize(x, "e4m3fn", granularity="block", block=(2, 3), scale=scale).data
     np.testing.assert_array_equal(data.view(torch.uint8).numpy(), expected)
 
 

@@ -40,7 +40,7 @@ from fp8train.numerics.scaling import (GRANULARITIES, check_amax_floor, check_am
 from fp8train.numerics.torch_cast import eager_division_options, quantize_impl, run, untile
 
 __all__ = [
-    "Fp8Tensor", "quantize", "compute_amax", "scale_from_amax", "expand_scale", "cast_to_fp8", "decode_fp8",
+    "Fp8Tensor", "quantize", "compute_amax", "scale_from_amax", "expand_scale", "decode_fp8",
     "quant_error", "convert_dialect", "GRANULARITIES", "QUANT_KERNELS", "max_scale", "scale_rule", "native_quantize",
     "eager_division_options", "value_copies",
 ]
@@ -219,13 +219,6 @@ def _quantize_empty(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis:
     data = torch.empty(x.shape, dtype=fmt.torch_dtype, device=x.device)
     values = torch.empty(x.shape, device=x.device) if keep_values else None
     return Fp8Tensor(data, scale, fmt, granularity, (br, bc), axis, amax, values)
-
-
-def cast_to_fp8(x: torch.Tensor, scale, fmt="e4m3fn", saturate: bool = True, granularity: str = "tensor",
-                block=(1, 128), axis: int = -1) -> torch.Tensor:
-    """The float8 bytes of ``x / scale`` (clamped or not): ``quantize`` with a given scale, data only."""
-    return quantize(x, fmt, granularity=granularity, block=block, axis=axis, saturate=saturate,
-                    scale=scale).data
 
 
 def quant_error(x: torch.Tensor, q: Fp8Tensor) -> dict:
