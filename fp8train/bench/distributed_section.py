@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -36,13 +35,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+from fp8train.bench.harness import free_port
 from fp8train.nn.convert import convert_to_fp8
 from fp8train.nn.linear import update_fp8_scales
 from fp8train.training.parallel import fsdp2
 from fp8train.training.config import fp8_recipe_from_config, layer_policy_from_config, load_config
 from fp8train.training.models.decoder import build_model
 
-__all__ = ["bench_distributed", "format_distributed", "free_port", "CONTENDERS", "MODEL_SHAPES"]
+__all__ = ["bench_distributed", "format_distributed", "CONTENDERS", "MODEL_SHAPES"]
 
 CONTENDERS = ("ddp", "fsdp2", "fsdp2+bf16_gather", "fsdp2+fp8_all_gather")
 # (label, config overrides): the CPU validation model, and a wider one where the FP8 Linears dominate
@@ -51,13 +51,6 @@ MODEL_SHAPES = (
     ("wide 4x256", ["model.n_layers=4", "model.d_model=256", "model.n_heads=4", "policy.min_features=64"]),
 )
 WORLD = 2
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now, for the spawned ranks' rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _one_contender(cfg, contender: str, device: torch.device, steps: int) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -20,11 +21,17 @@ from fp8train.nn.gemm import cpu_has_bf16_gemm, emulated_compute_dtype
 from fp8train.numerics import native_gemm
 
 __all__ = ["Timing", "side_by_side", "paired_ratio", "machine_info", "enable_malloc_reuse", "count_top_level_ops",
-           "count_input_reads",
-           "cpu_flags_summary"]
+           "count_input_reads", "cpu_flags_summary", "free_port"]
 
 FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 OP_NAMESPACES = ("aten::", "fp8train::")  # what count_top_level_ops counts as one dispatched op
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for spawned ranks' rendezvous (the distributed sections)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def cpu_model() -> str:

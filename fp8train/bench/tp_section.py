@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fp8train.bench.collective_bytes import CollectiveBytes, CollectiveCall
+from fp8train.bench.harness import free_port
 from fp8train.nn.convert import convert_to_fp8
 from fp8train.nn.linear import update_fp8_scales
 from fp8train.nn.recipes import ScalingKind
@@ -119,8 +120,6 @@ def _worker(rank: int, port: int, device_type: str, steps: int, recipes: tuple, 
 def bench_tensor_parallel(device: str = "cpu", steps: int = 3,
                           recipes: tuple = (ScalingKind.CURRENT, ScalingKind.ROWWISE)) -> dict:
     """Launch WORLD processes (one tp group), measure every contender; the last step's bytes per collective."""
-    from fp8train.bench.distributed_section import free_port
-
     if device == "cuda" and torch.cuda.device_count() < WORLD:
         return {"skipped": f"needs {WORLD} GPUs for {WORLD} NCCL ranks, {torch.cuda.device_count()} visible"}
     with tempfile.TemporaryDirectory() as out_dir:
