@@ -1032,7 +1032,8 @@ def test_settings_changed_after_a_forward_take_effect_as_on_a_fresh_layer(name):
         changed = run(layer, x, dy)
         for got, want in zip(changed, run(fresh("bf16"), x, dy)):
             assert torch.equal(got, want)
-        assert not all(torch.equal(a, b) for a, b in zip(first, changed))  # (bf16 rounds where fp32 does not)
+        if native_gemm.in_use(x.device) or not base.recipe.is_tiled:  # (without the native GEMM, tiles read fp32)
+            assert not all(torch.equal(a, b) for a, b in zip(first, changed))  # (bf16 rounds where fp32 does not)
         for mode in ("off", "on"):
             native_gemm.set_mode(mode)
             for got, want in zip(run(layer, x, dy), run(fresh("bf16"), x, dy)):
