@@ -278,21 +278,24 @@ def replace_output_folder(path: Path, command: str, build: Callable[[Path], None
         shutil.rmtree(old)
 
 
-def write_output_set(folder: Path, writers: dict[str, Callable[[Path], object]], command: str) -> None:
+def write_output_set(folder: Path, writers: dict[str, Callable[[Path], object]], command: str,
+                     source: Path | None = None) -> None:
     """Write the files ``writers`` names ({name: write(temp_path)}) into ``folder`` as one set: each to a temp file
     beside its target, fsync'd; only when all are written are they renamed into place (a writer that writes
     nothing, e.g. a plot with no data, leaves its target as it was). A failure in any (a full
     disk) leaves every target as it was (the earlier report's files, or none) and no temp file; a folder this call
     created is removed again, so no marker is left behind to block a plain re-run. Checked before with
-    check_output_files."""
+    check_output_files. ``source``: the run (or validation) folder the command read; when the output lies in it (or
+    is it) and it was deleted while the command ran, nothing is written and it is never made again (ValueError)."""
     folder = Path(folder)
+    _refuse_vanished_source(folder, source, command)
     for name in writers:  # never through a link, and nothing written when one is there
         refuse_symlink(folder / name)
     created = not folder.exists()
     temps: dict[str, Path] = {}
     try:
-        if created:
-            folder.mkdir(parents=True)
+        if created:  # its parents: made by claim_output_path, or the source folder that must not be made again
+            folder.mkdir(parents=source is None)
         for name, write in writers.items():
             temps[name] = temp_path(folder / name)
             write(temps[name])
@@ -314,9 +317,19 @@ def write_output_set(folder: Path, writers: dict[str, Callable[[Path], object]],
         if created:
             shutil.rmtree(folder, ignore_errors=True)
         if isinstance(err, OSError):
+            _refuse_vanished_source(folder, source, command)  # the folder went with it mid-write: said as such
             raise write_failure(err, folder / (list(temps)[-1] if temps else "")) from err
         raise
 
+
+def _refuse_vanished_source(folder: Path, source: Path | None, command: str) -> None:
+    """ValueError when ``folder`` lies in ``source`` (or is it) and ``source`` is gone: making the output's folder
+    would bring a deleted run folder back, holding only the output."""
+    if source is None:
+        return
+    source, inside = Path(os.path.abspath(source)), Path(os.path.abspath(folder))
+    if (inside == source or source in inside.parents) and not source.is_dir():
+        raise ValueError(f"the run directory {source} was deleted while {command} ran; nothing was written")
 
 
 @contextmanager
