@@ -14,7 +14,7 @@ import pytest
 
 from fp8train.serving.kv_report import REPORT_FILES, check_report_folder, write_report
 from fp8train.serving.kvcache import KvEvalOptions, kv_eval
-from fp8train.training.storage.outputs import OUTPUT_MARKER, write_output_set
+from fp8train.training.storage.outputs import OUTPUT_MARKER, replace_output_folder, write_output_set
 
 pytestmark = pytest.mark.slow
 
@@ -124,3 +124,14 @@ def test_an_output_beside_a_deleted_source_is_still_written(tmp_path):
     source, out = tmp_path / "run", tmp_path / "kv"  # --out outside the run: its deletion does not matter
     write_output_set(out, {"a.md": lambda tmp: tmp.write_text("a\n")}, "kv-eval", source=source)
     assert (out / "a.md").read_text() == "a\n" and not source.exists()
+
+
+def test_an_export_into_a_run_folder_deleted_meanwhile_does_not_make_it_again(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    out = run / "exported"  # `export RUN --out RUN/exported`, RUN deleted while the model loaded
+    shutil.rmtree(run)
+    with pytest.raises(ValueError, match=rf"^the folder {re.escape(str(run))} was deleted while export ran; "
+                                         r"nothing was written$"):
+        replace_output_folder(out, "export", lambda folder: (folder / "model.safetensors").write_bytes(b"x"))
+    assert list(tmp_path.iterdir()) == []

@@ -231,13 +231,13 @@ def check_output_files(folder, names: Iterable[str], *, force: bool, option: str
     return folder
 
 
-def make_output_folder(path: Path, command: str, files: Iterable[str] = ()) -> Path:
+def make_output_folder(path: Path, command: str, files: Iterable[str] = (), parents: bool = True) -> Path:
     """Create `path` (and missing parents) as an output folder of `command`, with its marker listing `files`, the
     names it is about to write there. Only an absent folder (or one checked before: empty or fp8train's) is made
     one. Errors name the folder."""
     _refuse_link(path, "output folder")
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=parents, exist_ok=True)
     except OSError as err:
         raise write_failure(err, path) from None
     _write_marker(path, command, files)
@@ -257,9 +257,11 @@ def replace_output_folder(path: Path, command: str, build: Callable[[Path], None
                                                                      and not is_output_folder(path)))):
         raise ValueError(f"{path} changed since it was checked: it is not fp8train's output folder any more "
                          "(nothing was written)")
+    if not path.parent.is_dir():  # made (or there) when the output was claimed: deleted since, never made again
+        raise ValueError(f"the folder {path.parent} was deleted while {command} ran; nothing was written")
     tmp, old, moved = temp_path(path), temp_path(path), False
     try:
-        make_output_folder(tmp, command)
+        make_output_folder(tmp, command, parents=False)
         build(tmp)
         _write_marker(tmp, command, (p.name for p in tmp.iterdir()))  # what it holds now, all of it fp8train's
         if path.exists():
