@@ -34,7 +34,8 @@ from typing import Callable, Iterable
 from fp8train.training.storage.files import (read_json, refuse_symlink, temp_path, write_failure,
                                              write_text_atomic)
 from fp8train.training.storage.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, SUMMARY_FILE,
-                                              TELEMETRY_FILE, TRACKERS_FILE, DirLock, LockBusy)
+                                              TELEMETRY_FILE, TRACKERS_FILE, DirLock, LockBusy,
+                                              live_holder)
 
 __all__ = ["OUTPUT_MARKER", "KEPT_FILES", "check_output_file", "check_output_folder", "check_output_files",
            "write_output_set",
@@ -150,9 +151,27 @@ def _marked_names(path: Path) -> set[str] | None:
 
 def foreign_entries(path: Path) -> list[str]:
     """The entries of the folder `path` that fp8train's marker does not list as its own (all of them without a
-    valid marker; none for an empty folder)."""
+    valid marker; none for an empty folder). A claim file left by a process that died is fp8train's own (stale)."""
     names = _marked_names(path) or set()
-    return sorted(p.name for p in path.iterdir() if p.name != OUTPUT_MARKER and p.name not in names)
+    return sorted(p.name for p in path.iterdir() if p.name != OUTPUT_MARKER and p.name not in names
+                  and not (_is_claim(p) and live_holder(p) is None))
+
+
+def _is_claim(entry: Path) -> bool:
+    return entry.name.startswith(".") and entry.name.endswith(CLAIM_SUFFIX) and entry.is_file() \
+        and not entry.is_symlink()
+
+
+def _refuse_live_claims(path: Path, option: str) -> None:
+    """LockBusy when another live fp8train process is writing an output inside the folder `path` (its claim file
+    is there: kv-eval of an export folder, say): replacing the folder would take that output away mid-write."""
+    for entry in sorted(path.iterdir()):
+        holder = live_holder(entry) if _is_claim(entry) else None
+        if holder is not None:
+            raise LockBusy(f"{option} {path} is in use by another fp8train process (PID {holder.get('pid', '?')} on "
+                           f"{holder.get('host', '?')}, since {holder.get('since', '?')}, writing "
+                           f"{entry.name[1:-len(CLAIM_SUFFIX)]} there); wait for it to finish or stop it (nothing "
+                           "was written)")
 
 
 def is_output_folder(path: Path) -> bool:
@@ -174,6 +193,7 @@ def check_output_folder(path, *, force: bool, option: str = "--out", sources: It
     if path.exists():
         if not force:
             raise FileExistsError(f"{option} {path} already exists; pass --force to replace it (nothing was written)")
+        _refuse_live_claims(path, option)
         if any(path.iterdir()) and not is_output_folder(path):
             raise ValueError(_not_ours(path, option))
     probe_writable(path, option)
