@@ -27,8 +27,8 @@ try:
 except ImportError:  # not POSIX: builds are not serialized across processes (each still renames a whole file)
     fcntl = None
 
-__all__ = ["BUILD_TIMEOUT_S", "LOCK_WAIT_S", "Recorded", "CacheUnusable", "LockWait", "failure_path", "recorded_failure",
-           "record_failure", "build_lock", "compile_in_group", "exit_status"]
+__all__ = ["BUILD_TIMEOUT_S", "LOCK_WAIT_S", "Recorded", "CacheUnusable", "LockWait", "failure_path",
+           "recorded_failure", "record_failure", "build_lock", "compile_in_group", "exit_status"]
 
 BUILD_TIMEOUT_S = 120.0  # all variants together; a real build takes about a second
 LOCK_WAIT_S = BUILD_TIMEOUT_S + 30.0  # a holder past this is stuck, not building
