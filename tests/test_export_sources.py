@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -173,3 +174,17 @@ def test_a_dense_export_of_the_built_in_decoder_exports_again(tiny_fp8_run, tmp_
         assert done.returncode == 0 and "data.tokenizer" not in done.stderr, done.stderr
         figures = _figures(done.stdout)
         assert figures and all(f[1] <= 0.5 and f[2] <= 1e-3 for f in figures), done.stdout
+
+
+def test_a_diverged_run_without_a_checkpoint_says_it_has_none_not_to_pass_allow_diverged(diverged_run, tmp_path,
+                                                                                          commands, capsys):
+    run = tmp_path / "div"
+    shutil.copytree(diverged_run[0], run, ignore=shutil.ignore_patterns("checkpoints"))
+    for argv, action in ((["export", str(run), "--format", "e4m3fn", "--out", str(tmp_path / "m.safetensors")],
+                          "export"),
+                         (["kv-eval", str(run), "--format", "e4m3fn", "--out", str(tmp_path / "kv")], "evaluate")):
+        code, _, err = commands.main(argv, capsys)
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"ended diverged at step {diverged_run[1]['diverged_at_step']}" in err, err
+        assert f"has no checkpoint under checkpoints/: nothing to {action}" in err and "--allow-diverged" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["div"]  # nothing written

@@ -233,9 +233,10 @@ def test_a_failing_compiler_is_named_in_the_warning_without_install_advice(monke
     with pytest.warns(RuntimeWarning) as caught:
         assert not native_build.available()
     (message,) = [str(w.message) for w in caught]
-    assert f"the C compiler {tmp_path / 'bin' / 'gcc'} failed (3): fatal: no space left on device" in message
+    assert (f"the C compiler {tmp_path / 'bin' / 'gcc'} failed (exit status 3): fatal: no space left on device"
+            in message)
     assert "install" not in message.lower() and "\n" not in message
-    assert "failed (3)" in native_build.unavailable_reason()
+    assert "failed (exit status 3)" in native_build.unavailable_reason()
 
 
 def test_no_compiler_at_all_says_to_install_one(monkeypatch, tmp_path):

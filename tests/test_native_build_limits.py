@@ -155,3 +155,29 @@ def test_a_build_lock_that_cannot_be_opened_is_named_and_the_kernel_is_eager(tmp
     assert reason == (f"the cache directory {lock.parent} is unusable: its build lock {lock} cannot be opened (Is a "
                       "directory)"), reason
     assert err.count("RuntimeWarning") == 1 and "the next process tries again" not in err, err
+
+
+@pytest.mark.slow
+def test_a_compiler_that_exits_at_once_leaving_an_escaped_child_is_judged_by_its_exit_not_timed_out(tmp_path):
+    # the escaped child (a session of its own) would hold pipes open for 300 s; the compiler itself exits 0 at
+    # once with garbage as output: a failed build said as such, in seconds, not "did not finish" at the limit
+    sleeper = tmp_path / "sleeper"
+    path = _compilers(tmp_path / "bin", f"setsid sleep 300 &\necho $! > {sleeper}\nwhile [ $# -gt 0 ]; do\n"
+                      "  if [ \"$1\" = -o ]; then echo 'not a library' > \"$2\"; fi\n  shift\ndone\nexit 0\n")
+    try:
+        out, reason, err, took = _finish(_start(tmp_path / "cache", path, build_s=20, lock_s=30))
+    finally:
+        if sleeper.exists():
+            try:
+                os.kill(int(sleeper.read_text()), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+    assert "available False" in out and took < 15, (out, err, took)
+    assert "built does not load (OSError" in reason and "did not finish" not in reason, reason
+    assert len(_unavailable_warnings(err)) == 1, err
+
+
+def test_a_compiler_killed_by_a_signal_is_named_by_the_signal(tmp_path):
+    path = _compilers(tmp_path / "bin", "kill -SEGV $$\n")
+    out, reason, err, _ = _finish(_start(tmp_path / "cache", path, build_s=30, lock_s=30))
+    assert "available False" in out and "killed by SIGSEGV" in reason and "(-11)" not in reason, reason

@@ -210,3 +210,27 @@ def test_kv_eval_of_a_missing_run_says_so_and_makes_no_folder_for_its_claim(tmp_
     code, _, err = commands.main(["kv-eval", str(missing), "--format", "e4m3fn"], capsys)
     assert code == 2 and f"run directory {str(missing)!r} does not exist" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("holder_state", ["live", "killed"])
+def test_export_force_over_a_folder_kv_eval_writes_in_names_the_holder_or_takes_a_dead_ones_claim(
+        tiny_fp8_run, tmp_path, commands, holder_state):
+    out = tmp_path / "o4"
+    export = commands.fp8train("export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(out), "--no-check")
+    assert commands.run(export, timeout=120).returncode == 0
+    holder = _holder(commands, out / "kv_eval")  # `kv-eval o4` claims o4/kv_eval: its claim file is in o4
+    if holder_state == "killed":
+        holder.kill()
+        holder.wait(timeout=30)
+    try:
+        done = commands.run([*export, "--force"], timeout=120)
+    finally:
+        if holder_state == "live":
+            _release(holder)
+    if holder_state == "live":
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert f"--out {out} is in use by another fp8train process (PID {holder.pid} " in done.stderr
+        assert "writing kv_eval there" in done.stderr and "did not write" not in done.stderr
+    else:  # a dead holder's claim is stale: fp8train's own file, replaced with the folder
+        assert done.returncode == 0, done.stderr
+        assert _claim_files(out) == [] and "F8_E4M3" in _weight_dtypes(out)

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 
 from fp8train.serving.kv_report import REPORT_FILES, check_report_folder, write_report
 from fp8train.serving.kvcache import KvEvalOptions, kv_eval
-from fp8train.training.storage.outputs import OUTPUT_MARKER
+from fp8train.training.storage.outputs import OUTPUT_MARKER, replace_output_folder, write_output_set
 
 pytestmark = pytest.mark.slow
 
@@ -88,3 +90,48 @@ def test_a_run_report_that_does_not_fit_leaves_the_run_folder_as_it_was(tiny_fp8
     write_run_report(run)
     written = {p.name for p in run.iterdir()} - set(before)
     assert {"report.md", "loss_curves.png"} <= written and not [n for n in written if n.startswith(".")]
+
+
+def test_a_run_folder_deleted_while_kv_eval_ran_is_not_made_again_for_its_report(kv_result, tiny_fp8_run, tmp_path):
+    run = tmp_path / "copy"
+    shutil.copytree(tiny_fp8_run, run)
+    out = check_report_folder(run / "kv_eval", False, run)  # the default --out, checked while the run was there
+    shutil.rmtree(run)  # `rm -rf` of the run while the evaluation ran
+    with pytest.raises(ValueError, match=rf"^the run directory {re.escape(str(run))} was deleted while kv-eval ran; "
+                                         r"nothing was written$"):
+        write_report(kv_result, out, run)
+    assert list(tmp_path.iterdir()) == []  # not copy/ holding only kv_eval/
+
+
+@pytest.mark.parametrize("where", ["the folder itself", "a folder in it"])
+def test_a_source_folder_deleted_while_its_files_were_written_is_said_and_left_gone(tmp_path, where):
+    source = tmp_path / "run"
+    source.mkdir()
+    (source / "config.yaml").write_text("x: 1\n")
+    folder = source if where == "the folder itself" else source / "kv_eval"
+
+    def deleting(tmp: Path) -> None:  # the first file is written, then the run goes (a report of a run folder)
+        tmp.write_text("first\n")
+        shutil.rmtree(source)
+
+    with pytest.raises(ValueError, match=r"^the run directory .* was deleted while report ran; nothing was written$"):
+        write_output_set(folder, {"a.md": deleting, "b.md": lambda tmp: tmp.write_text("second\n")}, "report",
+                         source=source)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_beside_a_deleted_source_is_still_written(tmp_path):
+    source, out = tmp_path / "run", tmp_path / "kv"  # --out outside the run: its deletion does not matter
+    write_output_set(out, {"a.md": lambda tmp: tmp.write_text("a\n")}, "kv-eval", source=source)
+    assert (out / "a.md").read_text() == "a\n" and not source.exists()
+
+
+def test_an_export_into_a_run_folder_deleted_meanwhile_does_not_make_it_again(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    out = run / "exported"  # `export RUN --out RUN/exported`, RUN deleted while the model loaded
+    shutil.rmtree(run)
+    with pytest.raises(ValueError, match=rf"^the folder {re.escape(str(run))} was deleted while export ran; "
+                                         r"nothing was written$"):
+        replace_output_folder(out, "export", lambda folder: (folder / "model.safetensors").write_bytes(b"x"))
+    assert list(tmp_path.iterdir()) == []

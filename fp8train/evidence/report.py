@@ -75,7 +75,7 @@ def write_validation_report(vdir: str | Path) -> dict:
         "health.png": lambda tmp: drawn.update(health=plots.plot_health(tmp, tables, title=vdir.name)),
         "report.md": lambda tmp: write_text_atomic(tmp, _validation_markdown(vdir, plan, summary, runs, tables,
                                                                             drawn["health"])),
-        "summary.json": lambda tmp: write_json_atomic(tmp, summary)}, "report")
+        "summary.json": lambda tmp: write_json_atomic(tmp, summary)}, "report", source=vdir)
     return summary
 
 
@@ -274,7 +274,8 @@ def write_run_report(path: str | Path) -> dict:
     write_output_set(path, {  # written aside and moved in together (the report.md below with them)
         "loss_curves.png": lambda tmp: plots.plot_loss_curves(tmp, {run.label: [run]}, title=path.name),
         "health.png": lambda tmp: drawn.update(health=plots.plot_health(tmp, {run.label: table}, title=path.name)),
-        "report.md": lambda tmp: write_text_atomic(tmp, _run_markdown(path, run, table, drawn["health"]))}, "report")
+        "report.md": lambda tmp: write_text_atomic(tmp, _run_markdown(path, run, table, drawn["health"]))}, "report",
+        source=path)
     return {"status": run.status, "advisor": advisor.advise(table)}
 
 

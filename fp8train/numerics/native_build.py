@@ -314,7 +314,8 @@ def _build(compiler: str, flags: tuple, path: Path, deadline: float) -> Path:
     try:
         done = guard.compile_in_group([compiler, *flags, "-o", str(tmp), *map(str, SOURCES), "-lm"], deadline)
         if done.returncode != 0:
-            raise RuntimeError(f"the C compiler {compiler} failed ({done.returncode}): {done.stderr.strip()[:400]}")
+            raise RuntimeError(f"the C compiler {compiler} failed ({guard.exit_status(done.returncode)}): "
+                               f"{done.stderr.strip()[:400]}")
         data = tmp.read_bytes()
         _fsync(tmp)
         record_tmp.write_text(json.dumps({"size": len(data), "sha256": hashlib.sha256(data).hexdigest(),

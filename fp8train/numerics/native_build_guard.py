@@ -14,7 +14,9 @@ import json
 import os
 import platform
 import secrets
+import signal
 import subprocess
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,8 +27,8 @@ try:
 except ImportError:  # not POSIX: builds are not serialized across processes (each still renames a whole file)
     fcntl = None
 
-__all__ = ["BUILD_TIMEOUT_S", "LOCK_WAIT_S", "Recorded", "CacheUnusable", "LockWait", "failure_path", "recorded_failure",
-           "record_failure", "build_lock", "compile_in_group"]
+__all__ = ["BUILD_TIMEOUT_S", "LOCK_WAIT_S", "Recorded", "CacheUnusable", "LockWait", "failure_path",
+           "recorded_failure", "record_failure", "build_lock", "compile_in_group", "exit_status"]
 
 BUILD_TIMEOUT_S = 120.0  # all variants together; a real build takes about a second
 LOCK_WAIT_S = BUILD_TIMEOUT_S + 30.0  # a holder past this is stuck, not building
@@ -107,18 +109,31 @@ def build_lock(folder: Path):
 
 def compile_in_group(command: list, deadline: float) -> subprocess.CompletedProcess:
     """The compiler in a process group of its own: at the deadline the group is killed whole (a driver such as
-    gcc leaves cc1 and as behind otherwise, holding the pipes open)."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
+    gcc leaves cc1 and as behind otherwise). Its output goes to temporary files, not pipes, and the wait is on the
+    compiler itself: a child that left the group (`setsid sleep &`) holds no pipe open, so a compiler that exited
+    is judged by its exit and its output at once, not reported as hung at the limit."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True,
+                                start_new_session=True)
         try:
-            os.killpg(proc.pid, 9)
-        except OSError:
-            proc.kill()
-        proc.stdout.close()  # not read: a grandchild that left the group may still hold the pipes
-        proc.stderr.close()
-        proc.wait()
-        raise
-    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, 9)
+            except OSError:
+                proc.kill()
+            proc.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, proc.returncode, out.read(), err.read())
+
+
+def exit_status(returncode: int) -> str:
+    """A compiler's exit as words: `exit status 1`, or the signal that killed it (`killed by SIGSEGV`)."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"

@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from fp8train.training.runs.checkpoint import list_checkpoints
 from fp8train.training.storage.files import read_json
-from fp8train.training.storage.rundir import SUMMARY_FILE
+from fp8train.training.storage.rundir import CHECKPOINTS_DIR, SUMMARY_FILE
 
 __all__ = ["REFUSED_STATUSES", "FIDELITY_BOUNDS", "MOE_FIDELITY_BOUNDS", "refuse_failed_source", "compare_logits",
            "outside_bounds", "print_check", "fidelity_bounds"]
@@ -45,8 +46,12 @@ def refuse_failed_source(run_dir, allow_diverged: bool, action: str = "export") 
     status = summary.get("status") if isinstance(summary, dict) else None
     if status in REFUSED_STATUSES:
         at = summary.get("diverged_at_step")
-        raise ValueError(f"run {run_dir} ended {status}" + (f" at step {at}" if at is not None else "")
-                         + f" ({summary.get('reason') or 'no reason recorded'}); its last checkpoint is not a model "
+        ended = (f"run {run_dir} ended {status}" + (f" at step {at}" if at is not None else "")
+                 + f" ({summary.get('reason') or 'no reason recorded'})")
+        if not list_checkpoints(Path(run_dir) / CHECKPOINTS_DIR):  # said first: --allow-diverged would not help
+            raise ValueError(f"{ended} and has no checkpoint under {CHECKPOINTS_DIR}/: nothing to {action} (train "
+                             "with checkpoint.save_final=true; nothing was written)")
+        raise ValueError(f"{ended}; its last checkpoint is not a model "
                          f"to serve. Pass --allow-diverged to {action} it anyway (nothing was written)")
 
 

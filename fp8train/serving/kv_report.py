@@ -37,14 +37,15 @@ def check_report_folder(out_dir, force: bool, run_dir) -> Path:
     return check_output_files(out_dir, REPORT_FILES.values(), force=force, sources=[run_dir])
 
 
-def write_report(result: dict, out_dir) -> dict:
+def write_report(result: dict, out_dir, run_dir=None) -> dict:
     """kv_eval.json, kv_eval.md and kv_eval.png in ``out_dir`` (created as an fp8train output folder if absent),
     written aside and moved in together (outputs.write_output_set): all three or none, never through a link;
-    returns their paths."""
+    returns their paths. A ``run_dir`` (the default ``out_dir`` is in it) deleted meanwhile is not made again."""
     out_dir = Path(out_dir)
     write_output_set(out_dir, {REPORT_FILES["json"]: lambda tmp: tmp.write_text(json.dumps(result, indent=1)),
                                REPORT_FILES["md"]: lambda tmp: tmp.write_text(_markdown(result)),
-                               REPORT_FILES["png"]: lambda tmp: _plot(result, tmp)}, "kv-eval")
+                               REPORT_FILES["png"]: lambda tmp: _plot(result, tmp)}, "kv-eval",
+                     source=None if run_dir is None else Path(run_dir))
     return {key: str(out_dir / name) for key, name in REPORT_FILES.items()}
 
 

@@ -285,7 +285,7 @@ def cli_main(args) -> int:
     with claim_output_path(out, "kv-eval --out"):  # a second kv-eval into the same folder is refused meanwhile
         out = check_report_folder(out, args.force, args.run_dir)
         result = kv_eval(args.run_dir, opts, log=lambda m: print(m, file=sys.stderr))
-        paths = write_report(result, out)
+        paths = write_report(result, out, args.run_dir)
     _print_summary(result)
     print(f"report: {paths['md']}  ({paths['json']}, {paths['png']})")
     return 0

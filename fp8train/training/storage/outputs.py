@@ -34,7 +34,8 @@ from typing import Callable, Iterable
 from fp8train.training.storage.files import (read_json, refuse_symlink, temp_path, write_failure,
                                              write_text_atomic)
 from fp8train.training.storage.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, SUMMARY_FILE,
-                                              TELEMETRY_FILE, TRACKERS_FILE, DirLock, LockBusy)
+                                              TELEMETRY_FILE, TRACKERS_FILE, DirLock, LockBusy,
+                                              live_holder)
 
 __all__ = ["OUTPUT_MARKER", "KEPT_FILES", "check_output_file", "check_output_folder", "check_output_files",
            "write_output_set",
@@ -150,9 +151,27 @@ def _marked_names(path: Path) -> set[str] | None:
 
 def foreign_entries(path: Path) -> list[str]:
     """The entries of the folder `path` that fp8train's marker does not list as its own (all of them without a
-    valid marker; none for an empty folder)."""
+    valid marker; none for an empty folder). A claim file left by a process that died is fp8train's own (stale)."""
     names = _marked_names(path) or set()
-    return sorted(p.name for p in path.iterdir() if p.name != OUTPUT_MARKER and p.name not in names)
+    return sorted(p.name for p in path.iterdir() if p.name != OUTPUT_MARKER and p.name not in names
+                  and not (_is_claim(p) and live_holder(p) is None))
+
+
+def _is_claim(entry: Path) -> bool:
+    return entry.name.startswith(".") and entry.name.endswith(CLAIM_SUFFIX) and entry.is_file() \
+        and not entry.is_symlink()
+
+
+def _refuse_live_claims(path: Path, option: str) -> None:
+    """LockBusy when another live fp8train process is writing an output inside the folder `path` (its claim file
+    is there: kv-eval of an export folder, say): replacing the folder would take that output away mid-write."""
+    for entry in sorted(path.iterdir()):
+        holder = live_holder(entry) if _is_claim(entry) else None
+        if holder is not None:
+            raise LockBusy(f"{option} {path} is in use by another fp8train process (PID {holder.get('pid', '?')} on "
+                           f"{holder.get('host', '?')}, since {holder.get('since', '?')}, writing "
+                           f"{entry.name[1:-len(CLAIM_SUFFIX)]} there); wait for it to finish or stop it (nothing "
+                           "was written)")
 
 
 def is_output_folder(path: Path) -> bool:
@@ -174,6 +193,7 @@ def check_output_folder(path, *, force: bool, option: str = "--out", sources: It
     if path.exists():
         if not force:
             raise FileExistsError(f"{option} {path} already exists; pass --force to replace it (nothing was written)")
+        _refuse_live_claims(path, option)
         if any(path.iterdir()) and not is_output_folder(path):
             raise ValueError(_not_ours(path, option))
     probe_writable(path, option)
@@ -231,13 +251,13 @@ def check_output_files(folder, names: Iterable[str], *, force: bool, option: str
     return folder
 
 
-def make_output_folder(path: Path, command: str, files: Iterable[str] = ()) -> Path:
+def make_output_folder(path: Path, command: str, files: Iterable[str] = (), parents: bool = True) -> Path:
     """Create `path` (and missing parents) as an output folder of `command`, with its marker listing `files`, the
     names it is about to write there. Only an absent folder (or one checked before: empty or fp8train's) is made
     one. Errors name the folder."""
     _refuse_link(path, "output folder")
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=parents, exist_ok=True)
     except OSError as err:
         raise write_failure(err, path) from None
     _write_marker(path, command, files)
@@ -257,9 +277,11 @@ def replace_output_folder(path: Path, command: str, build: Callable[[Path], None
                                                                      and not is_output_folder(path)))):
         raise ValueError(f"{path} changed since it was checked: it is not fp8train's output folder any more "
                          "(nothing was written)")
+    if not path.parent.is_dir():  # made (or there) when the output was claimed: deleted since, never made again
+        raise ValueError(f"the folder {path.parent} was deleted while {command} ran; nothing was written")
     tmp, old, moved = temp_path(path), temp_path(path), False
     try:
-        make_output_folder(tmp, command)
+        make_output_folder(tmp, command, parents=False)
         build(tmp)
         _write_marker(tmp, command, (p.name for p in tmp.iterdir()))  # what it holds now, all of it fp8train's
         if path.exists():
@@ -278,21 +300,24 @@ def replace_output_folder(path: Path, command: str, build: Callable[[Path], None
         shutil.rmtree(old)
 
 
-def write_output_set(folder: Path, writers: dict[str, Callable[[Path], object]], command: str) -> None:
+def write_output_set(folder: Path, writers: dict[str, Callable[[Path], object]], command: str,
+                     source: Path | None = None) -> None:
     """Write the files ``writers`` names ({name: write(temp_path)}) into ``folder`` as one set: each to a temp file
     beside its target, fsync'd; only when all are written are they renamed into place (a writer that writes
     nothing, e.g. a plot with no data, leaves its target as it was). A failure in any (a full
     disk) leaves every target as it was (the earlier report's files, or none) and no temp file; a folder this call
     created is removed again, so no marker is left behind to block a plain re-run. Checked before with
-    check_output_files."""
+    check_output_files. ``source``: the run (or validation) folder the command read; when the output lies in it (or
+    is it) and it was deleted while the command ran, nothing is written and it is never made again (ValueError)."""
     folder = Path(folder)
+    _refuse_vanished_source(folder, source, command)
     for name in writers:  # never through a link, and nothing written when one is there
         refuse_symlink(folder / name)
     created = not folder.exists()
     temps: dict[str, Path] = {}
     try:
-        if created:
-            folder.mkdir(parents=True)
+        if created:  # its parents: made by claim_output_path, or the source folder that must not be made again
+            folder.mkdir(parents=source is None)
         for name, write in writers.items():
             temps[name] = temp_path(folder / name)
             write(temps[name])
@@ -314,9 +339,19 @@ def write_output_set(folder: Path, writers: dict[str, Callable[[Path], object]],
         if created:
             shutil.rmtree(folder, ignore_errors=True)
         if isinstance(err, OSError):
+            _refuse_vanished_source(folder, source, command)  # the folder went with it mid-write: said as such
             raise write_failure(err, folder / (list(temps)[-1] if temps else "")) from err
         raise
 
+
+def _refuse_vanished_source(folder: Path, source: Path | None, command: str) -> None:
+    """ValueError when ``folder`` lies in ``source`` (or is it) and ``source`` is gone: making the output's folder
+    would bring a deleted run folder back, holding only the output."""
+    if source is None:
+        return
+    source, inside = Path(os.path.abspath(source)), Path(os.path.abspath(folder))
+    if (inside == source or source in inside.parents) and not source.is_dir():
+        raise ValueError(f"the run directory {source} was deleted while {command} ran; nothing was written")
 
 
 @contextmanager

@@ -27,7 +27,7 @@ from fp8train.training.storage.files import refuse_symlink, write_error, write_j
 
 __all__ = [
     "CONFIG_FILE", "METRICS_FILE", "TELEMETRY_FILE", "SUMMARY_FILE", "CHECKPOINTS_DIR", "TRACKERS_FILE", "LOCK_FILE",
-    "refuse_symlinks_in", "dir_state", "DirLock", "LockBusy", "is_locked", "record_write_failure",
+    "refuse_symlinks_in", "dir_state", "DirLock", "LockBusy", "is_locked", "live_holder", "record_write_failure",
     "refuse_run_directory_as_hf_folder",
 ]
 
@@ -180,17 +180,24 @@ def is_locked(directory: str | os.PathLike) -> bool:
     """Whether a live process holds `directory`'s DirLock now (this one included): a run directory without a
     summary.json is running when it is locked, and was killed or stopped when not (the kernel drops a dead
     process's flock). Only tries the lock (shared, not waiting), never takes it over."""
+    return live_holder(Path(directory) / LOCK_FILE) is not None
+
+
+def live_holder(lock_file: str | os.PathLike) -> dict | None:
+    """The record (pid, host, since) of the live process that holds the lock file `lock_file` (a DirLock's, or an
+    output's claim file); None when none does: absent, or left by a process that died. Only tries the lock (shared,
+    not waiting), never takes it over."""
     try:
-        fd = os.open(Path(directory) / LOCK_FILE, os.O_RDONLY)
+        fd = os.open(lock_file, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
-        return False
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return True
+        return _lock_holder(fd)
     finally:
         os.close(fd)  # closing drops the shared lock when it was taken
-    return False
+    return None
 
 
 def _same_file(fd: int, path: Path) -> bool:
