@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from fp8train.training.storage.files import read_json
-from fp8train.training.storage.rundir import SUMMARY_FILE
+from fp8train.training.runs.source_status import REFUSED_STATUSES, failed_summary, failure_text
 
 __all__ = ["REFUSED_STATUSES", "FIDELITY_BOUNDS", "MOE_FIDELITY_BOUNDS", "refuse_failed_source", "compare_logits",
            "outside_bounds", "print_check", "fidelity_bounds"]
 
-REFUSED_STATUSES = ("diverged", "stopped")  # stopped: validate's divergence guard (loss > factor x baseline)
 # Per comparison of an export with its source, on the run's first validation batches (docs/serving.md)
 FIDELITY_BOUNDS = {"max_abs_logit_diff": 0.5, "mean_kl": 1e-3}
 # A mixture-of-experts model routes each token to its top-k experts: FP8 weights move a router score by a rounding
@@ -38,16 +35,10 @@ _BOUND_NAMES = {"max_abs_logit_diff": "max|diff|", "mean_kl": "mean KL"}
 def refuse_failed_source(run_dir, allow_diverged: bool, action: str = "export") -> None:
     """ValueError when ``run_dir``'s summary.json says the run ended diverged or stopped, unless allowed
     (``action``: what the command would do with it, for the message)."""
-    path = Path(run_dir) / SUMMARY_FILE
-    if allow_diverged or not path.is_file():  # a run still training, or a Hugging Face folder
-        return
-    summary = read_json(path)
-    status = summary.get("status") if isinstance(summary, dict) else None
-    if status in REFUSED_STATUSES:
-        at = summary.get("diverged_at_step")
-        raise ValueError(f"run {run_dir} ended {status}" + (f" at step {at}" if at is not None else "")
-                         + f" ({summary.get('reason') or 'no reason recorded'}); its last checkpoint is not a model "
-                         f"to serve. Pass --allow-diverged to {action} it anyway (nothing was written)")
+    summary = None if allow_diverged else failed_summary(run_dir)
+    if summary is not None:
+        raise ValueError(f"{failure_text(run_dir, summary)}; its last checkpoint is not a model to serve. Pass "
+                         f"--allow-diverged to {action} it anyway (nothing was written)")
 
 
 @torch.no_grad()
