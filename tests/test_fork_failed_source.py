@@ -15,7 +15,7 @@ import pytest
 
 from fp8train.training.config import load_config
 from fp8train.training.loop import train
-from test_fork import TINY
+from test_fork import TINY, source  # noqa: F401  (source: a 16-step bf16 run, checkpoints at 8 and 16)
 
 LR = "train.lr=1000"  # diverges a tiny model within a few steps (non-finite gradients, every one skipped)
 
@@ -96,3 +96,28 @@ def test_runs_that_skipped_all_their_steps_make_the_verdict_inconclusive(diverge
     for seed in (1337, 1338):
         assert f"runs/bf16/seed{seed} skipped 3 of 3 steps" in candidate["reason"]
     assert "runs/bf16/seed1337 skipped 3 of 3 steps" in (tmp_path / "val" / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_rerun_whose_pinned_checkpoint_was_pruned_says_it_was_deleted(source, tiny, tmp_path):
+    from fp8train.evidence.validate import run_validation
+
+    src = tmp_path / "src"
+    shutil.copytree(source / "src", src)
+    shutil.rmtree(src / "checkpoints" / "step_000016")  # the run directory's newest is step 8 when planned
+    cfg = load_config(None, [f"run.dir={tmp_path}", "run.name=val", f"data.path={tiny.corpus}", *TINY,
+                             "train.max_steps=2", "train.eval_every=2", "validate.final_window=1",
+                             "validate.workers=1", "validate.seeds=2", "validate.candidates=[current]",
+                             f"validate.fork_from={src}"])
+    run_validation(cfg, log=lambda _: None, show_progress=False, write_report=False)
+    pinned = json.loads((tmp_path / "val" / "plan.json").read_text())["fork"]["checkpoint"]
+    assert pinned == str((src / "checkpoints" / "step_000008").resolve())
+    # the source trained on and pruned its step-8 checkpoint: the run directory now resolves to step 16
+    shutil.copytree(source / "src" / "checkpoints" / "step_000016", src / "checkpoints" / "step_000016")
+    shutil.rmtree(src / "checkpoints" / "step_000008")
+    with pytest.raises(ValueError) as caught:
+        run_validation(cfg, log=lambda _: None, show_progress=False, write_report=False)
+    message = str(caught.value)
+    assert f"the fork checkpoint {pinned}, which was deleted" in message
+    assert f"now resolves to {(src / 'checkpoints' / 'step_000016').resolve()}" in message
+    assert f"pass validate.fork_from={pinned}" not in message  # it is gone: passing it cannot work
