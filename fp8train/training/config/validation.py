@@ -182,8 +182,9 @@ class ValidateConfig(Section):
         if is_int(seeds):
             require(1 <= seeds <= MAX_SEED_COUNT, "validate.seeds", seeds, allowed)
             return
-        require(isinstance(seeds, (list, tuple)) and 0 < len(seeds) <= MAX_SEED_COUNT, "validate.seeds",
-                seeds if len(seeds) <= 10 else f"[{len(seeds)} seeds]", allowed)
+        is_list = isinstance(seeds, (list, tuple))
+        shown = f"[{len(seeds)} seeds]" if is_list and len(seeds) > 10 else seeds  # not 100000 ints in a message
+        require(is_list and 0 < len(seeds) <= MAX_SEED_COUNT, "validate.seeds", shown, allowed)
         seeds = list(seeds)
         require(all(is_int(s) and 0 <= s < _SEED_LIMIT for s in seeds), "validate.seeds", seeds, allowed)
         repeated = sorted(s for s, n in Counter(seeds).items() if n > 1)  # linear: lists go up to MAX_SEED_COUNT
