@@ -137,3 +137,41 @@ def test_plans_too_big_to_plan_are_refused_before_any_run_is_derived(overrides, 
     with pytest.raises(ValueError, match=re.escape(said)):
         plan_runs(cfg)
     assert time.monotonic() - started < 5 and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("seeds", ["100000001", "100001"])
+def test_a_seed_count_over_the_absolute_bound_is_refused_at_config_even_with_no_plan_bound(seeds, tmp_path):
+    """validate.max_plan_steps=0 lifts the plan-size bounds, not this one: 1e8 seeds planned silently past 4 GB."""
+    started = time.monotonic()
+    with pytest.raises(ValueError) as caught:
+        load_config(str(RECIPES / "cpu_validate.yaml"), [f"run.dir={tmp_path}", f"validate.seeds={seeds}",
+                                                          "validate.max_plan_steps=0"])
+    message = str(caught.value)
+    assert message.startswith("config validate.seeds=") and "a count in [1, 100000]" in message
+    assert f"validate.seeds={seeds} " in message
+    assert time.monotonic() - started < 10 and not list(tmp_path.iterdir())
+    assert load_config(str(RECIPES / "cpu_validate.yaml"), ["validate.seeds=100000"]).validate.seeds == 100_000
+
+
+def test_a_seed_list_over_the_absolute_bound_is_refused_with_its_length():
+    from fp8train.training.config.validation import ValidateConfig
+
+    with pytest.raises(ValueError, match=r"^config validate.seeds='\[100001 seeds\]' is invalid: .*at most 100000"):
+        ValidateConfig(seeds=list(range(100_001)))
+    assert len(ValidateConfig(seeds=list(range(100_000))).seeds) == 100_000
+
+
+def test_a_plan_over_the_planned_runs_bound_says_how_many_runs_it_plans(tmp_path, monkeypatch):
+    import fp8train.evidence.run_plan as run_plan
+
+    monkeypatch.setattr(run_plan, "MAX_PLANNED_RUNS", 10)  # the line's threshold, without planning 20000 runs here
+    cfg = load_config(str(RECIPES / "cpu_validate.yaml"), [f"run.dir={tmp_path}", "validate.seeds=6",
+                                                          "validate.max_plan_steps=0", "validate.candidates=[current]"])
+    lines = []
+    assert len(plan_runs(cfg, log=lines.append)) == 12
+    assert lines == ["[validate] planning 12 runs (6 seeds x 2 labels; validate.max_plan_steps=0): about 1 ms and "
+                     "5 kB each, before anything runs"]
+    lines.clear()
+    plan_runs(load_config(str(RECIPES / "cpu_validate.yaml"), [f"run.dir={tmp_path}", "validate.seeds=5",
+                                                               "validate.candidates=[current]"]), log=lines.append)
+    assert lines == []  # 10 runs: not over the bound

@@ -747,3 +747,34 @@ def test_a_completed_run_that_lost_its_last_metrics_line_is_damaged_not_a_failur
     assert good["verdict"] == "inconclusive" and good["seeds"] == 1, good
     assert (f"seed 2: {who} damaged: metrics.jsonl has no val_loss for step(s) [40] that it logged"
             in good["reason"]), good["reason"]
+
+
+@pytest.mark.parametrize("state", ["killed", "running"])
+def test_a_plain_report_of_a_run_without_summary_names_its_config_recipe_and_logged_steps(tiny_fp8_run, tmp_path,
+                                                                                          state):
+    import json
+    import shutil
+
+    import fcntl
+    import os
+
+    from fp8train.cli import main
+    from fp8train.training.storage.rundir import LOCK_FILE
+
+    run = tmp_path / "tiny"
+    shutil.copytree(tiny_fp8_run, run)
+    recorded = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").unlink()  # killed (or still running) before it wrote one
+    last = max(json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+               if "loss" in json.loads(line))
+    fd = os.open(run / LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    try:
+        if state == "running":  # what a training process holds on its run directory
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert main(["report", str(run)]) == 0
+    finally:
+        os.close(fd)
+    head = (run / "report.md").read_text().splitlines()[2]
+    assert head.startswith(f"Status {'unfinished' if state == 'killed' else 'running'}; recipe "
+                           f"`{recorded['recipe']}`; {last} logged steps;"), head
+    assert recorded["recipe"] not in ("?", "none")

@@ -118,6 +118,11 @@ def check_fork_unchanged(vdir: Path, record: dict, planned: dict | None) -> None
     """A plan made from a fork must be finished from the same checkpoint, byte for byte."""
     if not planned:
         return
+    if planned.get("checkpoint") != record["checkpoint"] and not Path(planned.get("checkpoint") or "").exists():
+        raise ValueError(f"{vdir / PLAN_FILE} was planned from the fork checkpoint {planned.get('checkpoint')}, "
+                         f"which was deleted (pruned by its run's checkpoint.keep_last?); {KEY} now resolves to "
+                         f"{record['checkpoint']}, another one. The runs already made started from the deleted "
+                         f"one: restore it, or {_NEW_NAME}")
     if planned.get("checkpoint") != record["checkpoint"]:
         raise ValueError(f"{vdir / PLAN_FILE} was planned from the fork checkpoint {planned.get('checkpoint')}; "
                          f"{KEY} now resolves to {record['checkpoint']} (a run directory's newest checkpoint "

@@ -19,7 +19,7 @@ from fp8train.evidence.run_plan import BASELINE, PLAN_FILE
 from fp8train.evidence.layer_recipes import shadow_table
 from fp8train.evidence.verdict import RunData, load_validation, summarize_validation
 from fp8train.nn.recipes import ROLES
-from fp8train.training.config import load_config
+from fp8train.training.config import BASELINE_RECIPE, fp8_recipe_from_config, load_config
 from fp8train.training.models.hf import HFCausalLM
 from fp8train.training.storage.files import write_json_atomic, write_text_atomic
 from fp8train.training.storage.outputs import claim_output_path, write_output_set
@@ -281,8 +281,11 @@ def write_run_report(path: str | Path) -> dict:
 
 def _run_markdown(path: Path, run: RunData, table: dict, health_png: bool) -> str:
     s = run.summary or {}
+    recipe, steps = s.get("recipe") or _config_recipe(path), s.get("steps")
+    if steps is None:  # running or killed: no summary yet; its metrics.jsonl says how far it got
+        steps = f"{max(run.curve.train)} logged" if run.curve.train else "?"
     lines = [f"# Run report: {path.name}", "",
-             f"Status {run.status}; recipe `{s.get('recipe', '?')}`; {s.get('steps', '?')} steps; final loss "
+             f"Status {run.status}; recipe `{recipe}`; {steps} steps; final loss "
              f"{_fmt(s.get('loss'), '.4f')}, val loss {_fmt(s.get('val_loss'), '.4f')}; wall time "
              f"{_fmt(s.get('wall_time_s'), '.0f')} s; median {_fmt(run.tokens_per_s, '.0f')} tokens/s.", "",
              "![loss curves](loss_curves.png)", "", *_run_fork_markdown(s)]
@@ -293,6 +296,15 @@ def _run_markdown(path: Path, run: RunData, table: dict, health_png: bool) -> st
     lines += _shadow_markdown(path, run.telemetry)
     lines += _damage_markdown({run.label: run})
     return "\n".join(lines) + "\n"
+
+
+def _config_recipe(path: Path) -> str:
+    """The recipe code the run's config.yaml names (what summary.json records when the run ends), or "?"."""
+    try:
+        recipe = fp8_recipe_from_config(load_config(str(path / CONFIG_FILE)))
+    except (OSError, ValueError):  # missing or damaged: the report says "?" and _damage_markdown what it can
+        return "?"
+    return recipe.code() if recipe is not None else BASELINE_RECIPE
 
 
 def _run_fork_markdown(summary: dict) -> list[str]:

@@ -114,9 +114,10 @@ def _for_seed(template: FullConfig, runs_dir: Path, seed: int, wandb: dict) -> F
                                log=dataclasses.replace(own.log, **wandb))
 
 
-def plan_runs(cfg: FullConfig, candidates=None) -> list[PlannedRun]:
+def plan_runs(cfg: FullConfig, candidates=None, log=None) -> list[PlannedRun]:
     """The runs of a validation, seed by seed: the baseline, then each candidate. Every check of the specs and of
-    the derived configs happens here, before anything is written."""
+    the derived configs happens here, before anything is written. ``log`` gets one line before a plan of over
+    MAX_PLANNED_RUNS runs (allowed by validate.max_plan_steps=0), which takes minutes to plan."""
     specs = list(cfg.validate.candidates) if candidates is None else list(candidates)
     if not specs:
         raise ValueError("validate.candidates is empty: list at least one FP8 recipe spec; the bf16 baseline "
@@ -130,6 +131,9 @@ def plan_runs(cfg: FullConfig, candidates=None) -> list[PlannedRun]:
         raise ValueError(f"validate.seeds={cfg.validate.seeds} with train.seed={cfg.train.seed} reaches seed "
                          f"{max(seeds)}; seeds must be < 2**63")
     _check_plan_size(cfg, len(seeds) * (1 + len(parsed)))
+    if log is not None and len(seeds) * (1 + len(parsed)) > MAX_PLANNED_RUNS:
+        log(f"[validate] planning {len(seeds) * (1 + len(parsed))} runs ({len(seeds)} seeds x {1 + len(parsed)} "
+            f"labels; validate.max_plan_steps=0): about 1 ms and 5 kB each, before anything runs")
     _check_eval_points(cfg)
 
     vdir = validation_dir(cfg)

@@ -61,7 +61,7 @@ def run_validation(cfg: FullConfig, candidates=None, accelerator=None, show_prog
     ``candidates`` (specs) replaces validate.candidates. Every check happens before anything is written."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     cfg, fork = fork_config(cfg)  # validate.fork_from: every run starts from that checkpoint (evidence/fork_pinning.py)
-    runs = plan_runs(cfg, candidates)
+    runs = plan_runs(cfg, candidates, log)
     fingerprint_runs(runs)
     plan = validation_plan(cfg, runs)
     plan["fork"] = fork_record(fork, runs)

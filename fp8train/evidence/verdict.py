@@ -30,9 +30,10 @@ METHOD = ("Per seed s, the paired gap g_s = (candidate - baseline) / baseline of
           "final window (the same steps, the same validation batches, the same initial weights and batches for both). "
           "Over the n seeds: mean, sample sd, and one-sided 95% Student-t bounds mean -/+ t(0.95, n-1) sd/sqrt(n). "
           "PASS: upper bound <= margin. FAIL: a run diverged or stopped, a loss is non-finite, or lower bound > "
-          "margin. Otherwise INCONCLUSIVE. Minimum detectable gap (one-sided 95%, 80% power): "
+          "margin. Otherwise INCONCLUSIVE (also when a run skipped over 25% of its steps on non-finite gradients: "
+          "it did not train). Minimum detectable gap (one-sided 95%, 80% power): "
           "(t(0.95, n-1) + t(0.80, n-1)) sd/sqrt(n).")
-
+MAX_SKIPPED_SHARE = 0.25  # of a run's steps skipped on non-finite gradients: more and the pair is not usable
 
 SEQUENTIAL_METHOD = ("validate.seeds=auto: the same gaps, looked at after 2, 3, ..., max_seeds seeds in seed order. "
                      "Look k (n_k seeds, t_k = n_k / max_seeds) spends a_k = alpha(t_k) - alpha(t_(k-1)) of the "
@@ -125,6 +126,20 @@ def _damaged(run: RunData, expected: list[int]) -> str | None:
     return f"{METRICS_FILE} has no val_loss for step(s) {missing} that it logged ({why})"
 
 
+def _skipped(run: RunData) -> str | None:
+    """Why a completed run did not train enough to compare (it skipped over MAX_SKIPPED_SHARE of its steps on
+    non-finite gradients, as a fork of a diverged source does: bf16 and FP8 then end at one untrained loss and
+    their gap says nothing), or None."""
+    summary = run.summary or {}
+    steps, skipped = summary.get("steps"), summary.get("skipped_steps")
+    if not isinstance(skipped, int) or skipped <= 0 or not isinstance(steps, int):
+        return None
+    if steps > 0 and skipped / steps <= MAX_SKIPPED_SHARE:
+        return None
+    return (f"{run.dir} skipped {skipped} of {steps} steps (non-finite gradients; over "
+            f"{MAX_SKIPPED_SHARE:.0%} of its steps is too few updates to compare)")
+
+
 def _seed_problems(base: RunData, cand: RunData, window: int, expected: list[int],
                    precision: str = "bf16") -> tuple[list[str], list[str], float]:
     """(failures, reasons the seed is unusable, paired gap) of one seed; `precision` names the baseline."""
@@ -137,6 +152,9 @@ def _seed_problems(base: RunData, cand: RunData, window: int, expected: list[int
     if cand.status != "completed":
         return [], [f"seed {seed}: candidate {cand.status}"], math.nan
     for who, run in ((f"{precision} baseline", base), ("candidate", cand)):  # damaged logs: unusable, not a failure
+        skipped = _skipped(run)
+        if skipped is not None:
+            return [], [f"seed {seed}: {who} {skipped}"], math.nan
         damage = _damaged(run, expected)
         if damage is not None:
             return [], [f"seed {seed}: {who} damaged: {damage}"], math.nan

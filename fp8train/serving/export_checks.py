@@ -19,13 +19,12 @@ import torch
 import torch.nn as nn
 
 from fp8train.training.runs.checkpoint import list_checkpoints
-from fp8train.training.storage.files import read_json
-from fp8train.training.storage.rundir import CHECKPOINTS_DIR, SUMMARY_FILE
+from fp8train.training.runs.source_status import REFUSED_STATUSES, failed_summary, failure_text
+from fp8train.training.storage.rundir import CHECKPOINTS_DIR
 
 __all__ = ["REFUSED_STATUSES", "FIDELITY_BOUNDS", "MOE_FIDELITY_BOUNDS", "refuse_failed_source", "compare_logits",
            "outside_bounds", "print_check", "fidelity_bounds"]
 
-REFUSED_STATUSES = ("diverged", "stopped")  # stopped: validate's divergence guard (loss > factor x baseline)
 # Per comparison of an export with its source, on the run's first validation batches (docs/serving.md)
 FIDELITY_BOUNDS = {"max_abs_logit_diff": 0.5, "mean_kl": 1e-3}
 # A mixture-of-experts model routes each token to its top-k experts: FP8 weights move a router score by a rounding
@@ -39,20 +38,14 @@ _BOUND_NAMES = {"max_abs_logit_diff": "max|diff|", "mean_kl": "mean KL"}
 def refuse_failed_source(run_dir, allow_diverged: bool, action: str = "export") -> None:
     """ValueError when ``run_dir``'s summary.json says the run ended diverged or stopped, unless allowed
     (``action``: what the command would do with it, for the message)."""
-    path = Path(run_dir) / SUMMARY_FILE
-    if allow_diverged or not path.is_file():  # a run still training, or a Hugging Face folder
-        return
-    summary = read_json(path)
-    status = summary.get("status") if isinstance(summary, dict) else None
-    if status in REFUSED_STATUSES:
-        at = summary.get("diverged_at_step")
-        ended = (f"run {run_dir} ended {status}" + (f" at step {at}" if at is not None else "")
-                 + f" ({summary.get('reason') or 'no reason recorded'})")
+    summary = None if allow_diverged else failed_summary(run_dir)
+    if summary is not None:
+        ended = failure_text(run_dir, summary)
         if not list_checkpoints(Path(run_dir) / CHECKPOINTS_DIR):  # said first: --allow-diverged would not help
             raise ValueError(f"{ended} and has no checkpoint under {CHECKPOINTS_DIR}/: nothing to {action} (train "
                              "with checkpoint.save_final=true; nothing was written)")
-        raise ValueError(f"{ended}; its last checkpoint is not a model "
-                         f"to serve. Pass --allow-diverged to {action} it anyway (nothing was written)")
+        raise ValueError(f"{ended}; its last checkpoint is not a model to serve. Pass --allow-diverged to {action} "
+                         "it anyway (nothing was written)")
 
 
 @torch.no_grad()

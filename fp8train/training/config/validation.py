@@ -13,6 +13,7 @@ override keys and values are checked when the validation derives each run's conf
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -26,6 +27,9 @@ __all__ = ["ValidateConfig", "Candidate", "parse_candidate", "check_candidate_ke
 BASELINE_LABEL = OVERRIDE_BF16  # folder of the baseline (high-precision) runs; no candidate may take it
 _LABEL_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
 _SEED_LIMIT = 2**63  # torch.manual_seed's range
+# The most seeds a validation may list or count, whatever validate.max_plan_steps says: planning 1e8 seeds grows
+# past 4 GB before the plan-size check can see it (each seed is a list entry, then configs per run).
+MAX_SEED_COUNT = 100_000
 # The config sections a candidate may override: what FP8 does and to which layers. Everything else (model.*, data.*,
 # train.*, optim.*, ...) is shared by the pair, and run.*, validate.*, log.*, checkpoint.* are the validation's own.
 PAIRED_SECTIONS = ("fp8", "policy")
@@ -168,18 +172,21 @@ class ValidateConfig(Section):
 
     def _check_seeds(self) -> None:
         seeds = self.seeds
-        allowed = f"a count >= 1, a non-empty list of distinct ints in [0, 2**63), or {AUTO_SEEDS!r}"
+        allowed = (f"a count in [1, {MAX_SEED_COUNT}], a non-empty list of at most {MAX_SEED_COUNT} distinct ints in "
+                   f"[0, 2**63), or {AUTO_SEEDS!r}")
         self._in("spending", SPENDING_RULES)
         require(is_int(self.max_seeds) and 2 <= self.max_seeds <= 1000, "validate.max_seeds", self.max_seeds,
                  "an int in [2, 1000] (the last look of validate.seeds=auto; one seed has no spread)")
         if seeds == AUTO_SEEDS:
             return
         if is_int(seeds):
-            require(seeds >= 1, "validate.seeds", seeds, allowed)
+            require(1 <= seeds <= MAX_SEED_COUNT, "validate.seeds", seeds, allowed)
             return
-        require(isinstance(seeds, (list, tuple)) and len(seeds) > 0, "validate.seeds", seeds, allowed)
+        is_list = isinstance(seeds, (list, tuple))
+        shown = f"[{len(seeds)} seeds]" if is_list and len(seeds) > 10 else seeds  # not 100000 ints in a message
+        require(is_list and 0 < len(seeds) <= MAX_SEED_COUNT, "validate.seeds", shown, allowed)
         seeds = list(seeds)
         require(all(is_int(s) and 0 <= s < _SEED_LIMIT for s in seeds), "validate.seeds", seeds, allowed)
-        repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+        repeated = sorted(s for s, n in Counter(seeds).items() if n > 1)  # linear: lists go up to MAX_SEED_COUNT
         require(not repeated, "validate.seeds", seeds, f"{allowed}; repeated: {repeated}")
         self.seeds = seeds  # a plain list (OmegaConf hands over a ListConfig for an Any field)

@@ -38,6 +38,7 @@ from fp8train.training.runs.checkpoint import FILES, MANIFEST, checkpoint_step, 
 from fp8train.training.config import FullConfig, fp8_recipe_from_config, load_config
 from fp8train.training.models.decoder import tied_weight_groups
 from fp8train.training.runs.resume import config_differences, resume_hash
+from fp8train.training.runs.source_status import failed_summary, failure_text
 from fp8train.training.storage.files import read_json, sha256_file
 from fp8train.training.storage.rundir import CHECKPOINTS_DIR, CONFIG_FILE
 from fp8train.training.runs.sharded_checkpoint import is_sharded_checkpoint, latest_loadable_checkpoint
@@ -102,7 +103,29 @@ def _resolve(path: str, key: str) -> Path:
         raise ValueError(f"{key}={path}: checkpoint {checkpoint} was deleted while it was read")
     if problem is not None:
         raise ValueError(f"{key}={path}: checkpoint {checkpoint} does not verify: {problem}")
+    _refuse_failed_source(checkpoint.resolve(), path, key, given_run=checkpoint.resolve() != where.resolve())
     return checkpoint.resolve()
+
+
+def _refuse_failed_source(checkpoint: Path, path: str, key: str, given_run: bool) -> None:
+    """A source run that ended diverged or stopped: its run directory is refused (its newest checkpoint is the
+    state it went wrong from), and so is one of its checkpoints at or after the step it diverged at. A checkpoint
+    given directly from before that step is the user's choice."""
+    run_dir = checkpoint.parent.parent
+    summary = failed_summary(run_dir)
+    if summary is None:
+        return
+    at = summary.get("diverged_at_step")
+    if not given_run and not (isinstance(at, int) and at <= checkpoint_step(checkpoint)):
+        return
+    earlier = sorted(p for p in (run_dir / CHECKPOINTS_DIR).glob("step_*")
+                     if re.fullmatch(r"step_\d+", p.name) and p != checkpoint
+                     and checkpoint_step(p) < (at if isinstance(at, int) else checkpoint_step(checkpoint)))
+    hint = (f"Pass {key}={earlier[-1]} (the checkpoint before {checkpoint.name}) if it was written before the run "
+            "went wrong" if earlier else "It holds no earlier checkpoint to fork from")
+    raise ValueError(f"{key}={path}: {failure_text(run_dir, summary)}; {checkpoint.name} is the state it went "
+                     f"wrong from, and forked runs of it can skip every step on non-finite gradients. {hint}; "
+                     "nothing was written")
 
 
 def checkpoint_sha256(checkpoint: Path) -> str:
