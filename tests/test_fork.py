@@ -164,11 +164,18 @@ def test_a_plan_made_from_a_fork_is_finished_from_the_same_checkpoint_only(tmp_p
     check_fork_unchanged(tmp_path, record, None)
     check_fork_unchanged(tmp_path, record, {})
     check_fork_unchanged(tmp_path, record, dict(record))
+    # a planned checkpoint still there: the path now resolves to another one (a run directory's newest changed)
+    planned = tmp_path / "runs" / "src" / "checkpoints" / "step_8"
+    planned.mkdir(parents=True)
     with pytest.raises(ValueError) as caught:
-        check_fork_unchanged(tmp_path, record, {**record, "checkpoint": "runs/src/checkpoints/step_8"})
+        check_fork_unchanged(tmp_path, record, {**record, "checkpoint": str(planned)})
     assert str(caught.value).startswith(f"{tmp_path / 'plan.json'} was planned from the fork checkpoint "
-                                        "runs/src/checkpoints/step_8; validate.fork_from now resolves to "
+                                        f"{planned}; validate.fork_from now resolves to "
                                         "runs/src/checkpoints/step_16")
+    # one that is gone: said deleted, never offered as the path to pass
+    with pytest.raises(ValueError) as caught:
+        check_fork_unchanged(tmp_path, record, {**record, "checkpoint": str(tmp_path / "gone" / "step_8")})
+    assert "which was deleted" in str(caught.value) and "pass validate.fork_from" not in str(caught.value)
     with pytest.raises(ValueError) as caught:
         check_fork_unchanged(tmp_path, record, {**record, "sha256": "2" * 64})
     assert str(caught.value).startswith("the fork checkpoint runs/src/checkpoints/step_16 changed since "

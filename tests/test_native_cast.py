@@ -554,7 +554,7 @@ def test_a_failing_compiler_falls_back_too(monkeypatch, tmp_path):
                           "echo 'fatal: no space' >&2; exit 3\n")
         script.chmod(script.stat().st_mode | stat.S_IEXEC)
     _fresh_native_state(monkeypatch, tmp_path, f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    with pytest.warns(RuntimeWarning, match="failed \\(3\\): fatal: no space"):
+    with pytest.warns(RuntimeWarning, match="failed \\(exit status 3\\): fatal: no space"):
         assert not native_cast.available()
     assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-written is left to be loaded
 
