@@ -20,11 +20,15 @@ pytestmark = pytest.mark.slow
 
 HOLD = ("import sys\nfrom fp8train.training.storage.outputs import claim_output_path\n"
         "with claim_output_path(sys.argv[1]):\n    print('held', flush=True)\n    sys.stdin.readline()\n")
+# as `fp8train report` (and validate's own report) claims the folder it writes into: inside it
+HOLD_REPORT = ("import sys\nfrom fp8train.training.storage.folder_claim import claim_folder\n"
+               "with claim_folder(sys.argv[1], 'report', ''):\n    print('held', flush=True)\n"
+               "    sys.stdin.readline()\n")
 
 
-def _holder(commands, path: Path) -> subprocess.Popen:
+def _holder(commands, path: Path, script: str = HOLD) -> subprocess.Popen:
     """A process that claims `path` and holds it until its stdin closes (or it is killed)."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", script, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, env=commands.env())
     assert proc.stdout.readline().strip() == "held"
     return proc
@@ -115,15 +119,18 @@ def test_a_report_of_a_folder_another_process_reports_is_refused_and_leaves_its_
     run.mkdir()
     for name in ("config.yaml", "metrics.jsonl", "summary.json"):
         (run / name).write_bytes((tiny_fp8_run / name).read_bytes())
-    holder = _holder(commands, run)
+    holder = _holder(commands, run, HOLD_REPORT)
     try:
         code, _, err = commands.main(["report", str(run)], capsys)
+        listed = sorted(p.name for p in run.iterdir())
     finally:
         _release(holder)
     assert code == 2 and f"report of {run} is in use by another fp8train process (PID {holder.pid} " in err
+    # the holder's claim (inside the folder: its parent need not be writable), and nothing of the refused report
+    assert listed == [f".report{CLAIM_SUFFIX}", "config.yaml", "metrics.jsonl", "summary.json"]
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.jsonl", "summary.json"]
     code, _, _ = commands.main(["report", str(run)], capsys)  # once it is free, the same command writes it
-    assert code == 0 and (run / "report.md").is_file() and _claim_files(tmp_path) == []
+    assert code == 0 and (run / "report.md").is_file() and _claim_files(tmp_path) == _claim_files(run) == []
 
 
 
@@ -140,23 +147,27 @@ def test_validate_waits_for_a_report_of_its_folder_then_writes_its_own(tiny, tmp
                              "train.max_steps=2", "train.eval_every=2", "validate.final_window=1",
                              "validate.margin=0.05", "validate.workers=1", "validate.seeds=1",
                              "validate.candidates=[current]"])
-    holder = _holder(commands, tmp_path / "val")  # holds it while the runs train, released 2 s after the last
-    said = []
+    said, held = [], []
 
     def log(line: str) -> None:
         said.append(line)
-        if "current/seed1337: completed" in line:
-            threading.Timer(2.0, holder.stdin.close).start()
+        if line.startswith(f"[validate] {tmp_path / 'val'}: ") and not held:  # planned: a report claims the folder
+            held.append(_holder(commands, tmp_path / "val", HOLD_REPORT))  # held while the runs train
+        if "current/seed1337: completed" in line:  # released 2 s after the last run
+            threading.Timer(2.0, held[0].stdin.close).start()
 
     try:
         summary = run_validation(cfg, log=log, show_progress=False)
     finally:
-        if not holder.stdin.closed:
-            holder.stdin.close()
-        assert holder.wait(timeout=30) == 0
+        for holder in held:
+            if not holder.stdin.closed:
+                holder.stdin.close()
+            assert holder.wait(timeout=30) == 0
+    assert len(held) == 1
     assert summary["verdict"] in ("pass", "fail", "inconclusive")
     assert json.loads((tmp_path / "val" / "summary.json").read_text())["verdict"] == summary["verdict"]
-    assert (tmp_path / "val" / "report.md").is_file() and _claim_files(tmp_path) == []
+    assert (tmp_path / "val" / "report.md").is_file()
+    assert _claim_files(tmp_path) == _claim_files(tmp_path / "val") == []
 
 
 def test_layer_recipes_to_a_file_another_process_holds_is_refused(tiny_fp8_run, tmp_path, commands, capsys):

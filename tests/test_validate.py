@@ -360,7 +360,7 @@ def test_run_validation_declares_the_plan_then_hands_every_run_to_the_runner(tmp
                                    "recipe_code": "current:e4m3/e4m3/e5m2:m0"}]
     assert (plan["fork"], plan["sequential"], plan["max_steps"], plan["eval_every"]) == (None, None, 40, 10)
     assert plan["data_fingerprint"] == runs[0].data_fingerprint
-    assert logged[0] == (f"[validate] {vdir}: 4 runs (2 seeds x (bf16 + 1 candidates)), margin 0.02 declared in "
+    assert logged[0] == (f"[validate] {vdir}: 4 runs (2 seeds x (bf16 + 1 candidate)), margin 0.02 declared in "
                          "plan.json, 1 at a time")
     assert logged[-1] == f"[validate] verdict: INCONCLUSIVE -> {vdir / 'report.md'}"
 

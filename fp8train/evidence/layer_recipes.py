@@ -41,6 +41,7 @@ from fp8train.evidence import advisor
 from fp8train.training.config import layer_policy_from_config, load_config
 from fp8train.training.models.decoder import build_model, check_model_for_run
 from fp8train.training.runs import telemetry
+from fp8train.training.runs.run_log import counted
 from fp8train.training.storage.outputs import check_output_file, claim_output_path
 from fp8train.training.storage.files import write_text_atomic
 from fp8train.training.shadow import SHADOW_STAT_KEYS
@@ -254,7 +255,7 @@ def layer_recipes_yaml(choices: dict) -> str:
         lines.append("# outcome: no layer is faster in FP8 here, so every layer stays high precision (as a validation "
                      "candidate, add policy.allow_no_fp8=true)")
     else:
-        lines.append(f"# outcome: {choices['fp8_layers']} of {len(choices['layers'])} layers in FP8")
+        lines.append(f"# outcome: {choices['fp8_layers']} of {counted(len(choices['layers']), 'layer')} in FP8")
     if choices.get("experts"):
         lines.append(f"# experts: {len(choices['experts'])} FP8 expert projections are not chosen per layer and "
                      "keep the run's recipe (shadow telemetry and timings are per Linear)")
@@ -303,6 +304,6 @@ def _plan(args) -> int:
             raise ValueError(f"--min-speedup={value}: a ratio of times, >= 0")
     choices = measure_layer_recipes(args.run_dir, device, args.repeats, thresholds)
     write_text_atomic(out, layer_recipes_yaml(choices))
-    print(f"{choices['fp8_layers']} of {len(choices['layers'])} layers in FP8 on {choices['device_name']}"
+    print(f"{choices['fp8_layers']} of {counted(len(choices['layers']), 'layer')} in FP8 on {choices['device_name']}"
           + (": no layer is faster in FP8 here" if choices["fp8_layers"] == 0 else "") + f"; written to {out}")
     return 0

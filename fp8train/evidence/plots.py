@@ -156,7 +156,10 @@ def _zoom_second_half(ax, runs: list) -> None:
         high = min(values[-1], ref + 3 * max(ref - low, 1e-3))
         pad = 0.05 * (high - low or 1e-3)
         ax.set_ylim(low - pad, high + pad)
-    ax.set_xlim(start - (steps[-1] - start) * 0.05, steps[-1] * 1.02)
+    if steps[-1] > 0:
+        ax.set_xlim(start - (steps[-1] - start) * 0.05, steps[-1] * 1.02)
+    else:  # only the step-0 evaluation so far (a run that has just started): one step wide around it, not [0, 0]
+        ax.set_xlim(-1, 1)
 
 
 def plot_health(path: Path, tables: dict[str, dict], title: str) -> bool:

@@ -21,20 +21,32 @@ from fp8train.evidence.verdict import RunData, load_validation, summarize_valida
 from fp8train.nn.recipes import ROLES
 from fp8train.training.config import BASELINE_RECIPE, fp8_recipe_from_config, load_config
 from fp8train.training.models.hf import HFCausalLM
+from fp8train.training.runs.run_log import counted
 from fp8train.training.storage.files import write_json_atomic, write_text_atomic
-from fp8train.training.storage.outputs import claim_output_path, write_output_set
+from fp8train.training.storage.folder_claim import claim_folder
+from fp8train.training.storage.outputs import write_output_set
 from fp8train.training.storage.rundir import CONFIG_FILE, METRICS_FILE
 
-__all__ = ["write_report", "write_validation_report", "write_run_report", "add_cli_arguments", "cli_main"]
+__all__ = ["write_report", "write_validation_report", "write_run_report", "add_cli_arguments", "cli_main",
+           "UNWRITABLE_REMEDY"]
+
+# What to do when the folder to report on cannot be written: the report's files go into it, and nowhere else
+UNWRITABLE_REMEDY = ("make it writable (chmod u+w), or copy the folder to one you can write (cp -r) and report the "
+                     "copy")
 
 
 def write_report(path: str | Path) -> dict:
     """Rewrite the report of a validation dir (has plan.json) or of a plain run dir (has metrics.jsonl)."""
     path = Path(path)
+    return write_validation_report(path) if _is_validation(path) else write_run_report(path)
+
+
+def _is_validation(path: Path) -> bool:
+    """True for a validation dir, False for a run dir; anything else is refused, before anything is written."""
     if (path / PLAN_FILE).exists():
-        return write_validation_report(path)
+        return True
     if (path / METRICS_FILE).exists():
-        return write_run_report(path)
+        return False
     raise ValueError(f"{path} is neither a validation directory ({PLAN_FILE}) nor a run directory ({METRICS_FILE})")
 
 
@@ -89,7 +101,7 @@ def _verdict_table(summary: dict) -> list[str]:
              f"speed vs {_baseline(summary)} |",
              "|---|---|---|---|---|---|---|---|---|"]
     for label, c in summary["candidates"].items():
-        needed = f"; ~{c['seeds_needed']} seeds would decide" if c.get("seeds_needed") and \
+        needed = f"; ~{counted(c['seeds_needed'], 'seed')} would decide" if c.get("seeds_needed") and \
             "seeds" not in c["reason"] else ""
         lines.append(
             f"| {label} | `{c['recipe_code']}` | {c['seeds']} | {_fmt(c['gap_mean'], '+.2%')} "
@@ -134,10 +146,11 @@ def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:
     lines = [
         f"# FP8 validation: {vdir.name}", "",
         f"**Verdict: {summary['verdict'].upper()}** ({counts['pass']} pass, {counts['fail']} fail, "
-        f"{counts['inconclusive']} inconclusive of {len(summary['candidates'])} candidates)", "",
+        f"{counts['inconclusive']} inconclusive of {counted(len(summary['candidates']), 'candidate')})", "",
         f"Declared margin (plan.json, written {plan.get('created', '?')} before any run): **{summary['margin']:.2%}** "
-        f"relative validation-loss gap. {len(summary['seeds'])} paired seeds {summary['seeds']}; final window: the "
-        f"last {summary['final_window']} evaluation points; {plan.get('max_steps')} steps; config hash "
+        f"relative validation-loss gap. {counted(len(summary['seeds']), 'paired seed')} {summary['seeds']}; final "
+        f"window: the last {counted(summary['final_window'], 'evaluation point')}; "
+        f"{counted(plan.get('max_steps'), 'step')}; config hash "
         f"`{plan['config_hash'][:12]}`.", "",
         *_fork_markdown(plan),
         "## Verdict", "", *_verdict_table(summary), "", *_cost_markdown(summary),
@@ -190,7 +203,7 @@ def _fork_markdown(plan: dict) -> list[str]:
     states = ", ".join(f"{label}: {state}" for label, state in fork["fp8_state"].items() if state != "none")
     return [f"Forked: every run started from `{fork['checkpoint']}` (step {fork['step']} of a "
             f"`{fork['source_recipe']}` run, files sha256 `{fork['sha256'][:12]}`) and trained "
-            f"{plan.get('max_steps')} more steps; FP8 scaling state: {states}.", ""]
+            f"{counted(plan.get('max_steps'), 'more step')}; FP8 scaling state: {states}.", ""]
 
 
 def _cost_markdown(summary: dict) -> list[str]:
@@ -203,15 +216,15 @@ def _cost_markdown(summary: dict) -> list[str]:
                   f"spending (Lan & DeMets 1983), each look a t test at the alpha it spends; critical values "
                   f"(seeds: c) {looks}. A candidate stops at its first decided look.", ""]
     fixed = (f"; the fewest seeds with which a fixed design decides every candidate at the observed means and "
-             f"spreads: {cost['fixed_design_seeds']} ({cost['fixed_design_runs']} runs)"
+             f"spreads: {cost['fixed_design_seeds']} ({counted(cost['fixed_design_runs'], 'run')})"
              if cost["fixed_design_seeds"] else "")
     others = [f"{cost[key]} {what}" for key, what in (("running_runs", "running now"), ("unfinished_runs",
               "unfinished: no summary.json and no process holds it, killed?")) if cost.get(key)]
     started = f" (besides: {'; '.join(others)})" if others else ""
-    lines += [f"Cost: **{cost['runs']} runs** ended{started}, {_fmt(cost['run_seconds'], '.0f')} s of run time "
+    lines += [f"Cost: **{counted(cost['runs'], 'run')}** ended{started}, {_fmt(cost['run_seconds'], '.0f')} s of run time "
               f"({_fmt(cost['device_seconds'], '.0f')} device-seconds: wall time x processes), "
               f"{_fmt(cost['cpu_seconds'], '.0f')} CPU seconds (rank 0). Every planned seed "
-              f"({len(summary['planned_seeds'])}) would have been {cost['planned_seeds_runs']} runs{fixed}.", ""]
+              f"({len(summary['planned_seeds'])}) would have been {counted(cost['planned_seeds_runs'], 'run')}{fixed}.", ""]
     return lines
 
 
@@ -282,10 +295,13 @@ def write_run_report(path: str | Path) -> dict:
 def _run_markdown(path: Path, run: RunData, table: dict, health_png: bool) -> str:
     s = run.summary or {}
     recipe, steps = s.get("recipe") or _config_recipe(path), s.get("steps")
-    if steps is None:  # running or killed: no summary yet; its metrics.jsonl says how far it got
-        steps = f"{max(run.curve.train)} logged" if run.curve.train else "?"
+    if steps is not None:
+        steps = counted(steps, "step")
+    else:  # running or killed: no summary yet; its metrics.jsonl says how far it got
+        logged = [*run.curve.train, *run.curve.val]  # step 0 logs its evaluation only
+        steps = counted(max(logged), "logged step") if logged else "? steps"
     lines = [f"# Run report: {path.name}", "",
-             f"Status {run.status}; recipe `{recipe}`; {steps} steps; final loss "
+             f"Status {run.status}; recipe `{recipe}`; {steps}; final loss "
              f"{_fmt(s.get('loss'), '.4f')}, val loss {_fmt(s.get('val_loss'), '.4f')}; wall time "
              f"{_fmt(s.get('wall_time_s'), '.0f')} s; median {_fmt(run.tokens_per_s, '.0f')} tokens/s.", "",
              "![loss curves](loss_curves.png)", "", *_run_fork_markdown(s)]
@@ -347,7 +363,8 @@ def cli_main(args) -> int:
     path = Path(args.run_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory")
-    with claim_output_path(path, "report of"):  # two reports of one folder at once: one is refused, never a mix
+    _is_validation(path)  # a folder that is neither: said before a claim file is made in it
+    with claim_folder(path, "report", UNWRITABLE_REMEDY):  # two reports of one folder at once: one is refused
         summary = write_report(path)
     print(f"wrote {path / 'report.md'}" + (f" (verdict: {summary['verdict']})" if "verdict" in summary else ""))
     return 0

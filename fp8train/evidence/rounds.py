@@ -15,6 +15,7 @@ from typing import Callable
 from fp8train.evidence.run_plan import PlannedRun
 from fp8train.evidence.runner import finished_summary
 from fp8train.evidence.verdict import load_validation, summarize_validation
+from fp8train.training.runs.run_log import counted
 
 __all__ = ["next_round", "run_rounds"]
 
@@ -47,7 +48,7 @@ def run_rounds(runs: list[PlannedRun], vdir: Path, run_round: Callable[[list[Pla
         if not unfinished or unfinished <= tried:
             return rounds
         rounds += 1
-        log(f"[validate] round {rounds}: {len(unfinished)} runs to make, seeds {sorted({r.seed for r in todo})}, "
+        log(f"[validate] round {rounds}: {counted(len(unfinished), 'run')} to make, seeds {sorted({r.seed for r in todo})}, "
             f"{', '.join(sorted({r.label for r in todo}))}")
         tried |= unfinished
         run_round(todo)

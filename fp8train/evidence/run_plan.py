@@ -31,6 +31,7 @@ from fp8train.training.config import (AUTOCAST_PRECISION, BASELINE_RECIPE, HASH_
                                       apply_overrides, config_hash, fp8_recipe_from_config)
 from fp8train.training.config.validation import BASELINE_LABEL, Candidate, parse_candidate, resolve_seeds
 from fp8train.training.data.corpus import build_data, describe_fingerprint_change
+from fp8train.training.runs.run_log import counted
 from fp8train.training.storage.files import read_json
 from fp8train.training.storage.rundir import dir_state
 
@@ -132,8 +133,8 @@ def plan_runs(cfg: FullConfig, candidates=None, log=None) -> list[PlannedRun]:
                          f"{max(seeds)}; seeds must be < 2**63")
     _check_plan_size(cfg, len(seeds) * (1 + len(parsed)))
     if log is not None and len(seeds) * (1 + len(parsed)) > MAX_PLANNED_RUNS:
-        log(f"[validate] planning {len(seeds) * (1 + len(parsed))} runs ({len(seeds)} seeds x {1 + len(parsed)} "
-            f"labels; validate.max_plan_steps=0): about 1 ms and 5 kB each, before anything runs")
+        log(f"[validate] planning {len(seeds) * (1 + len(parsed))} runs ({counted(len(seeds), 'seed')} x "
+            f"{1 + len(parsed)} labels; validate.max_plan_steps=0): about 1 ms and 5 kB each, before anything runs")
     _check_eval_points(cfg)
 
     vdir = validation_dir(cfg)

@@ -40,6 +40,7 @@ from statistics import NormalDist
 
 from fp8train.evidence import stats
 from fp8train.training.config.validation import AUTO_SEEDS, SPENDING_RULES
+from fp8train.training.runs.run_log import counted
 
 __all__ = ["FIRST_LOOK", "spend", "SequentialDesign", "make_design", "look_decision", "SequentialOutcome",
            "sequential_verdict", "sequential_plan"]
@@ -91,7 +92,7 @@ def make_design(max_seeds: int, rule: str = "pocock",
 def look_decision(est: stats.GapEstimate, critical: float, margin: float, last: bool) -> tuple[str, str, float, float]:
     """(verdict, reason, lower, upper) at one look: pass, fail, inconclusive (the last look), or continue."""
     if est.n < 2 or not math.isfinite(est.se):
-        return ("inconclusive" if last else "continue"), f"{est.n} usable seed(s)", -math.inf, math.inf
+        return ("inconclusive" if last else "continue"), counted(est.n, "usable seed"), -math.inf, math.inf
     lower, upper = est.mean - critical * est.se, est.mean + critical * est.se
     at = f"at {est.n} seeds (critical value {critical:.3g})"
     if lower > margin:

@@ -34,6 +34,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from fp8train.training.runs.run_log import counted
+
 __all__ = [
     "CONFIDENCE", "POWER", "VERDICTS", "t_cdf", "t_quantile", "window_steps", "paired_gap", "GapEstimate",
     "estimate", "seeds_needed", "decide", "overall_verdict",
@@ -190,13 +192,13 @@ def decide(est: GapEstimate, margin: float, failures: list[str]) -> tuple[str, s
     if failures:
         return "fail", "; ".join(failures)
     if est.n < 2:
-        return "inconclusive", f"{est.n} seed(s): at least 2 are needed for a confidence bound"
+        return "inconclusive", f"{counted(est.n, 'seed')}: at least 2 are needed for a confidence bound"
     if est.lower > margin:
         return "fail", f"lower bound {est.lower:+.2%} > margin {margin:.2%}: worse than the margin"
     if est.upper <= margin:
         return "pass", f"upper bound {est.upper:+.2%} <= margin {margin:.2%}"
     needed = seeds_needed(est.mean, est.sd, margin)
-    more = (f"about {needed} seeds at this spread would decide" if needed is not None
+    more = (f"about {counted(needed, 'seed')} at this spread would decide" if needed is not None
             else "the mean sits on the margin: no number of seeds decides")
     return "inconclusive", f"bounds [{est.lower:+.2%}, {est.upper:+.2%}] straddle margin {margin:.2%}; {more}"
 

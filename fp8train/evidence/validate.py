@@ -20,15 +20,16 @@ from pathlib import Path
 
 from fp8train.evidence.fork_pinning import fork_config, fork_record
 from fp8train.evidence.run_plan import PLAN_FILE, check_plan, fingerprint_runs, plan_runs, validation_dir, validation_plan
-from fp8train.evidence.report import write_validation_report
+from fp8train.evidence.report import UNWRITABLE_REMEDY, write_validation_report
 from fp8train.evidence.rounds import run_rounds
 from fp8train.evidence.runner import default_workers, run_planned
 from fp8train.training.config import FullConfig, add_config_arguments, load_config
 from fp8train.training.runs.lifetime import interrupts_raised
+from fp8train.training.runs.run_log import counted
 from fp8train.training.loop import make_accelerator
 from fp8train.training.parallel.rank0 import on_main_process
 from fp8train.training.storage.files import read_json, write_json_atomic
-from fp8train.training.storage.outputs import claim_output_path
+from fp8train.training.storage.folder_claim import claim_folder
 from fp8train.training.storage.rundir import DirLock, SUMMARY_FILE
 
 __all__ = ["run_validation", "resolve_workers", "verdict_lines", "EXIT_CODES", "add_cli_arguments", "cli_main"]
@@ -101,8 +102,8 @@ def _run_and_report(runs, plan, vdir, workers, accelerator, show_progress, log, 
     if is_main:
         upto = "up to " if plan.get("sequential") else ""  # validate.seeds=auto runs only what the looks need
         base = plan.get("baseline_precision", "bf16")
-        log(f"[validate] {vdir}: {upto}{len(runs)} runs ({len(plan['seeds'])} seeds x ({base} + "
-            f"{len(plan['candidates'])} candidates)), margin {plan['margin']:g} declared in {PLAN_FILE}, "
+        log(f"[validate] {vdir}: {upto}{counted(len(runs), 'run')} ({counted(len(plan['seeds']), 'seed')} x ({base} "
+            f"+ {counted(len(plan['candidates']), 'candidate')})), margin {plan['margin']:g} declared in {PLAN_FILE}, "
             f"{workers} at a time")
     say = log if is_main else (lambda _: None)
 
@@ -116,7 +117,7 @@ def _run_and_report(runs, plan, vdir, workers, accelerator, show_progress, log, 
     summary = {}
     if is_main and write_report:
         # a `fp8train report` of it writing now: wait for it (bounded), then write the final report over it
-        with claim_output_path(vdir, "report of", log=say, wait_s=REPORT_CLAIM_WAIT_S):
+        with claim_folder(vdir, "report", UNWRITABLE_REMEDY, log=say, wait_s=REPORT_CLAIM_WAIT_S):
             summary = write_validation_report(vdir)
         log(f"[validate] verdict: {summary['verdict'].upper()} -> {vdir / 'report.md'}")
     accelerator.wait_for_everyone()
@@ -136,7 +137,7 @@ def verdict_lines(summary: dict) -> list[str]:
                      c["verdict"].upper()))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"verdict: {summary['verdict'].upper()} (margin {summary['margin']:.2%}, "
-             f"{len(summary['seeds'])} paired seeds; one-sided 95% bounds on the mean paired gap)"]
+             f"{counted(len(summary['seeds']), 'paired seed')}; one-sided 95% bounds on the mean paired gap)"]
     lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     lines += [f"  {label}: {c['reason']}" for label, c in summary["candidates"].items() if c["verdict"] != "pass"]
     return lines

@@ -19,6 +19,7 @@ from fp8train.evidence import advisor, sequential, stats
 from fp8train.evidence.curves import Curve, load_curve
 from fp8train.evidence.run_plan import BASELINE, PLAN_FILE, run_dir
 from fp8train.training.runs import telemetry
+from fp8train.training.runs.run_log import counted
 from fp8train.training.storage.files import read_json
 from fp8train.training.config import AUTOCAST_PRECISION
 from fp8train.training.storage.rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE, is_locked
@@ -136,7 +137,7 @@ def _skipped(run: RunData) -> str | None:
         return None
     if steps > 0 and skipped / steps <= MAX_SKIPPED_SHARE:
         return None
-    return (f"{run.dir} skipped {skipped} of {steps} steps (non-finite gradients; over "
+    return (f"{run.dir} skipped {skipped} of {counted(steps, 'step')} (non-finite gradients; over "
             f"{MAX_SKIPPED_SHARE:.0%} of its steps is too few updates to compare)")
 
 
@@ -194,7 +195,7 @@ def _fixed_verdict(plan: dict, base_runs: dict, cand_runs: dict) -> tuple:
     est = stats.estimate(list(gaps.values()))
     verdict, reason = stats.decide(est, margin, failures)
     if verdict != "fail" and unusable:
-        verdict, reason = "inconclusive", (f"{len(gaps)} of {len(plan['seeds'])} seeds usable: "
+        verdict, reason = "inconclusive", (f"{len(gaps)} of {counted(len(plan['seeds']), 'seed')} usable: "
                                            + "; ".join(unusable))
     return verdict, reason, est, est.lower, est.upper, gaps, list(plan["seeds"]), None
 
@@ -218,7 +219,7 @@ def _sequential_verdict(plan: dict, base_runs: dict, cand_runs: dict) -> tuple:
     verdict, reason = out.verdict, out.reason
     if verdict == "continue":
         verdict = "inconclusive"
-        reason = f"{reason}; the next look needs {out.next_seeds} seeds" + (f" ({waiting})" if waiting else "")
+        reason = f"{reason}; the next look needs {counted(out.next_seeds, 'seed')}" + (f" ({waiting})" if waiting else "")
     looked = list(plan["seeds"])[:out.estimate.n] if out.look else list(gaps)
     record = {"look": out.look, "critical": out.critical, "next_seeds": out.next_seeds,
               "decided": out.verdict != "continue"}

@@ -47,7 +47,7 @@ from fp8train.training.runs.checkpoint import load_checkpoint, save_checkpoint
 from fp8train.training.runs.lifetime import interrupts_held
 from fp8train.training.runs.claim import holding
 from fp8train.training.runs.fork import checkpoint_sha256, fork_record, load_fork
-from fp8train.training.runs.run_log import (MetricsLog, finish, progress_line, start_logs, summarize,
+from fp8train.training.runs.run_log import (MetricsLog, counted, finish, progress_line, start_logs, summarize,
                                             summary_line, summary_on_interrupt)
 from fp8train.training.runs.sharded_checkpoint import (is_sharded_checkpoint, load_sharded_checkpoint,
                                                       save_sharded_checkpoint)
@@ -126,7 +126,7 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
 def already_complete(run: Run) -> dict:
     """Resuming a finished run: nothing is trained, written or tracked."""
     if run.is_main:
-        print(f"[{run.cfg.run.name}] already complete: {run.resume_point.summary.get('steps')} steps in {run.run_dir} "
+        print(f"[{run.cfg.run.name}] already complete: {counted(run.resume_point.summary.get('steps'), 'step')} in {run.run_dir} "
               "(nothing changed; raise train.max_steps to train on)", file=sys.stderr)
     run.accelerator.wait_for_everyone()
     return run.resume_point.summary

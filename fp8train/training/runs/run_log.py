@@ -23,7 +23,8 @@ from fp8train.training.storage.files import append_jsonl, truncate_jsonl, write_
 from fp8train.training.storage.rundir import METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE
 from fp8train.training.runs.tracking import Trackers, tracked_config
 
-__all__ = ["MetricsLog", "start_logs", "summarize", "summary_on_interrupt", "finish", "summary_line", "progress_line"]
+__all__ = ["MetricsLog", "start_logs", "summarize", "summary_on_interrupt", "finish", "summary_line", "progress_line",
+           "counted"]
 
 
 class MetricsLog:
@@ -122,6 +123,13 @@ def finish(run, summary: dict) -> None:
     run.accelerator.wait_for_everyone()
 
 
+def counted(count, noun: str, plural: str | None = None) -> str:
+    """A count and its noun in the number the count takes: `1 run`, `0 runs`, `3 seeds` (`plural` for a noun
+    that is not made plural by an s). Every message that prints a count of runs, seeds or steps goes through it,
+    so none says "1 runs"."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
 def summary_line(name: str, summary: dict) -> str:
     """The one line a run ends with, e.g. `[cpu_delayed] completed: 300 steps, val_loss 2.0512, 61.0s, recipe
     delayed:e4m3/e4m3/e5m2:h1024max:m0`."""
@@ -130,7 +138,7 @@ def summary_line(name: str, summary: dict) -> str:
     # policy.allow_no_fp8 lets an FP8 recipe convert nothing: say so rather than name a recipe nothing ran
     unused = " with 0 FP8 layers (all high precision)" if summary.get("fp8_layers") == 0 and \
         summary.get("recipe") not in (None, "none") else ""
-    return (f"[{name}] {summary['status']}: {summary['steps']} steps, val_loss {val}, "
+    return (f"[{name}] {summary['status']}: {counted(summary['steps'], 'step')}, val_loss {val}, "
             f"{summary['wall_time_s']:.1f}s, recipe {summary['recipe']}{unused}{reason}")
 
 
