@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 HOLD = ("import sys\nfrom fp8train.training.storage.outputs import claim_output_path\n"
         "with claim_output_path(sys.argv[1]):\n    print('held', flush=True)\n    sys.stdin.readline()\n")
 # as `fp8train report` (and validate's own report) claims the folder it writes into: inside it
-HOLD_REPORT = ("import sys\nfrom fp8train.training.storage.folder_claim import claim_folder\n"
+HOLD_REPORT = ("import sys\nfrom fp8train.training.storage.claims import claim_folder\n"
                "with claim_folder(sys.argv[1], 'report', ''):\n    print('held', flush=True)\n"
                "    sys.stdin.readline()\n")
 
@@ -245,3 +245,50 @@ def test_export_force_over_a_folder_kv_eval_writes_in_names_the_holder_or_takes_
     else:  # a dead holder's claim is stale: fp8train's own file, replaced with the folder
         assert done.returncode == 0, done.stderr
         assert _claim_files(out) == [] and "F8_E4M3" in _weight_dtypes(out)
+
+
+def test_kv_eval_into_a_folder_that_an_export_force_is_replacing_is_refused(tiny_fp8_run, tmp_path, commands):
+    """`export --force --out o5` holds o5's claim from its check to its last file; a `kv-eval o5` (a real second
+    process) started meanwhile would claim o5/kv_eval inside the folder about to be replaced, and lose its report
+    with it (or the export would delete a folder in use): it is refused, naming the export's PID."""
+    from fp8train.training.storage.outputs import claim_output_path
+
+    out = tmp_path / "o5"
+    export = commands.fp8train("export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(out), "--no-check")
+    assert commands.run(export, timeout=120).returncode == 0
+    before = sorted(p.name for p in out.iterdir())
+    with claim_output_path(out, "export --out"):  # as `export --force --out o5` holds it while it works
+        done = commands.run(commands.fp8train("kv-eval", str(out), "--format", "e4m3fn", "--batches", "1",
+                                              "--calib-batches", "1", "--gen-prompts", "0"), timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert (f"kv-eval --out {out / 'kv_eval'} is in use by another fp8train process (PID {os.getpid()} "
+            in done.stderr and f"writing {out}, which holds it)" in done.stderr), done.stderr
+    assert sorted(p.name for p in out.iterdir()) == before  # no kv_eval/, no claim left in it
+    assert _claim_files(tmp_path) == []
+
+
+def test_an_output_claimed_in_a_folder_after_its_check_stops_the_replacement_naming_the_holder(
+        tiny_fp8_run, tmp_path, commands):
+    """The folder passed `export --force`'s check; then another process (real) claimed an output inside it: the
+    replacement leaves the folder whole, the claim in it, and names that process (it used to say the folder had
+    become 'not fp8train's output folder')."""
+    from fp8train.training.storage.outputs import check_output_folder, replace_output_folder
+    from fp8train.training.storage.rundir import LockBusy
+
+    out = tmp_path / "o6"
+    export = commands.fp8train("export", str(tiny_fp8_run), "--format", "e4m3fn", "--out", str(out), "--no-check")
+    assert commands.run(export, timeout=120).returncode == 0
+    check_output_folder(out, force=True)
+    contents = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    holder = _holder(commands, out / "kv_eval")  # what `kv-eval o6` holds while it evaluates
+    try:
+        with pytest.raises(LockBusy) as refused:
+            replace_output_folder(out, "export", lambda folder: (folder / "model.safetensors").write_bytes(b"new"))
+        assert _claim_files(out) == [f".kv_eval{CLAIM_SUFFIX}"]  # still there, still its
+    finally:
+        _release(holder)
+    assert str(refused.value).startswith(f"export --out {out} is in use by another fp8train process (PID "
+                                         f"{holder.pid} ")
+    assert "writing kv_eval there" in str(refused.value)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == contents
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o6"]  # no temp folder beside it

@@ -23,7 +23,7 @@ from fp8train.training.config import BASELINE_RECIPE, fp8_recipe_from_config, lo
 from fp8train.training.models.hf import HFCausalLM
 from fp8train.training.runs.run_log import counted
 from fp8train.training.storage.files import write_json_atomic, write_text_atomic
-from fp8train.training.storage.folder_claim import claim_folder
+from fp8train.training.storage.claims import claim_folder
 from fp8train.training.storage.outputs import write_output_set
 from fp8train.training.storage.rundir import CONFIG_FILE, METRICS_FILE
 

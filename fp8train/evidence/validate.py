@@ -29,7 +29,7 @@ from fp8train.training.runs.run_log import counted
 from fp8train.training.loop import make_accelerator
 from fp8train.training.parallel.rank0 import on_main_process
 from fp8train.training.storage.files import read_json, write_json_atomic
-from fp8train.training.storage.folder_claim import claim_folder
+from fp8train.training.storage.claims import claim_folder
 from fp8train.training.storage.rundir import DirLock, SUMMARY_FILE
 
 __all__ = ["run_validation", "resolve_workers", "verdict_lines", "EXIT_CODES", "add_cli_arguments", "cli_main"]

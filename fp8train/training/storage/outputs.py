@@ -17,7 +17,8 @@ symbolic links, errors that name the file). What this module adds is what may be
 - one command at a time writes an output (`claim_output_path`, held from the check of --out to the last file): the
   claim is the run directory's lock (rundir.DirLock) in a file beside the output, `.<name>.fp8train-claim`, so a
   second export, kv-eval or report to the same path is refused naming the path and the holder's PID, instead of
-  the two writing one over the other; a killed holder's claim is taken over with a message.
+  the two writing one over the other; a killed holder's claim is taken over with a message. How claims keep
+  `--force` from replacing a folder in which another process writes: storage.claims.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable
 
+from fp8train.training.storage.claims import (CLAIM_SUFFIX, claim_file_beside, is_claim, live_claims,
+                                              refuse_claimed_folders_above, refuse_live_claims)
 from fp8train.training.storage.files import (read_json, refuse_symlink, temp_path, write_failure,
                                              write_text_atomic)
 from fp8train.training.storage.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, SUMMARY_FILE,
@@ -44,7 +47,6 @@ __all__ = ["OUTPUT_MARKER", "KEPT_FILES", "check_output_file", "check_output_fol
            "replace_output_folder", "probe_writable", "claim_output_path", "CLAIM_SUFFIX"]
 
 OUTPUT_MARKER = ".fp8train-output"
-CLAIM_SUFFIX = ".fp8train-claim"  # `.<name>.fp8train-claim` beside an output while a command writes it
 # The files a run keeps: no command's --out may replace them, with or without --force.
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, TELEMETRY_FILE, SUMMARY_FILE, TRACKERS_FILE, LOCK_FILE)
 VALIDATION_PLAN_FILE = "plan.json"  # evidence.run_plan.PLAN_FILE (a later layer): the file a validation is declared by
@@ -154,24 +156,7 @@ def foreign_entries(path: Path) -> list[str]:
     valid marker; none for an empty folder). A claim file left by a process that died is fp8train's own (stale)."""
     names = _marked_names(path) or set()
     return sorted(p.name for p in path.iterdir() if p.name != OUTPUT_MARKER and p.name not in names
-                  and not (_is_claim(p) and live_holder(p) is None))
-
-
-def _is_claim(entry: Path) -> bool:
-    return entry.name.startswith(".") and entry.name.endswith(CLAIM_SUFFIX) and entry.is_file() \
-        and not entry.is_symlink()
-
-
-def _refuse_live_claims(path: Path, option: str) -> None:
-    """LockBusy when another live fp8train process is writing an output inside the folder `path` (its claim file
-    is there: kv-eval of an export folder, say): replacing the folder would take that output away mid-write."""
-    for entry in sorted(path.iterdir()):
-        holder = live_holder(entry) if _is_claim(entry) else None
-        if holder is not None:
-            raise LockBusy(f"{option} {path} is in use by another fp8train process (PID {holder.get('pid', '?')} on "
-                           f"{holder.get('host', '?')}, since {holder.get('since', '?')}, writing "
-                           f"{entry.name[1:-len(CLAIM_SUFFIX)]} there); wait for it to finish or stop it (nothing "
-                           "was written)")
+                  and not (is_claim(p) and live_holder(p) is None))
 
 
 def is_output_folder(path: Path) -> bool:
@@ -193,7 +178,7 @@ def check_output_folder(path, *, force: bool, option: str = "--out", sources: It
     if path.exists():
         if not force:
             raise FileExistsError(f"{option} {path} already exists; pass --force to replace it (nothing was written)")
-        _refuse_live_claims(path, option)
+        refuse_live_claims(path, option)
         if any(path.iterdir()) and not is_output_folder(path):
             raise ValueError(_not_ours(path, option))
     probe_writable(path, option)
@@ -272,7 +257,11 @@ def _write_marker(path: Path, command: str, files: Iterable[str]) -> None:
 def replace_output_folder(path: Path, command: str, build: Callable[[Path], None]) -> None:
     """Build the folder `path` with `build(folder)` beside it and rename it into place: a failure leaves the old
     folder (checked before by `check_output_folder`) whole and no temp folder; the old one is removed only once the
-    new one is in place, and only because it holds the marker (or was empty)."""
+    new one is in place, and only because it holds the marker (or was empty). A folder in which another live process
+    has claimed an output since it was checked is left as it is (LockBusy naming that process), before and after
+    it is moved aside (claims: a claimer that came later sees this command's claim and backs off)."""
+    if path.is_dir() and not path.is_symlink():
+        refuse_live_claims(path, f"{command} --out")
     if path.is_symlink() or (path.exists() and (not path.is_dir() or (any(path.iterdir())
                                                                      and not is_output_folder(path)))):
         raise ValueError(f"{path} changed since it was checked: it is not fp8train's output folder any more "
@@ -287,6 +276,7 @@ def replace_output_folder(path: Path, command: str, build: Callable[[Path], None
         if path.exists():
             os.rename(path, old)
             moved = True
+            refuse_live_claims(old, f"{command} --out", path)  # claimed just before the move: it goes back, whole
         os.rename(tmp, path)
     except BaseException as err:
         if moved and not path.exists():  # the new one could not take its place: the old one goes back
@@ -370,12 +360,13 @@ def claim_output_path(path, option: str = "--out", log=None, wait_s: float = 0.0
     _refuse_kept(path, option)  # no claim (nor folder made for it) inside any run's checkpoints
     probe_writable(path, option)  # a file where a folder of the path should be, /proc: said as before any claim
     made = [folder for folder in reversed(target.parents) if not folder.exists()]
+    claim_file = claim_file_beside(path)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise write_failure(err, path) from None
     say = log or (lambda message: print(f"fp8train: {message}", file=sys.stderr))
-    lock = DirLock(path, option, log=say, claim_file=target.parent / f".{target.name}{CLAIM_SUFFIX}")
+    lock = DirLock(path, option, log=say, claim_file=claim_file)
     try:
         deadline = time.monotonic() + wait_s
         while True:
@@ -389,6 +380,7 @@ def claim_output_path(path, option: str = "--out", log=None, wait_s: float = 0.0
             except OSError as err:  # the claim file cannot be made (a folder in its place, a read-only folder)
                 raise write_failure(err, lock.path) from None
         try:
+            refuse_claimed_folders_above(path, option)  # a folder above it being replaced (export --force)
             yield path
         finally:
             lock.release()
