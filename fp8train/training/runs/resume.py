@@ -21,6 +21,7 @@ one is saved) is already complete: resuming it changes nothing and says so.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -31,6 +32,8 @@ from fp8train.training.runs.sharded_checkpoint import latest_loadable_checkpoint
 from fp8train.training.config import HASH_EXCLUDE, config_hash, load_config
 from fp8train.training.storage.files import read_json
 from fp8train.training.storage.rundir import CHECKPOINTS_DIR, CONFIG_FILE, SUMMARY_FILE
+
+FORK_KEY = "train.fork_from"
 
 __all__ = ["RESUMABLE_KEYS", "ResumePoint", "find_resume_point", "config_differences", "resume_hash"]
 
@@ -74,8 +77,45 @@ def config_differences(old, new, ignore=HASH_EXCLUDE + RESUMABLE_KEYS) -> list[t
             if not ignored(k) and old_leaves.get(k) != new_leaves.get(k)]
 
 
+def _forked_from(run_dir: Path) -> str | None:
+    """The checkpoint a forked run started from, as it recorded it (summary.json, else its newest checkpoint's
+    manifest that says): a resolved path, whatever spelling train.fork_from had."""
+    records = [run_dir / SUMMARY_FILE] + sorted((run_dir / CHECKPOINTS_DIR).glob("step_*/manifest.json"),
+                                                reverse=True)
+    for path in records:
+        try:
+            data = read_json(path)
+        except (OSError, ValueError):
+            continue  # a damaged or half-pruned record: another one says it
+        fork = data.get("fork") if path.name == SUMMARY_FILE else (data.get("extra") or {}).get("fork")
+        if isinstance(fork, dict) and isinstance(fork.get("checkpoint"), str):
+            return fork["checkpoint"]
+    return None
+
+
+def same_fork_source(stored: str, given: str, forked_from: str | None) -> bool:
+    """Whether train.fork_from `given` now names the source a run forked from with `stored`, however spelled:
+    through a symbolic link or without, absolute or relative (also from another folder than the first run's).
+    The checkpoint the run recorded it started from (`forked_from`) decides: `given` resolves to it or to its
+    run directory. Without that record, both are resolved from here and compared."""
+    if stored == given or not stored or not given:
+        return stored == given
+    now = Path(os.path.realpath(given))
+    if forked_from:
+        start = Path(os.path.realpath(forked_from))
+        return now in (start, start.parent.parent)
+    return now == Path(os.path.realpath(stored))
+
+
 def _check_same_experiment(cfg, config_file: Path) -> None:
-    diffs = config_differences(load_config(str(config_file)), cfg)
+    stored = load_config(str(config_file))
+    diffs = config_differences(stored, cfg)
+    if any(key == FORK_KEY for key, _, _ in diffs) and same_fork_source(
+            stored.train.fork_from, cfg.train.fork_from, _forked_from(config_file.parent)):
+        # the same source spelled another way: the run keeps the spelling it forked with, so its config.yaml and
+        # the hashes its checkpoints record stay its own
+        cfg.train.fork_from = stored.train.fork_from
+        diffs = [d for d in diffs if d[0] != FORK_KEY]
     if diffs:
         detail = "; ".join(f"{k}: {old!r} (run) -> {new!r} (now)" for k, old, new in diffs[:5])
         more = f" and {len(diffs) - 5} more" if len(diffs) > 5 else ""

@@ -38,9 +38,18 @@ CLAIM_SUFFIX = ".fp8train-claim"
 _UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
+def _resolved_name(path: str | os.PathLike) -> Path:
+    """`path` with the folders above it resolved (links followed, `..` and relative parts gone) and its own name as
+    given (an output that is itself a link is refused by the output checks): one output, one name, however the
+    path to it is spelled."""
+    target = Path(os.path.abspath(path))
+    return Path(os.path.realpath(target.parent)) / target.name
+
+
 def claim_file_beside(path: str | os.PathLike) -> Path:
-    """The claim file of the output `path` (a file or folder, present or not), in the folder holding it."""
-    target = Path(os.path.abspath(path))  # the name as given, links not followed
+    """The claim file of the output `path` (a file or folder, present or not), in the folder holding it: the same
+    file whether the path is given through a symbolic link to that folder or not."""
+    target = _resolved_name(path)
     return target.parent / f".{target.name}{CLAIM_SUFFIX}"
 
 
@@ -90,7 +99,7 @@ def refuse_claimed_folders_above(path: Path, option: str, including_itself: bool
     """LockBusy when another live process holds the claim beside a folder above `path` (or beside `path` itself,
     with `including_itself`): that process (`export --force`) may replace the folder, and whatever is written in
     it with it. Called once the caller's own claim is made, so a replacing command that looks later sees it."""
-    target = Path(os.path.abspath(path))
+    target = _resolved_name(path)
     folders = ([target] if including_itself else []) + list(target.parents)
     for folder in folders[:-1]:  # the filesystem root has no claim beside it
         holder = _held_by_another(claim_file_beside(folder))

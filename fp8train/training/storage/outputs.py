@@ -339,9 +339,11 @@ def _refuse_vanished_source(folder: Path, source: Path | None, command: str) -> 
     would bring a deleted run folder back, holding only the output."""
     if source is None:
         return
-    source, inside = Path(os.path.abspath(source)), Path(os.path.abspath(folder))
-    if (inside == source or source in inside.parents) and not source.is_dir():
-        raise ValueError(f"the run directory {source} was deleted while {command} ran; nothing was written")
+    # resolved: a run named through a link (or relative) and an output named by its real path are one folder
+    real, inside = Path(os.path.realpath(source)), Path(os.path.realpath(folder))
+    if (inside == real or real in inside.parents) and not real.is_dir():
+        raise ValueError(f"the run directory {Path(os.path.abspath(source))} was deleted while {command} ran; nothing "
+                         "was written")
 
 
 @contextmanager
