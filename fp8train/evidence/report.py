@@ -56,6 +56,11 @@ def _fmt(value, spec: str, none: str = "n/a") -> str:
     return format(value, spec)
 
 
+def _seconds(value) -> str:
+    """"12 s", or "n/a" (not "n/a s") for a run that has not recorded its time (running, killed)."""
+    return _fmt(value, ".0f") + " s" if _fmt(value, ".0f") != "n/a" else "n/a"
+
+
 def _exclude_list(run: RunData) -> list[str]:
     config = run.dir / CONFIG_FILE
     if not config.exists():
@@ -221,10 +226,11 @@ def _cost_markdown(summary: dict) -> list[str]:
     others = [f"{cost[key]} {what}" for key, what in (("running_runs", "running now"), ("unfinished_runs",
               "unfinished: no summary.json and no process holds it, killed?")) if cost.get(key)]
     started = f" (besides: {'; '.join(others)})" if others else ""
-    lines += [f"Cost: **{counted(cost['runs'], 'run')}** ended{started}, {_fmt(cost['run_seconds'], '.0f')} s of run time "
-              f"({_fmt(cost['device_seconds'], '.0f')} device-seconds: wall time x processes), "
+    lines += [f"Cost: **{counted(cost['runs'], 'run')}** ended{started}, {_seconds(cost['run_seconds'])} of run "
+              f"time ({_fmt(cost['device_seconds'], '.0f')} device-seconds: wall time x processes), "
               f"{_fmt(cost['cpu_seconds'], '.0f')} CPU seconds (rank 0). Every planned seed "
-              f"({len(summary['planned_seeds'])}) would have been {counted(cost['planned_seeds_runs'], 'run')}{fixed}.", ""]
+              f"({len(summary['planned_seeds'])}) would have been {counted(cost['planned_seeds_runs'], 'run')}"
+              f"{fixed}.", ""]
     return lines
 
 
@@ -232,7 +238,7 @@ def _runs_table(summary: dict) -> list[str]:
     lines = ["## Runs", "", "| run | status | final-window val loss | wall time | tokens/s |", "|---|---|---|---|---|"]
     for key, r in summary["runs"].items():
         lines.append(f"| {key} | {r['status']} | {_fmt(r['final_val_loss'], '.4f')} | "
-                     f"{_fmt(r['wall_time_s'], '.0f')} s | {_fmt(r['tokens_per_s'], '.0f')} |")
+                     f"{_seconds(r['wall_time_s'])} | {_fmt(r['tokens_per_s'], '.0f')} |")
     return lines + [""]
 
 
@@ -303,7 +309,7 @@ def _run_markdown(path: Path, run: RunData, table: dict, health_png: bool) -> st
     lines = [f"# Run report: {path.name}", "",
              f"Status {run.status}; recipe `{recipe}`; {steps}; final loss "
              f"{_fmt(s.get('loss'), '.4f')}, val loss {_fmt(s.get('val_loss'), '.4f')}; wall time "
-             f"{_fmt(s.get('wall_time_s'), '.0f')} s; median {_fmt(run.tokens_per_s, '.0f')} tokens/s.", "",
+             f"{_seconds(s.get('wall_time_s'))}; median {_fmt(run.tokens_per_s, '.0f')} tokens/s.", "",
              "![loss curves](loss_curves.png)", "", *_run_fork_markdown(s)]
     if health_png:
         lines += ["![per-layer FP8 health](health.png)", ""]

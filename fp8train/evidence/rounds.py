@@ -48,7 +48,8 @@ def run_rounds(runs: list[PlannedRun], vdir: Path, run_round: Callable[[list[Pla
         if not unfinished or unfinished <= tried:
             return rounds
         rounds += 1
-        log(f"[validate] round {rounds}: {counted(len(unfinished), 'run')} to make, seeds {sorted({r.seed for r in todo})}, "
+        log(f"[validate] round {rounds}: {counted(len(unfinished), 'run')} to make, seeds "
+            f"{sorted({r.seed for r in todo})}, "
             f"{', '.join(sorted({r.label for r in todo}))}")
         tried |= unfinished
         run_round(todo)

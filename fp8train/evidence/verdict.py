@@ -219,7 +219,8 @@ def _sequential_verdict(plan: dict, base_runs: dict, cand_runs: dict) -> tuple:
     verdict, reason = out.verdict, out.reason
     if verdict == "continue":
         verdict = "inconclusive"
-        reason = f"{reason}; the next look needs {counted(out.next_seeds, 'seed')}" + (f" ({waiting})" if waiting else "")
+        reason = (f"{reason}; the next look needs {counted(out.next_seeds, 'seed')}"
+                  + (f" ({waiting})" if waiting else ""))
     looked = list(plan["seeds"])[:out.estimate.n] if out.look else list(gaps)
     record = {"look": out.look, "critical": out.critical, "next_seeds": out.next_seeds,
               "decided": out.verdict != "continue"}

@@ -126,7 +126,8 @@ def train(cfg: FullConfig, accelerator=None, show_progress: bool = True, should_
 def already_complete(run: Run) -> dict:
     """Resuming a finished run: nothing is trained, written or tracked."""
     if run.is_main:
-        print(f"[{run.cfg.run.name}] already complete: {counted(run.resume_point.summary.get('steps'), 'step')} in {run.run_dir} "
+        steps = counted(run.resume_point.summary.get("steps"), "step")
+        print(f"[{run.cfg.run.name}] already complete: {steps} in {run.run_dir} "
               "(nothing changed; raise train.max_steps to train on)", file=sys.stderr)
     run.accelerator.wait_for_everyone()
     return run.resume_point.summary
