@@ -181,3 +181,22 @@ def test_report_needs_only_its_folder_writable_and_names_a_read_only_one(one_of_
                       "(Permission denied); make it writable (chmod u+w), or copy the folder to one you can write "
                       "(cp -r) and report the copy (nothing was written)")
     assert _listing(tmp_path) == before  # nothing left behind: no claim, no probe, no temp file
+
+
+def test_a_run_before_its_first_log_line_is_running_while_held_and_unfinished_after(one_of_each, tmp_path):
+    """config.yaml written, metrics.jsonl still empty (the model is being built, or the step-0 evaluation runs):
+    running while its process holds the folder, unfinished once nothing does (killed); it used to be "missing"
+    either way, and left out of the runs counted as running."""
+    from fp8train.evidence.report import write_report
+
+    vdir = tmp_path / "val"
+    shutil.copytree(one_of_each[0], vdir)
+    run = vdir / "runs/current/seed1337"
+    (run / "metrics.jsonl").write_text("")
+    (run / "summary.json").unlink()
+    with DirLock(run):
+        held = write_report(vdir)
+    assert held["runs"]["current/seed1337"]["status"] == "running" and held["cost"]["running_runs"] == 1
+    left = write_report(vdir)
+    assert left["runs"]["current/seed1337"]["status"] == "unfinished" and left["cost"]["unfinished_runs"] == 1
+    assert "| current/seed1337 | unfinished |" in (vdir / "report.md").read_text()

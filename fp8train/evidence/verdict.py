@@ -64,10 +64,11 @@ class RunData:
     @property
     def status(self) -> str:
         if self.summary is None:  # no summary.json: running only while a process holds the run directory
-            if not (self.curve.val or self.curve.train):
-                return "missing"
             # a summary.json there now: the run ended after this report read it, as a run that was running
-            return "running" if is_locked(self.dir) or (self.dir / SUMMARY_FILE).exists() else "unfinished"
+            if is_locked(self.dir) or (self.dir / SUMMARY_FILE).exists():
+                return "running"  # (also before its first log line: building the model, the step-0 evaluation)
+            started = self.curve.val or self.curve.train or (self.dir / CONFIG_FILE).is_file()
+            return "unfinished" if started else "missing"
         return self.summary.get("status", "unknown")
 
     @property
