@@ -200,3 +200,18 @@ def test_a_run_before_its_first_log_line_is_running_while_held_and_unfinished_af
     left = write_report(vdir)
     assert left["runs"]["current/seed1337"]["status"] == "unfinished" and left["cost"]["unfinished_runs"] == 1
     assert "| current/seed1337 | unfinished |" in (vdir / "report.md").read_text()
+
+
+def test_the_report_of_dot_is_titled_with_the_folders_name(one_of_each, tmp_path, commands, capsys, monkeypatch):
+    """`fp8train report .` from inside the run (or validation) folder: its name, not an empty one (and the loss
+    plot's legend had no label to show: a matplotlib warning)."""
+    vdir = tmp_path / "val"
+    shutil.copytree(one_of_each[0], vdir)
+    for folder, title in ((vdir / "runs/current/seed1337", "# Run report: seed1337\n"),
+                          (vdir, "# FP8 validation: val\n")):
+        monkeypatch.chdir(folder)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            code, out, err = commands.main(["report", "."], capsys)
+        assert code == 0 and out.startswith("wrote report.md"), err
+        assert (folder / "report.md").read_text().startswith(title)

@@ -10,6 +10,7 @@ A plain run's own summary.json (train()'s) is never touched.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from fp8train.evidence import advisor, plots
@@ -56,6 +57,11 @@ def _fmt(value, spec: str, none: str = "n/a") -> str:
     return format(value, spec)
 
 
+def _name(folder: Path) -> str:
+    """The folder's own name for titles and labels, also when given as `.` or `..` (whose Path.name is empty)."""
+    return Path(os.path.abspath(folder)).name
+
+
 def _seconds(value) -> str:
     """"12 s", or "n/a" (not "n/a s") for a run that has not recorded its time (running, killed)."""
     return _fmt(value, ".0f") + " s" if _fmt(value, ".0f") != "n/a" else "n/a"
@@ -82,14 +88,14 @@ def write_validation_report(vdir: str | Path) -> dict:
     # written aside and moved in together: a full disk leaves the earlier report whole, never a mix
     summary["moe"] = moe_summary(runs) or None  # MoE runs: routing agreement of every pair
     write_output_set(vdir, {
-        "forest.png": lambda tmp: plots.plot_forest(tmp, summary["candidates"], margin, title=vdir.name,
+        "forest.png": lambda tmp: plots.plot_forest(tmp, summary["candidates"], margin, title=_name(vdir),
                                                     baseline=base),
-        "gap.png": lambda tmp: plots.plot_gap_over_steps(tmp, summary["candidates"], margin, title=vdir.name,
+        "gap.png": lambda tmp: plots.plot_gap_over_steps(tmp, summary["candidates"], margin, title=_name(vdir),
                                                          baseline=base),
         "loss_curves.png": lambda tmp: plots.plot_loss_curves(
             tmp, {(f"{base} baseline" if k == BASELINE else k): list(v.values()) for k, v in runs.items()},
-            vdir.name),
-        "health.png": lambda tmp: drawn.update(health=plots.plot_health(tmp, tables, title=vdir.name)),
+            _name(vdir)),
+        "health.png": lambda tmp: drawn.update(health=plots.plot_health(tmp, tables, title=_name(vdir))),
         "report.md": lambda tmp: write_text_atomic(tmp, _validation_markdown(vdir, plan, summary, runs, tables,
                                                                             drawn["health"])),
         "summary.json": lambda tmp: write_json_atomic(tmp, summary)}, "report", source=vdir)
@@ -149,7 +155,7 @@ def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:
                                                                                             "inconclusive")}
     spread = summary["baseline_seed_spread_rel"]
     lines = [
-        f"# FP8 validation: {vdir.name}", "",
+        f"# FP8 validation: {_name(vdir)}", "",
         f"**Verdict: {summary['verdict'].upper()}** ({counts['pass']} pass, {counts['fail']} fail, "
         f"{counts['inconclusive']} inconclusive of {counted(len(summary['candidates']), 'candidate')})", "",
         f"Declared margin (plan.json, written {plan.get('created', '?')} before any run): **{summary['margin']:.2%}** "
@@ -288,11 +294,11 @@ def _advisor_markdown(per_run: dict) -> list[str]:
 # ------------------------------------------------------------------------------------------------------------
 def write_run_report(path: str | Path) -> dict:
     path = Path(path)
-    run = RunData(path, path.name)
+    run = RunData(path, _name(path))
     table, drawn = advisor.layer_table(run.telemetry), {}
     write_output_set(path, {  # written aside and moved in together (the report.md below with them)
-        "loss_curves.png": lambda tmp: plots.plot_loss_curves(tmp, {run.label: [run]}, title=path.name),
-        "health.png": lambda tmp: drawn.update(health=plots.plot_health(tmp, {run.label: table}, title=path.name)),
+        "loss_curves.png": lambda tmp: plots.plot_loss_curves(tmp, {run.label: [run]}, title=_name(path)),
+        "health.png": lambda tmp: drawn.update(health=plots.plot_health(tmp, {run.label: table}, title=_name(path))),
         "report.md": lambda tmp: write_text_atomic(tmp, _run_markdown(path, run, table, drawn["health"]))}, "report",
         source=path)
     return {"status": run.status, "advisor": advisor.advise(table)}
@@ -306,7 +312,7 @@ def _run_markdown(path: Path, run: RunData, table: dict, health_png: bool) -> st
     else:  # running or killed: no summary yet; its metrics.jsonl says how far it got
         logged = [*run.curve.train, *run.curve.val]  # step 0 logs its evaluation only
         steps = counted(max(logged), "logged step") if logged else "? steps"
-    lines = [f"# Run report: {path.name}", "",
+    lines = [f"# Run report: {_name(path)}", "",
              f"Status {run.status}; recipe `{recipe}`; {steps}; final loss "
              f"{_fmt(s.get('loss'), '.4f')}, val loss {_fmt(s.get('val_loss'), '.4f')}; wall time "
              f"{_seconds(s.get('wall_time_s'))}; median {_fmt(run.tokens_per_s, '.0f')} tokens/s.", "",
