@@ -215,3 +215,12 @@ def test_the_report_of_dot_is_titled_with_the_folders_name(one_of_each, tmp_path
             code, out, err = commands.main(["report", "."], capsys)
         assert code == 0 and out.startswith("wrote report.md"), err
         assert (folder / "report.md").read_text().startswith(title)
+
+
+def test_report_of_a_missing_path_says_it_does_not_exist(tmp_path, commands, capsys):
+    (tmp_path / "notes.txt").write_text("x\n")
+    code, _, err = commands.main(["report", str(tmp_path / "nope")], capsys)
+    assert code == 2 and err == f"fp8train report: error: {tmp_path / 'nope'} does not exist\n"  # "not a directory"
+    code, _, err = commands.main(["report", str(tmp_path / "notes.txt")], capsys)
+    assert code == 2 and err == f"fp8train report: error: {tmp_path / 'notes.txt'} is not a directory\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -374,7 +374,7 @@ def add_cli_arguments(parser) -> None:
 def cli_main(args) -> int:
     path = Path(args.run_dir)
     if not path.is_dir():
-        raise FileNotFoundError(f"{path} is not a directory")
+        raise FileNotFoundError(f"{path} {'is not a directory' if path.exists() else 'does not exist'}")
     _is_validation(path)  # a folder that is neither: said before a claim file is made in it
     with claim_folder(path, "report", UNWRITABLE_REMEDY):  # two reports of one folder at once: one is refused
         summary = write_report(path)
