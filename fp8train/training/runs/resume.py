@@ -9,8 +9,10 @@
 A resumed run must be the same experiment. Its config may differ from the stored config.yaml only in
 `RESUMABLE_KEYS` (the schedule: how long to train and how often to evaluate; the micro-batch split) and in the keys that never change
 what is trained (`HASH_EXCLUDE`: run name and folder, train.resume, log.*, checkpoint.*, validate.*); any other
-difference is refused with the key, the stored value and the new one. `train.max_steps` may grow (or shrink, not
-below the checkpoint's step). The learning-rate schedule stays the one the run started with: warmup and cosine
+difference is refused with the key, the stored value and the new one. `train.fork_from` is compared by where it
+leads (the checkpoint the forked run recorded it started from, or that checkpoint's run), not by its spelling: a
+link, an absolute path or a relative one from another folder naming the same source resumes. `train.max_steps`
+may grow (or shrink, not below the checkpoint's step). The learning-rate schedule stays the one the run started with: warmup and cosine
 decay over the first run's `train.max_steps` (stored in every checkpoint as `lr_schedule_steps`), then the final
 rate `optim.min_lr_ratio * train.lr` for the steps a larger `train.max_steps` adds. So a resume from any
 checkpoint of a run reproduces that run, and extending a finished run continues at its final rate.
@@ -33,9 +35,9 @@ from fp8train.training.config import HASH_EXCLUDE, config_hash, load_config
 from fp8train.training.storage.files import read_json
 from fp8train.training.storage.rundir import CHECKPOINTS_DIR, CONFIG_FILE, SUMMARY_FILE
 
-FORK_KEY = "train.fork_from"
-
 __all__ = ["RESUMABLE_KEYS", "ResumePoint", "find_resume_point", "config_differences", "resume_hash"]
+
+FORK_KEY = "train.fork_from"  # compared by where it leads, not by its spelling (_same_fork_source)
 
 # Keys that only say how long to train and how often to evaluate: they may change when a run is resumed. And
 # train.grad_accum: the global batch (train.batch_size) is fixed, so resuming on another number of processes
@@ -93,7 +95,7 @@ def _forked_from(run_dir: Path) -> str | None:
     return None
 
 
-def same_fork_source(stored: str, given: str, forked_from: str | None) -> bool:
+def _same_fork_source(stored: str, given: str, forked_from: str | None) -> bool:
     """Whether train.fork_from `given` now names the source a run forked from with `stored`, however spelled:
     through a symbolic link or without, absolute or relative (also from another folder than the first run's).
     The checkpoint the run recorded it started from (`forked_from`) decides: `given` resolves to it or to its
@@ -110,7 +112,7 @@ def same_fork_source(stored: str, given: str, forked_from: str | None) -> bool:
 def _check_same_experiment(cfg, config_file: Path) -> None:
     stored = load_config(str(config_file))
     diffs = config_differences(stored, cfg)
-    if any(key == FORK_KEY for key, _, _ in diffs) and same_fork_source(
+    if any(key == FORK_KEY for key, _, _ in diffs) and _same_fork_source(
             stored.train.fork_from, cfg.train.fork_from, _forked_from(config_file.parent)):
         # the same source spelled another way: the run keeps the spelling it forked with, so its config.yaml and
         # the hashes its checkpoints record stay its own

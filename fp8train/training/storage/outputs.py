@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable
 
-from fp8train.training.storage.claims import (CLAIM_SUFFIX, claim_file_beside, is_claim, live_claims,
+from fp8train.training.storage.claims import (CLAIM_SUFFIX, claim_file_beside, is_claim,
                                               refuse_claimed_folders_above, refuse_live_claims)
 from fp8train.training.storage.files import (read_json, refuse_symlink, temp_path, write_failure,
                                              write_text_atomic)
