@@ -121,6 +121,23 @@ def _refuse_unwritable(folder: Path, command: str, remedy: str) -> None:
     probe.unlink(missing_ok=True)
 
 
+def acquire_waiting(lock: DirLock, wait_s: float) -> None:
+    """Take `lock`, retrying while another live process holds it for up to `wait_s` (then its LockBusy, naming
+    the holder, goes up); a claim file that cannot be made (a folder in its place, a read-only folder, a full disk)
+    is one write-failure line naming it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            lock.acquire()
+            return
+        except LockBusy:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
+        except OSError as err:
+            raise write_failure(err, lock.path) from None
+
+
 @contextmanager
 def claim_folder(folder, command: str, remedy: str, log=None, wait_s: float = 0.0):
     """Hold the existing folder `folder` for `command` (e.g. "report") writing its set of files there: a second
@@ -131,17 +148,7 @@ def claim_folder(folder, command: str, remedy: str, log=None, wait_s: float = 0.
     _refuse_unwritable(folder, command, remedy)
     say = log or (lambda message: print(f"fp8train: {message}", file=sys.stderr))
     lock = DirLock(folder, f"{command} of", log=say, claim_file=claim_file_in(folder, command))
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            lock.acquire()
-            break
-        except LockBusy:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(0.2)
-        except OSError as err:  # the claim file cannot be made (a folder in its place, the disk full)
-            raise write_failure(err, lock.path) from None
+    acquire_waiting(lock, wait_s)
     try:
         refuse_claimed_folders_above(folder, f"{command} of", including_itself=True)
         yield folder

@@ -27,17 +27,16 @@ import json
 import os
 import shutil
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable
 
-from fp8train.training.storage.claims import (CLAIM_SUFFIX, claim_file_beside, is_claim,
+from fp8train.training.storage.claims import (CLAIM_SUFFIX, acquire_waiting, claim_file_beside, is_claim,
                                               refuse_claimed_folders_above, refuse_live_claims)
 from fp8train.training.storage.files import (read_json, refuse_symlink, temp_path, write_failure,
                                              write_text_atomic)
 from fp8train.training.storage.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, SUMMARY_FILE,
-                                              TELEMETRY_FILE, TRACKERS_FILE, DirLock, LockBusy,
+                                              TELEMETRY_FILE, TRACKERS_FILE, DirLock,
                                               live_holder)
 
 __all__ = ["OUTPUT_MARKER", "KEPT_FILES", "check_output_file", "check_output_folder", "check_output_files",
@@ -370,17 +369,7 @@ def claim_output_path(path, option: str = "--out", log=None, wait_s: float = 0.0
     say = log or (lambda message: print(f"fp8train: {message}", file=sys.stderr))
     lock = DirLock(path, option, log=say, claim_file=claim_file)
     try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                lock.acquire()
-                break
-            except LockBusy:
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.2)
-            except OSError as err:  # the claim file cannot be made (a folder in its place, a read-only folder)
-                raise write_failure(err, lock.path) from None
+        acquire_waiting(lock, wait_s)
         try:
             refuse_claimed_folders_above(path, option)  # a folder above it being replaced (export --force)
             yield path
