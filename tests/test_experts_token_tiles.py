@@ -1,8 +1,9 @@
 """Every expert's token group quantized in one call under the rowwise, block and MX recipes: the grouped native
 cast of each group's transpose (numerics/native_groups.py) against each group's own quantize call (the eager
 torch chain, and the native kernel for the memory layouts), and the grouped GEMM's one-call paths
-(nn/experts_token_tiles.py) against each expert's own quantizers, bit for bit, with groups of zero tokens, groups
-that are no multiple of 16 or 128, one expert, and non-finite tokens (counted per expert)."""
+(nn/experts_token_tiles.py) and one-call weights (nn/experts_weight_tiles.py) against each expert's own
+quantizers, bit for bit, with groups of zero tokens, groups that are no multiple of 16 or 128, one expert, and
+non-finite tokens and weights (counted per expert)."""
 
 from __future__ import annotations
 
@@ -108,24 +109,33 @@ def _offs(sizes):
 
 @pytest.mark.parametrize("name", ["rowwise", "block", "mxfp8"])
 @pytest.mark.parametrize("sizes", [[5, 0, 131, 33], [70]], ids=["four_experts", "one_expert"])
-def test_one_call_token_groups_keep_each_experts_bits(name, sizes, monkeypatch):
-    """Layer 0 (contiguous tokens) takes the one-call paths, layer 1 (the same values, not contiguous) each
-    expert's own quantizers: outputs, both gradients and the scaling buffers are equal, over two steps, the second
-    with an inf in the last expert's tokens and a NaN in the first one's gradient (counted per expert)."""
+@pytest.mark.parametrize("emulated", ["bf16", "fp32"])
+def test_one_call_token_groups_and_weights_keep_each_experts_bits(name, sizes, emulated, monkeypatch):
+    """Layer 0 (contiguous tokens and weight) takes the one-call paths, layer 1 (the same values, not
+    contiguous) each expert's own quantizers: outputs, both gradients and the scaling buffers are equal, over two
+    steps, the second with an inf in the last expert's tokens, a NaN in the first one's gradient and a NaN in the
+    last one's weight (each counted for its expert only)."""
     import fp8train.nn.experts_function as experts_function
+    import fp8train.nn.experts_weights as experts_weights
 
-    k, n = 192, 160
-    calls = {"forward": [], "transposed": []}
+    k, n = 192, 160  # N: one whole and one partial 128-row weight tile
+    calls = {"forward": [], "transposed": [], "weights": []}
     real = experts_function.tiled_token_fp8, experts_function.tiled_token_fp8_transposed
     monkeypatch.setattr(experts_function, "tiled_token_fp8",
                         lambda *a: calls["forward"].append(real[0](*a)) or calls["forward"][-1])
     monkeypatch.setattr(experts_function, "tiled_token_fp8_transposed",
                         lambda *a: calls["transposed"].append(real[1](*a)) or calls["transposed"][-1])
+    real_weights = experts_weights.tiled_experts_fp8
+    monkeypatch.setattr(experts_weights, "tiled_experts_fp8",
+                        lambda *a: calls["weights"].append(real_weights(*a)) or calls["weights"][-1])
     layers = []
     for _ in range(2):
         torch.manual_seed(0)
         layers.append(Fp8GroupedLinear(len(sizes), k, n, recipe=name))
-        layers[-1].scaling.configure(emulated_dtype="bf16")
+        layers[-1].scaling.configure(emulated_dtype=emulated)
+    with torch.no_grad():
+        layers[0].weight.mul_(torch.linspace(0.5, 4.0, len(sizes)).view(-1, 1, 1))
+        layers[1].weight.data = layers[0].weight.detach().transpose(1, 2).contiguous().transpose(1, 2)
     for step in range(2):
         x = torch.randn(sum(sizes) + 3, k) * torch.linspace(0.01, 50.0, sum(sizes) + 3).view(-1, 1)
         grad = torch.randn(sum(sizes) + 3, n) * 1e-3
@@ -134,6 +144,9 @@ def test_one_call_token_groups_keep_each_experts_bits(name, sizes, monkeypatch):
             grad[0, 5] = float("nan")
         results = []
         for index, layer in enumerate(layers):
+            if step == 1:
+                with torch.no_grad():
+                    layer.weight[-1, 2, 7] = float("nan")
             x_ = (x if index == 0 else x.t().contiguous().t()).clone().requires_grad_(True)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 y = layer(x_, _offs(sizes))
@@ -147,8 +160,10 @@ def test_one_call_token_groups_keep_each_experts_bits(name, sizes, monkeypatch):
     # (forward, backward) of layer 0 in one call each, of layer 1 per expert, every step
     assert [c is not None for c in calls["forward"]] == [True, True, False, False] * 2
     assert [c is not None for c in calls["transposed"]] == [True, True, False, False] * 2
+    assert len(calls["weights"]) == 2 and all(c is not None for c in calls["weights"])  # layer 0's, each step
     counts = layers[0].scaling
     last = [0] * (len(sizes) - 1) + [1]
     first = [1] + [0] * (len(sizes) - 1)
     assert counts.input_nonfinite_amax_count.tolist() == last
     assert counts.grad_output_nonfinite_amax_count.tolist() == first
+    assert counts.weight_nonfinite_amax_count.tolist() == last
