@@ -48,12 +48,11 @@ def tiled_experts_fp8(scaling, weight: torch.Tensor, dispatch, key) -> list[Weig
     if keep not in (Keep.BYTES, Keep.FP32, Keep.BF16):
         return None
     tiles = blocked and not q.mx  # a batch of E (N, K) matrices; row and MX scales: E * N rows
-    # the copy the GEMMs read: bf16 values where they read bf16 (module docstring); block tiles keep
-    # value * scale (Keep.FP32) as OperandQuantizer.quantize does
-    values_dtype = dispatch.compute_dtype if keep is Keep.FP32 and not blocked else None
-    keep_values = (values_dtype if values_dtype != torch.float32 else True) if values_dtype is not None else \
-        False if blocked and keep is Keep.FP32 else keep.value
+    # the copy the GEMMs read, as OperandQuantizer.quantize keeps it: block tiles keep value * scale where fp32
+    # values are asked for; row scales keep bf16 values straight away where the GEMMs read bf16 (docstring)
     dequantized = blocked and keep is Keep.FP32
+    keep_values = False if dequantized else torch.bfloat16 if (
+        keep is Keep.FP32 and not blocked and dispatch.compute_dtype == torch.bfloat16) else keep.value
     transposed = None
     if dispatch.weight_transposed:
         keep_fp32, keep_bf16 = (False, True) if keep_values is torch.bfloat16 else (keep_values is True, False)
