@@ -101,6 +101,14 @@ def test_one_group_and_what_the_grouped_call_refuses():
     assert quantize_group_transposes(x, [20, 30], E4M3, "row", (1, 128)) is None  # more rows than x
     assert quantize_group_transposes(x, [0, 0], E4M3, "row", (1, 128)) is None  # nothing routed
     assert quantize_group_transposes(x, [40], E4M3, "tensor", (1, 128)) is None
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:  # row scales: one group is one thread's work here, two threads split it in its own call
+        assert quantize_group_transposes(x, [40, 0], E4M3, "row", (1, 128)) is None
+        assert quantize_group_transposes(x, [20, 20], E4M3, "row", (1, 128)) is not None
+        assert quantize_group_transposes(x, [40], E4M3, "block", (1, 32), mx=True) is not None
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _offs(sizes):

@@ -11,7 +11,9 @@ tile row, the amax, scale rule and cast functions a call on that group alone run
 amaxes are those of ``quantize(x_g.t(), ...)`` (or ``quantize_mx``), in the same memory layouts.
 
 It returns None where it does not apply (the kernel not built, torch.compile tracing, not a contiguous 2-D fp32 or
-bf16 CPU tensor, a combination of kept copies no caller asks for), and the caller quantizes each group itself.
+bf16 CPU tensor, a combination of kept copies no caller asks for, row scales over fewer groups than threads: each
+group is then one tile row, which one thread runs, while its own call splits its rows over the threads), and the
+caller quantizes each group itself.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def quantize_group_transposes(x: torch.Tensor, sizes: list[int], fmt: Fp8Format,
     routed, cols = sum(sizes), x.shape[1]
     if routed == 0 or cols == 0 or routed > x.shape[0]:
         return None
+    if granularity == Granularity.ROW and not mx and sum(1 for s in sizes if s) < torch.get_num_threads():
+        return None  # (a group is one tile row here, run by one thread: a call per group splits its rows instead)
     if mx:
         granularity, block, margin, pow2 = Granularity.BLOCK, (1, MX_BLOCK_SIZE), 0, False
     # memory tiles of x: tile_r rows (tokens; 0 = the whole group) x tile_c columns
