@@ -13,8 +13,10 @@ the results go: each GEMM writes straight into its rows of one preallocated outp
 (fp8_mm's `into`), so no concatenation, split, unbind or stack runs, and an expert without tokens costs nothing
 but the zeros of its grad_weight (and grad_bias) slice. Rows past the last group (routed to no expert) are zero in every result.
 Under the tensorwise recipes every expert's token group of a GEMM input is quantized in one pass
-(nn/experts_tokens.py: the same bytes and scales). With backend scaled_mm, a GEMM that torch's grouped FP8 kernel
-takes (nn/experts_scaled_gemm.py) runs as one call over all experts instead of the per-expert GEMMs.
+(nn/experts_tokens.py: the same bytes and scales); under row, block and MX scales every routed row in one call,
+and the copies quantized along the tokens for grad_weight in one grouped call (nn/experts_token_tiles.py). With
+backend scaled_mm, a GEMM that torch's grouped FP8 kernel takes (nn/experts_scaled_gemm.py) runs as one call over
+all experts instead of the per-expert GEMMs.
 """
 
 from __future__ import annotations
