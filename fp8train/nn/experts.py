@@ -108,7 +108,7 @@ def fp8_grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor
                 view.weight = w_e
             # one quantize call for every expert where it applies, else each expert's own (both cached per
             # weight version, as the dense layer's copy)
-            weights_fp8 = batched_weights_fp8(scaling, weight, dispatch.backend)
+            weights_fp8 = batched_weights_fp8(scaling, weight, dispatch)
             if weights_fp8 is None:
                 # An expert without tokens runs no GEMM, so its input and grad_output record nothing
                 # (experts_scaling.py); a delayed weight is still quantized in training, so its amax history

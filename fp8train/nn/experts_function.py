@@ -13,8 +13,10 @@ the results go: each GEMM writes straight into its rows of one preallocated outp
 (fp8_mm's `into`), so no concatenation, split, unbind or stack runs, and an expert without tokens costs nothing
 but the zeros of its grad_weight (and grad_bias) slice. Rows past the last group (routed to no expert) are zero in every result.
 Under the tensorwise recipes every expert's token group of a GEMM input is quantized in one pass
-(nn/experts_tokens.py: the same bytes and scales). With backend scaled_mm, a GEMM that torch's grouped FP8 kernel
-takes (nn/experts_scaled_gemm.py) runs as one call over all experts instead of the per-expert GEMMs.
+(nn/experts_tokens.py: the same bytes and scales); under row, block and MX scales every routed row in one call,
+and the copies quantized along the tokens for grad_weight in one grouped call (nn/experts_token_tiles.py). With
+backend scaled_mm, a GEMM that torch's grouped FP8 kernel takes (nn/experts_scaled_gemm.py) runs as one call over
+all experts instead of the per-expert GEMMs.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from fp8train.nn.gemm import Fp8Operand
 from fp8train.nn.linear_function import to_dtype
 from fp8train.nn.experts_scaled_gemm import grouped_arguments, grouped_plan, run_grouped
 from fp8train.nn.experts_tokens import batched_token_fp8
+from fp8train.nn.experts_token_tiles import tiled_token_fp8, tiled_token_fp8_transposed
 from fp8train.nn.recipes import GemmBackend, GemmRole, OperandRole
 from fp8train.numerics.names import Granularity
 
@@ -54,8 +57,14 @@ class GroupedFp8Function(torch.autograd.Function):
                      input.device)
         saved, blocks, transposed, input_ops = [], [], [], [None] * len(sizes)
         keep = d0.input_keeps.value
-        # every group's tensorwise scale from one pass where that applies (nn/experts_tokens.py)
+        # every group's tensorwise scale from one pass, or every group's row / tile scales from one call, where
+        # that applies (nn/experts_tokens.py, nn/experts_token_tiles.py)
         inputs_fp8 = batched_token_fp8(scaling, OperandRole.INPUT, input, sizes, keep)
+        if inputs_fp8 is None:
+            inputs_fp8 = tiled_token_fp8(scaling, OperandRole.INPUT, input, sizes, keep)
+        requantized = d0.input_transposed and weight.requires_grad
+        inputs_t = tiled_token_fp8_transposed(scaling, OperandRole.INPUT, input, sizes, False) if requantized \
+            else None
         for expert, start, end in _rows(sizes):
             view, weights, x_e = views[expert], weights_fp8[expert], input[start:end]
             input_quantizer = view.quantizers[OperandRole.INPUT]
@@ -66,9 +75,9 @@ class GroupedFp8Function(torch.autograd.Function):
                                              bias=None if bias is None else bias[expert], into=output[start:end])
             # saved as the dense layer saves it: FP8 bytes + scales, in grad_weight's layout where that differs
             input_saved = input_fp8
-            requantized = d0.input_transposed and weight.requires_grad
             if requantized:
-                input_saved = input_quantizer.quantize_transposed(x_e, keep_values=False)
+                input_saved = input_quantizer.quantize_transposed(x_e, keep_values=False) if inputs_t is None \
+                    else inputs_t[expert]
             input_scale = input_saved.scale
             if torch.compiler.is_compiling():  # (as in Fp8LinearFunction: dynamo must own what is saved)
                 input_scale = input_scale.clone()
@@ -112,6 +121,11 @@ class GroupedFp8Function(torch.autograd.Function):
         keep = (d0.grad_output_keeps_for_both if need_weight else d0.grad_output_keeps).value
         with torch.autocast(device.type, enabled=False):
             grads_fp8 = batched_token_fp8(ctx.scaling, OperandRole.GRAD_OUTPUT, grad_output, sizes, keep)
+            if grads_fp8 is None:
+                grads_fp8 = tiled_token_fp8(ctx.scaling, OperandRole.GRAD_OUTPUT, grad_output, sizes, keep)
+            grads_t = tiled_token_fp8_transposed(ctx.scaling, OperandRole.GRAD_OUTPUT, grad_output, sizes,
+                                                 d0.grad_output_t_keeps.value) \
+                if need_weight and d0.grad_output_transposed else None
             for index, (expert, start, end) in enumerate(_rows(sizes)):
                 input_data, input_scale = saved[4 * index], saved[4 * index + 1]
                 view, weights = views[expert], ctx.weights_fp8[expert]
@@ -127,7 +141,7 @@ class GroupedFp8Function(torch.autograd.Function):
                     grad_output_t_op = grad_output_op.t()
                     if d.grad_output_transposed:
                         grad_output_t_op = Fp8Operand.from_fp8_tensor(grad_output_quantizer.quantize_transposed(
-                            dy_e, keep_values=d.grad_output_t_keeps.value))
+                            dy_e, keep_values=d.grad_output_t_keeps.value) if grads_t is None else grads_t[expert])
                     input_op = view.quantizers[OperandRole.INPUT].saved_operand(
                         input_data, input_scale, ctx.blocks[index], d.saved_input_keeps.value)
                     if ctx.transposed[index]:

@@ -13,9 +13,10 @@ weight's in-place version, optimizer steps, storage, train/eval, delayed-scale u
 Every expert's weight is quantized each time (one call), also an expert that gets no tokens in that step; an
 expert without tokens still runs no GEMM, so its input and grad_output record nothing (experts_scaling.py).
 
-Where this does not apply (rowwise, block or MX scales; telemetry on; a weight that is not one contiguous
-(E, N, K) block, e.g. the transposed experts of gpt-oss; FSDP2's gathered or refilled weights; another kernel or
-backend; torch.compile tracing) `batched_weights_fp8` returns None and each view makes its own copy.
+Rowwise, block and MX weights are made in one call too, by nn/experts_weight_tiles.py, and cached the same way.
+Where this does not apply (delayed scaling with row or tile scales; telemetry on; a weight that is not one
+contiguous (E, N, K) block, e.g. the transposed experts of gpt-oss; FSDP2's gathered or refilled weights; another
+kernel or backend; torch.compile tracing) `batched_weights_fp8` returns None and each view makes its own copy.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from fp8train.nn.fp8_all_gather import Fp8GatheredWeight
 from fp8train.nn.gemm import Fp8Operand, emulated_compute_dtype
 from fp8train.nn.delayed_scaling import optimizer_steps_seen
+from fp8train.nn.experts_weight_tiles import tiled_applies, tiled_experts_fp8
 from fp8train.nn.linear_function import WeightFp8
 from fp8train.nn.recipes import GemmBackend, OperandRole
 from fp8train.numerics import native_cast
@@ -37,7 +39,8 @@ __all__ = ["batched_weights_fp8"]
 
 def _applies(scaling, weight: torch.Tensor, backend: GemmBackend) -> bool:
     recipe = scaling.recipe
-    return (recipe.is_tensorwise and not recipe.accumulator_bits and backend is GemmBackend.EMULATED
+    return ((recipe.is_tensorwise or tiled_applies(scaling)) and not recipe.accumulator_bits
+            and backend is GemmBackend.EMULATED
             and not scaling.telemetry and type(weight) in (torch.Tensor, torch.nn.Parameter)
             and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and weight.is_contiguous() and weight.numel() > 0 and not torch.compiler.is_compiling()
@@ -45,10 +48,11 @@ def _applies(scaling, weight: torch.Tensor, backend: GemmBackend) -> bool:
             and scaling.experts[0].kernel_for(weight[0].numel()) is QuantizeKernel.NATIVE and native_cast.available())
 
 
-def batched_weights_fp8(scaling, weight: torch.Tensor, backend: GemmBackend) -> list[WeightFp8] | None:
+def batched_weights_fp8(scaling, weight: torch.Tensor, dispatch) -> list[WeightFp8] | None:
     """Each expert's WeightFp8 (its dense layer's FP8 weight and GEMM operands) from one quantize call over
-    `weight` (E, N, K), or None where that does not apply (module docstring)."""
-    if not _applies(scaling, weight, backend):
+    `weight` (E, N, K), or None where that does not apply (module docstring). `dispatch`: expert 0's
+    LayerDispatch (every expert's choices are the same)."""
+    if not _applies(scaling, weight, dispatch.backend):
         return None
     # the dense layer's cache key (nn/linear.py): in-place version, optimizer steps (fused AdamW bumps no
     # version), storage, train/eval, delayed-scale updates, execution settings
@@ -58,7 +62,11 @@ def batched_weights_fp8(scaling, weight: torch.Tensor, backend: GemmBackend) -> 
     if cached is not None and cached[0] == key:
         return cached[1]
     with torch.no_grad():
-        weights = _quantize_experts(scaling, weight)
+        # row / tile scales: nn/experts_weight_tiles.py (None: each view makes its own copy, uncached here)
+        weights = _quantize_experts(scaling, weight) if scaling.recipe.is_tensorwise else \
+            tiled_experts_fp8(scaling, weight, dispatch, key)
+    if weights is None:
+        return None
     scaling.weights_fp8_cache = (key, weights)
     return weights
 

@@ -670,6 +670,76 @@ int fp8_quantize(const fp8_params *p, const void *x, int32_t x_bf16, int64_t bat
     return 0;
 }
 
+/* ---- groups of rows, each quantized as its own matrix ------------------------------------------------------ */
+/* The rows of one row-major (rows, cols) matrix come in consecutive groups (a mixture-of-experts layer's tokens,
+ * sorted by expert), and each group is quantized as if it were a tensor of its own: tiles of tile_r rows (0: the
+ * whole group) never cross a group's end. One call and one parallel region for every group, instead of one per
+ * group (each waking the threads for a small matrix). A band here is one tile row of one group, in memory rows
+ * [r0, r1) of the whole matrix, whose scales are grid row `band` (grid rows of the groups one after the other, in
+ * group order; a group without rows has none). Per band it runs what fp8_quantize runs for that tile row of the
+ * group's own call (the same amax, scale rule and cast functions), so every byte, scale and amax is that call's. */
+typedef struct {
+    job_t *job;
+    const int64_t *band_r0; /* nbands + 1 entries: band b is rows [band_r0[b], band_r0[b + 1]) */
+    int64_t nbands;
+    int32_t id;
+} group_worker_t;
+
+static void *group_band_worker(void *arg) {
+    group_worker_t *w = (group_worker_t *)arg;
+    job_t *j = w->job;
+    const int64_t ntc = (j->cols + j->tile_c - 1) / j->tile_c, total = w->band_r0[w->nbands];
+    /* the bands whose first row falls in this thread's share of the rows (bands differ in length) */
+    const int64_t lo_row = total * w->id / j->nthreads, hi_row = total * (w->id + 1) / j->nthreads;
+    uint32_t *tile_amax = malloc((size_t)ntc * 4);
+    float *tile_scale = malloc((size_t)ntc * 4);
+    uint32_t *work = malloc((size_t)j->cols * 4);
+    for (int64_t band = 0; band < w->nbands; band++) {
+        const int64_t r0 = w->band_r0[band], r1 = w->band_r0[band + 1];
+        if (r0 < lo_row || r0 >= hi_row) continue;
+        rows_amax(j, 0, r0, r1, tile_amax, work);
+        tile_row_scales(j, band, tile_amax, tile_scale);
+        cast_rows(j, 0, r0, r1, tile_scale, (float *)work);
+    }
+    free(tile_amax); free(tile_scale); free(work);
+    return NULL;
+}
+
+/* Quantize each of `ngroups` consecutive row groups (group_rows[g] rows each, 0 allowed) with its own amax-rule
+ * or MX scales (no given scale), tiles of tile_r rows (0: one tile row per group) and tile_c columns. data,
+ * values, values16: (rows, cols) as x; scale_out and amax_out: (grid rows, ntc), grid rows as above. Returns 0,
+ * or a negative number on an internal error. */
+int fp8_quantize_groups(const fp8_params *p, const void *x, int32_t x_bf16, int64_t ngroups,
+                        const int64_t *group_rows, int64_t cols, int64_t tile_r, int64_t tile_c, uint8_t *data,
+                        float *scale_out, float *amax_out, float *values, uint16_t *values16, int32_t nthreads) {
+    if (ngroups <= 0 || cols <= 0 || tile_r < 0 || tile_c <= 0 || p->rule == RULE_GIVEN || !data) return -100;
+    if (values16 && p->dequantize) return -102;
+    int64_t rows = 0, nbands = 0;
+    for (int64_t g = 0; g < ngroups; g++) {
+        if (group_rows[g] < 0) return -100;
+        rows += group_rows[g];
+        nbands += group_rows[g] == 0 ? 0 : tile_r == 0 ? 1 : (group_rows[g] + tile_r - 1) / tile_r;
+    }
+    if (rows == 0) return 0;
+    int64_t *band_r0 = malloc((size_t)(nbands + 1) * 8);
+    if (!band_r0) return -101;
+    int64_t band = 0, start = 0;
+    for (int64_t g = 0; g < ngroups; g++) {
+        const int64_t step = tile_r == 0 ? group_rows[g] : tile_r;
+        for (int64_t r = start; r < start + group_rows[g]; r += step) band_r0[band++] = r;
+        start += group_rows[g];
+    }
+    band_r0[nbands] = rows;
+    job_t j = {p, x, x_bf16, 1, rows, cols, tile_r ? tile_r : rows, tile_c, NULL, data, scale_out, amax_out,
+               values, values16, 1};
+    j.nthreads = thread_count(rows * cols, nbands, nthreads);
+    group_worker_t workers[64];
+    for (int32_t i = 0; i < j.nthreads; i++) workers[i] = (group_worker_t){&j, band_r0, nbands, i};
+    parallel_run(j.nthreads, group_band_worker, workers, sizeof(group_worker_t));
+    free(band_r0);
+    return 0;
+}
+
 /* ---- decode --------------------------------------------------------------------------------------------- */
 typedef struct {
     const float *lut;
