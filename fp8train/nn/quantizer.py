@@ -106,10 +106,15 @@ class OperandQuantizer:
         global_amax = None if layout is None else layout.global_amax(self, tensor, kernel, transposed=False)
         if self.delayed and self.initialized_on_host:
             # the stored scale is known before the tensor is read: cast with it and take the amax in the same
-            # pass (one read of the tensor; finite and > 0 by construction: no per-call host sync)
+            # pass (one read of the tensor; finite and > 0 by construction: no per-call host sync); the native
+            # kernel records the amax in that op too (record_amax's rule)
+            layer = self.layer
             quantized = quantize(tensor, self.format, scale=self.buffer("scale"), keep_values=keep_values,
-                                 validate_scale=False, kernel=kernel, with_amax=True)
-            self.record_amax(quantized.amax)
+                                 validate_scale=False, kernel=kernel, with_amax=True,
+                                 nonfinite_count=self.buffer("nonfinite_amax_count"),
+                                 pending_amax=self.buffer("pending_amax") if layer.training else None)
+            if not quantized.amax_recorded:
+                self.record_amax(quantized.amax)
         elif self.delayed:  # first step: the scale may be the tensor's own, so the amax comes first
             amax = compute_amax(tensor, kernel=kernel)
             self.record_amax(amax)  # (this rank's: update_fp8_scales' MAX over all ranks makes it the whole's)
@@ -133,16 +138,17 @@ class OperandQuantizer:
             if self.mx:
                 quantized = quantize_mx(tensor, self.format, kernel=kernel, keep_values=keep_values,
                                         keep_dequantized=blocked)
-            else:
+            else:  # (the native kernel counts a non-finite amax in the same op)
                 quantized = quantize(tensor, self.format, granularity=self.granularity, block=self.block,
                                      margin=self.margin, pow2=self.pow2, kernel=kernel, keep_values=keep_values,
-                                     keep_dequantized=blocked)
-            # one reduction, then 0-d ops: the amaxes are >= 0 or NaN, so the max is finite iff all of them are,
-            # and an amax is non-finite iff it is not below inf (one comparison: isfinite is four ops in torch)
-            nonfinite = (quantized.amax < math.inf).logical_not() if self.tensorwise \
-                else (quantized.amax.amax() < math.inf).logical_not().long() if self.mx \
-                else (quantized.amax < math.inf).logical_not().any()
-            self.buffer("nonfinite_amax_count").add_(nonfinite)
+                                     keep_dequantized=blocked, nonfinite_count=self.buffer("nonfinite_amax_count"))
+            if not quantized.amax_recorded:
+                # one reduction, then 0-d ops: the amaxes are >= 0 or NaN, so the max is finite iff all of them
+                # are, and an amax is non-finite iff it is not below inf (one comparison: isfinite is four ops)
+                nonfinite = (quantized.amax < math.inf).logical_not() if self.tensorwise \
+                    else (quantized.amax.amax() < math.inf).logical_not().long() if self.mx \
+                    else (quantized.amax < math.inf).logical_not().any()
+                self.buffer("nonfinite_amax_count").add_(nonfinite)
         if self.layer.telemetry:
             self._record_stats(tensor, quantized)
         return quantized
