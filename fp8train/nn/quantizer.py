@@ -43,6 +43,7 @@ __all__ = ["OperandQuantizer", "SCALING_BUFFERS", "DELAYED_SCALING_BUFFERS", "ap
 DELAYED_SCALING_BUFFERS = ("amax_history", "scale", "scale_amax", "pending_amax", "initialized",
                            "stale_scale_steps")
 SCALING_BUFFERS = ("nonfinite_amax_count",) + DELAYED_SCALING_BUFFERS
+_NO_BUFFERS: dict = {}  # (an owner without a module's buffer table: getattr finds its state)
 
 
 class OperandQuantizer:
@@ -59,6 +60,7 @@ class OperandQuantizer:
         self.block = recipe.block_of(self.role)
         self.delayed, self.mx, self.tensorwise = recipe.is_delayed, recipe.is_mx, recipe.is_tensorwise
         self.margin, self.pow2 = recipe.margin, recipe.pow2_scales
+        self._keys = {name: f"{self.role}_{name}" for name in SCALING_BUFFERS}  # the layer's buffer names
         self.reset()
 
     @property
@@ -86,8 +88,12 @@ class OperandQuantizer:
             layer.register_buffer(f"{role}_stale_scale_steps", torch.zeros((), dtype=torch.int64, device=device))
 
     def buffer(self, name: str) -> torch.Tensor:
-        """This role's scaling buffer `name` (one of SCALING_BUFFERS), as the layer holds it now."""
-        return getattr(self.layer, f"{self.role}_{name}")
+        """This role's scaling buffer `name` (one of SCALING_BUFFERS), as the layer holds it now: read from the
+        module's buffer table (what getattr finds there, without nn.Module.__getattr__'s Python fallback: this
+        runs several times per quantize and per layer of a delayed update)."""
+        key = self._keys[name]
+        found = self.layer.__dict__.get("_buffers", _NO_BUFFERS).get(key)
+        return found if found is not None else getattr(self.layer, key)
 
     # ------------------------------------------------------------------------------------------------------
     def quantize(self, tensor: torch.Tensor, keep_values: bool = True) -> Fp8Tensor:
