@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 
 import torch
 
@@ -61,6 +62,8 @@ class OperandQuantizer:
         self.delayed, self.mx, self.tensorwise = recipe.is_delayed, recipe.is_mx, recipe.is_tensorwise
         self.margin, self.pow2 = recipe.margin, recipe.pow2_scales
         self._keys = {name: f"{self.role}_{name}" for name in SCALING_BUFFERS}  # the layer's buffer names
+        # current tensorwise scaling of an input: a cast that layers reading the same tensor share (_shared_cast)
+        self.shares_casts = self.role is OperandRole.INPUT and self.tensorwise and not self.delayed
         self.reset()
 
     @property
@@ -102,9 +105,9 @@ class OperandQuantizer:
             quantized = tensor.fp8_tensor()
             self.record_amax(quantized.amax)
             return quantized  # no weight telemetry: the fp32 weight is not gathered
-        gathered = _fp8_gathered_input()
-        if gathered is not None and isinstance(tensor, gathered):  # sequence parallelism gathered it as FP8
-            return tensor.take(self)  # (no input telemetry: the high-precision input was not gathered)
+        sequence_gather = sys.modules.get("fp8train.nn.sequence_gather")  # (_fp8_gathered_input, inline: hot path)
+        if sequence_gather is not None and isinstance(tensor, sequence_gather.Fp8GatheredInput):
+            return tensor.take(self)  # sequence parallelism gathered it as FP8 (no input telemetry: not gathered)
         kernel = self.layer.kernel_for(tensor.numel())
         # a tensor-parallel shard: the amax of the whole operand where its scale spans the split (tensor_parallel.py;
         # None where the local amax is already that, e.g. delayed scales known on the host)
@@ -128,6 +131,9 @@ class OperandQuantizer:
             quantized = quantize(tensor, self.format, scale=scale, keep_values=keep_values, validate_scale=False,
                                  kernel=kernel)
             quantized.amax = amax
+        elif self.shares_casts and kernel is QuantizeKernel.NATIVE and global_amax is None and \
+                not self.layer.telemetry and not tensor.is_inference():  # (inference tensors have no version)
+            quantized = _shared_cast(self, tensor, keep_values)
         elif global_amax is not None:  # current tensorwise or rowwise scales from the whole operand's amaxes
             quantized = quantize(tensor, self.format, granularity=self.granularity, axis=-1, kernel=kernel,
                                  scale=format_scale(global_amax, self.format, self.margin, self.pow2),
@@ -246,6 +252,36 @@ class OperandQuantizer:
 
     def __repr__(self) -> str:
         return f"OperandQuantizer({self.role}, {self.format.name}, {self.recipe.granularity_of(self.role)})"
+
+
+# The last input cast under current tensorwise scaling, for the next layer that reads the same tensor with the
+# same rules (a transformer's q/k/v projections, its gate and up projections: one cast, not three or two):
+# [key, weak reference to the tensor's storage owner, Fp8Tensor, its non-finite flag or None]. A CPU cast (the native kernel's) only; the next
+# input cast replaces it, so at most one input's FP8 copy is held past its layers.
+_last_shared_cast: list = [None]
+
+
+def _shared_cast(quantizer: OperandQuantizer, tensor: torch.Tensor, keep_values) -> Fp8Tensor:
+    """`quantizer`'s current tensorwise cast of `tensor`, or the same cast another layer just made of that tensor
+    (the same bytes, scale and amax: the rule reads nothing else). Keyed by the tensor's storage owner (held
+    weakly: one that died cannot be mistaken for a new one at its address), view, dtype and in-place version,
+    and the rule's format, margin, power-of-two option and the values kept; each layer counts a non-finite amax."""
+    owner = tensor._base if tensor._base is not None else tensor
+    key = (id(owner), tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, tensor._version,
+           quantizer.format.name, quantizer.margin, quantizer.pow2, keep_values)
+    last = _last_shared_cast[0]
+    count = quantizer.buffer("nonfinite_amax_count")
+    if last is not None and last[0] == key and last[1]() is owner:
+        if last[3] is None:  # whether the amax is NaN/inf, as a tensor (no host read: no sync), made once
+            last[3] = (last[2].amax < math.inf).logical_not()
+        count.add_(last[3])
+        return last[2]
+    quantized = quantize(tensor, quantizer.format, margin=quantizer.margin, pow2=quantizer.pow2,
+                         kernel=QuantizeKernel.NATIVE, keep_values=keep_values, nonfinite_count=count)
+    if not quantized.amax_recorded:  # (the eager kernel ran it: a case the C kernel does not take)
+        count.add_((quantized.amax < math.inf).logical_not())
+    _last_shared_cast[0] = [key, weakref.ref(owner), quantized, None]
+    return quantized
 
 
 def _fp8_gathered_input():
