@@ -98,6 +98,13 @@ class OperandQuantizer:
         found = self.layer.__dict__.get("_buffers", _NO_BUFFERS).get(key)
         return found if found is not None else getattr(self.layer, key)
 
+    def buffers(self, names: tuple) -> list:
+        """This role's scaling buffers `names`, as `buffer` reads each (one call for several: the delayed update
+        reads five of every quantizer each step)."""
+        table, layer, keys = self.layer.__dict__.get("_buffers", _NO_BUFFERS), self.layer, self._keys
+        found = [table.get(keys[name]) for name in names]
+        return [t if t is not None else getattr(layer, keys[name]) for t, name in zip(found, names)]
+
     # ------------------------------------------------------------------------------------------------------
     def quantize(self, tensor: torch.Tensor, keep_values: bool = True) -> Fp8Tensor:
         """FP8 copy of a 2-D operand with the recipe's format/granularity for this role; updates scaling state."""
