@@ -100,3 +100,14 @@ def test_layers_with_other_rules_do_not_share(other, casts):
     y = second(x)
     assert any(shape == (16, 64) for shape, _ in casts)
     assert torch.equal(y, second(x.clone()))
+
+
+def test_a_layer_run_again_on_the_same_tensor_casts_again(casts):
+    """Only another layer's cast is shared: one layer timed on one input (the bench's linear section) still pays
+    its cast on every call."""
+    layer = _layers(1)[0]
+    x = torch.randn(16, 64)
+    layer(x)
+    casts.clear()
+    layer(x)
+    assert ((16, 64), "e4m3fn") in casts

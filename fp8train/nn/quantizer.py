@@ -263,7 +263,9 @@ class OperandQuantizer:
 
 # The last input cast under current tensorwise scaling, for the next layer that reads the same tensor with the
 # same rules (a transformer's q/k/v projections, its gate and up projections: one cast, not three or two):
-# [key, weak reference to the tensor's storage owner, Fp8Tensor, its non-finite flag or None]. A CPU cast (the native kernel's) only; the next
+# [key, weak reference to the tensor's storage owner, Fp8Tensor, its non-finite flag or None, weak reference to
+# the quantizer that made it: a layer that runs again on the same tensor casts again, as it always did, so a
+# benchmark of one layer times its cast]. A CPU cast (the native kernel's) only; the next
 # input cast replaces it, so at most one input's FP8 copy is held past its layers.
 _last_shared_cast: list = [None]
 
@@ -278,7 +280,7 @@ def _shared_cast(quantizer: OperandQuantizer, tensor: torch.Tensor, keep_values)
            quantizer.format.name, quantizer.margin, quantizer.pow2, keep_values)
     last = _last_shared_cast[0]
     count = quantizer.buffer("nonfinite_amax_count")
-    if last is not None and last[0] == key and last[1]() is owner:
+    if last is not None and last[0] == key and last[1]() is owner and last[4]() is not quantizer:
         if last[3] is None:  # whether the amax is NaN/inf, as a tensor (no host read: no sync), made once
             last[3] = (last[2].amax < math.inf).logical_not()
         count.add_(last[3])
@@ -287,7 +289,7 @@ def _shared_cast(quantizer: OperandQuantizer, tensor: torch.Tensor, keep_values)
                          kernel=QuantizeKernel.NATIVE, keep_values=keep_values, nonfinite_count=count)
     if not quantized.amax_recorded:  # (the eager kernel ran it: a case the C kernel does not take)
         count.add_((quantized.amax < math.inf).logical_not())
-    _last_shared_cast[0] = [key, weakref.ref(owner), quantized, None]
+    _last_shared_cast[0] = [key, weakref.ref(owner), quantized, None, weakref.ref(quantizer)]
     return quantized
 
 
