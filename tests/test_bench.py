@@ -151,6 +151,7 @@ def test_tiny_run_json_schema(tiny_run):
     assert train["fp32"]["fp8_layers"] == 0 and train["current"]["fp8_layers"] > 0
     assert train["bf16"]["ratio"] == pytest.approx(1.0) and train["fp32"]["ratio_fp32"] == pytest.approx(1.0)
     assert all(r["tokens_per_s"] > 0 and r["step_peak_mb"] > 0 and r["resident_mb"] > 0 for r in train.values())
+    assert sections["train"]["threads"] == 1  # --threads 1
     memory = {r["contender"]: r for r in sections["memory"]["rows"]}
     assert memory["current"]["saved_mb"] < memory["bf16"]["saved_mb"]  # FP8 inputs kept for backward
     assert any("torchao" in n for n in results["notes"])
@@ -192,6 +193,31 @@ def test_tiny_run_prints_the_tables(tiny_run):
     for t in results["targets"]:
         status = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
         assert status in " ".join(row(*t["target"].split(), f"{t['op']}", str(t["threshold"])))
+
+
+def test_the_train_section_runs_with_the_train_configs_threads(tmp_path):
+    """Without --threads the train step runs with the train config's `train.threads` (as its training runs do),
+    reports them, and leaves torch's thread count as it found it; --threads overrides the config."""
+    from fp8train.bench.options import BenchOptions
+    from fp8train.bench.train_section import bench_train
+
+    (tmp_path / "corpus.txt").write_text("def f(x):\n    return x * 2  # a tiny corpus\n" * 400)
+    (tmp_path / "tiny.yaml").write_text(
+        "model: {n_layers: 1, d_model: 64, n_heads: 2, seq_len: 16}\n"
+        f"data: {{path: {tmp_path / 'corpus.txt'}}}\n"
+        "train: {batch_size: 2, threads: 1}\n")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for asked, expected in ((None, 1), (2, 2)):
+            if asked:
+                torch.set_num_threads(asked)  # (run_bench sets --threads before the sections)
+            opts = BenchOptions(recipes=("current",), sections=("train",), train_config=str(tmp_path / "tiny.yaml"),
+                                threads=asked)
+            result = bench_train(opts, warmup=1, repeats=1, kernel="eager")
+            assert result["threads"] == expected and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_gpu_check_usage():

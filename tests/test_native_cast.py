@@ -677,3 +677,65 @@ def test_delayed_forward_reads_its_input_once_and_records_its_amax():
     assert float(layer.input_pending_amax) == float(x.abs().max())
     current = Fp8Linear(256, 128, recipe="current")
     assert count_input_reads(lambda: current(x), x) == 1
+
+
+def _tile_amaxes(x: np.ndarray, granularity: str, block: tuple[int, int]) -> np.ndarray:
+    """max |x| per tensor, row or (br, bc) tile, NaN propagating (numpy, from the definition)."""
+    with np.errstate(invalid="ignore"):
+        if granularity == "tensor":
+            return np.abs(x).max(keepdims=True)
+        if granularity == "row":
+            return np.abs(x).max(axis=1)
+        br, bc = block
+        return np.array([[np.abs(x[i:i + br, j:j + bc]).max() for j in range(0, x.shape[1], bc)]
+                         for i in range(0, x.shape[0], br)])
+
+
+@needs_native
+@pytest.mark.parametrize("granularity,block,shape", [("tensor", (1, 1), (1024, 64)), ("tensor", (1, 1), (33, 70)),
+                                                     ("row", (1, 1), (40, 96)), ("block", (16, 32), (48, 96))])
+@pytest.mark.parametrize("bad", [None, math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("pending_before", [-1.0, 0.5, 1e6])
+def test_the_kernel_records_the_amaxes_as_the_quantizer_would(granularity, block, shape, bad, pending_before,
+                                                              native_calls, rng):
+    """quantize(..., nonfinite_count=, pending_amax=) on the native kernel: in the same op, the count + 1 exactly
+    when some tile's amax is NaN/inf, the pending amax raised to the largest finite tile amax (-1 when none is
+    finite: never lowered); the bytes as without them. The eager kernel leaves both to its caller."""
+    x_np = (rng.standard_normal(shape) * 7).astype(np.float32)
+    if bad is not None:
+        x_np[5, 7] = bad
+    x = torch.from_numpy(x_np)
+    tiles = _tile_amaxes(x_np, granularity, block)
+    finite = tiles[np.isfinite(tiles)]
+    expected_pending = max(pending_before, float(finite.max()) if finite.size else -1.0)
+    count, pending = torch.tensor(3, dtype=torch.int64), torch.tensor(pending_before)
+    before = len(native_calls)
+    q = quantize(x, "e4m3fn", granularity=granularity, block=block, kernel="native", nonfinite_count=count,
+                 pending_amax=pending)
+    assert len(native_calls) == before + 1 and q.amax_recorded
+    assert count.item() == 3 + (bad is not None)
+    assert pending.item() == np.float32(expected_pending)
+    plain = quantize(x, "e4m3fn", granularity=granularity, block=block, kernel="native")
+    assert torch.equal(q.data.view(torch.uint8), plain.data.view(torch.uint8)) and not plain.amax_recorded
+    eager = quantize(x, "e4m3fn", granularity=granularity, block=block, kernel="eager", nonfinite_count=count,
+                     pending_amax=pending)
+    assert not eager.amax_recorded and count.item() == 3 + (bad is not None)
+    assert pending.item() == np.float32(expected_pending)
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [None, math.nan, math.inf])
+def test_a_cast_by_a_given_scale_records_its_amax_too(bad, native_calls):
+    """Delayed scaling's cast (a given scale, the amax taken in the same pass) records that amax; a cast whose
+    amax is not taken has nothing to record and refuses the state (an internal error, never a silent skip)."""
+    x = torch.arange(-20, 20, dtype=torch.float32).reshape(8, 5) / 4
+    if bad is not None:
+        x[2, 2] = bad
+    count, pending = torch.tensor(0, dtype=torch.int64), torch.tensor(-1.0)
+    q = quantize(x, "e4m3fn", scale=torch.tensor(0.5), with_amax=True, kernel="native", nonfinite_count=count,
+                 pending_amax=pending)
+    assert q.amax_recorded and count.item() == (bad is not None)
+    assert pending.item() == (-1.0 if bad is not None else 5.0)
+    with pytest.raises(RuntimeError, match="internal error"):
+        native_cast.quantize_fp8(x, torch.tensor(0.5), "e4m3fn", "tensor", 8, 5, -1, 0, False, False, True, False,
+                                 False, False, False, count)

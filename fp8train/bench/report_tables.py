@@ -199,8 +199,9 @@ def _format_train(sec: dict, where: str) -> list[str]:
              f"{r['q1_s'] * 1e3:.1f}-{r['q3_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}", _fmt_ratio(r),
              _fmt_ratio(r, "ratio_fp32"), f"{r['step_peak_mb']:.1f}", f"{r['resident_mb']:.1f}"] for r in t["rows"]]
     md = t["model"]
+    threads = f", {t['threads']} thread{'s' if t['threads'] != 1 else ''}" if t.get("threads") else ""
     parts.append(f"\ntrain step {where} ({t['config']}: {md['n_layers']} layers, d_model {md['d_model']}, "
-                 f"{md['batch_size']}x{md['seq_len']} tokens)\n" + _table(
+                 f"{md['batch_size']}x{md['seq_len']} tokens{threads})\n" + _table(
                      ["contender", "fp8 layers", "ms/step", "IQR ms", "tokens/s", "x bf16 [IQR]",
                       "x fp32 [IQR]", "step peak MB", "resident MB"], rows))
     return parts

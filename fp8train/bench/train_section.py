@@ -115,6 +115,20 @@ def _step_peak_bytes(step: Callable, device: str) -> int:
 
 
 def bench_train(opts: BenchOptions, warmup: int, repeats: int, kernel: str = "eager") -> dict:
+    """The train section. On a CPU without --threads, the step runs with the train config's `train.threads`
+    (recipes/cpu_validate.yaml: 1, as its runs train), not torch's default; the threads used are reported."""
+    cfg, _ = _train_cfg(opts, BASELINE_RECIPE)
+    threads_before = torch.get_num_threads()
+    if opts.device == "cpu" and not opts.threads and cfg.train.threads > 0:
+        torch.set_num_threads(cfg.train.threads)
+    try:
+        result = _bench_train(opts, warmup, repeats, kernel)
+    finally:
+        torch.set_num_threads(threads_before)
+    return result
+
+
+def _bench_train(opts: BenchOptions, warmup: int, repeats: int, kernel: str) -> dict:
     cfg, path = _train_cfg(opts, BASELINE_RECIPE)
     data = build_data(cfg)
     n_batches = warmup + repeats
@@ -155,6 +169,7 @@ def bench_train(opts: BenchOptions, warmup: int, repeats: int, kernel: str = "ea
     log("train: " + ", ".join(f"{r['contender']} {r['tokens_per_s']:.0f} tok/s ({r['ratio']:.2f}x)" for r in rows))
     m = cfg.model
     return {"config": path or "built-in CPU validation model", "tokens_per_step": tokens,
+            "threads": torch.get_num_threads() if opts.device == "cpu" else None,
             "model": {"n_layers": m.n_layers, "d_model": m.d_model, "seq_len": m.seq_len,
                       "batch_size": cfg.train.batch_size}, "rows": rows}
 

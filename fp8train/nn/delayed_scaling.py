@@ -158,7 +158,8 @@ def update_group(quantizers: list, step_amax: torch.Tensor) -> None:
     """The documented delayed-scaling step for `quantizers` (of layers with the same recipe options), one row of
     `step_amax` each."""
     r = quantizers[0].recipe
-    state = {name: [q.buffer(name) for q in quantizers] for name in _STATE}
+    per_quantizer = [q.buffers(_STATE) for q in quantizers]
+    state = {name: [row[i] for row in per_quantizer] for i, name in enumerate(_STATE)}
     history, scale, scale_amax, initialized, stale = (torch.stack(state[name]) for name in _STATE)
     formats = tuple(q.format for q in quantizers)
     fmt_max, min_normal, cap = _format_constants(formats, r.pow2_scales, step_amax.device)

@@ -284,10 +284,13 @@ class Fp8Linear(nn.Linear):
             return cached
         keep = dispatch.weight_keeps
         weight_quantizer = self.quantizers[OperandRole.WEIGHT]
+        # Only the dtype the GEMMs read is kept (block-scaled weights are dequantized in fp32): bf16 values written
+        # by the quantize itself (the same bits as narrowing its fp32 ones, one op and one copy less)
+        keep_values = torch.bfloat16 if keep is Keep.FP32 and dispatch.compute_dtype == torch.bfloat16 and \
+            weight_quantizer.granularity is not Granularity.BLOCK else keep.value
         with torch.no_grad():
-            weight_fp8 = weight_quantizer.quantize(weight, keep_values=keep.value)
+            weight_fp8 = weight_quantizer.quantize(weight, keep_values=keep_values)
             if weight_fp8.values is not None and weight_fp8.granularity != Granularity.BLOCK:
-                # Only the dtype the GEMM reads is kept (block-scaled weights are dequantized in fp32).
                 weight_fp8.values = to_dtype(weight_fp8.values, dispatch.compute_dtype)
             weight_op = Fp8Operand.from_fp8_tensor(weight_fp8)
             if dispatch.weight_transposed:  # scales along K, constant along the contracted N

@@ -49,31 +49,39 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        input_data, input_scale, _, _ = ctx.saved_tensors
-        layer, d, weights = ctx.layer, ctx.dispatch, ctx.weights
-        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_input = grad_weight = grad_bias = None
-        grad_output_quantizer = layer.quantizers[OperandRole.GRAD_OUTPUT]
-        with torch.autocast(grad_output.device.type, enabled=False):
-            # (grad_output's fp32 copy serves grad_weight too where that GEMM reads fp32: LayerDispatch)
-            keeps = d.grad_output_keeps_for_both if need_weight else d.grad_output_keeps
-            grad_output_fp8 = grad_output_quantizer.quantize(grad_output, keep_values=keeps.value)
-            grad_output_op = Fp8Operand.from_fp8_tensor(grad_output_fp8)            # (M, N)
-            if need_input:    # grad_input = grad_output @ weight          (M, N) @ (N, K)
-                grad_input = d.grad_input_mm(grad_output_op, weights.op_for_grad_input)
-            if need_weight:   # grad_weight = grad_output.T @ input        (N, M) @ (M, K)
-                grad_output_t_op = grad_output_op.t()
-                if d.grad_output_transposed:   # (N, M), scales along N
-                    grad_output_t_op = Fp8Operand.from_fp8_tensor(grad_output_quantizer.quantize_transposed(
-                        grad_output, keep_values=d.grad_output_t_keeps.value))
-                input_op = layer.quantizers[OperandRole.INPUT].saved_operand(
-                    input_data, input_scale, ctx.input_block, d.saved_input_keeps.value)  # (M, K), or (K, M)
-                if ctx.input_transposed:
-                    input_op = input_op.t()
-                grad_weight = d.grad_weight_mm(grad_output_t_op, input_op)
-            if need_bias:     # grad_bias = sum over rows, fp32, from the unquantized gradient
-                grad_bias = to_dtype(grad_output.sum(0, dtype=torch.float32), ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        device_type = grad_output.device.type
+        if torch.is_autocast_enabled(device_type):  # a backward run inside autocast: our GEMMs pick their precision
+            with torch.autocast(device_type, enabled=False):
+                return _backward(ctx, grad_output)
+        return _backward(ctx, grad_output)  # (autocast off already: no context to enter, ~3 us a layer)
+
+
+def _backward(ctx, grad_output):
+    """Fp8LinearFunction.backward with autocast off: quantize grad_output, then grad_input, grad_weight, grad_bias."""
+    input_data, input_scale, _, _ = ctx.saved_tensors
+    layer, d, weights = ctx.layer, ctx.dispatch, ctx.weights
+    need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+    grad_input = grad_weight = grad_bias = None
+    grad_output_quantizer = layer.quantizers[OperandRole.GRAD_OUTPUT]
+    # (grad_output's fp32 copy serves grad_weight too where that GEMM reads fp32: LayerDispatch)
+    keeps = d.grad_output_keeps_for_both if need_weight else d.grad_output_keeps
+    grad_output_fp8 = grad_output_quantizer.quantize(grad_output, keep_values=keeps.value)
+    grad_output_op = Fp8Operand.from_fp8_tensor(grad_output_fp8)            # (M, N)
+    if need_input:    # grad_input = grad_output @ weight          (M, N) @ (N, K)
+        grad_input = d.grad_input_mm(grad_output_op, weights.op_for_grad_input)
+    if need_weight:   # grad_weight = grad_output.T @ input        (N, M) @ (M, K)
+        grad_output_t_op = grad_output_op.t()
+        if d.grad_output_transposed:   # (N, M), scales along N
+            grad_output_t_op = Fp8Operand.from_fp8_tensor(grad_output_quantizer.quantize_transposed(
+                grad_output, keep_values=d.grad_output_t_keeps.value))
+        input_op = layer.quantizers[OperandRole.INPUT].saved_operand(
+            input_data, input_scale, ctx.input_block, d.saved_input_keeps.value)  # (M, K), or (K, M)
+        if ctx.input_transposed:
+            input_op = input_op.t()
+        grad_weight = d.grad_weight_mm(grad_output_t_op, input_op)
+    if need_bias:     # grad_bias = sum over rows, fp32, from the unquantized gradient
+        grad_bias = to_dtype(grad_output.sum(0, dtype=torch.float32), ctx.bias_dtype)
+    return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 class WeightFp8:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 
 import torch
 
@@ -43,6 +44,7 @@ __all__ = ["OperandQuantizer", "SCALING_BUFFERS", "DELAYED_SCALING_BUFFERS", "ap
 DELAYED_SCALING_BUFFERS = ("amax_history", "scale", "scale_amax", "pending_amax", "initialized",
                            "stale_scale_steps")
 SCALING_BUFFERS = ("nonfinite_amax_count",) + DELAYED_SCALING_BUFFERS
+_NO_BUFFERS: dict = {}  # (an owner without a module's buffer table: getattr finds its state)
 
 
 class OperandQuantizer:
@@ -59,6 +61,9 @@ class OperandQuantizer:
         self.block = recipe.block_of(self.role)
         self.delayed, self.mx, self.tensorwise = recipe.is_delayed, recipe.is_mx, recipe.is_tensorwise
         self.margin, self.pow2 = recipe.margin, recipe.pow2_scales
+        self._keys = {name: f"{self.role}_{name}" for name in SCALING_BUFFERS}  # the layer's buffer names
+        # current tensorwise scaling of an input: a cast that layers reading the same tensor share (_shared_cast)
+        self.shares_casts = self.role is OperandRole.INPUT and self.tensorwise and not self.delayed
         self.reset()
 
     @property
@@ -86,8 +91,19 @@ class OperandQuantizer:
             layer.register_buffer(f"{role}_stale_scale_steps", torch.zeros((), dtype=torch.int64, device=device))
 
     def buffer(self, name: str) -> torch.Tensor:
-        """This role's scaling buffer `name` (one of SCALING_BUFFERS), as the layer holds it now."""
-        return getattr(self.layer, f"{self.role}_{name}")
+        """This role's scaling buffer `name` (one of SCALING_BUFFERS), as the layer holds it now: read from the
+        module's buffer table (what getattr finds there, without nn.Module.__getattr__'s Python fallback: this
+        runs several times per quantize and per layer of a delayed update)."""
+        key = self._keys[name]
+        found = self.layer.__dict__.get("_buffers", _NO_BUFFERS).get(key)
+        return found if found is not None else getattr(self.layer, key)
+
+    def buffers(self, names: tuple) -> list:
+        """This role's scaling buffers `names`, as `buffer` reads each (one call for several: the delayed update
+        reads five of every quantizer each step)."""
+        table, layer, keys = self.layer.__dict__.get("_buffers", _NO_BUFFERS), self.layer, self._keys
+        found = [table.get(keys[name]) for name in names]
+        return [t if t is not None else getattr(layer, keys[name]) for t, name in zip(found, names)]
 
     # ------------------------------------------------------------------------------------------------------
     def quantize(self, tensor: torch.Tensor, keep_values: bool = True) -> Fp8Tensor:
@@ -96,9 +112,9 @@ class OperandQuantizer:
             quantized = tensor.fp8_tensor()
             self.record_amax(quantized.amax)
             return quantized  # no weight telemetry: the fp32 weight is not gathered
-        gathered = _fp8_gathered_input()
-        if gathered is not None and isinstance(tensor, gathered):  # sequence parallelism gathered it as FP8
-            return tensor.take(self)  # (no input telemetry: the high-precision input was not gathered)
+        sequence_gather = sys.modules.get("fp8train.nn.sequence_gather")  # (_fp8_gathered_input, inline: hot path)
+        if sequence_gather is not None and isinstance(tensor, sequence_gather.Fp8GatheredInput):
+            return tensor.take(self)  # sequence parallelism gathered it as FP8 (no input telemetry: not gathered)
         kernel = self.layer.kernel_for(tensor.numel())
         # a tensor-parallel shard: the amax of the whole operand where its scale spans the split (tensor_parallel.py;
         # None where the local amax is already that, e.g. delayed scales known on the host)
@@ -106,10 +122,15 @@ class OperandQuantizer:
         global_amax = None if layout is None else layout.global_amax(self, tensor, kernel, transposed=False)
         if self.delayed and self.initialized_on_host:
             # the stored scale is known before the tensor is read: cast with it and take the amax in the same
-            # pass (one read of the tensor; finite and > 0 by construction: no per-call host sync)
+            # pass (one read of the tensor; finite and > 0 by construction: no per-call host sync); the native
+            # kernel records the amax in that op too (record_amax's rule)
+            layer = self.layer
             quantized = quantize(tensor, self.format, scale=self.buffer("scale"), keep_values=keep_values,
-                                 validate_scale=False, kernel=kernel, with_amax=True)
-            self.record_amax(quantized.amax)
+                                 validate_scale=False, kernel=kernel, with_amax=True,
+                                 nonfinite_count=self.buffer("nonfinite_amax_count"),
+                                 pending_amax=self.buffer("pending_amax") if layer.training else None)
+            if not quantized.amax_recorded:
+                self.record_amax(quantized.amax)
         elif self.delayed:  # first step: the scale may be the tensor's own, so the amax comes first
             amax = compute_amax(tensor, kernel=kernel)
             self.record_amax(amax)  # (this rank's: update_fp8_scales' MAX over all ranks makes it the whole's)
@@ -117,6 +138,9 @@ class OperandQuantizer:
             quantized = quantize(tensor, self.format, scale=scale, keep_values=keep_values, validate_scale=False,
                                  kernel=kernel)
             quantized.amax = amax
+        elif self.shares_casts and kernel is QuantizeKernel.NATIVE and global_amax is None and \
+                not self.layer.telemetry and not tensor.is_inference():  # (inference tensors have no version)
+            quantized = _shared_cast(self, tensor, keep_values)
         elif global_amax is not None:  # current tensorwise or rowwise scales from the whole operand's amaxes
             quantized = quantize(tensor, self.format, granularity=self.granularity, axis=-1, kernel=kernel,
                                  scale=format_scale(global_amax, self.format, self.margin, self.pow2),
@@ -133,16 +157,17 @@ class OperandQuantizer:
             if self.mx:
                 quantized = quantize_mx(tensor, self.format, kernel=kernel, keep_values=keep_values,
                                         keep_dequantized=blocked)
-            else:
+            else:  # (the native kernel counts a non-finite amax in the same op)
                 quantized = quantize(tensor, self.format, granularity=self.granularity, block=self.block,
                                      margin=self.margin, pow2=self.pow2, kernel=kernel, keep_values=keep_values,
-                                     keep_dequantized=blocked)
-            # one reduction, then 0-d ops: the amaxes are >= 0 or NaN, so the max is finite iff all of them are,
-            # and an amax is non-finite iff it is not below inf (one comparison: isfinite is four ops in torch)
-            nonfinite = (quantized.amax < math.inf).logical_not() if self.tensorwise \
-                else (quantized.amax.amax() < math.inf).logical_not().long() if self.mx \
-                else (quantized.amax < math.inf).logical_not().any()
-            self.buffer("nonfinite_amax_count").add_(nonfinite)
+                                     keep_dequantized=blocked, nonfinite_count=self.buffer("nonfinite_amax_count"))
+            if not quantized.amax_recorded:
+                # one reduction, then 0-d ops: the amaxes are >= 0 or NaN, so the max is finite iff all of them
+                # are, and an amax is non-finite iff it is not below inf (one comparison: isfinite is four ops)
+                nonfinite = (quantized.amax < math.inf).logical_not() if self.tensorwise \
+                    else (quantized.amax.amax() < math.inf).logical_not().long() if self.mx \
+                    else (quantized.amax < math.inf).logical_not().any()
+                self.buffer("nonfinite_amax_count").add_(nonfinite)
         if self.layer.telemetry:
             self._record_stats(tensor, quantized)
         return quantized
@@ -234,6 +259,38 @@ class OperandQuantizer:
 
     def __repr__(self) -> str:
         return f"OperandQuantizer({self.role}, {self.format.name}, {self.recipe.granularity_of(self.role)})"
+
+
+# The last input cast under current tensorwise scaling, for the next layer that reads the same tensor with the
+# same rules (a transformer's q/k/v projections, its gate and up projections: one cast, not three or two):
+# [key, weak reference to the tensor's storage owner, Fp8Tensor, its non-finite flag or None, weak reference to
+# the quantizer that made it: a layer that runs again on the same tensor casts again, as it always did, so a
+# benchmark of one layer times its cast]. A CPU cast (the native kernel's) only; the next
+# input cast replaces it, so at most one input's FP8 copy is held past its layers.
+_last_shared_cast: list = [None]
+
+
+def _shared_cast(quantizer: OperandQuantizer, tensor: torch.Tensor, keep_values) -> Fp8Tensor:
+    """`quantizer`'s current tensorwise cast of `tensor`, or the same cast another layer just made of that tensor
+    (the same bytes, scale and amax: the rule reads nothing else). Keyed by the tensor's storage owner (held
+    weakly: one that died cannot be mistaken for a new one at its address), view, dtype and in-place version,
+    and the rule's format, margin, power-of-two option and the values kept; each layer counts a non-finite amax."""
+    owner = tensor._base if tensor._base is not None else tensor
+    key = (id(owner), tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, tensor._version,
+           quantizer.format.name, quantizer.margin, quantizer.pow2, keep_values)
+    last = _last_shared_cast[0]
+    count = quantizer.buffer("nonfinite_amax_count")
+    if last is not None and last[0] == key and last[1]() is owner and last[4]() is not quantizer:
+        if last[3] is None:  # whether the amax is NaN/inf, as a tensor (no host read: no sync), made once
+            last[3] = (last[2].amax < math.inf).logical_not()
+        count.add_(last[3])
+        return last[2]
+    quantized = quantize(tensor, quantizer.format, margin=quantizer.margin, pow2=quantizer.pow2,
+                         kernel=QuantizeKernel.NATIVE, keep_values=keep_values, nonfinite_count=count)
+    if not quantized.amax_recorded:  # (the eager kernel ran it: a case the C kernel does not take)
+        count.add_((quantized.amax < math.inf).logical_not())
+    _last_shared_cast[0] = [key, weakref.ref(owner), quantized, None, weakref.ref(quantizer)]
+    return quantized
 
 
 def _fp8_gathered_input():

@@ -25,6 +25,8 @@ class Fp8Tensor:
     values: Optional[torch.Tensor] = field(default=None, repr=False)  # data as fp32, when the kernel kept it
     dequantized: Optional[torch.Tensor] = field(default=None, repr=False)  # data * scale in fp32, when kept
     values_bf16: Optional[torch.Tensor] = field(default=None, repr=False)  # data as bf16, when the kernel kept it
+    # the kernel also updated the caller's non-finite count and pending amax from `amax` (quant.quantize)
+    amax_recorded: bool = field(default=False, repr=False)
 
     @property
     def shape(self) -> torch.Size:

@@ -69,7 +69,7 @@ _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pth
 # where torch uses GNU OpenMP), not threads of its own competing with torch's spinning ones. A compiler without
 # OpenMP (a bare clang) builds the pthreads variant instead.
 _VARIANTS = (("openmp", ("-fopenmp",)), ("pthreads", ()))
-_ABI_VERSION = 6  # 5: fp8_gemm_bf16; 6: its FP8-byte operands
+_ABI_VERSION = 7  # 5: fp8_gemm_bf16; 6: its FP8-byte operands; 7: fp8_quantize records amaxes
 _CACHE_LAYOUT = 2  # 2: family-source names, a size+sha256 record per library, the build lock
 _PRUNE_UNUSED_S = 7 * 24 * 3600  # another version's build, unused this long, is deleted at the next build
 _ORPHAN_TMP_S = 600  # a temporary file this old belongs to a builder that died
@@ -362,7 +362,7 @@ def _bind(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
         raise RuntimeError(f"{path} does not match this fp8train (ABI {lib.fp8_abi_version()})")
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
     lib.fp8_quantize.argtypes = [ctypes.POINTER(Params), ptr, i32, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
-                                 ptr, ptr, i32]
+                                 ptr, ptr, ptr, ptr, i32]
     lib.fp8_quantize.restype = ctypes.c_int
     lib.fp8_decode.argtypes = [ptr, ptr, i64, ptr, i32, i32]
     lib.fp8_decode.restype = ctypes.c_int

@@ -33,7 +33,8 @@ from fp8train.numerics.scale_limits import SCALE_CAPS, fp32_exact
 from fp8train.numerics import native_build
 from fp8train.numerics.native_build import Params, library, threading_kind
 from fp8train.numerics.native_layout import FP8_DTYPES as _FP8_DTYPES, INPUT_DTYPES as _INPUT_DTYPES
-from fp8train.numerics.native_layout import NativeLayout, capped_block, dense_kind, layout, scale_step
+from fp8train.numerics.native_layout import (UNUSED_OUTPUTS, NativeLayout, amax_output, capped_block, dense_kind,
+                                             kernel_outputs, layout, scale_step)
 
 __all__ = ["available", "set_enabled", "unavailable_reason", "threading_kind", "layout", "usable_layout",
            "capped_block", "NativeLayout", "quantize_fp8", "amax", "decode", "decodable", "dequantize",
@@ -135,31 +136,6 @@ def _decode_table(fmt: Fp8Format) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------------------
 # The ops
 # ------------------------------------------------------------------------------------------------------------
-def _outputs(x: torch.Tensor, lay: NativeLayout, fmt: Fp8Format, with_amax: bool, keep_values: bool,
-             keep_values_bf16: bool = False):
-    """Empty outputs in the layouts the kernel writes (transposed inputs give transposed outputs, as eager)."""
-    if lay.transposed:
-        shape, strides = x.shape, (1, x.shape[0])
-        data = torch.empty_strided(shape, strides, dtype=fmt.torch_dtype)
-        values = torch.empty_strided(shape, strides, dtype=torch.float32) if keep_values else torch.empty(0)
-        values_bf16 = torch.empty_strided(shape, strides, dtype=torch.bfloat16) if keep_values_bf16 \
-            else torch.empty(0, dtype=torch.bfloat16)
-    else:
-        data = torch.empty(x.shape, dtype=fmt.torch_dtype)
-        values = torch.empty(x.shape, dtype=torch.float32) if keep_values else torch.empty(0)
-        values_bf16 = torch.empty(x.shape, dtype=torch.bfloat16) if keep_values_bf16 \
-            else torch.empty(0, dtype=torch.bfloat16)
-    scale_shape = lay.scale_shape
-    if lay.transposed and len(scale_shape) == 2 and lay.grid_rows > 1 and lay.grid_cols > 1:  # the grid, transposed
-        scale = torch.empty_strided(scale_shape, (1, scale_shape[0]), dtype=torch.float32)
-        amax = torch.empty_strided(scale_shape, (1, scale_shape[0]), dtype=torch.float32) if with_amax \
-            else torch.empty(0)
-    else:
-        scale = torch.empty(scale_shape, dtype=torch.float32)
-        amax = torch.empty(scale_shape, dtype=torch.float32) if with_amax else torch.empty(0)
-    return data, scale, amax, values, values_bf16
-
-
 def _layout_or_raise(x, granularity, block_rows, block_cols, axis) -> NativeLayout:
     lay = layout(x, granularity, block_rows, block_cols, axis)
     if lay is None:
@@ -181,7 +157,8 @@ def _scale_in_memory_order(scale: torch.Tensor, lay: NativeLayout) -> torch.Tens
 _LIB = torch.library.Library("fp8train", "DEF")
 _LIB.define("quantize_fp8(Tensor x, Tensor? scale, str fmt, str granularity, int block_rows, int block_cols, "
             "int axis, int margin, bool pow2, bool mx, bool saturate, bool keep_values, bool keep_values_bf16, "
-            "bool dequantize, bool with_amax) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+            "bool dequantize, bool with_amax, Tensor(a!)? nonfinite_count=None, Tensor(b!)? pending_amax=None) "
+            "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 _LIB.define("amax(Tensor x, str granularity, int block_rows, int block_cols, int axis) -> Tensor")
 _LIB.define("decode_fp8(Tensor data, str fmt, ScalarType dtype) -> Tensor")
 _LIB.define("dequantize_fp8(Tensor data, Tensor scale, str granularity, int block_rows, int block_cols, "
@@ -191,42 +168,51 @@ _LIB.define("gemm_epilogue_out(Tensor acc, Tensor? scale_a, Tensor? scale_b, Ten
 
 
 def _quantize_fp8_cpu(x, scale, fmt, granularity, block_rows, block_cols, axis, margin, pow2, mx, saturate,
-                      keep_values, keep_values_bf16, dequantize, with_amax):
+                      keep_values, keep_values_bf16, dequantize, with_amax, nonfinite_count=None, pending_amax=None):
     """(data, scale, amax, values, values_bf16) of quantizing x, in one pass per tile row: amax per tile -> scale
     (the amax rule, or MX's with ``mx``; or the given ``scale``, whose amax is written only ``with_amax``, in the
     same pass as the cast) -> x / scale -> FP8 bytes; values (the FP8 values in fp32, or value * scale with
-    ``dequantize``) only with ``keep_values``, values_bf16 (the FP8 values in bf16) only with ``keep_values_bf16``."""
+    ``dequantize``) only with ``keep_values``, values_bf16 (the FP8 values in bf16) only with ``keep_values_bf16``.
+    A quantizer's scaling state, updated in place from the amaxes where given (one value each, on the CPU):
+    ``nonfinite_count`` (int64) + 1 when any amax is NaN/inf, ``pending_amax`` (fp32) = max(itself, the largest
+    finite amax, -1) - nn/quantizer.OperandQuantizer.record_amax's rule, without its four torch ops."""
     lay = layout(x, granularity, block_rows, block_cols, axis)
     if lay is None:
         _layout_or_raise(x, granularity, block_rows, block_cols, axis)  # (raises, naming the input)
     fp8 = FORMATS[fmt]
     with_amax = scale is None or with_amax
-    data, scale_out, amax, values, values_bf16 = _outputs(x, lay, fp8, with_amax, keep_values, keep_values_bf16)
+    data, scale_out, amax, values, values_bf16 = kernel_outputs(x, lay, fp8, with_amax, keep_values,
+                                                                keep_values_bf16, UNUSED_OUTPUTS)
     scale_in, rule = None, RULE_MX if mx else RULE_AMAX
     if scale is not None:
         scale_in = _scale_in_memory_order(scale, lay)
         rule = RULE_GIVEN
     params = _params(fp8, saturate, rule, margin, pow2, dequantize)
+    count_at = pending_at = None
+    for state, dtype in ((nonfinite_count, torch.int64), (pending_amax, torch.float32)):  # (no helper: hot path)
+        if state is None:
+            continue
+        if not with_amax or state.dtype != dtype or state.numel() != 1 or state.device.type != "cpu":
+            raise RuntimeError(f"internal error: quantize_fp8 records amaxes into one {dtype} CPU value, with the "
+                               f"amax taken; got {state.dtype} of shape {tuple(state.shape)} on {state.device}")
+        if dtype == torch.int64:
+            count_at = state.data_ptr()
+        else:
+            pending_at = state.data_ptr()
     rc = library().fp8_quantize(
         ctypes.byref(params), x.data_ptr(), int(x.dtype == torch.bfloat16), lay.batch, lay.rows, lay.cols,
         lay.tile_rows, lay.tile_cols, None if scale_in is None else scale_in.data_ptr(), data.data_ptr(),
         scale_out.data_ptr(), amax.data_ptr() if with_amax else None, values.data_ptr() if keep_values else None,
-        values_bf16.data_ptr() if keep_values_bf16 else None, torch.get_num_threads())
+        values_bf16.data_ptr() if keep_values_bf16 else None, count_at, pending_at, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"internal error: fp8train native cast returned {rc}")
     return data, scale_out, amax, values, values_bf16
 
 
 def _quantize_fp8_fake(x, scale, fmt, granularity, block_rows, block_cols, axis, margin, pow2, mx, saturate,
-                       keep_values, keep_values_bf16, dequantize, with_amax):
+                       keep_values, keep_values_bf16, dequantize, with_amax, nonfinite_count=None, pending_amax=None):
     lay = _layout_or_raise(x, granularity, block_rows, block_cols, axis)
-    return _outputs(x, lay, FORMATS[fmt], scale is None or with_amax, keep_values, keep_values_bf16)
-
-
-def _amax_out(lay: NativeLayout) -> torch.Tensor:
-    if lay.transposed and len(lay.scale_shape) == 2 and lay.grid_rows > 1 and lay.grid_cols > 1:
-        return torch.empty_strided(lay.scale_shape, (1, lay.scale_shape[0]), dtype=torch.float32)
-    return torch.empty(lay.scale_shape, dtype=torch.float32)
+    return kernel_outputs(x, lay, FORMATS[fmt], scale is None or with_amax, keep_values, keep_values_bf16)
 
 
 def _amax_cpu(x, granularity, block_rows, block_cols, axis):
@@ -234,18 +220,18 @@ def _amax_cpu(x, granularity, block_rows, block_cols, axis):
     lay = layout(x, granularity, block_rows, block_cols, axis)
     if lay is None:
         _layout_or_raise(x, granularity, block_rows, block_cols, axis)  # (raises, naming the input)
-    out = _amax_out(lay)
+    out = amax_output(lay)
     params = _params(FORMATS["e4m3fn"], True, RULE_GIVEN, 0, False)  # no scale is made
     rc = library().fp8_quantize(ctypes.byref(params), x.data_ptr(), int(x.dtype == torch.bfloat16), lay.batch,
                                 lay.rows, lay.cols, lay.tile_rows, lay.tile_cols, None, None, None,
-                                out.data_ptr(), None, None, torch.get_num_threads())
+                                out.data_ptr(), None, None, None, None, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"internal error: fp8train native amax returned {rc}")
     return out
 
 
 def _amax_fake(x, granularity, block_rows, block_cols, axis):
-    return _amax_out(_layout_or_raise(x, granularity, block_rows, block_cols, axis))
+    return amax_output(_layout_or_raise(x, granularity, block_rows, block_cols, axis))
 
 
 def _decode_cpu(data, fmt, dtype):

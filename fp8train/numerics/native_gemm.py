@@ -169,7 +169,8 @@ def _gemm_bf16_into(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, p
     if steps is None:
         raise RuntimeError(f"internal error: gemm_bf16 does not take a {tuple(a.shape)} {a.dtype} @ {tuple(b.shape)} "
                            f"{b.dtype} GEMM with these scales, bias and output dtype {out_dtype}")
-    _check_k_scales(a, b, k_block, kscale_a, kscale_b)
+    if k_block or kscale_a is not None or kscale_b is not None:
+        _check_k_scales(a, b, k_block, kscale_a, kscale_b)
     step_a, step_b = steps
     if not native_build.available():
         raise RuntimeError(f"fp8train's native GEMM cannot run here: {native_build.unavailable_reason()}")

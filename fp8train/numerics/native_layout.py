@@ -12,7 +12,8 @@ import torch
 from fp8train.numerics.formats import FORMATS
 from fp8train.numerics.names import Granularity
 
-__all__ = ["NativeLayout", "layout", "capped_block", "dense_kind", "scale_step", "INPUT_DTYPES", "FP8_DTYPES"]
+__all__ = ["NativeLayout", "layout", "capped_block", "dense_kind", "scale_step", "kernel_outputs", "amax_output",
+           "UNUSED_OUTPUTS", "INPUT_DTYPES", "FP8_DTYPES"]
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16)
 FP8_DTYPES = tuple(f.torch_dtype for f in FORMATS.values())
@@ -113,3 +114,44 @@ def scale_step(scale: Optional[torch.Tensor], dim: int, size: int) -> Optional[i
     if scale.dim() == 2 and scale.shape[dim] == size and scale.shape[1 - dim] == 1 and scale.stride(dim) == 1:
         return 1
     return None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Outputs of a native cast call, in the layouts the kernel writes
+# ------------------------------------------------------------------------------------------------------------
+def kernel_outputs(x: torch.Tensor, lay: NativeLayout, fmt, with_amax: bool, keep_values: bool,
+                   keep_values_bf16: bool = False, unused: Optional[tuple] = None):
+    """Empty outputs (data in `fmt`'s dtype, scale, amax, values, values_bf16) in the layouts the kernel writes (transposed inputs give transposed outputs, as eager).
+    ``unused``: (fp32, bf16) tensors to return for the outputs not asked for (the CPU kernel's shared empties:
+    an allocation less each, never written or read); None: fresh empty ones (the fake impl: tracing needs its own)."""
+    none_f32, none_bf16 = unused if unused is not None else (torch.empty(0), torch.empty(0, dtype=torch.bfloat16))
+    if lay.transposed:
+        shape, strides = x.shape, (1, x.shape[0])
+        data = torch.empty_strided(shape, strides, dtype=fmt.torch_dtype)
+        values = torch.empty_strided(shape, strides, dtype=torch.float32) if keep_values else none_f32
+        values_bf16 = torch.empty_strided(shape, strides, dtype=torch.bfloat16) if keep_values_bf16 else none_bf16
+    else:
+        data = torch.empty(x.shape, dtype=fmt.torch_dtype)
+        values = torch.empty(x.shape, dtype=torch.float32) if keep_values else none_f32
+        values_bf16 = torch.empty(x.shape, dtype=torch.bfloat16) if keep_values_bf16 else none_bf16
+    scale_shape = lay.scale_shape
+    if lay.transposed and len(scale_shape) == 2 and lay.grid_rows > 1 and lay.grid_cols > 1:  # the grid, transposed
+        scale = torch.empty_strided(scale_shape, (1, scale_shape[0]), dtype=torch.float32)
+        amax = torch.empty_strided(scale_shape, (1, scale_shape[0]), dtype=torch.float32) if with_amax \
+            else none_f32
+    else:
+        scale = torch.empty(scale_shape, dtype=torch.float32)
+        amax = torch.empty(scale_shape, dtype=torch.float32) if with_amax else none_f32
+    return data, scale, amax, values, values_bf16
+
+
+# The CPU kernel's outputs that a call does not ask for: one shared empty tensor per dtype, returned as they are
+# (their callers drop them unread: quant.native_quantize).
+UNUSED_OUTPUTS = (torch.empty(0), torch.empty(0, dtype=torch.bfloat16))
+
+
+def amax_output(lay: NativeLayout) -> torch.Tensor:
+    """The amax-only call's output, shaped and laid out like the scale."""
+    if lay.transposed and len(lay.scale_shape) == 2 and lay.grid_rows > 1 and lay.grid_cols > 1:
+        return torch.empty_strided(lay.scale_shape, (1, lay.scale_shape[0]), dtype=torch.float32)
+    return torch.empty(lay.scale_shape, dtype=torch.float32)

@@ -72,7 +72,8 @@ def _format_of(dtype: torch.dtype) -> Fp8Format:
 def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", block=(1, 128), axis: int = -1,
              margin: int = 0, pow2: bool = False, saturate: bool = True, scale=None,
              keep_values=False, validate_scale: bool = True, kernel: str = EAGER,
-             keep_dequantized: bool = False, with_amax: bool = False) -> Fp8Tensor:
+             keep_dequantized: bool = False, with_amax: bool = False, nonfinite_count=None,
+             pending_amax=None) -> Fp8Tensor:
     """Quantize ``x`` to FP8. ``scale`` (a dequant scale, shaped per the granularity) skips the amax.
 
     ``keep_values`` also keeps the fp32 copy of the FP8 values the kernel produced (saves a decode when the
@@ -86,6 +87,10 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
     ``with_amax`` (with a given ``scale``: delayed scaling) also returns x's amax, taken in the same pass as the
     cast by the native and compiled kernels (``.amax``; without a scale the amax is always returned).
     A block larger than the tensor is one block over the whole tensor (it is recorded at the tensor's size).
+    ``nonfinite_count`` / ``pending_amax`` (a quantizer's scaling state: one int64 / fp32 value on the CPU): where
+    the native kernel runs and takes the amax, it also adds 1 to the count when an amax is NaN/inf and raises the
+    pending amax to the largest finite one, in the same op, and the result's ``amax_recorded`` is True; elsewhere
+    they are left to the caller (``amax_recorded`` False).
     """
     if not (isinstance(x, torch.Tensor) and x.dtype in _INPUT_DTYPES):
         check_input(x)  # (raises for anything that is not a float tensor of at least 16 bits)
@@ -115,7 +120,8 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", *, granularity: str = "tensor", bloc
         check_amax_floor(x.detach(), fmt, granularity, br, bc, axis, margin, bool(pow2))
     if kernel == NATIVE:
         quantized = native_quantize(x, fmt, granularity, br, bc, axis, margin, bool(pow2), saturate, scale,
-                                    keep_fp32, keep_bf16, keep_dequantized, with_amax)
+                                    keep_fp32, keep_bf16, keep_dequantized, with_amax,
+                                    nonfinite_count=nonfinite_count, pending_amax=pending_amax)
         if quantized is not None:
             return quantized
         kernel = EAGER  # not a case the C kernel takes: the same bytes eagerly
@@ -187,10 +193,11 @@ def _check_scale_shape(scale: torch.Tensor, shape, granularity: str, br: int, bc
 
 def native_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis: int, margin: int, pow2: bool,
                     saturate: bool, scale, keep_fp32: bool, keep_bf16: bool, keep_dequantized: bool = False,
-                    with_amax: bool = False, mx: bool = False):
+                    with_amax: bool = False, mx: bool = False, nonfinite_count=None, pending_amax=None):
     """quantize() through the C kernel (one op, typed arguments), or None where it does not apply (or the kernel
     is not built, or torch.compile is tracing). Arguments as quantize() normalized them (a block no larger than
-    the tensor, a non-negative row axis). ``mx``: MX's power-of-two scale rule instead of the amax rule."""
+    the tensor, a non-negative row axis). ``mx``: MX's power-of-two scale rule instead of the amax rule.
+    ``nonfinite_count``, ``pending_amax``: as quantize's (updated where the amax is taken)."""
     if torch.compiler.is_compiling() or not native_cast.available():
         return None
     lay = native_layout(x, granularity, br, bc, axis)
@@ -200,12 +207,15 @@ def native_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis:
     if keep_dequantized and keep_bf16:
         return None  # (not a combination any caller asks for: value * scale is not exact in bf16)
     dequantized_only = keep_dequantized and not keep_fp32  # the kernel's values buffer holds value * scale
+    with_amax = scale is None or with_amax
+    records = with_amax and (nonfinite_count is not None or pending_amax is not None)
     data, scale_out, amax, values, values_bf16 = native_cast.quantize_fp8(
         x, scale, fmt.name, granularity, br, bc, axis, margin, pow2, mx, bool(saturate),
-        keep_fp32 or keep_dequantized, keep_bf16, dequantized_only, with_amax)
+        keep_fp32 or keep_dequantized, keep_bf16, dequantized_only, with_amax,
+        nonfinite_count if records else None, pending_amax if records else None)
     quantized = Fp8Tensor(data, scale if scale is not None else scale_out, fmt, granularity, (br, bc), axis,
-                          amax if scale is None or with_amax else None, values if keep_fp32 else None,
-                          values_bf16=values_bf16 if keep_bf16 else None)
+                          amax if with_amax else None, values if keep_fp32 else None,
+                          values_bf16=values_bf16 if keep_bf16 else None, amax_recorded=records)
     if keep_dequantized:
         quantized.dequantized = values if dequantized_only else quantized.dequantize(torch.float32)
     return quantized
