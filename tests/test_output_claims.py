@@ -138,14 +138,14 @@ def test_validate_waits_for_a_report_of_its_folder_then_writes_its_own(tiny, tmp
 
     cfg = load_config(None, [f"run.dir={tmp_path}", "run.name=val", f"data.path={tiny.corpus}", *TINY,
                              "train.max_steps=2", "train.eval_every=2", "validate.final_window=1",
-                             "validate.margin=0.05", "validate.workers=1", "validate.seeds=1",
+                             "validate.margin=0.05", "validate.workers=1", "validate.seeds=2",
                              "validate.candidates=[current]"])
     holder = _holder(commands, tmp_path / "val")  # holds it while the runs train, released 2 s after the last
     said = []
 
     def log(line: str) -> None:
         said.append(line)
-        if "current/seed1337: completed" in line:
+        if "current/seed1338: completed" in line:
             threading.Timer(2.0, holder.stdin.close).start()
 
     try:
@@ -190,7 +190,7 @@ def test_a_pool_worker_killed_from_outside_stops_the_validation_in_one_line(tiny
 
     cfg = load_config(None, [f"run.dir={tmp_path}", "run.name=val", f"data.path={tiny.corpus}", *TINY,
                              "train.max_steps=100000", "train.eval_every=1000", "validate.final_window=1",
-                             "validate.workers=2", "validate.seeds=1", "validate.candidates=[current]"])
+                             "validate.workers=2", "validate.seeds=2", "validate.candidates=[current]"])
     killed = []
 
     def log(line: str) -> None:  # the first run submitted: kill a worker of the pool (children of this process)
@@ -199,7 +199,7 @@ def test_a_pool_worker_killed_from_outside_stops_the_validation_in_one_line(tiny
             os.kill(workers[0].pid, signal.SIGKILL)
             killed.append(workers[0].pid)
 
-    with pytest.raises(ValueError, match=r"^validation stopped: the worker process running (bf16|current)/seed1337 "
+    with pytest.raises(ValueError, match=r"^validation stopped: the worker process running (bf16|current)/seed133[78] "
                                          r"ended abruptly \(killed"):
         run_validation(cfg, log=log, show_progress=False)
     assert killed
