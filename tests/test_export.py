@@ -201,10 +201,30 @@ def test_existing_path_refused_without_force(tiny_run, exports, tmp_path, capsys
     assert main(["export", str(tiny_run), "--format", "e4m3fn", "--out", str(target), "--no-check"]) == 2
     assert "already exists" in capsys.readouterr().err
     assert target.read_bytes() == b"precious" and os.stat(target).st_mtime_ns == before
+    # --force replaces only an fp8train export (the mark in its safetensors header): a file of the user's, or a
+    # safetensors file another tool wrote, is refused with one line and left as it was
+    foreign = tmp_path / "foreign.safetensors"
+    save_file({"w": torch.ones(2, 2)}, str(foreign), metadata={"format": "pt"})
+    for path in (target, foreign):
+        content = path.read_bytes()
+        assert main(["export", str(tiny_run), "--format", "e4m3fn", "--out", str(path), "--force", "--no-check"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"--out {path} is a file that fp8train did not write" in err and "nothing was written" in err, err
+        assert len(err.splitlines()) == 1 and path.read_bytes() == content
+        with pytest.raises(ValueError, match="fp8train did not write"):
+            convert_export(exports["e4m3fn"], path, "e4m3fnuz", force=True)
+        assert path.read_bytes() == content
+    target.unlink()
+    foreign.unlink()
+    shutil.copyfile(exports["e4m3fnuz"], target)  # fp8train's own export: replaced
     assert main(["export", str(tiny_run), "--format", "e4m3fn", "--out", str(target), "--force"]) == 0
     assert read_export_metadata(target)["fp8_format"] == "e4m3fn"
     assert "top-1 agreement" in capsys.readouterr().out
     assert [p.name for p in tmp_path.iterdir()] == ["existing.safetensors"]  # no temporary files left
+    converted = tmp_path / "converted.safetensors"
+    shutil.copyfile(exports["e4m3fn"], converted)  # a conversion's --force replaces an export too
+    assert convert_export(exports["e4m3fn"], converted, "e4m3fnuz", force=True)["format"] == "e4m3fnuz"
+    assert read_export_metadata(converted)["fp8_format"] == "e4m3fnuz"
 
 
 def test_bad_run_dir_and_format(tiny_run, tmp_path):

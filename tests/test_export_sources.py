@@ -137,7 +137,33 @@ def diverged_run(tmp_path_factory, commands):
                                           "checkpoint.every=2", "--quiet"))
     summary = json.loads((root / "div" / "summary.json").read_text())
     assert summary["status"] == "diverged" and list((root / "div" / "checkpoints").glob("step_*")), done.stderr
+    (root / "train.stderr").write_text(done.stderr)  # its summary line, for the step numbering below
     return root / "div", summary
+
+
+def test_every_message_of_a_diverged_run_numbers_its_steps_alike(diverged_run, tmp_path, commands, capsys):
+    """Steps are numbered from 1; a diverged run stops at the step that diverged (summary.json diverged_at_step,
+    not applied) after taking the ones before it (summary.json steps). The run's own summary line, its reason,
+    its metrics and checkpoints, and export's and kv-eval's refusals all say the same two numbers."""
+    run, summary = diverged_run
+    at, steps = summary["diverged_at_step"], summary["steps"]
+    assert steps == at - 1
+    line = [l for l in (run.parent / "train.stderr").read_text().splitlines() if l.startswith("[div] ")]
+    assert len(line) == 1 and line[0].startswith(f"[div] diverged at step {at} after {steps} steps, "), line
+    logged = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+    saved = [int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*")]
+    assert max(logged) <= steps and max(saved) <= steps
+    ranged = re.search(r"non-finite for (\d+) steps in a row \(steps (\d+)-(\d+)\): ", summary["reason"])
+    if ranged:  # the skip rule: the steps before the last were skipped (counted in `steps`), the last stopped it
+        count, first, last = map(int, ranged.groups())
+        assert (last, last - first + 1) == (at, count)
+        assert summary["reason"].endswith(f"the run stopped at step {at}")
+        assert summary["skipped_steps"] >= count - 1
+    for argv in (["export", str(run), "--format", "e4m3fn", "--out", str(tmp_path / "e.safetensors")],
+                 ["kv-eval", str(run), "--out", str(tmp_path / "kv")]):
+        code, _, err = commands.main(argv, capsys)  # in this process: the refusal comes before any model is read
+        assert code == 2 and f"ended diverged at step {at} (after {steps} steps; {summary['reason']})" in err, err
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_diverged_run_is_refused_unless_allowed_and_its_fidelity_fails_with_figures(diverged_run, tmp_path,

@@ -268,3 +268,22 @@ def test_other_moe_layouts_convert_and_train(arch):
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0], losses
+
+
+def test_policy_exclude_may_name_the_router_that_is_no_nn_linear():
+    """transformers 5's Qwen3-MoE router `mlp.gate` is a module of its own holding a (experts, hidden) weight, not an
+    nn.Linear: an exclude pattern naming it names a weight the policy governs (the defaults already keep it out),
+    so it is accepted, not called a typo; a pattern that names nothing at all is still refused, naming the key."""
+    model = _model("qwen3_moe")
+    routers = {name: m for name, m in model.named_modules() if name.endswith("mlp.gate")}
+    assert routers and not any(isinstance(m, torch.nn.Linear) for m in routers.values())
+    report = convert_to_fp8(model, "current", LayerPolicy(exclude=(r"experts\.down_proj$", "lm_head$", "gate$")),
+                            dry_run=True)
+    skipped = dict(report.skipped)
+    for name, router in routers.items():
+        assert router.weight.dim() == 2 and skipped[f"{name}.weight"].startswith("excluded by pattern")
+    assert "excluded by pattern" in skipped["model.layers.0.mlp.experts.down_proj"]
+    assert "model.layers.0.mlp.experts.gate_up_proj" in dict(report.converted)  # `gate$` left the experts alone
+    with pytest.raises(ValueError, match=r"^policy\.exclude: 'gaet\$' matches no nn\.Linear, experts or other GEMM "
+                                         r"weight \(a router\)"):
+        convert_to_fp8(_model("qwen3_moe"), "current", LayerPolicy(exclude=("gaet$",)), dry_run=True)

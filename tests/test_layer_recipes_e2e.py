@@ -57,7 +57,7 @@ def test_layer_recipes_then_validate(shadowed_run, tmp_path, capsys):
     assert "mxfp8  #" not in text  # the OCP rule's clipping shows as overflow > 0.1% on these activations
     assert cli.main(["layer-recipes", str(shadowed_run), "--out", str(out), "--repeats", "1"]) == 2  # exists: refused
     code = cli.main(["validate", "--config", "recipes/cpu_validate.yaml", f"run.dir={tmp_path}", "run.name=v",
-                     f"validate.candidates=[layers=current:policy.overrides_file={out}]", "validate.seeds=1",
+                     f"validate.candidates=[layers=current:policy.overrides_file={out}]", "validate.seeds=2",
                      "--quiet", *TINY, "train.eval_every=3", "validate.final_window=1"])
     summary = json.loads((tmp_path / "v" / "summary.json").read_text())
     assert code in (0, 1, 3) and summary["verdict"] in ("pass", "fail", "inconclusive")

@@ -145,7 +145,7 @@ def test_validate_waits_for_a_report_of_its_folder_then_writes_its_own(tiny, tmp
 
     cfg = load_config(None, [f"run.dir={tmp_path}", "run.name=val", f"data.path={tiny.corpus}", *TINY,
                              "train.max_steps=2", "train.eval_every=2", "validate.final_window=1",
-                             "validate.margin=0.05", "validate.workers=1", "validate.seeds=1",
+                             "validate.margin=0.05", "validate.workers=1", "validate.seeds=2",
                              "validate.candidates=[current]"])
     said, held = [], []
 
@@ -153,7 +153,7 @@ def test_validate_waits_for_a_report_of_its_folder_then_writes_its_own(tiny, tmp
         said.append(line)
         if line.startswith(f"[validate] {tmp_path / 'val'}: ") and not held:  # planned: a report claims the folder
             held.append(_holder(commands, tmp_path / "val", HOLD_REPORT))  # held while the runs train
-        if "current/seed1337: completed" in line:  # released 2 s after the last run
+        if "current/seed1338: completed" in line:  # released 2 s after the last run
             threading.Timer(2.0, held[0].stdin.close).start()
 
     try:
@@ -201,7 +201,7 @@ def test_a_pool_worker_killed_from_outside_stops_the_validation_in_one_line(tiny
 
     cfg = load_config(None, [f"run.dir={tmp_path}", "run.name=val", f"data.path={tiny.corpus}", *TINY,
                              "train.max_steps=100000", "train.eval_every=1000", "validate.final_window=1",
-                             "validate.workers=2", "validate.seeds=1", "validate.candidates=[current]"])
+                             "validate.workers=2", "validate.seeds=2", "validate.candidates=[current]"])
     killed = []
 
     def log(line: str) -> None:  # the first run submitted: kill a worker of the pool (children of this process)
@@ -210,7 +210,7 @@ def test_a_pool_worker_killed_from_outside_stops_the_validation_in_one_line(tiny
             os.kill(workers[0].pid, signal.SIGKILL)
             killed.append(workers[0].pid)
 
-    with pytest.raises(ValueError, match=r"^validation stopped: the worker process running (bf16|current)/seed1337 "
+    with pytest.raises(ValueError, match=r"^validation stopped: the worker process running (bf16|current)/seed133[78] "
                                          r"ended abruptly \(killed"):
         run_validation(cfg, log=log, show_progress=False)
     assert killed

@@ -147,7 +147,7 @@ def test_a_seed_count_over_the_absolute_bound_is_refused_at_config_even_with_no_
         load_config(str(RECIPES / "cpu_validate.yaml"), [f"run.dir={tmp_path}", f"validate.seeds={seeds}",
                                                           "validate.max_plan_steps=0"])
     message = str(caught.value)
-    assert message.startswith("config validate.seeds=") and "a count in [1, 100000]" in message
+    assert message.startswith("config validate.seeds=") and "a count in [2, 100000]" in message
     assert f"validate.seeds={seeds} " in message
     assert time.monotonic() - started < 10 and not list(tmp_path.iterdir())
     assert load_config(str(RECIPES / "cpu_validate.yaml"), ["validate.seeds=100000"]).validate.seeds == 100_000

@@ -51,7 +51,7 @@ TINY = {
     "policy": {"min_features": 16},
     "log": {"wandb": "disabled", "every": 1, "telemetry_every": 4},
     "checkpoint": {"every": 4, "keep_last": 0},
-    "validate": {"candidates": ["delayed"], "seeds": 1, "final_window": 1},
+    "validate": {"candidates": ["delayed"], "seeds": 2, "final_window": 1},
 }
 
 

@@ -247,9 +247,9 @@ def test_schedule_runs_baselines_first_and_candidates_after_their_baseline():
 
 
 def _two_runs(tmp_path):
-    cfg = load_config(None, ["validate.seeds=1", "validate.candidates=[current]", f"run.dir={tmp_path}",
+    cfg = load_config(None, ["validate.seeds=2", "validate.candidates=[current]", f"run.dir={tmp_path}",
                              "train.max_steps=20", "train.eval_every=5"])
-    runs = plan_runs(cfg)
+    runs = [run for run in plan_runs(cfg) if run.seed == cfg.train.seed]  # one seed's pair
     for run in runs:
         run.data_fingerprint = {"train_tokens": 10, "train_sha256": "a" * 64}
     return runs
@@ -407,6 +407,8 @@ def test_verdict_lines_by_hand():
 @pytest.mark.parametrize("override, names", [
     ("validate.margin=0", "validate.margin"), ("validate.margin=1", "validate.margin"),
     ("validate.margin=-0.1", "validate.margin"), ("validate.seeds=0", "validate.seeds"),
+    # one seed can never decide (the confidence bound needs the spread of 2 gaps): refused before any run trains
+    ("validate.seeds=1", "a count in [2, "), ("validate.seeds=[7]", "one seed has no spread, and the verdict needs 2"),
     ("validate.seeds=[1,2,1]", "repeated: [1]"), ("validate.seeds=[]", "validate.seeds"),
     ("validate.workers=0", "validate.workers"), ("validate.candidates=[cur]", "'cur'"),
     ("validate.candidates=[none]", "baseline"), ('validate.candidates=["current:margin"]', "KEY=VALUE"),
@@ -439,7 +441,7 @@ def test_help_documents_exit_codes(capsys):
 
 
 def test_a_candidate_whose_overrides_do_not_load_is_named_in_the_error():
-    cfg = load_config(None, ["validate.seeds=1", 'validate.candidates=["x=current:margin=-1"]', "run.dir=/nonexistent"])
+    cfg = load_config(None, ["validate.seeds=2", 'validate.candidates=["x=current:margin=-1"]', "run.dir=/nonexistent"])
     with pytest.raises(ValueError) as caught:
         plan_runs(cfg)
     assert str(caught.value).startswith("validate.candidates: 'x': ") and "fp8.margin" in str(caught.value)
@@ -556,11 +558,11 @@ def test_data_rewritten_during_a_validation_is_refused_by_validate_and_by_report
     corpus = tmp_path / "corpus.txt"
     write_stdlib_corpus(corpus)
     args = [*TINY, "train.max_steps=6", "train.eval_every=3", "log.every=3", "log.telemetry_every=0",
-            "validate.seeds=1", "validate.workers=1", "validate.candidates=[current]", f"data.path={corpus}",
+            "validate.seeds=2", "validate.workers=1", "validate.candidates=[current]", f"data.path={corpus}",
             f"run.dir={tmp_path}", "run.name=val"]
 
     def log(line):
-        if "bf16/seed1337: completed" in line:
+        if "bf16/seed1338: completed" in line:  # the baselines run first, seed by seed
             corpus.write_text(corpus.read_text()[::-1])  # same length, other text
 
     with pytest.raises(ValueError, match="current/seed1337 is not paired with the plan: it trained on other data "

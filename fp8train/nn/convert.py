@@ -249,7 +249,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
         report.count("linear", reason is None, numel, 2 * linear.in_features * linear.out_features)
     experts_swaps = choose_expert_swaps(model, recipe, policy, report, n_blocks, seen_as)
     grouped_swaps = choose_grouped_swaps(model, recipe, policy, report, n_blocks, seen_as)
-    count_other_weights(model, report, policy, seen_as)
+    other_names = count_other_weights(model, report, policy, seen_as)
     linear_names = [n for n, m in model.named_modules() if _as_linear_shape(m) is not None]
     linear_names += [n for name, _, choices in experts_swaps for n in (name, *(f"{name}.{p}" for p in choices))]
     linear_names += [n for n, m in model.named_modules() if is_grouped(m)]
@@ -259,10 +259,15 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, policy: LayerPolic
     if unmatched:  # before any swap: the model is left as it was
         raise ValueError(f"policy.overrides: {', '.join(map(repr, unmatched))} matches no nn.Linear of this model "
                          f"(a plan made for another model?); {listed}")
-    unmatched = [p for p in policy.checked_exclude if not any(re.search(p, n) for n in seen_names)]
+    # exclude may name every weight the policy governs: the Linears and experts, and the other GEMM weights (a
+    # router outside nn.Linear, which the defaults already keep out: naming it again is redundant, not a typo)
+    governed = linear_names + [n for n in other_names if n not in linear_names]
+    governed_seen = [n for name in governed for n in seen_as(name)]
+    unmatched = [p for p in policy.checked_exclude if not any(re.search(p, n) for n in governed_seen)]
     if unmatched:
-        raise ValueError(f"policy.exclude: {', '.join(map(repr, unmatched))} matches no nn.Linear of this model "
-                         f"(a typo, or a pattern for another model?); {listed}")
+        listed = (f"the weights it governs: {', '.join(governed[:8])}" + (", ..." if len(governed) > 8 else ""))
+        raise ValueError(f"policy.exclude: {', '.join(map(repr, unmatched))} matches no nn.Linear, experts or other "
+                         f"GEMM weight (a router) of this model (a typo, or a pattern for another model?); {listed}")
     classes = {type(m).__name__ for _, m in model.named_modules() if isinstance(m, nn.Linear)}
     unmatched = [c for c in policy.linear_subclasses if c not in classes]
     if unmatched:

@@ -130,9 +130,11 @@ def attach_grouped(model: nn.Module, swaps: list) -> None:
         setattr(parent, child, fp8)
 
 
-def count_other_weights(model: nn.Module, report, policy, seen_as) -> None:
-    """Name every >= 2-D Parameter the other kinds did not count, with why it stays in high precision."""
-    counted = set()
+def count_other_weights(model: nn.Module, report, policy, seen_as) -> list[str]:
+    """Name every >= 2-D Parameter the other kinds did not count, with why it stays in high precision; returns the
+    names of the modules holding them (a router such as Qwen3-MoE's `mlp.gate`), which policy.exclude patterns
+    may name too."""
+    counted, owners = set(), []
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding, nn.EmbeddingBag)) or \
                 type(module).__name__ == "Conv1D" or is_hf_experts(module) or \
@@ -143,9 +145,11 @@ def count_other_weights(model: nn.Module, report, policy, seen_as) -> None:
             continue
         owner_name = name.rpartition(".")[0]
         owner = model.get_submodule(owner_name) if owner_name else model
+        owners.append(owner_name)
         what = f"a {tuple(param.shape)} weight of {type(owner).__name__}"
         pattern = next((p for p in policy.exclude_patterns for n in seen_as(owner_name) if re.search(p, n)), None)
         reason = f"excluded by pattern {pattern!r} ({what})" if pattern is not None else \
             f"{what}, not an nn.Linear or an experts module: fp8train keeps it in high precision"
         report.skipped.append((name, reason))
         report.count("other", False, param.numel(), 2 * param.numel())
+    return list(dict.fromkeys(owners))

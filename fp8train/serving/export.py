@@ -47,6 +47,7 @@ from fp8train.serving.fp8_weights import (ACTIVATION_SCHEMES, Fp8WeightLinear, d
 from fp8train.serving.dense_export import DENSE_DTYPES, DENSE_FORMAT, export_dense_folder
 from fp8train.serving.expert_export import split_expert_names
 from fp8train.serving.export_checks import compare_logits, fidelity_bounds, print_check, refuse_failed_source
+from fp8train.serving.export_file import EXPORT_MARK, check_export_file
 from fp8train.serving.export_options import check_options
 from fp8train.serving.hf_export import export_hf_folder, export_notes, load_hf_export
 from fp8train.serving.run_loading import (LoadedRun, fp8_linear_names, fp8_policy_names, load_run, loaded_run,
@@ -54,7 +55,7 @@ from fp8train.serving.run_loading import (LoadedRun, fp8_linear_names, fp8_polic
 from fp8train.training.config import ModelConfig
 from fp8train.training.data.corpus import build_data
 from fp8train.training.models.decoder import build_model
-from fp8train.training.storage.outputs import check_output_file, claim_output_path
+from fp8train.training.storage.outputs import claim_output_path
 from fp8train.training.storage.files import as_os_error, give_default_mode, write_failure, write_file_atomic
 
 __all__ = [
@@ -65,7 +66,6 @@ __all__ = [
 ]
 
 EXPORT_FORMATS = ("e4m3fn", "e4m3fnuz")
-EXPORT_MARK = "fp8train-fp8-weights-v1"
 SCALE_CONVENTION = "dequant: w = weight.float() * weight_scale"
 SCALE_LAYOUT = "per-output-channel: weight_scale float32 shape (out_features, 1), amax(|row|) / fmt.max"
 
@@ -130,8 +130,7 @@ def export_run(run_dir, out, fmt="e4m3fn", force: bool = False, tokenizer: str |
     """Write the FP8 export of ``run_dir``'s newest valid checkpoint (or of a LoadedRun) to ``out`` (see the module
     docstring)."""
     fmt = _export_format(fmt)
-    out = Path(out)
-    out = check_output_file(out, force=force, sources=[source_dir(run_dir)])
+    out = check_export_file(out, force, sources=[source_dir(run_dir)])
     run = loaded_run(run_dir, tokenizer)  # (tokenizer: a Hugging Face folder without one)
     names = fp8_linear_names(run)
     tensors, aliases = {}, tied_aliases(run.model)
@@ -223,7 +222,7 @@ def convert_export(src, out, fmt, force: bool = False, allow_inexact: bool = Fal
     source = get_format(meta["fp8_format"])
     if source.name == target.name:
         raise ValueError(f"export {str(src)!r} is already {target.name}; nothing to convert")
-    out = check_output_file(out, force=force)
+    out = check_export_file(out, force)
     tensors = load_file(str(src))
     changed_total = 0
     for name in json.loads(meta["fp8_layers"]):

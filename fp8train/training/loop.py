@@ -230,7 +230,9 @@ def _write_checkpoint(run: Run, state: LoopState, final: bool) -> bool:
     ckpt_dir = run.run_dir / CHECKPOINTS_DIR
     path = ckpt_dir / f"step_{done:06d}"
     extra = {**run.hashes, "lr_schedule_steps": run.lr_horizon["steps"], **state.counts(),
-             **({"fork": run.fork_record} if run.fork_record else {})}
+             **({"fork": run.fork_record} if run.fork_record else {}),
+             # what sharded the checkpoint, for whoever reads it (a fork refusing it names the cause)
+             "parallel": run.cfg.train.parallel, "tp_size": run.cfg.train.tp_size}
     protect = [run.resume_point.checkpoint] if run.resume_point.checkpoint is not None else []  # pruning keeps the resumed one
     if run.sharded:  # every rank writes its shard; collective
         path = save_sharded_checkpoint(ckpt_dir, done, run.model, run.optimizer, run.scheduler, extra=extra,

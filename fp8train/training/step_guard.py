@@ -47,9 +47,16 @@ def divergence_reason(skip_nonfinite_grads: bool, consecutive_skips: int, step: 
         return (f"gradient norm became {grad_norm} at step {step + 1} (train.skip_nonfinite_grads=false, so the "
                 "step was not applied)")
     if not math.isfinite(grad_norm) and consecutive_skips + 1 >= MAX_CONSECUTIVE_SKIPS:
-        return (f"gradient norm non-finite for {consecutive_skips + 1} steps in a row (steps "
-                f"{step + 2 - MAX_CONSECUTIVE_SKIPS}-{step + 1}); every one was skipped")
+        # steps numbered from 1, as everywhere: the last one is the step the run stopped at (diverged_at_step),
+        # not applied; the ones before it were skipped and count among the steps the run took
+        first = step + 2 - MAX_CONSECUTIVE_SKIPS
+        return (f"gradient norm non-finite for {consecutive_skips + 1} steps in a row (steps {first}-{step + 1}): "
+                f"{_steps(first, step)} skipped, the run stopped at step {step + 1}")
     return None
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first} was" if first == last else f"steps {first}-{last} were"
 
 
 @dataclass

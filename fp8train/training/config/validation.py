@@ -172,19 +172,21 @@ class ValidateConfig(Section):
 
     def _check_seeds(self) -> None:
         seeds = self.seeds
-        allowed = (f"a count in [1, {MAX_SEED_COUNT}], a non-empty list of at most {MAX_SEED_COUNT} distinct ints in "
-                   f"[0, 2**63), or {AUTO_SEEDS!r}")
+        # 2 at least, as validate.max_seeds: the verdict's confidence bound needs a spread of the per-seed gaps, so
+        # one seed could only ever end INCONCLUSIVE, after training its runs
+        allowed = (f"a count in [2, {MAX_SEED_COUNT}], a list of at least 2 and at most {MAX_SEED_COUNT} distinct ints "
+                   f"in [0, 2**63), or {AUTO_SEEDS!r}; one seed has no spread, and the verdict needs 2")
         self._in("spending", SPENDING_RULES)
         require(is_int(self.max_seeds) and 2 <= self.max_seeds <= 1000, "validate.max_seeds", self.max_seeds,
                  "an int in [2, 1000] (the last look of validate.seeds=auto; one seed has no spread)")
         if seeds == AUTO_SEEDS:
             return
         if is_int(seeds):
-            require(1 <= seeds <= MAX_SEED_COUNT, "validate.seeds", seeds, allowed)
+            require(2 <= seeds <= MAX_SEED_COUNT, "validate.seeds", seeds, allowed)
             return
         is_list = isinstance(seeds, (list, tuple))
         shown = f"[{len(seeds)} seeds]" if is_list and len(seeds) > 10 else seeds  # not 100000 ints in a message
-        require(is_list and 0 < len(seeds) <= MAX_SEED_COUNT, "validate.seeds", shown, allowed)
+        require(is_list and 2 <= len(seeds) <= MAX_SEED_COUNT, "validate.seeds", shown, allowed)
         seeds = list(seeds)
         require(all(is_int(s) and 0 <= s < _SEED_LIMIT for s in seeds), "validate.seeds", seeds, allowed)
         repeated = sorted(s for s, n in Counter(seeds).items() if n > 1)  # linear: lists go up to MAX_SEED_COUNT

@@ -96,8 +96,7 @@ def _resolve(path: str, key: str) -> Path:
         raise ValueError(f"{key}={path}: not a checkpoint folder (with {MANIFEST}) nor a run directory with "
                          f"{CHECKPOINTS_DIR}/")
     if is_sharded_checkpoint(checkpoint):
-        raise ValueError(f"{key}={path}: {checkpoint} is a sharded (train.parallel=fsdp2) checkpoint; a fork "
-                         "starts from a single-file checkpoint (train.parallel=ddp)")
+        raise ValueError(_sharded_refusal(checkpoint, path, key))
     problem = verify_checkpoint(checkpoint)
     if problem is not None and not checkpoint.exists():
         raise ValueError(f"{key}={path}: checkpoint {checkpoint} was deleted while it was read")
@@ -105,6 +104,33 @@ def _resolve(path: str, key: str) -> Path:
         raise ValueError(f"{key}={path}: checkpoint {checkpoint} does not verify: {problem}")
     _refuse_failed_source(checkpoint.resolve(), path, key, given_run=checkpoint.resolve() != where.resolve())
     return checkpoint.resolve()
+
+
+def _sharded_refusal(checkpoint: Path, path: str, key: str) -> str:
+    """Why a sharded checkpoint cannot be forked, naming what sharded it as the checkpoint records it: its
+    manifest's parallel and tp_size (checkpoints written before the manifest held them: its run's config.yaml)."""
+    manifest = read_json(checkpoint / MANIFEST)
+    extra, world = manifest.get("extra") or {}, manifest.get("world_size")
+    recorded, where = (extra.get("parallel"), extra.get("tp_size")), "its manifest"
+    if recorded[0] is None or recorded[1] is None:
+        config_file = checkpoint.parent.parent / CONFIG_FILE
+        try:
+            source = load_config(str(config_file)).train
+            recorded, where = (source.parallel, source.tp_size), str(config_file)
+        except (OSError, ValueError):
+            recorded = (None, None)
+    parallel, tp_size = recorded
+    ranks = f"across the {world} processes that wrote it" if isinstance(world, int) and world > 1 else "into per-rank shard files"
+    if isinstance(tp_size, int) and tp_size > 1:
+        what = (f"a tensor-parallel checkpoint (train.tp_size={tp_size}, train.parallel={parallel}, per {where}): "
+                f"its weights are split {ranks}")
+    elif parallel == "fsdp2":
+        what = f"a sharded (train.parallel=fsdp2, per {where}) checkpoint: its weights are split {ranks}"
+    else:
+        what = (f"a sharded checkpoint (its weights split {ranks}; written with train.parallel=fsdp2 or "
+                "train.tp_size > 1, which neither its manifest nor its run's config.yaml says)")
+    return (f"{key}={path}: {checkpoint} is {what}; a fork starts from a single-file checkpoint, written by a run "
+            "with train.parallel=ddp and train.tp_size=1 (nothing was written)")
 
 
 def _refuse_failed_source(checkpoint: Path, path: str, key: str, given_run: bool) -> None:

@@ -138,7 +138,11 @@ def summary_line(name: str, summary: dict) -> str:
     # policy.allow_no_fp8 lets an FP8 recipe convert nothing: say so rather than name a recipe nothing ran
     unused = " with 0 FP8 layers (all high precision)" if summary.get("fp8_layers") == 0 and \
         summary.get("recipe") not in (None, "none") else ""
-    return (f"[{name}] {summary['status']}: {counted(summary['steps'], 'step')}, val_loss {val}, "
+    # a diverged run names the step it stopped at (diverged_at_step, numbered from 1) and the steps it took before
+    # it (summary.json's steps), as export, kv-eval and forks refusing it do (source_status.failure_text)
+    at = summary.get("diverged_at_step")
+    ended = f"{summary['status']} at step {at} after" if isinstance(at, int) else f"{summary['status']}:"
+    return (f"[{name}] {ended} {counted(summary['steps'], 'step')}, val_loss {val}, "
             f"{summary['wall_time_s']:.1f}s, recipe {summary['recipe']}{unused}{reason}")
 
 

@@ -27,7 +27,9 @@ def failed_summary(run_dir) -> dict | None:
 
 
 def failure_text(run_dir, summary: dict) -> str:
-    """"run D ended diverged at step 6 (reason)" for a summary that failed_summary returned."""
-    at = summary.get("diverged_at_step")
+    """"run D ended diverged at step 6 (after 5 steps; reason)" for a summary that failed_summary returned: the
+    step it stopped at and the steps it took before it, numbered as the run's own summary line numbers them."""
+    at, steps = summary.get("diverged_at_step"), summary.get("steps")
+    took = f"after {steps} steps; " if at is not None and isinstance(steps, int) else ""
     return (f"run {run_dir} ended {summary['status']}" + (f" at step {at}" if at is not None else "")
-            + f" ({summary.get('reason') or 'no reason recorded'})")
+            + f" ({took}{summary.get('reason') or 'no reason recorded'})")
