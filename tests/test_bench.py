@@ -276,7 +276,7 @@ def test_out_is_checked_before_the_work_and_never_written_through(tmp_path, wher
     if where == "link":
         out.symlink_to(target)
     before = out.read_bytes() if out.is_file() else None
-    forces = [[], ["--force"]] if where != "existing file" else [[]]
+    forces = [[], ["--force"]]  # an existing file that is not a bench result: refused with --force too
     for force in forces:
         rc = main(["bench", "--out", str(out), *force, "--quick", "--sections", "quant", "--quant-numel", "4096",
                    "--repeats", "1", "--warmup", "0", "--no-torchao"])
@@ -290,7 +290,7 @@ def test_out_is_checked_before_the_work_and_never_written_through(tmp_path, wher
 
 def test_force_replaces_an_earlier_result(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    out.write_text("{}\n")
+    out.write_text('{"machine": {}, "settings": {}, "sections": {"linear": {}}}\n')  # an earlier result's shape
     rc = main(["bench", "--out", str(out), "--force", "--quick", "--sections", "quant", "--quant-numel", "4096",
                "--repeats", "1", "--warmup", "0", "--no-torchao", "--no-malloc-tuning", "--threads", "1"])
     assert rc == 0, capsys.readouterr().err

@@ -56,6 +56,9 @@ def test_layer_recipes_then_validate(shadowed_run, tmp_path, capsys):
     assert ": current  #" in text or ": rowwise  #" in text
     assert "mxfp8  #" not in text  # the OCP rule's clipping shows as overflow > 0.1% on these activations
     assert cli.main(["layer-recipes", str(shadowed_run), "--out", str(out), "--repeats", "1"]) == 2  # exists: refused
+    assert cli.main(["layer-recipes", str(shadowed_run), "--out", str(out), "--repeats", "1", "--min-speedup", "0",
+                     "--force"]) == 0  # its own earlier file: replaced (a user's file is not: test_output_safety.py)
+    assert out.read_text().startswith("# fp8train layer-recipes for ") and out.read_text().count("  # ") == 7
     code = cli.main(["validate", "--config", "recipes/cpu_validate.yaml", f"run.dir={tmp_path}", "run.name=v",
                      f"validate.candidates=[layers=current:policy.overrides_file={out}]", "validate.seeds=2",
                      "--quiet", *TINY, "train.eval_every=3", "validate.final_window=1"])

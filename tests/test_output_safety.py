@@ -137,6 +137,29 @@ def test_force_over_an_export_holding_a_kv_eval_of_it_names_that_output(tiny_fp8
     assert tree_digest(export) == before
 
 
+@pytest.mark.parametrize("command", ["layer-recipes", "bench"])
+def test_force_replaces_only_a_file_the_same_command_wrote(tiny_fp8_run, tmp_path, command, commands, capsys):
+    """As for an export (test_export.py): `--out FILE --force` of layer-recipes and bench replaces an earlier
+    output of that command, never a user's file of the same name (even one that looks a little like it)."""
+    argv = {"layer-recipes": ["layer-recipes", str(tiny_fp8_run), "--repeats", "1"],
+            "bench": ["bench", "--quick", "--sections", "quant", "--quant-numel", "4096", "--repeats", "1",
+                      "--warmup", "0", "--no-torchao", "--no-malloc-tuning", "--threads", "1"]}[command]
+    mine = tmp_path / "mine.out"
+    for text in ("precious\n", '{"machine": {}, "sections": {}}\n', "# fp8train\npolicy: {}\n"):
+        mine.write_text(text)
+        code, _, err = commands.main([*argv, "--out", str(mine), "--force"], capsys)
+        line = one_line_error(code, err)
+        assert f"{mine} is a file that fp8train did not write" in line and "nothing was written" in line, line
+        assert mine.read_text() == text
+    if command == "bench":  # layer-recipes replacing its own file: test_layer_recipes_e2e.py (it needs shadow data)
+        ours = tmp_path / "ours.out"
+        assert commands.main([*argv, "--out", str(ours)], capsys)[0] == 0
+        first = json.loads(ours.read_text())
+        code, _, err = commands.main([*argv, "--out", str(ours), "--force"], capsys)
+        assert code == 0, err
+        assert json.loads(ours.read_text())["sections"]["quant"] != first["sections"]["quant"]  # timed again
+
+
 @pytest.mark.parametrize("target", ["summary.json", "config.yaml", "plan.json", "checkpoint"])
 def test_an_output_file_never_replaces_another_runs_records(tiny_fp8_run, tmp_path, target, commands, capsys):
     """Not only the source run's: no --out, --force or not, replaces a file that some other run or validation

@@ -39,6 +39,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -187,8 +188,20 @@ def cli_main(args) -> int:
         return _bench(args, opts)
     with claim_output_path(opts.out, "bench --out"):  # a second bench writing the same file meanwhile is refused
         # before minutes of timing: an existing file, a link, a run's records or /proc/x is one line
-        opts.out = str(check_output_file(opts.out, force=args.force))
+        opts.out = str(check_output_file(opts.out, force=args.force, ours=_not_bench_results))
         return _bench(args, opts)
+
+
+def _not_bench_results(path: Path) -> str | None:
+    """None when `path` holds the JSON an earlier bench wrote (its "machine", "settings" and "sections"), the one
+    kind of file bench --force replaces; else what it lacks."""
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return "it is not JSON"
+    if isinstance(results, dict) and {"machine", "settings", "sections"} <= results.keys():
+        return None
+    return "it is no bench result: no \"machine\", \"settings\" and \"sections\""
 
 
 def _bench(args, opts) -> int:

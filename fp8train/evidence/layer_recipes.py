@@ -50,6 +50,7 @@ __all__ = ["DEFAULT_THRESHOLDS", "shadow_table", "converted_linears", "time_shap
            "layer_recipes_yaml", "check_fp8_conversion", "add_cli_arguments", "cli_main"]
 
 DEFAULT_THRESHOLDS = {**advisor.MEAN_THRESHOLDS, "min_speedup": 1.05}
+LAYER_RECIPES_HEADER = "# fp8train layer-recipes"  # the first line of every file it writes: --force replaces those
 
 
 def _as_float(value) -> float | None:
@@ -243,7 +244,7 @@ def layer_recipes_yaml(choices: dict) -> str:
     t = choices["thresholds"]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        f"# fp8train layer-recipes for {choices['run_dir']}, measured {when} on {choices['device_name']} "
+        f"{LAYER_RECIPES_HEADER} for {choices['run_dir']}, measured {when} on {choices['device_name']} "
         f"({choices['device']})",
         f"# speed: fwd+bwd per layer shape (MxKxN), median of {choices['repeats']} interleaved rounds, speedup over "
         f"the run's precision ({choices['baseline']}); fp32 shown too",
@@ -287,8 +288,18 @@ def cli_main(args) -> int:
         return _plan(args)
 
 
+def _not_layer_recipes(path: Path) -> str | None:
+    """None when `path` is a file an earlier layer-recipes wrote (its first line says so), the one kind of file
+    layer-recipes --force replaces; else what it lacks."""
+    try:
+        first = path.read_text().split("\n", 1)[0]
+    except (OSError, UnicodeDecodeError):
+        return "it is not text"
+    return None if first.startswith(LAYER_RECIPES_HEADER) else f"its first line is not {LAYER_RECIPES_HEADER!r}"
+
+
 def _plan(args) -> int:
-    out = check_output_file(args.out, force=args.force, sources=[args.run_dir])
+    out = check_output_file(args.out, force=args.force, sources=[args.run_dir], ours=_not_layer_recipes)
     if not 1 <= args.repeats <= MAX_REPEATS:  # each round times every layer shape: a bound on hours of timing
         raise ValueError(f"--repeats={args.repeats}: must be in [1, {MAX_REPEATS}]")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device

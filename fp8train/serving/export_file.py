@@ -34,9 +34,8 @@ def export_mark(path: Path) -> str | None:
 def check_export_file(out, force: bool, sources: Iterable = ()) -> Path:
     """``out`` as the path of a single-file export: what check_output_file allows, and, when a file is there
     (with --force), one that fp8train wrote as an export."""
-    out = check_output_file(out, force=force, sources=sources)
-    if out.exists() and export_mark(out) != EXPORT_MARK:
-        raise ValueError(f"--out {out} is a file that fp8train did not write (its safetensors header holds no "
-                         f"{MARK_KEY!r}: {EXPORT_MARK!r}); --force replaces only fp8train's own export: remove it "
-                         "yourself or choose another path (nothing was written)")
-    return out
+    def lacking(path: Path) -> str | None:
+        return None if export_mark(path) == EXPORT_MARK else \
+            f"its safetensors header holds no {MARK_KEY!r}: {EXPORT_MARK!r}"
+
+    return check_output_file(out, force=force, sources=sources, ours=lacking)

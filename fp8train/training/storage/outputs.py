@@ -118,8 +118,11 @@ def probe_writable(path: Path, option: str) -> None:
     probe.unlink(missing_ok=True)
 
 
-def check_output_file(path, *, force: bool, option: str = "--out", sources: Iterable = ()) -> Path:
-    """`path` as a file output: absent, or an existing file with `force`. Never a folder or a link."""
+def check_output_file(path, *, force: bool, option: str = "--out", sources: Iterable = (),
+                      ours: Callable[[Path], str | None] | None = None) -> Path:
+    """`path` as a file output: absent, or an existing file with `force`. Never a folder or a link. With `ours`
+    (path -> None when the file there is the command's own earlier output, else what it lacks), `force` replaces
+    only such a file, as it replaces only a folder holding fp8train's marker: a user's file is never lost to it."""
     path = _named(path, option)
     _refuse_link(path, option)
     if path.is_dir():
@@ -128,6 +131,10 @@ def check_output_file(path, *, force: bool, option: str = "--out", sources: Iter
         raise FileExistsError(f"{option} {path} already exists; pass --force to replace it (nothing was written)")
     if path.exists() and not path.is_file():
         raise ValueError(f"{option} {path} exists and is not a regular file; give a file path (nothing was written)")
+    lacking = ours(path) if ours is not None and path.exists() else None
+    if lacking:
+        raise ValueError(f"{option} {path} is a file that fp8train did not write ({lacking}); --force replaces only "
+                         "fp8train's own output: remove it yourself or choose another path (nothing was written)")
     _refuse_source(path, option, sources)
     _refuse_kept(path, option)
     probe_writable(path, option)
