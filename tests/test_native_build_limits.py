@@ -111,7 +111,8 @@ def test_a_process_waiting_for_a_stuck_build_gives_up_naming_the_holder(tmp_path
         waiting = [line for line in err.splitlines() if "waiting for" in line]
         assert len(waiting) == 1 and re.fullmatch(
             re.escape(f"fp8train: waiting for the native kernels' build by pid {holder.pid} on {platform.node()} "
-                      "since ") + r"\d\d:\d\d:\d\d" + re.escape(f" ({lock}; up to 3 s, then the eager kernels are used)"),
+                      "since ") + r"\d\d:\d\d:\d\d"
+            + re.escape(f" ({lock}; up to 3 s, then the eager kernels are used)"),
             waiting[0]), err
         assert err.index("waiting for") < err.index("native FP8 cast is unavailable")
         assert f"the build lock {lock} was held by pid {holder.pid} on" in reason, reason

@@ -28,8 +28,9 @@ try:
 except ImportError:  # not POSIX: builds are not serialized across processes (each still renames a whole file)
     fcntl = None
 
-__all__ = ["BUILD_TIMEOUT_S", "LOCK_WAIT_S", "NOTICE_AFTER_S", "notice_once", "Recorded", "CacheUnusable", "LockWait", "failure_path",
-           "recorded_failure", "record_failure", "build_lock", "compile_in_group", "exit_status"]
+__all__ = ["BUILD_TIMEOUT_S", "LOCK_WAIT_S", "NOTICE_AFTER_S", "notice_once", "Recorded", "CacheUnusable",
+           "LockWait", "failure_path", "recorded_failure", "record_failure", "build_lock", "compile_in_group",
+           "exit_status"]
 
 BUILD_TIMEOUT_S = 120.0  # all variants together; a real build takes about a second
 LOCK_WAIT_S = BUILD_TIMEOUT_S + 30.0  # a holder past this is stuck, not building
@@ -127,7 +128,8 @@ def build_lock(folder: Path):
 def compile_in_group(command: list, deadline: float, slow_at: Optional[float] = None,
                      on_slow: Optional[Callable[[], None]] = None) -> subprocess.CompletedProcess:
     """The compiler in a process group of its own: at the deadline the group is killed whole (a driver such as
-    gcc leaves cc1 and as behind otherwise); still running at `slow_at`, `on_slow()` is called (a line saying so). Its output goes to temporary files, not pipes, and the wait is on the
+    gcc leaves cc1 and as behind otherwise); still running at `slow_at`, `on_slow()` is called (a line saying
+    so). Its output goes to temporary files, not pipes, and the wait is on the
     compiler itself: a child that left the group (`setsid sleep &`) holds no pipe open, so a compiler that exited
     is judged by its exit and its output at once, not reported as hung at the limit."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:

@@ -10,7 +10,8 @@ import torch
 
 from fp8train.serving.kv_transform import autocast_bf16, kv_transforms
 
-__all__ = ["score_caches", "bucket_edges", "position_buckets", "mean_ci", "bucket_stats", "greedy_generate", "agreement"]
+__all__ = ["score_caches", "bucket_edges", "position_buckets", "mean_ci", "bucket_stats", "greedy_generate",
+           "agreement"]
 
 _Z95 = 1.959963984540054  # two-sided 95% normal quantile
 

@@ -51,8 +51,8 @@ from fp8train.numerics.formats import get_format
 from fp8train.serving.fp8_weights import fp8_weight_model
 from fp8train.serving.kv_memory import kv_bytes_per_token, kv_scale_bytes, memory_report
 from fp8train.serving.kv_report import check_report_folder, format_stat, kib, weights_label, write_report
-from fp8train.serving.kv_scoring import (agreement, bucket_edges, bucket_stats, greedy_generate, mean_ci, position_buckets,
-                                         score_caches)
+from fp8train.serving.kv_scoring import (agreement, bucket_edges, bucket_stats, greedy_generate, mean_ci,
+                                         position_buckets, score_caches)
 from fp8train.serving.kv_transform import (CACHE_FORMATS, GRANULARITIES, SCALE_SOURCES, Fp8KvCache, KvCacheConfig,
                                            bf16_cache, calibrate_kv_amax, kv_transforms, scales_from_amax)
 from fp8train.serving.export_checks import refuse_failed_source
