@@ -102,6 +102,17 @@ def test_report_after_a_kill_between_rounds_says_unfinished_not_running(tmp_path
         again = write_report(vdir)
         assert again["runs"]["bf16/seed1339"]["status"] == "running" and again["cost"]["running_runs"] == 1
         assert "(besides: 1 running now)" in (vdir / "report.md").read_text()
+    # validate run again resumes at round 2 (the look at 3 seeds), and says so: it said "round 1"
+    rounds: list[str] = []
+
+    def first_round(line: str) -> None:
+        if "] round " in line:
+            rounds.append(line)
+            raise _Round2(line)  # before any run of it starts
+
+    with pytest.raises(_Round2):
+        run_validation(cfg, log=first_round, show_progress=False)
+    assert rounds == ["[validate] round 2: 2 runs to make, seeds [1337, 1338, 1339], bf16, current"], rounds
 
 
 @pytest.mark.slow
