@@ -313,3 +313,38 @@ def test_counts_that_would_run_for_hours_are_refused_first(tiny_run, tmp_path, o
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and option in lines[0] and "1024" in lines[0], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--max-positions", "0"], "--max-positions must be >= 1, got 0 (leave it out for the default)"),
+    (["--prompt-len", "0"], "--prompt-len must be >= 1, got 0"),
+    (["--batches", "0"], "--batches must be >= 1, got 0"),
+    (["--buckets", "0,0,8"], "--buckets 0,0,8: edges must start at 0, each be above the one before (no repeats)"),
+    (["--buckets", "0,16,8"], "--buckets 0,16,8: edges must start at 0, each be above the one before"),
+    (["--buckets", "0,8,x"], "--buckets '0,8,x': give comma-separated whole numbers"),
+    (["--buckets", "0,8,128"], "--buckets 0,8,128: edges must start at 0, each be above the one before (no repeats) "
+                               "and end at most at 64 (the positions evaluated)"),
+    (["--format", "e4m3fn,e4m3fn"], "--format e4m3fn,e4m3fn: 'e4m3fn' repeats 'e4m3fn'; give each value once"),
+    (["--format", "e4m3,e5m2,e4m3fn"], "--format e4m3,e5m2,e4m3fn: 'e4m3fn' repeats 'e4m3'"),  # an alias
+    (["--kv", "k,v,k"], "--kv k,v,k: 'k' repeats 'k'; give each value once"),
+    # --prompt-len left out: the error names what was given (it named a derived --prompt-len of -36)
+    (["--gen-prompts", "2", "--gen-tokens", "100"], "--gen-tokens 100 must be below model.seq_len=64: the prompt"),
+    (["--gen-tokens", "8", "--max-positions", "8"], "--gen-tokens 8 must be below --max-positions 8: the prompt"),
+    (["--prompt-len", "62", "--gen-tokens", "4"], "--prompt-len 62 + --gen-tokens 4 must fit in model.seq_len=64"),
+])
+def test_option_values_that_would_be_silently_changed_or_misnamed_are_refused(tiny_run, tmp_path, argv, said, capsys,
+                                                                              commands):
+    """Each refused in one line naming the option and what is allowed, exit 2, nothing written (0 used to mean the
+    default silently, repeated values were reported twice, an unsorted or repeated bucket edge was sorted away)."""
+    out = tmp_path / "x"
+    code, _, err = commands.main(["kv-eval", str(tiny_run), "--out", str(out), *argv], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and said in lines[0], err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_bucket_edges_are_used_as_given():
+    assert position_buckets(32, (0, 4, 32)) == [(0, 4), (4, 32)]
+    for edges in ((0, 0, 8), (0, 8, 4), (0,), (1, 8)):
+        with pytest.raises(ValueError, match="edges must start at 0, each be above the one before"):
+            position_buckets(32, edges)

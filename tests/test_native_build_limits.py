@@ -2,11 +2,14 @@
 scripts on PATH): a compiler that never returns is killed at the time limit and the process quantizes eagerly; a
 process waiting for another's stuck build gives up naming the holder; a compiler that writes garbage and exits 0
 is recorded as failed, its output never loaded again. Each child runs with limits of seconds, not the shipped
-120 s, set on the module before its first use."""
+120 s, set on the module before its first use (and the 5 s after which a build or a wait is said, where the tree
+has it)."""
 
 from __future__ import annotations
 
 import os
+import platform
+import re
 import signal
 import stat
 import subprocess
@@ -25,6 +28,7 @@ build = importlib.import_module("fp8train.numerics.native_build")
 guard = sys.modules.get("fp8train.numerics.native_build_guard")
 if guard is not None:
     guard.BUILD_TIMEOUT_S, guard.LOCK_WAIT_S = float(sys.argv[1]), float(sys.argv[2])
+    guard.NOTICE_AFTER_S = float(sys.argv[3])
 warnings.simplefilter("always")
 print("available", build.available(), flush=True)
 print("reason", build.unavailable_reason(), flush=True)
@@ -40,9 +44,9 @@ def _compilers(bin_dir: Path, body: str) -> str:
     return f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-def _start(cache: Path, path: str, build_s: float, lock_s: float) -> subprocess.Popen:
+def _start(cache: Path, path: str, build_s: float, lock_s: float, notice_s: float = 5.0) -> subprocess.Popen:
     env = dict(os.environ, XDG_CACHE_HOME=str(cache), PATH=path)
-    return subprocess.Popen([sys.executable, "-c", CHILD, str(build_s), str(lock_s)], env=env,
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(build_s), str(lock_s), str(notice_s)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -101,10 +105,18 @@ def test_a_process_waiting_for_a_stuck_build_gives_up_naming_the_holder(tmp_path
         while not (lock.exists() and f"pid {holder.pid} " in lock.read_text()):
             assert time.monotonic() < deadline and holder.poll() is None, "the holder never took the lock"
             time.sleep(0.1)
-        out, reason, err, took = _finish(_start(tmp_path / "cache", path, build_s=100, lock_s=2))
+        out, reason, err, took = _finish(_start(tmp_path / "cache", path, build_s=100, lock_s=3, notice_s=1))
         assert "available False" in out and took < 40, (out, err)
+        # after 1 s of waiting, one line naming the holder (it was silent until the limit)
+        waiting = [line for line in err.splitlines() if "waiting for" in line]
+        assert len(waiting) == 1 and re.fullmatch(
+            re.escape(f"fp8train: waiting for the native kernels' build by pid {holder.pid} on {platform.node()} "
+                      "since ") + r"\d\d:\d\d:\d\d"
+            + re.escape(f" ({lock}; up to 3 s, then the eager kernels are used)"),
+            waiting[0]), err
+        assert err.index("waiting for") < err.index("native FP8 cast is unavailable")
         assert f"the build lock {lock} was held by pid {holder.pid} on" in reason, reason
-        assert "for over 2 s" in reason and len(_unavailable_warnings(err)) == 1, err
+        assert "for over 3 s" in reason and len(_unavailable_warnings(err)) == 1, err
         assert holder.poll() is None  # the holder is still stuck: the waiter did not wait for it
     finally:
         holder.kill()
@@ -181,3 +193,22 @@ def test_a_compiler_killed_by_a_signal_is_named_by_the_signal(tmp_path):
     path = _compilers(tmp_path / "bin", "kill -SEGV $$\n")
     out, reason, err, _ = _finish(_start(tmp_path / "cache", path, build_s=30, lock_s=30))
     assert "available False" in out and "killed by SIGSEGV" in reason and "(-11)" not in reason, reason
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build_s", [3, 0])
+def test_a_build_still_going_after_the_notice_time_says_so_once_and_a_fast_one_says_nothing(tmp_path, build_s):
+    """A compiler that takes 3 s (for the OpenMP variant; then the pthreads variant fails at once) with the notice
+    at 1 s: one line naming the compiler and the limit, before the failure's warning, once in the process although
+    two variants were tried. A compiler that fails at once: no such line (only the warning)."""
+    path = _compilers(tmp_path / "bin", f'case "$*" in *-fopenmp*) sleep {build_s};; esac\necho broken >&2\nexit 1\n')
+    out, reason, err, took = _finish(_start(tmp_path / "cache", path, build_s=30, lock_s=60, notice_s=1))
+    assert "available False" in out and "exit status 1" in reason, (out, err)
+    said = [line for line in err.splitlines() if "building fp8train's native kernels" in line]
+    if build_s:
+        assert said == [f"fp8train: building fp8train's native kernels with {tmp_path / 'bin' / 'gcc'} (once per "
+                        "machine and compiler; up to 30 s, then quantize uses its eager kernels)"], err
+        assert err.index("building fp8train's") < err.index("native FP8 cast is unavailable")
+    else:
+        assert said == [], err
+    assert len(_unavailable_warnings(err)) == 1, err

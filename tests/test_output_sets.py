@@ -135,3 +135,37 @@ def test_an_export_into_a_run_folder_deleted_meanwhile_does_not_make_it_again(tm
                                          r"nothing was written$"):
         replace_output_folder(out, "export", lambda folder: (folder / "model.safetensors").write_bytes(b"x"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_report_killed_mid_write_leaves_temp_files_that_the_next_report_removes(tiny_fp8_run, tmp_path, commands):
+    """`fp8train report` killed (SIGKILL) once its files were written aside (a plot and report.md; this run logs no
+    telemetry, so no health plot), before they were moved into place: their temp files stay (the visible set is
+    the old one). The next report removes them, and only them: temp files of a live process,
+    or names of another pattern, are left alone."""
+    import subprocess
+    import sys
+
+    from fp8train.evidence.report import write_run_report
+
+    run = _copy_run(tiny_fp8_run, tmp_path / "tiny")
+    proc = commands.run(commands.crashpoint("inside-output-set:report.md", "report", str(run)))
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    killed = sorted(p.name for p in run.iterdir() if ".tmp-" in p.name)
+    assert [re.sub(r"tmp-\d+-[0-9a-f]{8}", "tmp-PID-HEX", n) for n in killed] == \
+        [".loss_curves.png.tmp-PID-HEX", ".report.md.tmp-PID-HEX"]
+    (dead,) = {re.search(r"tmp-(\d+)-", n).group(1) for n in killed}  # the killed report's PID
+    # a report.md being written by a live process (its atomic write's own temp too), and names of other patterns
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        kept = [f".report.md.tmp-{live.pid}-0123abcd", f"..report.md.tmp-{live.pid}-0123abcd.tmp-{live.pid}-89abcdef",
+                f".notes.md.tmp-{dead}-0123abcd", ".report.md.tmp-mine", f"report.md.tmp-{dead}-0123abcd"]
+        dead_nested = f"..report.md.tmp-{dead}-0123abcd.tmp-{dead}-89abcdef"
+        for name in (*kept, dead_nested):
+            (run / name).write_text("x")
+        write_run_report(run)
+        left = sorted(p.name for p in run.iterdir() if ".tmp-" in p.name)
+    finally:
+        live.kill()
+        live.wait()
+    assert left == sorted(kept)
+    assert (run / "report.md").is_file() and (run / "loss_curves.png").is_file()

@@ -102,3 +102,49 @@ def test_report_after_a_kill_between_rounds_says_unfinished_not_running(tmp_path
         again = write_report(vdir)
         assert again["runs"]["bf16/seed1339"]["status"] == "running" and again["cost"]["running_runs"] == 1
         assert "(besides: 1 running now)" in (vdir / "report.md").read_text()
+    # validate run again resumes at round 2 (the look at 3 seeds), and says so: it said "round 1"
+    rounds: list[str] = []
+
+    def first_round(line: str) -> None:
+        if "] round " in line:
+            rounds.append(line)
+            raise _Round2(line)  # before any run of it starts
+
+    with pytest.raises(_Round2):
+        run_validation(cfg, log=first_round, show_progress=False)
+    assert rounds == ["[validate] round 2: 2 runs to make, seeds [1337, 1338, 1339], bf16, current"], rounds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seeds, kill_at", [("auto", "after-run-config"), ("auto", "after-run-lock"),
+                                            ("[1337,1338]", "after-run-lock")])
+def test_a_run_killed_mid_round_before_its_first_log_line_is_unfinished_in_either_design(tmp_path, tiny, commands,
+                                                                                         seeds, kill_at):
+    """`fp8train validate` itself is killed (SIGKILL) while the baseline of seed 1338 starts: after it wrote its
+    config.yaml, or after it took its folder's lock and before it wrote anything there. The sequential design
+    (validate.seeds=auto) said "baseline missing" and counted no unfinished run; both designs now say what the
+    fixed one says: unfinished, counted apart, no paired seed."""
+    from fp8train.evidence.report import write_report
+    from fp8train.training.config import config_to_yaml, load_config
+
+    overrides = [o for o in _sequential_overrides(tmp_path, tiny) if not o.startswith("validate.seeds=")]
+    config = tmp_path / "validate.yaml"
+    config.write_text(config_to_yaml(load_config(None, [*overrides, f"validate.seeds={seeds}"])))
+    proc = commands.run(commands.crashpoint(f"{kill_at}:seq/runs/bf16/seed1338", "validate", str(config), "--quiet"))
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    vdir = tmp_path / "seq"
+    killed = vdir / "runs/bf16/seed1338"
+    left = sorted(p.name for p in killed.iterdir())
+    assert left == ([".fp8train.lock", "config.yaml"] if kill_at == "after-run-config" else [".fp8train.lock"]), left
+    assert (vdir / "runs/bf16/seed1337/summary.json").is_file()  # the baselines go first: seed 1337's ended
+
+    summary = write_report(vdir)
+    assert summary["runs"]["bf16/seed1338"]["status"] == "unfinished"
+    assert summary["cost"]["runs"] == 1 and summary["cost"]["unfinished_runs"] == 1
+    assert summary["cost"]["running_runs"] == 0
+    assert "baseline missing" not in summary["candidates"]["current"]["reason"]
+    # seeds=auto: the seeds whose baseline ended; a fixed design: every planned seed
+    assert summary["seeds"] == ([1337] if seeds == "auto" else [1337, 1338])
+    report = (vdir / "report.md").read_text()
+    assert "| bf16/seed1338 | unfinished |" in report
+    assert "**1 run** ended (besides: 1 unfinished: no summary.json and no process holds it, killed?)" in report

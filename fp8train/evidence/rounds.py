@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from fp8train.evidence.run_plan import PlannedRun
+from fp8train.evidence.sequential import FIRST_LOOK
 from fp8train.evidence.runner import finished_summary
 from fp8train.evidence.verdict import load_validation, summarize_validation
 from fp8train.training.runs.run_log import counted
@@ -48,8 +49,10 @@ def run_rounds(runs: list[PlannedRun], vdir: Path, run_round: Callable[[list[Pla
         if not unfinished or unfinished <= tried:
             return rounds
         rounds += 1
-        log(f"[validate] round {rounds}: {counted(len(unfinished), 'run')} to make, seeds "
-            f"{sorted({r.seed for r in todo})}, "
+        seeds = sorted({r.seed for r in todo})  # the first n of the plan: the look at n seeds (2, 3, ...)
+        # numbered by its look, not by this process's count: a validation resumed after a kill goes on at round 3
+        log(f"[validate] round {len(seeds) - FIRST_LOOK + 1}: {counted(len(unfinished), 'run')} to make, seeds "
+            f"{seeds}, "
             f"{', '.join(sorted({r.label for r in todo}))}")
         tried |= unfinished
         run_round(todo)

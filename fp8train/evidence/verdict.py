@@ -22,7 +22,8 @@ from fp8train.training.runs import telemetry
 from fp8train.training.runs.run_log import counted
 from fp8train.training.storage.files import read_json
 from fp8train.training.config import AUTOCAST_PRECISION
-from fp8train.training.storage.rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE, is_locked
+from fp8train.training.storage.rundir import (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TELEMETRY_FILE, died_holding,
+                                              is_locked)
 
 __all__ = ["RunData", "load_validation", "baseline_precision", "summarize_validation", "evidence_cost", "METHOD",
            "SEQUENTIAL_METHOD"]
@@ -67,7 +68,9 @@ class RunData:
             # a summary.json there now: the run ended after this report read it, as a run that was running
             if is_locked(self.dir) or (self.dir / SUMMARY_FILE).exists():
                 return "running"  # (also before its first log line: building the model, the step-0 evaluation)
-            started = self.curve.val or self.curve.train or (self.dir / CONFIG_FILE).is_file()
+            # started: it logged, wrote its config.yaml, or (killed in between) took its folder's lock
+            started = self.curve.val or self.curve.train or (self.dir / CONFIG_FILE).is_file() \
+                or died_holding(self.dir)
             return "unfinished" if started else "missing"
         return self.summary.get("status", "unknown")
 

@@ -22,7 +22,8 @@ milliseconds. The cache, file by file:
 
 The compiler runs in its own process group, killed whole at the time limit. A process that waits for
 ``build.lock`` longer than 150 s (the build limit and a margin) gives up with a warning naming the
-holder (its pid and host, written in the lock file) and uses the eager kernel.
+holder (its pid and host, written in the lock file) and uses the eager kernel. A build, or a wait for one, still
+going after 5 s says so in one line on stderr (once per process), so that the process does not look hung.
 
 A build is written to a temporary file named by pid and a random suffix, fsync'd with its record, then renamed into
 place and the folder fsync'd: a crash leaves either no library or a whole one. Under the lock, builds of this
@@ -286,10 +287,11 @@ def _raise_if_failed_before(paths: dict) -> None:
 
 
 def _build_a_variant(compiler: str, paths: dict) -> Path:
-    failures, deadline = [], time.monotonic() + guard.BUILD_TIMEOUT_S
+    started = time.monotonic()
+    failures, deadline, slow_at = [], started + guard.BUILD_TIMEOUT_S, started + guard.NOTICE_AFTER_S
     for name, extra in _VARIANTS:
         try:
-            return _build(compiler, (*_FLAGS, *extra), paths[name], deadline)
+            return _build(compiler, (*_FLAGS, *extra), paths[name], deadline, slow_at)
         except subprocess.TimeoutExpired:
             raise guard.record_failure(paths, f"the C compiler {compiler} did not finish within "
                                               f"{guard.BUILD_TIMEOUT_S:g} s (killed)") from None
@@ -306,13 +308,19 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _build(compiler: str, flags: tuple, path: Path, deadline: float) -> Path:
+def _slow_build_notice(compiler: str) -> None:
+    guard.notice_once("build", f"building fp8train's native kernels with {compiler} (once per machine and compiler; "
+                               f"up to {guard.BUILD_TIMEOUT_S:g} s, then quantize uses its eager kernels)")
+
+
+def _build(compiler: str, flags: tuple, path: Path, deadline: float, slow_at: float) -> Path:
     started = time.monotonic()
     unique = f"{os.getpid()}.{secrets.token_hex(4)}"  # pids repeat across containers sharing a cache
     tmp = path.with_name(f".{path.name}.{unique}.tmp")
     record_tmp = path.with_name(f".{path.name}.json.{unique}.tmp")
     try:
-        done = guard.compile_in_group([compiler, *flags, "-o", str(tmp), *map(str, SOURCES), "-lm"], deadline)
+        done = guard.compile_in_group([compiler, *flags, "-o", str(tmp), *map(str, SOURCES), "-lm"], deadline,
+                                      slow_at, lambda: _slow_build_notice(compiler))
         if done.returncode != 0:
             raise RuntimeError(f"the C compiler {compiler} failed ({guard.exit_status(done.returncode)}): "
                                f"{done.stderr.strip()[:400]}")

@@ -16,22 +16,36 @@ import platform
 import secrets
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 try:
     import fcntl
 except ImportError:  # not POSIX: builds are not serialized across processes (each still renames a whole file)
     fcntl = None
 
-__all__ = ["BUILD_TIMEOUT_S", "LOCK_WAIT_S", "Recorded", "CacheUnusable", "LockWait", "failure_path",
-           "recorded_failure", "record_failure", "build_lock", "compile_in_group", "exit_status"]
+__all__ = ["BUILD_TIMEOUT_S", "LOCK_WAIT_S", "NOTICE_AFTER_S", "notice_once", "Recorded", "CacheUnusable",
+           "LockWait", "failure_path", "recorded_failure", "record_failure", "build_lock", "compile_in_group",
+           "exit_status"]
 
 BUILD_TIMEOUT_S = 120.0  # all variants together; a real build takes about a second
 LOCK_WAIT_S = BUILD_TIMEOUT_S + 30.0  # a holder past this is stuck, not building
+# A build (or a wait for another process's) still going after this long is said in one line: up to the limits
+# above, a process would otherwise print nothing for two minutes and look hung.
+NOTICE_AFTER_S = 5.0
+_noticed: set = set()
+
+
+def notice_once(kind: str, message: str) -> None:
+    """`message` on stderr, the first time this process has one of this `kind` ("build", "wait") to say."""
+    if kind not in _noticed:
+        _noticed.add(kind)
+        print(f"fp8train: {message}", file=sys.stderr, flush=True)
+
 
 class Recorded(RuntimeError):
     """A failure written to the library's .failed.json (the message says what failed and names the file)."""
@@ -89,14 +103,18 @@ def build_lock(folder: Path):
                             f"({err.strerror})") from None
     try:
         if fcntl is not None:
-            deadline = time.monotonic() + LOCK_WAIT_S
+            started = time.monotonic()
+            deadline = started + LOCK_WAIT_S
             while True:  # polled, so a stuck holder costs a bounded wait, not a hang
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when fd closes or the process dies
                     break
                 except BlockingIOError:
+                    holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
+                    if time.monotonic() - started > NOTICE_AFTER_S:
+                        notice_once("wait", f"waiting for the native kernels' build by {holder} ({path}; up to "
+                                            f"{LOCK_WAIT_S:g} s, then the eager kernels are used)")
                     if time.monotonic() > deadline:
-                        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
                         raise LockWait(f"the build lock {path} was held by {holder} for over {LOCK_WAIT_S:.0f} s "
                                         "(a stuck build?)") from None
                     time.sleep(0.05)
@@ -107,15 +125,22 @@ def build_lock(folder: Path):
         os.close(fd)
 
 
-def compile_in_group(command: list, deadline: float) -> subprocess.CompletedProcess:
+def compile_in_group(command: list, deadline: float, slow_at: Optional[float] = None,
+                     on_slow: Optional[Callable[[], None]] = None) -> subprocess.CompletedProcess:
     """The compiler in a process group of its own: at the deadline the group is killed whole (a driver such as
-    gcc leaves cc1 and as behind otherwise). Its output goes to temporary files, not pipes, and the wait is on the
+    gcc leaves cc1 and as behind otherwise); still running at `slow_at`, `on_slow()` is called (a line saying
+    so). Its output goes to temporary files, not pipes, and the wait is on the
     compiler itself: a child that left the group (`setsid sleep &`) holds no pipe open, so a compiler that exited
     is judged by its exit and its output at once, not reported as hung at the limit."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True,
                                 start_new_session=True)
         try:
+            if on_slow is not None and slow_at is not None and slow_at < deadline:
+                try:
+                    proc.wait(timeout=max(0.0, slow_at - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    on_slow()
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             try:

@@ -10,7 +10,8 @@ import torch
 
 from fp8train.serving.kv_transform import autocast_bf16, kv_transforms
 
-__all__ = ["score_caches", "position_buckets", "mean_ci", "bucket_stats", "greedy_generate", "agreement"]
+__all__ = ["score_caches", "bucket_edges", "position_buckets", "mean_ci", "bucket_stats", "greedy_generate",
+           "agreement"]
 
 _Z95 = 1.959963984540054  # two-sided 95% normal quantile
 
@@ -60,6 +61,26 @@ def _kl(logp_ref: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     return (logp_ref.exp() * (logp_ref - logp)).sum(-1)
 
 
+def bucket_edges(text: str) -> tuple[int, ...]:
+    """--buckets as given ("0,8,16"): whole numbers starting at 0, each above the one before (checked here, before
+    the run is read; position_buckets checks the end against the positions)."""
+    try:
+        edges = tuple(int(e) for e in text.split(","))
+    except ValueError:
+        raise ValueError(f"--buckets {text!r}: give comma-separated whole numbers, e.g. 0,8,16,32") from None
+    _check_edges(edges, None)
+    return edges
+
+
+def _check_edges(edges, n_positions: int | None) -> None:
+    shown = ",".join(str(e) for e in edges)
+    at_most = f" and end at most at {n_positions} (the positions evaluated)" if n_positions is not None else ""
+    if len(edges) < 2 or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])) \
+            or (n_positions is not None and edges[-1] > n_positions):
+        raise ValueError(f"--buckets {shown}: edges must start at 0, each be above the one before (no repeats)"
+                         f"{at_most}")
+
+
 def position_buckets(n_positions: int, edges=None) -> list[tuple[int, int]]:
     """[lo, hi) position ranges: 0-7, 8-15, 16-31, ... doubling up to n_positions (or the given edges)."""
     if edges is None:
@@ -67,9 +88,8 @@ def position_buckets(n_positions: int, edges=None) -> list[tuple[int, int]]:
         while edges[-1] * 2 < n_positions:
             edges.append(edges[-1] * 2)
         edges = [e for e in edges if e < n_positions] + [n_positions]
-    edges = sorted(set(int(e) for e in edges))
-    if edges[0] != 0 or edges[-1] > n_positions or len(edges) < 2:
-        raise ValueError(f"--buckets {edges}: edges must start at 0, increase and end at most at {n_positions}")
+    edges = [int(e) for e in edges]
+    _check_edges(edges, n_positions)
     return list(zip(edges[:-1], edges[1:]))
 
 

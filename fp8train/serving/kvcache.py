@@ -51,8 +51,8 @@ from fp8train.numerics.formats import get_format
 from fp8train.serving.fp8_weights import fp8_weight_model
 from fp8train.serving.kv_memory import kv_bytes_per_token, kv_scale_bytes, memory_report
 from fp8train.serving.kv_report import check_report_folder, format_stat, kib, weights_label, write_report
-from fp8train.serving.kv_scoring import (agreement, bucket_stats, greedy_generate, mean_ci, position_buckets,
-                                         score_caches)
+from fp8train.serving.kv_scoring import (agreement, bucket_edges, bucket_stats, greedy_generate, mean_ci,
+                                         position_buckets, score_caches)
 from fp8train.serving.kv_transform import (CACHE_FORMATS, GRANULARITIES, SCALE_SOURCES, Fp8KvCache, KvCacheConfig,
                                            bf16_cache, calibrate_kv_amax, kv_transforms, scales_from_amax)
 from fp8train.serving.export_checks import refuse_failed_source
@@ -99,8 +99,42 @@ class KvEvalOptions:
 def _cache_configs(opts: KvEvalOptions) -> list[KvCacheConfig]:
     if not opts.formats:
         raise ValueError("--format: give at least one FP8 format")
-    return [KvCacheConfig(fmt, kv, opts.granularity, opts.scale_source, opts.margin, opts.pow2)
-            for fmt in opts.formats for kv in opts.kv]
+    if not opts.kv:
+        raise ValueError("--kv: give at least one of k, v, kv")
+    configs = [KvCacheConfig(fmt, kv, opts.granularity, opts.scale_source, opts.margin, opts.pow2)
+               for fmt in opts.formats for kv in opts.kv]
+    # a value given twice (or a format and its alias: e4m3, e4m3fn) would be one cache reported as two
+    _refuse_repeats("--format", opts.formats, [KvCacheConfig(fmt).fmt for fmt in opts.formats])
+    _refuse_repeats("--kv", opts.kv, list(opts.kv))
+    return configs
+
+
+def _refuse_repeats(option: str, given, canonical: list) -> None:
+    for i, name in enumerate(canonical):
+        if name in canonical[:i]:
+            raise ValueError(f"{option} {','.join(given)}: {given[i]!r} repeats {given[canonical.index(name)]!r}; "
+                             "give each value once")
+
+
+def _positions(opts: KvEvalOptions, seq_len: int) -> tuple[int, int | None]:
+    """(positions evaluated, prompt length of the greedy continuations or None without them), each checked
+    against model.seq_len before any work; a derived value's error names the option the user gave."""
+    n_pos = opts.max_positions or seq_len
+    if not 1 <= n_pos <= seq_len:
+        raise ValueError(f"--max-positions {n_pos} must be in [1, model.seq_len={seq_len}]")
+    if opts.gen_prompts <= 0 or opts.gen_tokens <= 0:
+        return n_pos, None
+    if opts.prompt_len:
+        if opts.prompt_len + opts.gen_tokens > seq_len:
+            raise ValueError(f"--prompt-len {opts.prompt_len} + --gen-tokens {opts.gen_tokens} must fit in "
+                             f"model.seq_len={seq_len}")
+        return n_pos, opts.prompt_len
+    if opts.gen_tokens >= n_pos:  # the prompt is the positions before the generated tokens
+        positions = f"--max-positions {n_pos}" if opts.max_positions else f"model.seq_len={seq_len}"
+        raise ValueError(f"--gen-tokens {opts.gen_tokens} must be below {positions}: the prompt (--prompt-len left "
+                         "out) is the positions before the generated tokens, at least 1 (--gen-prompts 0 turns "
+                         "continuations off)")
+    return n_pos, n_pos - opts.gen_tokens
 
 
 def kv_eval(run_dir, opts: KvEvalOptions = KvEvalOptions(), log=print) -> dict:
@@ -110,9 +144,7 @@ def kv_eval(run_dir, opts: KvEvalOptions = KvEvalOptions(), log=print) -> dict:
         get_format(opts.weight_format)
     run = load_run(run_dir, log=log)
     seq_len = run.cfg.model.seq_len
-    n_pos = opts.max_positions or seq_len
-    if not 1 <= n_pos <= seq_len:
-        raise ValueError(f"--max-positions {n_pos} must be in [1, model.seq_len={seq_len}]")
+    n_pos, prompt_len = _positions(opts, seq_len)
     buckets = position_buckets(n_pos, opts.buckets)
     autocast = run.cfg.train.autocast == "bf16"
     data = build_data(run.cfg)
@@ -128,7 +160,7 @@ def kv_eval(run_dir, opts: KvEvalOptions = KvEvalOptions(), log=print) -> dict:
         f"{len(models)} weight precision(s) x {1 + len(configs)} caches")
     # One pass: every cell on every batch. Each (weights, cache) has its own Fp8KvCache, so its own health counts.
     cells = score_caches(models, batches, {"bf16": bf16_cache, **fp8_caches}, autocast)
-    generation, generation_info = _generation(models, fp8_caches, val, opts, n_pos, seq_len, autocast)
+    generation, generation_info = _generation(models, fp8_caches, val, opts, prompt_len, autocast)
     return {
         "manifest": _manifest(run, opts, configs, calibration, batches, n_pos, generation_info),
         "model": {**shape, "seq_len": seq_len},
@@ -167,15 +199,10 @@ def _weight_models(run, opts: KvEvalOptions) -> dict:
     return models
 
 
-def _generation(models: dict, fp8_caches: dict, val, opts: KvEvalOptions, n_pos: int, seq_len: int,
-                autocast: bool):
-    """Greedy continuations of the first gen_prompts validation sequences with every cache."""
-    if opts.gen_prompts <= 0 or opts.gen_tokens <= 0:
+def _generation(models: dict, fp8_caches: dict, val, opts: KvEvalOptions, prompt_len: int | None, autocast: bool):
+    """Greedy continuations of the first gen_prompts validation sequences with every cache (prompt_len None: off)."""
+    if prompt_len is None:
         return {}, None
-    prompt_len = opts.prompt_len or n_pos - opts.gen_tokens
-    if prompt_len < 1 or prompt_len + opts.gen_tokens > seq_len:
-        raise ValueError(f"--prompt-len {prompt_len} + --gen-tokens {opts.gen_tokens} must fit in "
-                         f"model.seq_len={seq_len} with a prompt of at least 1 token")
     prompts = torch.cat([x for x, _ in val])[:opts.gen_prompts, :prompt_len]
     generation = {}
     for w, model in models.items():
@@ -246,12 +273,13 @@ def add_cli_arguments(parser) -> None:
                         help="calibrated: amax on train-split windows, frozen; dynamic: amax of each forward")
     parser.add_argument("--margin", type=int, default=0, help="scale headroom, powers of two (default 0)")
     parser.add_argument("--pow2", action="store_true", help="round scales up to powers of two")
-    parser.add_argument("--batches", type=int, default=0, help="validation batches (default: all of the run's)")
-    parser.add_argument("--max-positions", type=int, default=0, help="positions per sequence (default seq_len)")
+    # --batches, --max-positions, --prompt-len: left out, a value derived from the run; given, at least 1
+    parser.add_argument("--batches", type=int, help="validation batches (default: all of the run's)")
+    parser.add_argument("--max-positions", type=int, help="positions per sequence (default seq_len)")
     parser.add_argument("--calib-batches", type=int, default=4, help="calibration batches (train split; default 4)")
     parser.add_argument("--gen-prompts", type=int, default=8, help="prompts for greedy continuations (0 = off)")
     parser.add_argument("--gen-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
-    parser.add_argument("--prompt-len", type=int, default=0, help="prompt length (default positions - gen tokens)")
+    parser.add_argument("--prompt-len", type=int, help="prompt length (default positions - gen tokens)")
     parser.add_argument("--buckets", help="position bucket edges, e.g. 0,8,16,32,64 (default doubling from 8)")
     parser.add_argument("--matrix", action="store_true", help="also FP8 weights (per output channel) x cache")
     parser.add_argument("--weight-format", default="e4m3fn", help="FP8 weight format for --matrix")
@@ -264,17 +292,21 @@ MAX_COUNT = 1024  # as train.eval_batches and export's --calib-batches
 
 def cli_main(args) -> int:
     torch.set_num_threads(min(torch.get_num_threads(), 2))
+    for key, value in (("--batches", args.batches), ("--max-positions", args.max_positions),
+                       ("--prompt-len", args.prompt_len)):
+        if value is not None and value < 1:  # 0 would silently mean the default
+            raise ValueError(f"{key} must be >= 1, got {value} (leave it out for the default)")
     opts = KvEvalOptions(
         formats=_csv(args.format), kv=_csv(args.kv), granularity=args.granularity, scale_source=args.scale_source,
-        margin=args.margin, pow2=args.pow2, batches=args.batches, max_positions=args.max_positions,
+        margin=args.margin, pow2=args.pow2, batches=args.batches or 0, max_positions=args.max_positions or 0,
         calib_batches=args.calib_batches, gen_prompts=args.gen_prompts, gen_tokens=args.gen_tokens,
-        prompt_len=args.prompt_len, matrix=args.matrix, weight_format=args.weight_format,
-        buckets=tuple(int(e) for e in _csv(args.buckets)) if args.buckets else None)
-    for key, value in (("--batches", opts.batches), ("--max-positions", opts.max_positions),
-                       ("--calib-batches", opts.calib_batches), ("--gen-prompts", opts.gen_prompts),
-                       ("--gen-tokens", opts.gen_tokens), ("--prompt-len", opts.prompt_len)):
+        prompt_len=args.prompt_len or 0, matrix=args.matrix, weight_format=args.weight_format,
+        buckets=bucket_edges(args.buckets) if args.buckets else None)
+    for key, value in (("--calib-batches", opts.calib_batches), ("--gen-prompts", opts.gen_prompts),
+                       ("--gen-tokens", opts.gen_tokens)):
         if value < 0:
             raise ValueError(f"{key} must be >= 0, got {value}")
+    _cache_configs(opts)  # repeated or unknown --format / --kv values: said before the run is read
     for key, value in (("--calib-batches", opts.calib_batches), ("--gen-prompts", opts.gen_prompts)):
         if value > MAX_COUNT:  # each is a forward pass (or a generation): a bound on hours before the report
             raise ValueError(f"{key} {value} must be <= {MAX_COUNT}")

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 __all__ = [
-    "json_safe", "dumps", "nonfinite_fields", "restore_nonfinite", "refuse_symlink", "temp_path", "WRITE_ERRNOS",
+    "json_safe", "dumps", "nonfinite_fields", "restore_nonfinite", "refuse_symlink", "temp_path", "stale_temps",
+    "WRITE_ERRNOS",
     "write_failure", "write_error", "as_os_error", "write_file_atomic", "write_text_atomic", "write_json_atomic",
     "read_json", "read_jsonl", "append_jsonl", "truncate_jsonl", "give_default_mode", "sha256_file",
 ]
@@ -98,6 +99,42 @@ def temp_path(path: Path) -> Path:
     """A temp name beside `path` that no other writer picks: hidden, with this process's PID and 8 random hex
     digits (two threads or two processes writing the same file never share a temp file)."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+_TEMP_TAIL = r"\.tmp-(\d+)-[0-9a-f]{8}"  # what temp_path adds to a name
+
+
+def stale_temps(path: Path) -> list[Path]:
+    """The temp files of `path` (temp_path's names, and those of an atomic write into such a temp name) that a
+    process left beside it and is no longer running to finish: killed mid-write. Only files of exactly those names,
+    and only when no process with a PID in the name is alive (this one included): a live writer's are never
+    listed."""
+    path = Path(path)
+    single = re.compile(rf"\.{re.escape(path.name)}{_TEMP_TAIL}")
+    nested = re.compile(rf"\.\.{re.escape(path.name)}{_TEMP_TAIL}{_TEMP_TAIL}")
+    try:
+        entries = list(path.parent.iterdir())
+    except OSError:
+        return []
+    stale = []
+    for entry in entries:
+        match = single.fullmatch(entry.name) or nested.fullmatch(entry.name)
+        if match and not any(_alive(int(pid)) for pid in match.groups()) \
+                and entry.is_file() and not entry.is_symlink():
+            stale.append(entry)
+    return stale
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: asks whether the process exists, sends nothing
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # another user's process (or a name that is no PID here): left alone
+    return True
 
 
 def _fsync_folder(folder: Path) -> None:

@@ -33,7 +33,7 @@ from typing import Callable, Iterable
 
 from fp8train.training.storage.claims import (CLAIM_SUFFIX, acquire_waiting, claim_file_beside, is_claim,
                                               refuse_claimed_folders_above, refuse_live_claims)
-from fp8train.training.storage.files import (read_json, refuse_symlink, temp_path, write_failure,
+from fp8train.training.storage.files import (read_json, refuse_symlink, stale_temps, temp_path, write_failure,
                                              write_text_atomic)
 from fp8train.training.storage.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, SUMMARY_FILE,
                                               TELEMETRY_FILE, TRACKERS_FILE, DirLock,
@@ -326,6 +326,7 @@ def write_output_set(folder: Path, writers: dict[str, Callable[[Path], object]],
             _write_marker(folder, command, writers)
         for name, tmp in temps.items():  # renames within one folder: nothing left to run out of
             os.replace(tmp, folder / name)
+        _remove_stale_temps(folder, writers)
     except BaseException as err:
         for tmp in temps.values():
             try:
@@ -338,6 +339,18 @@ def write_output_set(folder: Path, writers: dict[str, Callable[[Path], object]],
             _refuse_vanished_source(folder, source, command)  # the folder went with it mid-write: said as such
             raise write_failure(err, folder / (list(temps)[-1] if temps else "")) from err
         raise
+
+
+def _remove_stale_temps(folder: Path, names: Iterable[str]) -> None:
+    """The temp files of these outputs left by earlier writers that were killed mid-write (files.stale_temps: only
+    its names, only of processes no longer running; the caller holds the output's claim, so no other live fp8train
+    process writes them)."""
+    for name in names:
+        for stale in stale_temps(folder / name):
+            try:
+                stale.unlink()
+            except OSError:
+                pass  # a read-only folder: litter stays, the set is written
 
 
 def _refuse_vanished_source(folder: Path, source: Path | None, command: str) -> None:

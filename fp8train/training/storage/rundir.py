@@ -27,8 +27,8 @@ from fp8train.training.storage.files import refuse_symlink, write_error, write_j
 
 __all__ = [
     "CONFIG_FILE", "METRICS_FILE", "TELEMETRY_FILE", "SUMMARY_FILE", "CHECKPOINTS_DIR", "TRACKERS_FILE", "LOCK_FILE",
-    "refuse_symlinks_in", "dir_state", "DirLock", "LockBusy", "is_locked", "live_holder", "record_write_failure",
-    "refuse_run_directory_as_hf_folder",
+    "refuse_symlinks_in", "dir_state", "DirLock", "LockBusy", "is_locked", "live_holder", "died_holding",
+    "record_write_failure", "refuse_run_directory_as_hf_folder",
 ]
 
 CONFIG_FILE = "config.yaml"
@@ -198,6 +198,25 @@ def live_holder(lock_file: str | os.PathLike) -> dict | None:
     finally:
         os.close(fd)  # closing drops the shared lock when it was taken
     return None
+
+
+def died_holding(directory: str | os.PathLike) -> bool:
+    """Whether a process died holding `directory`'s DirLock (killed): its record is still in the lock file, which
+    every release empties, and no live process holds the lock. A run killed after it took its folder and before
+    its first file there leaves only this."""
+    try:
+        fd = os.open(Path(directory) / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False  # a live holder: running, not killed
+    try:
+        return _lock_holder(fd).get("pid") is not None
+    finally:
+        os.close(fd)
 
 
 def _same_file(fd: int, path: Path) -> bool:
