@@ -196,7 +196,7 @@ def test_validation_from_a_fork_records_the_checkpoint_and_refuses_a_changed_or_
     fork = plan["fork"]
     assert fork["step"] == 16 and fork["checkpoint"].endswith("src_copy/checkpoints/step_000016")
     assert fork["fp8_state"] == {"bf16": "none", "current": "fresh"} and len(fork["sha256"]) == 64
-    assert "Forked: every run started from" in (vdir / "report.md").read_text()
+    assert "Forked: every run of the plan starts from" in (vdir / "report.md").read_text()
     # every bf16 run starts where the source ended: step 0 is the source's step 16 on the same batches
     src_val = {r["step"]: r for r in _metrics(src)}[16]["val_loss"]
     for seed in (1337, 1338):

@@ -90,6 +90,16 @@ def test_a_source_changed_during_a_validation_ends_it_before_the_next_run(source
     assert list(_summaries(vdir)) == ["bf16/seed1337"]
     assert _summaries(vdir)["bf16/seed1337"]["fork"]["sha256"] == plan["fork"]["sha256"]
     assert not (vdir / "runs" / "current").exists() and not (vdir / "summary.json").exists()
+    # its report (of a copy: the folder stays as the stop left it): no verdict, and it cannot be finished
+    copy = tmp_path / "val_copy"
+    shutil.copytree(vdir, copy)
+    summary = write_report(copy)
+    assert summary["verdict"] == "incomplete" and summary["incomplete"]["missing"] == 3
+    problem = message.removeprefix("validation stopped before bf16/seed1338: ").split(". The runs made")[0]
+    assert summary["incomplete"]["cannot_finish"] == problem
+    headline = next(line for line in (copy / "report.md").read_text().splitlines() if line.startswith("**Verdict"))
+    assert headline.startswith("**Verdict: INCOMPLETE** (runs not ended: 3 missing, of 4 planned; ")
+    assert f"It cannot be finished: {problem}; restore the source" in headline
     if change == "replaced":
         # the candidate re-trained by hand from its planned config.yaml loads the replacement: its config hashes
         # as planned, but report refuses it by the sha256 it recorded
@@ -229,6 +239,16 @@ def test_a_relative_fork_from_re_run_elsewhere_is_refused_for_resolving_elsewher
         assert f"the relative validate.fork_from=src resolves elsewhere from {folder} ({folder / 'src'})" in \
             str(caught.value), what
         assert f"pass validate.fork_from={pinned}" in str(caught.value)
+    # another relative path altogether (issue 44, N9): not the folder's fault; said so, with the plan's path
+    shutil.copytree(here / "src", there / "src_pristine")
+    monkeypatch.chdir(there)
+    for given in ("src_pristine", "gone/src_pristine"):  # an identical copy elsewhere, and nothing at all
+        with pytest.raises(ValueError) as caught:
+            run_validation(_validate_cfg(tmp_path, tiny, given), show_progress=False)
+        message = str(caught.value)
+        assert (f"but validate.fork_from={given} names a different source than the plan's (neither {pinned} nor its "
+                f"run {here / 'src'} ends in {given}): pass validate.fork_from={pinned} to finish") in message
+        assert "resolves elsewhere" not in message
     assert sorted(p.name for p in (tmp_path / "val").rglob("*")) == before
     monkeypatch.chdir(here)  # from where it was planned it is the same validation: finished, nothing to run
     assert run_validation(cfg, show_progress=False)["verdict"] in ("pass", "inconclusive")

@@ -34,7 +34,7 @@ from fp8train.training.storage.rundir import DirLock, SUMMARY_FILE
 
 __all__ = ["run_validation", "resolve_workers", "verdict_lines", "EXIT_CODES", "add_cli_arguments", "cli_main"]
 
-EXIT_CODES = {"pass": 0, "fail": 1, "inconclusive": 3}
+EXIT_CODES = {"pass": 0, "fail": 1, "inconclusive": 3, "incomplete": 3}  # incomplete: runs not ended, no decision
 
 
 def resolve_workers(cfg: FullConfig, processes: int) -> int:

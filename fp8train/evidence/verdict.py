@@ -2,9 +2,10 @@
 summary.json and telemetry.jsonl. The arithmetic is fp8train.evidence.stats; this module gathers its inputs,
 one paired gap per seed, and what went wrong in which run.
 
-summary.json names (scripts and CI read them): top-level `verdict` (pass | fail | inconclusive); under
-`candidates`, keyed by label: `verdict`, `gap_mean`, `gap_lower`, `gap_upper` (relative gaps, one-sided 95%
-bounds), `mdg` (minimum detectable gap, one-sided 95%, 80% power) and `seeds` (paired seeds in the estimate).
+summary.json names (scripts and CI read them): top-level `verdict` (pass | fail | inconclusive; the report of a
+validation whose runs have not all ended says incomplete: fp8train.evidence.completeness); under `candidates`,
+keyed by label: `verdict`, `gap_mean`, `gap_lower`, `gap_upper` (relative gaps, one-sided 95% bounds), `mdg`
+(minimum detectable gap, one-sided 95%, 80% power) and `seeds` (paired seeds in the estimate).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,9 +90,11 @@ def _resolve(path: str, key: str) -> Path:
                              "(its manifest's step is checked against the name); give the checkpoint's own folder "
                              "or its run directory")
     elif (where / CHECKPOINTS_DIR).is_dir():
-        checkpoint = latest_loadable_checkpoint(where / CHECKPOINTS_DIR, log=lambda _: None)
+        passed_over: list[str] = []
+        checkpoint = latest_loadable_checkpoint(where / CHECKPOINTS_DIR, log=passed_over.append)
         if checkpoint is None:
             raise ValueError(f"{key}={path}: the run directory holds no checkpoint that verifies")
+        _say_passed_over(passed_over, checkpoint, key, path)
     else:
         raise ValueError(f"{key}={path}: not a checkpoint folder (with {MANIFEST}) nor a run directory with "
                          f"{CHECKPOINTS_DIR}/")
@@ -125,6 +128,15 @@ def _went_wrong_from(checkpoint: Path, at) -> int | None:
     if in_a_row:
         return step - in_a_row + 1
     return at if isinstance(at, int) and at <= step else None
+
+
+def _say_passed_over(messages: list[str], checkpoint: Path, key: str, path: str) -> None:
+    """One line on stderr per newer checkpoint that was passed over and is still there (damaged: a checksum
+    mismatch, say), naming the one used; one deleted while it was checked (pruned by its run) is not damage."""
+    for message in messages:
+        skipped = Path(message.removeprefix("skipping checkpoint ").split(": ", 1)[0])
+        if skipped.exists():
+            print(f"{key}={path}: {message}; using {checkpoint.name}", file=sys.stderr)
 
 
 def _refuse_failed_source(checkpoint: Path, path: str, key: str, given_run: bool) -> None:
