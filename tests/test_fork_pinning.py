@@ -113,6 +113,39 @@ def test_a_source_changed_during_a_validation_ends_it_before_the_next_run(source
 
 
 @pytest.mark.slow
+def test_a_source_config_edited_during_the_last_run_is_said_by_validate_and_report_alike(source, tiny, tmp_path):
+    """Issue 44, N6: the edit came after the last run's own check: validate gave PASS, `report` PASS, and only a
+    validate re-run refused it. Now the report written at the end checks the source once more: the verdict stands
+    (every run started from the pinned bytes) and validate and report say the source changed; a re-run is refused."""
+    from fp8train.evidence.report import write_report
+    from fp8train.evidence.validate import run_validation, verdict_lines
+
+    src = tmp_path / "src"
+    shutil.copytree(source / "src", src)
+    ended = []
+
+    def log(line: str) -> None:  # the last run ended, its check long done: the source's config.yaml is edited
+        ended.extend([line] if ": completed" in line else [])
+        if len(ended) == 4 and ": completed" in line:
+            config = src / "config.yaml"
+            config.write_text(config.read_text().replace("lr: 0.003\n", "lr: 0.006\n"))
+
+    summary = run_validation(_validate_cfg(tmp_path, tiny, src), log=log, show_progress=False)
+    assert len(ended) == 4 and summary["verdict"] in ("pass", "inconclusive", "fail")  # a verdict, as the runs gave
+    problem = (f"the fork source's config.yaml {src / 'config.yaml'} was edited after the checkpoint step_000016 "
+               "was pinned")
+    assert summary["fork_source_changed"].startswith(problem)
+    note = [line for line in verdict_lines(summary) if line.startswith("Note: ")]
+    assert len(note) == 1 and note[0].startswith(f"Note: {problem}") and "is refused" in note[0]
+    vdir = tmp_path / "val"
+    assert note[0] in (vdir / "report.md").read_text()
+    again = write_report(vdir)  # a later report says the same, with the same verdict
+    assert again["verdict"] == summary["verdict"] and again["fork_source_changed"] == summary["fork_source_changed"]
+    with pytest.raises(ValueError, match="config.yaml was edited after training"):  # as the note says
+        run_validation(_validate_cfg(tmp_path, tiny, src), log=lambda _: None, show_progress=False)
+
+
+@pytest.mark.slow
 def test_a_source_replaced_under_a_worker_pool_is_refused_in_the_worker(source, tiny, tmp_path):
     from fp8train.evidence.validate import run_validation
 

@@ -5,7 +5,10 @@ INCONCLUSIVE means the runs ended and more seeds would decide; INCOMPLETE means 
 running (a process holds the folder), unfinished (killed, or interrupted: no summary.json, or one that says
 "interrupted"), or missing (never started). Under validate.seeds=auto a seed past a candidate's decision is not
 needed, so only the runs an undecided candidate still needs count as missing. A forked validation whose pinned
-source is deleted, replaced or edited cannot be finished at all: the report names the source and says so.
+source is deleted, replaced or edited cannot be finished at all: the report names the source and says so. One
+whose runs have all ended keeps its verdict (every run checked that it started from the pinned bytes) with a note
+that the source changed after the runs read it, so that `validate` of it again is refused (source_note): the report
+written at the end of `validate` checks the source once more, after the last run's own check.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from fp8train.evidence.verdict import RunData
 from fp8train.training.runs.fork import source_config_problem
 from fp8train.training.runs.run_log import counted
 
-__all__ = ["INCOMPLETE", "incompleteness", "fork_source_problem", "headline_detail"]
+__all__ = ["INCOMPLETE", "incompleteness", "fork_source_problem", "headline_detail", "source_note"]
 
 INCOMPLETE = "incomplete"
 _UNFINISHED = ("unfinished", "interrupted")
@@ -68,3 +71,9 @@ def headline_detail(incomplete: dict, so_far: str) -> str:
         text += (f". It cannot be finished: {source}; restore the source and re-run `fp8train validate`, or start "
                  "a new validation under another run.name")
     return text
+
+
+def source_note(problem: str) -> str:
+    """The line under the verdict of a finished forked validation whose source changed after its runs read it."""
+    return (f"Note: {problem}, after the runs read it. Every run started from the pinned checkpoint, so the verdict "
+            "stands; but `fp8train validate` of this validation again is refused until the source is restored.")

@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 
 from fp8train.evidence import advisor, plots
-from fp8train.evidence.completeness import INCOMPLETE, fork_source_problem, headline_detail, incompleteness
+from fp8train.evidence.completeness import (INCOMPLETE, fork_source_problem, headline_detail, incompleteness,
+                                            source_note)
 from fp8train.evidence.moe_report import expert_amax, moe_markdown, moe_summary, run_routing_markdown
 from fp8train.evidence.pairing import check_pairing
 from fp8train.evidence.run_plan import BASELINE, PLAN_FILE
@@ -83,10 +84,12 @@ def write_validation_report(vdir: str | Path) -> dict:
     plan, runs = load_validation(vdir)
     check_pairing(vdir, plan, runs)  # runs that validate would refuse give no verdict here either
     summary = summarize_validation(plan, runs)
-    incomplete = incompleteness(plan, summary, runs)
-    if incomplete is not None:  # runs the plan needs have not ended: no verdict yet (fp8train.evidence.completeness)
+    # runs the plan needs have not ended: no verdict yet; a fork source changed since: said either way (completeness)
+    incomplete, source = incompleteness(plan, summary, runs), fork_source_problem(plan)
+    if incomplete is not None:
         summary.update(verdict=INCOMPLETE, verdict_so_far=summary["verdict"],
-                       incomplete={**incomplete, "cannot_finish": fork_source_problem(plan)})
+                       incomplete={**incomplete, "cannot_finish": source})
+    summary["fork_source_changed"] = source if incomplete is None else None
     margin, drawn, base = summary["margin"], {}, _baseline(summary)
     tables = {label: advisor.layer_table([rec for r in by_seed.values() for rec in r.telemetry])
               for label, by_seed in runs.items() if label != BASELINE}
@@ -169,6 +172,7 @@ def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:
         + f"{counts['pass']} pass, {counts['fail']} fail, "
         f"{counts['inconclusive']} inconclusive of {counted(len(summary['candidates']), 'candidate')}"
         + ("." if incomplete else ")"), "",
+        *([source_note(summary["fork_source_changed"]), ""] if summary.get("fork_source_changed") else []),
         f"Declared margin (plan.json, written {plan.get('created', '?')} before any run): **{summary['margin']:.2%}** "
         f"relative validation-loss gap. {counted(len(summary['seeds']), 'paired seed')} {summary['seeds']}; final "
         f"window: the last {counted(summary['final_window'], 'evaluation point')}; "
