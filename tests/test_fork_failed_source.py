@@ -109,7 +109,7 @@ def test_a_checkpoint_given_directly_is_refused_at_or_after_the_divergence(diver
     summary = json.loads((copy / "summary.json").read_text())
     (copy / "summary.json").write_text(json.dumps({**summary, "diverged_at_step": step}))
     earlier = sorted(c for c in (copy / "checkpoints").glob("step_*") if int(c.name[5:]) < step)
-    hint = f"train.fork_from={earlier[-1]};" if earlier else "no clean checkpoint"
+    hint = f"train.fork_from={earlier[-1]};" if earlier else "no checkpoint from before"
     with pytest.raises(ValueError, match=rf"ended diverged at step {step} .*{hint}"):
         resolve_fork_checkpoint(str(copy / "checkpoints" / clean.name))
     assert at > step

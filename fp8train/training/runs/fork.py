@@ -157,8 +157,10 @@ def _refuse_failed_source(checkpoint: Path, path: str, key: str, given_run: bool
     clean = sorted((p for p in (run_dir / CHECKPOINTS_DIR).glob("step_*") if re.fullmatch(r"step_\d+", p.name)
                     and checkpoint_step(p) <= checkpoint_step(checkpoint) and _went_wrong_from(p, at) is None
                     and (bad_from is None or checkpoint_step(p) < bad_from)), key=checkpoint_step)
-    hint = (f"Its last clean checkpoint (written before it went wrong) is {clean[-1]}: pass {key}={clean[-1]}"
-            if clean else "It holds no clean checkpoint from before that to fork from")
+    if not isinstance(at, int) and bad_from is None:  # stopped by a guard, at no one step: only the older one is safe
+        clean = [p for p in clean if p != checkpoint]
+    hint = (f"Its last checkpoint written before its non-finite steps is {clean[-1]} (check its loss): pass "
+            f"{key}={clean[-1]}" if clean else "It holds no checkpoint from before that to fork from")
     if bad_from is not None and _skips_in_a_row(checkpoint):
         state = (f"{checkpoint.name} was written after its non-finite steps began at step {bad_from} (every step "
                  f"from {bad_from} to {checkpoint_step(checkpoint)} was skipped)")
