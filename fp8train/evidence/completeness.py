@@ -19,7 +19,6 @@ from fp8train.evidence.fork_pinning import source_problem
 from fp8train.evidence.run_plan import BASELINE
 from fp8train.evidence.verdict import RunData
 from fp8train.training.runs.fork import source_config_problem
-from fp8train.training.runs.run_log import counted
 
 __all__ = ["INCOMPLETE", "incompleteness", "fork_source_problem", "headline_detail", "source_note"]
 
