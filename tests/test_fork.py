@@ -155,7 +155,7 @@ def _validate_cfg(root, tiny, fork_from, extra=()):
                               f"validate.fork_from={fork_from}", *extra])
 
 
-def test_a_plan_made_from_a_fork_is_finished_from_the_same_checkpoint_only(tmp_path):
+def test_a_plan_made_from_a_fork_is_finished_from_the_same_checkpoint_only(source, tmp_path):
     """check_fork_unchanged by hand: no planned fork (a first run, or a plan without one) accepts any record;
     a planned one refuses another checkpoint path, then other bytes under the same path."""
     from fp8train.evidence.fork_pinning import check_fork_unchanged
@@ -164,14 +164,21 @@ def test_a_plan_made_from_a_fork_is_finished_from_the_same_checkpoint_only(tmp_p
     check_fork_unchanged(tmp_path, record, None)
     check_fork_unchanged(tmp_path, record, {})
     check_fork_unchanged(tmp_path, record, dict(record))
-    # a planned checkpoint still there: the path now resolves to another one (a run directory's newest changed)
-    planned = tmp_path / "runs" / "src" / "checkpoints" / "step_8"
-    planned.mkdir(parents=True)
+    # a planned checkpoint still there and whole: the path now resolves to another one (a run directory's newest
+    # changed)
+    planned = tmp_path / "runs" / "src" / "checkpoints" / "step_000008"
+    shutil.copytree(source / "src" / "checkpoints" / "step_000008", planned)
     with pytest.raises(ValueError) as caught:
         check_fork_unchanged(tmp_path, record, {**record, "checkpoint": str(planned)})
     assert str(caught.value).startswith(f"{tmp_path / 'plan.json'} was planned from the fork checkpoint "
                                         f"{planned}; validate.fork_from now resolves to "
                                         "runs/src/checkpoints/step_16")
+    # still there but no longer whole: said so (issue 44, N3), not blamed on a run that trains on
+    (planned / "manifest.json").unlink()
+    with pytest.raises(ValueError) as caught:
+        check_fork_unchanged(tmp_path, record, {**record, "checkpoint": str(planned)})
+    assert f"{planned}, which no longer verifies (no manifest.json" in str(caught.value)
+    assert "changes as it trains" not in str(caught.value)
     # one that is gone: said deleted, never offered as the path to pass
     with pytest.raises(ValueError) as caught:
         check_fork_unchanged(tmp_path, record, {**record, "checkpoint": str(tmp_path / "gone" / "step_8")})
@@ -196,7 +203,7 @@ def test_validation_from_a_fork_records_the_checkpoint_and_refuses_a_changed_or_
     fork = plan["fork"]
     assert fork["step"] == 16 and fork["checkpoint"].endswith("src_copy/checkpoints/step_000016")
     assert fork["fp8_state"] == {"bf16": "none", "current": "fresh"} and len(fork["sha256"]) == 64
-    assert "Forked: every run started from" in (vdir / "report.md").read_text()
+    assert "Forked: every run of the plan starts from" in (vdir / "report.md").read_text()
     # every bf16 run starts where the source ended: step 0 is the source's step 16 on the same batches
     src_val = {r["step"]: r for r in _metrics(src)}[16]["val_loss"]
     for seed in (1337, 1338):

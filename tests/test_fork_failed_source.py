@@ -38,18 +38,34 @@ def _validate_cfg(root, tiny, fork_from, name="val"):
                               f"validate.fork_from={fork_from}"])
 
 
-def test_a_diverged_source_run_is_refused_naming_its_step_and_an_earlier_checkpoint(diverged, tiny, tmp_path):
+def _in_a_row(checkpoint) -> int:
+    """The skipped steps in a row up to a checkpoint, as its run recorded them in its manifest."""
+    return json.loads((checkpoint / "manifest.json").read_text())["extra"]["consecutive_skips"]
+
+
+def _streak(diverged):
+    """(first step of the non-finite run, its checkpoints, the last checkpoint before it), read from the run's
+    summary.json and each checkpoint's manifest."""
+    at = json.loads((diverged / "summary.json").read_text())["diverged_at_step"]
+    checkpoints = sorted((diverged / "checkpoints").glob("step_*"))
+    inside = [c for c in checkpoints if _in_a_row(c) > 0]
+    first = int(inside[-1].name[5:]) - _in_a_row(inside[-1]) + 1 if inside else at
+    clean = [c for c in checkpoints if int(c.name[5:]) < first]
+    return first, inside, clean[-1]
+
+
+def test_a_diverged_source_run_is_refused_naming_its_step_and_the_last_clean_checkpoint(diverged, tiny, tmp_path):
     from fp8train.evidence.fork_pinning import fork_config
 
     at = json.loads((diverged / "summary.json").read_text())["diverged_at_step"]
-    newest = diverged / "checkpoints" / f"step_{at - 1:06d}"  # the last state before the diverging step
-    before = diverged / "checkpoints" / f"step_{at - 2:06d}"
-    assert newest.is_dir() and before.is_dir()
+    first, inside, clean = _streak(diverged)
+    assert inside and first < at  # lr 1000: gradients non-finite several steps in a row before it stopped
     with pytest.raises(ValueError) as caught:
         fork_config(_validate_cfg(tmp_path, tiny, diverged))
     message = str(caught.value)
     assert message.startswith(f"validate.fork_from={diverged}: run {diverged} ended diverged at step {at} (")
-    assert f"validate.fork_from={before}" in message and "nothing was written" in message
+    assert f"non-finite steps began at step {first} " in message
+    assert message.endswith(f"pass validate.fork_from={clean}; nothing was written") and "\n" not in message
     assert not (tmp_path / "val").exists()
     # a single forked run: the same refusal under its own key, before its run directory exists
     single = load_config(None, [f"run.dir={tmp_path}", "run.name=fork", f"data.path={tiny.corpus}", *TINY, LR,
@@ -59,20 +75,44 @@ def test_a_diverged_source_run_is_refused_naming_its_step_and_an_earlier_checkpo
     assert not (tmp_path / "fork").exists()
 
 
-def test_a_checkpoint_given_directly_is_refused_only_at_or_after_the_divergence(diverged, tmp_path):
+def test_a_checkpoint_written_after_the_non_finite_steps_began_is_refused_by_name(diverged, tiny, tmp_path):
+    """Issue 44, N2: a checkpoint given directly that was written inside the non-finite run (before the step the
+    run stopped at) forked every run into skipping every step, the bf16 baseline's too."""
+    from fp8train.evidence.fork_pinning import fork_config
+    from fp8train.training.runs.fork import resolve_fork_checkpoint
+
+    first, inside, clean = _streak(diverged)
+    for checkpoint in inside:
+        with pytest.raises(ValueError) as caught:
+            fork_config(_validate_cfg(tmp_path, tiny, checkpoint))
+        message = str(caught.value)
+        assert f"{checkpoint.name} was written after its non-finite steps began at step {first} " in message
+        assert message.endswith(f"pass validate.fork_from={clean}; nothing was written")
+        link = tmp_path / "link"  # named another way: through a link to the checkpoint folder
+        link.unlink(missing_ok=True)
+        link.symlink_to(checkpoint)
+        with pytest.raises(ValueError, match=f"began at step {first} "):
+            resolve_fork_checkpoint(str(link))
+    assert not (tmp_path / "val").exists()
+    assert resolve_fork_checkpoint(str(clean)) == clean.resolve()  # written before it went wrong: the user's choice
+
+
+def test_a_checkpoint_given_directly_is_refused_at_or_after_the_divergence(diverged, tmp_path):
     from fp8train.training.runs.fork import resolve_fork_checkpoint
 
     at = json.loads((diverged / "summary.json").read_text())["diverged_at_step"]
-    newest = diverged / "checkpoints" / f"step_{at - 1:06d}"
-    assert resolve_fork_checkpoint(str(newest)) == newest.resolve()  # written before the step that diverged
-    # a copy whose summary says it diverged at that checkpoint's step: refused, the earlier one named
+    _, _, clean = _streak(diverged)
+    step = int(clean.name[5:])
+    # a copy whose summary says it diverged at the clean checkpoint's step: refused, the one before named
     copy = tmp_path / "src"
     shutil.copytree(diverged, copy)
     summary = json.loads((copy / "summary.json").read_text())
-    (copy / "summary.json").write_text(json.dumps({**summary, "diverged_at_step": at - 1}))
-    with pytest.raises(ValueError, match=rf"ended diverged at step {at - 1} .*train.fork_from="
-                                         rf"{copy / 'checkpoints' / f'step_{at - 2:06d}'} "):
-        resolve_fork_checkpoint(str(copy / "checkpoints" / f"step_{at - 1:06d}"))
+    (copy / "summary.json").write_text(json.dumps({**summary, "diverged_at_step": step}))
+    earlier = sorted(c for c in (copy / "checkpoints").glob("step_*") if int(c.name[5:]) < step)
+    hint = f"train.fork_from={earlier[-1]};" if earlier else "no checkpoint from before"
+    with pytest.raises(ValueError, match=rf"ended diverged at step {step} .*{hint}"):
+        resolve_fork_checkpoint(str(copy / "checkpoints" / clean.name))
+    assert at > step
     # stopped by a validation's divergence guard (no step recorded): the run directory is refused
     (copy / "summary.json").write_text(json.dumps({**summary, "status": "stopped", "diverged_at_step": None,
                                                    "reason": "loss 9.1 > 1.5 x baseline"}))
@@ -80,12 +120,22 @@ def test_a_checkpoint_given_directly_is_refused_only_at_or_after_the_divergence(
         resolve_fork_checkpoint(str(copy))
 
 
+def _unrecorded_copy(diverged, tmp_path):
+    """The diverged source without its summary.json (as while it still trained): its checkpoints inside the
+    non-finite run are then not refused, which is how a validation gets runs that skip their steps."""
+    copy = tmp_path / "still_training"
+    shutil.copytree(diverged, copy)
+    (copy / "summary.json").unlink()
+    return copy
+
+
 @pytest.mark.slow
 def test_runs_that_skipped_all_their_steps_make_the_verdict_inconclusive(diverged, tiny, tmp_path):
     from fp8train.evidence.validate import run_validation
 
     at = json.loads((diverged / "summary.json").read_text())["diverged_at_step"]
-    result = run_validation(_validate_cfg(tmp_path, tiny, diverged / "checkpoints" / f"step_{at - 1:06d}"),
+    source = _unrecorded_copy(diverged, tmp_path)
+    result = run_validation(_validate_cfg(tmp_path, tiny, source / "checkpoints" / f"step_{at - 1:06d}"),
                             log=lambda _: None, show_progress=False)
     runs = {p.parent.relative_to(tmp_path / "val" / "runs").as_posix(): json.loads(p.read_text())
             for p in (tmp_path / "val" / "runs").glob("*/*/summary.json")}
@@ -96,6 +146,33 @@ def test_runs_that_skipped_all_their_steps_make_the_verdict_inconclusive(diverge
     for seed in (1337, 1338):
         assert f"runs/bf16/seed{seed} skipped 3 of 3 steps" in candidate["reason"]
     assert "runs/bf16/seed1337 skipped 3 of 3 steps" in (tmp_path / "val" / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_seed_whose_bf16_baseline_diverged_judges_no_candidate(diverged, tiny, tmp_path):
+    """Issue 44, N2: every run of the seed diverged, the bf16 baseline too; the verdict was FAIL, naming the FP8
+    candidate's layers. A baseline that did not train can judge nothing: INCONCLUSIVE, its reason said."""
+    from fp8train.evidence.validate import run_validation
+
+    first, inside, _ = _streak(diverged)
+    source = _unrecorded_copy(diverged, tmp_path)
+    cfg = load_config(None, [f"run.dir={tmp_path}", "run.name=val", f"data.path={tiny.corpus}", *TINY, LR,
+                             "train.max_steps=6", "train.eval_every=3", "validate.final_window=1",
+                             "validate.workers=1", "validate.seeds=2", "validate.candidates=[current]",
+                             f"validate.fork_from={source / 'checkpoints' / inside[-1].name}"])
+    result = run_validation(cfg, log=lambda _: None, show_progress=False)
+    runs = {p.parent.relative_to(tmp_path / "val" / "runs").as_posix(): json.loads(p.read_text())
+            for p in (tmp_path / "val" / "runs").glob("*/*/summary.json")}
+    assert sorted(runs) == ["bf16/seed1337", "bf16/seed1338", "current/seed1337", "current/seed1338"]
+    assert all(s["status"] == "diverged" for s in runs.values())  # what happened, from the runs' own files
+    candidate = result["candidates"]["current"]
+    assert result["verdict"] == candidate["verdict"] == "inconclusive"
+    precision = result["baseline_precision"]  # the baseline's folder is bf16/; TINY's autocast is fp32
+    for seed in (1337, 1338):
+        assert f"seed {seed}: the {precision} baseline did not train (" in candidate["reason"]
+    assert candidate["divergence"] == []  # no FP8 layers blamed
+    report = (tmp_path / "val" / "report.md").read_text()
+    assert f"the {precision} baseline did not train" in report and "**Verdict: INCONCLUSIVE**" in report
 
 
 @pytest.mark.slow

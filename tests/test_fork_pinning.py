@@ -90,6 +90,16 @@ def test_a_source_changed_during_a_validation_ends_it_before_the_next_run(source
     assert list(_summaries(vdir)) == ["bf16/seed1337"]
     assert _summaries(vdir)["bf16/seed1337"]["fork"]["sha256"] == plan["fork"]["sha256"]
     assert not (vdir / "runs" / "current").exists() and not (vdir / "summary.json").exists()
+    # its report (of a copy: the folder stays as the stop left it): no verdict, and it cannot be finished
+    copy = tmp_path / "val_copy"
+    shutil.copytree(vdir, copy)
+    summary = write_report(copy)
+    assert summary["verdict"] == "incomplete" and summary["incomplete"]["missing"] == 3
+    problem = message.removeprefix("validation stopped before bf16/seed1338: ").split(". The runs made")[0]
+    assert summary["incomplete"]["cannot_finish"] == problem
+    headline = next(line for line in (copy / "report.md").read_text().splitlines() if line.startswith("**Verdict"))
+    assert headline.startswith("**Verdict: INCOMPLETE** (runs not ended: 3 missing, of 4 planned; ")
+    assert f"It cannot be finished: {problem}; restore the source" in headline
     if change == "replaced":
         # the candidate re-trained by hand from its planned config.yaml loads the replacement: its config hashes
         # as planned, but report refuses it by the sha256 it recorded
@@ -100,6 +110,39 @@ def test_a_source_changed_during_a_validation_ends_it_before_the_next_run(source
                                              r" with sha256 [0-9a-f]{12}, not the one plan.json pinned"):
             write_report(vdir)
         assert not (vdir / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_a_source_config_edited_during_the_last_run_is_said_by_validate_and_report_alike(source, tiny, tmp_path):
+    """Issue 44, N6: the edit came after the last run's own check: validate gave PASS, `report` PASS, and only a
+    validate re-run refused it. Now the report written at the end checks the source once more: the verdict stands
+    (every run started from the pinned bytes) and validate and report say the source changed; a re-run is refused."""
+    from fp8train.evidence.report import write_report
+    from fp8train.evidence.validate import run_validation, verdict_lines
+
+    src = tmp_path / "src"
+    shutil.copytree(source / "src", src)
+    ended = []
+
+    def log(line: str) -> None:  # the last run ended, its check long done: the source's config.yaml is edited
+        ended.extend([line] if ": completed" in line else [])
+        if len(ended) == 4 and ": completed" in line:
+            config = src / "config.yaml"
+            config.write_text(config.read_text().replace("lr: 0.003\n", "lr: 0.006\n"))
+
+    summary = run_validation(_validate_cfg(tmp_path, tiny, src), log=log, show_progress=False)
+    assert len(ended) == 4 and summary["verdict"] in ("pass", "inconclusive", "fail")  # a verdict, as the runs gave
+    problem = (f"the fork source's config.yaml {src / 'config.yaml'} was edited after the checkpoint step_000016 "
+               "was pinned")
+    assert summary["fork_source_changed"].startswith(problem)
+    note = [line for line in verdict_lines(summary) if line.startswith("Note: ")]
+    assert len(note) == 1 and note[0].startswith(f"Note: {problem}") and "is refused" in note[0]
+    vdir = tmp_path / "val"
+    assert note[0] in (vdir / "report.md").read_text()
+    again = write_report(vdir)  # a later report says the same, with the same verdict
+    assert again["verdict"] == summary["verdict"] and again["fork_source_changed"] == summary["fork_source_changed"]
+    with pytest.raises(ValueError, match="config.yaml was edited after training"):  # as the note says
+        run_validation(_validate_cfg(tmp_path, tiny, src), log=lambda _: None, show_progress=False)
 
 
 @pytest.mark.slow
@@ -229,6 +272,16 @@ def test_a_relative_fork_from_re_run_elsewhere_is_refused_for_resolving_elsewher
         assert f"the relative validate.fork_from=src resolves elsewhere from {folder} ({folder / 'src'})" in \
             str(caught.value), what
         assert f"pass validate.fork_from={pinned}" in str(caught.value)
+    # another relative path altogether (issue 44, N9): not the folder's fault; said so, with the plan's path
+    shutil.copytree(here / "src", there / "src_pristine")
+    monkeypatch.chdir(there)
+    for given in ("src_pristine", "gone/src_pristine"):  # an identical copy elsewhere, and nothing at all
+        with pytest.raises(ValueError) as caught:
+            run_validation(_validate_cfg(tmp_path, tiny, given), show_progress=False)
+        message = str(caught.value)
+        assert (f"but validate.fork_from={given} names a different source than the plan's (neither {pinned} nor its "
+                f"run {here / 'src'} ends in {given}): pass validate.fork_from={pinned} to finish") in message
+        assert "resolves elsewhere" not in message
     assert sorted(p.name for p in (tmp_path / "val").rglob("*")) == before
     monkeypatch.chdir(here)  # from where it was planned it is the same validation: finished, nothing to run
     assert run_validation(cfg, show_progress=False)["verdict"] in ("pass", "inconclusive")

@@ -96,6 +96,13 @@ def test_report_after_a_kill_between_rounds_says_unfinished_not_running(tmp_path
     assert "running" not in report and "2 paired seeds [1337, 1338]" in report
     assert "| bf16/seed1339 | unfinished |" in report
     assert "**4 runs** ended (besides: 1 unfinished: no summary.json and no process holds it, killed?)" in report
+    # the candidate is undecided and its next look's runs have not ended: no verdict yet (issue 44, N5, N11)
+    planned = json.loads((vdir / "plan.json").read_text())["seeds"]
+    absent = 2 * len(planned) - len(list((vdir / "runs").glob("*/*/config.yaml")))  # bf16 and current, never made
+    assert summary["verdict"] == "incomplete" and summary["incomplete"]["unfinished"] == 1
+    assert summary["incomplete"]["missing"] == absent and summary["incomplete"]["planned"] == 2 * len(planned)
+    assert f"**Verdict: INCOMPLETE** (runs not ended: 1 unfinished, {absent} missing, of {2 * len(planned)} " \
+        "planned; " in report
     # while a process holds its run directory, the same folder is running
     with DirLock(killed):
         assert RunData(killed, "bf16", 1339).status == "running"

@@ -202,6 +202,42 @@ def test_a_run_before_its_first_log_line_is_running_while_held_and_unfinished_af
     assert "| current/seed1337 | unfinished |" in (vdir / "report.md").read_text()
 
 
+def _headline(vdir: Path) -> str:
+    return next(line for line in (vdir / "report.md").read_text().splitlines() if line.startswith("**Verdict"))
+
+
+def test_a_validation_with_runs_not_ended_is_reported_incomplete_not_inconclusive(one_of_each, tmp_path):
+    """Issue 44, N5: the report of a validation still running, killed or never finished headlined "Verdict:
+    INCONCLUSIVE", which the docs define as "more seeds would decide"."""
+    from fp8train.evidence.report import write_report
+
+    vdir = tmp_path / "val"
+    shutil.copytree(one_of_each[0], vdir)
+    finished = json.loads((one_of_each[0] / "summary.json").read_text())["verdict"]
+    shutil.rmtree(vdir / "runs/current/seed1337")  # deleted to re-train it, as pairing's advice says: never run
+    summary = write_report(vdir)
+    assert summary["verdict"] == "incomplete" and summary["verdict_so_far"] == "inconclusive"
+    assert summary["incomplete"] == {"running": 0, "unfinished": 0, "missing": 1, "planned": 2,
+                                     "cannot_finish": None}
+    assert _headline(vdir) == ("**Verdict: INCOMPLETE** (runs not ended: 1 missing, of 2 planned; no verdict until "
+                               "they end; the runs that ended give INCONCLUSIVE so far). So far: 0 pass, 0 fail, 1 "
+                               "inconclusive of 1 candidate.")
+    # one killed (no summary.json, nothing holds it), one running (its process holds it)
+    shutil.copytree(one_of_each[0] / "runs/current/seed1337", vdir / "runs/current/seed1337")
+    (vdir / "runs/bf16/seed1337/summary.json").unlink()
+    (vdir / "runs/current/seed1337/summary.json").unlink()
+    with DirLock(vdir / "runs/current/seed1337"):
+        summary = write_report(vdir)
+    assert summary["incomplete"] == {"running": 1, "unfinished": 1, "missing": 0, "planned": 2,
+                                     "cannot_finish": None}
+    assert _headline(vdir).startswith("**Verdict: INCOMPLETE** (runs not ended: 1 running, 1 unfinished, of 2 "
+                                      "planned; ")
+    # every run ended: the verdict of the runs, as validate gave it
+    shutil.rmtree(vdir)
+    shutil.copytree(one_of_each[0], vdir)
+    assert write_report(vdir)["verdict"] == finished != "incomplete" and "incomplete" not in _headline(vdir).lower()
+
+
 def test_the_report_of_dot_is_titled_with_the_folders_name(one_of_each, tmp_path, commands, capsys, monkeypatch):
     """`fp8train report .` from inside the run (or validation) folder: its name, not an empty one (and the loss
     plot's legend had no label to show: a matplotlib warning)."""

@@ -25,6 +25,7 @@ from fp8train.evidence.run_plan import PLAN_FILE, PlannedRun, derive_config, val
 from fp8train.training.config import FullConfig
 from fp8train.training.runs.fork import (checkpoint_sha256, fp8_state_origin, open_fork, resolve_fork_checkpoint,
                                          source_config_problem)
+from fp8train.training.runs.checkpoint import verify_checkpoint
 from fp8train.training.storage.files import read_json
 
 __all__ = ["fork_config", "fork_record", "check_fork_unchanged", "check_pinned_fork", "check_run_fork",
@@ -65,11 +66,25 @@ def _elsewhere(given: str, pinned: Path) -> bool:
     return not Path(given).is_absolute() and Path(given).resolve() not in (pinned, pinned.parent.parent)
 
 
+def _could_name(given: Path, pinned: Path) -> bool:
+    """Whether the relative path ``given`` can name the pinned checkpoint or its run from some folder: the pinned
+    path (resolved) ends with its parts. One through '..' is not judged (assumed so)."""
+    parts = [p for p in given.parts if p != "."]
+    if ".." in parts:
+        return True
+    return any(len(parts) <= len(target.parts) and list(target.parts[-len(parts):]) == parts
+               for target in (pinned, pinned.parent.parent)) if parts else True
+
+
 def _unusable(cfg: FullConfig, planned: dict, err: ValueError) -> ValueError:
     """Why the checkpoint plan.json pinned cannot be resolved now: deleted, or a relative path read elsewhere."""
     vdir, pinned = validation_dir(cfg), Path(planned["checkpoint"])
     given = Path(cfg.validate.fork_from)
     head = f"{vdir / PLAN_FILE} was planned from the fork checkpoint {pinned} (sha256 {planned['sha256'][:12]})"
+    if _elsewhere(cfg.validate.fork_from, pinned) and pinned.exists() and not _could_name(given, pinned):
+        return ValueError(f"{head}, but {KEY}={given} names a different source than the plan's (neither "
+                          f"{pinned} nor its run {pinned.parent.parent} ends in {given}): pass {KEY}={pinned} to "
+                          f"finish this validation, or {_NEW_NAME}")
     if _elsewhere(cfg.validate.fork_from, pinned) and pinned.exists():
         return ValueError(f"{head}, but the relative {KEY}={given} resolves elsewhere from {Path.cwd()} "
                           f"({given.absolute()}): run from the folder the validation was started in, or pass "
@@ -123,6 +138,11 @@ def check_fork_unchanged(vdir: Path, record: dict, planned: dict | None) -> None
                          f"which was deleted (pruned by its run's checkpoint.keep_last?); {KEY} now resolves to "
                          f"{record['checkpoint']}, another one. The runs already made started from the deleted "
                          f"one: restore it, or {_NEW_NAME}")
+    broken = verify_checkpoint(planned["checkpoint"]) if planned.get("checkpoint") != record["checkpoint"] else None
+    if broken is not None:  # still there, but passed over when the run directory was resolved
+        raise ValueError(f"{vdir / PLAN_FILE} was planned from the fork checkpoint {planned.get('checkpoint')}, "
+                         f"which no longer verifies ({broken}), so {KEY} now resolves to {record['checkpoint']}. "
+                         f"The runs already made started from it as it was: restore it, or {_NEW_NAME}")
     if planned.get("checkpoint") != record["checkpoint"]:
         raise ValueError(f"{vdir / PLAN_FILE} was planned from the fork checkpoint {planned.get('checkpoint')}; "
                          f"{KEY} now resolves to {record['checkpoint']} (a run directory's newest checkpoint "

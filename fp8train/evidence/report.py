@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 
 from fp8train.evidence import advisor, plots
+from fp8train.evidence.completeness import (INCOMPLETE, fork_source_problem, headline_detail, incompleteness,
+                                            source_note)
 from fp8train.evidence.moe_report import expert_amax, moe_markdown, moe_summary, run_routing_markdown
 from fp8train.evidence.pairing import check_pairing
 from fp8train.evidence.run_plan import BASELINE, PLAN_FILE
@@ -82,6 +84,12 @@ def write_validation_report(vdir: str | Path) -> dict:
     plan, runs = load_validation(vdir)
     check_pairing(vdir, plan, runs)  # runs that validate would refuse give no verdict here either
     summary = summarize_validation(plan, runs)
+    # runs the plan needs have not ended: no verdict yet; a fork source changed since: said either way (completeness)
+    incomplete, source = incompleteness(plan, summary, runs), fork_source_problem(plan)
+    if incomplete is not None:
+        summary.update(verdict=INCOMPLETE, verdict_so_far=summary["verdict"],
+                       incomplete={**incomplete, "cannot_finish": source})
+    summary["fork_source_changed"] = source if incomplete is None else None
     margin, drawn, base = summary["margin"], {}, _baseline(summary)
     tables = {label: advisor.layer_table([rec for r in by_seed.values() for rec in r.telemetry])
               for label, by_seed in runs.items() if label != BASELINE}
@@ -144,6 +152,8 @@ def _how_to_read(summary: dict) -> list[str]:
         f"mean gap over seeds. **PASS**: the upper bound is at most the margin ({m:.2%}), so FP8 costs at most {m:.2%} "
         "(95% confidence). **FAIL**: a run diverged or the lower bound is above the margin. **INCONCLUSIVE**: "
         "the interval straddles the margin; more seeds (the count shown, at the observed spread) would decide. "
+        "**INCOMPLETE**: runs the plan needs have not ended (still training, killed, or never started): no "
+        "verdict yet. "
         "**MDG** (minimum detectable gap) is the smallest true gap this design detects with 80% power at the "
         "observed spread: a harmless candidate passes reliably only when MDG <= margin. A negative gap means FP8 "
         f"ended lower than {base}. Speed: median tokens/s over {base} (on CPU FP8 GEMMs are emulated in fp32, so "
@@ -153,11 +163,16 @@ def _how_to_read(summary: dict) -> list[str]:
 def _validation_markdown(vdir, plan, summary, runs, tables, health_png) -> str:
     counts = {v: sum(c["verdict"] == v for c in summary["candidates"].values()) for v in ("pass", "fail",
                                                                                             "inconclusive")}
+    incomplete = summary.get("incomplete")
     spread = summary["baseline_seed_spread_rel"]
     lines = [
         f"# FP8 validation: {_name(vdir)}", "",
-        f"**Verdict: {summary['verdict'].upper()}** ({counts['pass']} pass, {counts['fail']} fail, "
-        f"{counts['inconclusive']} inconclusive of {counted(len(summary['candidates']), 'candidate')})", "",
+        f"**Verdict: {summary['verdict'].upper()}** "
+        + (f"({headline_detail(summary['incomplete'], summary['verdict_so_far'])}). So far: " if incomplete else "(")
+        + f"{counts['pass']} pass, {counts['fail']} fail, "
+        f"{counts['inconclusive']} inconclusive of {counted(len(summary['candidates']), 'candidate')}"
+        + ("." if incomplete else ")"), "",
+        *([source_note(summary["fork_source_changed"]), ""] if summary.get("fork_source_changed") else []),
         f"Declared margin (plan.json, written {plan.get('created', '?')} before any run): **{summary['margin']:.2%}** "
         f"relative validation-loss gap. {counted(len(summary['seeds']), 'paired seed')} {summary['seeds']}; final "
         f"window: the last {counted(summary['final_window'], 'evaluation point')}; "
@@ -212,7 +227,7 @@ def _fork_markdown(plan: dict) -> list[str]:
     if not fork:
         return []
     states = ", ".join(f"{label}: {state}" for label, state in fork["fp8_state"].items() if state != "none")
-    return [f"Forked: every run started from `{fork['checkpoint']}` (step {fork['step']} of a "
+    return [f"Forked: every run of the plan starts from `{fork['checkpoint']}` (step {fork['step']} of a "
             f"`{fork['source_recipe']}` run, files sha256 `{fork['sha256'][:12]}`) and trained "
             f"{counted(plan.get('max_steps'), 'more step')}; FP8 scaling state: {states}.", ""]
 

@@ -18,6 +18,7 @@ import math
 import sys
 from pathlib import Path
 
+from fp8train.evidence.completeness import source_note
 from fp8train.evidence.fork_pinning import fork_config, fork_record
 from fp8train.evidence.run_plan import PLAN_FILE, check_plan, fingerprint_runs, plan_runs, validation_dir, validation_plan
 from fp8train.evidence.report import UNWRITABLE_REMEDY, write_validation_report
@@ -34,7 +35,7 @@ from fp8train.training.storage.rundir import DirLock, SUMMARY_FILE
 
 __all__ = ["run_validation", "resolve_workers", "verdict_lines", "EXIT_CODES", "add_cli_arguments", "cli_main"]
 
-EXIT_CODES = {"pass": 0, "fail": 1, "inconclusive": 3}
+EXIT_CODES = {"pass": 0, "fail": 1, "inconclusive": 3, "incomplete": 3}  # incomplete: runs not ended, no decision
 
 
 def resolve_workers(cfg: FullConfig, processes: int) -> int:
@@ -140,6 +141,8 @@ def verdict_lines(summary: dict) -> list[str]:
              f"{counted(len(summary['seeds']), 'paired seed')}; one-sided 95% bounds on the mean paired gap)"]
     lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     lines += [f"  {label}: {c['reason']}" for label, c in summary["candidates"].items() if c["verdict"] != "pass"]
+    if summary.get("fork_source_changed"):  # as report.md says it (fp8train.evidence.completeness)
+        lines.append(source_note(summary["fork_source_changed"]))
     return lines
 
 

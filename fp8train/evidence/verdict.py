@@ -2,9 +2,10 @@
 summary.json and telemetry.jsonl. The arithmetic is fp8train.evidence.stats; this module gathers its inputs,
 one paired gap per seed, and what went wrong in which run.
 
-summary.json names (scripts and CI read them): top-level `verdict` (pass | fail | inconclusive); under
-`candidates`, keyed by label: `verdict`, `gap_mean`, `gap_lower`, `gap_upper` (relative gaps, one-sided 95%
-bounds), `mdg` (minimum detectable gap, one-sided 95%, 80% power) and `seeds` (paired seeds in the estimate).
+summary.json names (scripts and CI read them): top-level `verdict` (pass | fail | inconclusive; the report of a
+validation whose runs have not all ended says incomplete: fp8train.evidence.completeness); under `candidates`,
+keyed by label: `verdict`, `gap_mean`, `gap_lower`, `gap_upper` (relative gaps, one-sided 95% bounds), `mdg`
+(minimum detectable gap, one-sided 95%, 80% power) and `seeds` (paired seeds in the estimate).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ METHOD = ("Per seed s, the paired gap g_s = (candidate - baseline) / baseline of
           "Over the n seeds: mean, sample sd, and one-sided 95% Student-t bounds mean -/+ t(0.95, n-1) sd/sqrt(n). "
           "PASS: upper bound <= margin. FAIL: a run diverged or stopped, a loss is non-finite, or lower bound > "
           "margin. Otherwise INCONCLUSIVE (also when a run skipped over 25% of its steps on non-finite gradients: "
-          "it did not train). Minimum detectable gap (one-sided 95%, 80% power): "
+          "it did not train; and for every seed whose bf16 baseline diverged, was stopped or skipped that share: the "
+          "seed judges no candidate). Minimum detectable gap (one-sided 95%, 80% power): "
           "(t(0.95, n-1) + t(0.80, n-1)) sd/sqrt(n).")
 MAX_SKIPPED_SHARE = 0.25  # of a run's steps skipped on non-finite gradients: more and the pair is not usable
 
@@ -145,10 +147,23 @@ def _skipped(run: RunData) -> str | None:
             f"{MAX_SKIPPED_SHARE:.0%} of its steps is too few updates to compare)")
 
 
+def _did_not_train(base: RunData) -> str | None:
+    """Why a seed's baseline cannot stand as the reference (it diverged or was stopped, or skipped over
+    MAX_SKIPPED_SHARE of its steps), or None. The seed then judges no candidate: a candidate that diverged
+    beside it (a fork of a state that had already gone wrong, say) says nothing about its FP8 layers."""
+    if base.status in ("diverged", "stopped"):
+        reason = (base.summary or {}).get("reason")
+        return f"{base.dir} {base.status}" + (f": {reason}" if reason else "")
+    return _skipped(base) if base.status == "completed" else None
+
+
 def _seed_problems(base: RunData, cand: RunData, window: int, expected: list[int],
                    precision: str = "bf16") -> tuple[list[str], list[str], float]:
     """(failures, reasons the seed is unusable, paired gap) of one seed; `precision` names the baseline."""
     seed = cand.seed
+    untrained = _did_not_train(base)
+    if untrained is not None:  # then nothing of this seed judges the candidate, a divergence of its own neither
+        return [], [f"seed {seed}: the {precision} baseline did not train ({untrained})"], math.nan
     if cand.status in ("diverged", "stopped"):
         reason = (cand.summary or {}).get("reason")
         return [f"seed {seed} {cand.status}" + (f": {reason}" if reason else "")], [], math.nan
@@ -157,7 +172,7 @@ def _seed_problems(base: RunData, cand: RunData, window: int, expected: list[int
     if cand.status != "completed":
         return [], [f"seed {seed}: candidate {cand.status}"], math.nan
     for who, run in ((f"{precision} baseline", base), ("candidate", cand)):  # damaged logs: unusable, not a failure
-        skipped = _skipped(run)
+        skipped = _skipped(run) if run is cand else None
         if skipped is not None:
             return [], [f"seed {seed}: {who} {skipped}"], math.nan
         damage = _damaged(run, expected)
@@ -251,9 +266,11 @@ def _candidate(plan: dict, base_runs: dict, cand_runs: dict, spec: dict) -> dict
         "speed_vs_baseline": statistics.median(speeds) if speeds else None,
         "speed_vs_bf16": statistics.median(speeds) if speeds else None,
         "per_step": per_step_gaps(base_runs, cand_runs),
+        # the layers of a candidate's divergence, where its baseline trained (else they are not the FP8 layers' doing)
         "divergence": [{"seed": s, "reason": (r.summary or {}).get("reason"),
                         "layers": advisor.worst_layers(r.summary["divergence_telemetry"])}
-                       for s, r in cand_runs.items() if (r.summary or {}).get("divergence_telemetry")],
+                       for s, r in cand_runs.items() if (r.summary or {}).get("divergence_telemetry")
+                       and _did_not_train(base_runs[s]) is None],
         "advisor": advisor.advise(advisor.layer_table([rec for r in cand_runs.values() for rec in r.telemetry])),
     }
 

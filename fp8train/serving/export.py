@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -371,7 +372,8 @@ def _cli_export(args) -> int:
         _export_format(args.format)  # refused before the run is read
     refuse_failed_source(args.run_dir, args.allow_diverged)
     # read once: a live run may write and prune checkpoints while this exports
-    run = load_run(args.run_dir, tokenizer=args.tokenizer)
+    # a newer checkpoint passed over (damaged: its checksum no longer matches) is said, as kv-eval says it
+    run = load_run(args.run_dir, tokenizer=args.tokenizer, log=lambda message: print(message, file=sys.stderr))
     if args.format == DENSE_FORMAT:
         return _cli_dense(args, run)
     if not args.out.endswith(".safetensors"):

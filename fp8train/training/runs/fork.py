@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,9 +90,11 @@ def _resolve(path: str, key: str) -> Path:
                              "(its manifest's step is checked against the name); give the checkpoint's own folder "
                              "or its run directory")
     elif (where / CHECKPOINTS_DIR).is_dir():
-        checkpoint = latest_loadable_checkpoint(where / CHECKPOINTS_DIR, log=lambda _: None)
+        passed_over: list[str] = []
+        checkpoint = latest_loadable_checkpoint(where / CHECKPOINTS_DIR, log=passed_over.append)
         if checkpoint is None:
             raise ValueError(f"{key}={path}: the run directory holds no checkpoint that verifies")
+        _say_passed_over(passed_over, checkpoint, key, path)
     else:
         raise ValueError(f"{key}={path}: not a checkpoint folder (with {MANIFEST}) nor a run directory with "
                          f"{CHECKPOINTS_DIR}/")
@@ -133,25 +136,64 @@ def _sharded_refusal(checkpoint: Path, path: str, key: str) -> str:
             "with train.parallel=ddp and train.tp_size=1 (nothing was written)")
 
 
+def _skips_in_a_row(checkpoint: Path) -> int:
+    """How many steps in a row up to ``checkpoint`` were skipped on non-finite gradients (its manifest's
+    consecutive_skips, as the run recorded it when it saved); 0 when not recorded."""
+    try:
+        count = (read_json(checkpoint / MANIFEST).get("extra") or {}).get("consecutive_skips")
+    except (OSError, ValueError):
+        return 0
+    return count if isinstance(count, int) and count > 0 else 0
+
+
+def _went_wrong_from(checkpoint: Path, at) -> int | None:
+    """The first step of the source's non-finite run when ``checkpoint`` was written at or after it, else None:
+    inside a streak of skipped steps (steps step-k+1..step, k its consecutive_skips), or at or after the step it
+    diverged at."""
+    step, in_a_row = checkpoint_step(checkpoint), _skips_in_a_row(checkpoint)
+    if in_a_row:
+        return step - in_a_row + 1
+    return at if isinstance(at, int) and at <= step else None
+
+
+def _say_passed_over(messages: list[str], checkpoint: Path, key: str, path: str) -> None:
+    """One line on stderr per newer checkpoint that was passed over and is still there (damaged: a checksum
+    mismatch, say), naming the one used; one deleted while it was checked (pruned by its run) is not damage."""
+    for message in messages:
+        skipped = Path(message.removeprefix("skipping checkpoint ").split(": ", 1)[0])
+        if skipped.exists():
+            print(f"{key}={path}: {message}; using {checkpoint.name}", file=sys.stderr)
+
+
 def _refuse_failed_source(checkpoint: Path, path: str, key: str, given_run: bool) -> None:
     """A source run that ended diverged or stopped: its run directory is refused (its newest checkpoint is the
-    state it went wrong from), and so is one of its checkpoints at or after the step it diverged at. A checkpoint
-    given directly from before that step is the user's choice."""
+    state it went wrong from), and so is one of its checkpoints written at or after the first step of the
+    non-finite run that ended it (a fork of it skips every step, bf16 baseline included). A clean checkpoint
+    given directly, written before that, is the user's choice."""
     run_dir = checkpoint.parent.parent
     summary = failed_summary(run_dir)
     if summary is None:
         return
     at = summary.get("diverged_at_step")
-    if not given_run and not (isinstance(at, int) and at <= checkpoint_step(checkpoint)):
+    bad_from = _went_wrong_from(checkpoint, at)
+    if not given_run and bad_from is None:
         return
-    earlier = sorted(p for p in (run_dir / CHECKPOINTS_DIR).glob("step_*")
-                     if re.fullmatch(r"step_\d+", p.name) and p != checkpoint
-                     and checkpoint_step(p) < (at if isinstance(at, int) else checkpoint_step(checkpoint)))
-    hint = (f"Pass {key}={earlier[-1]} (the checkpoint before {checkpoint.name}) if it was written before the run "
-            "went wrong" if earlier else "It holds no earlier checkpoint to fork from")
-    raise ValueError(f"{key}={path}: {failure_text(run_dir, summary)}; {checkpoint.name} is the state it went "
-                     f"wrong from, and forked runs of it can skip every step on non-finite gradients. {hint}; "
-                     "nothing was written")
+    # clean: written before the non-finite run began (the newest itself when it was: a run directory is still
+    # refused, as export refuses it, but its clean checkpoint given by name is not)
+    clean = sorted((p for p in (run_dir / CHECKPOINTS_DIR).glob("step_*") if re.fullmatch(r"step_\d+", p.name)
+                    and checkpoint_step(p) <= checkpoint_step(checkpoint) and _went_wrong_from(p, at) is None
+                    and (bad_from is None or checkpoint_step(p) < bad_from)), key=checkpoint_step)
+    if not isinstance(at, int) and bad_from is None:  # stopped by a guard, at no one step: only the older one is safe
+        clean = [p for p in clean if p != checkpoint]
+    hint = (f"Its last checkpoint written before its non-finite steps is {clean[-1]} (check its loss): pass "
+            f"{key}={clean[-1]}" if clean else "It holds no checkpoint from before that to fork from")
+    if bad_from is not None and _skips_in_a_row(checkpoint):
+        state = (f"{checkpoint.name} was written after its non-finite steps began at step {bad_from} (every step "
+                 f"from {bad_from} to {checkpoint_step(checkpoint)} was skipped)")
+    else:
+        state = f"{checkpoint.name} is the state it went wrong from"
+    raise ValueError(f"{key}={path}: {failure_text(run_dir, summary)}; {state}, and forked runs of it can skip "
+                     f"every step on non-finite gradients. {hint}; nothing was written")
 
 
 def checkpoint_sha256(checkpoint: Path) -> str:
