@@ -12,6 +12,7 @@ References: the English of the messages, written here; the folders and processes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -36,12 +37,12 @@ def _validation_overrides(root: Path, tiny) -> list[str]:
 
     return [f"run.dir={root}", "run.name=val", f"data.path={tiny.corpus}", *TINY, "train.max_steps=2",
             "train.eval_every=1", "validate.final_window=1", "validate.margin=0.05", "validate.workers=1",
-            "validate.seeds=[1337]", "validate.candidates=[current]"]
+            "validate.seeds=[1337,1338]", "validate.candidates=[current]"]
 
 
 @pytest.fixture(scope="module")
 def one_of_each(tmp_path_factory, tiny):
-    """A finished validation of 1 seed and 1 candidate (final window 1), and what it logged."""
+    """A finished validation of 2 seeds and 1 candidate (final window 1), and what it logged."""
     from fp8train.evidence.validate import run_validation, verdict_lines
     from fp8train.training.config import load_config
 
@@ -52,17 +53,30 @@ def one_of_each(tmp_path_factory, tiny):
     return root / "val", said, verdict_lines(summary)
 
 
-def test_a_validation_of_one_seed_and_one_candidate_says_each_in_the_singular(one_of_each):
+def test_a_validation_of_one_candidate_says_it_in_the_singular(one_of_each):
     vdir, said, printed = one_of_each
     report = (vdir / "report.md").read_text()
-    assert "(0 pass, 0 fail, 1 inconclusive of 1 candidate)" in report
-    assert "1 paired seed [1337]; final window: the last 1 evaluation point; 2 steps;" in report
-    assert "Cost: **2 runs** ended" in report and "Every planned seed (1) would have been 2 runs." in report
-    assert "| 1 seed: at least 2 are needed for a confidence bound |" in report
-    assert said[0].startswith(f"[validate] {vdir}: 2 runs (1 seed x (fp32 + 1 candidate)), margin 0.05")
-    assert printed[0].startswith("verdict: INCONCLUSIVE (margin 5.00%, 1 paired seed; one-sided")
+    assert re.search(r"\(\d pass, \d fail, \d inconclusive of 1 candidate\)", report), report
+    assert "2 paired seeds [1337, 1338]; final window: the last 1 evaluation point; 2 steps;" in report, report
+    assert "Cost: **4 runs** ended" in report, report
+    assert said[0].startswith(f"[validate] {vdir}: 4 runs (2 seeds x (fp32 + 1 candidate)), margin 0.05"), said[0]
+    assert re.match(r"verdict: [A-Z]+ \(margin 5.00%, 2 paired seeds; one-sided", printed[0]), printed[0]
     for text in (report, *said, *printed):
         assert not ONE_PLURAL.search(text), ONE_PLURAL.search(text)
+
+
+def test_one_missing_run_and_one_usable_seed_are_said_in_the_singular(one_of_each, tmp_path):
+    """A seed whose candidate run was deleted (to re-train it): 1 missing run, 1 usable seed."""
+    from fp8train.evidence.report import write_report
+
+    vdir = tmp_path / "val"
+    shutil.copytree(one_of_each[0], vdir)
+    shutil.rmtree(vdir / "runs/current/seed1338")
+    write_report(vdir)
+    report = (vdir / "report.md").read_text()
+    assert "runs not ended: 1 missing, of 4 planned" in report, report
+    assert "1 of 2 seeds usable: seed 1338: candidate missing" in report, report
+    assert not ONE_PLURAL.search(report), ONE_PLURAL.search(report)
 
 
 def test_one_run_ended_is_said_as_one_run(one_of_each, tmp_path):
@@ -70,11 +84,12 @@ def test_one_run_ended_is_said_as_one_run(one_of_each, tmp_path):
 
     vdir = tmp_path / "val"
     shutil.copytree(one_of_each[0], vdir)
-    (vdir / "runs/current/seed1337/summary.json").unlink()  # killed before its end: 1 run ended, 1 unfinished
+    for killed in ("current/seed1337", "bf16/seed1338", "current/seed1338"):  # before their end: 1 run ended
+        (vdir / "runs" / killed / "summary.json").unlink()
     summary = write_report(vdir)
-    assert summary["cost"]["runs"] == 1 and summary["cost"]["unfinished_runs"] == 1
+    assert summary["cost"]["runs"] == 1 and summary["cost"]["unfinished_runs"] == 3
     report = (vdir / "report.md").read_text()
-    assert "Cost: **1 run** ended (besides: 1 unfinished: no summary.json and no process holds it" in report
+    assert "Cost: **1 run** ended (besides: 3 unfinished: no summary.json and no process holds it" in report
     assert not ONE_PLURAL.search(report), ONE_PLURAL.search(report)
 
 
@@ -122,15 +137,19 @@ def test_the_report_of_a_live_validation_at_step_0_draws_without_a_warning(one_o
 
     vdir = tmp_path / "val"
     shutil.copytree(one_of_each[0], vdir)
-    runs = sorted(vdir.glob("runs/*/seed1337"))
-    assert [r.parent.name for r in runs] == ["bf16", "current"]
+    runs = sorted(vdir.glob("runs/*/seed*"))
+    assert [f"{r.parent.name}/{r.name}" for r in runs] == ["bf16/seed1337", "bf16/seed1338", "current/seed1337",
+                                                           "current/seed1338"]
     for run in runs:
         _as_just_started(run)
-    with DirLock(runs[0]), DirLock(runs[1]), warnings.catch_warnings():
+    with contextlib.ExitStack() as held:
+        for run in runs:
+            held.enter_context(DirLock(run))
+        held.enter_context(warnings.catch_warnings())
         warnings.simplefilter("error")
         summary = write_report(vdir)
     assert {r["status"] for r in summary["runs"].values()} == {"running"}
-    assert summary["cost"]["running_runs"] == 2 and "(besides: 2 running now)" in (vdir / "report.md").read_text()
+    assert summary["cost"]["running_runs"] == 4 and "(besides: 4 running now)" in (vdir / "report.md").read_text()
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -217,9 +236,9 @@ def test_a_validation_with_runs_not_ended_is_reported_incomplete_not_inconclusiv
     shutil.rmtree(vdir / "runs/current/seed1337")  # deleted to re-train it, as pairing's advice says: never run
     summary = write_report(vdir)
     assert summary["verdict"] == "incomplete" and summary["verdict_so_far"] == "inconclusive"
-    assert summary["incomplete"] == {"running": 0, "unfinished": 0, "missing": 1, "planned": 2,
+    assert summary["incomplete"] == {"running": 0, "unfinished": 0, "missing": 1, "planned": 4,
                                      "cannot_finish": None}
-    assert _headline(vdir) == ("**Verdict: INCOMPLETE** (runs not ended: 1 missing, of 2 planned; no verdict until "
+    assert _headline(vdir) == ("**Verdict: INCOMPLETE** (runs not ended: 1 missing, of 4 planned; no verdict until "
                                "they end; the runs that ended give INCONCLUSIVE so far). So far: 0 pass, 0 fail, 1 "
                                "inconclusive of 1 candidate.")
     # one killed (no summary.json, nothing holds it), one running (its process holds it)
@@ -228,9 +247,9 @@ def test_a_validation_with_runs_not_ended_is_reported_incomplete_not_inconclusiv
     (vdir / "runs/current/seed1337/summary.json").unlink()
     with DirLock(vdir / "runs/current/seed1337"):
         summary = write_report(vdir)
-    assert summary["incomplete"] == {"running": 1, "unfinished": 1, "missing": 0, "planned": 2,
+    assert summary["incomplete"] == {"running": 1, "unfinished": 1, "missing": 0, "planned": 4,
                                      "cannot_finish": None}
-    assert _headline(vdir).startswith("**Verdict: INCOMPLETE** (runs not ended: 1 running, 1 unfinished, of 2 "
+    assert _headline(vdir).startswith("**Verdict: INCOMPLETE** (runs not ended: 1 running, 1 unfinished, of 4 "
                                       "planned; ")
     # every run ended: the verdict of the runs, as validate gave it
     shutil.rmtree(vdir)
