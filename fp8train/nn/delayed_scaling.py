@@ -117,7 +117,7 @@ def update_fp8_scales(model: torch.nn.Module, process_group=None) -> None:
     All pending amaxes of all layers go through ONE all_reduce(MAX) when torch.distributed is initialized, so
     every data-parallel rank ends the step with identical scales. The update itself runs on stacked buffers:
     a fixed number of tensor ops per group of layers sharing history length and scale options (usually one
-    group), however many layers there are.
+    group), however many layers there are, plus a few per grouped (experts) layer, however many experts it has.
     """
     # Units: a delayed Fp8Linear, or one expert of a grouped layer's per-expert state (nn/experts_scaling.py,
     # which lists them as `delayed_units`); each holds one quantizer per role. Every unit's amaxes go through the
