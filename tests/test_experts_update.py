@@ -66,4 +66,4 @@ def _update_ops(num_experts: int) -> int:
 def test_the_update_costs_the_same_ops_for_4_or_32_experts():
     ops = _update_ops(4)
     assert ops == _update_ops(32)
-    assert ops < 120  # (a row per expert and role, read and written one by one, was ~1900 ops at 16 experts)
+    assert ops <= 90  # (each expert's rows read and written one by one: 117 top-level ops at 4 experts, 333 at 16)
