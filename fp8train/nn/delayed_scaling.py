@@ -117,51 +117,83 @@ def update_fp8_scales(model: torch.nn.Module, process_group=None) -> None:
     All pending amaxes of all layers go through ONE all_reduce(MAX) when torch.distributed is initialized, so
     every data-parallel rank ends the step with identical scales. The update itself runs on stacked buffers:
     a fixed number of tensor ops per group of layers sharing history length and scale options (usually one
-    group), however many layers there are.
+    group), however many layers there are, plus a few per grouped (experts) layer, however many experts it has.
     """
     # Units: a delayed Fp8Linear, or one expert of a grouped layer's per-expert state (nn/experts_scaling.py,
     # which lists them as `delayed_units`); each holds one quantizer per role. Every unit's amaxes go through the
-    # same single all-reduce.
-    owners = []
-    units = []
+    # same single all-reduce. A grouped layer whose (E,) role buffers hold its experts' rows
+    # (`stacked_delayed_state`) is read and written a buffer at a time, not an expert at a time: 3 * E rows
+    # each read and written by itself cost ~2000 small ops a step at E = 16 (a few ms on a CPU, more when its
+    # threads wait on a loaded host). Row order (the all-reduced vector's): the single units' (unit, role) rows,
+    # then each stacked layer's (expert, role) rows.
+    owners, singles, stacked = [], [], []
     for module in model.modules():
         if getattr(module, "delayed_units", None):
             owners.append(module)
-            units.extend(module.delayed_units)
+            if getattr(module, "stacked_delayed_state", False):
+                stacked.append(module)
+            else:
+                singles.extend(module.delayed_units)
         elif isinstance(getattr(module, "quantizers", None), dict) and module.recipe.is_delayed:  # an Fp8Linear
             owners.append(module)
-            units.append(module)
-    if not units:
+            singles.append(module)
+    if not owners:
         return
-    quantizers = [u.quantizers[role] for u in units for role in ROLES]  # rows: (unit, role)
-    pendings = [q.buffer("pending_amax") for q in quantizers]
-    step_amax = torch.stack(pendings)  # (3 * units,)
+    pendings = [u.quantizers[role].buffer("pending_amax") for u in singles for role in ROLES]
+    step_amax = _rows(pendings, stacked, "pending_amax")  # (3 * units,)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
         dist.all_reduce(step_amax, op=dist.ReduceOp.MAX, group=process_group)
-    groups: dict[tuple, list[int]] = {}
-    for index, unit in enumerate(units):
-        r = unit.recipe
-        key = (r.amax_history_len, r.amax_compute_algo, r.margin, r.pow2_scales, r.amax_outlier_factor,
-               tuple(r.format_of(role) for role in ROLES), pendings[index * len(ROLES)].device)
-        groups.setdefault(key, []).append(index)
-    for indices in groups.values():
-        rows = step_amax if len(indices) == len(units) else \
-            step_amax.view(-1, len(ROLES))[indices].reshape(-1)
-        update_group([units[i].quantizers[role] for i in indices for role in ROLES], rows)
+    groups: dict[tuple, tuple[list, list, list]] = {}  # key -> (single units, stacked layers, their unit rows)
+    for index, unit in enumerate(singles):
+        member = groups.setdefault(_group_key(unit.recipe, pendings[index * len(ROLES)].device), ([], [], []))
+        member[0].append(unit)
+        member[2].append(index)
+    first = len(singles)
+    for layer in stacked:
+        count = len(layer.delayed_units)
+        member = groups.setdefault(_group_key(layer.delayed_units[0].recipe, layer.input_pending_amax.device),
+                                   ([], [], []))
+        member[1].append(layer)
+        member[2].extend(range(first, first + count))
+        first += count
+    for units, layers, indices in groups.values():
+        rows = step_amax if len(indices) == first else step_amax.view(-1, len(ROLES))[indices].reshape(-1)
+        update_group([u.quantizers[role] for u in units for role in ROLES], rows, tuple(layers))
     # one multi-tensor op for the whole list: torch's foreach kernels have no public name
-    torch._foreach_copy_(pendings, [torch.full_like(step_amax[0], -1.0)] * len(pendings))
+    unset = torch.full_like(step_amax[0], -1.0)
+    sources = [unset] * len(pendings)
+    for layer in stacked:
+        pendings += [getattr(layer, f"{role}_pending_amax") for role in ROLES]
+        sources += [unset.expand_as(pendings[-1])] * len(ROLES)
+    torch._foreach_copy_(pendings, sources)
     for owner in owners:
         owner.scales_updated()
 
 
-def update_group(quantizers: list, step_amax: torch.Tensor) -> None:
+def _group_key(r: Fp8Recipe, device) -> tuple:
+    return (r.amax_history_len, r.amax_compute_algo, r.margin, r.pow2_scales, r.amax_outlier_factor,
+            tuple(r.format_of(role) for role in ROLES), device)
+
+
+def _rows(buffers: list, stacked: tuple, name: str) -> torch.Tensor:
+    """`buffers` (one row each) stacked, then each stacked layer's (E,) `name` buffers of its roles as its
+    (expert, role) rows: (rows, ...)."""
+    pieces = [torch.stack(buffers)] if buffers else []
+    pieces += [torch.stack([getattr(layer, f"{role}_{name}") for role in ROLES], dim=1).flatten(0, 1)
+               for layer in stacked]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def update_group(quantizers: list, step_amax: torch.Tensor, stacked: tuple = ()) -> None:
     """The documented delayed-scaling step for `quantizers` (of layers with the same recipe options), one row of
-    `step_amax` each."""
-    r = quantizers[0].recipe
+    `step_amax` each, then for each grouped layer in `stacked` (its `stacked_delayed_state`: (E,) buffers per
+    role) its (expert, role) rows."""
+    every = quantizers + [u.quantizers[role] for layer in stacked for u in layer.delayed_units for role in ROLES]
+    r = every[0].recipe
     per_quantizer = [q.buffers(_STATE) for q in quantizers]
     state = {name: [row[i] for row in per_quantizer] for i, name in enumerate(_STATE)}
-    history, scale, scale_amax, initialized, stale = (torch.stack(state[name]) for name in _STATE)
-    formats = tuple(q.format for q in quantizers)
+    history, scale, scale_amax, initialized, stale = (_rows(state[name], stacked, name) for name in _STATE)
+    formats = tuple(q.format for q in every)
     fmt_max, min_normal, cap = _format_constants(formats, r.pow2_scales, step_amax.device)
     recorded = step_amax >= 0  # pending stays at -1 when no micro-batch recorded an amax
     # A step whose amax lands below the smallest normal under the scale in force: an outlier blinds the layer.
@@ -177,9 +209,18 @@ def update_group(quantizers: list, step_amax: torch.Tensor) -> None:
     new = {"amax_history": history, "scale": scale, "scale_amax": scale_amax, "initialized": initialized,
            "stale_scale_steps": stale}
     # one multi-tensor op for the whole list: torch's foreach kernels have no public name
-    torch._foreach_copy_([b for name in _STATE for b in state[name]],
-                         [row for name in _STATE for row in new[name].unbind(0)])
-    _refresh_host_mirror(quantizers, initialized)
+    targets = [b for name in _STATE for b in state[name]]
+    sources = [row for name in _STATE for row in new[name][:len(quantizers)].unbind(0)]
+    first = len(quantizers)
+    for layer in stacked:
+        count = len(layer.delayed_units)
+        for name in _STATE:
+            block = new[name][first:first + count * len(ROLES)].unflatten(0, (count, len(ROLES)))
+            targets += [getattr(layer, f"{role}_{name}") for role in ROLES]
+            sources += block.unbind(1)
+        first += count * len(ROLES)
+    torch._foreach_copy_(targets, sources)
+    _refresh_host_mirror(every, initialized)
 
 
 def _refresh_host_mirror(quantizers: list, initialized: torch.Tensor) -> None:

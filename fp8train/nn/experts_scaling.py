@@ -79,6 +79,9 @@ class ExpertScaling(nn.Module):
                 self.register_buffer(f"{role}_initialized", torch.zeros(e, dtype=torch.bool, device=device))
                 self.register_buffer(f"{role}_stale_scale_steps", torch.zeros(e, dtype=torch.int64, device=device))
 
+    # update_fp8_scales reads and writes this module's (E,) buffers whole, rows (expert, role) (delayed_scaling.py)
+    stacked_delayed_state = True
+
     @property
     def delayed_units(self) -> list:
         """The per-expert views update_fp8_scales steps (delayed scaling only; empty otherwise)."""
