@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -202,18 +203,31 @@ def test_a_pool_worker_killed_from_outside_stops_the_validation_in_one_line(tiny
     cfg = load_config(None, [f"run.dir={tmp_path}", "run.name=val", f"data.path={tiny.corpus}", *TINY,
                              "train.max_steps=100000", "train.eval_every=1000", "validate.final_window=1",
                              "validate.workers=2", "validate.seeds=2", "validate.candidates=[current]"])
-    killed = []
+    killed, submitted = [], []
 
-    def log(line: str) -> None:  # the first run submitted: kill a worker of the pool (children of this process)
-        if ": running" in line and not killed:
+    def log(line: str) -> None:  # both baselines training: kill one worker of the pool (this process's children)
+        submitted.append(line)
+        if sum(": running" in said for said in submitted) == 2 and not killed:
+            deadline = time.monotonic() + 120
+            while not all((tmp_path / f"val/runs/bf16/seed{seed}/metrics.jsonl").exists() for seed in (1337, 1338)):
+                assert time.monotonic() < deadline, submitted
+                time.sleep(0.1)
             workers = [p for p in multiprocessing.active_children() if "resource_tracker" not in p.name]
             os.kill(workers[0].pid, signal.SIGKILL)
             killed.append(workers[0].pid)
 
-    with pytest.raises(ValueError, match=r"^validation stopped: the worker process running (bf16|current)/seed133[78] "
-                                         r"ended abruptly \(killed"):
+    with pytest.raises(ValueError, match=r"^validation stopped: a worker process ended abruptly while "
+                                         r"(bf16|current)/seed133[78] was running \(killed"):
         run_validation(cfg, log=log, show_progress=False)
     assert killed
+    # no worker trains on (its run: 100000 steps) once the validation has stopped: each was ended, and the run
+    # folders it had say interrupted (a worker left going held its run's lock and this test process for minutes)
+    deadline = time.monotonic() + 60
+    while [p for p in multiprocessing.active_children() if "resource_tracker" not in p.name]:
+        assert time.monotonic() < deadline, multiprocessing.active_children()
+        time.sleep(0.2)
+    for summary in tmp_path.glob("val/runs/*/seed*/summary.json"):
+        assert json.loads(summary.read_text())["status"] == "interrupted", summary
 
 
 def test_kv_eval_of_a_missing_run_says_so_and_makes_no_folder_for_its_claim(tmp_path, commands, capsys):

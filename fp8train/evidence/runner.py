@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -245,6 +246,20 @@ def _raised_by_fp8train(err: BaseException) -> bool:
     return tb is not None and _PACKAGE_DIR in Path(tb.tb_frame.f_code.co_filename).resolve().parents
 
 
+def _stop_workers(workers: list, grace_s: float = 30.0) -> None:
+    """SIGTERM to each worker (a run in it writes summary.json "interrupted"), then SIGKILL to any still alive after
+    `grace_s`: a worker that has taken a signal as its run's interrupt drops later ones as repeats, so one that
+    missed its interrupt (seen once, in a pool broken while a run was starting) would otherwise train on unseen."""
+    for worker in workers:
+        worker.terminate()
+    deadline = time.monotonic() + grace_s
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if worker.is_alive():
+            worker.kill()
+            worker.join(5)
+
+
 def _run_in_pool(schedule: _Schedule, baseline_dirs, workers: int, log) -> None:
     cfg = schedule.runs[0].cfg
     on_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
@@ -257,7 +272,7 @@ def _run_in_pool(schedule: _Schedule, baseline_dirs, workers: int, log) -> None:
     log(f"[validate] {workers} workers" + (f", one GPU each of {gpus}" if gpus else f", {threads} thread(s) each"))
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
                              initargs=(slots, threads, gpus, os.getpid())) as pool:
-        running = {}
+        running, broken = {}, False
         try:
             while True:
                 for run in schedule.ready()[:workers - len(running)]:
@@ -273,10 +288,12 @@ def _run_in_pool(schedule: _Schedule, baseline_dirs, workers: int, log) -> None:
                     try:
                         summary = future.result()  # a run's exception ends the validation here, as in-process
                     except BrokenProcessPool:  # a worker killed from outside (kill -9, the OOM killer): said as
+                        broken = True  # (the pool ends no other worker: each would train on with no one to tell)
                         raise ValueError(  # the other "validation stopped" lines, not as an internal error
-                            f"validation stopped: the worker process running {run.key} ended abruptly (killed: "
-                            "by a signal, or by the system for memory?); the runs made so far are kept, and "
-                            "re-running `fp8train validate` resumes the rest") from None
+                            f"validation stopped: a worker process ended abruptly while {run.key} was running "
+                            "(killed: by a signal, or by the system for memory?); the runs made so far are kept, "
+                            "those still going were stopped (interrupted), and re-running `fp8train validate` "
+                            "resumes the rest") from None
                     if _REFUSED in summary:
                         raise ValueError(summary[_REFUSED])
                     _check_paired(run, summary)
@@ -285,7 +302,7 @@ def _run_in_pool(schedule: _Schedule, baseline_dirs, workers: int, log) -> None:
         except BaseException as err:
             for future in running:
                 future.cancel()
-            if isinstance(err, KeyboardInterrupt):  # SIGTERM / Ctrl-C of validate: its runs say "interrupted"
-                for worker in multiprocessing.active_children():  # this process's children: the pool's workers
-                    worker.terminate()
+            # SIGTERM / Ctrl-C of validate, or a worker killed: the runs still going stop and say "interrupted"
+            if isinstance(err, KeyboardInterrupt) or broken:
+                _stop_workers(multiprocessing.active_children())  # this process's children: the pool's workers
             raise
