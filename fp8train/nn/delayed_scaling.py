@@ -165,7 +165,7 @@ def update_fp8_scales(model: torch.nn.Module, process_group=None) -> None:
     for layer in stacked:
         pendings += [getattr(layer, f"{role}_pending_amax") for role in ROLES]
         sources += [unset.expand_as(pendings[-1])] * len(ROLES)
-    torch._foreach_copy_(pendings, sources)
+    torch._foreach_copy_(pendings, sources)  # one multi-tensor op: torch's foreach kernels have no public name
     for owner in owners:
         owner.scales_updated()
 
@@ -219,7 +219,7 @@ def update_group(quantizers: list, step_amax: torch.Tensor, stacked: tuple = ())
             targets += [getattr(layer, f"{role}_{name}") for role in ROLES]
             sources += block.unbind(1)
         first += count * len(ROLES)
-    torch._foreach_copy_(targets, sources)
+    torch._foreach_copy_(targets, sources)  # one multi-tensor op (see above)
     _refresh_host_mirror(every, initialized)
 
 

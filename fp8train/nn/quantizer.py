@@ -275,8 +275,10 @@ def _shared_cast(quantizer: OperandQuantizer, tensor: torch.Tensor, keep_values)
     (the same bytes, scale and amax: the rule reads nothing else). Keyed by the tensor's storage owner (held
     weakly: one that died cannot be mistaken for a new one at its address), view, dtype and in-place version,
     and the rule's format, margin, power-of-two option and the values kept; each layer counts a non-finite amax."""
+    # a view's base and the in-place version counter: torch has no public name for either
     owner = tensor._base if tensor._base is not None else tensor
-    key = (id(owner), tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, tensor._version,
+    key = (id(owner), tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype,
+           tensor._version,  # (in-place writes since the cast change it: a cast of old bytes is never reused)
            quantizer.format.name, quantizer.margin, quantizer.pow2, keep_values)
     last = _last_shared_cast[0]
     count = quantizer.buffer("nonfinite_amax_count")

@@ -38,7 +38,7 @@ from fp8train.numerics.native_layout import (UNUSED_OUTPUTS, NativeLayout, amax_
 
 __all__ = ["available", "set_enabled", "unavailable_reason", "threading_kind", "layout", "usable_layout",
            "capped_block", "NativeLayout", "quantize_fp8", "amax", "decode", "decodable", "dequantize",
-           "dequantizable", "gemm_epilogue", "epilogue_usable", "scale_step"]
+           "dequantizable", "gemm_epilogue", "epilogue_usable", "scale_step", "cast_params"]
 
 RULE_GIVEN, RULE_AMAX, RULE_MX = 0, 1, 2  # as in native_cast.c
 _SPECIAL = {"ieee": 0, "fn": 1, "fnuz": 2}
@@ -97,7 +97,8 @@ def _f32_bits(value: float) -> int:
     return torch.tensor(value, dtype=torch.float32).view(torch.int32).item() & 0xFFFFFFFF
 
 
-def _params(fmt: Fp8Format, saturate: bool, rule: int, margin: int, pow2: bool, dequantize: bool = False) -> Params:
+def cast_params(fmt: Fp8Format, saturate: bool, rule: int, margin: int, pow2: bool,
+                dequantize: bool = False) -> Params:
     """The C kernel's parameters for one configuration, built once. The scale rule's constants are
     scaling.scale_rule's: the divisor fmt.max * 2**-margin, the cap, and whether the division is its fp32 one
     (tests/test_native_cast.py checks the scales bit for bit against the eager rule and a reference)."""
@@ -187,7 +188,7 @@ def _quantize_fp8_cpu(x, scale, fmt, granularity, block_rows, block_cols, axis, 
     if scale is not None:
         scale_in = _scale_in_memory_order(scale, lay)
         rule = RULE_GIVEN
-    params = _params(fp8, saturate, rule, margin, pow2, dequantize)
+    params = cast_params(fp8, saturate, rule, margin, pow2, dequantize)
     count_at = pending_at = None
     for state, dtype in ((nonfinite_count, torch.int64), (pending_amax, torch.float32)):  # (no helper: hot path)
         if state is None:
@@ -221,7 +222,7 @@ def _amax_cpu(x, granularity, block_rows, block_cols, axis):
     if lay is None:
         _layout_or_raise(x, granularity, block_rows, block_cols, axis)  # (raises, naming the input)
     out = amax_output(lay)
-    params = _params(FORMATS["e4m3fn"], True, RULE_GIVEN, 0, False)  # no scale is made
+    params = cast_params(FORMATS["e4m3fn"], True, RULE_GIVEN, 0, False)  # no scale is made
     rc = library().fp8_quantize(ctypes.byref(params), x.data_ptr(), int(x.dtype == torch.bfloat16), lay.batch,
                                 lay.rows, lay.cols, lay.tile_rows, lay.tile_cols, None, None, None,
                                 out.data_ptr(), None, None, None, None, torch.get_num_threads())

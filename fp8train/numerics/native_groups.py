@@ -83,7 +83,7 @@ def quantize_group_transposes(x: torch.Tensor, sizes: list[int], fmt: Fp8Format,
     values = torch.empty(routed, cols) if keep_fp32 or keep_dequantized else None
     values_bf16 = torch.empty(routed, cols, dtype=torch.bfloat16) if keep_bf16 else None
     group_rows = torch.tensor(sizes, dtype=torch.int64)
-    params = native_cast._params(fmt, True, RULE_MX if mx else RULE_AMAX, margin, bool(pow2), dequantized_only)
+    params = native_cast.cast_params(fmt, True, RULE_MX if mx else RULE_AMAX, margin, bool(pow2), dequantized_only)
     rc = _entry()(ctypes.byref(params), rows.data_ptr(), int(x.dtype == torch.bfloat16), len(sizes),
                   group_rows.data_ptr(), cols, tile_r, tile_c, data.data_ptr(), scale.data_ptr(), amax.data_ptr(),
                   None if values is None else values.data_ptr(),

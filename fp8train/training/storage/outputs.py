@@ -1,8 +1,7 @@
 """Where a command's outputs may go (`export --out`, `kv-eval --out`, `layer-recipes --out`, the files of `report`),
 checked before the work starts, and how a whole output folder is replaced.
 
-The file writes themselves are storage.files' (`write_file_atomic`: temp name unique to the process, fsync, rename, no
-symbolic links, errors that name the file). What this module adds is what may be written, and what may be removed:
+The writes themselves are storage.files' (atomic, no links). What this module adds is what may be written and removed:
 - an output path is checked before any work: not empty, not a symbolic link, of the right kind (a file output is
   never a folder, a folder output is never a file: `--force` never turns one into the other), not the source run,
   a folder holding it, its checkpoints or one of the files a run keeps; and the nearest existing folder above it
@@ -17,8 +16,7 @@ symbolic links, errors that name the file). What this module adds is what may be
 - one command at a time writes an output (`claim_output_path`, held from the check of --out to the last file): the
   claim is the run directory's lock (rundir.DirLock) in a file beside the output, `.<name>.fp8train-claim`, so a
   second export, kv-eval or report to the same path is refused naming the path and the holder's PID, instead of
-  the two writing one over the other; a killed holder's claim is taken over with a message. How claims keep
-  `--force` from replacing a folder in which another process writes: storage.claims.
+  the two writing one over the other; a killed holder's claim is taken over (storage.claims).
 """
 
 from __future__ import annotations
@@ -40,10 +38,8 @@ from fp8train.training.storage.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, LOCK
                                               live_holder)
 
 __all__ = ["OUTPUT_MARKER", "KEPT_FILES", "check_output_file", "check_output_folder", "check_output_files",
-           "write_output_set",
-           "foreign_entries",
-           "make_output_folder", "is_output_folder",
-           "replace_output_folder", "probe_writable", "claim_output_path", "CLAIM_SUFFIX"]
+           "write_output_set", "foreign_entries", "make_output_folder", "is_output_folder", "replace_output_folder",
+           "probe_writable", "claim_output_path", "CLAIM_SUFFIX"]
 
 OUTPUT_MARKER = ".fp8train-output"
 # The files a run keeps: no command's --out may replace them, with or without --force.
