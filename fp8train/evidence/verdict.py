@@ -34,7 +34,7 @@ METHOD = ("Per seed s, the paired gap g_s = (candidate - baseline) / baseline of
           "Over the n seeds: mean, sample sd, and one-sided 95% Student-t bounds mean -/+ t(0.95, n-1) sd/sqrt(n). "
           "PASS: upper bound <= margin. FAIL: a run diverged or stopped, a loss is non-finite, or lower bound > "
           "margin. Otherwise INCONCLUSIVE (also when a run skipped over 25% of its steps on non-finite gradients: "
-          "it did not train; and for every seed whose bf16 baseline diverged, was stopped or skipped that share: the "
+          "it did not train; and for every seed whose baseline diverged, was stopped or skipped that share: the "
           "seed judges no candidate). Minimum detectable gap (one-sided 95%, 80% power): "
           "(t(0.95, n-1) + t(0.80, n-1)) sd/sqrt(n).")
 MAX_SKIPPED_SHARE = 0.25  # of a run's steps skipped on non-finite gradients: more and the pair is not usable

@@ -26,6 +26,7 @@ import sys
 import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fp8train.nn.fp8_all_gather import Fp8GatheredWeight
 from fp8train.nn.gemm import Fp8Operand
@@ -98,6 +99,14 @@ class OperandQuantizer:
         found = self.layer.__dict__.get("_buffers", _NO_BUFFERS).get(key)
         return found if found is not None else getattr(self.layer, key)
 
+    def kernel_buffer(self, name: str) -> torch.Tensor:
+        """`buffer(name)` as a plain tensor for the native cast op to update in place: under tensor parallelism the
+        layer's buffers are replicated DTensors, which a custom op cannot take; their local tensor is the same
+        storage (this rank's value, as record_amax updates it: the delayed update's MAX all-reduce makes it the
+        whole's)."""
+        found = self.buffer(name)
+        return found.to_local() if isinstance(found, DTensor) else found
+
     def buffers(self, names: tuple) -> list:
         """This role's scaling buffers `names`, as `buffer` reads each (one call for several: the delayed update
         reads five of every quantizer each step)."""
@@ -127,8 +136,8 @@ class OperandQuantizer:
             layer = self.layer
             quantized = quantize(tensor, self.format, scale=self.buffer("scale"), keep_values=keep_values,
                                  validate_scale=False, kernel=kernel, with_amax=True,
-                                 nonfinite_count=self.buffer("nonfinite_amax_count"),
-                                 pending_amax=self.buffer("pending_amax") if layer.training else None)
+                                 nonfinite_count=self.kernel_buffer("nonfinite_amax_count"),
+                                 pending_amax=self.kernel_buffer("pending_amax") if layer.training else None)
             if not quantized.amax_recorded:
                 self.record_amax(quantized.amax)
         elif self.delayed:  # first step: the scale may be the tensor's own, so the amax comes first
@@ -160,7 +169,7 @@ class OperandQuantizer:
             else:  # (the native kernel counts a non-finite amax in the same op)
                 quantized = quantize(tensor, self.format, granularity=self.granularity, block=self.block,
                                      margin=self.margin, pow2=self.pow2, kernel=kernel, keep_values=keep_values,
-                                     keep_dequantized=blocked, nonfinite_count=self.buffer("nonfinite_amax_count"))
+                                     keep_dequantized=blocked, nonfinite_count=self.kernel_buffer("nonfinite_amax_count"))
             if not quantized.amax_recorded:
                 # one reduction, then 0-d ops: the amaxes are >= 0 or NaN, so the max is finite iff all of them
                 # are, and an amax is non-finite iff it is not below inf (one comparison: isfinite is four ops)
@@ -281,7 +290,7 @@ def _shared_cast(quantizer: OperandQuantizer, tensor: torch.Tensor, keep_values)
            tensor._version,  # (in-place writes since the cast change it: a cast of old bytes is never reused)
            quantizer.format.name, quantizer.margin, quantizer.pow2, keep_values)
     last = _last_shared_cast[0]
-    count = quantizer.buffer("nonfinite_amax_count")
+    count = quantizer.kernel_buffer("nonfinite_amax_count")
     if last is not None and last[0] == key and last[1]() is owner and last[4]() is not quantizer:
         if last[3] is None:  # whether the amax is NaN/inf, as a tensor (no host read: no sync), made once
             last[3] = (last[2].amax < math.inf).logical_not()

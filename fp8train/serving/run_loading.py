@@ -156,6 +156,7 @@ def _read_newest(run_dir: Path, cfg, config_file: Path, pruned: list, log):
     """(checkpoint, manifest, model state) of the newest checkpoint that verifies, read whole; None when the one
     chosen was pruned while being read (added to ``pruned``: try again with the newest)."""
     skipped = []  # why each newer checkpoint was passed over (damaged, incomplete): said if none is left
+    said = []  # every line on the checkpoints passed over: logged when one is read, else the error says why
     listed = list_checkpoints(run_dir / "checkpoints")
     keep_last = cfg.checkpoint.keep_last
 
@@ -168,8 +169,7 @@ def _read_newest(run_dir: Path, cfg, config_file: Path, pruned: list, log):
             message = f"checkpoint {path} was pruned by the run while it was checked; reading a newer one"
         else:
             skipped.append(message)
-        if log is not None:
-            log(message)
+        said.append(message)
 
     # either format: DDP's model.safetensors or train.parallel=fsdp2's per-rank shards
     try:
@@ -178,6 +178,9 @@ def _read_newest(run_dir: Path, cfg, config_file: Path, pruned: list, log):
         if not any(was_pruned(path) for path in listed):
             raise
         ckpt = None
+    if log is not None and (ckpt is not None or any(was_pruned(path) for path in listed)):
+        for message in said:
+            log(message)
     if ckpt is None:
         if any(was_pruned(path) for path in listed):
             pruned += [path for path in listed if was_pruned(path)]
