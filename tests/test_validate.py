@@ -416,6 +416,8 @@ def test_verdict_lines_by_hand():
     ('validate.candidates=["x=current:margin=-1"]', "fp8.margin"),
     ("validate.candidates=[current,current]", "labels must differ"),
     ('validate.candidates=["bf16=current"]', "label"),
+    # fp32: what reports call the baseline under train.autocast=none (a candidate of that name read as it)
+    ('validate.candidates=["fp32=current"]', "other than the baseline's names 'bf16' and 'fp32'"),
     ('validate.candidates=["x=current:train.seed=5"]', "train.seed"),
     ('validate.candidates=["x=current:run.dir=/tmp"]', "run.dir"), ("validate.final_window=99", "final_window"),
     # overrides that would unpair a candidate from its baseline: only fp8.* and policy.* keys are allowed

@@ -25,6 +25,8 @@ __all__ = ["ValidateConfig", "Candidate", "parse_candidate", "check_candidate_ke
            "PAIRED_SECTIONS", "AUTO_SEEDS", "SPENDING_RULES"]
 
 BASELINE_LABEL = OVERRIDE_BF16  # folder of the baseline (high-precision) runs; no candidate may take it
+# what reports call the baseline (its folder's name, or fp32 under train.autocast=none): no candidate's label
+BASELINE_NAMES = (BASELINE_LABEL, "fp32")
 _LABEL_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
 _SEED_LIMIT = 2**63  # torch.manual_seed's range
 # The most seeds a validation may list or count, whatever validate.max_plan_steps says: planning 1e8 seeds grows
@@ -79,9 +81,10 @@ def parse_candidate(spec: str | Candidate) -> Candidate:
         label = recipe_name if not overrides else recipe_name + "+" + "+".join(
             o.removeprefix("fp8.") for o in overrides)
         label = re.sub(r"[^A-Za-z0-9._+=-]", "_", label)
-    if not _LABEL_OK.match(label) or label == BASELINE_LABEL:
+    if not _LABEL_OK.match(label) or label in BASELINE_NAMES:
         raise ValueError(f"validate.candidates: label {label!r} of {spec!r} must be a plain folder name "
-                         f"(letters, digits, . _ + = -, not starting with a symbol) other than {BASELINE_LABEL!r}")
+                         "(letters, digits, . _ + = -, not starting with a symbol) other than the baseline's "
+                         f"names {' and '.join(map(repr, BASELINE_NAMES))}")
     return Candidate(label, recipe_name, tuple(overrides))
 
 
