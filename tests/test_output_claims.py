@@ -212,10 +212,14 @@ def test_a_pool_worker_killed_from_outside_stops_the_validation_in_one_line(tiny
             while not all((tmp_path / f"val/runs/bf16/seed{seed}/metrics.jsonl").exists() for seed in (1337, 1338)):
                 assert time.monotonic() < deadline, submitted
                 time.sleep(0.1)
-            workers = [p for p in multiprocessing.active_children() if "resource_tracker" not in p.name]
+            # the pool's workers: children started since the validation began (not another test's helper
+            # process still alive in this pytest worker: killing that one let the validation train on for 100000
+            # steps, the suite waiting on it)
+            workers = [p for p in multiprocessing.active_children() if p.pid not in before]
             os.kill(workers[0].pid, signal.SIGKILL)
             killed.append(workers[0].pid)
 
+    before = {p.pid for p in multiprocessing.active_children()}
     with pytest.raises(ValueError, match=r"^validation stopped: a worker process ended abruptly while "
                                          r"(bf16|current)/seed133[78] was running \(killed"):
         run_validation(cfg, log=log, show_progress=False)
@@ -223,7 +227,7 @@ def test_a_pool_worker_killed_from_outside_stops_the_validation_in_one_line(tiny
     # no worker trains on (its run: 100000 steps) once the validation has stopped: each was ended, and the run
     # folders it had say interrupted (a worker left going held its run's lock and this test process for minutes)
     deadline = time.monotonic() + 60
-    while [p for p in multiprocessing.active_children() if "resource_tracker" not in p.name]:
+    while [p for p in multiprocessing.active_children() if p.pid not in before]:
         assert time.monotonic() < deadline, multiprocessing.active_children()
         time.sleep(0.2)
     for summary in tmp_path.glob("val/runs/*/seed*/summary.json"):
