@@ -60,7 +60,7 @@ def test_an_fsdp2_checkpoint_is_refused_as_one(capsys, tmp_path, corpus):
         assert "tensor-parallel" not in message and "train.parallel=ddp and train.tp_size=1" in message
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # a 2-process launch (~17 s): with CI's other tensor-parallel tests
 def test_a_tensor_parallel_checkpoint_is_refused_naming_tp_size_not_fsdp2(capsys, tmp_path, corpus, commands):
     argv = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT),

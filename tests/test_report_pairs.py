@@ -123,8 +123,9 @@ def test_report_after_a_kill_between_rounds_says_unfinished_not_running(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seeds, kill_at", [("auto", "after-run-config"), ("auto", "after-run-lock"),
-                                            ("[1337,1338]", "after-run-lock")])
+@pytest.mark.parametrize("seeds, kill_at", [  # (the sequential cases, ~25 s each, run with CI's extended tests)
+    pytest.param("auto", "after-run-config", marks=pytest.mark.extended),
+    pytest.param("auto", "after-run-lock", marks=pytest.mark.extended), ("[1337,1338]", "after-run-lock")])
 def test_a_run_killed_mid_round_before_its_first_log_line_is_unfinished_in_either_design(tmp_path, tiny, commands,
                                                                                          seeds, kill_at):
     """`fp8train validate` itself is killed (SIGKILL) while the baseline of seed 1338 starts: after it wrote its
