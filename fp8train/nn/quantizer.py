@@ -133,11 +133,10 @@ class OperandQuantizer:
             # the stored scale is known before the tensor is read: cast with it and take the amax in the same
             # pass (one read of the tensor; finite and > 0 by construction: no per-call host sync); the native
             # kernel records the amax in that op too (record_amax's rule)
-            layer = self.layer
             quantized = quantize(tensor, self.format, scale=self.buffer("scale"), keep_values=keep_values,
                                  validate_scale=False, kernel=kernel, with_amax=True,
                                  nonfinite_count=self.kernel_buffer("nonfinite_amax_count"),
-                                 pending_amax=self.kernel_buffer("pending_amax") if layer.training else None)
+                                 pending_amax=self.kernel_buffer("pending_amax") if self.layer.training else None)
             if not quantized.amax_recorded:
                 self.record_amax(quantized.amax)
         elif self.delayed:  # first step: the scale may be the tensor's own, so the amax comes first
