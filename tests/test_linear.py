@@ -930,11 +930,11 @@ def test_the_configured_kernel_reaches_every_quantize_call(name, kernel, monkeyp
     if kernel == "native" and not native_cast.available():
         pytest.skip("fp8train's C kernel is not built here (no C compiler)")
     handed = []
-    for fn_name in ("quantize", "quantize_mx"):
+    for fn_name in ("quantize", "quantize_mx", "native_quantize"):
         original = getattr(quantizer_module, fn_name)
 
-        def spy(*args, _original=original, **kwargs):
-            handed.append(kwargs.get("kernel", "(not given)"))
+        def spy(*args, _original=original, _name=fn_name, **kwargs):  # (native_quantize: the C kernel itself)
+            handed.append("native" if _name == "native_quantize" else kwargs.get("kernel", "(not given)"))
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(quantizer_module, fn_name, spy)

@@ -200,6 +200,8 @@ def _format_train(sec: dict, where: str) -> list[str]:
              _fmt_ratio(r, "ratio_fp32"), f"{r['step_peak_mb']:.1f}", f"{r['resident_mb']:.1f}"] for r in t["rows"]]
     md = t["model"]
     threads = f", {t['threads']} thread{'s' if t['threads'] != 1 else ''}" if t.get("threads") else ""
+    if t.get("steps_per_round", 1) > 1:
+        threads += f", {t['steps_per_round']} steps per timed round"
     parts.append(f"\ntrain step {where} ({t['config']}: {md['n_layers']} layers, d_model {md['d_model']}, "
                  f"{md['batch_size']}x{md['seq_len']} tokens{threads})\n" + _table(
                      ["contender", "fp8 layers", "ms/step", "IQR ms", "tokens/s", "x bf16 [IQR]",

@@ -8,12 +8,14 @@ bytes autograd saves for backward over one forward of it.
 from __future__ import annotations
 
 import gc
+import math
+import time
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from fp8train.bench.harness import paired_ratio, side_by_side
+from fp8train.bench.harness import Timing, paired_ratio, side_by_side
 from fp8train.bench.options import REPO_RECIPES, BenchOptions, log
 from fp8train.nn.convert import convert_to_fp8
 from fp8train.nn.linear import configure_execution, update_fp8_scales
@@ -149,8 +151,12 @@ def _bench_train(opts: BenchOptions, warmup: int, repeats: int, kernel: str) -> 
             del steps[name], extras[name]["model"], extras[name]["optimizer"], model, optimizer, step
             gc.collect()
             torch.cuda.empty_cache()
+    per_round = 1
     if opts.device != "cuda":
-        timings = side_by_side(steps, opts.device, warmup, repeats)
+        per_round = _steps_per_round(steps["bf16"])
+        rounds = {name: _repeated(step, per_round) for name, step in steps.items()}
+        timings = {name: Timing([seconds / per_round for seconds in t.times])
+                   for name, t in side_by_side(rounds, opts.device, warmup, repeats).items()}
         for name, ex in extras.items():
             ex.update(timing=timings[name], peak=_step_peak_bytes(steps[name], opts.device),
                       resident=_resident_bytes(ex["model"], ex["optimizer"]), loss=float(ex["state"]["loss"]))
@@ -170,8 +176,32 @@ def _bench_train(opts: BenchOptions, warmup: int, repeats: int, kernel: str) -> 
     m = cfg.model
     return {"config": path or "built-in CPU validation model", "tokens_per_step": tokens,
             "threads": torch.get_num_threads() if opts.device == "cpu" else None,
+            "steps_per_round": per_round if opts.device != "cuda" else 1,
             "model": {"n_layers": m.n_layers, "d_model": m.d_model, "seq_len": m.seq_len,
                       "batch_size": cfg.train.batch_size}, "rows": rows}
+
+
+# A CPU round times several steps of each contender: one step of the 64-wide CPU recipe takes ~25 ms, where
+# a scheduler tick, a page fault or a garbage collection moves one step's time by 10-20% and the median of 9
+# one-step ratios moved by 0.1-0.15 between runs of the same tree (AMD EPYC Zen 4, 2 cores).
+ROUND_SECONDS = 0.25  # at least this much of the bf16 step per round
+MAX_STEPS_PER_ROUND = 16
+
+
+def _steps_per_round(bf16_step: Callable) -> int:
+    """Steps per timed round on a CPU: enough bf16 steps for ROUND_SECONDS (timed once, after a warm-up step)."""
+    bf16_step()
+    t0 = time.perf_counter()
+    bf16_step()
+    one = time.perf_counter() - t0
+    return max(1, min(MAX_STEPS_PER_ROUND, math.ceil(ROUND_SECONDS / max(one, 1e-6))))
+
+
+def _repeated(step: Callable, count: int) -> Callable:
+    def steps():
+        for _ in range(count):
+            step()
+    return steps
 
 
 def saved_tensor_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: str) -> dict:

@@ -34,7 +34,8 @@ from fp8train.nn.recipes import Fp8Recipe, OperandRole
 from fp8train.numerics import native_cast
 from fp8train.numerics.formats import get_format
 from fp8train.numerics.mx import quantize_mx
-from fp8train.numerics.quant import Fp8Tensor, compute_amax, decode_fp8, quant_error, quantize
+from fp8train.numerics.quant import (Fp8Tensor, compute_amax, decode_fp8, native_quantize, quant_error, quantize,
+                                     value_copies)
 from fp8train.numerics.scaling import format_scale
 from fp8train.numerics.names import Granularity, QuantizeKernel
 
@@ -63,8 +64,8 @@ class OperandQuantizer:
         self.delayed, self.mx, self.tensorwise = recipe.is_delayed, recipe.is_mx, recipe.is_tensorwise
         self.margin, self.pow2 = recipe.margin, recipe.pow2_scales
         self._keys = {name: f"{self.role}_{name}" for name in SCALING_BUFFERS}  # the layer's buffer names
-        # current tensorwise scaling of an input: a cast that layers reading the same tensor share (_shared_cast)
-        self.shares_casts = self.role is OperandRole.INPUT and self.tensorwise and not self.delayed
+        # a tensorwise input: a cast that layers reading the same tensor share (_shared_cast)
+        self.shares_casts = self.role is OperandRole.INPUT and self.tensorwise
         self.reset()
 
     @property
@@ -129,14 +130,18 @@ class OperandQuantizer:
         # None where the local amax is already that, e.g. delayed scales known on the host)
         layout = self.layer.tp_layout
         global_amax = None if layout is None else layout.global_amax(self, tensor, kernel, transposed=False)
-        if self.delayed and self.initialized_on_host:
+        shared = self.shares_casts and kernel is QuantizeKernel.NATIVE and global_amax is None and \
+            not self.layer.telemetry and not tensor.is_inference()  # (inference tensors have no version)
+        if self.delayed and self.initialized_on_host and shared and layout is None:  # (TP: DTensor scales)
+            quantized = _shared_cast(self, tensor, keep_values)
+        elif self.delayed and self.initialized_on_host:
             # the stored scale is known before the tensor is read: cast with it and take the amax in the same
             # pass (one read of the tensor; finite and > 0 by construction: no per-call host sync); the native
             # kernel records the amax in that op too (record_amax's rule)
-            quantized = quantize(tensor, self.format, scale=self.buffer("scale"), keep_values=keep_values,
-                                 validate_scale=False, kernel=kernel, with_amax=True,
-                                 nonfinite_count=self.kernel_buffer("nonfinite_amax_count"),
-                                 pending_amax=self.kernel_buffer("pending_amax") if self.layer.training else None)
+            quantized = _tensorwise_cast(tensor, self.format, kernel, keep_values, scale=self.buffer("scale"),
+                                         nonfinite_count=self.kernel_buffer("nonfinite_amax_count"),
+                                         pending_amax=self.kernel_buffer("pending_amax") if self.layer.training
+                                         else None)
             if not quantized.amax_recorded:
                 self.record_amax(quantized.amax)
         elif self.delayed:  # first step: the scale may be the tensor's own, so the amax comes first
@@ -146,8 +151,7 @@ class OperandQuantizer:
             quantized = quantize(tensor, self.format, scale=scale, keep_values=keep_values, validate_scale=False,
                                  kernel=kernel)
             quantized.amax = amax
-        elif self.shares_casts and kernel is QuantizeKernel.NATIVE and global_amax is None and \
-                not self.layer.telemetry and not tensor.is_inference():  # (inference tensors have no version)
+        elif shared:
             quantized = _shared_cast(self, tensor, keep_values)
         elif global_amax is not None:  # current tensorwise or rowwise scales from the whole operand's amaxes
             quantized = quantize(tensor, self.format, granularity=self.granularity, axis=-1, kernel=kernel,
@@ -165,6 +169,10 @@ class OperandQuantizer:
             if self.mx:
                 quantized = quantize_mx(tensor, self.format, kernel=kernel, keep_values=keep_values,
                                         keep_dequantized=blocked)
+            elif self.tensorwise:  # (the native kernel counts a non-finite amax in the same op)
+                quantized = _tensorwise_cast(tensor, self.format, kernel, keep_values, margin=self.margin,
+                                             pow2=self.pow2,
+                                             nonfinite_count=self.kernel_buffer("nonfinite_amax_count"))
             else:  # (the native kernel counts a non-finite amax in the same op)
                 quantized = quantize(tensor, self.format, granularity=self.granularity, block=self.block,
                                      margin=self.margin, pow2=self.pow2, kernel=kernel, keep_values=keep_values,
@@ -279,28 +287,59 @@ _last_shared_cast: list = [None]
 
 
 def _shared_cast(quantizer: OperandQuantizer, tensor: torch.Tensor, keep_values) -> Fp8Tensor:
-    """`quantizer`'s current tensorwise cast of `tensor`, or the same cast another layer just made of that tensor
-    (the same bytes, scale and amax: the rule reads nothing else). Keyed by the tensor's storage owner (held
-    weakly: one that died cannot be mistaken for a new one at its address), view, dtype and in-place version,
-    and the rule's format, margin, power-of-two option and the values kept; each layer counts a non-finite amax."""
+    """`quantizer`'s tensorwise cast of `tensor`, or the same cast another layer just made of that tensor: under
+    current scaling the rule reads nothing else (the same bytes, scale and amax); under delayed scaling (stored
+    scales) when the two layers' stored scales have the same bits, compared in the C kernel (no host sync), as
+    they are for layers that have read the same tensors since they were built or loaded. Keyed by the tensor's
+    storage owner (held weakly: one that died cannot be mistaken for a new one at its address), view, dtype and
+    in-place version, and the rule's format, margin, power-of-two option and the values kept; each layer counts
+    a non-finite amax and (delayed, training) records the amax in its own state."""
     # a view's base and the in-place version counter: torch has no public name for either
     owner = tensor._base if tensor._base is not None else tensor
+    delayed = quantizer.delayed
     key = (id(owner), tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype,
            tensor._version,  # (in-place writes since the cast change it: a cast of old bytes is never reused)
-           quantizer.format.name, quantizer.margin, quantizer.pow2, keep_values)
+           quantizer.format.name, quantizer.margin, quantizer.pow2, keep_values, delayed)
     last = _last_shared_cast[0]
     count = quantizer.kernel_buffer("nonfinite_amax_count")
+    pending = quantizer.kernel_buffer("pending_amax") if delayed and quantizer.layer.training else None
     if last is not None and last[0] == key and last[1]() is owner and last[4]() is not quantizer:
-        if last[3] is None:  # whether the amax is NaN/inf, as a tensor (no host read: no sync), made once
-            last[3] = (last[2].amax < math.inf).logical_not()
-        count.add_(last[3])
-        return last[2]
-    quantized = quantize(tensor, quantizer.format, margin=quantizer.margin, pow2=quantizer.pow2,
-                         kernel=QuantizeKernel.NATIVE, keep_values=keep_values, nonfinite_count=count)
+        if delayed:
+            if native_cast.share_delayed_cast(last[2].scale, last[2].amax, quantizer.buffer("scale"), count, pending):
+                return last[2]
+        else:
+            if last[3] is None:  # whether the amax is NaN/inf, as a tensor (no host read: no sync), made once
+                last[3] = (last[2].amax < math.inf).logical_not()
+            count.add_(last[3])
+            return last[2]
+    quantized = _tensorwise_cast(tensor, quantizer.format, QuantizeKernel.NATIVE, keep_values,
+                                 margin=quantizer.margin, pow2=quantizer.pow2, nonfinite_count=count,
+                                 scale=quantizer.buffer("scale") if delayed else None, pending_amax=pending)
     if not quantized.amax_recorded:  # (the eager kernel ran it: a case the C kernel does not take)
-        count.add_((quantized.amax < math.inf).logical_not())
+        if delayed:
+            quantizer.record_amax(quantized.amax)
+        else:
+            count.add_((quantized.amax < math.inf).logical_not())
     _last_shared_cast[0] = [key, weakref.ref(owner), quantized, None, weakref.ref(quantizer)]
     return quantized
+
+
+def _tensorwise_cast(tensor: torch.Tensor, fmt, kernel, keep_values, *, margin: int = 0, pow2: bool = False,
+                     scale: torch.Tensor | None = None, nonfinite_count=None, pending_amax=None) -> Fp8Tensor:
+    """quant.quantize of a tensorwise operand: with `scale` (delayed scaling's, finite and > 0 by construction)
+    the cast takes the amax in the same pass, else the scale comes from the amax. Where the native kernel takes the
+    tensor it is called straight (quantize's argument checks are the recipe's, made once when it was built: ~5 us
+    a call saved); anything else goes through quantize."""
+    if kernel is QuantizeKernel.NATIVE and type(keep_values) is not tuple:
+        keep_fp32, keep_bf16 = (keep_values, False) if type(keep_values) is bool else value_copies(keep_values)
+        quantized = native_quantize(tensor, fmt, Granularity.TENSOR, 1, 1, -1, margin, pow2, True, scale, keep_fp32,
+                                    keep_bf16, with_amax=scale is not None, nonfinite_count=nonfinite_count,
+                                    pending_amax=pending_amax)
+        if quantized is not None:
+            return quantized
+    return quantize(tensor, fmt, margin=margin, pow2=pow2, scale=scale, keep_values=keep_values,
+                    validate_scale=False, kernel=kernel, with_amax=scale is not None, nonfinite_count=nonfinite_count,
+                    pending_amax=pending_amax)
 
 
 def _fp8_gathered_input():

@@ -640,6 +640,18 @@ static int quantize_tiles(const fp8_params *p, const void *x, int32_t x_bf16, in
                           int64_t cols, int64_t tile_r, int64_t tile_c, const float *scale_in, uint8_t *data,
                           float *scale_out, float *amax_out, float *values, uint16_t *values16, int32_t nthreads);
 
+/* Delayed scaling's cast of a tensor that several layers read (a transformer's q/k/v projections): the cast one
+ * layer made with its stored scale `cast_scale` is another layer's cast too when that layer's stored `scale` has
+ * the same bits (a cast with a given scale reads nothing else of its layer). Then the other layer's state records
+ * the cast's amax as its own cast would have (record_amaxes: either pointer may be NULL) and 1 is returned;
+ * else 0, and nothing is written. */
+int fp8_share_delayed_cast(const float *cast_scale, const float *scale, const float *cast_amax,
+                           int64_t *nonfinite_count, float *pending_amax) {
+    if (memcmp(cast_scale, scale, sizeof(float)) != 0) return 0;
+    record_amaxes(cast_amax, 1, nonfinite_count, pending_amax);
+    return 1;
+}
+
 /* Quantize (data != NULL) or only reduce to amax (data == NULL, rule RULE_GIVEN, scale_in NULL). With a given
  * scale and amax_out the amax is taken in the cast's own pass over x (delayed scaling: one read of the tensor).
  * With amax_out, `nonfinite_count` and `pending_amax` (each NULL or one value) are updated from the amaxes
@@ -908,7 +920,7 @@ int fp8_gemm_epilogue(const uint16_t *acc, int64_t rows, int64_t cols, const flo
 }
 
 /* The ABI version the Python side checks before using this library. */
-int fp8_abi_version(void) { return 7; }
+int fp8_abi_version(void) { return 8; }
 int fp8_params_size(void) { return (int)sizeof(fp8_params); }
 
 /* Whether the threads are the process's OpenMP runtime's (built with -fopenmp) or pthreads of its own. */

@@ -32,13 +32,15 @@ from fp8train.numerics.formats import FORMATS, Fp8Format
 from fp8train.numerics.scale_limits import SCALE_CAPS, fp32_exact
 from fp8train.numerics import native_build
 from fp8train.numerics.native_build import Params, library, threading_kind
+from fp8train.numerics.native_call import plain_call
 from fp8train.numerics.native_layout import FP8_DTYPES as _FP8_DTYPES, INPUT_DTYPES as _INPUT_DTYPES
 from fp8train.numerics.native_layout import (UNUSED_OUTPUTS, NativeLayout, amax_output, capped_block, dense_kind,
                                              kernel_outputs, layout, scale_step)
 
 __all__ = ["available", "set_enabled", "unavailable_reason", "threading_kind", "layout", "usable_layout",
-           "capped_block", "NativeLayout", "quantize_fp8", "amax", "decode", "decodable", "dequantize",
-           "dequantizable", "gemm_epilogue", "epilogue_usable", "scale_step", "cast_params"]
+           "capped_block", "NativeLayout", "quantize_fp8", "quantize_laid_out", "runs_directly", "amax", "decode",
+           "decodable", "dequantize", "dequantizable", "gemm_epilogue", "epilogue_usable", "scale_step", "cast_params",
+           "share_delayed_cast"]
 
 RULE_GIVEN, RULE_AMAX, RULE_MX = 0, 1, 2  # as in native_cast.c
 _SPECIAL = {"ieee": 0, "fn": 1, "fnuz": 2}
@@ -180,6 +182,14 @@ def _quantize_fp8_cpu(x, scale, fmt, granularity, block_rows, block_cols, axis, 
     lay = layout(x, granularity, block_rows, block_cols, axis)
     if lay is None:
         _layout_or_raise(x, granularity, block_rows, block_cols, axis)  # (raises, naming the input)
+    return quantize_laid_out(x, lay, scale, fmt, mx, saturate, margin, pow2, keep_values, keep_values_bf16,
+                             dequantize, with_amax, nonfinite_count, pending_amax)
+
+
+def quantize_laid_out(x, lay: NativeLayout, scale, fmt, mx, saturate, margin, pow2, keep_values, keep_values_bf16,
+                      dequantize, with_amax, nonfinite_count, pending_amax):
+    """The ``fp8train::quantize_fp8`` op's CPU implementation with x's `layout()` worked out by the caller, who
+    needed it too; called directly where ``runs_directly`` says the op would only call it."""
     fp8 = FORMATS[fmt]
     with_amax = scale is None or with_amax
     data, scale_out, amax, values, values_bf16 = kernel_outputs(x, lay, fp8, with_amax, keep_values,
@@ -294,12 +304,14 @@ def _dequantize_fake(data, scale, granularity, block_rows, block_cols, axis):
 def epilogue_usable(acc: torch.Tensor, scale_a, scale_b, bias, out_dtype: torch.dtype) -> bool:
     """Whether ``gemm_epilogue`` takes this: a contiguous 2-D bf16 CPU accumulator, fp32 scales that are one
     value, one per row (scale_a) or one per column (scale_b), an fp32 bias per column, a bf16 or fp32 output."""
-    if torch.compiler.is_compiling() or not available() or acc.device.type != "cpu" or acc.dim() != 2 \
-            or acc.dtype != torch.bfloat16 or not acc.is_contiguous() or out_dtype not in _INPUT_DTYPES:
+    # (asked on every bf16 GEMM of an emulated layer: plain checks, no generator, .is_cpu not .device.type)
+    if acc.dtype != torch.bfloat16 or not acc.is_cpu or acc.dim() != 2 or not acc.is_contiguous() \
+            or out_dtype not in _INPUT_DTYPES or torch.compiler.is_compiling() or not available():
         return False
     rows, cols = acc.shape
-    if any(t is not None and (t.dtype != torch.float32 or t.device.type != "cpu") for t in (scale_a, scale_b, bias)):
-        return False
+    for t in (scale_a, scale_b, bias):
+        if t is not None and (t.dtype != torch.float32 or not t.is_cpu):
+            return False
     if bias is not None and (bias.shape != (cols,) or not bias.is_contiguous()):
         return False
     return scale_step(scale_a, 0, rows) is not None and scale_step(scale_b, 1, cols) is not None
@@ -311,9 +323,9 @@ def gemm_epilogue(acc: torch.Tensor, scale_a, scale_b, bias, out_dtype: torch.dt
     (any of scale_a, scale_b, bias may be None); check ``epilogue_usable`` first. ``out``: a contiguous CPU tensor
     of acc's shape and `out_dtype` the result is written into and returned (no copy afterwards)."""
     if out is not None:
-        gemm_epilogue_out_op(acc, scale_a, scale_b, bias, out)
+        (_gemm_epilogue_out_cpu if plain_call(acc) else gemm_epilogue_out_op)(acc, scale_a, scale_b, bias, out)
         return out
-    return gemm_epilogue_op(acc, scale_a, scale_b, bias, out_dtype)
+    return (_gemm_epilogue_cpu if plain_call(acc) else gemm_epilogue_op)(acc, scale_a, scale_b, bias, out_dtype)
 
 
 def _gemm_epilogue_cpu(acc, scale_a, scale_b, bias, out_dtype):
@@ -371,6 +383,28 @@ decode = torch.ops.fp8train.decode_fp8.default
 dequantize_fp8 = torch.ops.fp8train.dequantize_fp8.default
 gemm_epilogue_op = torch.ops.fp8train.gemm_epilogue.default
 gemm_epilogue_out_op = torch.ops.fp8train.gemm_epilogue_out.default
+
+
+def runs_directly(x: torch.Tensor, scale: Optional[torch.Tensor]) -> bool:
+    """Whether a quantize of `x` (with `scale`, or None) may call ``quantize_laid_out`` instead of the
+    ``fp8train::quantize_fp8`` op: where the dispatcher would only call it (native_call.plain_call)."""
+    return plain_call(x) and (scale is None or type(scale) is torch.Tensor)
+
+
+def share_delayed_cast(cast_scale: torch.Tensor, cast_amax: torch.Tensor, scale: torch.Tensor,
+                       nonfinite_count: torch.Tensor, pending_amax: torch.Tensor | None) -> bool:
+    """Whether a delayed-scaling cast made with the stored scale `cast_scale` (its amax `cast_amax`) is the cast
+    of the same tensor by a layer whose stored scale is `scale`: the same bits, read in C (CPU tensors: no device
+    sync). If so that layer's `nonfinite_count` and `pending_amax` (None: not recorded) record the cast's amax as
+    its own cast would have, in the same call. All one-value CPU tensors: fp32, and int64 for the count."""
+    for state, dtype in ((cast_scale, torch.float32), (cast_amax, torch.float32), (scale, torch.float32),
+                         (nonfinite_count, torch.int64), (pending_amax, torch.float32)):
+        if state is not None and (state.dtype != dtype or state.numel() != 1 or not state.is_cpu):
+            raise RuntimeError(f"internal error: share_delayed_cast takes one-value {dtype} CPU tensors; got "
+                               f"{state.dtype} of shape {tuple(state.shape)} on {state.device}")
+    return library().fp8_share_delayed_cast(cast_scale.data_ptr(), scale.data_ptr(), cast_amax.data_ptr(),
+                                            nonfinite_count.data_ptr(),
+                                            None if pending_amax is None else pending_amax.data_ptr()) == 1
 
 
 def decodable(data: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -29,6 +29,7 @@ import torch
 
 from fp8train.numerics import native_build, native_cast
 from fp8train.numerics.formats import FORMATS
+from fp8train.numerics.native_call import plain_call
 from fp8train.numerics.native_layout import scale_step
 
 __all__ = ["MODES", "set_mode", "mode", "fast", "in_use", "usable", "mm"]
@@ -103,13 +104,12 @@ def _outer_steps(a, b, scale_a, scale_b, bias, out_dtype) -> Optional[tuple[int,
     """How the C loop reads scale_a and scale_b (native_layout.scale_step), or None where ``mm`` does not take
     these operands (``usable``)."""
     if not (a.dim() == 2 and b.dim() == 2 and a.dtype in _GEMM_DTYPES and b.dtype in _GEMM_DTYPES
-            and a.device.type == "cpu" and b.device.type == "cpu" and a.shape[1] == b.shape[0]
-            and a.numel() > 0 and b.numel() > 0):
+            and a.is_cpu and b.is_cpu and a.shape[1] == b.shape[0] and a.numel() > 0 and b.numel() > 0):
         return None
     if out_dtype not in (torch.float32, torch.bfloat16):
         return None
     for t in (scale_a, scale_b, bias):  # (a loop, not a generator: this runs on every emulated GEMM)
-        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+        if t is not None and (t.dtype != torch.float32 or not t.is_cpu):
             return None
     if bias is not None and (tuple(bias.shape) != (b.shape[1],) or not bias.is_contiguous()):
         return None
@@ -129,10 +129,13 @@ def mm(a: torch.Tensor, b: torch.Tensor, k_scales: Optional[tuple] = None, *, sc
     contiguous (M, N) CPU tensor of `out_dtype` the result is written into and returned (e.g. one expert's rows of
     a grouped GEMM's output: no copy afterwards)."""
     kscale_a, kscale_b, k_block = k_scales if k_scales is not None else (None, None, 0)
+    direct = plain_call(a)  # (the dispatcher only: its CPU implementation, called directly: native_call.py)
     if out is not None:
-        gemm_bf16_out_op(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, plain, out)
+        (_gemm_bf16_out_cpu if direct else gemm_bf16_out_op)(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b,
+                                                             bias, plain, out)
         return out
-    return gemm_bf16_op(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias, out_dtype, plain)
+    return (_gemm_bf16_cpu if direct else gemm_bf16_op)(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b, bias,
+                                                        out_dtype, plain)
 
 
 def _check_k_scales(a, b, k_block, kscale_a, kscale_b) -> None:

@@ -209,10 +209,15 @@ def native_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis:
     dequantized_only = keep_dequantized and not keep_fp32  # the kernel's values buffer holds value * scale
     with_amax = scale is None or with_amax
     records = with_amax and (nonfinite_count is not None or pending_amax is not None)
-    data, scale_out, amax, values, values_bf16 = native_cast.quantize_fp8(
-        x, scale, fmt.name, granularity, br, bc, axis, margin, pow2, mx, bool(saturate),
-        keep_fp32 or keep_dequantized, keep_bf16, dequantized_only, with_amax,
-        nonfinite_count if records else None, pending_amax if records else None)
+    if native_cast.runs_directly(x, scale):  # (the op's CPU implementation, without the dispatcher around it)
+        data, scale_out, amax, values, values_bf16 = native_cast.quantize_laid_out(
+            x, lay, scale, fmt.name, mx, bool(saturate), margin, pow2, keep_fp32 or keep_dequantized, keep_bf16,
+            dequantized_only, with_amax, nonfinite_count if records else None, pending_amax if records else None)
+    else:
+        data, scale_out, amax, values, values_bf16 = native_cast.quantize_fp8(
+            x, scale, fmt.name, granularity, br, bc, axis, margin, pow2, mx, bool(saturate),
+            keep_fp32 or keep_dequantized, keep_bf16, dequantized_only, with_amax,
+            nonfinite_count if records else None, pending_amax if records else None)
     quantized = Fp8Tensor(data, scale if scale is not None else scale_out, fmt, granularity, (br, bc), axis,
                           amax if with_amax else None, values if keep_fp32 else None,
                           values_bf16=values_bf16 if keep_bf16 else None, amax_recorded=records)
