@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fp8train.nn.recipes import ROLES, Fp8Recipe
+from fp8train.numerics import native_cast
+from fp8train.numerics.native_delayed import delayed_update
 from fp8train.numerics.quant import max_scale, scale_rule
 
 __all__ = ["update_fp8_scales", "update_group", "refuse_bad_fp8_state", "check_scales_updated",
@@ -160,23 +162,33 @@ def update_fp8_scales(model: torch.nn.Module, process_group=None) -> None:
         member[1].append(layer)
         member[2].extend(range(first, first + count))
         first += count
+    pending_reset = True  # (the native update sets its rows' pending amaxes back to -1 itself)
     for units, layers, indices in groups.values():
         rows = step_amax if len(indices) == first else step_amax.view(-1, len(ROLES))[indices].reshape(-1)
-        update_group([u.quantizers[role] for u in units for role in ROLES], rows, tuple(layers))
-    # one multi-tensor op for the whole list: torch's foreach kernels have no public name
-    unset = torch.full_like(step_amax[0], -1.0)
-    sources = [unset] * len(pendings)
-    for layer in stacked:
-        pendings += [getattr(layer, f"{role}_pending_amax") for role in ROLES]
-        sources += [unset.expand_as(pendings[-1])] * len(ROLES)
-    torch._foreach_copy_(pendings, sources)  # one multi-tensor op: torch's foreach kernels have no public name
+        native = update_group([u.quantizers[role] for u in units for role in ROLES], rows, tuple(layers))
+        pending_reset = pending_reset and native
+    if not pending_reset:
+        unset = torch.full_like(step_amax[0], -1.0)
+        sources = [unset] * len(pendings)
+        for layer in stacked:
+            pendings += [getattr(layer, f"{role}_pending_amax") for role in ROLES]
+            sources += [unset.expand_as(pendings[-1])] * len(ROLES)
+        torch._foreach_copy_(pendings, sources)  # one multi-tensor op: torch's foreach kernels have no public name
     for owner in owners:
         owner.scales_updated()
 
 
+_recipe_keys: dict = {}  # id(recipe) -> (recipe, its options' key): one recipe object serves a run's layers
+
+
 def _group_key(r: Fp8Recipe, device) -> tuple:
-    return (r.amax_history_len, r.amax_compute_algo, r.margin, r.pow2_scales, r.amax_outlier_factor,
-            tuple(r.format_of(role) for role in ROLES), device)
+    found = _recipe_keys.get(id(r))
+    if found is None or found[0] is not r:
+        if len(_recipe_keys) > 256:  # (recipes made per call, e.g. in a sweep: start over rather than grow)
+            _recipe_keys.clear()
+        found = _recipe_keys[id(r)] = (r, (r.amax_history_len, r.amax_compute_algo, r.margin, r.pow2_scales,
+                                           r.amax_outlier_factor, tuple(r.format_of(role) for role in ROLES)))
+    return found[1] + (device,)
 
 
 def _rows(buffers: list, stacked: tuple, name: str) -> torch.Tensor:
@@ -188,16 +200,26 @@ def _rows(buffers: list, stacked: tuple, name: str) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def update_group(quantizers: list, step_amax: torch.Tensor, stacked: tuple = ()) -> None:
+def update_group(quantizers: list, step_amax: torch.Tensor, stacked: tuple = ()) -> bool:
     """The documented delayed-scaling step for `quantizers` (of layers with the same recipe options), one row of
     `step_amax` each, then for each grouped layer in `stacked` (its `stacked_delayed_state`: (E,) buffers per
-    role) its (expert, role) rows."""
+    role) its (expert, role) rows. Returns True where the native kernel ran it (CPU, no grouped layer, scales not
+    rounded to powers of two): it has set the quantizers' pending amaxes back to -1 too; else the caller does."""
     every = quantizers + [u.quantizers[role] for layer in stacked for u in layer.delayed_units for role in ROLES]
     r = every[0].recipe
     per_quantizer = [q.buffers(_STATE) for q in quantizers]
     state = {name: [row[i] for row in per_quantizer] for i, name in enumerate(_STATE)}
-    history, scale, scale_amax, initialized, stale = (_rows(state[name], stacked, name) for name in _STATE)
     formats = tuple(q.format for q in every)
+    if not stacked and not r.pow2_scales and step_amax.is_cpu and native_cast.available():
+        # the same operations in one native call, each quantizer's buffers in place (native_delayed.py)
+        divisor, min_normal, cap = _native_constants(formats, r.margin)
+        state["pending_amax"] = [q.buffer("pending_amax") for q in quantizers]
+        flags = delayed_update(step_amax.contiguous(), state, divisor, min_normal, cap,
+                               r.amax_compute_algo == "most_recent", r.amax_outlier_factor)
+        if flags is not None:
+            _refresh_host_mirror(every, flags)
+            return True
+    history, scale, scale_amax, initialized, stale = (_rows(state[name], stacked, name) for name in _STATE)
     fmt_max, min_normal, cap = _format_constants(formats, r.pow2_scales, step_amax.device)
     recorded = step_amax >= 0  # pending stays at -1 when no micro-batch recorded an amax
     # A step whose amax lands below the smallest normal under the scale in force: an outlier blinds the layer.
@@ -225,6 +247,7 @@ def update_group(quantizers: list, step_amax: torch.Tensor, stacked: tuple = ())
         first += count * len(ROLES)
     torch._foreach_copy_(targets, sources)  # one multi-tensor op (see above)
     _refresh_host_mirror(every, initialized)
+    return False
 
 
 def _refresh_host_mirror(quantizers: list, initialized: torch.Tensor) -> None:
@@ -248,6 +271,15 @@ def _format_constants(formats: tuple, pow2: bool, device: torch.device) -> tuple
     from a Python list on a GPU is a blocking host-to-device copy, i.e. a host sync, and this runs every step."""
     return tuple(torch.tensor(values, dtype=torch.float64, device=device) for values in (
         [f.max for f in formats], [f.min_normal for f in formats], [max_scale(f.max, pow2) for f in formats]))
+
+
+@functools.lru_cache(maxsize=256)
+def _native_constants(formats: tuple, margin: int) -> tuple[torch.Tensor, ...]:
+    """Per row, on the CPU in float64: the scale rule's divisor fmt.max * 2^-margin (exact), the format's min normal
+    and the scale cap (not power-of-two scales), for the native update."""
+    return tuple(torch.tensor(values, dtype=torch.float64) for values in (
+        [f.max * 2.0 ** -margin for f in formats], [f.min_normal for f in formats],
+        [max_scale(f.max, False) for f in formats]))
 
 
 def _history_amax(history: torch.Tensor, r: Fp8Recipe) -> torch.Tensor:

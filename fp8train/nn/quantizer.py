@@ -34,6 +34,7 @@ from fp8train.nn.recipes import Fp8Recipe, OperandRole
 from fp8train.numerics import native_cast
 from fp8train.numerics.formats import get_format
 from fp8train.numerics.mx import quantize_mx
+from fp8train.numerics.native_delayed import share_delayed_cast
 from fp8train.numerics.quant import (Fp8Tensor, compute_amax, decode_fp8, native_quantize, quant_error, quantize,
                                      value_copies)
 from fp8train.numerics.scaling import format_scale
@@ -305,7 +306,7 @@ def _shared_cast(quantizer: OperandQuantizer, tensor: torch.Tensor, keep_values)
     pending = quantizer.kernel_buffer("pending_amax") if delayed and quantizer.layer.training else None
     if last is not None and last[0] == key and last[1]() is owner and last[4]() is not quantizer:
         if delayed:
-            if native_cast.share_delayed_cast(last[2].scale, last[2].amax, quantizer.buffer("scale"), count, pending):
+            if share_delayed_cast(last[2].scale, last[2].amax, quantizer.buffer("scale"), count, pending):
                 return last[2]
         else:
             if last[3] is None:  # whether the amax is NaN/inf, as a tensor (no host read: no sync), made once

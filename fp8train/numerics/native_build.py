@@ -70,7 +70,8 @@ _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pth
 # where torch uses GNU OpenMP), not threads of its own competing with torch's spinning ones. A compiler without
 # OpenMP (a bare clang) builds the pthreads variant instead.
 _VARIANTS = (("openmp", ("-fopenmp",)), ("pthreads", ()))
-_ABI_VERSION = 8  # 5: fp8_gemm_bf16; 6: its FP8-byte operands; 7: fp8_quantize records amaxes; 8: shared delayed casts
+# 5: fp8_gemm_bf16; 6: its FP8-byte operands; 7: fp8_quantize records amaxes; 8: shared delayed casts; 9: the update
+_ABI_VERSION = 9
 _CACHE_LAYOUT = 2  # 2: family-source names, a size+sha256 record per library, the build lock
 _PRUNE_UNUSED_S = 7 * 24 * 3600  # another version's build, unused this long, is deleted at the next build
 _ORPHAN_TMP_S = 600  # a temporary file this old belongs to a builder that died
@@ -384,4 +385,7 @@ def _bind(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
     lib.fp8_gemm_vectorized.restype = ctypes.c_int
     lib.fp8_share_delayed_cast.argtypes = [ptr, ptr, ptr, ptr, ptr]
     lib.fp8_share_delayed_cast.restype = ctypes.c_int
+    lib.fp8_delayed_update.argtypes = [i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, ctypes.c_float,
+                                       ptr]
+    lib.fp8_delayed_update.restype = ctypes.c_int
     return lib

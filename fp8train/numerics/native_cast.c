@@ -718,6 +718,61 @@ static int quantize_tiles(const fp8_params *p, const void *x, int32_t x_bf16, in
     return 0;
 }
 
+/* ---- delayed scaling's update ------------------------------------------------------------------------------
+ * nn/delayed_scaling.update_group's tensor ops for n quantizers on the CPU, each reading and writing its own
+ * buffers in place (arrays of pointers: no stacking and unbinding of ~200 one-value tensors a step), the same
+ * fp32 / float64 operations row by row:
+ *   stale += recorded & initialized & step > 0 & (double)step < (double)scale * min_normal   (the old scale)
+ *   history = recorded ? [step, history[:-1]] : history
+ *   amax = history[0] (most recent) | max(history) | (outlier factor f) second-largest where second > 0 and
+ *          largest > second * f (fp32 product), else largest
+ *   usable = recorded & amax > 0;  scale, scale_amax = usable ? (rule(amax), amax) : unchanged;  initialized |= usable
+ *   rule = min(max(where(amax > 0, (double)amax / divisor, 1), 2^-126), cap) -> fp32 (inf -> 1): scaling.scale_rule
+ *          on float64 divisors (not power-of-two scales: those stay with the torch ops)
+ * with `step_amax` the rows' pending amaxes as all ranks reduced them; each pending amax is set back to -1 after.
+ * `initialized_out` receives every row's new flag (what the host mirror reads). */
+int fp8_delayed_update(int64_t n, int64_t history_len, const float *step_amax, float *const *pending,
+                       float *const *history, float *const *scale, float *const *scale_amax,
+                       uint8_t *const *initialized, int64_t *const *stale, const double *divisor, const double *min_normal, const double *cap,
+                       int32_t most_recent, float outlier_factor, uint8_t *initialized_out) {
+    if (n < 0 || history_len < 1) return -100;
+    for (int64_t i = 0; i < n; i++) {
+        const float step = step_amax[i];
+        float *h = history[i];
+        const int recorded = step >= 0.0f, was_initialized = *initialized[i] != 0;
+        if (recorded && was_initialized && step > 0.0f && (double)step < (double)*scale[i] * min_normal[i])
+            *stale[i] += 1;
+        if (recorded) {
+            memmove(h + 1, h, (size_t)(history_len - 1) * sizeof(float));
+            h[0] = step;
+        }
+        float amax = h[0];
+        if (!most_recent) {
+            float largest = h[0], second = -INFINITY;
+            for (int64_t k = 1; k < history_len; k++) {
+                if (h[k] > largest) second = largest, largest = h[k];
+                else if (h[k] > second) second = h[k];
+            }
+            amax = largest;
+            if (outlier_factor > 0.0f && history_len >= 2 && second > 0.0f && largest > second * outlier_factor)
+                amax = second;
+        }
+        const int usable = recorded && amax > 0.0f;
+        if (usable) {
+            double s = (double)amax / divisor[i];
+            if (isinf(s)) s = 1.0;
+            s = s < 0x1p-126 ? 0x1p-126 : s;
+            s = s > cap[i] ? cap[i] : s;
+            *scale[i] = (float)s;
+            *scale_amax[i] = amax;
+            *initialized[i] = 1;
+        }
+        initialized_out[i] = *initialized[i];
+        *pending[i] = -1.0f;
+    }
+    return 0;
+}
+
 /* ---- groups of rows, each quantized as its own matrix ------------------------------------------------------ */
 /* The rows of one row-major (rows, cols) matrix come in consecutive groups (a mixture-of-experts layer's tokens,
  * sorted by expert), and each group is quantized as if it were a tensor of its own: tiles of tile_r rows (0: the
@@ -949,7 +1004,7 @@ int fp8_gemm_epilogue(const uint16_t *acc, int64_t rows, int64_t cols, const flo
 }
 
 /* The ABI version the Python side checks before using this library. */
-int fp8_abi_version(void) { return 8; }
+int fp8_abi_version(void) { return 9; }
 int fp8_params_size(void) { return (int)sizeof(fp8_params); }
 
 /* Whether the threads are the process's OpenMP runtime's (built with -fopenmp) or pthreads of its own. */

@@ -39,8 +39,7 @@ from fp8train.numerics.native_layout import (UNUSED_OUTPUTS, NativeLayout, amax_
 
 __all__ = ["available", "set_enabled", "unavailable_reason", "threading_kind", "layout", "usable_layout",
            "capped_block", "NativeLayout", "quantize_fp8", "quantize_laid_out", "runs_directly", "amax", "decode",
-           "decodable", "dequantize", "dequantizable", "gemm_epilogue", "epilogue_usable", "scale_step", "cast_params",
-           "share_delayed_cast"]
+           "decodable", "dequantize", "dequantizable", "gemm_epilogue", "epilogue_usable", "scale_step", "cast_params"]
 
 RULE_GIVEN, RULE_AMAX, RULE_MX = 0, 1, 2  # as in native_cast.c
 _SPECIAL = {"ieee": 0, "fn": 1, "fnuz": 2}
@@ -389,22 +388,6 @@ def runs_directly(x: torch.Tensor, scale: Optional[torch.Tensor]) -> bool:
     """Whether a quantize of `x` (with `scale`, or None) may call ``quantize_laid_out`` instead of the
     ``fp8train::quantize_fp8`` op: where the dispatcher would only call it (native_call.plain_call)."""
     return plain_call(x) and (scale is None or type(scale) is torch.Tensor)
-
-
-def share_delayed_cast(cast_scale: torch.Tensor, cast_amax: torch.Tensor, scale: torch.Tensor,
-                       nonfinite_count: torch.Tensor, pending_amax: torch.Tensor | None) -> bool:
-    """Whether a delayed-scaling cast made with the stored scale `cast_scale` (its amax `cast_amax`) is the cast
-    of the same tensor by a layer whose stored scale is `scale`: the same bits, read in C (CPU tensors: no device
-    sync). If so that layer's `nonfinite_count` and `pending_amax` (None: not recorded) record the cast's amax as
-    its own cast would have, in the same call. All one-value CPU tensors: fp32, and int64 for the count."""
-    for state, dtype in ((cast_scale, torch.float32), (cast_amax, torch.float32), (scale, torch.float32),
-                         (nonfinite_count, torch.int64), (pending_amax, torch.float32)):
-        if state is not None and (state.dtype != dtype or state.numel() != 1 or not state.is_cpu):
-            raise RuntimeError(f"internal error: share_delayed_cast takes one-value {dtype} CPU tensors; got "
-                               f"{state.dtype} of shape {tuple(state.shape)} on {state.device}")
-    return library().fp8_share_delayed_cast(cast_scale.data_ptr(), scale.data_ptr(), cast_amax.data_ptr(),
-                                            nonfinite_count.data_ptr(),
-                                            None if pending_amax is None else pending_amax.data_ptr()) == 1
 
 
 def decodable(data: torch.Tensor, dtype: torch.dtype) -> bool:
