@@ -241,7 +241,9 @@ class Fp8Linear(nn.Linear):
         if input_2d.shape[0] == 0:
             return F.linear(input, weight.to(out_dtype), None if bias is None else bias.to(out_dtype))
         if self._delayed and self.training and not torch.compiler.is_compiling():  # (a missing update warns)
-            self._pending_since_step = check_scales_updated(self._pending_since_step)
+            pending_since = check_scales_updated(self._pending_since_step)
+            if pending_since != self._pending_since_step:  # (nn.Module.__setattr__ costs ~2 us: only on a change)
+                self._pending_since_step = pending_since
         dispatch = dispatch_for(self, input.device, out_dtype, input.dtype, weight.dtype)
         # Our GEMMs pick their own precision; autocast must not recast them to bf16.
         with torch.autocast(device_type, enabled=False):
