@@ -80,6 +80,7 @@ def check_scales_updated(pending_since_step: int | None, stacklevel: int = 4) ->
     return pending_since_step
 
 _STATE = ("amax_history", "scale", "scale_amax", "initialized", "stale_scale_steps")
+_STATE_AND_PENDING = _STATE + ("pending_amax",)  # (what the native update writes: the pending amax too)
 
 # Loaded scaling state must be state this module could have produced: a NaN/inf/0/negative scale would quantize
 # every later step wrongly (NaN loss many steps on, or a silently different curve) with nothing pointing at the
@@ -207,13 +208,12 @@ def update_group(quantizers: list, step_amax: torch.Tensor, stacked: tuple = ())
     rounded to powers of two): it has set the quantizers' pending amaxes back to -1 too; else the caller does."""
     every = quantizers + [u.quantizers[role] for layer in stacked for u in layer.delayed_units for role in ROLES]
     r = every[0].recipe
-    per_quantizer = [q.buffers(_STATE) for q in quantizers]
-    state = {name: [row[i] for row in per_quantizer] for i, name in enumerate(_STATE)}
+    per_quantizer = [q.buffers(_STATE_AND_PENDING) for q in quantizers]
+    state = {name: [row[i] for row in per_quantizer] for i, name in enumerate(_STATE_AND_PENDING)}
     formats = tuple(q.format for q in every)
     if not stacked and not r.pow2_scales and step_amax.is_cpu and native_cast.available():
         # the same operations in one native call, each quantizer's buffers in place (native_delayed.py)
         divisor, min_normal, cap = _native_constants(formats, r.margin)
-        state["pending_amax"] = [q.buffer("pending_amax") for q in quantizers]
         flags = delayed_update(step_amax.contiguous(), state, divisor, min_normal, cap,
                                r.amax_compute_algo == "most_recent", r.amax_outlier_factor)
         if flags is not None:

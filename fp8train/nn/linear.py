@@ -242,8 +242,8 @@ class Fp8Linear(nn.Linear):
             return F.linear(input, weight.to(out_dtype), None if bias is None else bias.to(out_dtype))
         if self._delayed and self.training and not torch.compiler.is_compiling():  # (a missing update warns)
             pending_since = check_scales_updated(self._pending_since_step)
-            if pending_since != self._pending_since_step:  # (nn.Module.__setattr__ costs ~2 us: only on a change)
-                self._pending_since_step = pending_since
+            if pending_since != self._pending_since_step:  # (a plain value: as in scales_updated)
+                object.__setattr__(self, "_pending_since_step", pending_since)
         dispatch = dispatch_for(self, input.device, out_dtype, input.dtype, weight.dtype)
         # Our GEMMs pick their own precision; autocast must not recast them to bf16.
         with torch.autocast(device_type, enabled=False):
@@ -307,7 +307,7 @@ class Fp8Linear(nn.Linear):
                     op.dequantize(torch.float32)  # tiles vary along K: the GEMMs read the dequantized weight
             weights = WeightFp8(key, weight_fp8, weight_op.t(), weight_op_grad)
         if key is not None:  # (never while compiling: compiled graphs re-derive and fuse it)
-            self._weight_cache = weights
+            object.__setattr__(self, "_weight_cache", weights)  # (a plain value: as in scales_updated)
         return weights
 
     def configure(self, quantize_kernel: str, emulated_dtype: str) -> None:
@@ -324,8 +324,10 @@ class Fp8Linear(nn.Linear):
     def scales_updated(self) -> None:
         """Called by update_fp8_scales once it has written new delayed scales: the weight's FP8 copy is remade
         with them, and the check for a missing update starts over."""
-        self._scale_generation += 1
-        self._pending_since_step = None
+        # (plain values, not parameters, buffers or modules: set past nn.Module.__setattr__'s checks, ~2 us each,
+        # as this runs for every delayed layer at every optimizer step)
+        object.__setattr__(self, "_scale_generation", self._scale_generation + 1)
+        object.__setattr__(self, "_pending_since_step", None)
 
 
 def configure_execution(model: nn.Module, *, quantize_kernel: str = DEFAULT_QUANTIZE_KERNEL,
