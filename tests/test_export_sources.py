@@ -191,15 +191,15 @@ def test_a_diverged_run_is_refused_unless_allowed_and_its_fidelity_fails_with_fi
     assert "--allow-diverged to evaluate it" in kv.stderr
 
 
-def test_a_dense_export_of_the_built_in_decoder_exports_again(tiny_fp8_run, tmp_path, commands):
-    dense = tmp_path / "dense"
-    first = commands.run(commands.fp8train("export", str(tiny_fp8_run), "--format", "hf", "--out", str(dense)))
-    assert first.returncode == 0, first.stderr
+def test_a_dense_export_of_the_built_in_decoder_exports_again(tiny_fp8_run, tmp_path, commands, capsys):
+    dense = tmp_path / "dense"  # the three exports in this process: what they print is what the command prints
+    code, _, err = commands.main(["export", str(tiny_fp8_run), "--format", "hf", "--out", str(dense)], capsys)
+    assert code == 0, err
     for fmt, out in (("hf", tmp_path / "again"), ("e4m3fn", tmp_path / "again.safetensors")):
-        done = commands.run(commands.fp8train("export", str(dense), "--format", fmt, "--out", str(out)))
-        assert done.returncode == 0 and "data.tokenizer" not in done.stderr, done.stderr
-        figures = _figures(done.stdout)
-        assert figures and all(f[1] <= 0.5 and f[2] <= 1e-3 for f in figures), done.stdout
+        code, stdout, err = commands.main(["export", str(dense), "--format", fmt, "--out", str(out)], capsys)
+        assert code == 0 and "data.tokenizer" not in err, err
+        figures = _figures(stdout)
+        assert figures and all(f[1] <= 0.5 and f[2] <= 1e-3 for f in figures), stdout
 
 
 def test_a_diverged_run_without_a_checkpoint_says_it_has_none_not_to_pass_allow_diverged(diverged_run, tmp_path,
