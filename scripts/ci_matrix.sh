@@ -20,7 +20,7 @@ PYTEST=(python -m pytest -q -rs -n 2 --dist loadfile -p no:cacheprovider)
 
 step() { echo; echo "=== ci_matrix: $*"; }
 
-step "the extended tests README's command leaves out (tensor parallelism, MoE under FSDP2 and through the CLI: minutes of multi-process launches)"
+step "the extended tests README's command leaves out (tensor parallelism, MoE under FSDP2 and through the CLI, FSDP2 against DDP: minutes of multi-process launches; the longest validations; gpu_check.sh's full dry run)"
 "${PYTEST[@]}" -m extended tests/
 
 step "emulated_dtype auto forced to bf16 (the avx512_bf16 / AMX path), the native bf16 GEMM on (its plain C loop where AVX512-BF16 is missing)"

@@ -167,39 +167,38 @@ def test_every_message_of_a_diverged_run_numbers_its_steps_alike(diverged_run, t
 
 
 def test_a_diverged_run_is_refused_unless_allowed_and_its_fidelity_fails_with_figures(diverged_run, tmp_path,
-                                                                                       commands):
-    run, summary = diverged_run
+                                                                                       commands, capsys):
+    run, summary = diverged_run  # the commands in this process: what they print is what the command prints
     out = tmp_path / "div.safetensors"
-    refused = commands.run(commands.fp8train("export", str(run), "--format", "e4m3fn", "--out", str(out)))
-    assert refused.returncode == 2 and not out.exists()
-    assert f"ended diverged at step {summary['diverged_at_step']}" in refused.stderr, refused.stderr
-    assert "--allow-diverged" in refused.stderr
-    allowed = commands.run(commands.fp8train("export", str(run), "--format", "e4m3fn", "--out", str(out),
-                                             "--allow-diverged"))
+    code, _, err = commands.main(["export", str(run), "--format", "e4m3fn", "--out", str(out)], capsys)
+    assert code == 2 and not out.exists()
+    assert f"ended diverged at step {summary['diverged_at_step']}" in err, err
+    assert "--allow-diverged" in err
+    code, stdout, err = commands.main(["export", str(run), "--format", "e4m3fn", "--out", str(out),
+                                       "--allow-diverged"], capsys)
     assert out.exists()
-    figures = _figures(allowed.stdout)
+    figures = _figures(stdout)
     over = [f for f in figures if f[1] > 0.5 or f[2] > 1e-3]  # the documented bounds (docs/serving.md)
-    assert over and allowed.returncode == 1, (allowed.stdout, allowed.stderr)
-    assert "outside the documented bounds" in allowed.stderr
+    assert over and code == 1, (stdout, err)
+    assert "outside the documented bounds" in err
     for name, max_diff, kl, _ in over:
-        assert (f"{name}: max|diff| {max_diff:.4g} > 0.5" in allowed.stderr
-                or f"{name}: mean KL {kl:.4g} > 0.001" in allowed.stderr), allowed.stderr
+        assert f"{name}: max|diff| {max_diff:.4g} > 0.5" in err or f"{name}: mean KL {kl:.4g} > 0.001" in err, err
     # kv-eval refuses it the same way (its losses would measure the divergence), before writing anything
-    kv = commands.run(commands.fp8train("kv-eval", str(run), "--out", str(tmp_path / "kv")))
-    assert kv.returncode == 2 and not (tmp_path / "kv").exists(), kv.stderr
-    assert f"ended diverged at step {summary['diverged_at_step']}" in kv.stderr
-    assert "--allow-diverged to evaluate it" in kv.stderr
+    code, _, err = commands.main(["kv-eval", str(run), "--out", str(tmp_path / "kv")], capsys)
+    assert code == 2 and not (tmp_path / "kv").exists(), err
+    assert f"ended diverged at step {summary['diverged_at_step']}" in err
+    assert "--allow-diverged to evaluate it" in err
 
 
-def test_a_dense_export_of_the_built_in_decoder_exports_again(tiny_fp8_run, tmp_path, commands):
-    dense = tmp_path / "dense"
-    first = commands.run(commands.fp8train("export", str(tiny_fp8_run), "--format", "hf", "--out", str(dense)))
-    assert first.returncode == 0, first.stderr
+def test_a_dense_export_of_the_built_in_decoder_exports_again(tiny_fp8_run, tmp_path, commands, capsys):
+    dense = tmp_path / "dense"  # the three exports in this process: what they print is what the command prints
+    code, _, err = commands.main(["export", str(tiny_fp8_run), "--format", "hf", "--out", str(dense)], capsys)
+    assert code == 0, err
     for fmt, out in (("hf", tmp_path / "again"), ("e4m3fn", tmp_path / "again.safetensors")):
-        done = commands.run(commands.fp8train("export", str(dense), "--format", fmt, "--out", str(out)))
-        assert done.returncode == 0 and "data.tokenizer" not in done.stderr, done.stderr
-        figures = _figures(done.stdout)
-        assert figures and all(f[1] <= 0.5 and f[2] <= 1e-3 for f in figures), done.stdout
+        code, stdout, err = commands.main(["export", str(dense), "--format", fmt, "--out", str(out)], capsys)
+        assert code == 0 and "data.tokenizer" not in err, err
+        figures = _figures(stdout)
+        assert figures and all(f[1] <= 0.5 and f[2] <= 1e-3 for f in figures), stdout
 
 
 def test_a_diverged_run_without_a_checkpoint_says_it_has_none_not_to_pass_allow_diverged(diverged_run, tmp_path,

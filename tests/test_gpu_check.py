@@ -38,7 +38,10 @@ def _blocking_env(tmp_path, names) -> dict:
             "PYTHON": sys.executable}
 
 
-@pytest.mark.slow
+# nine section processes, ~45 s on 2 cores: with CI's extended tests. README's command keeps gpu_check.sh's dry run
+# of the checks (test_carried_wheels_never_shadow_what_the_image_has), the checks, cuda_tests and train sections
+# (the next test) and the parity section (tests/test_gpu_parity.py)
+@pytest.mark.extended
 def test_dry_run_runs_every_section_and_writes_json(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(["bash", str(SCRIPT), str(out), "--dry-run"], capture_output=True, text=True,

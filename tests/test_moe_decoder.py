@@ -204,7 +204,10 @@ TINY_MOE = MOE[:4] + ["model.seq_len=32", "train.batch_size=8", "train.max_steps
                       "train.threads=1"]
 
 
-@pytest.mark.slow
+# 16 runs of 40 steps, ~45 s on 2 cores: with CI's extended tests. README's command keeps the MoE job's design
+# (test_the_moe_validation_job_is_the_main_jobs_design_on_an_moe_model), MoE training, routing agreement and
+# telemetry (the tests around this one) and the harness's own real PASS / FAIL (tests/test_validate.py)
+@pytest.mark.extended
 def test_moe_validation_passes_current_and_fails_a_harmful_margin(tmp_path):
     cfg = load_config(None, TINY_MOE + [f"run.dir={tmp_path}", "run.name=val", "validate.workers=2"])
     summary = run_validation(cfg, candidates=["current", "broken=current:margin=20,policy.exclude_defaults=false",
@@ -214,16 +217,32 @@ def test_moe_validation_passes_current_and_fails_a_harmful_margin(tmp_path):
     assert c["broken"]["verdict"] == "fail" and "diverged" in c["broken"]["reason"], c["broken"]
     assert c["m18"]["verdict"] != "pass" and c["m18"]["gap_mean"] > 0.02, c["m18"]
     assert summary["verdict"] == "fail"
-    on_disk = json.loads((tmp_path / "val" / "summary.json").read_text())
-    agreement = on_disk["moe"]["current"]
-    assert set(agreement) == {str(s) for s in summary["seeds"]}
+    _assert_routing_agreement_reported(tmp_path / "val", summary["seeds"])
+
+
+def _assert_routing_agreement_reported(vdir: Path, seeds: list[int]) -> None:
+    """`current`'s routing agreement with bf16, per seed and MoE block, in summary.json and the report."""
+    agreement = json.loads((vdir / "summary.json").read_text())["moe"]["current"]
+    assert set(agreement) == {str(s) for s in seeds}
     for blocks in agreement.values():
         assert set(blocks) == {"layers.0.mlp", "layers.1.mlp"}
         for row in blocks.values():
             assert 0.0 <= row["flipped"] <= 1.0 and sum(row["baseline_tokens"]) == sum(row["candidate_tokens"])
-    report = (tmp_path / "val" / "report.md").read_text()
-    assert "## Mixture of experts: routing agreement" in report and (tmp_path / "val" / "experts.png").stat().st_size
+    report = (vdir / "report.md").read_text()
+    assert "## Mixture of experts: routing agreement" in report and (vdir / "experts.png").stat().st_size
     assert "layers.0.mlp.experts.gate_up" in report  # per-expert health names the grouped layers
+
+
+@pytest.mark.slow
+def test_a_short_moe_validation_reports_routing_agreement_per_block(tmp_path):
+    """README's command's share of the MoE job (the verdicts are the extended test's above): two seeds of `current`
+    for 10 steps on the same tiny MoE, whose summary and report carry every block's routing agreement."""
+    cfg = load_config(None, TINY_MOE + [f"run.dir={tmp_path}", "run.name=val", "validate.workers=1",
+                                        "validate.seeds=2", "train.max_steps=10", "train.eval_every=5",
+                                        "log.telemetry_every=5", "validate.final_window=1"])
+    summary = run_validation(cfg, candidates=["current"], show_progress=False)
+    assert summary["seeds"] == [1337, 1338] and summary["cost"]["runs"] == 4
+    _assert_routing_agreement_reported(tmp_path / "val", summary["seeds"])
 
 
 @pytest.mark.parametrize("name", ["cpu_moe", "cpu_moe_validate", "gpu_moe"])

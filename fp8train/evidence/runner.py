@@ -260,6 +260,15 @@ def _stop_workers(workers: list, grace_s: float = 30.0) -> None:
             worker.join(5)
 
 
+def _start_every_worker(pool: ProcessPoolExecutor, workers: int) -> None:
+    """Every worker started before the first run. The pool otherwise starts one per submit(), after waking the
+    thread that watches its workers, which can then wait on a list without the new one (CPython 3.11): that
+    worker killed from outside (kill -9, the OOM killer) went unseen until another run ended, minutes later. A
+    result arriving makes that thread list the workers again, so waiting for one call per worker is enough."""
+    for started in [pool.submit(os.getpid) for _ in range(workers)]:
+        started.result()
+
+
 def _run_in_pool(schedule: _Schedule, baseline_dirs, workers: int, log) -> None:
     cfg = schedule.runs[0].cfg
     on_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
@@ -274,6 +283,13 @@ def _run_in_pool(schedule: _Schedule, baseline_dirs, workers: int, log) -> None:
                              initargs=(slots, threads, gpus, os.getpid())) as pool:
         running, broken = {}, False
         try:
+            try:
+                _start_every_worker(pool, workers)
+            except BrokenProcessPool:
+                broken = True
+                raise ValueError("validation stopped: a worker process ended abruptly as it started (killed: by a "
+                                 "signal, or by the system for memory?); no run had started, and re-running "
+                                 "`fp8train validate` starts them") from None
             while True:
                 for run in schedule.ready()[:workers - len(running)]:
                     schedule.started.add(run.key)
