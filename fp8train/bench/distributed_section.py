@@ -23,6 +23,7 @@ as in real models.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -107,6 +108,10 @@ def _worker(rank: int, port: int, device_type: str, steps: int, out_dir: str) ->
             for contender in CONTENDERS:
                 rows.append({"model": label, **_one_contender(cfg, contender, device, steps)})
     finally:
+        # FSDP2's and DDP's modules hold the groups and gloo's finished work through reference cycles: collected
+        # now, while the interpreter runs, not at its finalization, where a gloo worker thread releasing them can
+        # abort the process ("terminate called without an active exception": training/parallel/distributed.py)
+        gc.collect()
         dist.destroy_process_group()
     if rank == 0:
         Path(out_dir, "rows.json").write_text(json.dumps(rows))
