@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 CORE=(tests/test_formats.py tests/test_quant.py tests/test_mx.py tests/test_native_cast.py tests/test_native_gemm.py tests/test_dialect.py
       tests/test_gemm.py tests/test_scaled_gemm.py tests/test_accumulation.py tests/test_linear.py tests/test_recipes.py
       tests/test_convert.py tests/test_overrides.py tests/test_policy_defaults.py tests/test_shadow.py
-      tests/test_step_syncs.py tests/test_te_mapping.py tests/test_torch_support.py)
+      tests/test_step_syncs.py tests/test_te_mapping.py tests/test_torch_support.py tests/test_delayed_update_native.py)
 TRAINING=(tests/test_config.py tests/test_train.py tests/test_checkpoint.py tests/test_resume_rules.py tests/test_model.py)
 PYTEST=(python -m pytest -q -rs -n 2 --dist loadfile -p no:cacheprovider)
 
