@@ -213,8 +213,8 @@ def update_group(quantizers: list, step_amax: torch.Tensor, stacked: tuple = ())
     formats = tuple(q.format for q in every)
     if not stacked and not r.pow2_scales and step_amax.is_cpu and native_cast.available():
         # the same operations in one native call, each quantizer's buffers in place (native_delayed.py)
-        divisor, min_normal, cap = _native_constants(formats, r.margin)
-        flags = delayed_update(step_amax.contiguous(), state, divisor, min_normal, cap,
+        fmt_max, min_normal, cap = _format_constants(formats, False, step_amax.device)
+        flags = delayed_update(step_amax.contiguous(), state, fmt_max, min_normal, cap, r.margin,
                                r.amax_compute_algo == "most_recent", r.amax_outlier_factor)
         if flags is not None:
             _refresh_host_mirror(every, flags)
@@ -271,15 +271,6 @@ def _format_constants(formats: tuple, pow2: bool, device: torch.device) -> tuple
     from a Python list on a GPU is a blocking host-to-device copy, i.e. a host sync, and this runs every step."""
     return tuple(torch.tensor(values, dtype=torch.float64, device=device) for values in (
         [f.max for f in formats], [f.min_normal for f in formats], [max_scale(f.max, pow2) for f in formats]))
-
-
-@functools.lru_cache(maxsize=256)
-def _native_constants(formats: tuple, margin: int) -> tuple[torch.Tensor, ...]:
-    """Per row, on the CPU in float64: the scale rule's divisor fmt.max * 2^-margin (exact), the format's min normal
-    and the scale cap (not power-of-two scales), for the native update."""
-    return tuple(torch.tensor(values, dtype=torch.float64) for values in (
-        [f.max * 2.0 ** -margin for f in formats], [f.min_normal for f in formats],
-        [max_scale(f.max, False) for f in formats]))
 
 
 def _history_amax(history: torch.Tensor, r: Fp8Recipe) -> torch.Tensor:

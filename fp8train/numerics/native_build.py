@@ -385,7 +385,7 @@ def _bind(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
     lib.fp8_gemm_vectorized.restype = ctypes.c_int
     lib.fp8_share_delayed_cast.argtypes = [ptr, ptr, ptr, ptr, ptr]
     lib.fp8_share_delayed_cast.restype = ctypes.c_int
-    lib.fp8_delayed_update.argtypes = [i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, ctypes.c_float,
-                                       ptr]
+    lib.fp8_delayed_update.argtypes = [i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32,
+                                       ctypes.c_float, ptr]
     lib.fp8_delayed_update.restype = ctypes.c_int
     return lib

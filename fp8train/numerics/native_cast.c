@@ -727,14 +727,15 @@ static int quantize_tiles(const fp8_params *p, const void *x, int32_t x_bf16, in
  *   amax = history[0] (most recent) | max(history) | (outlier factor f) second-largest where second > 0 and
  *          largest > second * f (fp32 product), else largest
  *   usable = recorded & amax > 0;  scale, scale_amax = usable ? (rule(amax), amax) : unchanged;  initialized |= usable
- *   rule = min(max(where(amax > 0, (double)amax / divisor, 1), 2^-126), cap) -> fp32 (inf -> 1): scaling.scale_rule
- *          on float64 divisors (not power-of-two scales: those stay with the torch ops)
+ *   rule = min(max(where(amax > 0, (double)amax / (fmt_max * 2^-margin), 1), 2^-126), cap) -> fp32 (inf -> 1):
+ *          scaling.scale_rule on float64 divisors (not power-of-two scales: those stay with the torch ops)
  * with `step_amax` the rows' pending amaxes as all ranks reduced them; each pending amax is set back to -1 after.
  * `initialized_out` receives every row's new flag (what the host mirror reads). */
 int fp8_delayed_update(int64_t n, int64_t history_len, const float *step_amax, float *const *pending,
                        float *const *history, float *const *scale, float *const *scale_amax,
-                       uint8_t *const *initialized, int64_t *const *stale, const double *divisor, const double *min_normal, const double *cap,
-                       int32_t most_recent, float outlier_factor, uint8_t *initialized_out) {
+                       uint8_t *const *initialized, int64_t *const *stale, const double *fmt_max,
+                       const double *min_normal, const double *cap, int32_t margin, int32_t most_recent,
+                       float outlier_factor, uint8_t *initialized_out) {
     if (n < 0 || history_len < 1) return -100;
     for (int64_t i = 0; i < n; i++) {
         const float step = step_amax[i];
@@ -759,7 +760,7 @@ int fp8_delayed_update(int64_t n, int64_t history_len, const float *step_amax, f
         }
         const int usable = recorded && amax > 0.0f;
         if (usable) {
-            double s = (double)amax / divisor[i];
+            double s = (double)amax / (fmt_max[i] * ldexp(1.0, -margin)); /* (a power of two: exact) */
             if (isinf(s)) s = 1.0;
             s = s < 0x1p-126 ? 0x1p-126 : s;
             s = s > cap[i] ? cap[i] : s;

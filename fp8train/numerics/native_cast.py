@@ -38,7 +38,7 @@ from fp8train.numerics.native_layout import (UNUSED_OUTPUTS, NativeLayout, amax_
                                              kernel_outputs, layout, scale_step)
 
 __all__ = ["available", "set_enabled", "unavailable_reason", "threading_kind", "layout", "usable_layout",
-           "capped_block", "NativeLayout", "quantize_fp8", "quantize_laid_out", "runs_directly", "amax", "decode",
+           "capped_block", "NativeLayout", "quantize_fp8", "quantize_laid_out", "amax", "decode",
            "decodable", "dequantize", "dequantizable", "gemm_epilogue", "epilogue_usable", "scale_step", "cast_params"]
 
 RULE_GIVEN, RULE_AMAX, RULE_MX = 0, 1, 2  # as in native_cast.c
@@ -188,7 +188,7 @@ def _quantize_fp8_cpu(x, scale, fmt, granularity, block_rows, block_cols, axis, 
 def quantize_laid_out(x, lay: NativeLayout, scale, fmt, mx, saturate, margin, pow2, keep_values, keep_values_bf16,
                       dequantize, with_amax, nonfinite_count, pending_amax):
     """The ``fp8train::quantize_fp8`` op's CPU implementation with x's `layout()` worked out by the caller, who
-    needed it too; called directly where ``runs_directly`` says the op would only call it."""
+    needed it too; called directly where native_call.plain_call says the op would only call it."""
     fp8 = FORMATS[fmt]
     with_amax = scale is None or with_amax
     data, scale_out, amax, values, values_bf16 = kernel_outputs(x, lay, fp8, with_amax, keep_values,
@@ -321,10 +321,11 @@ def gemm_epilogue(acc: torch.Tensor, scale_a, scale_b, bias, out_dtype: torch.dt
     """``((acc.float() * scale_a) * scale_b + bias).to(out_dtype)`` in one pass, the same bits as those torch ops
     (any of scale_a, scale_b, bias may be None); check ``epilogue_usable`` first. ``out``: a contiguous CPU tensor
     of acc's shape and `out_dtype` the result is written into and returned (no copy afterwards)."""
+    direct = plain_call(acc, scale_a, scale_b, bias, out)  # (the dispatcher only: native_call.py)
     if out is not None:
-        (_gemm_epilogue_out_cpu if plain_call(acc) else gemm_epilogue_out_op)(acc, scale_a, scale_b, bias, out)
+        (_gemm_epilogue_out_cpu if direct else gemm_epilogue_out_op)(acc, scale_a, scale_b, bias, out)
         return out
-    return (_gemm_epilogue_cpu if plain_call(acc) else gemm_epilogue_op)(acc, scale_a, scale_b, bias, out_dtype)
+    return (_gemm_epilogue_cpu if direct else gemm_epilogue_op)(acc, scale_a, scale_b, bias, out_dtype)
 
 
 def _gemm_epilogue_cpu(acc, scale_a, scale_b, bias, out_dtype):
@@ -382,12 +383,6 @@ decode = torch.ops.fp8train.decode_fp8.default
 dequantize_fp8 = torch.ops.fp8train.dequantize_fp8.default
 gemm_epilogue_op = torch.ops.fp8train.gemm_epilogue.default
 gemm_epilogue_out_op = torch.ops.fp8train.gemm_epilogue_out.default
-
-
-def runs_directly(x: torch.Tensor, scale: Optional[torch.Tensor]) -> bool:
-    """Whether a quantize of `x` (with `scale`, or None) may call ``quantize_laid_out`` instead of the
-    ``fp8train::quantize_fp8`` op: where the dispatcher would only call it (native_call.plain_call)."""
-    return plain_call(x) and (scale is None or type(scale) is torch.Tensor)
 
 
 def decodable(data: torch.Tensor, dtype: torch.dtype) -> bool:

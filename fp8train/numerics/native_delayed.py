@@ -21,6 +21,7 @@ from fp8train.numerics.native_build import library
 
 __all__ = ["share_delayed_cast", "delayed_update"]
 
+
 def _pointers(tensors: list, dtype: torch.dtype, numel: int) -> Optional[ctypes.Array]:
     """The data pointers of `tensors`, each a plain contiguous CPU tensor of `dtype` with `numel` elements, or
     None when one is not (a DTensor under tensor parallelism, a buffer replaced by another kind): the caller then
@@ -46,12 +47,12 @@ def share_delayed_cast(cast_scale: torch.Tensor, cast_amax: torch.Tensor, scale:
                                             None if pending_amax is None else pending_amax.data_ptr()) == 1
 
 
-def delayed_update(step_amax: torch.Tensor, state: dict, divisor: torch.Tensor, min_normal: torch.Tensor,
-                   cap: torch.Tensor, most_recent: bool, outlier_factor: float) -> Optional[torch.Tensor]:
+def delayed_update(step_amax: torch.Tensor, state: dict, fmt_max: torch.Tensor, min_normal: torch.Tensor,
+                   cap: torch.Tensor, margin: int, most_recent: bool, outlier_factor: float) -> Optional[torch.Tensor]:
     """The update for n quantizers in place (native_cast.c, fp8_delayed_update: update_group's operations, row by
     row): `step_amax` their (n,) all-reduced pending amaxes; `state` maps each of pending_amax, amax_history,
-    scale, scale_amax, initialized, stale_scale_steps to their n buffers; `divisor`, `min_normal`, `cap` (n,)
-    float64 per row. Returns the (n,) new `initialized` flags, or None (nothing written) where a buffer is not a
+    scale, scale_amax, initialized, stale_scale_steps to their n buffers; `fmt_max`, `min_normal`, `cap` (n,)
+    float64 per row (delayed_scaling's per-format constants), `margin` the recipe's. Returns the (n,) new `initialized` flags, or None (nothing written) where a buffer is not a
     plain CPU tensor of its kind."""
     n = step_amax.numel()
     history_len = state["amax_history"][0].numel() if n else 1
@@ -59,13 +60,13 @@ def delayed_update(step_amax: torch.Tensor, state: dict, divisor: torch.Tensor, 
         ("pending_amax", torch.float32, 1), ("amax_history", torch.float32, history_len),
         ("scale", torch.float32, 1), ("scale_amax", torch.float32, 1), ("initialized", torch.bool, 1),
         ("stale_scale_steps", torch.int64, 1))]
-    rows = (step_amax, divisor, min_normal, cap)
+    rows = (step_amax, fmt_max, min_normal, cap)
     if any(p is None for p in pointers) or any(not (t.is_cpu and t.is_contiguous()) for t in rows) \
             or step_amax.dtype != torch.float32 or any(t.dtype != torch.float64 for t in rows[1:]):
         return None
     flags = torch.empty(n, dtype=torch.bool)
-    rc = library().fp8_delayed_update(n, history_len, step_amax.data_ptr(), *pointers, divisor.data_ptr(),
-                                      min_normal.data_ptr(), cap.data_ptr(), int(most_recent),
+    rc = library().fp8_delayed_update(n, history_len, step_amax.data_ptr(), *pointers, fmt_max.data_ptr(),
+                                      min_normal.data_ptr(), cap.data_ptr(), int(margin), int(most_recent),
                                       float(outlier_factor or 0.0), flags.data_ptr())
     if rc != 0:
         raise RuntimeError(f"internal error: fp8train native delayed update returned {rc}")

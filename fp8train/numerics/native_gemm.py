@@ -129,7 +129,7 @@ def mm(a: torch.Tensor, b: torch.Tensor, k_scales: Optional[tuple] = None, *, sc
     contiguous (M, N) CPU tensor of `out_dtype` the result is written into and returned (e.g. one expert's rows of
     a grouped GEMM's output: no copy afterwards)."""
     kscale_a, kscale_b, k_block = k_scales if k_scales is not None else (None, None, 0)
-    direct = plain_call(a)  # (the dispatcher only: its CPU implementation, called directly: native_call.py)
+    direct = plain_call(a, b, kscale_a, kscale_b, scale_a, scale_b, bias, out)  # (the dispatcher only: native_call)
     if out is not None:
         (_gemm_bf16_out_cpu if direct else gemm_bf16_out_op)(a, b, k_block, kscale_a, kscale_b, scale_a, scale_b,
                                                              bias, plain, out)

@@ -33,6 +33,7 @@ from fp8train.numerics.cast_kernels import COMPILED, EAGER, NATIVE, QUANT_KERNEL
 from fp8train.numerics.formats import FORMATS, Fp8Format, get_format
 from fp8train.numerics.fp8_tensor import Fp8Tensor
 from fp8train.numerics.names import Granularity
+from fp8train.numerics.native_call import plain_call
 from fp8train.numerics.native_layout import layout as native_layout
 from fp8train.numerics.scaling import (GRANULARITIES, check_amax_floor, check_amax_range, check_input, check_layout,
                                        check_margin, compute_amax, expand_scale, max_scale, scale_from_amax,
@@ -209,7 +210,7 @@ def native_quantize(x, fmt: Fp8Format, granularity: str, br: int, bc: int, axis:
     dequantized_only = keep_dequantized and not keep_fp32  # the kernel's values buffer holds value * scale
     with_amax = scale is None or with_amax
     records = with_amax and (nonfinite_count is not None or pending_amax is not None)
-    if native_cast.runs_directly(x, scale):  # (the op's CPU implementation, without the dispatcher around it)
+    if plain_call(x, scale, nonfinite_count, pending_amax):  # (the op's CPU implementation, directly)
         data, scale_out, amax, values, values_bf16 = native_cast.quantize_laid_out(
             x, lay, scale, fmt.name, mx, bool(saturate), margin, pow2, keep_fp32 or keep_dequantized, keep_bf16,
             dequantized_only, with_amax, nonfinite_count if records else None, pending_amax if records else None)
