@@ -25,7 +25,10 @@
  * least 2^-16 in magnitude unless zero; products at least 2^-32) and apply scales to fp32 partial sums only.
  *
  * Layout of the work: b is packed per panel of NR columns as k pairs (one 512-bit register = 16 columns x 2 k),
- * a per panel of MR rows as k pairs (one 32-bit broadcast), and an MR x NR register tile sums a cache block.
+ * a per panel of MR rows, and an MR x NR register tile sums a cache block, each k pair of a row one 32-bit
+ * broadcast. a's panel keeps a's rows where k is contiguous in a (a copy or a decode per row, no transpose: for
+ * a GEMM with a short K and many rows, such as grad_input, packing by pairs cost about a third of its time), and
+ * is laid out by k pairs where a's rows are contiguous (a transposed operand). Neither changes the sums.
  * Threads split the larger of m and n into ranges of panels (no shared writes, no barrier). The same loops also run in plain C
  * (one product and one addition at a time, the same order): on CPUs without AVX512-BF16, and on request
  * anywhere (`plain`), so every CPU runs the packing and the edges, and the two loops can be compared. */
@@ -47,6 +50,9 @@
 #define KC_PAIRS 1024 /* k-pairs per cache block: a K up to 2048 is summed in registers in one go (c written
                         * once); b's panel 1024 x 128 B = 128 KB and a's 48 KB stream from L2 */
 #define MC_PANELS 5    /* row panels of a packed at once: 60 rows x 2048 k x 2 B = 240 KB, held in L2 */
+#define LDA_ROWS (2 * KC_PAIRS + 32) /* a's packed row stride (bf16) when its rows are packed as rows: 4160 B, so
+                                      * the MR rows' lines fall in different L1 sets (a 4096 B stride would put all
+                                      * twelve in one 8-way set) */
 
 static inline float bf16_to_f32(uint16_t v) {
     const uint32_t u = (uint32_t)v << 16;
@@ -238,6 +244,30 @@ static void pack_a(const void *a, const uint16_t *lut, int64_t m, int64_t k, int
     pack_run(advance(a, m0 * sam, lut), sam, sak, k, m - m0 < MR ? m - m0 : MR, MR, k0, pairs, packed, lut);
 }
 
+/* Whether a's panels are packed as rows (packed[row][k], row stride LDA_ROWS): where k is contiguous in a (each row
+ * a copy, or a decode of its FP8 bytes; no transpose) and a cache block's k fits a row. Else as pairs (above). */
+static inline int a_packed_as_rows(int64_t sak, int64_t kc_pairs) { return sak == 1 && kc_pairs <= KC_PAIRS; }
+
+/* a[m0:m0+MR, k0:k0+2*pairs] -> packed[row][k] (row stride LDA_ROWS), zeros past k and past m */
+static void pack_a_rows(const void *a, const uint16_t *lut, int64_t m, int64_t k, int64_t sam, int64_t m0, int64_t k0,
+                        int64_t pairs, uint16_t *packed) {
+    const int64_t inside = k - k0 < 2 * pairs ? (k - k0 > 0 ? k - k0 : 0) : 2 * pairs; /* k values inside k */
+    const int64_t valid = m - m0 < MR ? m - m0 : MR;
+    if (lut) {
+        const fp8_table table = table_of(lut);
+        for (int64_t w = 0; w < valid; w++)
+            decode_run(&table, (const uint8_t *)a + (m0 + w) * sam + k0, inside, packed + w * LDA_ROWS);
+    } else {
+        for (int64_t w = 0; w < valid; w++)
+            memcpy(packed + w * LDA_ROWS, (const uint16_t *)a + (m0 + w) * sam + k0, (size_t)inside * 2);
+    }
+    for (int64_t w = 0; w < MR; w++) /* zeros after each row's values, and whole rows past m */
+        for (int64_t q = w < valid ? inside : 0; q < 2 * pairs; q++) packed[w * LDA_ROWS + q] = 0;
+}
+
+/* the a word (k pair p, row i) of a packed panel: rows layout packed[row][k], else pairs layout packed[pair][row][2] */
+#define A_PAIR(pa, p, i, rows) (((const uint32_t *)(pa))[(rows) ? (i) * (LDA_ROWS / 2) + (p) : (p) * MR + (i)])
+
 /* tile[MR][NR] = the packed pairs' sum, in K blocks of `block_pairs` pairs: with scales (sa[b * MR + i] per row,
  * sb[b * NR + j] per column of block b) each block's fresh fp32 sum is multiplied by its row's scale, then by its
  * column's, and added to the tile; without (sa NULL) one fp32 sum over all pairs. */
@@ -251,25 +281,25 @@ typedef struct {
     int64_t a_step, b_step;                /* 0: one value; 1: one per row / column */
 } tile_epilogue;
 
-static void tile_sum_vector(const uint16_t *pa, const uint16_t *pb, int64_t pairs, int64_t block_pairs, const float *sa,
-                            const float *sb, float *tile, int64_t ld, int add, const tile_epilogue *epi) {
+static inline __attribute__((always_inline)) void tile_sum_vector_as(
+        const uint16_t *pa, const uint16_t *pb, int64_t pairs, int64_t block_pairs, const float *sa, const float *sb,
+        float *tile, int64_t ld, int add, const tile_epilogue *epi, const int rows, const int kscaled) {
     __m512 out[MR][2];
-    for (int i = 0; i < MR; i++) out[i][0] = out[i][1] = _mm512_setzero_ps();
+    if (kscaled) for (int i = 0; i < MR; i++) out[i][0] = out[i][1] = _mm512_setzero_ps();
     for (int64_t p0 = 0, b = 0; p0 < pairs; p0 += block_pairs, b++) {
-        const int64_t p1 = p0 + block_pairs < pairs ? p0 + block_pairs : pairs;
+        const int64_t p1 = kscaled && p0 + block_pairs < pairs ? p0 + block_pairs : pairs;
         __m512 acc[MR][2];
         for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
         for (int64_t p = p0; p < p1; p++) {
             const __m512bh b0 = (__m512bh)_mm512_loadu_si512(pb + p * NR * 2);
             const __m512bh b1 = (__m512bh)_mm512_loadu_si512(pb + p * NR * 2 + 32);
-            const uint32_t *ap = (const uint32_t *)(pa + p * MR * 2);
             for (int i = 0; i < MR; i++) {
-                const __m512bh ai = (__m512bh)_mm512_set1_epi32((int)ap[i]);
+                const __m512bh ai = (__m512bh)_mm512_set1_epi32((int)A_PAIR(pa, p, i, rows));
                 acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);
                 acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);
             }
         }
-        if (sa) {
+        if (kscaled) {
             const __m512 sb0 = _mm512_loadu_ps(sb + b * NR), sb1 = _mm512_loadu_ps(sb + b * NR + 16);
             for (int i = 0; i < MR; i++) {
                 const __m512 s = _mm512_set1_ps(sa[b * MR + i]);
@@ -278,6 +308,7 @@ static void tile_sum_vector(const uint16_t *pa, const uint16_t *pb, int64_t pair
             }
         } else {
             for (int i = 0; i < MR; i++) out[i][0] = acc[i][0], out[i][1] = acc[i][1];
+            break; /* one block spans the pairs */
         }
     }
     __m512 sb_lo = _mm512_setzero_ps(), sb_hi = sb_lo, bias_lo = sb_lo, bias_hi = sb_lo;
@@ -305,23 +336,36 @@ static void tile_sum_vector(const uint16_t *pa, const uint16_t *pb, int64_t pair
         _mm512_storeu_ps(row + 16, out[i][1]);
     }
 }
+
+/* one specialization per a layout and per K-block scales (their absence leaves no second set of registers) */
+static void tile_sum_vector(const uint16_t *pa, const uint16_t *pb, int64_t pairs, int64_t block_pairs, const float *sa,
+                            const float *sb, float *tile, int64_t ld, int add, const tile_epilogue *epi, int rows) {
+    if (rows) {
+        if (sa) tile_sum_vector_as(pa, pb, pairs, block_pairs, sa, sb, tile, ld, add, epi, 1, 1);
+        else tile_sum_vector_as(pa, pb, pairs, block_pairs, sa, sb, tile, ld, add, epi, 1, 0);
+    } else {
+        if (sa) tile_sum_vector_as(pa, pb, pairs, block_pairs, sa, sb, tile, ld, add, epi, 0, 1);
+        else tile_sum_vector_as(pa, pb, pairs, block_pairs, sa, sb, tile, ld, add, epi, 0, 0);
+    }
+}
 #endif
 
 /* the same sums one product and one addition at a time: any CPU (and a reference for the vector loop) */
 static void tile_sum_plain(const uint16_t *pa, const uint16_t *pb, int64_t pairs, int64_t block_pairs, const float *sa,
-                           const float *sb, float *tile) {
+                           const float *sb, float *tile, int rows) {
     float acc[MR * NR];
     for (int i = 0; i < MR * NR; i++) tile[i] = 0.0f;
     for (int64_t p0 = 0, b = 0; p0 < pairs; p0 += block_pairs, b++) {
         const int64_t p1 = p0 + block_pairs < pairs ? p0 + block_pairs : pairs;
         for (int i = 0; i < MR * NR; i++) acc[i] = 0.0f;
         for (int64_t p = p0; p < p1; p++) {
-            const uint16_t *ap = pa + p * MR * 2, *bp = pb + p * NR * 2;
+            const uint16_t *bp = pb + p * NR * 2;
             for (int i = 0; i < MR; i++)
                 for (int j = 0; j < NR; j++) {
+                    const uint32_t ap = A_PAIR(pa, p, i, rows); /* k even in the low half, k + 1 in the high */
                     /* the odd k first, then the even one: VDPBF16PS's order (Intel SDM) */
-                    acc[i * NR + j] += bf16_to_f32(ap[2 * i + 1]) * bf16_to_f32(bp[2 * j + 1]);
-                    acc[i * NR + j] += bf16_to_f32(ap[2 * i]) * bf16_to_f32(bp[2 * j]);
+                    acc[i * NR + j] += bf16_to_f32((uint16_t)(ap >> 16)) * bf16_to_f32(bp[2 * j + 1]);
+                    acc[i * NR + j] += bf16_to_f32((uint16_t)ap) * bf16_to_f32(bp[2 * j]);
                 }
         }
         for (int i = 0; i < MR; i++)
@@ -361,8 +405,9 @@ static void *gemm_worker(void *arg) {
     const int64_t kc_used = total_pairs < kc_pairs ? (total_pairs + block_pairs - 1) / block_pairs * block_pairs
                                                    : kc_pairs;
     const int64_t mc_used = j->m_hi - j->m_lo < MC_PANELS ? j->m_hi - j->m_lo : MC_PANELS;
-    const size_t a_panel = (size_t)MR * 2 * kc_used, b_panel = (size_t)NR * 2 * kc_used; /* in bf16 */
-    uint16_t *pa = aligned_alloc(64, (size_t)mc_used * MR * 2 * kc_used * 2 + 64);
+    const int a_rows = a_packed_as_rows(j->sak, kc_used); /* a's packed layout */
+    const size_t a_panel = a_rows ? (size_t)MR * LDA_ROWS : (size_t)MR * 2 * kc_used, b_panel = (size_t)NR * 2 * kc_used;
+    uint16_t *pa = aligned_alloc(64, (size_t)mc_used * a_panel * 2 + 64);
     uint16_t *pb = aligned_alloc(64, (size_t)n_panels * NR * 2 * kc_used * 2 + 64);
     float *tile = aligned_alloc(64, MR * NR * 4);
     float *sa = j->kscale_a ? aligned_alloc(64, (size_t)MC_PANELS * kc_blocks * MR * 4 + 64) : NULL;
@@ -390,7 +435,8 @@ static void *gemm_worker(void *arg) {
             const int64_t mc_panels = j->m_hi - mc < MC_PANELS ? j->m_hi - mc : MC_PANELS;
             for (int64_t mp = 0; mp < mc_panels; mp++) {
                 const int64_t m0 = (mc + mp) * MR;
-                pack_a(j->a, j->a_lut, j->m, j->k, j->sam, j->sak, m0, k0, pairs, pa + mp * a_panel);
+                if (a_rows) pack_a_rows(j->a, j->a_lut, j->m, j->k, j->sam, m0, k0, pairs, pa + mp * a_panel);
+                else pack_a(j->a, j->a_lut, j->m, j->k, j->sam, j->sak, m0, k0, pairs, pa + mp * a_panel);
                 if (sa) /* per block: [block][row], 0 past m */
                     for (int64_t b = 0; b < blocks; b++)
                         for (int64_t i = 0; i < MR; i++)
@@ -411,14 +457,14 @@ static void *gemm_worker(void *arg) {
                                                    j->scale_b ? j->scale_b + n0 * j->b_step : NULL,
                                                    j->bias ? j->bias + n0 : NULL, j->a_step, j->b_step};
                         tile_sum_vector(panel_a, panel_b, pairs, block_pairs, panel_sa, panel_sb,
-                                        j->c + m0 * j->n + n0, j->n, p0 != 0, last && epilogue ? &epi : NULL);
+                                        j->c + m0 * j->n + n0, j->n, p0 != 0, last && epilogue ? &epi : NULL, a_rows);
                         continue;
                     }
                     if (!j->plain)
-                        tile_sum_vector(panel_a, panel_b, pairs, block_pairs, panel_sa, panel_sb, tile, NR, 0, NULL);
+                        tile_sum_vector(panel_a, panel_b, pairs, block_pairs, panel_sa, panel_sb, tile, NR, 0, NULL, a_rows);
                     else
 #endif
-                    tile_sum_plain(panel_a, panel_b, pairs, block_pairs, panel_sa, panel_sb, tile);
+                    tile_sum_plain(panel_a, panel_b, pairs, block_pairs, panel_sa, panel_sb, tile, a_rows);
                     for (int64_t i = 0; i < rows; i++) {
                         float *c = j->c + (m0 + i) * j->n + n0;
                         const float *t = tile + i * NR;
