@@ -108,6 +108,62 @@ def test_the_update_is_the_documented_step_on_either_path(native, options, monke
                 assert got["stale_scale_steps"].item() == stale and got["pending_amax"].item() == -1.0
 
 
+def _check_against_reference(layers, before):
+    r = layers[0].recipe
+    for i, layer in enumerate(layers):
+        for role in ROLES:
+            fmt = layer.quantizers[role].format
+            old = {name: before[(i, role, name)] for name in
+                   ("amax_history", "scale", "scale_amax", "initialized", "stale_scale_steps", "pending_amax")}
+            history, scale, scale_amax, initialized, stale = reference_step(
+                F32(old["pending_amax"].item()), old["amax_history"].numpy(), F32(old["scale"].item()),
+                F32(old["scale_amax"].item()), bool(old["initialized"].item()), int(old["stale_scale_steps"].item()),
+                fmt.max, fmt.min_normal, r.margin, r.amax_compute_algo, r.amax_outlier_factor)
+            got = {name: getattr(layer, f"{role}_{name}") for name in old}
+            assert np.array_equal(got["amax_history"].numpy(), np.array(history, dtype=F32)), (i, role)
+            assert got["scale"].numpy().view(np.uint32) == np.array(scale, F32).view(np.uint32), (i, role)
+            assert got["scale_amax"].item() == scale_amax and got["initialized"].item() == initialized
+            assert got["stale_scale_steps"].item() == stale and got["pending_amax"].item() == -1.0
+
+
+@pytest.mark.skipif(not native_cast.available(), reason="fp8train's C kernel is not built here (no C compiler)")
+def test_the_kept_pointer_arrays_follow_buffers_that_are_replaced():
+    """The native update keeps its pointer arrays from step to step (native_delayed.UpdatePlan, on the group's
+    first quantizer) while every buffer is the same tensor at the same address. Buffers replaced by
+    load_state_dict(assign=True), by assignment or by an in-place set_ are then read and written where they are
+    now, the documented step each time, and the tensors they replaced are left as they were."""
+    rng = np.random.default_rng(11)
+    layers = _layers(rng, 2, amax_history_len=4)
+    model = torch.nn.ModuleList(layers)
+    first = layers[0].quantizers[ROLES[0]]
+    replacements = {
+        "none": lambda: None,
+        "assign": lambda: model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True),
+        "setattr": lambda: setattr(layers[1], "grad_output_scale", layers[1].grad_output_scale.clone()),
+        "set_": lambda: layers[0].input_amax_history.set_(layers[0].input_amax_history.clone()),
+    }
+    plans = []
+    for name, replace in [("none", None), *replacements.items(), ("none again", None)]:
+        for layer in layers:  # a recorded amax for every row (the update sets them back to -1)
+            for role in ROLES:
+                getattr(layer, f"{role}_pending_amax").fill_(float(rng.choice([0.0, 1e-5, 2.0, 448.0, 1e4])))
+        held = dict(model.state_dict(keep_vars=True))
+        held_values = {k: v.clone() for k, v in held.items()}
+        if replace is not None:
+            replace()
+        before = _state(layers)
+        update_fp8_scales(model)
+        _check_against_reference(layers, before)
+        now = dict(model.state_dict(keep_vars=True))
+        for key, tensor in held.items():
+            if now[key] is not tensor:  # replaced: left as it was
+                assert torch.equal(tensor, held_values[key]), (name, key)
+        plans.append(first.update_plan)
+    # kept where nothing was replaced (steps 1-2 and the last two), made anew after each replacement
+    assert plans[0] is plans[1] and plans[-1] is plans[-2]
+    assert len({id(p) for p in plans[1:-1]}) == len(plans) - 2
+
+
 def test_a_scale_saved_for_backward_then_updated_is_an_error_not_a_silent_change():
     """The native update writes the buffers in place behind autograd: it moves their version counters as torch's
     in-place ops do, so a backward that reads a scale the update changed after the forward saved it fails."""

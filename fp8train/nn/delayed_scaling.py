@@ -22,7 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fp8train.nn.recipes import ROLES, Fp8Recipe
 from fp8train.numerics import native_cast
-from fp8train.numerics.native_delayed import delayed_update
+from fp8train.numerics.native_delayed import delayed_update, update_plan
 from fp8train.numerics.quant import max_scale, scale_rule
 
 __all__ = ["update_fp8_scales", "update_group", "refuse_bad_fp8_state", "check_scales_updated",
@@ -146,13 +146,19 @@ def update_fp8_scales(model: torch.nn.Module, process_group=None) -> None:
             singles.append(module)
     if not owners:
         return
-    pendings = [u.quantizers[role].buffer("pending_amax") for u in singles for role in ROLES]
-    step_amax = _rows(pendings, stacked, "pending_amax")  # (3 * units,)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
-        dist.all_reduce(step_amax, op=dist.ReduceOp.MAX, group=process_group)
+    # One process and no stacked layer: each quantizer's pending amax is its row as it stands (update_group reads
+    # it there); else the rows are gathered into one vector, for the all-reduce and the stacked layers' rows.
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
+    step_amax = pendings = None
+    if distributed or stacked:
+        pendings = _pending_buffers(singles)
+        step_amax = _rows(pendings, stacked, "pending_amax")  # (3 * units,)
+        if distributed:
+            dist.all_reduce(step_amax, op=dist.ReduceOp.MAX, group=process_group)
     groups: dict[tuple, tuple[list, list, list]] = {}  # key -> (single units, stacked layers, their unit rows)
     for index, unit in enumerate(singles):
-        member = groups.setdefault(_group_key(unit.recipe, pendings[index * len(ROLES)].device), ([], [], []))
+        device = unit.quantizers[ROLES[0]].buffer("pending_amax").device
+        member = groups.setdefault(_group_key(unit.recipe, device), ([], [], []))
         member[0].append(unit)
         member[2].append(index)
     first = len(singles)
@@ -165,11 +171,13 @@ def update_fp8_scales(model: torch.nn.Module, process_group=None) -> None:
         first += count
     pending_reset = True  # (the native update sets its rows' pending amaxes back to -1 itself)
     for units, layers, indices in groups.values():
-        rows = step_amax if len(indices) == first else step_amax.view(-1, len(ROLES))[indices].reshape(-1)
+        rows = step_amax if step_amax is None or len(indices) == first \
+            else step_amax.view(-1, len(ROLES))[indices].reshape(-1)
         native = update_group([u.quantizers[role] for u in units for role in ROLES], rows, tuple(layers))
         pending_reset = pending_reset and native
     if not pending_reset:
-        unset = torch.full_like(step_amax[0], -1.0)
+        pendings = _pending_buffers(singles) if pendings is None else pendings
+        unset = torch.full_like(step_amax[0] if step_amax is not None else pendings[0], -1.0)
         sources = [unset] * len(pendings)
         for layer in stacked:
             pendings += [getattr(layer, f"{role}_pending_amax") for role in ROLES]
@@ -177,6 +185,11 @@ def update_fp8_scales(model: torch.nn.Module, process_group=None) -> None:
         torch._foreach_copy_(pendings, sources)  # one multi-tensor op: torch's foreach kernels have no public name
     for owner in owners:
         owner.scales_updated()
+
+
+def _pending_buffers(singles: list) -> list:
+    """The single units' pending amaxes, (unit, role) after (unit, role): the all-reduced vector's first rows."""
+    return [u.quantizers[role].buffer("pending_amax") for u in singles for role in ROLES]
 
 
 _recipe_keys: dict = {}  # id(recipe) -> (recipe, its options' key): one recipe object serves a run's layers
@@ -201,24 +214,33 @@ def _rows(buffers: list, stacked: tuple, name: str) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def update_group(quantizers: list, step_amax: torch.Tensor, stacked: tuple = ()) -> bool:
+def update_group(quantizers: list, step_amax: torch.Tensor | None, stacked: tuple = ()) -> bool:
     """The documented delayed-scaling step for `quantizers` (of layers with the same recipe options), one row of
-    `step_amax` each, then for each grouped layer in `stacked` (its `stacked_delayed_state`: (E,) buffers per
-    role) its (expert, role) rows. Returns True where the native kernel ran it (CPU, no grouped layer, scales not
-    rounded to powers of two): it has set the quantizers' pending amaxes back to -1 too; else the caller does."""
+    `step_amax` each (None: each quantizer's own pending amax, as one process has it; only without `stacked`),
+    then for each grouped layer in `stacked` (its `stacked_delayed_state`: (E,) buffers per role) its (expert,
+    role) rows. Returns True where the native kernel ran it (CPU, no grouped layer, scales not rounded to powers
+    of two): it has set the quantizers' pending amaxes back to -1 too; else the caller does."""
     every = quantizers + [u.quantizers[role] for layer in stacked for u in layer.delayed_units for role in ROLES]
     r = every[0].recipe
+    formats = tuple(q.format for q in every)
+    if not stacked and not r.pow2_scales and (step_amax is None or step_amax.is_cpu) and native_cast.available():
+        # the same operations in one native call, each quantizer's buffers in place (native_delayed.py); its
+        # pointer arrays are made once and kept with the group's first quantizer while they hold
+        buffers = [b for q in quantizers for b in q.buffers(_STATE_AND_PENDING)]
+        plan = update_plan(quantizers, buffers, _STATE_AND_PENDING, quantizers[0].update_plan)
+        if plan is not None:
+            quantizers[0].update_plan = plan
+            fmt_max, min_normal, cap = _format_constants(formats, False, torch.device("cpu"))
+            flags = delayed_update(plan, None if step_amax is None else step_amax.contiguous(), fmt_max,
+                                   min_normal, cap, r.margin, r.amax_compute_algo == "most_recent",
+                                   r.amax_outlier_factor)
+            if flags is not None:
+                _refresh_host_mirror(every, flags)
+                return True
+    if step_amax is None:
+        step_amax = torch.stack([q.buffer("pending_amax") for q in quantizers])
     per_quantizer = [q.buffers(_STATE_AND_PENDING) for q in quantizers]
     state = {name: [row[i] for row in per_quantizer] for i, name in enumerate(_STATE_AND_PENDING)}
-    formats = tuple(q.format for q in every)
-    if not stacked and not r.pow2_scales and step_amax.is_cpu and native_cast.available():
-        # the same operations in one native call, each quantizer's buffers in place (native_delayed.py)
-        fmt_max, min_normal, cap = _format_constants(formats, False, step_amax.device)
-        flags = delayed_update(step_amax.contiguous(), state, fmt_max, min_normal, cap, r.margin,
-                               r.amax_compute_algo == "most_recent", r.amax_outlier_factor)
-        if flags is not None:
-            _refresh_host_mirror(every, flags)
-            return True
     history, scale, scale_amax, initialized, stale = (_rows(state[name], stacked, name) for name in _STATE)
     fmt_max, min_normal, cap = _format_constants(formats, r.pow2_scales, step_amax.device)
     recorded = step_amax >= 0  # pending stays at -1 when no micro-batch recorded an amax

@@ -65,8 +65,12 @@ class OperandQuantizer:
         self.delayed, self.mx, self.tensorwise = recipe.is_delayed, recipe.is_mx, recipe.is_tensorwise
         self.margin, self.pow2 = recipe.margin, recipe.pow2_scales
         self._keys = {name: f"{self.role}_{name}" for name in SCALING_BUFFERS}  # the layer's buffer names
+        self._keys_of: dict = {}  # names -> their keys (buffers())
         # a tensorwise input: a cast that layers reading the same tensor share (_shared_cast)
         self.shares_casts = self.role is OperandRole.INPUT and self.tensorwise
+        # delayed scaling's native update: its pointer arrays for the group this quantizer is first of
+        # (numerics/native_delayed.UpdatePlan, kept by nn/delayed_scaling.update_group)
+        self.update_plan = None
         self.reset()
 
     @property
@@ -112,9 +116,14 @@ class OperandQuantizer:
     def buffers(self, names: tuple) -> list:
         """This role's scaling buffers `names`, as `buffer` reads each (one call for several: the delayed update
         reads five of every quantizer each step)."""
-        table, layer, keys = self.layer.__dict__.get("_buffers", _NO_BUFFERS), self.layer, self._keys
-        found = [table.get(keys[name]) for name in names]
-        return [t if t is not None else getattr(layer, keys[name]) for t, name in zip(found, names)]
+        keys = self._keys_of.get(names)
+        if keys is None:
+            keys = self._keys_of[names] = tuple(self._keys[name] for name in names)
+        table = self.layer.__dict__.get("_buffers", _NO_BUFFERS)
+        try:  # (each one in the module's table: one subscript each)
+            return [table[key] for key in keys]
+        except KeyError:
+            return [self.buffer(name) for name in names]
 
     # ------------------------------------------------------------------------------------------------------
     def quantize(self, tensor: torch.Tensor, keep_values: bool = True) -> Fp8Tensor:

@@ -70,8 +70,9 @@ _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pth
 # where torch uses GNU OpenMP), not threads of its own competing with torch's spinning ones. A compiler without
 # OpenMP (a bare clang) builds the pthreads variant instead.
 _VARIANTS = (("openmp", ("-fopenmp",)), ("pthreads", ()))
-# 5: fp8_gemm_bf16; 6: its FP8-byte operands; 7: fp8_quantize records amaxes; 8: shared delayed casts; 9: the update
-_ABI_VERSION = 9
+# 5: fp8_gemm_bf16; 6: its FP8-byte operands; 7: fp8_quantize records amaxes; 8: shared delayed casts; 9: the update;
+# 10: the update reads each row's pending amax where no reduced vector is given
+_ABI_VERSION = 10
 _CACHE_LAYOUT = 2  # 2: family-source names, a size+sha256 record per library, the build lock
 _PRUNE_UNUSED_S = 7 * 24 * 3600  # another version's build, unused this long, is deleted at the next build
 _ORPHAN_TMP_S = 600  # a temporary file this old belongs to a builder that died

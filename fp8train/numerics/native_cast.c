@@ -729,7 +729,8 @@ static int quantize_tiles(const fp8_params *p, const void *x, int32_t x_bf16, in
  *   usable = recorded & amax > 0;  scale, scale_amax = usable ? (rule(amax), amax) : unchanged;  initialized |= usable
  *   rule = min(max(where(amax > 0, (double)amax / (fmt_max * 2^-margin), 1), 2^-126), cap) -> fp32 (inf -> 1):
  *          scaling.scale_rule on float64 divisors (not power-of-two scales: those stay with the torch ops)
- * with `step_amax` the rows' pending amaxes as all ranks reduced them; each pending amax is set back to -1 after.
+ * with `step_amax` the rows' pending amaxes as all ranks reduced them (NULL: one process, each row's own pending
+ * amax); each pending amax is set back to -1 after.
  * `initialized_out` receives every row's new flag (what the host mirror reads). */
 int fp8_delayed_update(int64_t n, int64_t history_len, const float *step_amax, float *const *pending,
                        float *const *history, float *const *scale, float *const *scale_amax,
@@ -738,7 +739,7 @@ int fp8_delayed_update(int64_t n, int64_t history_len, const float *step_amax, f
                        float outlier_factor, uint8_t *initialized_out) {
     if (n < 0 || history_len < 1) return -100;
     for (int64_t i = 0; i < n; i++) {
-        const float step = step_amax[i];
+        const float step = step_amax ? step_amax[i] : *pending[i];
         float *h = history[i];
         const int recorded = step >= 0.0f, was_initialized = *initialized[i] != 0;
         if (recorded && was_initialized && step > 0.0f && (double)step < (double)*scale[i] * min_normal[i])
@@ -1005,7 +1006,7 @@ int fp8_gemm_epilogue(const uint16_t *acc, int64_t rows, int64_t cols, const flo
 }
 
 /* The ABI version the Python side checks before using this library. */
-int fp8_abi_version(void) { return 9; }
+int fp8_abi_version(void) { return 10; }
 int fp8_params_size(void) { return (int)sizeof(fp8_params); }
 
 /* Whether the threads are the process's OpenMP runtime's (built with -fopenmp) or pthreads of its own. */

@@ -3,15 +3,17 @@
 - ``share_delayed_cast``: whether one layer's cast of a tensor with its stored scale is another layer's cast too
   (their stored scales have the same bits), recording the amax in the other layer's state if so.
 - ``delayed_update``: the update step of nn/delayed_scaling.update_group for a group of quantizers, each reading
-  and writing its own buffers in place through pointers. The torch ops of update_group stack ~200 one-value
-  buffers into a few tensors and unbind and copy them back, about 0.7 ms a step for the 14 FP8 layers of the
-  64-wide CPU recipe on a 2-core AMD EPYC (Zen 4), ~3% of its step; this is one call.
+  and writing its own buffers in place through pointers (``update_plan``: their arrays, made once and reused).
+  The torch ops of update_group stack ~200 one-value buffers into a few tensors and unbind and copy them back,
+  about 0.7 ms a step for the 14 FP8 layers of the 64-wide CPU recipe on a 2-core AMD EPYC (Zen 4), ~3% of its
+  step; this is one call.
 Both read CPU memory the caller owns: no device, no host sync, no dispatcher.
 """
 
 from __future__ import annotations
 
 import ctypes
+import operator
 from typing import Optional
 
 import torch
@@ -19,16 +21,7 @@ from torch.autograd.graph import increment_version
 
 from fp8train.numerics.native_build import library
 
-__all__ = ["share_delayed_cast", "delayed_update"]
-
-
-def _pointers(tensors: list, dtype: torch.dtype, numel: int) -> Optional[ctypes.Array]:
-    """The data pointers of `tensors`, each a plain contiguous CPU tensor of `dtype` with `numel` elements, or
-    None when one is not (a DTensor under tensor parallelism, a buffer replaced by another kind): the caller then
-    runs the torch ops. (Asked for ~200 tensors a step: one comprehension, `is` for the dtype singletons.)"""
-    found = [t.data_ptr() for t in tensors if type(t) is torch.Tensor and t.dtype is dtype and t.is_cpu
-             and t.numel() == numel and t.is_contiguous()]
-    return (ctypes.c_void_p * len(found))(*found) if len(found) == len(tensors) else None
+__all__ = ["share_delayed_cast", "UpdatePlan", "update_plan", "delayed_update"]
 
 
 def share_delayed_cast(cast_scale: torch.Tensor, cast_amax: torch.Tensor, scale: torch.Tensor,
@@ -47,30 +40,74 @@ def share_delayed_cast(cast_scale: torch.Tensor, cast_amax: torch.Tensor, scale:
                                             None if pending_amax is None else pending_amax.data_ptr()) == 1
 
 
-def delayed_update(step_amax: torch.Tensor, state: dict, fmt_max: torch.Tensor, min_normal: torch.Tensor,
-                   cap: torch.Tensor, margin: int, most_recent: bool, outlier_factor: float) -> Optional[torch.Tensor]:
-    """The update for n quantizers in place (native_cast.c, fp8_delayed_update: update_group's operations, row by
-    row): `step_amax` their (n,) all-reduced pending amaxes; `state` maps each of pending_amax, amax_history,
-    scale, scale_amax, initialized, stale_scale_steps to their n buffers; `fmt_max`, `min_normal`, `cap` (n,)
-    float64 per row (delayed_scaling's per-format constants), `margin` the recipe's. Returns the (n,) new `initialized` flags, or None (nothing written) where a buffer is not a
-    plain CPU tensor of its kind."""
-    n = step_amax.numel()
-    history_len = state["amax_history"][0].numel() if n else 1
-    pointers = [_pointers(state[name], dtype, numel) for name, dtype, numel in (
-        ("pending_amax", torch.float32, 1), ("amax_history", torch.float32, history_len),
-        ("scale", torch.float32, 1), ("scale_amax", torch.float32, 1), ("initialized", torch.bool, 1),
-        ("stale_scale_steps", torch.int64, 1))]
-    rows = (step_amax, fmt_max, min_normal, cap)
-    if any(p is None for p in pointers) or any(not (t.is_cpu and t.is_contiguous()) for t in rows) \
-            or step_amax.dtype != torch.float32 or any(t.dtype != torch.float64 for t in rows[1:]):
+# The C call's order of the per-quantizer buffers, with each one's dtype and element count (None: the history's)
+_BUFFER_KINDS = (("pending_amax", torch.float32, 1), ("amax_history", torch.float32, None),
+                 ("scale", torch.float32, 1), ("scale_amax", torch.float32, 1), ("initialized", torch.bool, 1),
+                 ("stale_scale_steps", torch.int64, 1))
+
+
+class UpdatePlan:
+    """The C call's pointer arrays for one group of quantizers, made once and reused while each buffer is the
+    same tensor at the same address (checked on every update: `.to()`, `load_state_dict(assign=True)` and FSDP2
+    replace the tensors behind a layer's buffer names). It holds the quantizers and their buffers, as the layers
+    do (the caller keeps it with them)."""
+
+    __slots__ = ("quantizers", "buffers", "addresses", "arrays", "history_len")
+
+    def __init__(self, quantizers: list, buffers: list, addresses: list, arrays: tuple, history_len: int):
+        self.quantizers, self.buffers, self.addresses = quantizers, buffers, addresses
+        self.arrays, self.history_len = arrays, history_len
+
+    def holds(self, quantizers: list, buffers: list) -> bool:
+        """Whether this plan is these quantizers' with these buffers (the same objects, at the same addresses)."""
+        return len(quantizers) == len(self.quantizers) and all(map(operator.is_, quantizers, self.quantizers)) \
+            and all(map(operator.is_, buffers, self.buffers)) and [t.data_ptr() for t in buffers] == self.addresses
+
+
+def update_plan(quantizers: list, buffers: list, names: tuple,
+                previous: Optional[UpdatePlan] = None) -> Optional[UpdatePlan]:
+    """The plan for `quantizers` whose `names` buffers are `buffers` (quantizer after quantizer: each one's
+    buffers in `names` order): `previous` where it still holds them, else a new one; None where one buffer is not
+    a plain contiguous CPU tensor of its dtype and size (a DTensor under tensor parallelism, a buffer replaced by
+    another kind): the caller runs the torch ops. `names` holds every name of _BUFFER_KINDS."""
+    if not quantizers:
+        return None
+    if previous is not None and previous.holds(quantizers, buffers):
+        return previous
+    per = len(names)
+    history_len = buffers[names.index("amax_history")].numel()
+    arrays = []
+    for name, dtype, numel in _BUFFER_KINDS:
+        column = buffers[names.index(name)::per]
+        numel = history_len if numel is None else numel
+        if not all(type(t) is torch.Tensor and t.dtype is dtype and t.is_cpu and t.numel() == numel
+                   and t.is_contiguous() for t in column):
+            return None
+        arrays.append((ctypes.c_void_p * len(column))(*(t.data_ptr() for t in column)))
+    return UpdatePlan(list(quantizers), list(buffers), [t.data_ptr() for t in buffers], tuple(arrays), history_len)
+
+
+def delayed_update(plan: UpdatePlan, step_amax: Optional[torch.Tensor], fmt_max: torch.Tensor,
+                   min_normal: torch.Tensor, cap: torch.Tensor, margin: int, most_recent: bool,
+                   outlier_factor: float) -> Optional[torch.Tensor]:
+    """The update for the plan's n quantizers in place (native_cast.c, fp8_delayed_update: update_group's
+    operations, row by row): `step_amax` their (n,) all-reduced pending amaxes, or None (one process: each
+    quantizer's own pending amax is its row's); `fmt_max`, `min_normal`, `cap` (n,) float64 per row
+    (delayed_scaling's per-format constants), `margin` the recipe's. Returns the (n,) new `initialized` flags, or
+    None (nothing written) where a row vector is not a plain contiguous CPU tensor of its dtype."""
+    n = len(plan.quantizers)
+    rows = (fmt_max, min_normal, cap) if step_amax is None else (step_amax, fmt_max, min_normal, cap)
+    if any(not (t.is_cpu and t.is_contiguous() and t.numel() == n) for t in rows) \
+            or (step_amax is not None and step_amax.dtype != torch.float32) \
+            or any(t.dtype != torch.float64 for t in (fmt_max, min_normal, cap)):
         return None
     flags = torch.empty(n, dtype=torch.bool)
-    rc = library().fp8_delayed_update(n, history_len, step_amax.data_ptr(), *pointers, fmt_max.data_ptr(),
-                                      min_normal.data_ptr(), cap.data_ptr(), int(margin), int(most_recent),
-                                      float(outlier_factor or 0.0), flags.data_ptr())
+    rc = library().fp8_delayed_update(n, plan.history_len, None if step_amax is None else step_amax.data_ptr(),
+                                      *plan.arrays, fmt_max.data_ptr(), min_normal.data_ptr(), cap.data_ptr(),
+                                      int(margin), int(most_recent), float(outlier_factor or 0.0), flags.data_ptr())
     if rc != 0:
         raise RuntimeError(f"internal error: fp8train native delayed update returned {rc}")
     # written in place behind autograd's back: their version counters move as torch's in-place ops move them (a
     # scale saved for a backward and updated before it is then an error, not a silently different gradient)
-    increment_version([t for tensors in state.values() for t in tensors])
+    increment_version(plan.buffers)
     return flags
