@@ -189,6 +189,15 @@ def test_a_compiler_that_exits_at_once_leaving_an_escaped_child_is_judged_by_its
     assert len(_unavailable_warnings(err)) == 1, err
 
 
+def test_a_compiler_that_exits_0_writing_nothing_is_named_as_such(tmp_path):
+    path = _compilers(tmp_path / "bin", "exit 0\n")
+    out, reason, err, _ = _finish(_start(tmp_path / "cache", path, build_s=30, lock_s=30))
+    assert "available False" in out and "exited 0 but wrote no library" in reason, reason
+    assert "FileNotFoundError" not in reason and "FileNotFoundError" not in err, (reason, err)
+    assert len(_unavailable_warnings(err)) == 1, err
+    assert not list((tmp_path / "cache" / "fp8train" / "native").glob("*.tmp"))  # nothing left behind
+
+
 def test_a_compiler_killed_by_a_signal_is_named_by_the_signal(tmp_path):
     path = _compilers(tmp_path / "bin", "kill -SEGV $$\n")
     out, reason, err, _ = _finish(_start(tmp_path / "cache", path, build_s=30, lock_s=30))

@@ -326,6 +326,8 @@ def _build(compiler: str, flags: tuple, path: Path, deadline: float, slow_at: fl
         if done.returncode != 0:
             raise RuntimeError(f"the C compiler {compiler} failed ({guard.exit_status(done.returncode)}): "
                                f"{done.stderr.strip()[:400]}")
+        if not tmp.is_file():  # (a wrapper or a stub that reports success and does nothing)
+            raise RuntimeError(f"the C compiler {compiler} exited 0 but wrote no library (asked for {tmp.name})")
         data = tmp.read_bytes()
         _fsync(tmp)
         record_tmp.write_text(json.dumps({"size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
