@@ -69,10 +69,36 @@ def _top_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse_repeated_options(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """An option that keeps one value given twice is refused (argparse keeps the last and drops the first without
+    a word: `--format e4m3fn --format e5m2` would evaluate e5m2 only). Long options as written, `--name=value`
+    and unambiguous prefixes; nothing after `--`."""
+    single = {opt: action for opt, action in parser._option_string_actions.items()
+              if type(action) is argparse._StoreAction and opt.startswith("--")}
+    seen: dict = {}
+    for i, token in enumerate(argv):
+        if token == "--":
+            break
+        if not token.startswith("--"):
+            continue
+        name, equals, value = token.partition("=")
+        matches = [single[name]] if name in single else \
+            {action for opt, action in single.items() if opt.startswith(name)}
+        if len(matches) != 1:
+            continue
+        action = next(iter(matches))
+        value = value if equals else argv[i + 1] if i + 1 < len(argv) else ""
+        if action.dest in seen:
+            parser.error(f"{action.option_strings[-1]} is given twice ({seen[action.dest]!r}, then {value!r}); give "
+                         "it once (where it takes several values, as one comma-separated list)")
+        seen[action.dest] = value
+
+
 def _parse_command(command: str, argv: list[str]) -> argparse.Namespace:
     module_name, help_text = COMMANDS[command]
     parser = argparse.ArgumentParser(prog=f"fp8train {command}", description=help_text)
     importlib.import_module(module_name).add_cli_arguments(parser)
+    _refuse_repeated_options(parser, argv)
     try:  # options may sit anywhere between key=value overrides (`train CFG --quiet a=1 b=2`)
         args = parser.parse_intermixed_args(argv)
     except TypeError:  # argparse cannot intermix some layouts; fall back to the plain parser

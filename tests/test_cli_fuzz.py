@@ -252,6 +252,13 @@ def test_missing_or_directory_config(tmp_path, capsys):
     (["train"], "the following arguments are required: config"),
     (["train", "cfg.yaml", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["--nope"], "unrecognized arguments: --nope"),
+    # an option that keeps one value, given twice: argparse alone would keep the last without a word
+    (["kv-eval", "runs/x", "--format", "e4m3fn", "--format", "e5m2"],
+     "--format is given twice ('e4m3fn', then 'e5m2')"),
+    (["kv-eval", "--format=e4m3fn", "runs/x", "--form", "e5m2"], "--format is given twice ('e4m3fn', then 'e5m2')"),
+    (["bench", "--sections", "train", "--repeats", "3", "--sections", "ops"],
+     "--sections is given twice ('train', then 'ops')"),
+    (["train", "cfg.yaml", "--config", "other.yaml", "--config", "third.yaml"], "--config is given twice"),
 ])
 def test_bad_command_lines(capsys, argv, expected):
     code, err = _run_cli(capsys, argv)
