@@ -73,8 +73,11 @@ def _refuse_repeated_options(parser: argparse.ArgumentParser, argv: list[str]) -
     """An option that keeps one value given twice is refused (argparse keeps the last and drops the first without
     a word: `--format e4m3fn --format e5m2` would evaluate e5m2 only). Long options as written, `--name=value`
     and unambiguous prefixes; nothing after `--`."""
-    single = {opt: action for opt, action in parser._option_string_actions.items()
-              if type(action) is argparse._StoreAction and opt.startswith("--")}
+    # (private: argparse names its option table and its plain store action nowhere public; both unchanged for
+    # over a decade, and a change shows here as an AttributeError in every command's tests)
+    table = parser._option_string_actions
+    store = argparse._StoreAction  # (private: as the line above says)
+    single = {opt: action for opt, action in table.items() if type(action) is store and opt.startswith("--")}
     seen: dict = {}
     for i, token in enumerate(argv):
         if token == "--":
