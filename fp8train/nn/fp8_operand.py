@@ -52,8 +52,7 @@ class Fp8Operand:
         if key not in self._cache and self._transposed_from is not None:
             found = self._transposed_from._cache.get(key)
             if found is not None:
-                self._store(key, found.t())
-                return found.t()
+                return self._store(key, found.t())  # (one view: kept, and returned)
         return self._cache.get(key)
 
     def _store(self, key, value: torch.Tensor) -> torch.Tensor:
