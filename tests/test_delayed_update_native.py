@@ -158,7 +158,7 @@ def test_the_kept_pointer_arrays_follow_buffers_that_are_replaced():
         for key, tensor in held.items():
             if now[key] is not tensor:  # replaced: left as it was
                 assert torch.equal(tensor, held_values[key]), (name, key)
-        plans.append(first.update_plan)
+        plans.append(first.kept_update_plan)
     # kept where nothing was replaced (steps 1-2 and the last two), made anew after each replacement
     assert plans[0] is plans[1] and plans[-1] is plans[-2]
     assert len({id(p) for p in plans[1:-1]}) == len(plans) - 2

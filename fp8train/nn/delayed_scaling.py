@@ -227,8 +227,8 @@ def update_group(quantizers: list, step_amax: torch.Tensor | None, stacked: tupl
         # the same operations in one native call, each quantizer's buffers in place (native_delayed.py); its
         # pointer arrays are made once and kept with the group's first quantizer while they hold
         buffers = [b for q in quantizers for b in q.buffers(_STATE_AND_PENDING)]
-        plan = quantizers[0].update_plan = update_plan(quantizers, buffers, _STATE_AND_PENDING,
-                                                       quantizers[0].update_plan)  # (None drops a stale one)
+        plan = quantizers[0].kept_update_plan = update_plan(quantizers, buffers, _STATE_AND_PENDING,
+                                                            quantizers[0].kept_update_plan)  # (None: drops a stale one)
         if plan is not None:
             fmt_max, min_normal, cap = _format_constants(formats, False, torch.device("cpu"))
             flags = delayed_update(plan, None if step_amax is None else step_amax.contiguous(), fmt_max,

@@ -70,7 +70,7 @@ class OperandQuantizer:
         self.shares_casts = self.role is OperandRole.INPUT and self.tensorwise
         # delayed scaling's native update: its pointer arrays for the group this quantizer is first of
         # (numerics/native_delayed.UpdatePlan, kept by nn/delayed_scaling.update_group)
-        self.update_plan = None
+        self.kept_update_plan = None
         self.reset()
 
     @property
