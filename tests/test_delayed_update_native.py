@@ -76,39 +76,8 @@ def _state(layers):
             for name in ("amax_history", "scale", "scale_amax", "initialized", "stale_scale_steps", "pending_amax")}
 
 
-@pytest.mark.parametrize("native", [True, False])
-@pytest.mark.parametrize("options", [dict(amax_history_len=16),
-                                     dict(amax_compute_algo="most_recent", amax_history_len=4),
-                                     dict(amax_outlier_factor=10.0, amax_history_len=8),
-                                     dict(margin=2, amax_history_len=2), dict(amax_history_len=1)])
-def test_the_update_is_the_documented_step_on_either_path(native, options, monkeypatch):
-    if native and not native_cast.available():
-        pytest.skip("fp8train's C kernel is not built here (no C compiler)")
-    monkeypatch.setattr(native_cast, "_enabled", native)  # (set_enabled would count as a process-wide switch)
-    rng = np.random.default_rng(7)
-    for _ in range(5):
-        layers = _layers(rng, 3, **options)
-        before = _state(layers)
-        update_fp8_scales(torch.nn.ModuleList(layers))
-        r = layers[0].recipe
-        for i, layer in enumerate(layers):
-            for role in ROLES:
-                fmt = layer.quantizers[role].format
-                old = {name: before[(i, role, name)] for name in
-                       ("amax_history", "scale", "scale_amax", "initialized", "stale_scale_steps", "pending_amax")}
-                history, scale, scale_amax, initialized, stale = reference_step(
-                    F32(old["pending_amax"].item()), old["amax_history"].numpy(), F32(old["scale"].item()),
-                    F32(old["scale_amax"].item()), bool(old["initialized"].item()),
-                    int(old["stale_scale_steps"].item()), fmt.max, fmt.min_normal, r.margin, r.amax_compute_algo,
-                    r.amax_outlier_factor)
-                got = {name: getattr(layer, f"{role}_{name}") for name in old}
-                assert np.array_equal(got["amax_history"].numpy(), np.array(history, dtype=F32)), (i, role)
-                assert got["scale"].numpy().view(np.uint32) == np.array(scale, F32).view(np.uint32), (i, role)
-                assert got["scale_amax"].item() == scale_amax and got["initialized"].item() == initialized
-                assert got["stale_scale_steps"].item() == stale and got["pending_amax"].item() == -1.0
-
-
 def _check_against_reference(layers, before):
+    """Each layer's state after one update equals reference_step on its state `before` (_state), bit for bit."""
     r = layers[0].recipe
     for i, layer in enumerate(layers):
         for role in ROLES:
@@ -124,6 +93,23 @@ def _check_against_reference(layers, before):
             assert got["scale"].numpy().view(np.uint32) == np.array(scale, F32).view(np.uint32), (i, role)
             assert got["scale_amax"].item() == scale_amax and got["initialized"].item() == initialized
             assert got["stale_scale_steps"].item() == stale and got["pending_amax"].item() == -1.0
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("options", [dict(amax_history_len=16),
+                                     dict(amax_compute_algo="most_recent", amax_history_len=4),
+                                     dict(amax_outlier_factor=10.0, amax_history_len=8),
+                                     dict(margin=2, amax_history_len=2), dict(amax_history_len=1)])
+def test_the_update_is_the_documented_step_on_either_path(native, options, monkeypatch):
+    if native and not native_cast.available():
+        pytest.skip("fp8train's C kernel is not built here (no C compiler)")
+    monkeypatch.setattr(native_cast, "_enabled", native)  # (set_enabled would count as a process-wide switch)
+    rng = np.random.default_rng(7)
+    for _ in range(5):
+        layers = _layers(rng, 3, **options)
+        before = _state(layers)
+        update_fp8_scales(torch.nn.ModuleList(layers))
+        _check_against_reference(layers, before)
 
 
 @pytest.mark.skipif(not native_cast.available(), reason="fp8train's C kernel is not built here (no C compiler)")

@@ -223,10 +223,11 @@ def update_group(quantizers: list, step_amax: torch.Tensor | None, stacked: tupl
     every = quantizers + [u.quantizers[role] for layer in stacked for u in layer.delayed_units for role in ROLES]
     r = every[0].recipe
     formats = tuple(q.format for q in every)
+    per_quantizer = [q.buffers(_STATE_AND_PENDING) for q in quantizers]
     if not stacked and not r.pow2_scales and (step_amax is None or step_amax.is_cpu) and native_cast.available():
         # the same operations in one native call, each quantizer's buffers in place (native_delayed.py); its
         # pointer arrays are made once and kept with the group's first quantizer while they hold
-        buffers = [b for q in quantizers for b in q.buffers(_STATE_AND_PENDING)]
+        buffers = [b for row in per_quantizer for b in row]
         plan = quantizers[0].kept_update_plan = update_plan(quantizers, buffers, _STATE_AND_PENDING,
                                                             quantizers[0].kept_update_plan)  # (None: drops a stale one)
         if plan is not None:
@@ -237,10 +238,9 @@ def update_group(quantizers: list, step_amax: torch.Tensor | None, stacked: tupl
             if flags is not None:
                 _refresh_host_mirror(every, flags)
                 return True
-    if step_amax is None:
-        step_amax = torch.stack([q.buffer("pending_amax") for q in quantizers])
-    per_quantizer = [q.buffers(_STATE_AND_PENDING) for q in quantizers]
     state = {name: [row[i] for row in per_quantizer] for i, name in enumerate(_STATE_AND_PENDING)}
+    if step_amax is None:  # (one process: the quantizers' own pending amaxes are the rows)
+        step_amax = torch.stack(state["pending_amax"])
     history, scale, scale_amax, initialized, stale = (_rows(state[name], stacked, name) for name in _STATE)
     fmt_max, min_normal, cap = _format_constants(formats, r.pow2_scales, step_amax.device)
     recorded = step_amax >= 0  # pending stays at -1 when no micro-batch recorded an amax
